@@ -1,0 +1,523 @@
+//! Reports: fio's normal text layout, and fio's `--output-format=json --group_reporting`
+//! field names for everything both report, with cairn's extras under `cairn`.
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cairn_core::reactor::LoopStats;
+use cairn_core::size::{format_bytes, format_count};
+use cairn_core::stats::DeviceStatsSnapshot;
+use cairn_core::{ClockMode, Device, Op, ReapMode, StatsMode, Switches};
+use hdrhistogram::Histogram;
+use serde_json::{json, Map, Value};
+
+use crate::job::{DirStats, JobResult, DIRS};
+use crate::{Failure, JobSpec, Progress};
+
+/// Completion-latency percentiles fio prints (and the JSON carries).
+pub const CLAT_PERCENTILES: [f64; 17] = [
+    1.0, 5.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 95.0, 99.0, 99.5, 99.9, 99.95,
+    99.99,
+];
+/// Completions-per-reap percentiles, as in QEMU's "process completions from ioq_submit()".
+pub const REAP_PERCENTILES: [f64; 11] =
+    [1.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 99.99];
+const DIR_NAMES: [&str; DIRS] = ["read", "write", "sync"];
+
+/// Process CPU time and context switches.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Usage {
+    /// User CPU time, nanoseconds.
+    pub utime_ns: u64,
+    /// System CPU time, nanoseconds.
+    pub stime_ns: u64,
+    /// Voluntary plus involuntary context switches.
+    pub ctx: u64,
+}
+
+impl Usage {
+    /// The whole process's usage so far (every thread, workers included).
+    pub fn now() -> Usage {
+        // SAFETY: getrusage fills the zeroed struct.
+        let ru = unsafe {
+            let mut ru: libc::rusage = std::mem::zeroed();
+            libc::getrusage(libc::RUSAGE_SELF, &mut ru);
+            ru
+        };
+        let ns = |tv: libc::timeval| tv.tv_sec as u64 * 1_000_000_000 + tv.tv_usec as u64 * 1000;
+        Usage {
+            utime_ns: ns(ru.ru_utime),
+            stime_ns: ns(ru.ru_stime),
+            ctx: (ru.ru_nvcsw + ru.ru_nivcsw) as u64,
+        }
+    }
+
+    /// Usage between `earlier` and this.
+    pub fn since(&self, earlier: &Usage) -> Usage {
+        Usage {
+            utime_ns: self.utime_ns.saturating_sub(earlier.utime_ns),
+            stime_ns: self.stime_ns.saturating_sub(earlier.stime_ns),
+            ctx: self.ctx.saturating_sub(earlier.ctx),
+        }
+    }
+}
+
+/// The merged results of every job (fio's group reporting).
+pub struct Report {
+    /// The options the run used.
+    pub spec: JobSpec,
+    /// The device's name.
+    pub device_name: String,
+    /// The device's one-line description.
+    pub device_desc: String,
+    /// The switches the run used.
+    pub switches: Switches,
+    /// Read, write and sync statistics, summed over jobs.
+    pub dirs: [DirStats; DIRS],
+    /// Longest measured time of any job, nanoseconds.
+    pub runtime_ns: u64,
+    /// The first failure, if any.
+    pub failure: Option<Failure>,
+    /// Completions per non-empty reap, all jobs.
+    pub reaps: Histogram<u64>,
+    /// Reactor loop counters, summed.
+    pub loop_stats: LoopStats,
+    /// System clock reads, summed.
+    pub clock_reads: u64,
+    /// Per-device statistics (the device, then the ones below it), summed over queues.
+    pub devices: Vec<(String, DeviceStatsSnapshot)>,
+    /// Process CPU time and context switches over the run.
+    pub usage: Usage,
+    /// Wall time of the whole run, ramp included.
+    pub elapsed: Duration,
+    /// Blocks read back and checked by `--verify`.
+    pub verified_blocks: u64,
+}
+
+impl Report {
+    /// Merges job results.
+    pub fn new(
+        spec: JobSpec,
+        device: &dyn Device,
+        switches: Switches,
+        results: Vec<JobResult>,
+        usage: Usage,
+        elapsed: Duration,
+    ) -> Report {
+        let mut results = results.into_iter();
+        let first = results.next().expect("at least one job");
+        let mut report = Report {
+            spec,
+            device_name: device.name().into(),
+            device_desc: device.describe(),
+            switches,
+            dirs: first.dirs,
+            runtime_ns: first.runtime_ns,
+            failure: first.failure,
+            reaps: first.reaps,
+            loop_stats: first.loop_stats,
+            clock_reads: first.clock_reads,
+            devices: first.devices,
+            usage,
+            elapsed,
+            verified_blocks: first.verified_blocks,
+        };
+        for r in results {
+            for (mine, theirs) in report.dirs.iter_mut().zip(&r.dirs) {
+                mine.merge(theirs);
+            }
+            report.runtime_ns = report.runtime_ns.max(r.runtime_ns);
+            if report.failure.is_none() {
+                report.failure = r.failure;
+            }
+            let _ = report.reaps.add(&r.reaps);
+            let l = &mut report.loop_stats;
+            l.passes += r.loop_stats.passes;
+            l.enters += r.loop_stats.enters;
+            l.waits += r.loop_stats.waits;
+            l.empty_reaps += r.loop_stats.empty_reaps;
+            report.clock_reads += r.clock_reads;
+            for ((_, mine), (_, theirs)) in report.devices.iter_mut().zip(&r.devices) {
+                mine.merge(theirs);
+            }
+            report.verified_blocks += r.verified_blocks;
+        }
+        report
+    }
+
+    /// Exit status: 0, or 1 when an I/O or a verification failed.
+    pub fn exit_code(&self) -> i32 {
+        i32::from(self.failure.is_some())
+    }
+
+    fn runtime_s(&self) -> f64 {
+        (self.runtime_ns as f64 / 1e9).max(1e-9)
+    }
+
+    /// Requests per second in direction `dir` (0 read, 1 write, 2 sync).
+    pub fn iops(&self, dir: usize) -> f64 {
+        self.dirs[dir].ios as f64 / self.runtime_s()
+    }
+
+    /// Total requests per second over reads and writes.
+    pub fn total_iops(&self) -> f64 {
+        self.iops(0) + self.iops(1)
+    }
+
+    fn cpu_percent(&self, ns: u64) -> f64 {
+        let wall = self.elapsed.as_nanos() as f64 * f64::from(self.spec.numjobs);
+        if wall == 0.0 {
+            0.0
+        } else {
+            ns as f64 * 100.0 / wall
+        }
+    }
+
+    fn mode_names(&self) -> (&'static str, &'static str, &'static str) {
+        (
+            match self.switches.clock {
+                ClockMode::Cached => "cached",
+                ClockMode::Precise => "precise",
+            },
+            match self.switches.reap {
+                ReapMode::Eager => "eager",
+                ReapMode::Lazy => "lazy",
+            },
+            match self.switches.stats {
+                StatsMode::On => "on",
+                StatsMode::Off => "off",
+            },
+        )
+    }
+
+    /// fio's normal text output.
+    pub fn to_text(&self) -> String {
+        let s = &self.spec;
+        let mut out = String::new();
+        let (clock, reap, stats) = self.mode_names();
+        let _ = writeln!(
+            out,
+            "cairn: (g=0): rw={}, bs=(R) {}B-{}B, (W) {}B-{}B, iodepth={}, numjobs={}",
+            s.rw.name(),
+            s.bs,
+            s.bs,
+            s.bs,
+            s.bs,
+            s.iodepth,
+            s.numjobs
+        );
+        let _ = writeln!(out, "  device   : {} ({})", self.device_name, self.device_desc);
+        let _ = writeln!(out, "  switches : clock={clock} reap={reap} stats={stats}");
+        if let Some(f) = &self.failure {
+            let _ = writeln!(out, "  error    : {f}");
+        }
+        let msec = self.runtime_ns / 1_000_000;
+        for dir in 0..DIRS {
+            let d = &self.dirs[dir];
+            if d.ios == 0 {
+                continue;
+            }
+            let bw = d.bytes as f64 / self.runtime_s();
+            if dir == 2 {
+                let _ = writeln!(
+                    out,
+                    "  sync (flush): IOPS={}, total={}",
+                    format_count(self.iops(dir)),
+                    d.ios
+                );
+            } else {
+                let _ = writeln!(
+                    out,
+                    "  {}: IOPS={}, BW={}/s ({:.1}MB/s)({}/{}msec)",
+                    DIR_NAMES[dir],
+                    format_count(self.iops(dir)),
+                    format_bytes(bw as u64),
+                    bw / 1e6,
+                    format_bytes(d.bytes),
+                    msec
+                );
+            }
+            let _ = writeln!(
+                out,
+                "    clat (nsec): min={}, max={}, avg={:.2}, stdev={:.2}",
+                d.clat.min(),
+                d.clat.max(),
+                d.mean_ns(),
+                d.stddev_ns()
+            );
+            let _ = writeln!(out, "    clat percentiles (nsec):");
+            let cells: Vec<String> = CLAT_PERCENTILES
+                .iter()
+                .map(|&p| format!("{p:6.2}th=[{:>8}]", d.clat.value_at_quantile(p / 100.0)))
+                .collect();
+            for row in cells.chunks(4) {
+                let _ = writeln!(out, "     | {}", row.join(", "));
+            }
+        }
+        let _ = writeln!(
+            out,
+            "  cpu          : usr={:.2}%, sys={:.2}%, ctx={}",
+            self.cpu_percent(self.usage.utime_ns),
+            self.cpu_percent(self.usage.stime_ns),
+            self.usage.ctx
+        );
+        let ios = (self.dirs[0].ios + self.dirs[1].ios + self.dirs[2].ios).max(1);
+        let _ = writeln!(
+            out,
+            "  reactor      : passes={}, io_uring_enter={}, waits={}, clock reads={} ({:.3} per I/O)",
+            self.loop_stats.passes,
+            self.loop_stats.enters,
+            self.loop_stats.waits,
+            self.clock_reads,
+            self.clock_reads as f64 / ios as f64
+        );
+        if self.reaps.is_empty() {
+            let _ = writeln!(out, "  reaps        : none (the device completes without a ring)");
+        } else {
+            let _ = writeln!(
+                out,
+                "  reaps        : {} non-empty ({} empty), completions per reap:",
+                self.reaps.len(),
+                self.loop_stats.empty_reaps
+            );
+            let cells: Vec<String> = REAP_PERCENTILES
+                .iter()
+                .map(|&p| format!("{p}th=[{}]", self.reaps.value_at_quantile(p / 100.0)))
+                .collect();
+            let _ = writeln!(out, "     | {}", cells.join(", "));
+        }
+        if s.verify {
+            let _ = writeln!(out, "  verify       : {} blocks read back and checked", self.verified_blocks);
+        }
+        let _ = writeln!(out, "\nDisk stats (read/write):");
+        let runtime_ns = self.runtime_ns.max(1) as f64;
+        for (name, d) in &self.devices {
+            if !d.enabled {
+                let _ = writeln!(out, "  {name}: statistics off (--stats off)");
+                continue;
+            }
+            let (r, w) = (Op::Read.index(), Op::Write.index());
+            let in_queue_ms: u64 = d.ticks_ns.iter().sum::<u64>() / 1_000_000;
+            let _ = writeln!(
+                out,
+                "  {name}: ios={}/{}, sectors={}/{}, ticks={}/{}, in_queue={}, util={:.2}%",
+                d.ios[r],
+                d.ios[w],
+                d.sectors[r],
+                d.sectors[w],
+                d.ticks_ns[r] / 1_000_000,
+                d.ticks_ns[w] / 1_000_000,
+                in_queue_ms,
+                (d.busy_ns as f64 * 100.0 / runtime_ns).min(100.0)
+            );
+            for op in Op::ALL {
+                let h = &d.latency[op.index()];
+                if h.is_empty() {
+                    continue;
+                }
+                let _ = writeln!(
+                    out,
+                    "    {} latency (nsec): mean={:.0}, 50th={}, 90th={}, 99th={}, 99.9th={}, max={}",
+                    op,
+                    h.mean(),
+                    h.value_at_quantile(0.5),
+                    h.value_at_quantile(0.9),
+                    h.value_at_quantile(0.99),
+                    h.value_at_quantile(0.999),
+                    h.max()
+                );
+            }
+        }
+        out
+    }
+
+    fn dir_json(&self, dir: usize) -> Value {
+        let d = &self.dirs[dir];
+        let runtime_ms = self.runtime_ns / 1_000_000;
+        let bw_bytes = (d.bytes as f64 / self.runtime_s()) as u64;
+        let mut pct = Map::new();
+        if d.ios > 0 {
+            for p in CLAT_PERCENTILES {
+                pct.insert(format!("{p:.6}"), json!(d.clat.value_at_quantile(p / 100.0)));
+            }
+        }
+        let (min, max) = if d.ios > 0 { (d.clat.min(), d.clat.max()) } else { (0, 0) };
+        let clat = json!({
+            "min": min, "max": max, "mean": d.mean_ns(), "stddev": d.stddev_ns(), "N": d.ios,
+            "percentile": pct,
+        });
+        let lat = json!({
+            "min": min, "max": max, "mean": d.mean_ns(), "stddev": d.stddev_ns(), "N": d.ios,
+        });
+        if dir == 2 {
+            return json!({ "total_ios": d.ios, "lat_ns": clat });
+        }
+        json!({
+            "io_bytes": d.bytes,
+            "io_kbytes": d.bytes / 1024,
+            "bw_bytes": bw_bytes,
+            "bw": bw_bytes / 1024,
+            "iops": self.iops(dir),
+            "runtime": runtime_ms,
+            "total_ios": d.ios,
+            "short_ios": 0,
+            "drop_ios": 0,
+            "slat_ns": { "min": 0, "max": 0, "mean": 0.0, "stddev": 0.0, "N": 0 },
+            "clat_ns": clat,
+            "lat_ns": lat,
+        })
+    }
+
+    /// fio-compatible JSON (`--output-format=json --group_reporting`).
+    pub fn to_json(&self) -> Value {
+        let s = &self.spec;
+        let (clock, reap, stats) = self.mode_names();
+        let mut reap_pct = Map::new();
+        for p in REAP_PERCENTILES {
+            let v = if self.reaps.is_empty() { 0 } else { self.reaps.value_at_quantile(p / 100.0) };
+            reap_pct.insert(format!("{p:.6}"), json!(v));
+        }
+        let runtime_ms = self.runtime_ns / 1_000_000;
+        let disk_util: Vec<Value> = self
+            .devices
+            .iter()
+            .map(|(name, d)| {
+                let (r, w) = (Op::Read.index(), Op::Write.index());
+                json!({
+                    "name": name,
+                    "read_ios": d.ios[r], "write_ios": d.ios[w],
+                    "read_merges": 0, "write_merges": 0,
+                    "read_ticks": d.ticks_ns[r] / 1_000_000,
+                    "write_ticks": d.ticks_ns[w] / 1_000_000,
+                    "in_queue": d.ticks_ns.iter().sum::<u64>() / 1_000_000,
+                    "util": (d.busy_ns as f64 * 100.0 / self.runtime_ns.max(1) as f64).min(100.0),
+                })
+            })
+            .collect();
+        let devices: Vec<Value> = self
+            .devices
+            .iter()
+            .map(|(name, d)| {
+                let mut ops = Map::new();
+                for op in Op::ALL {
+                    let i = op.index();
+                    let h = &d.latency[i];
+                    let mut pct = Map::new();
+                    if !h.is_empty() {
+                        for p in CLAT_PERCENTILES {
+                            pct.insert(format!("{p:.6}"), json!(h.value_at_quantile(p / 100.0)));
+                        }
+                    }
+                    ops.insert(
+                        op.name().into(),
+                        json!({
+                            "ios": d.ios[i], "sectors": d.sectors[i], "ticks_ns": d.ticks_ns[i],
+                            "lat_ns": { "mean": if h.is_empty() { 0.0 } else { h.mean() },
+                                        "max": h.max(), "percentile": pct },
+                        }),
+                    );
+                }
+                json!({
+                    "name": name, "stats": if d.enabled { "on" } else { "off" },
+                    "errors": d.errors, "in_flight": d.in_flight, "busy_ns": d.busy_ns, "ops": ops,
+                })
+            })
+            .collect();
+        json!({
+            "fio version": concat!("cairn-", env!("CARGO_PKG_VERSION")),
+            "timestamp": std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+            "global options": {
+                "rw": s.rw.name(), "bs": s.bs.to_string(), "iodepth": s.iodepth.to_string(),
+                "numjobs": s.numjobs.to_string(), "rwmixread": s.rwmixread.to_string(),
+            },
+            "jobs": [{
+                "jobname": "cairn",
+                "groupid": 0,
+                "error": self.failure.as_ref().map_or(0, |f| match f {
+                    Failure::Io { errno, .. } => *errno,
+                    Failure::Verify { .. } => libc::EILSEQ,
+                    Failure::Setup(_) => libc::EINVAL,
+                }),
+                "elapsed": self.elapsed.as_secs(),
+                "job_runtime": runtime_ms,
+                "read": self.dir_json(0),
+                "write": self.dir_json(1),
+                "trim": self.empty_dir_json(),
+                "sync": self.dir_json(2),
+                "usr_cpu": self.cpu_percent(self.usage.utime_ns),
+                "sys_cpu": self.cpu_percent(self.usage.stime_ns),
+                "ctx": self.usage.ctx,
+                "majf": 0,
+                "minf": 0,
+            }],
+            "disk_util": disk_util,
+            "cairn": {
+                "device": { "name": self.device_name, "description": self.device_desc },
+                "switches": { "clock": clock, "reap": reap, "stats": stats },
+                "failure": self.failure.as_ref().map(|f| f.to_string()),
+                "reaps": {
+                    "nonempty": self.reaps.len(),
+                    "empty": self.loop_stats.empty_reaps,
+                    "mean": if self.reaps.is_empty() { 0.0 } else { self.reaps.mean() },
+                    "percentile": reap_pct,
+                },
+                "reactor": {
+                    "passes": self.loop_stats.passes,
+                    "io_uring_enter": self.loop_stats.enters,
+                    "waits": self.loop_stats.waits,
+                    "clock_reads": self.clock_reads,
+                },
+                "verify": { "enabled": s.verify, "blocks_checked": self.verified_blocks },
+                "devices": devices,
+            },
+        })
+    }
+
+    fn empty_dir_json(&self) -> Value {
+        json!({
+            "io_bytes": 0, "io_kbytes": 0, "bw_bytes": 0, "bw": 0, "iops": 0.0, "runtime": 0,
+            "total_ios": 0, "short_ios": 0, "drop_ios": 0,
+            "clat_ns": { "min": 0, "max": 0, "mean": 0.0, "stddev": 0.0, "N": 0, "percentile": {} },
+            "lat_ns": { "min": 0, "max": 0, "mean": 0.0, "stddev": 0.0, "N": 0 },
+        })
+    }
+}
+
+/// Refreshes a one-line status on stderr every second until every job is done.
+pub(crate) fn show_progress(spec: &JobSpec, progresses: &[Arc<Progress>], started: Instant) {
+    let total = |f: fn(&Progress) -> u64| progresses.iter().map(|p| f(p)).sum::<u64>();
+    let mut last = (0u64, 0u64, Instant::now());
+    let mut stderr = std::io::stderr();
+    loop {
+        let all_done = progresses.iter().all(|p| p.done.load(Relaxed));
+        if all_done {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+        let now = Instant::now();
+        let dt = now.duration_since(last.2).as_secs_f64();
+        if dt < 1.0 {
+            continue;
+        }
+        let r = total(|p| p.reads.load(Relaxed));
+        let w = total(|p| p.writes.load(Relaxed));
+        let eta = spec.runtime.map(|rt| {
+            (rt + spec.ramp_time).saturating_sub(now.duration_since(started)).as_secs()
+        });
+        let _ = write!(
+            stderr,
+            "\r\x1b[K[r={},w={} IOPS]{}",
+            format_count(r.saturating_sub(last.0) as f64 / dt),
+            format_count(w.saturating_sub(last.1) as f64 / dt),
+            eta.map_or(String::new(), |e| format!("[eta {e}s]"))
+        );
+        let _ = stderr.flush();
+        last = (r, w, now);
+    }
+    let _ = write!(stderr, "\r\x1b[K");
+    let _ = stderr.flush();
+}

@@ -1,0 +1,54 @@
+//! The `cairn` binary: parses the command line, builds devices, runs the job.
+//!
+//! Parsing happens in two steps, as ripgrep does it: clap turns arguments into raw flags,
+//! then [`settings`] validates them into the typed values the libraries take. Every
+//! mistake ends in one line on stderr and exit status 2; a failed I/O or verification
+//! during a run ends in exit status 1.
+
+mod settings;
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use settings::{Cli, Command, OutputFormat};
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return settings::clap_exit(e),
+    };
+    match run(cli) {
+        Ok(code) => code,
+        Err(message) => {
+            eprintln!("cairn: {message}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<ExitCode, String> {
+    let switches = cli.global.switches();
+    match cli.command {
+        Command::Bench(args) => {
+            let (spec, device_spec, format) = args.settings()?;
+            let device = cairn_devices::open(&device_spec, &device_spec.default_name())
+                .map_err(|e| e.to_string())?;
+            let progress = std::io::stderr().is_terminal() && format == OutputFormat::Normal;
+            let report = cairn_bench::run(&spec, device, switches, progress)?;
+            match format {
+                OutputFormat::Normal => print!("{}", report.to_text()),
+                OutputFormat::Json => {
+                    let text = serde_json::to_string_pretty(&report.to_json())
+                        .map_err(|e| format!("cannot write JSON: {e}"))?;
+                    println!("{text}");
+                }
+            }
+            if let Some(f) = &report.failure {
+                eprintln!("cairn: {f}");
+            }
+            Ok(ExitCode::from(report.exit_code() as u8))
+        }
+    }
+}

@@ -1,0 +1,251 @@
+//! Raw command-line flags (clap) and their validation into typed settings.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use cairn_bench::{JobSpec, Pattern};
+use cairn_core::size::{parse_duration, parse_size};
+use cairn_core::{ClockMode, ReapMode, StatsMode, Switches};
+use cairn_devices::LeafSpec;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// The device `cairn bench` uses when none is given.
+pub const DEFAULT_DEVICE: &str = "mem:1G";
+/// How long `cairn bench` runs when no length is given.
+pub const DEFAULT_RUNTIME_S: u64 = 10;
+
+const ABOUT: &str = "cairn: a userspace block-storage stack.
+
+Devices (null, mem, files through io_uring, linux-aio or plain syscalls), each I/O
+carried end to end by one reactor thread. `cairn bench` measures them the way fio does.";
+
+const GLOBAL_HELP: &str = "Switches (each restores a technique's \"before\", to measure its gain):
+  --clock cached|precise   technique 2: one clock read per batch, or one per timestamp
+  --reap eager|lazy        technique 5: reap completions right after submitting, or only
+                           when the reactor would otherwise block
+  --stats on|off           per-device statistics and latency histograms
+
+Examples:
+  cairn bench                                   10 s of 4 KiB random reads on mem:1G
+  cairn bench --device null:1G --iodepth 32     the engine's own overhead
+  cairn --clock precise bench --device null:1G  technique 2's \"before\"";
+
+const BENCH_HELP: &str = "Devices (--device):
+  null:SIZE[,block=N]          completes at once, reads return zeros
+  mem:SIZE[,block=N]           sparse RAM disk
+  file:PATH[,engine=io_uring|aio|sync][,direct=0|1][,size=SIZE]
+                               regular file or block device; size= creates or extends
+
+Options keep fio's names and meanings. The job runs until --runtime passes or each job
+has transferred --io_size bytes (default: the region's size), whichever comes first;
+--time_based ignores --io_size. With none of --runtime, --size and --io_size, cairn runs
+for 10 s. Offsets are uniformly random (fio's norandommap). With --verify and
+several jobs, each job gets its own slice of the region.
+
+Exit status: 0 success, 1 an I/O or verification failed, 2 bad arguments.
+
+Examples:
+  cairn bench --device null:1G --rw randread --bs 4k --iodepth 32 --runtime 10
+  cairn bench --device file:/dev/shm/a,size=1G,engine=aio --rw randread --runtime 10
+  cairn bench --device mem:256M --rw randwrite --verify crc32c --size 64M
+  cairn bench --device file:/tmp/db,size=1G --rw randwrite --iodepth 16 --fsync 1
+  cairn bench --device null:1G --output-format json | jq '.jobs[0].read.iops'";
+
+/// Raw command line.
+#[derive(Parser, Debug)]
+#[command(name = "cairn", version, about = ABOUT, after_help = GLOBAL_HELP)]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: GlobalArgs,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Switches that apply to every command.
+#[derive(Args, Debug)]
+pub struct GlobalArgs {
+    /// Technique 2: read the clock once per reactor batch (cached) or per timestamp.
+    #[arg(long, global = true, value_enum, default_value_t = ClockArg::Cached)]
+    pub clock: ClockArg,
+    /// Technique 5: reap completions right after submitting (eager) or only when idle.
+    #[arg(long, global = true, value_enum, default_value_t = ReapArg::Eager)]
+    pub reap: ReapArg,
+    /// Keep per-device statistics and latency histograms.
+    #[arg(long, global = true, value_enum, default_value_t = OnOff::On)]
+    pub stats: OnOff,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClockArg {
+    Cached,
+    Precise,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReapArg {
+    Eager,
+    Lazy,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnOff {
+    On,
+    Off,
+}
+
+impl GlobalArgs {
+    pub fn switches(&self) -> Switches {
+        Switches {
+            clock: match self.clock {
+                ClockArg::Cached => ClockMode::Cached,
+                ClockArg::Precise => ClockMode::Precise,
+            },
+            reap: match self.reap {
+                ReapArg::Eager => ReapMode::Eager,
+                ReapArg::Lazy => ReapMode::Lazy,
+            },
+            stats: match self.stats {
+                OnOff::On => StatsMode::On,
+                OnOff::Off => StatsMode::Off,
+            },
+        }
+    }
+}
+
+/// Commands.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run a fio-style load against a device and report IOPS, bandwidth and latency.
+    #[command(after_help = BENCH_HELP)]
+    Bench(BenchArgs),
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputFormat {
+    Normal,
+    Json,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VerifyArg {
+    Crc32c,
+}
+
+/// `cairn bench` flags, named as fio names them.
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Device to run on (see below).
+    #[arg(long, default_value = DEFAULT_DEVICE, value_name = "SPEC")]
+    pub device: String,
+    /// I/O pattern: read, write, randread, randwrite, rw (readwrite) or randrw.
+    #[arg(long, default_value = "randread")]
+    pub rw: String,
+    /// Percentage of reads in rw and randrw.
+    #[arg(long, default_value_t = 50, value_name = "PERCENT")]
+    pub rwmixread: u32,
+    /// Bytes per request (4k, 64k, 1M, ...).
+    #[arg(long, default_value = "4k", value_name = "SIZE")]
+    pub bs: String,
+    /// Requests each job keeps in flight.
+    #[arg(long, default_value_t = 32, value_name = "N")]
+    pub iodepth: u32,
+    /// Jobs, each on its own reactor thread.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub numjobs: u32,
+    /// Stop after this long, ramp excluded (10, 10s, 500ms, 2m).
+    #[arg(long, value_name = "TIME")]
+    pub runtime: Option<String>,
+    /// Run for the whole --runtime even once --io_size is done.
+    #[arg(long = "time_based")]
+    pub time_based: bool,
+    /// Run this long before measuring.
+    #[arg(long = "ramp_time", value_name = "TIME")]
+    pub ramp_time: Option<String>,
+    /// Length of the region (default: from --offset to the device's end).
+    #[arg(long, value_name = "SIZE")]
+    pub size: Option<String>,
+    /// Start of the region.
+    #[arg(long, default_value = "0", value_name = "SIZE")]
+    pub offset: String,
+    /// Bytes each job transfers (default: the region's size).
+    #[arg(long = "io_size", value_name = "SIZE")]
+    pub io_size: Option<String>,
+    /// Each in-flight slot flushes after every N of its own writes and waits for it.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub fsync: u32,
+    /// Write self-checking blocks and check every read of them; a mismatch exits 1.
+    #[arg(long, value_enum)]
+    pub verify: Option<VerifyArg>,
+    /// Seed for random offsets.
+    #[arg(long, value_name = "N")]
+    pub randseed: Option<u64>,
+    /// Report format.
+    #[arg(long = "output-format", value_enum, default_value_t = OutputFormat::Normal)]
+    pub output_format: OutputFormat,
+}
+
+impl BenchArgs {
+    /// Validates the flags into a job, a device spec and a report format.
+    pub fn settings(&self) -> Result<(JobSpec, LeafSpec, OutputFormat), String> {
+        let size = |flag: &str, v: &str| parse_size(v).map_err(|e| format!("--{flag}: {e}"));
+        let duration = |flag: &str, v: &str| parse_duration(v).map_err(|e| format!("--{flag}: {e}"));
+        let device = LeafSpec::parse(&self.device)?;
+        let mut spec = JobSpec {
+            rw: Pattern::parse(&self.rw)?,
+            rwmixread: self.rwmixread,
+            bs: size("bs", &self.bs)?,
+            iodepth: self.iodepth,
+            numjobs: self.numjobs,
+            runtime: self.runtime.as_deref().map(|v| duration("runtime", v)).transpose()?,
+            time_based: self.time_based,
+            ramp_time: self
+                .ramp_time
+                .as_deref()
+                .map(|v| duration("ramp_time", v))
+                .transpose()?
+                .unwrap_or(Duration::ZERO),
+            offset: size("offset", &self.offset)?,
+            size: self.size.as_deref().map(|v| size("size", v)).transpose()?,
+            io_size: self.io_size.as_deref().map(|v| size("io_size", v)).transpose()?,
+            fsync: self.fsync,
+            verify: self.verify.is_some(),
+            ..JobSpec::default()
+        };
+        if let Some(seed) = self.randseed {
+            spec.randseed = seed;
+        }
+        if spec.runtime.is_none() && spec.size.is_none() && spec.io_size.is_none() {
+            spec.runtime = Some(Duration::from_secs(DEFAULT_RUNTIME_S));
+            spec.time_based = true;
+        }
+        if spec.time_based && spec.runtime.is_none() {
+            return Err("--time_based needs --runtime".into());
+        }
+        Ok((spec, device, self.output_format))
+    }
+}
+
+/// Ends the process for a clap error: help and version go to stdout with status 0;
+/// anything else is one line on stderr with status 2.
+pub fn clap_exit(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    match e.kind() {
+        ErrorKind::DisplayHelp
+        | ErrorKind::DisplayVersion
+        | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            let _ = e.print();
+            if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            }
+        }
+        _ => {
+            let rendered = e.render().to_string();
+            let first = rendered.lines().next().unwrap_or("invalid arguments");
+            let first = first.strip_prefix("error: ").unwrap_or(first);
+            eprintln!("cairn: {first} (see cairn --help)");
+            ExitCode::from(2)
+        }
+    }
+}

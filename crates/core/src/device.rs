@@ -1,0 +1,140 @@
+//! Devices and queues.
+//!
+//! A [`Device`] is the shared, configured object (a file, a RAM disk, a stack). It opens
+//! one [`Queue`] per reactor, the way SPDK opens an I/O channel per thread: all hot-path
+//! state lives in the queue, so submitting never takes a lock or touches another thread.
+
+use std::rc::Rc;
+use std::sync::Arc;
+
+use crate::error::{Error, IoError};
+use crate::io::{Io, Op};
+use crate::reactor::Core;
+use crate::stats::QueueStats;
+
+/// Largest read or write a single request may carry (1 GiB).
+pub const MAX_IO_BYTES: u64 = 1 << 30;
+
+/// Which optional operations a device supports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Caps {
+    /// Flush makes completed writes durable.
+    pub flush: bool,
+    /// Writes honour FUA.
+    pub fua: bool,
+    /// Discard is supported.
+    pub discard: bool,
+    /// Write-zeroes is supported.
+    pub write_zeroes: bool,
+}
+
+impl Caps {
+    /// Every operation supported.
+    pub const ALL: Caps = Caps { flush: true, fua: true, discard: true, write_zeroes: true };
+}
+
+/// Size, block size and capabilities: what every request is checked against at the edge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    /// Device size in bytes, a multiple of `block_bytes`.
+    pub size_bytes: u64,
+    /// Logical block size: offsets and lengths are multiples of it.
+    pub block_bytes: u32,
+    /// Optional operations.
+    pub caps: Caps,
+}
+
+impl Geometry {
+    /// Checks a request once, at the edge (a bench job, an NBD connection); devices below
+    /// trust what reaches them.
+    pub fn check(&self, op: Op, offset: u64, len: u64) -> Result<(), IoError> {
+        let supported = match op {
+            Op::Read | Op::Write => true,
+            Op::Flush => true, // a device without a cache completes flush at once
+            Op::Discard => self.caps.discard,
+            Op::WriteZeroes => self.caps.write_zeroes,
+        };
+        if !supported {
+            return Err(IoError::Unsupported(op));
+        }
+        if !op.has_range() {
+            return Ok(());
+        }
+        if len == 0 || (op.has_data() && len > MAX_IO_BYTES) {
+            return Err(IoError::BadLength { op, len });
+        }
+        let block = u64::from(self.block_bytes);
+        if offset % block != 0 || len % block != 0 {
+            return Err(IoError::Misaligned { op, offset, len, block: self.block_bytes });
+        }
+        match offset.checked_add(len) {
+            Some(end) if end <= self.size_bytes => Ok(()),
+            _ => Err(IoError::OutOfRange { op, offset, len, size: self.size_bytes }),
+        }
+    }
+}
+
+/// A configured block device, shared by every reactor that uses it.
+pub trait Device: Send + Sync {
+    /// The device's name, as reports print it (e.g. `mem0`, `d1`).
+    fn name(&self) -> &str;
+
+    /// One line describing the device, e.g. `file /dev/shm/a engine=io_uring direct=0`.
+    fn describe(&self) -> String;
+
+    /// Size, block size and capabilities.
+    fn geometry(&self) -> Geometry;
+
+    /// Opens this device's queue on the reactor `core` (call on the reactor's own thread).
+    fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error>;
+
+    /// Devices this one is built from, for printing the tree.
+    fn children(&self) -> Vec<Arc<dyn Device>> {
+        Vec::new()
+    }
+}
+
+/// One device's submission path on one reactor.
+pub trait Queue {
+    /// Starts a request that has passed [`Geometry::check`]. It never completes inside this
+    /// call: the completion is delivered through the reactor's FIFO to `io.sink`.
+    fn submit(&self, io: Io);
+
+    /// This queue's statistics.
+    fn stats(&self) -> &QueueStats;
+
+    /// Queues of the devices below this one (for per-device statistics).
+    fn children(&self) -> Vec<Rc<dyn Queue>> {
+        Vec::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geo() -> Geometry {
+        Geometry { size_bytes: 1 << 20, block_bytes: 512, caps: Caps::ALL }
+    }
+
+    #[test]
+    fn accepts_in_range() {
+        assert_eq!(geo().check(Op::Read, 0, 4096), Ok(()));
+        assert_eq!(geo().check(Op::Write, (1 << 20) - 512, 512), Ok(()));
+        assert_eq!(geo().check(Op::Flush, 12345, 0), Ok(()));
+    }
+
+    #[test]
+    fn refuses_bad_requests() {
+        let g = geo();
+        assert!(matches!(g.check(Op::Read, 1, 512), Err(IoError::Misaligned { .. })));
+        assert!(matches!(g.check(Op::Read, 0, 100), Err(IoError::Misaligned { .. })));
+        assert!(matches!(g.check(Op::Read, 0, 0), Err(IoError::BadLength { .. })));
+        assert!(matches!(g.check(Op::Write, 1 << 20, 512), Err(IoError::OutOfRange { .. })));
+        assert!(matches!(g.check(Op::Read, u64::MAX - 511, 512), Err(IoError::OutOfRange { .. })));
+        assert_eq!(g.check(Op::Write, 1 << 20, 512).unwrap_err().errno(), libc::ENOSPC);
+        assert_eq!(g.check(Op::Read, 1 << 20, 512).unwrap_err().errno(), libc::EINVAL);
+        let nodiscard = Geometry { caps: Caps { discard: false, ..Caps::ALL }, ..g };
+        assert_eq!(nodiscard.check(Op::Discard, 0, 512), Err(IoError::Unsupported(Op::Discard)));
+    }
+}

@@ -1,0 +1,30 @@
+//! cairn's engine: the vocabulary every device, stack and frontend shares.
+//!
+//! - [`io`]: one I/O request ([`Io`]), its operations, flags and completion status.
+//! - [`device`]: the [`Device`] (shared, configured) and [`Queue`] (one per reactor) traits,
+//!   and the [`Geometry`] every request is checked against at the edge.
+//! - [`reactor`]: the per-thread event loop: its io_uring, the plug (batched submission),
+//!   the cached clock, the completion FIFO and the sinks completions are delivered to.
+//! - [`stats`]: per-queue statistics in the shape of `/proc/diskstats`, plus latency
+//!   histograms.
+//! - [`size`]: parsing and printing of sizes such as `4k` and `1GiB`.
+//!
+//! Nothing here allocates, locks or hands work to another thread per I/O.
+#![warn(missing_docs)]
+
+pub mod buf;
+pub mod clock;
+pub mod device;
+pub mod error;
+pub mod io;
+pub mod reactor;
+pub mod size;
+pub mod stats;
+
+pub use buf::AlignedBuf;
+pub use clock::{Clock, ClockMode};
+pub use device::{Caps, Device, Geometry, Queue};
+pub use error::{Error, IoError};
+pub use io::{Io, IoFlags, IoStatus, Op, SinkId};
+pub use reactor::{Core, Poller, ReapMode, Reactor, RingUser, Sink, Switches};
+pub use stats::{DeviceStatsSnapshot, QueueStats, StatsMode};

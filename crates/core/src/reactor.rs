@@ -1,0 +1,610 @@
+//! The reactor: one per thread, carrying every I/O from its frontend to its leaf and back.
+//!
+//! A reactor owns an io_uring, a plug (SQEs and aio requests queued but not yet handed to
+//! the kernel), a cached clock, a FIFO of completions to deliver, and the table of sinks
+//! they are delivered to. One pass of [`Reactor::run`]:
+//!
+//! 1. refresh the cached clock (one read per batch, technique 2) and fire due timers;
+//! 2. deliver the completions that were in the FIFO when the pass began (their callbacks
+//!    submit new requests, which only queue up in the plug);
+//! 3. unplug: one `io_uring_enter` for the whole batch, one `io_submit` per aio context;
+//! 4. eager reaping (technique 5): look at the completion rings right away, without a
+//!    system call, and loop again if anything was there;
+//! 5. only when there is nothing to do, block in the kernel until a completion or timer.
+//!
+//! With `--reap lazy` step 4 is skipped: completions are collected only by the blocking
+//! wait of step 5, as QEMU's linux-aio did before it reaped from its submit path.
+//!
+//! Completions never run inside `submit`: a queue that finishes a request at once (null,
+//! mem) pushes it on the FIFO, so stacks never recurse without bound. The FIFO is bounded
+//! by the number of requests in flight on the reactor, each of which completes once.
+//!
+//! Nothing in here is `Send`: a reactor and everything opened on it stay on one thread.
+
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::os::fd::RawFd;
+use std::rc::Rc;
+
+use hdrhistogram::Histogram;
+use io_uring::{opcode, squeue, types, IoUring};
+
+use crate::clock::{Clock, ClockMode};
+use crate::error::Error;
+use crate::io::{IoStatus, SinkId};
+use crate::stats::StatsMode;
+
+/// When completion rings are looked at (`--reap eager|lazy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReapMode {
+    /// Right after every submission, without a system call (the default).
+    #[default]
+    Eager,
+    /// Only when the reactor has run out of other work and waits for the kernel.
+    Lazy,
+}
+
+/// The global switches that restore each technique's "before".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Switches {
+    /// Technique 2: `--clock cached|precise`.
+    pub clock: ClockMode,
+    /// Technique 5: `--reap eager|lazy`.
+    pub reap: ReapMode,
+    /// `--stats on|off`.
+    pub stats: StatsMode,
+}
+
+/// Receives completions. Implemented by whoever submits: a bench job, an NBD connection,
+/// a stacked device waiting for its members.
+pub trait Sink {
+    /// The request submitted with `token` has completed with `status`.
+    fn io_done(&self, token: u64, status: IoStatus);
+}
+
+/// Receives the io_uring completions of the SQEs it pushed (see [`Core::push_sqe`]).
+pub trait RingUser {
+    /// The SQE pushed with `cookie` completed with the kernel result `res`.
+    fn ring_complete(&self, cookie: u64, res: i32);
+}
+
+/// A source of completions with its own ring, such as a linux-aio context.
+pub trait Poller {
+    /// Hands everything queued to the kernel (one system call per batch).
+    fn unplug(&self);
+    /// Collects whatever has completed, without blocking; returns how many.
+    fn reap(&self) -> usize;
+    /// Whether requests are in flight (the reactor then waits on [`Poller::event_fd`]).
+    fn busy(&self) -> bool;
+    /// An eventfd that becomes readable when completions arrive.
+    fn event_fd(&self) -> RawFd;
+    /// Resets the eventfd after it fired.
+    fn clear_event(&self);
+}
+
+/// Size of each reactor's io_uring submission queue.
+pub const RING_ENTRIES: u32 = 1024;
+/// Sparse registered-file slots per ring.
+const FIXED_FILES: u32 = 64;
+/// Ring-user id reserved for the reactor's own SQEs (poller wake-ups).
+const INTERNAL_USER: u64 = 0xffff;
+const USER_SHIFT: u32 = 48;
+const COOKIE_MASK: u64 = (1 << USER_SHIFT) - 1;
+/// CQEs copied out of the ring per step while reaping.
+const REAP_CHUNK: usize = 64;
+
+/// A completion waiting in the FIFO.
+#[derive(Clone, Copy)]
+struct Done {
+    sink: SinkId,
+    status: IoStatus,
+    token: u64,
+}
+
+struct PollerSlot {
+    poller: Rc<dyn Poller>,
+    armed: Cell<bool>,
+    woken: Cell<bool>,
+}
+
+struct Timer {
+    deadline_ns: u64,
+    sink: SinkId,
+    token: u64,
+}
+
+/// Reactor-loop counters, for reports and tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoopStats {
+    /// Passes through the loop.
+    pub passes: u64,
+    /// `io_uring_enter` calls that submitted or waited.
+    pub enters: u64,
+    /// Blocking waits.
+    pub waits: u64,
+    /// Reap calls that found nothing.
+    pub empty_reaps: u64,
+}
+
+/// The state a reactor shares with the queues and sinks opened on it.
+pub struct Core {
+    // Field order matters on drop: sinks and users (which may own fds and buffers used by
+    // in-flight SQEs) go before the ring only after the reactor has drained; see Reactor.
+    clock: Clock,
+    switches: Switches,
+    fifo: RefCell<VecDeque<Done>>,
+    sinks: RefCell<Vec<Option<Rc<dyn Sink>>>>,
+    free_sinks: RefCell<Vec<u32>>,
+    ring_users: RefCell<Vec<Rc<dyn RingUser>>>,
+    pollers: RefCell<Vec<Rc<PollerSlot>>>,
+    timers: RefCell<Vec<Timer>>,
+    fixed_files: RefCell<Vec<Option<RawFd>>>,
+    ring_queued: Cell<u32>,
+    ring_in_flight: Cell<u64>,
+    stop: Cell<bool>,
+    loop_stats: Cell<LoopStats>,
+    reap_hist: RefCell<Histogram<u64>>,
+    ring: RefCell<IoUring>,
+}
+
+impl Core {
+    /// The reactor's clock.
+    #[inline]
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    /// Current time per the clock mode.
+    #[inline]
+    pub fn now_ns(&self) -> u64 {
+        self.clock.now_ns()
+    }
+
+    /// The switches this reactor runs with.
+    #[inline]
+    pub fn switches(&self) -> Switches {
+        self.switches
+    }
+
+    /// Registers a sink; completions for `SinkId` go to it until it is unregistered.
+    pub fn register_sink(&self, sink: Rc<dyn Sink>) -> SinkId {
+        let mut sinks = self.sinks.borrow_mut();
+        if let Some(i) = self.free_sinks.borrow_mut().pop() {
+            sinks[i as usize] = Some(sink);
+            SinkId(i)
+        } else {
+            sinks.push(Some(sink));
+            SinkId(sinks.len() as u32 - 1)
+        }
+    }
+
+    /// Unregisters a sink (it must have nothing in flight).
+    pub fn unregister_sink(&self, id: SinkId) {
+        let mut sinks = self.sinks.borrow_mut();
+        if let Some(slot) = sinks.get_mut(id.0 as usize) {
+            if slot.take().is_some() {
+                self.free_sinks.borrow_mut().push(id.0);
+            }
+        }
+    }
+
+    /// Queues a completion for delivery on this reactor's next pass.
+    #[inline]
+    pub fn complete(&self, sink: SinkId, token: u64, status: IoStatus) {
+        self.fifo.borrow_mut().push_back(Done { sink, status, token });
+    }
+
+    /// Registers a user of the io_uring; returns the id its SQEs carry.
+    pub fn register_ring_user(&self, user: Rc<dyn RingUser>) -> Result<u16, Error> {
+        let mut users = self.ring_users.borrow_mut();
+        if users.len() as u64 >= INTERNAL_USER {
+            return Err(Error::Invalid("too many devices on one reactor".into()));
+        }
+        users.push(user);
+        Ok(users.len() as u16 - 1)
+    }
+
+    /// Registers `fd` in the ring's fixed-file table, if a slot is free.
+    pub fn register_file(&self, fd: RawFd) -> Option<u32> {
+        let mut files = self.fixed_files.borrow_mut();
+        let slot = files.iter().position(Option::is_none)?;
+        let ring = self.ring.borrow();
+        match ring.submitter().register_files_update(slot as u32, &[fd]) {
+            Ok(_) => {
+                files[slot] = Some(fd);
+                Some(slot as u32)
+            }
+            Err(_) => None,
+        }
+    }
+
+    /// Releases a fixed-file slot taken by [`Core::register_file`].
+    pub fn unregister_file(&self, slot: u32) {
+        let mut files = self.fixed_files.borrow_mut();
+        if let Some(entry) = files.get_mut(slot as usize) {
+            let ring = self.ring.borrow();
+            let _ = ring.submitter().register_files_update(slot, &[-1]);
+            *entry = None;
+        }
+    }
+
+    /// Registers a poller (an aio context) with this reactor.
+    pub fn register_poller(&self, poller: Rc<dyn Poller>) {
+        self.pollers.borrow_mut().push(Rc::new(PollerSlot {
+            poller,
+            armed: Cell::new(false),
+            woken: Cell::new(false),
+        }));
+    }
+
+    /// Queues an SQE in the plug. `user` and `cookie` route its completion back.
+    ///
+    /// # Safety
+    /// Whatever the SQE points at (buffers, the fd) must stay valid until its completion
+    /// has been delivered to `user`.
+    #[inline]
+    pub unsafe fn push_sqe(&self, user: u16, cookie: u64, entry: squeue::Entry) {
+        debug_assert!(cookie <= COOKIE_MASK);
+        let entry = entry.user_data((u64::from(user) << USER_SHIFT) | cookie);
+        self.push_raw(entry);
+    }
+
+    unsafe fn push_raw(&self, entry: squeue::Entry) {
+        let mut ring = self.ring.borrow_mut();
+        // SAFETY: the caller keeps the SQE's resources alive until completion.
+        if unsafe { ring.submission().push(&entry) }.is_err() {
+            // The plug is full: hand the batch to the kernel now, as a block plug
+            // flushes when it reaches its request limit.
+            self.enter(&ring, 0, None);
+            // SAFETY: as above; the queue has room after the submit.
+            if unsafe { ring.submission().push(&entry) }.is_err() {
+                // The kernel did not take any SQE (out of memory): try once more after
+                // letting completions drain; this cannot loop forever because the ring
+                // only holds our own requests.
+                self.enter(&ring, 1, None);
+                let _ = unsafe { ring.submission().push(&entry) };
+            }
+        }
+        self.ring_queued.set(self.ring_queued.get() + 1);
+        self.ring_in_flight.set(self.ring_in_flight.get() + 1);
+    }
+
+    /// Adds a timer: `sink` gets `io_done(token, OK)` once the clock passes `deadline_ns`.
+    pub fn add_timer(&self, deadline_ns: u64, sink: SinkId, token: u64) {
+        self.timers.borrow_mut().push(Timer { deadline_ns, sink, token });
+    }
+
+    /// Asks the reactor to return from [`Reactor::run`] after the current pass.
+    pub fn stop(&self) {
+        self.stop.set(true);
+    }
+
+    /// Loop counters so far.
+    pub fn loop_stats(&self) -> LoopStats {
+        self.loop_stats.get()
+    }
+
+    /// Histogram of how many completions each non-empty reap found.
+    pub fn reap_histogram(&self) -> Histogram<u64> {
+        self.reap_hist.borrow().clone()
+    }
+
+    fn bump(&self, f: impl FnOnce(&mut LoopStats)) {
+        let mut s = self.loop_stats.get();
+        f(&mut s);
+        self.loop_stats.set(s);
+    }
+
+    /// One `io_uring_enter`: submits what is queued and waits for `want` completions (or
+    /// until `timeout_ns`).
+    fn enter(&self, ring: &IoUring, want: usize, timeout_ns: Option<u64>) {
+        self.bump(|s| {
+            s.enters += 1;
+            if want > 0 {
+                s.waits += 1;
+            }
+        });
+        let res = match timeout_ns {
+            Some(ns) if want > 0 => {
+                let ts = types::Timespec::new()
+                    .sec(ns / 1_000_000_000)
+                    .nsec((ns % 1_000_000_000) as u32);
+                let args = types::SubmitArgs::new().timespec(&ts);
+                ring.submitter().submit_with_args(want, &args)
+            }
+            _ => ring.submitter().submit_and_wait(want),
+        };
+        match res {
+            Ok(_) => self.ring_queued.set(0),
+            // Timed out, interrupted or busy: what was queued may or may not be taken;
+            // the SQ head tells, and the next enter submits the rest.
+            Err(_) => {
+                let mut ring_sq = unsafe { ring.submission_shared() };
+                ring_sq.sync();
+                self.ring_queued.set(ring_sq.len() as u32);
+            }
+        }
+    }
+
+    /// Delivers the completions that were queued when the pass began.
+    fn run_fifo(&self) -> usize {
+        let n = self.fifo.borrow().len();
+        for _ in 0..n {
+            let Some(done) = self.fifo.borrow_mut().pop_front() else { break };
+            let sink = self.sinks.borrow().get(done.sink.0 as usize).cloned().flatten();
+            match sink {
+                Some(sink) => sink.io_done(done.token, done.status),
+                None => debug_assert!(false, "completion for unregistered sink {:?}", done.sink),
+            }
+        }
+        n
+    }
+
+    fn fire_timers(&self) {
+        if self.timers.borrow().is_empty() {
+            return;
+        }
+        let now = self.clock.now_ns();
+        let mut due = Vec::new();
+        self.timers.borrow_mut().retain(|t| {
+            if t.deadline_ns <= now {
+                due.push((t.sink, t.token));
+                false
+            } else {
+                true
+            }
+        });
+        for (sink, token) in due {
+            self.complete(sink, token, IoStatus::OK);
+        }
+    }
+
+    fn next_timer_ns(&self) -> Option<u64> {
+        self.timers.borrow().iter().map(|t| t.deadline_ns).min()
+    }
+
+    /// Hands queued requests to the kernel: aio contexts first, then the ring.
+    fn unplug(&self, want: usize, timeout_ns: Option<u64>) {
+        for slot in self.pollers.borrow().iter() {
+            slot.poller.unplug();
+        }
+        if self.ring_queued.get() > 0 || want > 0 {
+            let ring = self.ring.borrow();
+            self.enter(&ring, want, timeout_ns);
+        }
+    }
+
+    /// Collects completions from the ring (and, if `pollers`, from every aio context).
+    fn reap(&self, pollers: bool) -> usize {
+        let mut total = 0;
+        let mut batch = [(0u64, 0i32); REAP_CHUNK];
+        loop {
+            let n = {
+                let mut ring = self.ring.borrow_mut();
+                let mut n = 0;
+                for cqe in ring.completion().take(REAP_CHUNK) {
+                    batch[n] = (cqe.user_data(), cqe.result());
+                    n += 1;
+                }
+                n
+            };
+            for &(data, res) in &batch[..n] {
+                self.ring_in_flight.set(self.ring_in_flight.get().saturating_sub(1));
+                let user = data >> USER_SHIFT;
+                let cookie = data & COOKIE_MASK;
+                if user == INTERNAL_USER {
+                    self.poller_woken(cookie as usize);
+                } else {
+                    let target = self.ring_users.borrow().get(user as usize).cloned();
+                    if let Some(target) = target {
+                        target.ring_complete(cookie, res);
+                        total += 1;
+                    }
+                }
+            }
+            if n < REAP_CHUNK {
+                break;
+            }
+        }
+        let slots: Vec<Rc<PollerSlot>> = self.pollers.borrow().clone();
+        for slot in &slots {
+            if pollers || slot.woken.get() {
+                if slot.woken.replace(false) {
+                    slot.poller.clear_event();
+                }
+                total += slot.poller.reap();
+            }
+        }
+        if total > 0 {
+            self.reap_hist.borrow_mut().saturating_record(total as u64);
+        } else {
+            self.bump(|s| s.empty_reaps += 1);
+        }
+        total
+    }
+
+    fn poller_woken(&self, index: usize) {
+        if let Some(slot) = self.pollers.borrow().get(index) {
+            slot.armed.set(false);
+            slot.woken.set(true);
+        }
+    }
+
+    /// Arms a one-shot poll on the eventfd of every busy poller, so that the blocking wait
+    /// in the ring also wakes for aio completions.
+    fn arm_pollers(&self) -> bool {
+        let mut any = false;
+        let slots: Vec<Rc<PollerSlot>> = self.pollers.borrow().clone();
+        for (i, slot) in slots.iter().enumerate() {
+            if !slot.poller.busy() {
+                continue;
+            }
+            any = true;
+            if !slot.armed.replace(true) {
+                let entry = opcode::PollAdd::new(
+                    types::Fd(slot.poller.event_fd()),
+                    libc::POLLIN as u32,
+                )
+                .build()
+                .user_data((INTERNAL_USER << USER_SHIFT) | i as u64);
+                // SAFETY: the eventfd belongs to the poller, which the reactor keeps
+                // registered (and so alive) until the ring is dropped.
+                unsafe { self.push_raw(entry) };
+            }
+        }
+        any
+    }
+
+    /// Whether anything could still complete or fire.
+    fn has_work(&self) -> bool {
+        self.ring_in_flight.get() > 0
+            || !self.timers.borrow().is_empty()
+            || self.pollers.borrow().iter().any(|s| s.poller.busy())
+    }
+}
+
+/// Longest a reactor blocks without a timer (it then looks at its stop flag again).
+const IDLE_WAIT_NS: u64 = 100_000_000;
+
+/// A per-thread event loop. Create it on the thread that runs it.
+pub struct Reactor {
+    core: Rc<Core>,
+}
+
+impl Reactor {
+    /// A reactor with its own io_uring.
+    pub fn new(switches: Switches) -> Result<Reactor, Error> {
+        let ring = IoUring::builder()
+            .setup_cqsize(RING_ENTRIES * 4)
+            .build(RING_ENTRIES)
+            .map_err(|e| Error::os("create io_uring", e))?;
+        ring.submitter()
+            .register_files_sparse(FIXED_FILES)
+            .map_err(|e| Error::os("register io_uring file table", e))?;
+        let core = Core {
+            clock: Clock::new(switches.clock),
+            switches,
+            fifo: RefCell::new(VecDeque::with_capacity(RING_ENTRIES as usize)),
+            sinks: RefCell::new(Vec::new()),
+            free_sinks: RefCell::new(Vec::new()),
+            ring_users: RefCell::new(Vec::new()),
+            pollers: RefCell::new(Vec::new()),
+            timers: RefCell::new(Vec::new()),
+            fixed_files: RefCell::new(vec![None; FIXED_FILES as usize]),
+            ring_queued: Cell::new(0),
+            ring_in_flight: Cell::new(0),
+            stop: Cell::new(false),
+            loop_stats: Cell::new(LoopStats::default()),
+            reap_hist: RefCell::new(
+                Histogram::new_with_max(1 << 20, 3).expect("valid histogram bounds"),
+            ),
+            ring: RefCell::new(ring),
+        };
+        Ok(Reactor { core: Rc::new(core) })
+    }
+
+    /// The shared core, for opening queues and registering sinks.
+    pub fn core(&self) -> &Rc<Core> {
+        &self.core
+    }
+
+    /// Runs until [`Core::stop`] is called.
+    pub fn run(&self) {
+        let core = &*self.core;
+        core.stop.set(false);
+        while !core.stop.get() {
+            core.clock.refresh();
+            core.bump(|s| s.passes += 1);
+            core.fire_timers();
+            core.run_fifo();
+            if core.stop.get() {
+                break;
+            }
+            let idle = core.fifo.borrow().is_empty();
+            match core.switches.reap {
+                ReapMode::Eager => {
+                    core.unplug(0, None);
+                    let found = core.reap(true);
+                    if found == 0 && idle && core.fifo.borrow().is_empty() {
+                        self.block();
+                        core.reap(true);
+                    }
+                }
+                ReapMode::Lazy => {
+                    if idle {
+                        self.block();
+                        core.reap(false);
+                    } else {
+                        core.unplug(0, None);
+                    }
+                }
+            }
+        }
+        // Whatever was queued in the plug still goes to the kernel.
+        core.unplug(0, None);
+    }
+
+    /// Unplugs and waits for one completion, a poller wake-up or the next timer.
+    fn block(&self) {
+        let core = &*self.core;
+        core.arm_pollers();
+        if !core.has_work() && core.fifo.borrow().is_empty() {
+            // Nothing can complete: do not sleep forever, let the caller look again.
+            core.unplug(0, None);
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            return;
+        }
+        let now = crate::clock::monotonic_ns();
+        let timeout = match core.next_timer_ns() {
+            Some(deadline) => deadline.saturating_sub(now).min(IDLE_WAIT_NS),
+            None => IDLE_WAIT_NS,
+        };
+        if timeout == 0 {
+            core.unplug(0, None);
+        } else {
+            core.unplug(1, Some(timeout));
+        }
+        core.clock.refresh();
+    }
+
+    /// Runs until every completion already queued or in flight has been delivered, or
+    /// `deadline_ns` passes; for tests and orderly shutdown.
+    pub fn drain(&self, deadline_ns: u64) -> bool {
+        let core = &*self.core;
+        loop {
+            core.clock.refresh();
+            core.fire_timers();
+            core.run_fifo();
+            core.unplug(0, None);
+            core.reap(true);
+            let quiet = core.fifo.borrow().is_empty()
+                && core.ring_in_flight.get() == core.armed_polls()
+                && !core.pollers.borrow().iter().any(|s| s.poller.busy());
+            if quiet {
+                return true;
+            }
+            if crate::clock::monotonic_ns() > deadline_ns {
+                return false;
+            }
+            if core.fifo.borrow().is_empty() {
+                self.block();
+                core.reap(true);
+            }
+        }
+    }
+}
+
+impl Core {
+    fn armed_polls(&self) -> u64 {
+        self.pollers.borrow().iter().filter(|s| s.armed.get()).count() as u64
+    }
+}
+
+impl Drop for Reactor {
+    fn drop(&mut self) {
+        // Break the reference cycles sinks and ring users hold through `Rc<Core>`.
+        self.core.sinks.borrow_mut().clear();
+        self.core.pollers.borrow_mut().clear();
+        self.core.ring_users.borrow_mut().clear();
+    }
+}

@@ -1,0 +1,124 @@
+//! Sizes and durations as people type them: `4k`, `64KiB`, `1G`, `512`, `1ms`, `30s`.
+//!
+//! Size suffixes are binary, as fio's are by default (`k` = `KiB` = `KB` = 1024). A size
+//! is a whole number of bytes; anything else (a fraction, a negative number, an unknown
+//! suffix, an overflow) is refused with a message that quotes the input.
+
+use std::time::Duration;
+
+/// Parses a size such as `4k`, `1GiB` or `4096`.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, suffix) = t.split_at(split);
+    if num.is_empty() {
+        return Err(format!("invalid size '{text}': expected a number such as 4k, 1M or 1G"));
+    }
+    let n: u64 = num.parse().map_err(|_| format!("invalid size '{text}': number too large"))?;
+    let shift = match suffix.to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        "p" | "pb" | "pib" => 50,
+        _ => {
+            return Err(format!(
+                "invalid size '{text}': unknown suffix '{suffix}' (use k, M, G, T or P)"
+            ))
+        }
+    };
+    n.checked_mul(1u64 << shift).ok_or_else(|| format!("invalid size '{text}': too large"))
+}
+
+/// Parses a duration such as `1ms`, `250us`, `30s`, `2m` or a bare number of seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, suffix) = t.split_at(split);
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("invalid duration '{text}': expected e.g. 10s, 500ms or 100us"))?;
+    let scale_ns = match suffix.to_ascii_lowercase().as_str() {
+        "" | "s" | "sec" => 1e9,
+        "ns" => 1.0,
+        "us" | "usec" => 1e3,
+        "ms" | "msec" => 1e6,
+        "m" | "min" => 60e9,
+        "h" => 3600e9,
+        _ => return Err(format!("invalid duration '{text}': unknown unit '{suffix}'")),
+    };
+    let ns = value * scale_ns;
+    if !ns.is_finite() || ns < 0.0 || ns > 1e18 {
+        return Err(format!("invalid duration '{text}': out of range"));
+    }
+    Ok(Duration::from_nanos(ns as u64))
+}
+
+/// Formats bytes with a binary suffix, e.g. `1.5GiB`, `4KiB`, `512B`.
+pub fn format_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 || value.fract() == 0.0 {
+        format!("{}{}", value as u64, UNITS[unit])
+    } else {
+        format!("{value:.1}{}", UNITS[unit])
+    }
+}
+
+/// Formats a count with a decimal suffix, as fio prints IOPS: `2.85M`, `84.1k`, `950`.
+pub fn format_count(n: f64) -> String {
+    if n >= 1e9 {
+        format!("{:.2}G", n / 1e9)
+    } else if n >= 1e6 {
+        format!("{:.2}M", n / 1e6)
+    } else if n >= 1e3 {
+        format!("{:.1}k", n / 1e3)
+    } else {
+        format!("{n:.0}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("512"), Ok(512));
+        assert_eq!(parse_size("4k"), Ok(4096));
+        assert_eq!(parse_size("4K"), Ok(4096));
+        assert_eq!(parse_size("64KiB"), Ok(65536));
+        assert_eq!(parse_size("1G"), Ok(1 << 30));
+        assert_eq!(parse_size("10g"), Ok(10 << 30));
+        assert_eq!(parse_size("2T"), Ok(2 << 40));
+        for bad in ["", "k", "1.5G", "-4k", "4x", "99999999999999999999", "16777216P"] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("1ms"), Ok(Duration::from_millis(1)));
+        assert_eq!(parse_duration("10"), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_duration("2.5s"), Ok(Duration::from_millis(2500)));
+        assert_eq!(parse_duration("100us"), Ok(Duration::from_micros(100)));
+        for bad in ["", "ms", "1x", "-1s", "1e400"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn formatting() {
+        assert_eq!(format_bytes(512), "512B");
+        assert_eq!(format_bytes(4096), "4KiB");
+        assert_eq!(format_bytes(1536 << 20), "1.5GiB");
+        assert_eq!(format_count(2_850_000.0), "2.85M");
+        assert_eq!(format_count(84_100.0), "84.1k");
+    }
+}

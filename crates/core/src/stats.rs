@@ -1,0 +1,267 @@
+//! Per-queue statistics in the shape of `/proc/diskstats`, plus latency histograms.
+//!
+//! Each queue has one writer: its reactor thread. Counters are atomics written with plain
+//! relaxed load-and-store (no read-modify-write, so no locked instruction on the hot path)
+//! and can be read from any thread for progress displays. Latency histograms belong to the
+//! owning thread and are copied out with [`QueueStats::snapshot`].
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use hdrhistogram::Histogram;
+
+use crate::io::Op;
+
+/// Whether devices keep statistics (`--stats on|off`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StatsMode {
+    /// Count everything (the default).
+    #[default]
+    On,
+    /// Count nothing; for measuring what statistics cost.
+    Off,
+}
+
+/// Largest latency a histogram records exactly (one hour); longer ones saturate.
+pub const LATENCY_NS_MAX: u64 = 3_600_000_000_000;
+
+/// A latency histogram in nanoseconds with two significant digits.
+pub fn latency_histogram() -> Histogram<u64> {
+    // The bounds are constants that hdrhistogram accepts (low 1, high > 2*low, 2 digits).
+    Histogram::new_with_max(LATENCY_NS_MAX, 2).expect("valid histogram bounds")
+}
+
+/// Counters readable from any thread.
+#[derive(Debug, Default)]
+pub struct Counters {
+    ios: [AtomicU64; Op::COUNT],
+    sectors: [AtomicU64; Op::COUNT],
+    ticks_ns: [AtomicU64; Op::COUNT],
+    errors: AtomicU64,
+    in_flight: AtomicU64,
+    busy_ns: AtomicU64,
+    busy_since_ns: AtomicU64,
+}
+
+impl Counters {
+    /// Completed requests of `op` so far.
+    pub fn ios(&self, op: Op) -> u64 {
+        self.ios[op.index()].load(Relaxed)
+    }
+
+    /// Bytes completed by `op` so far.
+    pub fn bytes(&self, op: Op) -> u64 {
+        self.sectors[op.index()].load(Relaxed) * 512
+    }
+}
+
+/// Adds to a counter that only the calling thread writes.
+#[inline]
+fn bump(counter: &AtomicU64, by: u64) {
+    counter.store(counter.load(Relaxed).wrapping_add(by), Relaxed);
+}
+
+/// Statistics of one queue (one device on one reactor).
+pub struct QueueStats {
+    enabled: bool,
+    counters: Arc<Counters>,
+    latency: RefCell<[Histogram<u64>; Op::COUNT]>,
+}
+
+impl QueueStats {
+    /// Statistics that count when `mode` is on and do nothing when it is off.
+    pub fn new(mode: StatsMode) -> QueueStats {
+        QueueStats {
+            enabled: mode == StatsMode::On,
+            counters: Arc::new(Counters::default()),
+            latency: RefCell::new(std::array::from_fn(|_| latency_histogram())),
+        }
+    }
+
+    /// Whether this queue counts at all; callers skip clock reads when it does not.
+    #[inline]
+    pub fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// The counters, shareable with other threads.
+    pub fn counters(&self) -> Arc<Counters> {
+        self.counters.clone()
+    }
+
+    /// A request was started at `now_ns`.
+    #[inline]
+    pub fn start(&self, now_ns: u64) {
+        if !self.enabled {
+            return;
+        }
+        let c = &*self.counters;
+        let in_flight = c.in_flight.load(Relaxed);
+        if in_flight == 0 {
+            c.busy_since_ns.store(now_ns, Relaxed);
+        }
+        c.in_flight.store(in_flight + 1, Relaxed);
+    }
+
+    /// A request started at `start_ns` completed at `now_ns`.
+    #[inline]
+    pub fn done(&self, op: Op, bytes: u64, start_ns: u64, now_ns: u64, ok: bool) {
+        if !self.enabled {
+            return;
+        }
+        let c = &*self.counters;
+        let i = op.index();
+        let latency_ns = now_ns.saturating_sub(start_ns);
+        if ok {
+            bump(&c.ios[i], 1);
+            bump(&c.sectors[i], bytes >> 9);
+        } else {
+            bump(&c.errors, 1);
+        }
+        bump(&c.ticks_ns[i], latency_ns);
+        let in_flight = c.in_flight.load(Relaxed).saturating_sub(1);
+        c.in_flight.store(in_flight, Relaxed);
+        if in_flight == 0 {
+            let since = c.busy_since_ns.load(Relaxed);
+            bump(&c.busy_ns, now_ns.saturating_sub(since));
+        }
+        self.latency.borrow_mut()[i].saturating_record(latency_ns);
+    }
+
+    /// A copy of everything counted so far, taken on the owning thread at `now_ns`.
+    pub fn snapshot(&self, now_ns: u64) -> DeviceStatsSnapshot {
+        let c = &*self.counters;
+        let load = |a: &[AtomicU64; Op::COUNT]| std::array::from_fn(|i| a[i].load(Relaxed));
+        let in_flight = c.in_flight.load(Relaxed);
+        let mut busy_ns = c.busy_ns.load(Relaxed);
+        if in_flight > 0 {
+            busy_ns += now_ns.saturating_sub(c.busy_since_ns.load(Relaxed));
+        }
+        DeviceStatsSnapshot {
+            enabled: self.enabled,
+            ios: load(&c.ios),
+            sectors: load(&c.sectors),
+            ticks_ns: load(&c.ticks_ns),
+            errors: c.errors.load(Relaxed),
+            in_flight,
+            busy_ns,
+            latency: self.latency.borrow().clone(),
+        }
+    }
+}
+
+/// Statistics of a device (the sum over its queues) at one moment.
+#[derive(Clone)]
+pub struct DeviceStatsSnapshot {
+    /// Whether statistics were being kept.
+    pub enabled: bool,
+    /// Completed requests per operation.
+    pub ios: [u64; Op::COUNT],
+    /// 512-byte sectors transferred per operation.
+    pub sectors: [u64; Op::COUNT],
+    /// Sum of request latencies per operation, in nanoseconds.
+    pub ticks_ns: [u64; Op::COUNT],
+    /// Requests that completed with an error.
+    pub errors: u64,
+    /// Requests in flight when the snapshot was taken.
+    pub in_flight: u64,
+    /// Time during which at least one request was in flight, in nanoseconds.
+    pub busy_ns: u64,
+    /// Completion latency per operation.
+    pub latency: [Histogram<u64>; Op::COUNT],
+}
+
+impl DeviceStatsSnapshot {
+    /// Adds another queue's statistics to this one.
+    pub fn merge(&mut self, other: &DeviceStatsSnapshot) {
+        for i in 0..Op::COUNT {
+            self.ios[i] += other.ios[i];
+            self.sectors[i] += other.sectors[i];
+            self.ticks_ns[i] += other.ticks_ns[i];
+            // Both histograms have the same bounds, so adding cannot fail.
+            let _ = self.latency[i].add(&other.latency[i]);
+        }
+        self.errors += other.errors;
+        self.in_flight += other.in_flight;
+        // Queues run in parallel: the device was busy while any queue was; the largest
+        // queue figure is the closest lower bound without per-request timestamps.
+        self.busy_ns = self.busy_ns.max(other.busy_ns);
+        self.enabled |= other.enabled;
+    }
+
+    /// What happened between `earlier` and this snapshot.
+    pub fn since(&self, earlier: &DeviceStatsSnapshot) -> DeviceStatsSnapshot {
+        let mut out = self.clone();
+        for i in 0..Op::COUNT {
+            out.ios[i] -= earlier.ios[i].min(out.ios[i]);
+            out.sectors[i] -= earlier.sectors[i].min(out.sectors[i]);
+            out.ticks_ns[i] -= earlier.ticks_ns[i].min(out.ticks_ns[i]);
+            if out.latency[i].subtract(&earlier.latency[i]).is_err() {
+                out.latency[i].reset();
+            }
+        }
+        out.errors -= earlier.errors.min(out.errors);
+        out.busy_ns -= earlier.busy_ns.min(out.busy_ns);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_like_diskstats() {
+        let s = QueueStats::new(StatsMode::On);
+        s.start(100);
+        s.start(150);
+        s.done(Op::Read, 4096, 100, 300, true);
+        s.done(Op::Write, 8192, 150, 400, true);
+        s.start(1000);
+        s.done(Op::Read, 512, 1000, 1010, false);
+        let snap = s.snapshot(2000);
+        assert_eq!(snap.ios[Op::Read.index()], 1);
+        assert_eq!(snap.ios[Op::Write.index()], 1);
+        assert_eq!(snap.sectors[Op::Write.index()], 16);
+        assert_eq!(snap.errors, 1);
+        assert_eq!(snap.ticks_ns[Op::Read.index()], 200 + 10);
+        assert_eq!(snap.busy_ns, 300 + 10);
+        assert_eq!(snap.in_flight, 0);
+        assert_eq!(snap.latency[Op::Write.index()].len(), 1);
+    }
+
+    #[test]
+    fn busy_includes_open_interval() {
+        let s = QueueStats::new(StatsMode::On);
+        s.start(100);
+        let snap = s.snapshot(600);
+        assert_eq!(snap.in_flight, 1);
+        assert_eq!(snap.busy_ns, 500);
+    }
+
+    #[test]
+    fn off_counts_nothing() {
+        let s = QueueStats::new(StatsMode::Off);
+        s.start(1);
+        s.done(Op::Read, 4096, 1, 2, true);
+        let snap = s.snapshot(3);
+        assert_eq!(snap.ios, [0; Op::COUNT]);
+        assert!(!snap.enabled);
+    }
+
+    #[test]
+    fn since_subtracts() {
+        let s = QueueStats::new(StatsMode::On);
+        s.start(0);
+        s.done(Op::Read, 4096, 0, 10, true);
+        let a = s.snapshot(10);
+        s.start(20);
+        s.done(Op::Read, 4096, 20, 50, true);
+        let b = s.snapshot(50);
+        let d = b.since(&a);
+        assert_eq!(d.ios[0], 1);
+        assert_eq!(d.latency[0].len(), 1);
+        assert_eq!(d.busy_ns, 30);
+    }
+}

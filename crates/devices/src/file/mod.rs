@@ -1,0 +1,355 @@
+//! `file`: a regular file or block device, through one of three engines.
+//!
+//! - [`uring`]: SQEs on the reactor's own io_uring (the default);
+//! - [`aio`]: linux-aio, one context per queue, reaped from its user-space ring;
+//! - [`sync`]: plain `pread`/`pwrite` on the reactor thread.
+//!
+//! Every engine gives the same bytes: flush is `fdatasync`, FUA is `RWF_DSYNC`, discard
+//! punches a hole (so the range reads as zeros), write-zeroes uses `fallocate` and falls
+//! back to writing zeros where the file system cannot.
+
+pub mod aio;
+pub mod sync;
+pub mod uring;
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::sync::{Arc, OnceLock};
+
+use cairn_core::{AlignedBuf, Caps, Core, Device, Error, Geometry, Io, IoFlags, IoStatus, Op, Queue};
+
+use crate::spec::Engine;
+
+/// Requests a file queue keeps in the kernel at once; more wait in the queue, in order.
+pub const QUEUE_DEPTH: usize = 256;
+
+/// Size of the shared zero buffer used when `fallocate` cannot zero a range.
+const ZERO_CHUNK_BYTES: usize = 1 << 20;
+
+/// The open file shared by every queue.
+pub struct FileShared {
+    file: File,
+    path: PathBuf,
+    zeros: OnceLock<AlignedBuf>,
+}
+
+impl FileShared {
+    /// The raw descriptor (kept open as long as this value lives).
+    pub fn fd(&self) -> RawFd {
+        self.file.as_raw_fd()
+    }
+
+    fn zeros(&self) -> &AlignedBuf {
+        self.zeros.get_or_init(|| AlignedBuf::new(ZERO_CHUNK_BYTES))
+    }
+}
+
+/// A regular file or block device.
+pub struct FileDevice {
+    name: String,
+    engine: Engine,
+    direct: bool,
+    block_device: bool,
+    geometry: Geometry,
+    shared: Arc<FileShared>,
+}
+
+impl FileDevice {
+    /// Opens `path`; with `size_bytes`, creates the file or extends it to that size.
+    pub fn open(
+        name: &str,
+        path: &Path,
+        engine: Engine,
+        direct: bool,
+        size_bytes: Option<u64>,
+    ) -> Result<FileDevice, Error> {
+        let shown = path.display();
+        let existing = std::fs::metadata(path).ok();
+        let block_device = existing.as_ref().is_some_and(|m| m.file_type().is_block_device());
+        if existing.is_none() && size_bytes.is_none() {
+            return Err(Error::Invalid(format!(
+                "file {shown}: no such file (add size=SIZE to create it)"
+            )));
+        }
+        if let Some(m) = &existing {
+            if !block_device && !m.file_type().is_file() {
+                return Err(Error::Invalid(format!(
+                    "file {shown}: not a regular file or block device"
+                )));
+            }
+        }
+        let mut flags = libc::O_CLOEXEC;
+        if direct {
+            flags |= libc::O_DIRECT;
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(size_bytes.is_some() && !block_device)
+            .custom_flags(flags)
+            .open(path)
+            .map_err(|e| Error::os(format!("file {shown}: open"), e))?;
+        let fd = file.as_raw_fd();
+        let (actual, block_bytes) = if block_device {
+            (ioctl_u64(fd, BLKGETSIZE64, &shown)?, ioctl_u32(fd, BLKSSZGET, &shown)?)
+        } else {
+            let len = file
+                .metadata()
+                .map_err(|e| Error::os(format!("file {shown}: stat"), e))?
+                .len();
+            (len, if direct { dio_align(fd) } else { 512 })
+        };
+        let size = match size_bytes {
+            Some(want) if want > actual => {
+                if block_device {
+                    return Err(Error::Invalid(format!(
+                        "file {shown}: size={want} is larger than the block device ({actual} bytes)"
+                    )));
+                }
+                file.set_len(want)
+                    .map_err(|e| Error::os(format!("file {shown}: extend to {want} bytes"), e))?;
+                want
+            }
+            Some(want) => want,
+            None => actual,
+        };
+        let size = size - size % u64::from(block_bytes);
+        if size == 0 {
+            return Err(Error::Invalid(format!(
+                "file {shown}: empty (add size=SIZE to extend it)"
+            )));
+        }
+        Ok(FileDevice {
+            name: name.into(),
+            engine,
+            direct,
+            block_device,
+            geometry: Geometry { size_bytes: size, block_bytes, caps: Caps::ALL },
+            shared: Arc::new(FileShared { file, path: path.into(), zeros: OnceLock::new() }),
+        })
+    }
+
+    /// The engine in use.
+    pub fn engine(&self) -> Engine {
+        self.engine
+    }
+}
+
+impl Device for FileDevice {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "file {} ({}) engine={} direct={} {} bytes, {}-byte blocks",
+            self.shared.path.display(),
+            if self.block_device { "block device" } else { "regular file" },
+            self.engine,
+            u8::from(self.direct),
+            self.geometry.size_bytes,
+            self.geometry.block_bytes
+        )
+    }
+
+    fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
+        match self.engine {
+            Engine::IoUring => uring::UringQueue::open(core, self.shared.clone()),
+            Engine::Aio => aio::AioQueue::open(core, self.shared.clone()),
+            Engine::Sync => Ok(sync::SyncQueue::open(core, self.shared.clone())),
+        }
+    }
+}
+
+const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+const BLKSSZGET: libc::c_ulong = 0x1268;
+
+fn ioctl_u64(fd: RawFd, request: libc::c_ulong, path: &impl std::fmt::Display) -> Result<u64, Error> {
+    let mut value: u64 = 0;
+    // SAFETY: BLKGETSIZE64 writes one u64 to the pointer.
+    if unsafe { libc::ioctl(fd, request, &mut value) } < 0 {
+        return Err(Error::last_os(format!("file {path}: read block device size")));
+    }
+    Ok(value)
+}
+
+fn ioctl_u32(fd: RawFd, request: libc::c_ulong, path: &impl std::fmt::Display) -> Result<u32, Error> {
+    let mut value: libc::c_int = 0;
+    // SAFETY: BLKSSZGET writes one int to the pointer.
+    if unsafe { libc::ioctl(fd, request, &mut value) } < 0 {
+        return Err(Error::last_os(format!("file {path}: read logical block size")));
+    }
+    Ok(value.max(512) as u32)
+}
+
+/// The O_DIRECT offset alignment of a regular file (statx DIOALIGN), 4096 if unknown.
+fn dio_align(fd: RawFd) -> u32 {
+    // SAFETY: statx with an empty path and AT_EMPTY_PATH describes `fd`; the buffer is a
+    // zeroed statx struct the kernel fills.
+    unsafe {
+        let mut stx: libc::statx = std::mem::zeroed();
+        let rc = libc::statx(fd, c"".as_ptr(), libc::AT_EMPTY_PATH, libc::STATX_DIOALIGN, &mut stx);
+        if rc == 0 && stx.stx_mask & libc::STATX_DIOALIGN != 0 && stx.stx_dio_offset_align > 0 {
+            stx.stx_dio_offset_align.clamp(512, 65536)
+        } else {
+            4096
+        }
+    }
+}
+
+/// `fallocate` flags for a discard or write-zeroes request.
+pub(crate) fn fallocate_mode(io: &Io) -> i32 {
+    if io.op == Op::WriteZeroes && io.flags.contains(IoFlags::NO_HOLE) {
+        libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
+    } else {
+        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
+    }
+}
+
+/// Performs one request with blocking system calls. Used by the sync engine, and by the
+/// others for what their kernel interface cannot do.
+pub(crate) fn do_sync(shared: &FileShared, io: &Io) -> IoStatus {
+    let fd = shared.fd();
+    match io.op {
+        Op::Read => rw_loop(io, |buf, len, off| {
+            // SAFETY: buf is valid for len bytes (submitter's guarantee).
+            unsafe { libc::pread(fd, buf.cast(), len, off as libc::off_t) }
+        }),
+        Op::Write => {
+            let rwf = if io.flags.contains(IoFlags::FUA) { libc::RWF_DSYNC } else { 0 };
+            rw_loop(io, |buf, len, off| {
+                let iov = libc::iovec { iov_base: buf.cast(), iov_len: len };
+                // SAFETY: iov describes len valid bytes.
+                unsafe { libc::pwritev2(fd, &iov, 1, off as libc::off_t, rwf) }
+            })
+        }
+        Op::Flush => {
+            // SAFETY: plain syscall on an open fd.
+            if unsafe { libc::fdatasync(fd) } < 0 {
+                return IoStatus::errno(last_errno());
+            }
+            IoStatus::OK
+        }
+        Op::Discard | Op::WriteZeroes => {
+            // SAFETY: plain syscall on an open fd.
+            let rc = unsafe {
+                libc::fallocate(fd, fallocate_mode(io), io.offset as libc::off_t, io.len as libc::off_t)
+            };
+            if rc == 0 {
+                return IoStatus::OK;
+            }
+            let errno = last_errno();
+            if errno == libc::EOPNOTSUPP || errno == libc::EINVAL {
+                write_zeros(shared, io.offset, io.len)
+            } else {
+                IoStatus::errno(errno)
+            }
+        }
+    }
+}
+
+/// Writes zeros over a range, for file systems and devices without hole punching.
+pub(crate) fn write_zeros(shared: &FileShared, offset: u64, len: u64) -> IoStatus {
+    let zeros = shared.zeros();
+    let mut done = 0;
+    while done < len {
+        let n = (len - done).min(zeros.len() as u64) as usize;
+        // SAFETY: `zeros` is valid for n bytes and only read.
+        let rc = unsafe {
+            libc::pwrite(shared.fd(), zeros.as_slice().as_ptr().cast(), n, (offset + done) as libc::off_t)
+        };
+        if rc < 0 {
+            let errno = last_errno();
+            if errno == libc::EINTR {
+                continue;
+            }
+            return IoStatus::errno(errno);
+        }
+        if rc == 0 {
+            return IoStatus::errno(libc::EIO);
+        }
+        done += rc as u64;
+    }
+    IoStatus::OK
+}
+
+fn rw_loop(io: &Io, mut call: impl FnMut(*mut u8, usize, u64) -> isize) -> IoStatus {
+    let mut done = 0u64;
+    while done < io.len {
+        // SAFETY: done < len, so the pointer stays inside the buffer.
+        let buf = unsafe { io.buf.add(done as usize) };
+        let rc = call(buf, (io.len - done) as usize, io.offset + done);
+        if rc < 0 {
+            let errno = last_errno();
+            if errno == libc::EINTR {
+                continue;
+            }
+            return IoStatus::errno(errno);
+        }
+        if rc == 0 {
+            // The file ends before the device does (it was truncated under us).
+            return IoStatus::errno(libc::EIO);
+        }
+        done += rc as u64;
+    }
+    IoStatus::OK
+}
+
+pub(crate) fn last_errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+}
+
+/// Per-request bookkeeping shared by the asynchronous engines: a fixed table of slots and
+/// a FIFO of requests waiting for one.
+pub(crate) struct Slots {
+    pub(crate) entries: Vec<Slot>,
+    free: Vec<u32>,
+    pub(crate) waiting: std::collections::VecDeque<(Io, u64)>,
+}
+
+#[derive(Clone, Copy)]
+pub(crate) struct Slot {
+    pub(crate) io: Io,
+    pub(crate) done_bytes: u64,
+    pub(crate) start_ns: u64,
+}
+
+impl Slots {
+    pub(crate) fn new(depth: usize) -> Slots {
+        let idle = Io::nodata(Op::Flush, 0, 0, cairn_core::SinkId(u32::MAX), 0);
+        Slots {
+            entries: vec![Slot { io: idle, done_bytes: 0, start_ns: 0 }; depth],
+            free: (0..depth as u32).rev().collect(),
+            waiting: std::collections::VecDeque::new(),
+        }
+    }
+
+    /// Takes a slot for `io`, or parks `io` in the waiting FIFO and returns `None`.
+    pub(crate) fn take(&mut self, io: Io, start_ns: u64) -> Option<u32> {
+        match self.free.pop() {
+            Some(i) => {
+                self.entries[i as usize] = Slot { io, done_bytes: 0, start_ns };
+                Some(i)
+            }
+            None => {
+                self.waiting.push_back((io, start_ns));
+                None
+            }
+        }
+    }
+
+    pub(crate) fn release(&mut self, i: u32) {
+        self.free.push(i);
+    }
+
+    pub(crate) fn in_use(&self) -> usize {
+        self.entries.len() - self.free.len()
+    }
+}

@@ -1,0 +1,183 @@
+//! The io_uring engine: requests become SQEs on the reactor's own ring.
+//!
+//! The file is registered in the ring's fixed-file table when a slot is free, which saves
+//! the kernel a file-reference round trip per request. Short reads and writes are resumed
+//! where they stopped; ranges the file system cannot zero with `fallocate` are zeroed by
+//! writing.
+
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+use std::sync::Arc;
+
+use cairn_core::{Core, Error, Io, IoFlags, IoStatus, Op, Queue, QueueStats, RingUser};
+use io_uring::{opcode, squeue, types};
+
+use super::{do_sync, fallocate_mode, write_zeros, FileShared, Slots, QUEUE_DEPTH};
+
+/// One file's queue on one reactor's io_uring.
+pub struct UringQueue {
+    core: Rc<Core>,
+    stats: QueueStats,
+    shared: Arc<FileShared>,
+    fixed: Option<u32>,
+    user: Cell<u16>,
+    slots: RefCell<Slots>,
+}
+
+impl UringQueue {
+    /// Opens a queue on `core`.
+    pub fn open(core: &Rc<Core>, shared: Arc<FileShared>) -> Result<Rc<dyn Queue>, Error> {
+        let fixed = core.register_file(shared.fd());
+        let queue = Rc::new(UringQueue {
+            core: core.clone(),
+            stats: QueueStats::new(core.switches().stats),
+            shared,
+            fixed,
+            user: Cell::new(0),
+            slots: RefCell::new(Slots::new(QUEUE_DEPTH)),
+        });
+        let id = core.register_ring_user(queue.clone())?;
+        queue.user.set(id);
+        Ok(queue)
+    }
+
+    fn target(&self) -> Target {
+        match self.fixed {
+            Some(i) => Target::Fixed(types::Fixed(i)),
+            None => Target::Fd(types::Fd(self.shared.fd())),
+        }
+    }
+
+    /// Builds and queues the SQE for what is left of the request in `slot`.
+    fn push(&self, slot: u32, io: &Io, done_bytes: u64) {
+        let entry = self.sqe(io, done_bytes);
+        // SAFETY: the buffer belongs to the submitter until we deliver the completion; the
+        // fd lives in `shared`, which this queue (registered with the ring) keeps alive.
+        unsafe { self.core.push_sqe(self.user.get(), u64::from(slot), entry) };
+    }
+
+    fn sqe(&self, io: &Io, done_bytes: u64) -> squeue::Entry {
+        let t = self.target();
+        // SAFETY: done_bytes < len, so the pointer stays inside the request's buffer.
+        let buf = unsafe { io.buf.add(done_bytes as usize) };
+        let len = (io.len - done_bytes) as u32;
+        let offset = io.offset + done_bytes;
+        match io.op {
+            Op::Read => match t {
+                Target::Fixed(f) => opcode::Read::new(f, buf, len).offset(offset).build(),
+                Target::Fd(f) => opcode::Read::new(f, buf, len).offset(offset).build(),
+            },
+            Op::Write => {
+                let rwf = if io.flags.contains(IoFlags::FUA) { libc::RWF_DSYNC } else { 0 };
+                match t {
+                    Target::Fixed(f) => {
+                        opcode::Write::new(f, buf, len).offset(offset).rw_flags(rwf).build()
+                    }
+                    Target::Fd(f) => {
+                        opcode::Write::new(f, buf, len).offset(offset).rw_flags(rwf).build()
+                    }
+                }
+            }
+            Op::Flush => {
+                let flags = types::FsyncFlags::DATASYNC;
+                match t {
+                    Target::Fixed(f) => opcode::Fsync::new(f).flags(flags).build(),
+                    Target::Fd(f) => opcode::Fsync::new(f).flags(flags).build(),
+                }
+            }
+            Op::Discard | Op::WriteZeroes => {
+                let mode = fallocate_mode(io);
+                match t {
+                    Target::Fixed(f) => {
+                        opcode::Fallocate::new(f, io.len).offset(io.offset).mode(mode).build()
+                    }
+                    Target::Fd(f) => {
+                        opcode::Fallocate::new(f, io.len).offset(io.offset).mode(mode).build()
+                    }
+                }
+            }
+        }
+    }
+
+    fn finish(&self, slot: u32, status: IoStatus) {
+        let next = {
+            let mut slots = self.slots.borrow_mut();
+            let s = slots.entries[slot as usize];
+            self.stats.done(s.io.op, s.io.len, s.start_ns, self.core.now_ns(), status.is_ok());
+            self.core.complete(s.io.sink, s.io.token, status);
+            slots.release(slot);
+            slots.waiting.pop_front().and_then(|(io, start)| slots.take(io, start).map(|i| (i, io)))
+        };
+        if let Some((i, io)) = next {
+            self.push(i, &io, 0);
+        }
+    }
+}
+
+enum Target {
+    Fixed(types::Fixed),
+    Fd(types::Fd),
+}
+
+impl Queue for UringQueue {
+    fn submit(&self, io: Io) {
+        let start = if self.stats.enabled() { self.core.now_ns() } else { 0 };
+        self.stats.start(start);
+        let slot = self.slots.borrow_mut().take(io, start);
+        if let Some(slot) = slot {
+            self.push(slot, &io, 0);
+        }
+    }
+
+    fn stats(&self) -> &QueueStats {
+        &self.stats
+    }
+}
+
+impl RingUser for UringQueue {
+    fn ring_complete(&self, cookie: u64, res: i32) {
+        let slot = cookie as u32;
+        let s = self.slots.borrow().entries[slot as usize];
+        let io = s.io;
+        if res < 0 {
+            let errno = -res;
+            if errno == libc::EAGAIN || errno == libc::EINTR {
+                self.push(slot, &io, s.done_bytes);
+                return;
+            }
+            let fallback = matches!(io.op, Op::Discard | Op::WriteZeroes)
+                && (errno == libc::EOPNOTSUPP || errno == libc::EINVAL);
+            let status = if fallback {
+                write_zeros(&self.shared, io.offset, io.len)
+            } else {
+                IoStatus::errno(errno)
+            };
+            self.finish(slot, status);
+            return;
+        }
+        if io.op.has_data() {
+            let done = s.done_bytes + res as u64;
+            if res == 0 {
+                // Unexpected end of file: the file was truncated under the device.
+                self.finish(slot, IoStatus::errno(libc::EIO));
+            } else if done < io.len {
+                self.slots.borrow_mut().entries[slot as usize].done_bytes = done;
+                self.push(slot, &io, done);
+            } else {
+                self.finish(slot, IoStatus::OK);
+            }
+        } else {
+            self.finish(slot, IoStatus::OK);
+        }
+    }
+}
+
+impl Drop for UringQueue {
+    fn drop(&mut self) {
+        if let Some(slot) = self.fixed {
+            self.core.unregister_file(slot);
+        }
+        debug_assert_eq!(self.slots.borrow().in_use(), 0, "queue dropped with requests in flight");
+        let _ = do_sync; // the sync path is shared with the other engines
+    }
+}

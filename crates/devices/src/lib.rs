@@ -1,0 +1,54 @@
+//! cairn's devices, one module per backend.
+//!
+//! - [`null`]: completes at once; reads return zeros (like Linux's null_blk).
+//! - [`mem`]: a sparse RAM disk; memory grows with the data written.
+//! - [`file`]: a regular file or block device through io_uring, linux-aio or plain
+//!   syscalls.
+//!
+//! [`spec`] turns the command-line form (`file:/dev/shm/a,engine=aio,size=1G`) into a
+//! typed [`LeafSpec`] once, at the edge; [`open`] turns that into a device.
+#![warn(missing_docs)]
+
+pub mod file;
+pub mod mem;
+pub mod null;
+pub mod spec;
+
+use std::sync::Arc;
+
+use cairn_core::{Device, Error};
+
+pub use spec::{Engine, LeafSpec};
+
+/// Default logical block size of null and mem devices.
+pub const DEFAULT_BLOCK_BYTES: u32 = 512;
+
+/// Opens the device a spec describes, under `name`.
+pub fn open(spec: &LeafSpec, name: &str) -> Result<Arc<dyn Device>, Error> {
+    Ok(match spec {
+        LeafSpec::Null { size_bytes, block_bytes } => {
+            Arc::new(null::NullDevice::new(name, *size_bytes, *block_bytes)?)
+        }
+        LeafSpec::Mem { size_bytes, block_bytes } => {
+            Arc::new(mem::MemDevice::new(name, *size_bytes, *block_bytes)?)
+        }
+        LeafSpec::File { path, engine, direct, size_bytes } => {
+            Arc::new(file::FileDevice::open(name, path, *engine, *direct, *size_bytes)?)
+        }
+    })
+}
+
+/// Checks size and block size shared by null and mem devices.
+pub(crate) fn check_size(kind: &str, size_bytes: u64, block_bytes: u32) -> Result<(), Error> {
+    if !block_bytes.is_power_of_two() || !(512..=65536).contains(&block_bytes) {
+        return Err(Error::Invalid(format!(
+            "{kind}: block size {block_bytes} must be a power of two from 512 to 65536"
+        )));
+    }
+    if size_bytes == 0 || size_bytes % u64::from(block_bytes) != 0 {
+        return Err(Error::Invalid(format!(
+            "{kind}: size {size_bytes} must be a non-zero multiple of the {block_bytes}-byte block size"
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,220 @@
+//! The command-line form of a leaf device: `null:SIZE`, `mem:SIZE`, `file:PATH[,key=value]`.
+//!
+//! Options follow the first comma: `block=` for null and mem; `engine=io_uring|aio|sync`,
+//! `direct=0|1` and `size=` for files. Paths containing commas are not supported.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use cairn_core::size::parse_size;
+
+use crate::DEFAULT_BLOCK_BYTES;
+
+/// How a file device talks to the kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Engine {
+    /// io_uring on the reactor's own ring (the default).
+    #[default]
+    IoUring,
+    /// linux-aio (`io_submit`), one context per queue, reaped from user space.
+    Aio,
+    /// Plain `pread`/`pwrite` on the reactor thread.
+    Sync,
+}
+
+impl Engine {
+    /// Parses `io_uring`, `aio` or `sync`.
+    pub fn parse(text: &str) -> Result<Engine, String> {
+        match text {
+            "io_uring" | "uring" => Ok(Engine::IoUring),
+            "aio" | "libaio" => Ok(Engine::Aio),
+            "sync" | "psync" => Ok(Engine::Sync),
+            _ => Err(format!("unknown engine '{text}' (use io_uring, aio or sync)")),
+        }
+    }
+
+    /// The name as written in specs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Engine::IoUring => "io_uring",
+            Engine::Aio => "aio",
+            Engine::Sync => "sync",
+        }
+    }
+}
+
+impl fmt::Display for Engine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A parsed leaf device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeafSpec {
+    /// `null:SIZE[,block=N]`.
+    Null {
+        /// Size in bytes.
+        size_bytes: u64,
+        /// Logical block size.
+        block_bytes: u32,
+    },
+    /// `mem:SIZE[,block=N]`.
+    Mem {
+        /// Size in bytes.
+        size_bytes: u64,
+        /// Logical block size.
+        block_bytes: u32,
+    },
+    /// `file:PATH[,engine=E][,direct=0|1][,size=SIZE]`.
+    File {
+        /// The file or block device.
+        path: PathBuf,
+        /// The engine.
+        engine: Engine,
+        /// Open with O_DIRECT.
+        direct: bool,
+        /// Create or extend to this size; without it the file's own size is used.
+        size_bytes: Option<u64>,
+    },
+}
+
+impl LeafSpec {
+    /// Parses the command-line form.
+    pub fn parse(text: &str) -> Result<LeafSpec, String> {
+        let (kind, rest) = text.split_once(':').ok_or_else(|| {
+            format!("invalid device '{text}': expected null:SIZE, mem:SIZE or file:PATH")
+        })?;
+        let mut parts = rest.split(',');
+        let first = parts.next().unwrap_or("");
+        let mut options = Vec::new();
+        for part in parts {
+            let (k, v) = part
+                .split_once('=')
+                .ok_or_else(|| format!("invalid device '{text}': option '{part}' is not key=value"))?;
+            if options.iter().any(|(seen, _)| *seen == k) {
+                return Err(format!("invalid device '{text}': option '{k}' given twice"));
+            }
+            options.push((k, v));
+        }
+        let size = |v: &str| parse_size(v).map_err(|e| format!("invalid device '{text}': {e}"));
+        match kind {
+            "null" | "mem" => {
+                let size_bytes = size(first)?;
+                let mut block_bytes = DEFAULT_BLOCK_BYTES;
+                for (k, v) in options {
+                    match k {
+                        "block" => {
+                            block_bytes = u32::try_from(size(v)?).map_err(|_| {
+                                format!("invalid device '{text}': block size too large")
+                            })?
+                        }
+                        _ => {
+                            return Err(format!(
+                                "invalid device '{text}': unknown option '{k}' for {kind} (known: block)"
+                            ))
+                        }
+                    }
+                }
+                Ok(if kind == "null" {
+                    LeafSpec::Null { size_bytes, block_bytes }
+                } else {
+                    LeafSpec::Mem { size_bytes, block_bytes }
+                })
+            }
+            "file" => {
+                if first.is_empty() {
+                    return Err(format!("invalid device '{text}': file needs a path"));
+                }
+                let mut engine = Engine::default();
+                let mut direct = false;
+                let mut size_bytes = None;
+                for (k, v) in options {
+                    match k {
+                        "engine" => {
+                            engine = Engine::parse(v)
+                                .map_err(|e| format!("invalid device '{text}': {e}"))?
+                        }
+                        "direct" => {
+                            direct = match v {
+                                "0" | "false" => false,
+                                "1" | "true" => true,
+                                _ => {
+                                    return Err(format!(
+                                        "invalid device '{text}': direct must be 0 or 1"
+                                    ))
+                                }
+                            }
+                        }
+                        "size" => size_bytes = Some(size(v)?),
+                        _ => {
+                            return Err(format!(
+                            "invalid device '{text}': unknown option '{k}' for file (known: engine, direct, size)"
+                        ))
+                        }
+                    }
+                }
+                Ok(LeafSpec::File { path: PathBuf::from(first), engine, direct, size_bytes })
+            }
+            _ => Err(format!(
+                "invalid device '{text}': unknown type '{kind}' (use null, mem or file)"
+            )),
+        }
+    }
+
+    /// A short default name for reports: `null`, `mem` or the file's name.
+    pub fn default_name(&self) -> String {
+        match self {
+            LeafSpec::Null { .. } => "null".into(),
+            LeafSpec::Mem { .. } => "mem".into(),
+            LeafSpec::File { path, .. } => path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "file".into()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses() {
+        assert_eq!(
+            LeafSpec::parse("null:1G"),
+            Ok(LeafSpec::Null { size_bytes: 1 << 30, block_bytes: 512 })
+        );
+        assert_eq!(
+            LeafSpec::parse("mem:64M,block=4k"),
+            Ok(LeafSpec::Mem { size_bytes: 64 << 20, block_bytes: 4096 })
+        );
+        assert_eq!(
+            LeafSpec::parse("file:/dev/shm/a,engine=aio,direct=1,size=1G"),
+            Ok(LeafSpec::File {
+                path: "/dev/shm/a".into(),
+                engine: Engine::Aio,
+                direct: true,
+                size_bytes: Some(1 << 30)
+            })
+        );
+    }
+
+    #[test]
+    fn refuses() {
+        for bad in [
+            "null",
+            "null:",
+            "null:1x",
+            "disk:1G",
+            "mem:1G,foo=1",
+            "mem:1G,block",
+            "file:",
+            "file:/a,engine=spdk",
+            "file:/a,direct=2",
+            "file:/a,size=1G,size=2G",
+        ] {
+            assert!(LeafSpec::parse(bad).is_err(), "{bad}");
+        }
+    }
+}
