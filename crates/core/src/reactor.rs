@@ -92,6 +92,8 @@ const USER_SHIFT: u32 = 48;
 const COOKIE_MASK: u64 = (1 << USER_SHIFT) - 1;
 /// CQEs copied out of the ring per step while reaping.
 const REAP_CHUNK: usize = 64;
+/// `IORING_ENTER_GETEVENTS`.
+const ENTER_GETEVENTS: u32 = 1;
 
 /// A completion waiting in the FIFO.
 #[derive(Clone, Copy)]
@@ -255,13 +257,13 @@ impl Core {
         if unsafe { ring.submission().push(&entry) }.is_err() {
             // The plug is full: hand the batch to the kernel now, as a block plug
             // flushes when it reaches its request limit.
-            self.enter(&ring, 0, None);
+            self.enter(&ring, 0, false, None);
             // SAFETY: as above; the queue has room after the submit.
             if unsafe { ring.submission().push(&entry) }.is_err() {
                 // The kernel did not take any SQE (out of memory): try once more after
                 // letting completions drain; this cannot loop forever because the ring
                 // only holds our own requests.
-                self.enter(&ring, 1, None);
+                self.enter(&ring, 1, true, None);
                 let _ = unsafe { ring.submission().push(&entry) };
             }
         }
@@ -296,8 +298,10 @@ impl Core {
     }
 
     /// One `io_uring_enter`: submits what is queued and waits for `want` completions (or
-    /// until `timeout_ns`).
-    fn enter(&self, ring: &IoUring, want: usize, timeout_ns: Option<u64>) {
+    /// until `timeout_ns`). With `collect`, completions that are ready are posted to the
+    /// CQ even when `want` is 0 (on a DEFER_TASKRUN ring they are otherwise held back
+    /// until the next wait).
+    fn enter(&self, ring: &IoUring, want: usize, collect: bool, timeout_ns: Option<u64>) {
         self.bump(|s| {
             s.enters += 1;
             if want > 0 {
@@ -312,6 +316,18 @@ impl Core {
                 let args = types::SubmitArgs::new().timespec(&ts);
                 ring.submitter().submit_with_args(want, &args)
             }
+            _ if want == 0 && collect => {
+                // SAFETY: plain io_uring_enter on our own ring with no argument pointer;
+                // the count is what we queued since the last enter.
+                unsafe {
+                    ring.submitter().enter::<libc::sigset_t>(
+                        self.ring_queued.get(),
+                        0,
+                        ENTER_GETEVENTS,
+                        None,
+                    )
+                }
+            }
             _ => ring.submitter().submit_and_wait(want),
         };
         match res {
@@ -319,9 +335,10 @@ impl Core {
             // Timed out, interrupted or busy: what was queued may or may not be taken;
             // the SQ head tells, and the next enter submits the rest.
             Err(_) => {
-                let mut ring_sq = unsafe { ring.submission_shared() };
-                ring_sq.sync();
-                self.ring_queued.set(ring_sq.len() as u32);
+                // SAFETY: only this thread touches the ring (it is not Send).
+                let mut sq = unsafe { ring.submission_shared() };
+                sq.sync();
+                self.ring_queued.set(sq.len() as u32);
             }
         }
     }
@@ -363,14 +380,15 @@ impl Core {
         self.timers.borrow().iter().map(|t| t.deadline_ns).min()
     }
 
-    /// Hands queued requests to the kernel: aio contexts first, then the ring.
-    fn unplug(&self, want: usize, timeout_ns: Option<u64>) {
+    /// Hands queued requests to the kernel: aio contexts first, then the ring. With
+    /// `collect` (eager reaping) the same system call also posts whatever has completed.
+    fn unplug(&self, want: usize, collect: bool, timeout_ns: Option<u64>) {
         for slot in self.pollers.borrow().iter() {
             slot.poller.unplug();
         }
         if self.ring_queued.get() > 0 || want > 0 {
             let ring = self.ring.borrow();
-            self.enter(&ring, want, timeout_ns);
+            self.enter(&ring, want, collect, timeout_ns);
         }
     }
 
@@ -474,9 +492,16 @@ pub struct Reactor {
 impl Reactor {
     /// A reactor with its own io_uring.
     pub fn new(switches: Switches) -> Result<Reactor, Error> {
+        // As fio does: completions run as deferred task work in our own io_uring_enter
+        // (no interrupts of the reactor, no cross-CPU wake-ups), and only this thread
+        // submits. Kernels before 6.1 refuse the flags; they get a plain ring.
         let ring = IoUring::builder()
             .setup_cqsize(RING_ENTRIES * 4)
+            .setup_coop_taskrun()
+            .setup_single_issuer()
+            .setup_defer_taskrun()
             .build(RING_ENTRIES)
+            .or_else(|_| IoUring::builder().setup_cqsize(RING_ENTRIES * 4).build(RING_ENTRIES))
             .map_err(|e| Error::os("create io_uring", e))?;
         ring.submitter()
             .register_files_sparse(FIXED_FILES)
@@ -523,7 +548,9 @@ impl Reactor {
             let idle = core.fifo.borrow().is_empty();
             match core.switches.reap {
                 ReapMode::Eager => {
-                    core.unplug(0, None);
+                    // Submit and, in the same system call, collect what has completed;
+                    // then look at every ring before deciding to sleep.
+                    core.unplug(0, true, None);
                     let found = core.reap(true);
                     if found == 0 && idle && core.fifo.borrow().is_empty() {
                         self.block();
@@ -531,17 +558,18 @@ impl Reactor {
                     }
                 }
                 ReapMode::Lazy => {
+                    // Completions are collected only by the wait, once nothing else is left.
                     if idle {
                         self.block();
                         core.reap(false);
                     } else {
-                        core.unplug(0, None);
+                        core.unplug(0, false, None);
                     }
                 }
             }
         }
         // Whatever was queued in the plug still goes to the kernel.
-        core.unplug(0, None);
+        core.unplug(0, false, None);
     }
 
     /// Unplugs and waits for one completion, a poller wake-up or the next timer.
@@ -550,7 +578,7 @@ impl Reactor {
         core.arm_pollers();
         if !core.has_work() && core.fifo.borrow().is_empty() {
             // Nothing can complete: do not sleep forever, let the caller look again.
-            core.unplug(0, None);
+            core.unplug(0, false, None);
             std::thread::sleep(std::time::Duration::from_millis(1));
             return;
         }
@@ -560,9 +588,9 @@ impl Reactor {
             None => IDLE_WAIT_NS,
         };
         if timeout == 0 {
-            core.unplug(0, None);
+            core.unplug(0, true, None);
         } else {
-            core.unplug(1, Some(timeout));
+            core.unplug(1, true, Some(timeout));
         }
         core.clock.refresh();
     }
@@ -575,7 +603,7 @@ impl Reactor {
             core.clock.refresh();
             core.fire_timers();
             core.run_fifo();
-            core.unplug(0, None);
+            core.unplug(0, true, None);
             core.reap(true);
             let quiet = core.fifo.borrow().is_empty()
                 && core.ring_in_flight.get() == core.armed_polls()
