@@ -12,6 +12,7 @@
 //! Nothing here allocates, locks or hands work to another thread per I/O.
 #![warn(missing_docs)]
 
+pub mod blocking;
 pub mod buf;
 pub mod clock;
 pub mod device;
