@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""The engine benchmarks of issue 2, side by side with fio in one run.
+
+  bench/engine.py [--runtime SECS] [--rounds N] [--only NAME,...]
+
+Each comparison runs its variants in interleaved rounds (A B A B ...) and reports the
+median, so drift on a shared machine hits every variant alike. Raw JSON from every run
+goes to bench/out/engine-*.json; the summary table goes to stdout (Markdown).
+
+Comparisons:
+  null      4 KiB randread, iodepth 32, 1 job, on a null device: cairn vs fio's null engine
+  uring     1 GiB file in /dev/shm, 4 KiB randread, iodepth 32: cairn io_uring vs fio io_uring
+  aio       same file: cairn aio vs fio libaio
+  clock     technique 2: null, stats on: --clock cached vs --clock precise
+  stats     null: --stats on vs --stats off
+  reap      technique 5: the /dev/shm file, --reap eager vs lazy, for io_uring and aio
+
+fio runs with --norandommap --randrepeat=0 (cairn's offsets are uniformly random too) and
+records completion latency, as cairn does. cairn's null device zeroes read buffers;
+fio's null engine does not touch them.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "bench", "out")
+CAIRN = os.path.join(ROOT, "target", "release", "cairn")
+SHM_FILE = "/dev/shm/cairn-bench-1g"
+
+
+def sh(cmd):
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        sys.exit(f"failed ({r.returncode}): {' '.join(cmd)}\n{r.stderr}")
+    return r.stdout
+
+
+def prepare():
+    if shutil.which("fio") is None:
+        if os.geteuid() == 0:
+            subprocess.run(["apt-get", "install", "-y", "-qq", "fio"], check=True)
+        else:
+            sys.exit("fio is not installed (apt-get install fio)")
+    subprocess.run(["cargo", "build", "--release", "-q"], cwd=ROOT, check=True)
+    os.makedirs(OUT, exist_ok=True)
+    if not os.path.exists(SHM_FILE) or os.path.getsize(SHM_FILE) != 1 << 30:
+        with open(SHM_FILE, "wb") as f:
+            for _ in range(1024):
+                f.write(os.urandom(1 << 20))
+
+
+def fio(engine, runtime, filename=None):
+    cmd = ["fio", "--name=bench", f"--ioengine={engine}", "--rw=randread", "--bs=4k",
+           "--iodepth=32", "--numjobs=1", f"--runtime={runtime}", "--time_based",
+           "--norandommap", "--randrepeat=0", "--group_reporting", "--output-format=json"]
+    cmd += [f"--filename={filename}"] if filename else ["--size=1G"]
+    return json.loads(sh(cmd))
+
+
+def cairn(device, runtime, *switches):
+    cmd = [CAIRN, *switches, "bench", "--device", device, "--rw", "randread", "--bs", "4k",
+           "--iodepth", "32", "--numjobs", "1", "--runtime", str(runtime), "--time_based",
+           "--output-format", "json"]
+    return json.loads(sh(cmd))
+
+
+def summary(j):
+    job = j["jobs"][0]
+    r = job["read"]
+    out = {"iops": r["iops"], "clat_mean_ns": r["clat_ns"]["mean"],
+           "clat_p99_ns": r["clat_ns"]["percentile"].get("99.000000", 0), "ctx": job["ctx"]}
+    if "cairn" in j:
+        reaps = j["cairn"]["reaps"]
+        out["reaps"] = {k.split(".")[0] if k.endswith(".000000") else k: v
+                        for k, v in reaps["percentile"].items()}
+        out["reaps_nonempty"] = reaps["nonempty"]
+    return out
+
+
+def compare(name, variants, rounds):
+    """variants: list of (label, thunk). Returns {label: [summaries]}."""
+    results = {label: [] for label, _ in variants}
+    for rnd in range(rounds):
+        for label, thunk in variants:
+            j = thunk()
+            with open(os.path.join(OUT, f"engine-{name}-{label.replace(' ', '_')}-{rnd}.json"), "w") as f:
+                json.dump(j, f, indent=1)
+            results[label].append(summary(j))
+            print(f"  {name}: {label} round {rnd + 1}: {results[label][-1]['iops']:.0f} IOPS",
+                  file=sys.stderr)
+    return results
+
+
+def med(rs, key):
+    return statistics.median(r[key] for r in rs)
+
+
+def fmt_iops(v):
+    return f"{v / 1e6:.2f}M" if v >= 1e6 else f"{v / 1e3:.0f}k"
+
+
+def reap_cells(rs):
+    # Median over rounds of each completions-per-reap percentile.
+    keys = ["1", "10", "50", "90", "99.990000"]
+    return " / ".join(str(int(statistics.median(r["reaps"][k] for r in rs))) for k in keys)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runtime", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", default="null,uring,aio,clock,stats,reap")
+    args = ap.parse_args()
+    only = set(args.only.split(","))
+    prepare()
+    t, n = args.runtime, args.rounds
+    rows = []
+
+    def ratio_row(title, res, a, b, need):
+        ia, ib = med(res[a], "iops"), med(res[b], "iops")
+        ok = "yes" if ia / ib >= need else "NO"
+        rows.append(f"| {title} | {a}: {fmt_iops(ia)} | {b}: {fmt_iops(ib)} | {ia / ib:.2f}x | >= {need}x | {ok} |")
+
+    if "null" in only:
+        res = compare("null", [("cairn null", lambda: cairn("null:1G", t)),
+                               ("fio null", lambda: fio("null", t))], n)
+        ratio_row("4K randread qd32, null device", res, "cairn null", "fio null", 2.0)
+    if "uring" in only:
+        res = compare("uring", [("cairn io_uring", lambda: cairn(f"file:{SHM_FILE},engine=io_uring", t)),
+                                ("fio io_uring", lambda: fio("io_uring", t, SHM_FILE))], n)
+        ratio_row("4K randread qd32, 1 GiB /dev/shm file", res, "cairn io_uring", "fio io_uring", 1.0)
+    if "aio" in only:
+        res = compare("aio", [("cairn aio", lambda: cairn(f"file:{SHM_FILE},engine=aio", t)),
+                              ("fio libaio", lambda: fio("libaio", t, SHM_FILE))], n)
+        ratio_row("4K randread qd32, 1 GiB /dev/shm file", res, "cairn aio", "fio libaio", 1.0)
+    if "clock" in only:
+        res = compare("clock", [("clock cached", lambda: cairn("null:1G", t, "--clock", "cached")),
+                                ("clock precise", lambda: cairn("null:1G", t, "--clock", "precise"))], n)
+        ratio_row("technique 2: null, stats on", res, "clock cached", "clock precise", 1.09)
+    if "stats" in only:
+        res = compare("stats", [("stats on", lambda: cairn("null:1G", t, "--stats", "on")),
+                                ("stats off", lambda: cairn("null:1G", t, "--stats", "off"))], n)
+        ratio_row("statistics cost: null (on/off must be > 0.95)", res, "stats on", "stats off", 0.95)
+    reap_rows = []
+    if "reap" in only:
+        for engine in ("io_uring", "aio"):
+            dev = f"file:{SHM_FILE},engine={engine}"
+            res = compare(f"reap-{engine}", [
+                ("eager", lambda dev=dev: cairn(dev, t, "--reap", "eager")),
+                ("lazy", lambda dev=dev: cairn(dev, t, "--reap", "lazy"))], n)
+            ratio_row(f"technique 5: {engine} file, reap", res, "eager", "lazy", 1.0)
+            for label in ("eager", "lazy"):
+                rs = res[label]
+                reap_rows.append(
+                    f"| {engine} | {label} | {fmt_iops(med(rs, 'iops'))} | {med(rs, 'clat_mean_ns') / 1000:.1f} | "
+                    f"{med(rs, 'clat_p99_ns') / 1000:.1f} | {int(med(rs, 'ctx'))} | {reap_cells(rs)} |")
+
+    print(f"\nMedian of {n} interleaved rounds of {t} s each (`bench/engine.py --runtime {t} --rounds {n}`).\n")
+    print("| comparison | A | B | A/B | target | met |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(r)
+    if reap_rows:
+        print("\nTechnique 5, completions per reap (percentiles 1 / 10 / 50 / 90 / 99.99):\n")
+        print("| engine | reap | IOPS | clat mean (µs) | clat p99 (µs) | ctx | completions per reap |")
+        print("|---|---|---|---|---|---|---|")
+        for r in reap_rows:
+            print(r)
+
+
+if __name__ == "__main__":
+    main()
