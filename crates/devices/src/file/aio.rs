@@ -302,7 +302,8 @@ impl Poller for AioQueue {
     }
 
     fn busy(&self) -> bool {
-        self.in_kernel.get() > 0
+        // Plugged requests count: the reactor arms its wait before it unplugs.
+        self.in_kernel.get() > 0 || !self.plugged.borrow().is_empty()
     }
 
     fn event_fd(&self) -> RawFd {
