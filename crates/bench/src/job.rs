@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use cairn_core::reactor::LoopStats;
 use cairn_core::{
-    AlignedBuf, Core, Device, DeviceStatsSnapshot, Io, IoFlags, IoStatus, Op, Queue, Reactor,
-    Sink, SinkId, Switches,
+    AlignedBuf, Core, Device, DeviceStatsSnapshot, Io, IoFlags, IoStatus, Op, Queue, Reactor, Sink,
+    SinkId, Switches,
 };
 use hdrhistogram::Histogram;
 
@@ -218,15 +218,27 @@ pub(crate) fn run_job(
         measuring,
         ramp_end_ns: now + spec.ramp_time.as_nanos() as u64,
         measure_start_ns: now,
-        deadline_ns: if measuring { now.saturating_add(runtime_ns) } else { u64::MAX },
+        deadline_ns: if measuring {
+            now.saturating_add(runtime_ns)
+        } else {
+            u64::MAX
+        },
         last_ns: now,
         in_flight: 0,
         phase: Phase::Main,
         stopping: false,
         dirs: std::array::from_fn(|_| DirStats::new()),
         failure: None,
-        generations: if spec.verify { vec![0; blocks as usize] } else { Vec::new() },
-        busy: if spec.verify { vec![0; blocks.div_ceil(64) as usize] } else { Vec::new() },
+        generations: if spec.verify {
+            vec![0; blocks as usize]
+        } else {
+            Vec::new()
+        },
+        busy: if spec.verify {
+            vec![0; blocks.div_ceil(64) as usize]
+        } else {
+            Vec::new()
+        },
         next_generation: 1,
         verify_cursor: 0,
         verified_blocks: 0,
@@ -457,9 +469,8 @@ impl Sink for Job {
         if !st.measuring && now >= st.ramp_end_ns {
             st.measuring = true;
             st.measure_start_ns = now;
-            st.deadline_ns = now.saturating_add(
-                self.spec.runtime.map_or(u64::MAX, |d| d.as_nanos() as u64),
-            );
+            st.deadline_ns =
+                now.saturating_add(self.spec.runtime.map_or(u64::MAX, |d| d.as_nanos() as u64));
             st.dirs = std::array::from_fn(|_| DirStats::new());
             st.device_base = snapshot_tree(&self.queue, now);
         }
@@ -470,7 +481,11 @@ impl Sink for Job {
         let block = (offset - st.region_start) / self.spec.bs;
         if !status.is_ok() {
             if st.failure.is_none() {
-                st.failure = Some(Failure::Io { op, offset, errno: status.raw() });
+                st.failure = Some(Failure::Io {
+                    op,
+                    offset,
+                    errno: status.raw(),
+                });
             }
         } else if st.phase == Phase::Main {
             if st.measuring {
@@ -495,9 +510,8 @@ impl Sink for Job {
                     // Generation numbers are written in increasing order per block
                     // because a block is never in flight twice.
                     let s = &st.slots[slot];
-                    let generation = u64::from_le_bytes(
-                        s.buf.as_slice()[16..24].try_into().expect("8 bytes"),
-                    );
+                    let generation =
+                        u64::from_le_bytes(s.buf.as_slice()[16..24].try_into().expect("8 bytes"));
                     st.generations[block as usize] = generation;
                 } else {
                     let expected = st.generations[block as usize];

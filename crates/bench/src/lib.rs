@@ -71,7 +71,10 @@ impl Pattern {
 
     /// Whether offsets are random.
     pub fn random(self) -> bool {
-        matches!(self, Pattern::RandRead | Pattern::RandWrite | Pattern::RandRw)
+        matches!(
+            self,
+            Pattern::RandRead | Pattern::RandWrite | Pattern::RandRw
+        )
     }
 
     /// Percentage of reads, given `--rwmixread`.
@@ -162,13 +165,22 @@ impl JobSpec {
         let geo = device.geometry();
         let block = u64::from(geo.block_bytes);
         if self.iodepth == 0 || self.iodepth > IODEPTH_MAX {
-            return Err(format!("--iodepth must be from 1 to {IODEPTH_MAX}, not {}", self.iodepth));
+            return Err(format!(
+                "--iodepth must be from 1 to {IODEPTH_MAX}, not {}",
+                self.iodepth
+            ));
         }
         if self.numjobs == 0 || self.numjobs > NUMJOBS_MAX {
-            return Err(format!("--numjobs must be from 1 to {NUMJOBS_MAX}, not {}", self.numjobs));
+            return Err(format!(
+                "--numjobs must be from 1 to {NUMJOBS_MAX}, not {}",
+                self.numjobs
+            ));
         }
         if self.rwmixread > 100 {
-            return Err(format!("--rwmixread must be from 0 to 100, not {}", self.rwmixread));
+            return Err(format!(
+                "--rwmixread must be from 0 to 100, not {}",
+                self.rwmixread
+            ));
         }
         if self.bs == 0 || self.bs % block != 0 || self.bs > BS_MAX {
             return Err(format!(
@@ -177,7 +189,10 @@ impl JobSpec {
             ));
         }
         if self.verify && self.bs < verify::HEADER_BYTES as u64 {
-            return Err(format!("--verify needs --bs of at least {} bytes", verify::HEADER_BYTES));
+            return Err(format!(
+                "--verify needs --bs of at least {} bytes",
+                verify::HEADER_BYTES
+            ));
         }
         if self.offset % block != 0 {
             return Err(format!(
@@ -216,7 +231,11 @@ impl JobSpec {
         if per_job < self.bs {
             return Err(format!(
                 "the region ({size} bytes{}) is smaller than --bs {}",
-                if self.verify && self.numjobs > 1 { ", split between verifying jobs" } else { "" },
+                if self.verify && self.numjobs > 1 {
+                    ", split between verifying jobs"
+                } else {
+                    ""
+                },
                 self.bs
             ));
         }
@@ -308,8 +327,9 @@ pub fn run(
     let plan = spec.plan(&*device)?;
     let started = Instant::now();
     let usage_before = report::Usage::now();
-    let progresses: Vec<Arc<Progress>> =
-        (0..spec.numjobs).map(|_| Arc::new(Progress::default())).collect();
+    let progresses: Vec<Arc<Progress>> = (0..spec.numjobs)
+        .map(|_| Arc::new(Progress::default()))
+        .collect();
     let mut handles = Vec::new();
     for (index, region) in plan.regions.iter().enumerate() {
         let spec = spec.clone();
@@ -320,7 +340,15 @@ pub fn run(
         let handle = std::thread::Builder::new()
             .name(format!("cairn-job{index}"))
             .spawn(move || {
-                let result = job::run_job(&spec, index as u32, device, switches, region, io_size, &prog);
+                let result = job::run_job(
+                    &spec,
+                    index as u32,
+                    device,
+                    switches,
+                    region,
+                    io_size,
+                    &prog,
+                );
                 prog.done.store(true, Relaxed);
                 result
             })
@@ -338,5 +366,12 @@ pub fn run(
         }
     }
     let usage = report::Usage::now().since(&usage_before);
-    Ok(Report::new(spec.clone(), &*device, switches, results, usage, started.elapsed()))
+    Ok(Report::new(
+        spec.clone(),
+        &*device,
+        switches,
+        results,
+        usage,
+        started.elapsed(),
+    ))
 }

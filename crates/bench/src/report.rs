@@ -23,8 +23,9 @@ pub const CLAT_PERCENTILES: [f64; 17] = [
     99.99,
 ];
 /// Completions-per-reap percentiles, as in QEMU's "process completions from ioq_submit()".
-pub const REAP_PERCENTILES: [f64; 11] =
-    [1.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 99.99];
+pub const REAP_PERCENTILES: [f64; 11] = [
+    1.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 99.99,
+];
 const DIR_NAMES: [&str; DIRS] = ["read", "write", "sync"];
 
 /// Process CPU time and context switches.
@@ -89,6 +90,8 @@ pub struct Report {
     pub clock_reads: u64,
     /// Per-device statistics (the device, then the ones below it), summed over queues.
     pub devices: Vec<(String, DeviceStatsSnapshot)>,
+    /// Per-queue completions (one queue per job): `queues[job][device]` = (reads, writes).
+    pub queues: Vec<Vec<(u64, u64)>>,
     /// Process CPU time and context switches over the run.
     pub usage: Usage,
     /// Wall time of the whole run, ramp included.
@@ -107,6 +110,15 @@ impl Report {
         usage: Usage,
         elapsed: Duration,
     ) -> Report {
+        let queues = results
+            .iter()
+            .map(|r| {
+                r.devices
+                    .iter()
+                    .map(|(_, d)| (d.ios[Op::Read.index()], d.ios[Op::Write.index()]))
+                    .collect()
+            })
+            .collect();
         let mut results = results.into_iter();
         let first = results.next().expect("at least one job");
         let mut report = Report {
@@ -121,6 +133,7 @@ impl Report {
             loop_stats: first.loop_stats,
             clock_reads: first.clock_reads,
             devices: first.devices,
+            queues,
             usage,
             elapsed,
             verified_blocks: first.verified_blocks,
@@ -209,7 +222,11 @@ impl Report {
             s.iodepth,
             s.numjobs
         );
-        let _ = writeln!(out, "  device   : {} ({})", self.device_name, self.device_desc);
+        let _ = writeln!(
+            out,
+            "  device   : {} ({})",
+            self.device_name, self.device_desc
+        );
         let _ = writeln!(out, "  switches : clock={clock} reap={reap} stats={stats}");
         if let Some(f) = &self.failure {
             let _ = writeln!(out, "  error    : {f}");
@@ -275,7 +292,10 @@ impl Report {
             self.clock_reads as f64 / ios as f64
         );
         if self.reaps.is_empty() {
-            let _ = writeln!(out, "  reaps        : none (the device completes without a ring)");
+            let _ = writeln!(
+                out,
+                "  reaps        : none (the device completes without a ring)"
+            );
         } else {
             let _ = writeln!(
                 out,
@@ -290,7 +310,11 @@ impl Report {
             let _ = writeln!(out, "     | {}", cells.join(", "));
         }
         if s.verify {
-            let _ = writeln!(out, "  verify       : {} blocks read back and checked", self.verified_blocks);
+            let _ = writeln!(
+                out,
+                "  verify       : {} blocks read back and checked",
+                self.verified_blocks
+            );
         }
         let _ = writeln!(out, "\nDisk stats (read/write):");
         let runtime_ns = self.runtime_ns.max(1) as f64;
@@ -341,10 +365,17 @@ impl Report {
         let mut pct = Map::new();
         if d.ios > 0 {
             for p in CLAT_PERCENTILES {
-                pct.insert(format!("{p:.6}"), json!(d.clat.value_at_quantile(p / 100.0)));
+                pct.insert(
+                    format!("{p:.6}"),
+                    json!(d.clat.value_at_quantile(p / 100.0)),
+                );
             }
         }
-        let (min, max) = if d.ios > 0 { (d.clat.min(), d.clat.max()) } else { (0, 0) };
+        let (min, max) = if d.ios > 0 {
+            (d.clat.min(), d.clat.max())
+        } else {
+            (0, 0)
+        };
         let clat = json!({
             "min": min, "max": max, "mean": d.mean_ns(), "stddev": d.stddev_ns(), "N": d.ios,
             "percentile": pct,
@@ -377,7 +408,11 @@ impl Report {
         let (clock, reap, stats) = self.mode_names();
         let mut reap_pct = Map::new();
         for p in REAP_PERCENTILES {
-            let v = if self.reaps.is_empty() { 0 } else { self.reaps.value_at_quantile(p / 100.0) };
+            let v = if self.reaps.is_empty() {
+                0
+            } else {
+                self.reaps.value_at_quantile(p / 100.0)
+            };
             reap_pct.insert(format!("{p:.6}"), json!(v));
         }
         let runtime_ms = self.runtime_ns / 1_000_000;
@@ -400,7 +435,17 @@ impl Report {
         let devices: Vec<Value> = self
             .devices
             .iter()
-            .map(|(name, d)| {
+            .enumerate()
+            .map(|(index, (name, d))| {
+                let queues: Vec<Value> = self
+                    .queues
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(job, q)| {
+                        q.get(index)
+                            .map(|(r, w)| json!({ "job": job, "read_ios": r, "write_ios": w }))
+                    })
+                    .collect();
                 let mut ops = Map::new();
                 for op in Op::ALL {
                     let i = op.index();
@@ -423,6 +468,7 @@ impl Report {
                 json!({
                     "name": name, "stats": if d.enabled { "on" } else { "off" },
                     "errors": d.errors, "in_flight": d.in_flight, "busy_ns": d.busy_ns, "ops": ops,
+                    "queues": queues,
                 })
             })
             .collect();
@@ -506,7 +552,9 @@ pub(crate) fn show_progress(spec: &JobSpec, progresses: &[Arc<Progress>], starte
         let r = total(|p| p.reads.load(Relaxed));
         let w = total(|p| p.writes.load(Relaxed));
         let eta = spec.runtime.map(|rt| {
-            (rt + spec.ramp_time).saturating_sub(now.duration_since(started)).as_secs()
+            (rt + spec.ramp_time)
+                .saturating_sub(now.duration_since(started))
+                .as_secs()
         });
         let _ = write!(
             stderr,

@@ -52,10 +52,16 @@ impl fmt::Display for Mismatch {
                 write!(f, "block holds data written for offset {found}")
             }
             Mismatch::WrongGeneration { expected, found } => {
-                write!(f, "stale or misplaced write: generation {found} found, {expected} expected")
+                write!(
+                    f,
+                    "stale or misplaced write: generation {found} found, {expected} expected"
+                )
             }
             Mismatch::BadChecksum { stored, computed } => {
-                write!(f, "checksum mismatch: stored {stored:#010x}, computed {computed:#010x}")
+                write!(
+                    f,
+                    "checksum mismatch: stored {stored:#010x}, computed {computed:#010x}"
+                )
             }
         }
     }
@@ -94,7 +100,9 @@ pub fn fill(block: &mut [u8], offset: u64, generation: u64) {
 pub fn check(block: &[u8], offset: u64, expected: u64) -> Result<(), Mismatch> {
     let word = |at: usize| u64::from_le_bytes(block[at..at + 8].try_into().expect("8 bytes"));
     if word(0) != MAGIC {
-        return Err(Mismatch::NoHeader { found: block[..8].try_into().expect("8 bytes") });
+        return Err(Mismatch::NoHeader {
+            found: block[..8].try_into().expect("8 bytes"),
+        });
     }
     let stored = u32::from_le_bytes(block[24..28].try_into().expect("4 bytes"));
     let computed = crc_of(block);
@@ -105,7 +113,10 @@ pub fn check(block: &[u8], offset: u64, expected: u64) -> Result<(), Mismatch> {
         return Err(Mismatch::WrongOffset { found: word(8) });
     }
     if word(16) != expected {
-        return Err(Mismatch::WrongGeneration { expected, found: word(16) });
+        return Err(Mismatch::WrongGeneration {
+            expected,
+            found: word(16),
+        });
     }
     Ok(())
 }
@@ -119,13 +130,25 @@ mod tests {
         let mut b = vec![0u8; 4096];
         fill(&mut b, 8192, 7);
         assert_eq!(check(&b, 8192, 7), Ok(()));
-        assert!(matches!(check(&b, 4096, 7), Err(Mismatch::WrongOffset { found: 8192 })));
-        assert!(matches!(check(&b, 8192, 8), Err(Mismatch::WrongGeneration { .. })));
+        assert!(matches!(
+            check(&b, 4096, 7),
+            Err(Mismatch::WrongOffset { found: 8192 })
+        ));
+        assert!(matches!(
+            check(&b, 8192, 8),
+            Err(Mismatch::WrongGeneration { .. })
+        ));
         let mut flipped = b.clone();
         flipped[1000] ^= 1;
-        assert!(matches!(check(&flipped, 8192, 7), Err(Mismatch::BadChecksum { .. })));
+        assert!(matches!(
+            check(&flipped, 8192, 7),
+            Err(Mismatch::BadChecksum { .. })
+        ));
         let zeros = vec![0u8; 4096];
-        assert!(matches!(check(&zeros, 8192, 7), Err(Mismatch::NoHeader { .. })));
+        assert!(matches!(
+            check(&zeros, 8192, 7),
+            Err(Mismatch::NoHeader { .. })
+        ));
         let mut other = vec![0u8; 4096];
         fill(&mut other, 8192, 8);
         assert_ne!(b[HEADER_BYTES..], other[HEADER_BYTES..]);

@@ -188,7 +188,8 @@ impl BenchArgs {
     /// Validates the flags into a job, a device spec and a report format.
     pub fn settings(&self) -> Result<(JobSpec, LeafSpec, OutputFormat), String> {
         let size = |flag: &str, v: &str| parse_size(v).map_err(|e| format!("--{flag}: {e}"));
-        let duration = |flag: &str, v: &str| parse_duration(v).map_err(|e| format!("--{flag}: {e}"));
+        let duration =
+            |flag: &str, v: &str| parse_duration(v).map_err(|e| format!("--{flag}: {e}"));
         let device = LeafSpec::parse(&self.device)?;
         let mut spec = JobSpec {
             rw: Pattern::parse(&self.rw)?,
@@ -196,7 +197,11 @@ impl BenchArgs {
             bs: size("bs", &self.bs)?,
             iodepth: self.iodepth,
             numjobs: self.numjobs,
-            runtime: self.runtime.as_deref().map(|v| duration("runtime", v)).transpose()?,
+            runtime: self
+                .runtime
+                .as_deref()
+                .map(|v| duration("runtime", v))
+                .transpose()?,
             time_based: self.time_based,
             ramp_time: self
                 .ramp_time
@@ -206,7 +211,11 @@ impl BenchArgs {
                 .unwrap_or(Duration::ZERO),
             offset: size("offset", &self.offset)?,
             size: self.size.as_deref().map(|v| size("size", v)).transpose()?,
-            io_size: self.io_size.as_deref().map(|v| size("io_size", v)).transpose()?,
+            io_size: self
+                .io_size
+                .as_deref()
+                .map(|v| size("io_size", v))
+                .transpose()?,
             fsync: self.fsync,
             verify: self.verify.is_some(),
             ..JobSpec::default()

@@ -80,7 +80,13 @@ impl BlockingQueue {
             pending: Cell::new(0),
         });
         let sink = core.register_sink(collector.clone());
-        Ok(BlockingQueue { queue, collector, sink, geometry: device.geometry(), reactor })
+        Ok(BlockingQueue {
+            queue,
+            collector,
+            sink,
+            geometry: device.geometry(),
+            reactor,
+        })
     }
 
     /// The device's geometry.
@@ -101,10 +107,16 @@ impl BlockingQueue {
         for (i, r) in requests.iter_mut().enumerate() {
             let (buf, len) = match r.buf.as_deref_mut() {
                 Some(b) if r.op.has_data() => (b.as_mut_ptr(), b.len() as u64),
-                _ => (std::ptr::null_mut(), if r.op.has_range() { r.len } else { 0 }),
+                _ => (
+                    std::ptr::null_mut(),
+                    if r.op.has_range() { r.len } else { 0 },
+                ),
             };
             if r.op.has_data() && buf.is_null() {
-                out.push(Err(BlockingError::Refused(IoError::BadLength { op: r.op, len: 0 })));
+                out.push(Err(BlockingError::Refused(IoError::BadLength {
+                    op: r.op,
+                    len: 0,
+                })));
                 continue;
             }
             match self.geometry.check(r.op, r.offset, len) {
@@ -146,7 +158,9 @@ impl BlockingQueue {
     }
 
     fn one(&self, mut r: Request<'_>) -> Result<(), BlockingError> {
-        self.run(std::slice::from_mut(&mut r)).pop().expect("one result")
+        self.run(std::slice::from_mut(&mut r))
+            .pop()
+            .expect("one result")
     }
 
     /// Reads `buf.len()` bytes at `offset` (through an aligned bounce buffer, so O_DIRECT
@@ -169,17 +183,35 @@ impl BlockingQueue {
     pub fn write(&self, offset: u64, data: &[u8], flags: IoFlags) -> Result<(), BlockingError> {
         let mut bounce = AlignedBuf::new(data.len());
         bounce.as_mut_slice().copy_from_slice(data);
-        self.one(Request { op: Op::Write, flags, offset, len: 0, buf: Some(bounce.as_mut_slice()) })
+        self.one(Request {
+            op: Op::Write,
+            flags,
+            offset,
+            len: 0,
+            buf: Some(bounce.as_mut_slice()),
+        })
     }
 
     /// Flushes.
     pub fn flush(&self) -> Result<(), BlockingError> {
-        self.one(Request { op: Op::Flush, flags: IoFlags::NONE, offset: 0, len: 0, buf: None })
+        self.one(Request {
+            op: Op::Flush,
+            flags: IoFlags::NONE,
+            offset: 0,
+            len: 0,
+            buf: None,
+        })
     }
 
     /// Discards or write-zeroes a range.
     pub fn zero(&self, op: Op, offset: u64, len: u64, flags: IoFlags) -> Result<(), BlockingError> {
-        self.one(Request { op, flags, offset, len, buf: None })
+        self.one(Request {
+            op,
+            flags,
+            offset,
+            len,
+            buf: None,
+        })
     }
 }
 

@@ -23,7 +23,9 @@ impl AlignedBuf {
         let layout = Self::layout(len);
         // SAFETY: the layout has a non-zero size.
         let ptr = unsafe { alloc::alloc_zeroed(layout) };
-        let Some(ptr) = NonNull::new(ptr) else { alloc::handle_alloc_error(layout) };
+        let Some(ptr) = NonNull::new(ptr) else {
+            alloc::handle_alloc_error(layout)
+        };
         AlignedBuf { ptr, len }
     }
 

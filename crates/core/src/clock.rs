@@ -29,7 +29,11 @@ pub struct Clock {
 impl Clock {
     /// A clock in the given mode, already read once.
     pub fn new(mode: ClockMode) -> Clock {
-        let clock = Clock { mode, cached_ns: Cell::new(0), reads: Cell::new(0) };
+        let clock = Clock {
+            mode,
+            cached_ns: Cell::new(0),
+            reads: Cell::new(0),
+        };
         clock.cached_ns.set(clock.read());
         clock
     }
@@ -71,7 +75,10 @@ impl Clock {
 /// Reads CLOCK_MONOTONIC in nanoseconds.
 #[inline]
 pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC always exists on Linux.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64

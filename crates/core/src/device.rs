@@ -30,7 +30,12 @@ pub struct Caps {
 
 impl Caps {
     /// Every operation supported.
-    pub const ALL: Caps = Caps { flush: true, fua: true, discard: true, write_zeroes: true };
+    pub const ALL: Caps = Caps {
+        flush: true,
+        fua: true,
+        discard: true,
+        write_zeroes: true,
+    };
 }
 
 /// Size, block size and capabilities: what every request is checked against at the edge.
@@ -65,11 +70,21 @@ impl Geometry {
         }
         let block = u64::from(self.block_bytes);
         if offset % block != 0 || len % block != 0 {
-            return Err(IoError::Misaligned { op, offset, len, block: self.block_bytes });
+            return Err(IoError::Misaligned {
+                op,
+                offset,
+                len,
+                block: self.block_bytes,
+            });
         }
         match offset.checked_add(len) {
             Some(end) if end <= self.size_bytes => Ok(()),
-            _ => Err(IoError::OutOfRange { op, offset, len, size: self.size_bytes }),
+            _ => Err(IoError::OutOfRange {
+                op,
+                offset,
+                len,
+                size: self.size_bytes,
+            }),
         }
     }
 }
@@ -114,7 +129,11 @@ mod tests {
     use super::*;
 
     fn geo() -> Geometry {
-        Geometry { size_bytes: 1 << 20, block_bytes: 512, caps: Caps::ALL }
+        Geometry {
+            size_bytes: 1 << 20,
+            block_bytes: 512,
+            caps: Caps::ALL,
+        }
     }
 
     #[test]
@@ -127,14 +146,44 @@ mod tests {
     #[test]
     fn refuses_bad_requests() {
         let g = geo();
-        assert!(matches!(g.check(Op::Read, 1, 512), Err(IoError::Misaligned { .. })));
-        assert!(matches!(g.check(Op::Read, 0, 100), Err(IoError::Misaligned { .. })));
-        assert!(matches!(g.check(Op::Read, 0, 0), Err(IoError::BadLength { .. })));
-        assert!(matches!(g.check(Op::Write, 1 << 20, 512), Err(IoError::OutOfRange { .. })));
-        assert!(matches!(g.check(Op::Read, u64::MAX - 511, 512), Err(IoError::OutOfRange { .. })));
-        assert_eq!(g.check(Op::Write, 1 << 20, 512).unwrap_err().errno(), libc::ENOSPC);
-        assert_eq!(g.check(Op::Read, 1 << 20, 512).unwrap_err().errno(), libc::EINVAL);
-        let nodiscard = Geometry { caps: Caps { discard: false, ..Caps::ALL }, ..g };
-        assert_eq!(nodiscard.check(Op::Discard, 0, 512), Err(IoError::Unsupported(Op::Discard)));
+        assert!(matches!(
+            g.check(Op::Read, 1, 512),
+            Err(IoError::Misaligned { .. })
+        ));
+        assert!(matches!(
+            g.check(Op::Read, 0, 100),
+            Err(IoError::Misaligned { .. })
+        ));
+        assert!(matches!(
+            g.check(Op::Read, 0, 0),
+            Err(IoError::BadLength { .. })
+        ));
+        assert!(matches!(
+            g.check(Op::Write, 1 << 20, 512),
+            Err(IoError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            g.check(Op::Read, u64::MAX - 511, 512),
+            Err(IoError::OutOfRange { .. })
+        ));
+        assert_eq!(
+            g.check(Op::Write, 1 << 20, 512).unwrap_err().errno(),
+            libc::ENOSPC
+        );
+        assert_eq!(
+            g.check(Op::Read, 1 << 20, 512).unwrap_err().errno(),
+            libc::EINVAL
+        );
+        let nodiscard = Geometry {
+            caps: Caps {
+                discard: false,
+                ..Caps::ALL
+            },
+            ..g
+        };
+        assert_eq!(
+            nodiscard.check(Op::Discard, 0, 512),
+            Err(IoError::Unsupported(Op::Discard))
+        );
     }
 }

@@ -22,12 +22,18 @@ pub enum Error {
 impl Error {
     /// Wraps the current `errno` with a context string.
     pub fn last_os(context: impl Into<String>) -> Self {
-        Error::Os { context: context.into(), source: std::io::Error::last_os_error() }
+        Error::Os {
+            context: context.into(),
+            source: std::io::Error::last_os_error(),
+        }
     }
 
     /// Wraps an `std::io::Error` with a context string.
     pub fn os(context: impl Into<String>, source: std::io::Error) -> Self {
-        Error::Os { context: context.into(), source }
+        Error::Os {
+            context: context.into(),
+            source,
+        }
     }
 }
 
@@ -50,7 +56,9 @@ pub enum IoError {
         size: u64,
     },
     /// Offset or length is not a multiple of the logical block size.
-    #[error("{op} of {len} bytes at offset {offset} is not aligned to the {block}-byte block size")]
+    #[error(
+        "{op} of {len} bytes at offset {offset} is not aligned to the {block}-byte block size"
+    )]
     Misaligned {
         /// The operation.
         op: Op,
@@ -82,7 +90,10 @@ impl IoError {
     /// end is ENOSPC, other range and alignment errors are EINVAL.
     pub fn errno(&self) -> i32 {
         match *self {
-            IoError::OutOfRange { op: Op::Write | Op::WriteZeroes, .. } => libc::ENOSPC,
+            IoError::OutOfRange {
+                op: Op::Write | Op::WriteZeroes,
+                ..
+            } => libc::ENOSPC,
             IoError::ReadOnly => libc::EPERM,
             IoError::Unsupported(_) => libc::EOPNOTSUPP,
             _ => libc::EINVAL,

@@ -131,7 +131,15 @@ unsafe impl Send for Io {}
 impl Io {
     /// A request without a data buffer (flush, discard, write-zeroes).
     pub fn nodata(op: Op, offset: u64, len: u64, sink: SinkId, token: u64) -> Io {
-        Io { op, flags: IoFlags::NONE, offset, len, buf: std::ptr::null_mut(), sink, token }
+        Io {
+            op,
+            flags: IoFlags::NONE,
+            offset,
+            len,
+            buf: std::ptr::null_mut(),
+            sink,
+            token,
+        }
     }
 
     /// End of the byte range (exclusive).

@@ -27,5 +27,5 @@ pub use clock::{Clock, ClockMode};
 pub use device::{Caps, Device, Geometry, Queue};
 pub use error::{Error, IoError};
 pub use io::{Io, IoFlags, IoStatus, Op, SinkId};
-pub use reactor::{Core, Poller, ReapMode, Reactor, RingUser, Sink, Switches};
+pub use reactor::{Core, Poller, Reactor, ReapMode, RingUser, Sink, Switches};
 pub use stats::{DeviceStatsSnapshot, QueueStats, StatsMode};

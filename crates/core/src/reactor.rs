@@ -193,7 +193,11 @@ impl Core {
     /// Queues a completion for delivery on this reactor's next pass.
     #[inline]
     pub fn complete(&self, sink: SinkId, token: u64, status: IoStatus) {
-        self.fifo.borrow_mut().push_back(Done { sink, status, token });
+        self.fifo.borrow_mut().push_back(Done {
+            sink,
+            status,
+            token,
+        });
     }
 
     /// Registers a user of the io_uring; returns the id its SQEs carry.
@@ -273,7 +277,11 @@ impl Core {
 
     /// Adds a timer: `sink` gets `io_done(token, OK)` once the clock passes `deadline_ns`.
     pub fn add_timer(&self, deadline_ns: u64, sink: SinkId, token: u64) {
-        self.timers.borrow_mut().push(Timer { deadline_ns, sink, token });
+        self.timers.borrow_mut().push(Timer {
+            deadline_ns,
+            sink,
+            token,
+        });
     }
 
     /// Asks the reactor to return from [`Reactor::run`] after the current pass.
@@ -347,8 +355,15 @@ impl Core {
     fn run_fifo(&self) -> usize {
         let n = self.fifo.borrow().len();
         for _ in 0..n {
-            let Some(done) = self.fifo.borrow_mut().pop_front() else { break };
-            let sink = self.sinks.borrow().get(done.sink.0 as usize).cloned().flatten();
+            let Some(done) = self.fifo.borrow_mut().pop_front() else {
+                break;
+            };
+            let sink = self
+                .sinks
+                .borrow()
+                .get(done.sink.0 as usize)
+                .cloned()
+                .flatten();
             match sink {
                 Some(sink) => sink.io_done(done.token, done.status),
                 None => debug_assert!(false, "completion for unregistered sink {:?}", done.sink),
@@ -407,7 +422,8 @@ impl Core {
                 n
             };
             for &(data, res) in &batch[..n] {
-                self.ring_in_flight.set(self.ring_in_flight.get().saturating_sub(1));
+                self.ring_in_flight
+                    .set(self.ring_in_flight.get().saturating_sub(1));
                 let user = data >> USER_SHIFT;
                 let cookie = data & COOKIE_MASK;
                 if user == INTERNAL_USER {
@@ -459,12 +475,10 @@ impl Core {
             }
             any = true;
             if !slot.armed.replace(true) {
-                let entry = opcode::PollAdd::new(
-                    types::Fd(slot.poller.event_fd()),
-                    libc::POLLIN as u32,
-                )
-                .build()
-                .user_data((INTERNAL_USER << USER_SHIFT) | i as u64);
+                let entry =
+                    opcode::PollAdd::new(types::Fd(slot.poller.event_fd()), libc::POLLIN as u32)
+                        .build()
+                        .user_data((INTERNAL_USER << USER_SHIFT) | i as u64);
                 // SAFETY: the eventfd belongs to the poller, which the reactor keeps
                 // registered (and so alive) until the ring is dropped.
                 unsafe { self.push_raw(entry) };
@@ -501,7 +515,11 @@ impl Reactor {
             .setup_single_issuer()
             .setup_defer_taskrun()
             .build(RING_ENTRIES)
-            .or_else(|_| IoUring::builder().setup_cqsize(RING_ENTRIES * 4).build(RING_ENTRIES))
+            .or_else(|_| {
+                IoUring::builder()
+                    .setup_cqsize(RING_ENTRIES * 4)
+                    .build(RING_ENTRIES)
+            })
             .map_err(|e| Error::os("create io_uring", e))?;
         ring.submitter()
             .register_files_sparse(FIXED_FILES)
@@ -525,7 +543,9 @@ impl Reactor {
             ),
             ring: RefCell::new(ring),
         };
-        Ok(Reactor { core: Rc::new(core) })
+        Ok(Reactor {
+            core: Rc::new(core),
+        })
     }
 
     /// The shared core, for opening queues and registering sinks.
@@ -624,7 +644,11 @@ impl Reactor {
 
 impl Core {
     fn armed_polls(&self) -> u64 {
-        self.pollers.borrow().iter().filter(|s| s.armed.get()).count() as u64
+        self.pollers
+            .borrow()
+            .iter()
+            .filter(|s| s.armed.get())
+            .count() as u64
     }
 }
 

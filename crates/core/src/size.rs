@@ -12,9 +12,13 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, suffix) = t.split_at(split);
     if num.is_empty() {
-        return Err(format!("invalid size '{text}': expected a number such as 4k, 1M or 1G"));
+        return Err(format!(
+            "invalid size '{text}': expected a number such as 4k, 1M or 1G"
+        ));
     }
-    let n: u64 = num.parse().map_err(|_| format!("invalid size '{text}': number too large"))?;
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("invalid size '{text}': number too large"))?;
     let shift = match suffix.to_ascii_lowercase().as_str() {
         "" | "b" => 0,
         "k" | "kb" | "kib" => 10,
@@ -28,13 +32,16 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
             ))
         }
     };
-    n.checked_mul(1u64 << shift).ok_or_else(|| format!("invalid size '{text}': too large"))
+    n.checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("invalid size '{text}': too large"))
 }
 
 /// Parses a duration such as `1ms`, `250us`, `30s`, `2m` or a bare number of seconds.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let t = text.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, suffix) = t.split_at(split);
     let value: f64 = num
         .parse()
@@ -46,7 +53,11 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         "ms" | "msec" => 1e6,
         "m" | "min" => 60e9,
         "h" => 3600e9,
-        _ => return Err(format!("invalid duration '{text}': unknown unit '{suffix}'")),
+        _ => {
+            return Err(format!(
+                "invalid duration '{text}': unknown unit '{suffix}'"
+            ))
+        }
     };
     let ns = value * scale_ns;
     if !ns.is_finite() || ns < 0.0 || ns > 1e18 {
@@ -97,7 +108,15 @@ mod tests {
         assert_eq!(parse_size("1G"), Ok(1 << 30));
         assert_eq!(parse_size("10g"), Ok(10 << 30));
         assert_eq!(parse_size("2T"), Ok(2 << 40));
-        for bad in ["", "k", "1.5G", "-4k", "4x", "99999999999999999999", "16777216P"] {
+        for bad in [
+            "",
+            "k",
+            "1.5G",
+            "-4k",
+            "4x",
+            "99999999999999999999",
+            "16777216P",
+        ] {
             assert!(parse_size(bad).is_err(), "{bad}");
         }
     }

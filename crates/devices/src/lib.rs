@@ -26,15 +26,26 @@ pub const DEFAULT_BLOCK_BYTES: u32 = 512;
 /// Opens the device a spec describes, under `name`.
 pub fn open(spec: &LeafSpec, name: &str) -> Result<Arc<dyn Device>, Error> {
     Ok(match spec {
-        LeafSpec::Null { size_bytes, block_bytes } => {
-            Arc::new(null::NullDevice::new(name, *size_bytes, *block_bytes)?)
-        }
-        LeafSpec::Mem { size_bytes, block_bytes } => {
-            Arc::new(mem::MemDevice::new(name, *size_bytes, *block_bytes)?)
-        }
-        LeafSpec::File { path, engine, direct, size_bytes } => {
-            Arc::new(file::FileDevice::open(name, path, *engine, *direct, *size_bytes)?)
-        }
+        LeafSpec::Null {
+            size_bytes,
+            block_bytes,
+        } => Arc::new(null::NullDevice::new(name, *size_bytes, *block_bytes)?),
+        LeafSpec::Mem {
+            size_bytes,
+            block_bytes,
+        } => Arc::new(mem::MemDevice::new(name, *size_bytes, *block_bytes)?),
+        LeafSpec::File {
+            path,
+            engine,
+            direct,
+            size_bytes,
+        } => Arc::new(file::FileDevice::open(
+            name,
+            path,
+            *engine,
+            *direct,
+            *size_bytes,
+        )?),
     })
 }
 

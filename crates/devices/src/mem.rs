@@ -46,8 +46,14 @@ impl MemStore {
     /// An empty store of `size_bytes`.
     pub fn new(size_bytes: u64) -> MemStore {
         let l1_len = size_bytes.div_ceil(PAGE_BYTES * L2_PAGES) as usize;
-        let l1 = (0..l1_len).map(|_| AtomicPtr::new(ptr::null_mut())).collect();
-        MemStore { size_bytes, l1, pages: AtomicU64::new(0) }
+        let l1 = (0..l1_len)
+            .map(|_| AtomicPtr::new(ptr::null_mut()))
+            .collect();
+        MemStore {
+            size_bytes,
+            l1,
+            pages: AtomicU64::new(0),
+        }
     }
 
     /// Bytes of data memory allocated so far.
@@ -93,8 +99,12 @@ impl MemStore {
         if fresh.is_null() {
             alloc::handle_alloc_error(page_layout());
         }
-        match page_slot.compare_exchange(ptr::null_mut(), fresh, Ordering::AcqRel, Ordering::Acquire)
-        {
+        match page_slot.compare_exchange(
+            ptr::null_mut(),
+            fresh,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
             Ok(_) => {
                 self.pages.fetch_add(1, Ordering::Relaxed);
                 fresh
@@ -206,7 +216,11 @@ impl MemDevice {
         }
         Ok(MemDevice {
             name: name.into(),
-            geometry: Geometry { size_bytes, block_bytes, caps: Caps::ALL },
+            geometry: Geometry {
+                size_bytes,
+                block_bytes,
+                caps: Caps::ALL,
+            },
             store: Arc::new(MemStore::new(size_bytes)),
         })
     }
@@ -252,7 +266,11 @@ struct MemQueue {
 
 impl Queue for MemQueue {
     fn submit(&self, io: Io) {
-        let start = if self.stats.enabled() { self.core.now_ns() } else { 0 };
+        let start = if self.stats.enabled() {
+            self.core.now_ns()
+        } else {
+            0
+        };
         self.stats.start(start);
         // SAFETY: the request passed Geometry::check at the edge (so it is in range), and
         // its submitter keeps `buf` valid for `len` bytes until completion.
@@ -265,7 +283,8 @@ impl Queue for MemQueue {
             }
         }
         if self.stats.enabled() {
-            self.stats.done(io.op, io.len, start, self.core.now_ns(), true);
+            self.stats
+                .done(io.op, io.len, start, self.core.now_ns(), true);
         }
         self.core.complete(io.sink, io.token, IoStatus::OK);
     }

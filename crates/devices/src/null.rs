@@ -19,7 +19,11 @@ impl NullDevice {
         crate::check_size("null", size_bytes, block_bytes)?;
         Ok(NullDevice {
             name: name.into(),
-            geometry: Geometry { size_bytes, block_bytes, caps: Caps::ALL },
+            geometry: Geometry {
+                size_bytes,
+                block_bytes,
+                caps: Caps::ALL,
+            },
         })
     }
 }
@@ -30,7 +34,10 @@ impl Device for NullDevice {
     }
 
     fn describe(&self) -> String {
-        format!("null {} bytes, {}-byte blocks", self.geometry.size_bytes, self.geometry.block_bytes)
+        format!(
+            "null {} bytes, {}-byte blocks",
+            self.geometry.size_bytes, self.geometry.block_bytes
+        )
     }
 
     fn geometry(&self) -> Geometry {
@@ -38,7 +45,10 @@ impl Device for NullDevice {
     }
 
     fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
-        Ok(Rc::new(NullQueue { core: core.clone(), stats: QueueStats::new(core.switches().stats) }))
+        Ok(Rc::new(NullQueue {
+            core: core.clone(),
+            stats: QueueStats::new(core.switches().stats),
+        }))
     }
 }
 

@@ -29,7 +29,9 @@ impl Engine {
             "io_uring" | "uring" => Ok(Engine::IoUring),
             "aio" | "libaio" => Ok(Engine::Aio),
             "sync" | "psync" => Ok(Engine::Sync),
-            _ => Err(format!("unknown engine '{text}' (use io_uring, aio or sync)")),
+            _ => Err(format!(
+                "unknown engine '{text}' (use io_uring, aio or sync)"
+            )),
         }
     }
 
@@ -89,9 +91,9 @@ impl LeafSpec {
         let first = parts.next().unwrap_or("");
         let mut options = Vec::new();
         for part in parts {
-            let (k, v) = part
-                .split_once('=')
-                .ok_or_else(|| format!("invalid device '{text}': option '{part}' is not key=value"))?;
+            let (k, v) = part.split_once('=').ok_or_else(|| {
+                format!("invalid device '{text}': option '{part}' is not key=value")
+            })?;
             if options.iter().any(|(seen, _)| *seen == k) {
                 return Err(format!("invalid device '{text}': option '{k}' given twice"));
             }
@@ -117,9 +119,15 @@ impl LeafSpec {
                     }
                 }
                 Ok(if kind == "null" {
-                    LeafSpec::Null { size_bytes, block_bytes }
+                    LeafSpec::Null {
+                        size_bytes,
+                        block_bytes,
+                    }
                 } else {
-                    LeafSpec::Mem { size_bytes, block_bytes }
+                    LeafSpec::Mem {
+                        size_bytes,
+                        block_bytes,
+                    }
                 })
             }
             "file" => {
@@ -154,7 +162,12 @@ impl LeafSpec {
                         }
                     }
                 }
-                Ok(LeafSpec::File { path: PathBuf::from(first), engine, direct, size_bytes })
+                Ok(LeafSpec::File {
+                    path: PathBuf::from(first),
+                    engine,
+                    direct,
+                    size_bytes,
+                })
             }
             _ => Err(format!(
                 "invalid device '{text}': unknown type '{kind}' (use null, mem or file)"
@@ -183,11 +196,17 @@ mod tests {
     fn parses() {
         assert_eq!(
             LeafSpec::parse("null:1G"),
-            Ok(LeafSpec::Null { size_bytes: 1 << 30, block_bytes: 512 })
+            Ok(LeafSpec::Null {
+                size_bytes: 1 << 30,
+                block_bytes: 512
+            })
         );
         assert_eq!(
             LeafSpec::parse("mem:64M,block=4k"),
-            Ok(LeafSpec::Mem { size_bytes: 64 << 20, block_bytes: 4096 })
+            Ok(LeafSpec::Mem {
+                size_bytes: 64 << 20,
+                block_bytes: 4096
+            })
         );
         assert_eq!(
             LeafSpec::parse("file:/dev/shm/a,engine=aio,direct=1,size=1G"),

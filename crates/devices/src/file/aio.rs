@@ -85,9 +85,12 @@ impl AioQueue {
     pub fn open(core: &Rc<Core>, shared: Arc<FileShared>) -> Result<Rc<dyn Queue>, Error> {
         let mut ctx: u64 = 0;
         // SAFETY: io_setup writes the context id to `ctx`.
-        let rc = unsafe { libc::syscall(libc::SYS_io_setup, QUEUE_DEPTH as libc::c_long, &mut ctx) };
+        let rc =
+            unsafe { libc::syscall(libc::SYS_io_setup, QUEUE_DEPTH as libc::c_long, &mut ctx) };
         if rc < 0 {
-            return Err(Error::last_os("aio: io_setup (see /proc/sys/fs/aio-max-nr)"));
+            return Err(Error::last_os(
+                "aio: io_setup (see /proc/sys/fs/aio-max-nr)",
+            ));
         }
         // SAFETY: plain syscall.
         let eventfd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
@@ -131,8 +134,11 @@ impl AioQueue {
                 return;
             }
         };
-        let rw_flags =
-            if io.op == Op::Write && io.flags.contains(IoFlags::FUA) { libc::RWF_DSYNC } else { 0 };
+        let rw_flags = if io.op == Op::Write && io.flags.contains(IoFlags::FUA) {
+            libc::RWF_DSYNC
+        } else {
+            0
+        };
         let mut iocbs = self.iocbs.borrow_mut();
         iocbs[slot as usize] = Iocb {
             aio_data: u64::from(slot),
@@ -147,17 +153,28 @@ impl AioQueue {
             ..Iocb::default()
         };
         // The table is never resized, so the pointer stays valid while the queue lives.
-        self.plugged.borrow_mut().push(&mut iocbs[slot as usize] as *mut Iocb);
+        self.plugged
+            .borrow_mut()
+            .push(&mut iocbs[slot as usize] as *mut Iocb);
     }
 
     fn finish(&self, slot: u32, status: IoStatus) {
         let next = {
             let mut slots = self.slots.borrow_mut();
             let s = slots.entries[slot as usize];
-            self.stats.done(s.io.op, s.io.len, s.start_ns, self.core.now_ns(), status.is_ok());
+            self.stats.done(
+                s.io.op,
+                s.io.len,
+                s.start_ns,
+                self.core.now_ns(),
+                status.is_ok(),
+            );
             self.core.complete(s.io.sink, s.io.token, status);
             slots.release(slot);
-            slots.waiting.pop_front().and_then(|(io, start)| slots.take(io, start).map(|i| (i, io)))
+            slots
+                .waiting
+                .pop_front()
+                .and_then(|(io, start)| slots.take(io, start).map(|i| (i, io)))
         };
         if let Some((i, io)) = next {
             self.prepare(i, &io, 0);
@@ -223,10 +240,20 @@ impl AioQueue {
         let mut events = [IoEvent::default(); 64];
         let mut total = 0;
         loop {
-            let zero = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+            let zero = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
             // SAFETY: events has room for 64 entries.
             let n = unsafe {
-                libc::syscall(libc::SYS_io_getevents, self.ctx, 0, 64, events.as_mut_ptr(), &zero)
+                libc::syscall(
+                    libc::SYS_io_getevents,
+                    self.ctx,
+                    0,
+                    64,
+                    events.as_mut_ptr(),
+                    &zero,
+                )
             };
             if n <= 0 {
                 return total;
@@ -241,7 +268,11 @@ impl AioQueue {
 
 impl Queue for AioQueue {
     fn submit(&self, io: Io) {
-        let start = if self.stats.enabled() { self.core.now_ns() } else { 0 };
+        let start = if self.stats.enabled() {
+            self.core.now_ns()
+        } else {
+            0
+        };
         self.stats.start(start);
         let slot = self.slots.borrow_mut().take(io, start);
         if let Some(slot) = slot {
@@ -276,7 +307,11 @@ impl Poller for AioQueue {
                 self.in_kernel.set(self.in_kernel.get() + rc as usize);
                 continue;
             }
-            let errno = if rc == 0 { libc::EAGAIN } else { super::last_errno() };
+            let errno = if rc == 0 {
+                libc::EAGAIN
+            } else {
+                super::last_errno()
+            };
             if errno == libc::EAGAIN && self.in_kernel.get() > 0 {
                 // The context is full: the rest goes in with the next batch.
                 return;

@@ -19,7 +19,9 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::{Arc, OnceLock};
 
-use cairn_core::{AlignedBuf, Caps, Core, Device, Error, Geometry, Io, IoFlags, IoStatus, Op, Queue};
+use cairn_core::{
+    AlignedBuf, Caps, Core, Device, Error, Geometry, Io, IoFlags, IoStatus, Op, Queue,
+};
 
 use crate::spec::Engine;
 
@@ -68,7 +70,9 @@ impl FileDevice {
     ) -> Result<FileDevice, Error> {
         let shown = path.display();
         let existing = std::fs::metadata(path).ok();
-        let block_device = existing.as_ref().is_some_and(|m| m.file_type().is_block_device());
+        let block_device = existing
+            .as_ref()
+            .is_some_and(|m| m.file_type().is_block_device());
         if existing.is_none() && size_bytes.is_none() {
             return Err(Error::Invalid(format!(
                 "file {shown}: no such file (add size=SIZE to create it)"
@@ -94,7 +98,10 @@ impl FileDevice {
             .map_err(|e| Error::os(format!("file {shown}: open"), e))?;
         let fd = file.as_raw_fd();
         let (actual, block_bytes) = if block_device {
-            (ioctl_u64(fd, BLKGETSIZE64, &shown)?, ioctl_u32(fd, BLKSSZGET, &shown)?)
+            (
+                ioctl_u64(fd, BLKGETSIZE64, &shown)?,
+                ioctl_u32(fd, BLKSSZGET, &shown)?,
+            )
         } else {
             let len = file
                 .metadata()
@@ -127,8 +134,16 @@ impl FileDevice {
             engine,
             direct,
             block_device,
-            geometry: Geometry { size_bytes: size, block_bytes, caps: Caps::ALL },
-            shared: Arc::new(FileShared { file, path: path.into(), zeros: OnceLock::new() }),
+            geometry: Geometry {
+                size_bytes: size,
+                block_bytes,
+                caps: Caps::ALL,
+            },
+            shared: Arc::new(FileShared {
+                file,
+                path: path.into(),
+                zeros: OnceLock::new(),
+            }),
         })
     }
 
@@ -147,7 +162,11 @@ impl Device for FileDevice {
         format!(
             "file {} ({}) engine={} direct={} {} bytes, {}-byte blocks",
             self.shared.path.display(),
-            if self.block_device { "block device" } else { "regular file" },
+            if self.block_device {
+                "block device"
+            } else {
+                "regular file"
+            },
             self.engine,
             u8::from(self.direct),
             self.geometry.size_bytes,
@@ -171,20 +190,32 @@ impl Device for FileDevice {
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
 const BLKSSZGET: libc::c_ulong = 0x1268;
 
-fn ioctl_u64(fd: RawFd, request: libc::c_ulong, path: &impl std::fmt::Display) -> Result<u64, Error> {
+fn ioctl_u64(
+    fd: RawFd,
+    request: libc::c_ulong,
+    path: &impl std::fmt::Display,
+) -> Result<u64, Error> {
     let mut value: u64 = 0;
     // SAFETY: BLKGETSIZE64 writes one u64 to the pointer.
     if unsafe { libc::ioctl(fd, request, &mut value) } < 0 {
-        return Err(Error::last_os(format!("file {path}: read block device size")));
+        return Err(Error::last_os(format!(
+            "file {path}: read block device size"
+        )));
     }
     Ok(value)
 }
 
-fn ioctl_u32(fd: RawFd, request: libc::c_ulong, path: &impl std::fmt::Display) -> Result<u32, Error> {
+fn ioctl_u32(
+    fd: RawFd,
+    request: libc::c_ulong,
+    path: &impl std::fmt::Display,
+) -> Result<u32, Error> {
     let mut value: libc::c_int = 0;
     // SAFETY: BLKSSZGET writes one int to the pointer.
     if unsafe { libc::ioctl(fd, request, &mut value) } < 0 {
-        return Err(Error::last_os(format!("file {path}: read logical block size")));
+        return Err(Error::last_os(format!(
+            "file {path}: read logical block size"
+        )));
     }
     Ok(value.max(512) as u32)
 }
@@ -195,7 +226,13 @@ fn dio_align(fd: RawFd) -> u32 {
     // zeroed statx struct the kernel fills.
     unsafe {
         let mut stx: libc::statx = std::mem::zeroed();
-        let rc = libc::statx(fd, c"".as_ptr(), libc::AT_EMPTY_PATH, libc::STATX_DIOALIGN, &mut stx);
+        let rc = libc::statx(
+            fd,
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            libc::STATX_DIOALIGN,
+            &mut stx,
+        );
         if rc == 0 && stx.stx_mask & libc::STATX_DIOALIGN != 0 && stx.stx_dio_offset_align > 0 {
             stx.stx_dio_offset_align.clamp(512, 65536)
         } else {
@@ -223,9 +260,16 @@ pub(crate) fn do_sync(shared: &FileShared, io: &Io) -> IoStatus {
             unsafe { libc::pread(fd, buf.cast(), len, off as libc::off_t) }
         }),
         Op::Write => {
-            let rwf = if io.flags.contains(IoFlags::FUA) { libc::RWF_DSYNC } else { 0 };
+            let rwf = if io.flags.contains(IoFlags::FUA) {
+                libc::RWF_DSYNC
+            } else {
+                0
+            };
             rw_loop(io, |buf, len, off| {
-                let iov = libc::iovec { iov_base: buf.cast(), iov_len: len };
+                let iov = libc::iovec {
+                    iov_base: buf.cast(),
+                    iov_len: len,
+                };
                 // SAFETY: iov describes len valid bytes.
                 unsafe { libc::pwritev2(fd, &iov, 1, off as libc::off_t, rwf) }
             })
@@ -240,7 +284,12 @@ pub(crate) fn do_sync(shared: &FileShared, io: &Io) -> IoStatus {
         Op::Discard | Op::WriteZeroes => {
             // SAFETY: plain syscall on an open fd.
             let rc = unsafe {
-                libc::fallocate(fd, fallocate_mode(io), io.offset as libc::off_t, io.len as libc::off_t)
+                libc::fallocate(
+                    fd,
+                    fallocate_mode(io),
+                    io.offset as libc::off_t,
+                    io.len as libc::off_t,
+                )
             };
             if rc == 0 {
                 return IoStatus::OK;
@@ -263,7 +312,12 @@ pub(crate) fn write_zeros(shared: &FileShared, offset: u64, len: u64) -> IoStatu
         let n = (len - done).min(zeros.len() as u64) as usize;
         // SAFETY: `zeros` is valid for n bytes and only read.
         let rc = unsafe {
-            libc::pwrite(shared.fd(), zeros.as_slice().as_ptr().cast(), n, (offset + done) as libc::off_t)
+            libc::pwrite(
+                shared.fd(),
+                zeros.as_slice().as_ptr().cast(),
+                n,
+                (offset + done) as libc::off_t,
+            )
         };
         if rc < 0 {
             let errno = last_errno();
@@ -303,7 +357,9 @@ fn rw_loop(io: &Io, mut call: impl FnMut(*mut u8, usize, u64) -> isize) -> IoSta
 }
 
 pub(crate) fn last_errno() -> i32 {
-    std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+    std::io::Error::last_os_error()
+        .raw_os_error()
+        .unwrap_or(libc::EIO)
 }
 
 /// Per-request bookkeeping shared by the asynchronous engines: a fixed table of slots and
@@ -325,7 +381,14 @@ impl Slots {
     pub(crate) fn new(depth: usize) -> Slots {
         let idle = Io::nodata(Op::Flush, 0, 0, cairn_core::SinkId(u32::MAX), 0);
         Slots {
-            entries: vec![Slot { io: idle, done_bytes: 0, start_ns: 0 }; depth],
+            entries: vec![
+                Slot {
+                    io: idle,
+                    done_bytes: 0,
+                    start_ns: 0
+                };
+                depth
+            ],
             free: (0..depth as u32).rev().collect(),
             waiting: std::collections::VecDeque::new(),
         }
@@ -335,7 +398,11 @@ impl Slots {
     pub(crate) fn take(&mut self, io: Io, start_ns: u64) -> Option<u32> {
         match self.free.pop() {
             Some(i) => {
-                self.entries[i as usize] = Slot { io, done_bytes: 0, start_ns };
+                self.entries[i as usize] = Slot {
+                    io,
+                    done_bytes: 0,
+                    start_ns,
+                };
                 Some(i)
             }
             None => {

@@ -20,17 +20,26 @@ pub struct SyncQueue {
 impl SyncQueue {
     /// Opens a queue on `core`.
     pub fn open(core: &Rc<Core>, shared: Arc<FileShared>) -> Rc<dyn Queue> {
-        Rc::new(SyncQueue { core: core.clone(), stats: QueueStats::new(core.switches().stats), shared })
+        Rc::new(SyncQueue {
+            core: core.clone(),
+            stats: QueueStats::new(core.switches().stats),
+            shared,
+        })
     }
 }
 
 impl Queue for SyncQueue {
     fn submit(&self, io: Io) {
-        let start = if self.stats.enabled() { self.core.now_ns() } else { 0 };
+        let start = if self.stats.enabled() {
+            self.core.now_ns()
+        } else {
+            0
+        };
         self.stats.start(start);
         let status = do_sync(&self.shared, &io);
         if self.stats.enabled() {
-            self.stats.done(io.op, io.len, start, self.core.now_ns(), status.is_ok());
+            self.stats
+                .done(io.op, io.len, start, self.core.now_ns(), status.is_ok());
         }
         self.core.complete(io.sink, io.token, status);
     }

@@ -68,14 +68,20 @@ impl UringQueue {
                 Target::Fd(f) => opcode::Read::new(f, buf, len).offset(offset).build(),
             },
             Op::Write => {
-                let rwf = if io.flags.contains(IoFlags::FUA) { libc::RWF_DSYNC } else { 0 };
+                let rwf = if io.flags.contains(IoFlags::FUA) {
+                    libc::RWF_DSYNC
+                } else {
+                    0
+                };
                 match t {
-                    Target::Fixed(f) => {
-                        opcode::Write::new(f, buf, len).offset(offset).rw_flags(rwf).build()
-                    }
-                    Target::Fd(f) => {
-                        opcode::Write::new(f, buf, len).offset(offset).rw_flags(rwf).build()
-                    }
+                    Target::Fixed(f) => opcode::Write::new(f, buf, len)
+                        .offset(offset)
+                        .rw_flags(rwf)
+                        .build(),
+                    Target::Fd(f) => opcode::Write::new(f, buf, len)
+                        .offset(offset)
+                        .rw_flags(rwf)
+                        .build(),
                 }
             }
             Op::Flush => {
@@ -88,12 +94,14 @@ impl UringQueue {
             Op::Discard | Op::WriteZeroes => {
                 let mode = fallocate_mode(io);
                 match t {
-                    Target::Fixed(f) => {
-                        opcode::Fallocate::new(f, io.len).offset(io.offset).mode(mode).build()
-                    }
-                    Target::Fd(f) => {
-                        opcode::Fallocate::new(f, io.len).offset(io.offset).mode(mode).build()
-                    }
+                    Target::Fixed(f) => opcode::Fallocate::new(f, io.len)
+                        .offset(io.offset)
+                        .mode(mode)
+                        .build(),
+                    Target::Fd(f) => opcode::Fallocate::new(f, io.len)
+                        .offset(io.offset)
+                        .mode(mode)
+                        .build(),
                 }
             }
         }
@@ -103,10 +111,19 @@ impl UringQueue {
         let next = {
             let mut slots = self.slots.borrow_mut();
             let s = slots.entries[slot as usize];
-            self.stats.done(s.io.op, s.io.len, s.start_ns, self.core.now_ns(), status.is_ok());
+            self.stats.done(
+                s.io.op,
+                s.io.len,
+                s.start_ns,
+                self.core.now_ns(),
+                status.is_ok(),
+            );
             self.core.complete(s.io.sink, s.io.token, status);
             slots.release(slot);
-            slots.waiting.pop_front().and_then(|(io, start)| slots.take(io, start).map(|i| (i, io)))
+            slots
+                .waiting
+                .pop_front()
+                .and_then(|(io, start)| slots.take(io, start).map(|i| (i, io)))
         };
         if let Some((i, io)) = next {
             self.push(i, &io, 0);
@@ -121,7 +138,11 @@ enum Target {
 
 impl Queue for UringQueue {
     fn submit(&self, io: Io) {
-        let start = if self.stats.enabled() { self.core.now_ns() } else { 0 };
+        let start = if self.stats.enabled() {
+            self.core.now_ns()
+        } else {
+            0
+        };
         self.stats.start(start);
         let slot = self.slots.borrow_mut().take(io, start);
         if let Some(slot) = slot {
@@ -177,7 +198,11 @@ impl Drop for UringQueue {
         if let Some(slot) = self.fixed {
             self.core.unregister_file(slot);
         }
-        debug_assert_eq!(self.slots.borrow().in_use(), 0, "queue dropped with requests in flight");
+        debug_assert_eq!(
+            self.slots.borrow().in_use(),
+            0,
+            "queue dropped with requests in flight"
+        );
         let _ = do_sync; // the sync path is shared with the other engines
     }
 }
