@@ -487,20 +487,18 @@ impl Sink for Job {
                     errno: status.raw(),
                 });
             }
-        } else if st.phase == Phase::Main {
-            if st.measuring {
-                let dir = match op {
-                    Op::Read => 0,
-                    Op::Flush => DIR_SYNC,
-                    _ => 1,
-                };
-                let bytes = if op.has_data() { self.spec.bs } else { 0 };
-                st.dirs[dir].record(bytes, now.saturating_sub(submit_ns));
-                match dir {
-                    0 => self.progress.reads.store(st.dirs[0].ios, Relaxed),
-                    1 => self.progress.writes.store(st.dirs[1].ios, Relaxed),
-                    _ => {}
-                }
+        } else if st.phase == Phase::Main && st.measuring {
+            let dir = match op {
+                Op::Read => 0,
+                Op::Flush => DIR_SYNC,
+                _ => 1,
+            };
+            let bytes = if op.has_data() { self.spec.bs } else { 0 };
+            st.dirs[dir].record(bytes, now.saturating_sub(submit_ns));
+            match dir {
+                0 => self.progress.reads.store(st.dirs[0].ios, Relaxed),
+                1 => self.progress.writes.store(st.dirs[1].ios, Relaxed),
+                _ => {}
             }
         }
         if self.spec.verify && op.has_data() {

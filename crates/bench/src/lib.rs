@@ -182,7 +182,7 @@ impl JobSpec {
                 self.rwmixread
             ));
         }
-        if self.bs == 0 || self.bs % block != 0 || self.bs > BS_MAX {
+        if self.bs == 0 || !self.bs.is_multiple_of(block) || self.bs > BS_MAX {
             return Err(format!(
                 "--bs {} must be a non-zero multiple of the device's {block}-byte block size, at most {BS_MAX}",
                 self.bs
@@ -194,7 +194,7 @@ impl JobSpec {
                 verify::HEADER_BYTES
             ));
         }
-        if self.offset % block != 0 {
+        if !self.offset.is_multiple_of(block) {
             return Err(format!(
                 "--offset {} is not a multiple of the device's {block}-byte block size",
                 self.offset

@@ -232,8 +232,7 @@ impl Report {
             let _ = writeln!(out, "  error    : {f}");
         }
         let msec = self.runtime_ns / 1_000_000;
-        for dir in 0..DIRS {
-            let d = &self.dirs[dir];
+        for (dir, d) in self.dirs.iter().enumerate() {
             if d.ios == 0 {
                 continue;
             }

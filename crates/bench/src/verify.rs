@@ -82,7 +82,7 @@ fn crc_of(block: &[u8]) -> u32 {
 
 /// Fills `block` (at least [`HEADER_BYTES`] long, a multiple of 8) for `offset`, `generation`.
 pub fn fill(block: &mut [u8], offset: u64, generation: u64) {
-    debug_assert!(block.len() >= HEADER_BYTES && block.len() % 8 == 0);
+    debug_assert!(block.len() >= HEADER_BYTES && block.len().is_multiple_of(8));
     let mut state = offset ^ generation.rotate_left(32) ^ MAGIC;
     for chunk in block[HEADER_BYTES..].chunks_exact_mut(8) {
         chunk.copy_from_slice(&splitmix(&mut state).to_le_bytes());

@@ -69,7 +69,7 @@ impl Geometry {
             return Err(IoError::BadLength { op, len });
         }
         let block = u64::from(self.block_bytes);
-        if offset % block != 0 || len % block != 0 {
+        if !offset.is_multiple_of(block) || !len.is_multiple_of(block) {
             return Err(IoError::Misaligned {
                 op,
                 offset,

@@ -60,7 +60,7 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         }
     };
     let ns = value * scale_ns;
-    if !ns.is_finite() || ns < 0.0 || ns > 1e18 {
+    if !ns.is_finite() || !(0.0..=1e18).contains(&ns) {
         return Err(format!("invalid duration '{text}': out of range"));
     }
     Ok(Duration::from_nanos(ns as u64))

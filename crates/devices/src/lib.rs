@@ -56,7 +56,7 @@ pub(crate) fn check_size(kind: &str, size_bytes: u64, block_bytes: u32) -> Resul
             "{kind}: block size {block_bytes} must be a power of two from 512 to 65536"
         )));
     }
-    if size_bytes == 0 || size_bytes % u64::from(block_bytes) != 0 {
+    if size_bytes == 0 || !size_bytes.is_multiple_of(u64::from(block_bytes)) {
         return Err(Error::Invalid(format!(
             "{kind}: size {size_bytes} must be a non-zero multiple of the {block_bytes}-byte block size"
         )));
