@@ -333,12 +333,23 @@ impl Job {
             block
         } else {
             let dir = usize::from(!is_read);
-            let block = st.cursor[dir];
+            let mut block = st.cursor[dir];
+            if self.spec.verify {
+                // With `rw`, the read and write cursors meet blocks the other has in
+                // flight: step past them. At most iodepth - 1 blocks are busy and the
+                // plan guarantees at least 2 x iodepth, so this finds one.
+                let mut tries = 0;
+                while is_busy(&st.busy, block) && tries < st.region_blocks {
+                    block = (block + 1) % st.region_blocks;
+                    tries += 1;
+                }
+            }
             st.cursor[dir] = (block + 1) % st.region_blocks;
             block
         };
         if self.spec.verify && is_busy(&st.busy, block) {
-            // Only reachable when every try collided; skip this turn rather than overlap.
+            // Only reachable when every random try collided; skip this turn rather than
+            // overlap.
             return None;
         }
         st.issued_bytes += bs;

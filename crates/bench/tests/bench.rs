@@ -318,6 +318,153 @@ mod accounting {
     }
 }
 
+mod depth {
+    //! A job keeps `iodepth` requests in flight, with or without `--verify`.
+
+    use std::cell::RefCell;
+    use std::os::fd::RawFd;
+    use std::rc::Rc;
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+    use cairn_core::{Core, Error, Geometry, Io, Poller, Queue, QueueStats};
+
+    use super::*;
+
+    /// How many batches a [`Gate`] passed on, and how many of them held `iodepth` requests.
+    #[derive(Default)]
+    struct Seen {
+        batches: AtomicU64,
+        full: AtomicU64,
+    }
+
+    /// A device in front of another that holds every request until the reactor polls it,
+    /// then passes the batch on. A job whose callbacks refill every slot hands it a full
+    /// batch on each pass, so the batch size is the number of requests in flight.
+    struct Gate {
+        inner: Arc<dyn Device>,
+        iodepth: usize,
+        seen: Arc<Seen>,
+    }
+
+    struct GateQueue {
+        inner: Rc<dyn Queue>,
+        held: RefCell<Vec<Io>>,
+        iodepth: usize,
+        seen: Arc<Seen>,
+        eventfd: RawFd,
+    }
+
+    impl Device for Gate {
+        fn name(&self) -> &str {
+            "gate"
+        }
+
+        fn describe(&self) -> String {
+            format!("gate in front of {}", self.inner.describe())
+        }
+
+        fn geometry(&self) -> Geometry {
+            self.inner.geometry()
+        }
+
+        fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
+            // SAFETY: a plain eventfd, closed when the queue is dropped.
+            let eventfd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+            assert!(eventfd >= 0, "eventfd");
+            let queue = Rc::new(GateQueue {
+                inner: self.inner.open_queue(core)?,
+                held: RefCell::new(Vec::new()),
+                iodepth: self.iodepth,
+                seen: self.seen.clone(),
+                eventfd,
+            });
+            core.register_poller(queue.clone());
+            Ok(queue)
+        }
+    }
+
+    impl Queue for GateQueue {
+        fn submit(&self, io: Io) {
+            self.held.borrow_mut().push(io);
+        }
+
+        fn stats(&self) -> &QueueStats {
+            self.inner.stats()
+        }
+    }
+
+    impl Poller for GateQueue {
+        fn unplug(&self) {}
+
+        fn reap(&self) -> usize {
+            let batch: Vec<Io> = self.held.borrow_mut().drain(..).collect();
+            if !batch.is_empty() {
+                self.seen.batches.fetch_add(1, Relaxed);
+                if batch.len() == self.iodepth {
+                    self.seen.full.fetch_add(1, Relaxed);
+                }
+            }
+            for io in &batch {
+                self.inner.submit(*io);
+            }
+            batch.len()
+        }
+
+        fn busy(&self) -> bool {
+            !self.held.borrow().is_empty()
+        }
+
+        fn event_fd(&self) -> RawFd {
+            self.eventfd
+        }
+
+        fn clear_event(&self) {}
+    }
+
+    impl Drop for GateQueue {
+        fn drop(&mut self) {
+            // SAFETY: our own eventfd, closed once.
+            unsafe { libc::close(self.eventfd) };
+        }
+    }
+
+    #[test]
+    fn every_pattern_keeps_iodepth_in_flight() {
+        for verify in [false, true] {
+            for rw in [
+                Pattern::Read,
+                Pattern::Write,
+                Pattern::RandRead,
+                Pattern::RandWrite,
+                Pattern::ReadWrite,
+                Pattern::RandRw,
+            ] {
+                let what = format!("{} verify={verify}", rw.name());
+                let seen = Arc::new(Seen::default());
+                let gate = Arc::new(Gate {
+                    inner: open("mem:1M"),
+                    iodepth: 8,
+                    seen: seen.clone(),
+                });
+                let spec = JobSpec {
+                    rw,
+                    iodepth: 8,
+                    size: Some(256 << 10),
+                    io_size: Some(4 << 20),
+                    verify,
+                    ..JobSpec::default()
+                };
+                let report = run_ok(&spec, gate, &what);
+                assert_eq!(report.dirs[0].ios + report.dirs[1].ios, 1024, "{what}");
+                let (batches, full) = (seen.batches.load(Relaxed), seen.full.load(Relaxed));
+                // 1024 requests 8 at a time is 128 full batches; the last few, as slots
+                // finish, and a verify pass may add more.
+                assert!(full >= 128, "{what}: {full} of {batches} batches were full");
+            }
+        }
+    }
+}
+
 mod plan {
     use super::*;
 
