@@ -1,0 +1,404 @@
+//! Integration tests for the `cairn` binary: its edge (bad input is one line on stderr and
+//! exit status 2, never a panic), its reports (fio-shaped JSON), its exit status for a
+//! failed verification, and its help.
+//!
+//! Every run is bounded by size, or by a one-second `--runtime`; nothing asserts on timing.
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+/// Every `cairn bench` option, as `--help` must list it.
+const BENCH_OPTIONS: [&str; 15] = [
+    "--rw",
+    "--rwmixread",
+    "--bs",
+    "--iodepth",
+    "--numjobs",
+    "--runtime",
+    "--ramp_time",
+    "--size",
+    "--offset",
+    "--fsync",
+    "--verify",
+    "--output-format",
+    "--clock",
+    "--reap",
+    "--stats",
+];
+
+fn cairn(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .args(args)
+        .env_remove("RUST_BACKTRACE")
+        .env_remove("RUST_LIB_BACKTRACE")
+        .output()
+        .expect("run cairn")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn assert_no_panic(args: &[&str], out: &Output) {
+    for (name, stream) in [("stdout", &out.stdout), ("stderr", &out.stderr)] {
+        let s = text(stream);
+        assert!(
+            !s.contains("panicked") && !s.contains("RUST_BACKTRACE"),
+            "{args:?}: panic text on {name}: {s}"
+        );
+    }
+}
+
+/// Runs `args`, expecting exit status 2 and exactly one line on stderr; returns the line.
+fn bad_input(args: &[&str]) -> String {
+    let out = cairn(args);
+    assert_no_panic(args, &out);
+    let stderr = text(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{args:?}: exit status; stderr: {stderr}"
+    );
+    assert_eq!(
+        stderr.lines().count(),
+        1,
+        "{args:?}: one line on stderr, got: {stderr:?}"
+    );
+    assert!(stderr.ends_with('\n'), "{args:?}: {stderr:?}");
+    assert!(stderr.starts_with("cairn: "), "{args:?}: {stderr:?}");
+    assert!(
+        out.stdout.is_empty(),
+        "{args:?}: stdout: {}",
+        text(&out.stdout)
+    );
+    stderr
+}
+
+fn json_of(out: &Output) -> Value {
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {}", text(&out.stdout)))
+}
+
+mod bad_input {
+    use super::*;
+
+    #[test]
+    fn missing_file() {
+        let line = bad_input(&["bench", "--device", "file:/nonexistent/x"]);
+        assert!(line.contains("/nonexistent/x"), "{line}");
+        // With size=, creating it fails instead: still one line.
+        bad_input(&["bench", "--device", "file:/nonexistent/x,size=1M"]);
+    }
+
+    #[test]
+    fn unaligned_block_size() {
+        let line = bad_input(&["bench", "--device", "null:64M", "--bs", "1000"]);
+        assert!(line.contains("--bs"), "{line}");
+        bad_input(&["bench", "--device", "null:64M,block=4k", "--bs", "512"]);
+    }
+
+    #[test]
+    fn iodepth_zero() {
+        let line = bad_input(&["bench", "--device", "null:64M", "--iodepth", "0"]);
+        assert!(line.contains("--iodepth"), "{line}");
+        bad_input(&["bench", "--device", "null:64M", "--iodepth", "-1"]);
+        bad_input(&["bench", "--device", "null:64M", "--numjobs", "0"]);
+    }
+
+    #[test]
+    fn region_past_the_end() {
+        for args in [
+            ["--offset", "32M", "--size", "64M"],
+            ["--offset", "0", "--size", "65M"],
+            ["--offset", "64M", "--size", "4k"],
+            ["--offset", "128M", "--size", "4k"],
+        ] {
+            let mut all = vec!["bench", "--device", "null:64M"];
+            all.extend(args);
+            bad_input(&all);
+        }
+        bad_input(&["bench", "--device", "null:64M", "--offset", "1000"]);
+    }
+
+    #[test]
+    fn unknown_option() {
+        let line = bad_input(&["bench", "--device", "null:64M", "--bogus"]);
+        assert!(line.contains("--bogus"), "{line}");
+        bad_input(&["--bogus", "bench"]);
+        bad_input(&["frobnicate"]);
+    }
+
+    #[test]
+    fn malformed_values() {
+        for args in [
+            ["--bs", "4x"],
+            ["--bs", "-4k"],
+            ["--size", "lots"],
+            ["--offset", "1.5M"],
+            ["--runtime", "5x"],
+            ["--runtime", "0"],
+            ["--ramp_time", "soon"],
+            ["--rwmixread", "101"],
+            ["--verify", "md5"],
+            ["--output-format", "xml"],
+            ["--clock", "sundial"],
+            ["--reap", "never"],
+            ["--stats", "maybe"],
+            ["--randseed", "x"],
+            ["--fsync", "-1"],
+        ] {
+            let mut all = vec!["bench", "--device", "null:64M"];
+            all.extend(args);
+            bad_input(&all);
+        }
+        let line = bad_input(&["bench", "--device", "null:64M", "--bs", "4x"]);
+        assert!(line.contains("4x"), "{line}");
+    }
+
+    #[test]
+    fn unknown_rw() {
+        let line = bad_input(&["bench", "--device", "null:64M", "--rw", "sideways"]);
+        assert!(line.contains("sideways"), "{line}");
+    }
+
+    #[test]
+    fn bad_device() {
+        for device in [
+            "disk:1G",
+            "null",
+            "null:",
+            "null:0",
+            "mem:1000",
+            "null:1M,block=1000",
+            "mem:1M,colour=red",
+            "file:",
+            "file:/tmp/x,engine=spdk",
+            "file:/tmp/x,direct=yes",
+        ] {
+            bad_input(&["bench", "--device", device]);
+        }
+        let line = bad_input(&["bench", "--device", "disk:1G"]);
+        assert!(line.contains("disk"), "{line}");
+    }
+
+    #[test]
+    fn time_based_without_runtime() {
+        bad_input(&[
+            "bench",
+            "--device",
+            "null:64M",
+            "--size",
+            "1M",
+            "--time_based",
+        ]);
+    }
+}
+
+mod runs {
+    use super::*;
+
+    #[test]
+    fn json_has_fio_fields() {
+        let args = [
+            "bench",
+            "--device",
+            "null:64M",
+            "--runtime",
+            "1",
+            "--output-format",
+            "json",
+        ];
+        let out = cairn(&args);
+        assert_no_panic(&args, &out);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        let json = json_of(&out);
+        let job = &json["jobs"][0];
+        let read = &job["read"];
+        assert!(read["iops"].as_f64().unwrap() > 0.0, "{read}");
+        assert!(read["bw"].is_u64(), "{read}");
+        assert!(read["io_bytes"].as_u64().unwrap() > 0, "{read}");
+        assert_eq!(read["io_bytes"].as_u64().unwrap() % 4096, 0);
+        assert!(read["clat_ns"]["mean"].is_f64(), "{read}");
+        assert!(
+            read["clat_ns"]["percentile"]["99.000000"].is_u64(),
+            "{read}"
+        );
+        assert!(job["usr_cpu"].is_f64(), "{job}");
+        assert!(job["sys_cpu"].is_f64(), "{job}");
+        assert!(job["ctx"].is_u64(), "{job}");
+        assert_eq!(job["error"], 0);
+        assert_eq!(job["write"]["io_bytes"], 0);
+        let extra = &json["cairn"];
+        assert!(extra.is_object(), "{json}");
+        assert_eq!(extra["switches"]["clock"], "cached");
+        assert_eq!(extra["switches"]["reap"], "eager");
+        assert_eq!(extra["switches"]["stats"], "on");
+        assert!(extra["failure"].is_null());
+        assert!(extra["device"]["description"]
+            .as_str()
+            .unwrap()
+            .contains("null"));
+    }
+
+    #[test]
+    fn switches_reach_the_report() {
+        // Global switches go before or after the subcommand.
+        for args in [
+            vec![
+                "--clock", "precise", "--reap", "lazy", "--stats", "off", "bench",
+            ],
+            vec![
+                "bench", "--clock", "precise", "--reap", "lazy", "--stats", "off",
+            ],
+        ] {
+            let mut all = args.clone();
+            all.extend([
+                "--device",
+                "mem:1M",
+                "--size",
+                "256k",
+                "--output-format",
+                "json",
+            ]);
+            let out = cairn(&all);
+            assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+            let json = json_of(&out);
+            let switches = &json["cairn"]["switches"];
+            assert_eq!(switches["clock"], "precise", "{all:?}");
+            assert_eq!(switches["reap"], "lazy", "{all:?}");
+            assert_eq!(switches["stats"], "off", "{all:?}");
+            assert_eq!(json["jobs"][0]["read"]["total_ios"], 64);
+        }
+    }
+
+    #[test]
+    fn normal_output() {
+        let args = ["bench", "--device", "mem:1M", "--size", "256k"];
+        let out = cairn(&args);
+        assert_no_panic(&args, &out);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
+        let stdout = text(&out.stdout);
+        assert!(stdout.contains("read: IOPS="), "{stdout}");
+        assert!(stdout.contains("clat percentiles"), "{stdout}");
+    }
+
+    #[test]
+    fn verify_on_null_exits_1_and_names_the_offset() {
+        for format in ["normal", "json"] {
+            let args = [
+                "bench",
+                "--device",
+                "null:1M",
+                "--verify",
+                "crc32c",
+                "--rw",
+                "randwrite",
+                "--size",
+                "1M",
+                "--output-format",
+                format,
+            ];
+            let out = cairn(&args);
+            assert_no_panic(&args, &out);
+            let stderr = text(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{format}: {stderr}");
+            let at = stderr
+                .find("offset ")
+                .unwrap_or_else(|| panic!("{format}: no offset in {stderr:?}"));
+            let digits: String = stderr[at + 7..]
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            let offset: u64 = digits
+                .parse()
+                .unwrap_or_else(|_| panic!("{format}: {stderr:?}"));
+            assert_eq!(offset % 4096, 0, "{stderr}");
+            assert!(offset < 1 << 20, "{stderr}");
+            if format == "json" {
+                let json = json_of(&out);
+                assert_eq!(json["jobs"][0]["error"], libc_eilseq());
+                let failure = json["cairn"]["failure"].as_str().unwrap();
+                assert!(failure.contains(&format!("offset {offset}")), "{failure}");
+            }
+        }
+    }
+
+    /// EILSEQ on Linux, the error fio reports for a verification failure.
+    fn libc_eilseq() -> i64 {
+        84
+    }
+
+    #[test]
+    fn verify_on_files_passes() {
+        let dir = tempfile::tempdir_in("/dev/shm")
+            .or_else(|_| tempfile::tempdir())
+            .unwrap();
+        for engine in ["io_uring", "aio", "sync"] {
+            let path = dir.path().join(engine);
+            let device = format!("file:{},engine={engine},size=1M", path.display());
+            let args = [
+                "bench",
+                "--device",
+                &device,
+                "--rw",
+                "randrw",
+                "--verify",
+                "crc32c",
+                "--size",
+                "256k",
+                "--io_size",
+                "1M",
+                "--iodepth",
+                "8",
+                "--output-format",
+                "json",
+            ];
+            let out = cairn(&args);
+            assert_no_panic(&args, &out);
+            assert_eq!(
+                out.status.code(),
+                Some(0),
+                "{engine}: {}",
+                text(&out.stderr)
+            );
+            let json = json_of(&out);
+            assert!(json["cairn"]["verify"]["blocks_checked"].as_u64().unwrap() > 0);
+        }
+    }
+}
+
+mod help {
+    use super::*;
+
+    #[test]
+    fn top_level_help() {
+        let out = cairn(&["--help"]);
+        assert_eq!(out.status.code(), Some(0));
+        let stdout = text(&out.stdout);
+        for needle in ["bench", "--clock", "--reap", "--stats"] {
+            assert!(stdout.contains(needle), "cairn --help lacks {needle}");
+        }
+        assert_no_panic(&["--help"], &out);
+    }
+
+    #[test]
+    fn bench_help_lists_every_option() {
+        for args in [["bench", "--help"], ["help", "bench"]] {
+            let out = cairn(&args);
+            assert_eq!(out.status.code(), Some(0), "{args:?}");
+            let stdout = text(&out.stdout);
+            for option in BENCH_OPTIONS {
+                assert!(stdout.contains(option), "{args:?} lacks {option}");
+            }
+        }
+    }
+
+    #[test]
+    fn version() {
+        let out = cairn(&["--version"]);
+        assert_eq!(out.status.code(), Some(0));
+        assert!(text(&out.stdout).starts_with("cairn "));
+    }
+}
