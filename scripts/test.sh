@@ -25,4 +25,9 @@ cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 echo "== cargo test"
-cargo test --workspace
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+cargo test --workspace 2>&1 | tee "$log"
+# One closing line over every test binary (cargo prints one per binary, doc tests last).
+awk '/^test result:/ { p += $4; f += $6; s += $8 }
+     END { printf "tests: %d passed, %d failed, %d skipped\n", p, f, s; exit (f > 0 || p == 0) }' "$log"

@@ -145,8 +145,10 @@ impl Default for JobSpec {
 pub const IODEPTH_MAX: u32 = 4096;
 /// Upper bound on numjobs.
 pub const NUMJOBS_MAX: u32 = 256;
-/// Upper bound on `--bs` (the largest single request, 1 GiB... kept to 64 MiB per slot).
+/// Upper bound on `--bs`.
 pub const BS_MAX: u64 = 64 << 20;
+/// Upper bound on each job's buffers (`iodepth` x `bs`), allocated up front.
+pub const JOB_BUFFER_BYTES_MAX: u64 = 1 << 30;
 /// Largest region `--verify` tracks (blocks per job).
 pub const VERIFY_BLOCKS_MAX: u64 = 64 << 20;
 
@@ -186,6 +188,14 @@ impl JobSpec {
             return Err(format!(
                 "--bs {} must be a non-zero multiple of the device's {block}-byte block size, at most {BS_MAX}",
                 self.bs
+            ));
+        }
+        if u64::from(self.iodepth) * self.bs > JOB_BUFFER_BYTES_MAX {
+            return Err(format!(
+                "--iodepth {} x --bs {} needs more than the {} MiB of buffers a job may allocate",
+                self.iodepth,
+                self.bs,
+                JOB_BUFFER_BYTES_MAX >> 20
             ));
         }
         if self.verify && self.bs < verify::HEADER_BYTES as u64 {

@@ -515,6 +515,17 @@ mod plan {
     }
 
     #[test]
+    fn buffers_bounded() {
+        // 4096 x 64 MiB would be 256 GiB of buffers: refused before anything is allocated.
+        let spec = JobSpec {
+            iodepth: 4096,
+            bs: 64 << 20,
+            ..JobSpec::default()
+        };
+        refused(spec, "null:1T", "buffers");
+    }
+
+    #[test]
     fn unaligned_block_size() {
         for bs in [0, 1000, 4097] {
             let spec = JobSpec {

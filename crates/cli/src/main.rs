@@ -47,6 +47,10 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             }
             if let Some(f) = &report.failure {
                 eprintln!("cairn: {f}");
+            } else if report.dirs.iter().all(|d| d.ios == 0) {
+                eprintln!(
+                    "cairn: warning: nothing was measured (the job finished during --ramp_time; raise --io_size or use --time_based)"
+                );
             }
             Ok(ExitCode::from(report.exit_code() as u8))
         }
