@@ -14,6 +14,8 @@ Comparisons:
   clock     technique 2: null, stats on: --clock cached vs --clock precise
   stats     null: --stats on vs --stats off
   reap      technique 5: the /dev/shm file, --reap eager vs lazy, for io_uring and aio
+  reapdisk  technique 5 on a file on the root disk with O_DIRECT (not in the default set:
+            the disk is slow and drifts; --disk-file sets the 1 GiB file to use)
 
 fio runs with --norandommap --randrepeat=0 (cairn's offsets are uniformly random too) and
 records completion latency, as cairn does. cairn's null device zeroes read buffers;
@@ -115,6 +117,7 @@ def main():
     ap.add_argument("--runtime", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", default="null,uring,aio,clock,stats,reap")
+    ap.add_argument("--disk-file", default="/var/tmp/cairn-disk-1g")
     args = ap.parse_args()
     only = set(args.only.split(","))
     prepare()
@@ -147,17 +150,25 @@ def main():
                                 ("stats off", lambda: cairn("null:1G", t, "--stats", "off"))], n)
         ratio_row("statistics cost: null (on/off must be > 0.95)", res, "stats on", "stats off", 0.95)
     reap_rows = []
+    reap_sets = []
     if "reap" in only:
-        for engine in ("io_uring", "aio"):
-            dev = f"file:{SHM_FILE},engine={engine}"
-            res = compare(f"reap-{engine}", [
+        reap_sets += [(e, f"file:{SHM_FILE},engine={e}", f"{e} /dev/shm") for e in ("io_uring", "aio")]
+    if "reapdisk" in only:
+        if not os.path.exists(args.disk_file) or os.path.getsize(args.disk_file) != 1 << 30:
+            subprocess.run(["dd", "if=/dev/urandom", f"of={args.disk_file}", "bs=1M", "count=1024",
+                            "oflag=direct", "status=none"], check=True)
+        reap_sets += [(e, f"file:{args.disk_file},engine={e},direct=1", f"{e} disk O_DIRECT")
+                      for e in ("io_uring", "aio")]
+    if reap_sets:
+        for engine, dev, where in reap_sets:
+            res = compare(f"reap-{where.replace(' ', '-').replace('/', '')}", [
                 ("eager", lambda dev=dev: cairn(dev, t, "--reap", "eager")),
                 ("lazy", lambda dev=dev: cairn(dev, t, "--reap", "lazy"))], n)
-            ratio_row(f"technique 5: {engine} file, reap", res, "eager", "lazy", 1.0)
+            ratio_row(f"technique 5: {where}, reap", res, "eager", "lazy", 1.0)
             for label in ("eager", "lazy"):
                 rs = res[label]
                 reap_rows.append(
-                    f"| {engine} | {label} | {fmt_iops(med(rs, 'iops'))} | {med(rs, 'clat_mean_ns') / 1000:.1f} | "
+                    f"| {where} | {label} | {fmt_iops(med(rs, 'iops'))} | {med(rs, 'clat_mean_ns') / 1000:.1f} | "
                     f"{med(rs, 'clat_p99_ns') / 1000:.1f} | {int(med(rs, 'ctx'))} | {reap_cells(rs)} |")
 
     print(f"\nMedian of {n} interleaved rounds of {t} s each (`bench/engine.py --runtime {t} --rounds {n}`).\n")
@@ -167,7 +178,7 @@ def main():
         print(r)
     if reap_rows:
         print("\nTechnique 5, completions per reap (percentiles 1 / 10 / 50 / 90 / 99.99):\n")
-        print("| engine | reap | IOPS | clat mean (µs) | clat p99 (µs) | ctx | completions per reap |")
+        print("| file | reap | IOPS | clat mean (µs) | clat p99 (µs) | ctx | completions per reap |")
         print("|---|---|---|---|---|---|---|")
         for r in reap_rows:
             print(r)

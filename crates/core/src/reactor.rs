@@ -407,6 +407,27 @@ impl Core {
         }
     }
 
+    fn unplug_pollers(&self) {
+        for slot in self.pollers.borrow().iter() {
+            slot.poller.unplug();
+        }
+    }
+
+    /// Collects completions from aio contexts: every one if `all`, else the woken ones.
+    fn reap_pollers(&self, all: bool) -> usize {
+        let mut total = 0;
+        let slots: Vec<Rc<PollerSlot>> = self.pollers.borrow().clone();
+        for slot in &slots {
+            if all || slot.woken.get() {
+                if slot.woken.replace(false) {
+                    slot.poller.clear_event();
+                }
+                total += slot.poller.reap();
+            }
+        }
+        total
+    }
+
     /// Collects completions from the ring (and, if `pollers`, from every aio context).
     fn reap(&self, pollers: bool) -> usize {
         let mut total = 0;
@@ -440,21 +461,18 @@ impl Core {
                 break;
             }
         }
-        let slots: Vec<Rc<PollerSlot>> = self.pollers.borrow().clone();
-        for slot in &slots {
-            if pollers || slot.woken.get() {
-                if slot.woken.replace(false) {
-                    slot.poller.clear_event();
-                }
-                total += slot.poller.reap();
-            }
-        }
-        if total > 0 {
-            self.reap_hist.borrow_mut().saturating_record(total as u64);
+        total += self.reap_pollers(pollers);
+        self.record_reap(total);
+        total
+    }
+
+    /// Counts one reap call that found `n` completions.
+    fn record_reap(&self, n: usize) {
+        if n > 0 {
+            self.reap_hist.borrow_mut().saturating_record(n as u64);
         } else {
             self.bump(|s| s.empty_reaps += 1);
         }
-        total
     }
 
     fn poller_woken(&self, index: usize) {
@@ -568,12 +586,18 @@ impl Reactor {
             let idle = core.fifo.borrow().is_empty();
             match core.switches.reap {
                 ReapMode::Eager => {
-                    // Submit and, in the same system call, collect what has completed;
-                    // then look at every ring before deciding to sleep.
-                    core.unplug(0, true, None);
-                    let found = core.reap(true);
-                    if found == 0 && idle && core.fifo.borrow().is_empty() {
+                    // aio contexts first: io_submit, then their user-space rings (free).
+                    core.unplug_pollers();
+                    let found = core.reap_pollers(true);
+                    core.record_reap(found);
+                    if idle && found == 0 && core.fifo.borrow().is_empty() {
+                        // Nothing else to do: submit and wait in one io_uring_enter, which
+                        // returns at once if anything has already completed.
                         self.block();
+                        core.reap(true);
+                    } else {
+                        // Work is waiting: submit and collect what is ready, never sleep.
+                        core.unplug(0, true, None);
                         core.reap(true);
                     }
                 }
