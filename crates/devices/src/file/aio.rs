@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use cairn_core::{Core, Error, Io, IoFlags, IoStatus, Op, Poller, Queue, QueueStats};
 
-use super::{do_sync, FileShared, Slots, QUEUE_DEPTH};
+use super::{do_sync, FileShared, Slots, Step, QUEUE_DEPTH};
 
 const IOCB_CMD_PREAD: u16 = 0;
 const IOCB_CMD_PWRITE: u16 = 1;
@@ -159,23 +159,10 @@ impl AioQueue {
     }
 
     fn finish(&self, slot: u32, status: IoStatus) {
-        let next = {
-            let mut slots = self.slots.borrow_mut();
-            let s = slots.entries[slot as usize];
-            self.stats.done(
-                s.io.op,
-                s.io.len,
-                s.start_ns,
-                self.core.now_ns(),
-                status.is_ok(),
-            );
-            self.core.complete(s.io.sink, s.io.token, status);
-            slots.release(slot);
-            slots
-                .waiting
-                .pop_front()
-                .and_then(|(io, start)| slots.take(io, start).map(|i| (i, io)))
-        };
+        let next = self
+            .slots
+            .borrow_mut()
+            .finish(slot, status, &self.stats, &self.core);
         if let Some((i, io)) = next {
             self.prepare(i, &io, 0);
         }
@@ -183,29 +170,10 @@ impl AioQueue {
 
     fn event(&self, slot: u32, res: i64) {
         self.in_kernel.set(self.in_kernel.get() - 1);
-        let s = self.slots.borrow().entries[slot as usize];
-        let io = s.io;
-        if res < 0 {
-            let errno = (-res) as i32;
-            if errno == libc::EAGAIN || errno == libc::EINTR {
-                self.prepare(slot, &io, s.done_bytes);
-            } else {
-                self.finish(slot, IoStatus::errno(errno));
-            }
-            return;
-        }
-        if io.op.has_data() {
-            let done = s.done_bytes + res as u64;
-            if res == 0 {
-                self.finish(slot, IoStatus::errno(libc::EIO));
-            } else if done < io.len {
-                self.slots.borrow_mut().entries[slot as usize].done_bytes = done;
-                self.prepare(slot, &io, done);
-            } else {
-                self.finish(slot, IoStatus::OK);
-            }
-        } else {
-            self.finish(slot, IoStatus::OK);
+        let step = self.slots.borrow_mut().progress(slot, res);
+        match step {
+            Step::Resume(io, done) => self.prepare(slot, &io, done),
+            Step::Finish(status) => self.finish(slot, status),
         }
     }
 

@@ -20,7 +20,7 @@ use std::rc::Rc;
 use std::sync::{Arc, OnceLock};
 
 use cairn_core::{
-    AlignedBuf, Caps, Core, Device, Error, Geometry, Io, IoFlags, IoStatus, Op, Queue,
+    AlignedBuf, Caps, Core, Device, Error, Geometry, Io, IoFlags, IoStatus, Op, Queue, QueueStats,
 };
 
 use crate::spec::Engine;
@@ -370,6 +370,14 @@ pub(crate) struct Slots {
     pub(crate) waiting: std::collections::VecDeque<(Io, u64)>,
 }
 
+/// The next step for a request after a kernel result.
+pub(crate) enum Step {
+    /// Submit again for what is left: (request, bytes already done).
+    Resume(Io, u64),
+    /// Complete with this status.
+    Finish(IoStatus),
+}
+
 #[derive(Clone, Copy)]
 pub(crate) struct Slot {
     pub(crate) io: Io,
@@ -412,8 +420,47 @@ impl Slots {
         }
     }
 
-    pub(crate) fn release(&mut self, i: u32) {
-        self.free.push(i);
+    /// What the kernel's result `res` (bytes, or -errno) means for the request in `slot`.
+    pub(crate) fn progress(&mut self, slot: u32, res: i64) -> Step {
+        let s = &mut self.entries[slot as usize];
+        if res < 0 {
+            let errno = (-res) as i32;
+            return if errno == libc::EAGAIN || errno == libc::EINTR {
+                Step::Resume(s.io, s.done_bytes)
+            } else {
+                Step::Finish(IoStatus::errno(errno))
+            };
+        }
+        if !s.io.op.has_data() {
+            return Step::Finish(IoStatus::OK);
+        }
+        if res == 0 {
+            // Unexpected end of file: the file was truncated under the device.
+            return Step::Finish(IoStatus::errno(libc::EIO));
+        }
+        s.done_bytes += res as u64;
+        if s.done_bytes < s.io.len {
+            Step::Resume(s.io, s.done_bytes)
+        } else {
+            Step::Finish(IoStatus::OK)
+        }
+    }
+
+    /// Completes the request in `slot` (statistics, then the completion) and gives the
+    /// slot to the next waiting request, which is returned for the engine to start.
+    pub(crate) fn finish(
+        &mut self,
+        slot: u32,
+        status: IoStatus,
+        stats: &QueueStats,
+        core: &Core,
+    ) -> Option<(u32, Io)> {
+        let s = self.entries[slot as usize];
+        stats.done(s.io.op, s.io.len, s.start_ns, core.now_ns(), status.is_ok());
+        core.complete(s.io.sink, s.io.token, status);
+        self.free.push(slot);
+        let (io, start) = self.waiting.pop_front()?;
+        self.take(io, start).map(|i| (i, io))
     }
 
     pub(crate) fn in_use(&self) -> usize {

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use cairn_core::{Core, Error, Io, IoFlags, IoStatus, Op, Queue, QueueStats, RingUser};
 use io_uring::{opcode, squeue, types};
 
-use super::{do_sync, fallocate_mode, write_zeros, FileShared, Slots, QUEUE_DEPTH};
+use super::{fallocate_mode, write_zeros, FileShared, Slots, Step, QUEUE_DEPTH};
 
 /// One file's queue on one reactor's io_uring.
 pub struct UringQueue {
@@ -108,23 +108,10 @@ impl UringQueue {
     }
 
     fn finish(&self, slot: u32, status: IoStatus) {
-        let next = {
-            let mut slots = self.slots.borrow_mut();
-            let s = slots.entries[slot as usize];
-            self.stats.done(
-                s.io.op,
-                s.io.len,
-                s.start_ns,
-                self.core.now_ns(),
-                status.is_ok(),
-            );
-            self.core.complete(s.io.sink, s.io.token, status);
-            slots.release(slot);
-            slots
-                .waiting
-                .pop_front()
-                .and_then(|(io, start)| slots.take(io, start).map(|i| (i, io)))
-        };
+        let next = self
+            .slots
+            .borrow_mut()
+            .finish(slot, status, &self.stats, &self.core);
         if let Some((i, io)) = next {
             self.push(i, &io, 0);
         }
@@ -158,37 +145,21 @@ impl Queue for UringQueue {
 impl RingUser for UringQueue {
     fn ring_complete(&self, cookie: u64, res: i32) {
         let slot = cookie as u32;
-        let s = self.slots.borrow().entries[slot as usize];
-        let io = s.io;
-        if res < 0 {
-            let errno = -res;
-            if errno == libc::EAGAIN || errno == libc::EINTR {
-                self.push(slot, &io, s.done_bytes);
-                return;
+        let step = self.slots.borrow_mut().progress(slot, i64::from(res));
+        match step {
+            Step::Resume(io, done) => self.push(slot, &io, done),
+            Step::Finish(status) => {
+                let io = self.slots.borrow().entries[slot as usize].io;
+                let errno = status.raw();
+                let fallback = matches!(io.op, Op::Discard | Op::WriteZeroes)
+                    && (errno == libc::EOPNOTSUPP || errno == libc::EINVAL);
+                let status = if fallback {
+                    write_zeros(&self.shared, io.offset, io.len)
+                } else {
+                    status
+                };
+                self.finish(slot, status);
             }
-            let fallback = matches!(io.op, Op::Discard | Op::WriteZeroes)
-                && (errno == libc::EOPNOTSUPP || errno == libc::EINVAL);
-            let status = if fallback {
-                write_zeros(&self.shared, io.offset, io.len)
-            } else {
-                IoStatus::errno(errno)
-            };
-            self.finish(slot, status);
-            return;
-        }
-        if io.op.has_data() {
-            let done = s.done_bytes + res as u64;
-            if res == 0 {
-                // Unexpected end of file: the file was truncated under the device.
-                self.finish(slot, IoStatus::errno(libc::EIO));
-            } else if done < io.len {
-                self.slots.borrow_mut().entries[slot as usize].done_bytes = done;
-                self.push(slot, &io, done);
-            } else {
-                self.finish(slot, IoStatus::OK);
-            }
-        } else {
-            self.finish(slot, IoStatus::OK);
         }
     }
 }
@@ -203,6 +174,5 @@ impl Drop for UringQueue {
             0,
             "queue dropped with requests in flight"
         );
-        let _ = do_sync; // the sync path is shared with the other engines
     }
 }
