@@ -7,13 +7,16 @@
 //! 1. refresh the cached clock (one read per batch, technique 2) and fire due timers;
 //! 2. deliver the completions that were in the FIFO when the pass began (their callbacks
 //!    submit new requests, which only queue up in the plug);
-//! 3. unplug: one `io_uring_enter` for the whole batch, one `io_submit` per aio context;
-//! 4. eager reaping (technique 5): look at the completion rings right away, without a
-//!    system call, and loop again if anything was there;
-//! 5. only when there is nothing to do, block in the kernel until a completion or timer.
+//! 3. unplug: one `io_submit` per aio context, one `io_uring_enter` for the ring's batch;
+//! 4. eager reaping (technique 5): read the aio completion rings right after `io_submit`,
+//!    without a system call; if work is ready, submit the ring's batch and collect what
+//!    has completed in the same `io_uring_enter`, and loop without sleeping;
+//! 5. only when there is nothing to do, submit and wait in one `io_uring_enter` (which
+//!    returns at once if anything has already completed) until a completion or a timer.
 //!
-//! With `--reap lazy` step 4 is skipped: completions are collected only by the blocking
-//! wait of step 5, as QEMU's linux-aio did before it reaped from its submit path.
+//! With `--reap lazy` completions are collected only by the wait of step 5, as QEMU's
+//! linux-aio did before it reaped from its submit path. For a reactor with only ring work
+//! the two modes coincide, because step 5 already reaps before it sleeps.
 //!
 //! Completions never run inside `submit`: a queue that finishes a request at once (null,
 //! mem) pushes it on the FIFO, so stacks never recurse without bound. The FIFO is bounded
@@ -416,8 +419,10 @@ impl Core {
     /// Collects completions from aio contexts: every one if `all`, else the woken ones.
     fn reap_pollers(&self, all: bool) -> usize {
         let mut total = 0;
-        let slots: Vec<Rc<PollerSlot>> = self.pollers.borrow().clone();
-        for slot in &slots {
+        // Index, don't clone the list: this runs once per pass and must not allocate.
+        let count = self.pollers.borrow().len();
+        for i in 0..count {
+            let slot = self.pollers.borrow()[i].clone();
             if all || slot.woken.get() {
                 if slot.woken.replace(false) {
                     slot.poller.clear_event();
@@ -486,8 +491,9 @@ impl Core {
     /// in the ring also wakes for aio completions.
     fn arm_pollers(&self) -> bool {
         let mut any = false;
-        let slots: Vec<Rc<PollerSlot>> = self.pollers.borrow().clone();
-        for (i, slot) in slots.iter().enumerate() {
+        let count = self.pollers.borrow().len();
+        for i in 0..count {
+            let slot = self.pollers.borrow()[i].clone();
             if !slot.poller.busy() {
                 continue;
             }
