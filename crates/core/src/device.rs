@@ -107,6 +107,11 @@ pub trait Device: Send + Sync {
     fn children(&self) -> Vec<Arc<dyn Device>> {
         Vec::new()
     }
+
+    /// Names of members that have failed (a redundant array running degraded).
+    fn failed_members(&self) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// One device's submission path on one reactor.

@@ -20,6 +20,7 @@ pub mod error;
 pub mod io;
 pub mod reactor;
 pub mod size;
+pub mod slab;
 pub mod stats;
 
 pub use buf::AlignedBuf;

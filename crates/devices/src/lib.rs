@@ -13,6 +13,7 @@ pub mod file;
 pub mod mem;
 pub mod null;
 pub mod spec;
+pub mod stack;
 
 use std::sync::Arc;
 

@@ -1,0 +1,289 @@
+//! The four layouts: where each logical byte lives.
+
+use cairn_core::Error;
+
+use super::Layout;
+
+/// Members end to end.
+pub struct Linear {
+    /// Start of each member in the stacked device, plus the total size at the end.
+    starts: Vec<u64>,
+}
+
+impl Linear {
+    /// Members of the given sizes, in order.
+    pub fn new(sizes: &[u64]) -> Linear {
+        let mut starts = Vec::with_capacity(sizes.len() + 1);
+        let mut at = 0;
+        for &s in sizes {
+            starts.push(at);
+            at += s;
+        }
+        starts.push(at);
+        Linear { starts }
+    }
+
+    fn member(&self, offset: u64) -> usize {
+        // The last start <= offset (starts are sorted; zero-sized members are skipped).
+        self.starts.partition_point(|&s| s <= offset) - 1
+    }
+}
+
+impl Layout for Linear {
+    fn kind(&self) -> &'static str {
+        "linear"
+    }
+    fn size_bytes(&self) -> u64 {
+        *self.starts.last().unwrap_or(&0)
+    }
+    fn copies(&self) -> usize {
+        1
+    }
+    #[inline]
+    fn piece_len(&self, offset: u64, len: u64) -> u64 {
+        let m = self.member(offset);
+        len.min(self.starts[m + 1] - offset)
+    }
+    #[inline]
+    fn locate(&self, offset: u64, _copy: usize) -> (usize, u64) {
+        let m = self.member(offset);
+        (m, offset - self.starts[m])
+    }
+    fn describe(&self) -> String {
+        String::from("members end to end")
+    }
+}
+
+fn check_chunk(kind: &str, chunk: u64, block: u64) -> Result<(), Error> {
+    if !chunk.is_power_of_two() || chunk < block {
+        return Err(Error::Invalid(format!(
+            "{kind}: chunk {chunk} must be a power of two of at least the {block}-byte block size"
+        )));
+    }
+    Ok(())
+}
+
+/// RAID0: chunk `i` on member `i % n`.
+pub struct Stripe {
+    chunk: u64,
+    members: u64,
+    size: u64,
+}
+
+impl Stripe {
+    /// `members` devices of at least `member_size` bytes, in `chunk`-byte chunks.
+    pub fn new(members: usize, chunk: u64, member_size: u64, block: u64) -> Result<Stripe, Error> {
+        check_chunk("stripe", chunk, block)?;
+        let rows = member_size / chunk;
+        if rows == 0 {
+            return Err(Error::Invalid(format!(
+                "stripe: members ({member_size} bytes) are smaller than one chunk ({chunk})"
+            )));
+        }
+        Ok(Stripe {
+            chunk,
+            members: members as u64,
+            size: rows * chunk * members as u64,
+        })
+    }
+}
+
+impl Layout for Stripe {
+    fn kind(&self) -> &'static str {
+        "stripe"
+    }
+    fn size_bytes(&self) -> u64 {
+        self.size
+    }
+    fn copies(&self) -> usize {
+        1
+    }
+    #[inline]
+    fn piece_len(&self, offset: u64, len: u64) -> u64 {
+        len.min(self.chunk - offset % self.chunk)
+    }
+    #[inline]
+    fn locate(&self, offset: u64, _copy: usize) -> (usize, u64) {
+        let i = offset / self.chunk;
+        let member = i % self.members;
+        let row = i / self.members;
+        (member as usize, row * self.chunk + offset % self.chunk)
+    }
+    fn describe(&self) -> String {
+        format!("chunk={}", self.chunk)
+    }
+}
+
+/// RAID1: every member holds everything.
+pub struct Mirror {
+    members: usize,
+    size: u64,
+}
+
+impl Mirror {
+    /// `members` devices, the smallest of which has `member_size` bytes.
+    pub fn new(members: usize, member_size: u64) -> Result<Mirror, Error> {
+        if members < 2 {
+            return Err(Error::Invalid("mirror: needs at least two members".into()));
+        }
+        Ok(Mirror {
+            members,
+            size: member_size,
+        })
+    }
+}
+
+impl Layout for Mirror {
+    fn kind(&self) -> &'static str {
+        "mirror"
+    }
+    fn size_bytes(&self) -> u64 {
+        self.size
+    }
+    fn copies(&self) -> usize {
+        self.members
+    }
+    #[inline]
+    fn piece_len(&self, _offset: u64, len: u64) -> u64 {
+        len
+    }
+    #[inline]
+    fn locate(&self, offset: u64, copy: usize) -> (usize, u64) {
+        (copy, offset)
+    }
+    fn describe(&self) -> String {
+        format!("copies={}", self.members)
+    }
+}
+
+/// RAID10 in md's "near" layout.
+///
+/// Logical chunk `i` has `copies` copies at positions `i*copies .. i*copies+copies` of a
+/// grid `members` wide: copy `k` lives on member `(i*copies + k) % members`, in chunk row
+/// `(i*copies + k) / members`. With 4 members and 2 copies, chunk 0 is on members 0 and 1,
+/// chunk 1 on 2 and 3, chunk 2 on 0 and 1 one row down, and so on; with 3 members and 2
+/// copies, chunk 1 is on member 2 (row 0) and member 0 (row 1).
+pub struct Raid10 {
+    chunk: u64,
+    members: u64,
+    copies: u64,
+    size: u64,
+}
+
+impl Raid10 {
+    /// `members` devices of at least `member_size` bytes, `copies` copies, `chunk` bytes.
+    pub fn new(
+        members: usize,
+        copies: usize,
+        chunk: u64,
+        member_size: u64,
+        block: u64,
+    ) -> Result<Raid10, Error> {
+        check_chunk("raid10", chunk, block)?;
+        if copies < 2 || copies > members {
+            return Err(Error::Invalid(format!(
+                "raid10: copies {copies} must be from 2 to the number of members ({members})"
+            )));
+        }
+        let rows = member_size / chunk;
+        let chunks = rows * members as u64 / copies as u64;
+        if chunks == 0 {
+            return Err(Error::Invalid(format!(
+                "raid10: members ({member_size} bytes) are smaller than one chunk ({chunk})"
+            )));
+        }
+        Ok(Raid10 {
+            chunk,
+            members: members as u64,
+            copies: copies as u64,
+            size: chunks * chunk,
+        })
+    }
+}
+
+impl Layout for Raid10 {
+    fn kind(&self) -> &'static str {
+        "raid10"
+    }
+    fn size_bytes(&self) -> u64 {
+        self.size
+    }
+    fn copies(&self) -> usize {
+        self.copies as usize
+    }
+    #[inline]
+    fn piece_len(&self, offset: u64, len: u64) -> u64 {
+        len.min(self.chunk - offset % self.chunk)
+    }
+    #[inline]
+    fn locate(&self, offset: u64, copy: usize) -> (usize, u64) {
+        let position = (offset / self.chunk) * self.copies + copy as u64;
+        let member = position % self.members;
+        let row = position / self.members;
+        (member as usize, row * self.chunk + offset % self.chunk)
+    }
+    fn describe(&self) -> String {
+        format!("chunk={} copies={} layout=near", self.chunk, self.copies)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const K: u64 = 64 << 10;
+
+    #[test]
+    fn linear_places_members_end_to_end() {
+        let l = Linear::new(&[1000 * 512, 24 * 512, 4096]);
+        assert_eq!(l.size_bytes(), 1024 * 512 + 4096);
+        assert_eq!(l.locate(0, 0), (0, 0));
+        assert_eq!(l.locate(1000 * 512, 0), (1, 0));
+        assert_eq!(l.locate(1024 * 512 + 512, 0), (2, 512));
+        assert_eq!(l.piece_len(999 * 512, 4096), 512);
+    }
+
+    #[test]
+    fn stripe_round_robins_chunks() {
+        let s = Stripe::new(3, K, 10 * K, 512).unwrap();
+        assert_eq!(s.size_bytes(), 30 * K);
+        assert_eq!(s.locate(0, 0), (0, 0));
+        assert_eq!(s.locate(K, 0), (1, 0));
+        assert_eq!(s.locate(2 * K + 512, 0), (2, 512));
+        assert_eq!(s.locate(3 * K, 0), (0, K));
+        assert_eq!(s.locate(7 * K + 4096, 0), (1, 2 * K + 4096));
+        assert_eq!(s.piece_len(K - 512, 8192), 512);
+        assert!(Stripe::new(2, 3000, K, 512).is_err());
+        assert!(Stripe::new(2, K, K - 1, 512).is_err());
+    }
+
+    #[test]
+    fn raid10_near_layout_four_members_two_copies() {
+        let r = Raid10::new(4, 2, K, 8 * K, 512).unwrap();
+        assert_eq!(r.size_bytes(), 16 * K);
+        assert_eq!((r.locate(0, 0), r.locate(0, 1)), ((0, 0), (1, 0)));
+        assert_eq!((r.locate(K, 0), r.locate(K, 1)), ((2, 0), (3, 0)));
+        assert_eq!((r.locate(2 * K, 0), r.locate(2 * K, 1)), ((0, K), (1, K)));
+        assert_eq!(r.locate(5 * K + 100 * 512, 1), (3, 2 * K + 100 * 512));
+    }
+
+    #[test]
+    fn raid10_near_layout_odd_members() {
+        let r = Raid10::new(3, 2, K, 4 * K, 512).unwrap();
+        // 4 rows x 3 members = 12 positions = 6 chunks of 2 copies.
+        assert_eq!(r.size_bytes(), 6 * K);
+        assert_eq!((r.locate(0, 0), r.locate(0, 1)), ((0, 0), (1, 0)));
+        assert_eq!((r.locate(K, 0), r.locate(K, 1)), ((2, 0), (0, K)));
+        assert_eq!((r.locate(2 * K, 0), r.locate(2 * K, 1)), ((1, K), (2, K)));
+        assert!(Raid10::new(3, 4, K, 4 * K, 512).is_err());
+        assert!(Raid10::new(3, 1, K, 4 * K, 512).is_err());
+    }
+
+    #[test]
+    fn mirror_copies_everything() {
+        let m = Mirror::new(3, 1 << 20).unwrap();
+        assert_eq!(m.copies(), 3);
+        assert_eq!(m.locate(4096, 2), (2, 4096));
+        assert!(Mirror::new(1, 1 << 20).is_err());
+    }
+}

@@ -1,0 +1,451 @@
+//! Stacked devices: linear, stripe (RAID0), mirror (RAID1) and raid10, over one engine.
+//!
+//! A [`Layout`] says where each byte of the stacked device lives: on which member, at
+//! which offset, in how many copies. [`StackQueue`] does the rest for every layout: it
+//! splits a request at chunk and member boundaries, submits the pieces to its members'
+//! queues on the same reactor (technique 4: no hand-off to another thread), and completes
+//! the request when every piece has. Per-request state lives in two per-queue slabs.
+//!
+//! Redundant layouts (copies > 1) keep going when members fail: a failed read is retried
+//! on another copy; a failed write, discard or flush marks the member failed and the array
+//! runs degraded (logged once, and listed by `Device::failed_members`). A request fails
+//! only when some of its data has no healthy copy left.
+
+mod layouts;
+
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
+
+use cairn_core::slab::Slab;
+use cairn_core::{
+    Caps, Core, Device, Error, Geometry, Io, IoFlags, IoStatus, Op, Queue, QueueStats, Sink, SinkId,
+};
+
+pub use layouts::{Linear, Mirror, Raid10, Stripe};
+
+/// Where the bytes of a stacked device live.
+pub trait Layout: Send + Sync {
+    /// `linear`, `stripe`, `mirror` or `raid10`.
+    fn kind(&self) -> &'static str;
+    /// Size of the stacked device in bytes.
+    fn size_bytes(&self) -> u64;
+    /// Copies of every byte (1 for linear and stripe).
+    fn copies(&self) -> usize;
+    /// Length of the piece that starts at logical `offset`, at most `len`: pieces never
+    /// cross a chunk or member boundary.
+    fn piece_len(&self, offset: u64, len: u64) -> u64;
+    /// Member index and member offset of copy `copy` of logical `offset`.
+    fn locate(&self, offset: u64, copy: usize) -> (usize, u64);
+    /// Layout parameters for reports, e.g. `chunk=65536 copies=2`.
+    fn describe(&self) -> String;
+}
+
+/// Which members have failed; shared by every queue of the device.
+struct Health {
+    device: String,
+    names: Vec<String>,
+    failed: Vec<AtomicBool>,
+}
+
+impl Health {
+    #[inline]
+    fn ok(&self, member: usize) -> bool {
+        !self.failed[member].load(Relaxed)
+    }
+
+    fn fail(&self, member: usize, status: IoStatus) {
+        if !self.failed[member].swap(true, Relaxed) {
+            eprintln!(
+                "cairn: {}: member {} failed ({status}); running degraded",
+                self.device, self.names[member]
+            );
+        }
+    }
+}
+
+/// A device made of other devices.
+pub struct StackDevice {
+    name: String,
+    layout: Arc<dyn Layout>,
+    members: Vec<Arc<dyn Device>>,
+    health: Arc<Health>,
+    geometry: Geometry,
+}
+
+impl StackDevice {
+    /// Stacks `members` with `layout` (the layout was built from the members' sizes).
+    pub fn new(
+        name: &str,
+        layout: Arc<dyn Layout>,
+        members: Vec<Arc<dyn Device>>,
+    ) -> Result<StackDevice, Error> {
+        if members.is_empty() {
+            return Err(Error::Invalid(format!(
+                "{name}: a {} needs members",
+                layout.kind()
+            )));
+        }
+        let block_bytes = members
+            .iter()
+            .map(|m| m.geometry().block_bytes)
+            .max()
+            .unwrap_or(512);
+        let mut caps = Caps::ALL;
+        for m in &members {
+            let c = m.geometry().caps;
+            caps.flush &= c.flush;
+            caps.fua &= c.fua;
+            caps.discard &= c.discard;
+            caps.write_zeroes &= c.write_zeroes;
+        }
+        let size_bytes = layout.size_bytes() / u64::from(block_bytes) * u64::from(block_bytes);
+        if size_bytes == 0 {
+            return Err(Error::Invalid(format!(
+                "{name}: members too small for a {}",
+                layout.kind()
+            )));
+        }
+        let health = Arc::new(Health {
+            device: name.into(),
+            names: members.iter().map(|m| m.name().to_string()).collect(),
+            failed: members.iter().map(|_| AtomicBool::new(false)).collect(),
+        });
+        Ok(StackDevice {
+            name: name.into(),
+            geometry: Geometry {
+                size_bytes,
+                block_bytes,
+                caps,
+            },
+            layout,
+            members,
+            health,
+        })
+    }
+}
+
+impl Device for StackDevice {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} of {} members, {} ({} bytes)",
+            self.layout.kind(),
+            self.members.len(),
+            self.layout.describe(),
+            self.geometry.size_bytes
+        )
+    }
+
+    fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
+        let members = self
+            .members
+            .iter()
+            .map(|m| m.open_queue(core))
+            .collect::<Result<Vec<_>, _>>()?;
+        let queue = Rc::new(StackQueue {
+            core: core.clone(),
+            stats: QueueStats::new(core.switches().stats),
+            layout: self.layout.clone(),
+            members,
+            health: self.health.clone(),
+            sink: Cell::new(SinkId(u32::MAX)),
+            state: RefCell::new(State {
+                parents: Slab::with_capacity(PARENTS),
+                children: Slab::with_capacity(PARENTS * 2),
+            }),
+            next_copy: Cell::new(0),
+        });
+        queue.sink.set(core.register_sink(queue.clone()));
+        Ok(queue)
+    }
+
+    fn children(&self) -> Vec<Arc<dyn Device>> {
+        self.members.clone()
+    }
+
+    fn failed_members(&self) -> Vec<String> {
+        (0..self.members.len())
+            .filter(|&m| !self.health.ok(m))
+            .map(|m| self.health.names[m].clone())
+            .collect()
+    }
+}
+
+/// Parent requests a queue keeps state for before its slab grows.
+const PARENTS: usize = 256;
+
+struct Parent {
+    io: Io,
+    pending: u32,
+    status: IoStatus,
+    start_ns: u64,
+    degraded: bool,
+}
+
+#[derive(Clone, Copy)]
+struct Child {
+    parent: u32,
+    op: Op,
+    flags: IoFlags,
+    /// Logical offset of the piece (reads retry another copy of it).
+    logical: u64,
+    len: u64,
+    buf: *mut u8,
+    member: u16,
+    /// Copies tried so far (bit per copy), for read retries.
+    tried: u32,
+}
+
+struct State {
+    parents: Slab<Parent>,
+    children: Slab<Child>,
+}
+
+/// A stacked device's queue on one reactor.
+pub struct StackQueue {
+    core: Rc<Core>,
+    stats: QueueStats,
+    layout: Arc<dyn Layout>,
+    members: Vec<Rc<dyn Queue>>,
+    health: Arc<Health>,
+    sink: Cell<SinkId>,
+    state: RefCell<State>,
+    next_copy: Cell<usize>,
+}
+
+impl StackQueue {
+    /// Records a child of `parent` and submits it to `member`.
+    #[inline]
+    fn child(&self, parent: u32, op: Op, io: &Io, piece: (u64, u64, *mut u8), copy: usize) {
+        let (logical, len, buf) = piece;
+        let (member, member_offset) = if op == Op::Flush {
+            (copy, 0)
+        } else {
+            self.layout.locate(logical, copy)
+        };
+        let token = {
+            let mut st = self.state.borrow_mut();
+            st.parents.get_mut(parent).pending += 1;
+            st.children.insert(Child {
+                parent,
+                op,
+                flags: io.flags,
+                logical,
+                len,
+                buf,
+                member: member as u16,
+                tried: 1 << copy,
+            })
+        };
+        self.members[member].submit(Io {
+            op,
+            flags: io.flags,
+            offset: member_offset,
+            len,
+            buf,
+            sink: self.sink.get(),
+            token: u64::from(token),
+        });
+    }
+
+    /// The first healthy copy of `logical` at or after `start`, skipping `tried`.
+    fn healthy_copy(&self, logical: u64, start: usize, tried: u32) -> Option<usize> {
+        let copies = self.layout.copies();
+        (0..copies)
+            .map(|i| (start + i) % copies)
+            .find(|&k| tried & (1 << k) == 0 && self.health.ok(self.layout.locate(logical, k).0))
+    }
+
+    /// Whether every piece of the request still has a healthy copy.
+    fn all_pieces_covered(&self, io: &Io) -> bool {
+        let mut at = io.offset;
+        while at < io.end() {
+            if self.healthy_copy(at, 0, 0).is_none() {
+                return false;
+            }
+            at += self.layout.piece_len(at, io.end() - at);
+        }
+        true
+    }
+
+    fn finish_parent(&self, parent: u32) {
+        let p = self.state.borrow_mut().parents.remove(parent);
+        let mut status = p.status;
+        if status.is_ok() && p.degraded && !self.all_pieces_covered(&p.io) {
+            status = IoStatus::errno(libc::EIO);
+        }
+        if self.stats.enabled() {
+            self.stats.done(
+                p.io.op,
+                p.io.len,
+                p.start_ns,
+                self.core.now_ns(),
+                status.is_ok(),
+            );
+        }
+        self.core.deliver(p.io.sink, p.io.token, status);
+    }
+}
+
+impl Queue for StackQueue {
+    fn submit(&self, io: Io) {
+        let start_ns = if self.stats.enabled() {
+            self.core.now_ns()
+        } else {
+            0
+        };
+        self.stats.start(start_ns);
+        let parent = self.state.borrow_mut().parents.insert(Parent {
+            io,
+            // One extra reference while children are being submitted, so that no child
+            // can finish the parent early (none completes inside submit, but a failed
+            // child is resubmitted from completion context only).
+            pending: 1,
+            status: IoStatus::OK,
+            start_ns,
+            degraded: false,
+        });
+        let copies = self.layout.copies();
+        let mut missing = false;
+        match io.op {
+            Op::Flush => {
+                for m in 0..self.members.len() {
+                    if self.health.ok(m) {
+                        self.child(parent, Op::Flush, &io, (0, 0, std::ptr::null_mut()), m);
+                    }
+                }
+            }
+            op => {
+                let mut at = io.offset;
+                while at < io.end() {
+                    let len = self.layout.piece_len(at, io.end() - at);
+                    let buf = if op.has_data() {
+                        // SAFETY: at - offset < len of the parent's buffer.
+                        unsafe { io.buf.add((at - io.offset) as usize) }
+                    } else {
+                        std::ptr::null_mut()
+                    };
+                    if op == Op::Read {
+                        let start = if copies > 1 {
+                            let n = self.next_copy.get();
+                            self.next_copy.set(n.wrapping_add(1));
+                            n % copies
+                        } else {
+                            0
+                        };
+                        match self.healthy_copy(at, start, 0) {
+                            Some(k) => self.child(parent, op, &io, (at, len, buf), k),
+                            None => missing = true,
+                        }
+                    } else {
+                        let mut any = false;
+                        for k in 0..copies {
+                            if self.health.ok(self.layout.locate(at, k).0) {
+                                self.child(parent, op, &io, (at, len, buf), k);
+                                any = true;
+                            }
+                        }
+                        missing |= !any;
+                    }
+                    at += len;
+                }
+            }
+        }
+        let mut st = self.state.borrow_mut();
+        let p = st.parents.get_mut(parent);
+        if missing {
+            p.status = IoStatus::errno(libc::EIO);
+        }
+        p.pending -= 1;
+        if p.pending == 0 {
+            // Nothing was submitted (no healthy member): complete through the FIFO, never
+            // from inside submit.
+            let p = st.parents.remove(parent);
+            drop(st);
+            if self.stats.enabled() {
+                self.stats
+                    .done(p.io.op, p.io.len, p.start_ns, self.core.now_ns(), false);
+            }
+            let status = if p.status.is_ok() {
+                IoStatus::errno(libc::EIO)
+            } else {
+                p.status
+            };
+            self.core.complete(p.io.sink, p.io.token, status);
+        }
+    }
+
+    fn stats(&self) -> &QueueStats {
+        &self.stats
+    }
+
+    fn children(&self) -> Vec<Rc<dyn Queue>> {
+        self.members.clone()
+    }
+}
+
+impl Sink for StackQueue {
+    fn io_done(&self, token: u64, status: IoStatus) {
+        let token = token as u32;
+        let child = *self.state.borrow().children.get(token);
+        if !status.is_ok() {
+            let redundant = self.layout.copies() > 1;
+            if child.op == Op::Read && redundant {
+                // Retry another copy; the client never sees the failed read.
+                let start = self.layout.copies();
+                if let Some(k) = self.healthy_copy(child.logical, start, child.tried) {
+                    let (member, member_offset) = self.layout.locate(child.logical, k);
+                    {
+                        let mut st = self.state.borrow_mut();
+                        let c = st.children.get_mut(token);
+                        c.member = member as u16;
+                        c.tried |= 1 << k;
+                    }
+                    self.members[member].submit(Io {
+                        op: Op::Read,
+                        flags: child.flags,
+                        offset: member_offset,
+                        len: child.len,
+                        buf: child.buf,
+                        sink: self.sink.get(),
+                        token: u64::from(token),
+                    });
+                    return;
+                }
+            }
+            let mut st = self.state.borrow_mut();
+            let p = st.parents.get_mut(child.parent);
+            if redundant && child.op != Op::Read {
+                // The member lost a write (or a flush): it no longer holds good data.
+                drop(st);
+                self.health.fail(child.member as usize, status);
+                self.state
+                    .borrow_mut()
+                    .parents
+                    .get_mut(child.parent)
+                    .degraded = true;
+            } else if p.status.is_ok() {
+                p.status = status;
+            }
+        }
+        let done = {
+            let mut st = self.state.borrow_mut();
+            st.children.remove(token);
+            let p = st.parents.get_mut(child.parent);
+            p.pending -= 1;
+            p.pending == 0
+        };
+        if done {
+            self.finish_parent(child.parent);
+        }
+    }
+}
