@@ -12,7 +12,9 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use settings::{Cli, Command, OutputFormat};
+use cairn_devices::config::Tuning;
+
+use settings::{Cli, Command, DeviceChoice, OutputFormat};
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
@@ -29,12 +31,24 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<ExitCode, String> {
-    let switches = cli.global.switches();
     match cli.command {
         Command::Bench(args) => {
-            let (spec, device_spec, format) = args.settings()?;
-            let device = cairn_devices::open(&device_spec, &device_spec.default_name())
-                .map_err(|e| e.to_string())?;
+            let (spec, choice, format) = args.settings()?;
+            let (device, switches) = match choice {
+                DeviceChoice::Leaf(leaf) => {
+                    let switches = cli.global.switches(&Tuning::new())?;
+                    let device = cairn_devices::open(&leaf, &leaf.default_name())
+                        .map_err(|e| e.to_string())?;
+                    (device, switches)
+                }
+                DeviceChoice::Stack { path, name } => {
+                    let stack = settings::read_stack(&path)?;
+                    let switches = cli.global.switches(&stack.tuning)?;
+                    let name = stack.pick(name.as_deref()).map_err(|e| e.to_string())?;
+                    let device = stack.open(&name).map_err(|e| e.to_string())?;
+                    (device, switches)
+                }
+            };
             let progress = std::io::stderr().is_terminal() && format == OutputFormat::Normal;
             let report = cairn_bench::run(&spec, device, switches, progress)?;
             match format {
@@ -53,6 +67,23 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                 );
             }
             Ok(ExitCode::from(report.exit_code() as u8))
+        }
+        Command::Check(args) => {
+            let stack = settings::read_stack(&args.stack)?;
+            let switches = cli.global.switches(&stack.tuning)?;
+            let names = match &args.device {
+                Some(n) => vec![stack.pick(Some(n)).map_err(|e| e.to_string())?],
+                None => stack.roots(),
+            };
+            for name in names {
+                let device = stack.open(&name).map_err(|e| e.to_string())?;
+                print!("{}", cairn_devices::config::tree(&*device));
+            }
+            println!(
+                "switches: clock={:?} reap={:?} stats={:?}",
+                switches.clock, switches.reap, switches.stats
+            );
+            Ok(ExitCode::SUCCESS)
         }
     }
 }

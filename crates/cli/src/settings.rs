@@ -6,6 +6,9 @@ use std::time::Duration;
 use cairn_bench::{JobSpec, Pattern};
 use cairn_core::size::{parse_duration, parse_size};
 use cairn_core::{ClockMode, ReapMode, StatsMode, Switches};
+use std::path::PathBuf;
+
+use cairn_devices::config::{StackFile, Tuning};
 use cairn_devices::LeafSpec;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
@@ -30,7 +33,11 @@ Examples:
   cairn bench --device null:1G --iodepth 32     the engine's own overhead
   cairn --clock precise bench --device null:1G  technique 2's \"before\"";
 
-const BENCH_HELP: &str = "Devices (--device):
+const BENCH_HELP: &str = "A stack file (see `cairn check --help`) names devices and how they stack:
+  cairn bench raid10.toml                       the one top-level device in the file
+  cairn bench raid10.toml --device d0           one device of the file
+
+Devices (--device, without a stack file):
   null:SIZE[,block=N]          completes at once, reads return zeros
   mem:SIZE[,block=N]           sparse RAM disk
   file:PATH[,engine=io_uring|aio|sync][,direct=0|1][,size=SIZE]
@@ -64,15 +71,15 @@ pub struct Cli {
 /// Switches that apply to every command.
 #[derive(Args, Debug)]
 pub struct GlobalArgs {
-    /// Technique 2: read the clock once per reactor batch (cached) or per timestamp.
-    #[arg(long, global = true, value_enum, default_value_t = ClockArg::Cached)]
-    pub clock: ClockArg,
-    /// Technique 5: reap completions right after submitting (eager) or only when idle.
-    #[arg(long, global = true, value_enum, default_value_t = ReapArg::Eager)]
-    pub reap: ReapArg,
-    /// Keep per-device statistics and latency histograms.
-    #[arg(long, global = true, value_enum, default_value_t = OnOff::On)]
-    pub stats: OnOff,
+    /// Technique 2: read the clock once per reactor batch (cached, default) or per timestamp.
+    #[arg(long, global = true, value_enum)]
+    pub clock: Option<ClockArg>,
+    /// Technique 5: reap completions right after submitting (eager, default) or only when idle.
+    #[arg(long, global = true, value_enum)]
+    pub reap: Option<ReapArg>,
+    /// Keep per-device statistics and latency histograms (on, default).
+    #[arg(long, global = true, value_enum)]
+    pub stats: Option<OnOff>,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,21 +101,46 @@ pub enum OnOff {
 }
 
 impl GlobalArgs {
-    pub fn switches(&self) -> Switches {
-        Switches {
-            clock: match self.clock {
+    /// The switches: command-line flags first, then the stack file's `[tuning]`, then the
+    /// defaults.
+    pub fn switches(&self, tuning: &Tuning) -> Result<Switches, String> {
+        fn pick<T: ValueEnum + Copy>(
+            flag: Option<T>,
+            tuning: &Tuning,
+            key: &str,
+            default: T,
+        ) -> Result<T, String> {
+            if let Some(v) = flag {
+                return Ok(v);
+            }
+            match tuning.get(key) {
+                None => Ok(default),
+                Some(text) => T::from_str(text, false).map_err(|_| {
+                    let known: Vec<String> = T::value_variants()
+                        .iter()
+                        .filter_map(|v| v.to_possible_value().map(|p| p.get_name().to_string()))
+                        .collect();
+                    format!(
+                        "tuning: {key} = \"{text}\" is not one of {}",
+                        known.join(", ")
+                    )
+                }),
+            }
+        }
+        Ok(Switches {
+            clock: match pick(self.clock, tuning, "clock", ClockArg::Cached)? {
                 ClockArg::Cached => ClockMode::Cached,
                 ClockArg::Precise => ClockMode::Precise,
             },
-            reap: match self.reap {
+            reap: match pick(self.reap, tuning, "reap", ReapArg::Eager)? {
                 ReapArg::Eager => ReapMode::Eager,
                 ReapArg::Lazy => ReapMode::Lazy,
             },
-            stats: match self.stats {
+            stats: match pick(self.stats, tuning, "stats", OnOff::On)? {
                 OnOff::On => StatsMode::On,
                 OnOff::Off => StatsMode::Off,
             },
-        }
+        })
     }
 }
 
@@ -118,6 +150,27 @@ pub enum Command {
     /// Run a fio-style load against a device and report IOPS, bandwidth and latency.
     #[command(after_help = BENCH_HELP)]
     Bench(BenchArgs),
+    /// Validate a stack file and print its device tree with sizes.
+    #[command(after_help = CHECK_HELP)]
+    Check(CheckArgs),
+}
+
+const CHECK_HELP: &str =
+    "Exit status: 0 the stack file is valid and every device opened, 2 otherwise
+(one line on stderr naming the device and the key).
+
+Example:
+  cairn check examples/raid10.toml";
+
+/// `cairn check` arguments.
+#[derive(Args, Debug)]
+pub struct CheckArgs {
+    /// The stack file.
+    #[arg(value_name = "STACK.toml")]
+    pub stack: PathBuf,
+    /// Print only this device's tree.
+    #[arg(long, value_name = "NAME")]
+    pub device: Option<String>,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -134,9 +187,12 @@ pub enum VerifyArg {
 /// `cairn bench` flags, named as fio names them.
 #[derive(Args, Debug)]
 pub struct BenchArgs {
-    /// Device to run on (see below).
-    #[arg(long, default_value = DEFAULT_DEVICE, value_name = "SPEC")]
-    pub device: String,
+    /// A stack file; the job runs on its one top-level device, or on --device NAME.
+    #[arg(value_name = "STACK.toml")]
+    pub stack: Option<PathBuf>,
+    /// Without a stack file: the device spec (default mem:1G). With one: a device name.
+    #[arg(long, value_name = "SPEC|NAME")]
+    pub device: Option<String>,
     /// I/O pattern: read, write, randread, randwrite, rw (readwrite) or randrw.
     #[arg(long, default_value = "randread")]
     pub rw: String,
@@ -185,12 +241,20 @@ pub struct BenchArgs {
 }
 
 impl BenchArgs {
-    /// Validates the flags into a job, a device spec and a report format.
-    pub fn settings(&self) -> Result<(JobSpec, LeafSpec, OutputFormat), String> {
+    /// Validates the flags into a job, the device to open and a report format.
+    pub fn settings(&self) -> Result<(JobSpec, DeviceChoice, OutputFormat), String> {
         let size = |flag: &str, v: &str| parse_size(v).map_err(|e| format!("--{flag}: {e}"));
         let duration =
             |flag: &str, v: &str| parse_duration(v).map_err(|e| format!("--{flag}: {e}"));
-        let device = LeafSpec::parse(&self.device)?;
+        let device = match &self.stack {
+            Some(path) => DeviceChoice::Stack {
+                path: path.clone(),
+                name: self.device.clone(),
+            },
+            None => DeviceChoice::Leaf(LeafSpec::parse(
+                self.device.as_deref().unwrap_or(DEFAULT_DEVICE),
+            )?),
+        };
         let mut spec = JobSpec {
             rw: Pattern::parse(&self.rw)?,
             rwmixread: self.rwmixread,
@@ -232,6 +296,27 @@ impl BenchArgs {
         }
         Ok((spec, device, self.output_format))
     }
+}
+
+/// Where `cairn bench` gets its device.
+#[derive(Debug)]
+pub enum DeviceChoice {
+    /// A leaf spec from `--device`.
+    Leaf(LeafSpec),
+    /// A device of a stack file.
+    Stack {
+        /// The file.
+        path: PathBuf,
+        /// The device, if named.
+        name: Option<String>,
+    },
+}
+
+/// Reads and parses a stack file.
+pub fn read_stack(path: &std::path::Path) -> Result<StackFile, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read stack file {}: {e}", path.display()))?;
+    StackFile::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// Ends the process for a clap error: help and version go to stdout with status 0;

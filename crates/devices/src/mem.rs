@@ -1,16 +1,17 @@
 //! `mem`: a sparse RAM disk. Unwritten blocks read as zeros; memory grows with data.
 //!
-//! Data lives in 4 KiB pages found through a two-level table of atomic pointers, so every
-//! queue (one per reactor thread) reads and writes without a lock. A page is allocated the
-//! first time it is written, with a compare-and-swap that settles races between threads.
-//! Discard and write-zeroes zero the pages in place; pages are not given back while the
-//! device is open, because another thread may be copying from them at that moment.
+//! Data lives in 2 MiB anonymous memory regions, mapped the first time one of their bytes
+//! is written and found through a two-level table of atomic pointers, so every queue (one
+//! per reactor thread) reads and writes without a lock. The kernel backs a region page by
+//! page as it is first written (4 KiB at a time; untouched pages read as the shared zero
+//! page), so memory grows with the data written, and no allocator runs per request.
+//! Discard and write-zeroes give whole pages back to the kernel (`MADV_DONTNEED`) and zero
+//! partial ones. Regions stay mapped until the device is dropped.
 //!
 //! Concurrent requests that overlap the same bytes race the way they do on a real disk:
 //! the result is some interleaving of their bytes. That is the block-device contract, and
 //! every byte pattern is a valid `u8`, so no other harm can follow.
 
-use std::alloc::{self, Layout};
 use std::ptr;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
@@ -18,65 +19,61 @@ use std::sync::Arc;
 
 use cairn_core::{Caps, Core, Device, Error, Geometry, Io, IoStatus, Op, Queue, QueueStats};
 
-/// Bytes per page.
+/// Bytes per kernel page (the granularity at which memory is given back).
 pub const PAGE_BYTES: u64 = 4096;
-/// Pages per second-level table.
-const L2_PAGES: u64 = 512;
-/// Largest mem device (64 TiB): bounds the first-level table at 256 Ki entries.
+/// Bytes per mapped region.
+pub const REGION_BYTES: u64 = 2 << 20;
+/// Regions per second-level table (1 GiB).
+const L2_REGIONS: u64 = 512;
+/// Largest mem device (64 TiB): bounds the first-level table at 64 Ki entries.
 pub const MEM_SIZE_MAX: u64 = 64 << 40;
 
-type Page = u8;
-
 struct L2 {
-    pages: [AtomicPtr<Page>; L2_PAGES as usize],
+    regions: [AtomicPtr<u8>; L2_REGIONS as usize],
 }
 
 /// The shared store behind every queue of a mem device.
 pub struct MemStore {
     size_bytes: u64,
     l1: Box<[AtomicPtr<L2>]>,
-    pages: AtomicU64,
-}
-
-fn page_layout() -> Layout {
-    Layout::from_size_align(PAGE_BYTES as usize, PAGE_BYTES as usize).expect("page layout")
+    regions: AtomicU64,
 }
 
 impl MemStore {
     /// An empty store of `size_bytes`.
     pub fn new(size_bytes: u64) -> MemStore {
-        let l1_len = size_bytes.div_ceil(PAGE_BYTES * L2_PAGES) as usize;
+        let l1_len = size_bytes.div_ceil(REGION_BYTES * L2_REGIONS) as usize;
         let l1 = (0..l1_len)
             .map(|_| AtomicPtr::new(ptr::null_mut()))
             .collect();
         MemStore {
             size_bytes,
             l1,
-            pages: AtomicU64::new(0),
+            regions: AtomicU64::new(0),
         }
     }
 
-    /// Bytes of data memory allocated so far.
+    /// Bytes of address space mapped so far (memory in use is at most this).
     pub fn allocated_bytes(&self) -> u64 {
-        self.pages.load(Ordering::Relaxed) * PAGE_BYTES
+        self.regions.load(Ordering::Relaxed) * REGION_BYTES
     }
 
     #[inline]
-    fn page(&self, index: u64) -> *mut Page {
-        let l2 = self.l1[(index / L2_PAGES) as usize].load(Ordering::Acquire);
+    fn region(&self, index: u64) -> *mut u8 {
+        let l2 = self.l1[(index / L2_REGIONS) as usize].load(Ordering::Acquire);
         if l2.is_null() {
             return ptr::null_mut();
         }
         // SAFETY: L2 tables are never freed before the store is dropped.
-        unsafe { (*l2).pages[(index % L2_PAGES) as usize].load(Ordering::Acquire) }
+        unsafe { (*l2).regions[(index % L2_REGIONS) as usize].load(Ordering::Acquire) }
     }
 
-    fn page_or_alloc(&self, index: u64) -> *mut Page {
-        let slot = &self.l1[(index / L2_PAGES) as usize];
+    fn region_or_map(&self, index: u64) -> *mut u8 {
+        let slot = &self.l1[(index / L2_REGIONS) as usize];
         let mut l2 = slot.load(Ordering::Acquire);
         if l2.is_null() {
             let fresh = Box::into_raw(Box::new(L2 {
-                pages: std::array::from_fn(|_| AtomicPtr::new(ptr::null_mut())),
+                regions: std::array::from_fn(|_| AtomicPtr::new(ptr::null_mut())),
             }));
             match slot.compare_exchange(ptr::null_mut(), fresh, Ordering::AcqRel, Ordering::Acquire)
             {
@@ -89,35 +86,30 @@ impl MemStore {
             }
         }
         // SAFETY: L2 tables live as long as the store.
-        let page_slot = unsafe { &(*l2).pages[(index % L2_PAGES) as usize] };
-        let page = page_slot.load(Ordering::Acquire);
-        if !page.is_null() {
-            return page;
+        let region_slot = unsafe { &(*l2).regions[(index % L2_REGIONS) as usize] };
+        let region = region_slot.load(Ordering::Acquire);
+        if !region.is_null() {
+            return region;
         }
-        // SAFETY: the layout has a non-zero size.
-        let fresh = unsafe { alloc::alloc_zeroed(page_layout()) };
-        if fresh.is_null() {
-            alloc::handle_alloc_error(page_layout());
-        }
-        match page_slot.compare_exchange(
+        let fresh = map_region();
+        match region_slot.compare_exchange(
             ptr::null_mut(),
             fresh,
             Ordering::AcqRel,
             Ordering::Acquire,
         ) {
             Ok(_) => {
-                self.pages.fetch_add(1, Ordering::Relaxed);
+                self.regions.fetch_add(1, Ordering::Relaxed);
                 fresh
             }
             Err(winner) => {
-                // SAFETY: `fresh` was never published.
-                unsafe { alloc::dealloc(fresh, page_layout()) };
+                unmap_region(fresh);
                 winner
             }
         }
     }
 
-    /// Splits `[offset, offset+len)` into (page index, offset in page, length, position).
+    /// Splits `[offset, offset+len)` into (region index, offset in region, length, position).
     fn pieces(offset: u64, len: u64) -> impl Iterator<Item = (u64, usize, usize, usize)> {
         let mut pos = 0u64;
         std::iter::from_fn(move || {
@@ -125,9 +117,14 @@ impl MemStore {
                 return None;
             }
             let at = offset + pos;
-            let in_page = at % PAGE_BYTES;
-            let n = (PAGE_BYTES - in_page).min(len - pos);
-            let item = (at / PAGE_BYTES, in_page as usize, n as usize, pos as usize);
+            let in_region = at % REGION_BYTES;
+            let n = (REGION_BYTES - in_region).min(len - pos);
+            let item = (
+                at / REGION_BYTES,
+                in_region as usize,
+                n as usize,
+                pos as usize,
+            );
             pos += n;
             Some(item)
         })
@@ -140,13 +137,13 @@ impl MemStore {
     pub unsafe fn read(&self, offset: u64, len: u64, dst: *mut u8) {
         debug_assert!(offset + len <= self.size_bytes);
         for (index, at, n, pos) in Self::pieces(offset, len) {
-            let page = self.page(index);
-            // SAFETY: dst has len bytes; a page has PAGE_BYTES bytes and at + n fits.
+            let region = self.region(index);
+            // SAFETY: dst has len bytes; a region has REGION_BYTES bytes and at + n fits.
             unsafe {
-                if page.is_null() {
+                if region.is_null() {
                     ptr::write_bytes(dst.add(pos), 0, n);
                 } else {
-                    ptr::copy_nonoverlapping(page.add(at), dst.add(pos), n);
+                    ptr::copy_nonoverlapping(region.add(at), dst.add(pos), n);
                 }
             }
         }
@@ -159,23 +156,71 @@ impl MemStore {
     pub unsafe fn write(&self, offset: u64, len: u64, src: *const u8) {
         debug_assert!(offset + len <= self.size_bytes);
         for (index, at, n, pos) in Self::pieces(offset, len) {
-            let page = self.page_or_alloc(index);
+            let region = self.region_or_map(index);
             // SAFETY: as in read.
-            unsafe { ptr::copy_nonoverlapping(src.add(pos), page.add(at), n) };
+            unsafe { ptr::copy_nonoverlapping(src.add(pos), region.add(at), n) };
         }
     }
 
-    /// Makes `[offset, offset+len)` read as zeros.
+    /// Makes `[offset, offset+len)` read as zeros, giving whole pages back to the kernel.
     pub fn zero(&self, offset: u64, len: u64) {
         debug_assert!(offset + len <= self.size_bytes);
         for (index, at, n, _) in Self::pieces(offset, len) {
-            let page = self.page(index);
-            if !page.is_null() {
-                // SAFETY: the page has PAGE_BYTES bytes and at + n fits.
-                unsafe { ptr::write_bytes(page.add(at), 0, n) };
+            let region = self.region(index);
+            if region.is_null() {
+                continue;
+            }
+            let (start, end) = (at as u64, (at + n) as u64);
+            let first_page = start.next_multiple_of(PAGE_BYTES);
+            let last_page = end / PAGE_BYTES * PAGE_BYTES;
+            // SAFETY: every range below lies inside the mapped region.
+            unsafe {
+                if first_page < last_page {
+                    ptr::write_bytes(region.add(start as usize), 0, (first_page - start) as usize);
+                    ptr::write_bytes(
+                        region.add(last_page as usize),
+                        0,
+                        (end - last_page) as usize,
+                    );
+                    // The pages read as zeros afterwards and their memory is freed.
+                    libc::madvise(
+                        region.add(first_page as usize).cast(),
+                        (last_page - first_page) as usize,
+                        libc::MADV_DONTNEED,
+                    );
+                } else {
+                    ptr::write_bytes(region.add(start as usize), 0, n);
+                }
             }
         }
     }
+}
+
+/// Maps one region of zero-filled anonymous memory (backed lazily, page by page).
+fn map_region() -> *mut u8 {
+    // SAFETY: an anonymous private mapping with no address hint.
+    let p = unsafe {
+        libc::mmap(
+            ptr::null_mut(),
+            REGION_BYTES as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        // Address space exhausted: like any allocation failure, this is fatal.
+        std::alloc::handle_alloc_error(
+            std::alloc::Layout::from_size_align(REGION_BYTES as usize, 4096).expect("layout"),
+        );
+    }
+    p.cast()
+}
+
+fn unmap_region(p: *mut u8) {
+    // SAFETY: `p` came from map_region and is no longer referenced.
+    unsafe { libc::munmap(p.cast(), REGION_BYTES as usize) };
 }
 
 impl Drop for MemStore {
@@ -187,11 +232,10 @@ impl Drop for MemStore {
             }
             // SAFETY: we own the table exclusively now (&mut self).
             let l2 = unsafe { Box::from_raw(l2) };
-            for page in l2.pages.iter() {
-                let p = page.load(Ordering::Acquire);
+            for region in l2.regions.iter() {
+                let p = region.load(Ordering::Acquire);
                 if !p.is_null() {
-                    // SAFETY: allocated with page_layout in page_or_alloc.
-                    unsafe { alloc::dealloc(p, page_layout()) };
+                    unmap_region(p);
                 }
             }
         }
@@ -307,8 +351,8 @@ mod tests {
         assert_eq!(store.allocated_bytes(), 0);
         let data: Vec<u8> = (0..10000).map(|i| (i % 251) as u8).collect();
         unsafe { store.write(1000, 10000, data.as_ptr()) };
-        // 1000..11000 touches pages 0, 1 and 2.
-        assert_eq!(store.allocated_bytes(), 3 * PAGE_BYTES);
+        // 1000..11000 lies in the first region.
+        assert_eq!(store.allocated_bytes(), REGION_BYTES);
         unsafe { store.read(1000, 10000, buf.as_mut_ptr()) };
         assert_eq!(buf, data);
         store.zero(2000, 512);
@@ -316,6 +360,21 @@ mod tests {
         assert!(buf[1000..1512].iter().all(|&b| b == 0));
         assert_eq!(buf[..1000], data[..1000]);
         assert_eq!(buf[1512..], data[1512..]);
+    }
+
+    #[test]
+    fn zero_frees_whole_pages_and_keeps_neighbours() {
+        let store = MemStore::new(8 << 20);
+        let data = vec![0xabu8; 3 * REGION_BYTES as usize];
+        let base = REGION_BYTES - 8192;
+        unsafe { store.write(base, 16384 + 1024, data.as_ptr()) };
+        // Crosses a region boundary; whole pages inside it go back to the kernel.
+        store.zero(base + 512, 16384 - 512);
+        let mut out = vec![0xffu8; 16384 + 1024];
+        unsafe { store.read(base, 16384 + 1024, out.as_mut_ptr()) };
+        assert!(out[..512].iter().all(|&b| b == 0xab));
+        assert!(out[512..16384].iter().all(|&b| b == 0));
+        assert!(out[16384..].iter().all(|&b| b == 0xab));
     }
 
     #[test]

@@ -1,0 +1,489 @@
+//! Stack files: a TOML description of devices and how they stack.
+//!
+//! ```toml
+//! [tuning]                 # optional: the global switches (command-line flags win)
+//! clock = "cached"
+//!
+//! [device.d0]
+//! type = "file"
+//! path = "/var/lib/cairn/d0.img"
+//! size = "10G"             # created if missing
+//!
+//! [device.r]
+//! type = "raid10"
+//! members = ["d0", "d1", "d2", "d3"]
+//! chunk = "64K"
+//! ```
+//!
+//! [`StackFile::parse`] turns the text into typed specs once; every error names the
+//! device and the key. [`StackFile::open`] builds the devices, members first.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cairn_core::size::{parse_duration, parse_size};
+use cairn_core::{Device, Error};
+use toml::{Table, Value};
+
+use crate::spec::{Engine, LeafSpec};
+use crate::stack::{Layout, Linear, Mirror, Raid10, StackDevice, Stripe};
+use crate::DEFAULT_BLOCK_BYTES;
+
+/// Default chunk of stripe and raid10.
+pub const DEFAULT_CHUNK_BYTES: u64 = 64 << 10;
+
+/// What one `[device.NAME]` table describes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DeviceSpec {
+    /// null, mem or file.
+    Leaf(LeafSpec),
+    /// Members end to end.
+    Linear {
+        /// Member names.
+        members: Vec<String>,
+    },
+    /// RAID0.
+    Stripe {
+        /// Member names.
+        members: Vec<String>,
+        /// Chunk size in bytes.
+        chunk: u64,
+    },
+    /// RAID1.
+    Mirror {
+        /// Member names.
+        members: Vec<String>,
+    },
+    /// RAID10, md's near layout.
+    Raid10 {
+        /// Member names.
+        members: Vec<String>,
+        /// Chunk size in bytes.
+        chunk: u64,
+        /// Copies of each chunk.
+        copies: usize,
+    },
+}
+
+impl DeviceSpec {
+    /// Names of the devices this one is built from.
+    pub fn members(&self) -> &[String] {
+        match self {
+            DeviceSpec::Leaf(_) => &[],
+            DeviceSpec::Linear { members }
+            | DeviceSpec::Stripe { members, .. }
+            | DeviceSpec::Mirror { members }
+            | DeviceSpec::Raid10 { members, .. } => members,
+        }
+    }
+}
+
+/// The `[tuning]` table: switch values by name (validated by the binary).
+pub type Tuning = BTreeMap<String, String>;
+
+/// A parsed stack file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StackFile {
+    /// Devices by name.
+    pub devices: BTreeMap<String, DeviceSpec>,
+    /// The `[tuning]` table.
+    pub tuning: Tuning,
+}
+
+const TUNING_KEYS: [&str; 5] = ["clock", "reap", "stats", "dispatch", "flush"];
+
+fn err(msg: String) -> Error {
+    Error::Invalid(msg)
+}
+
+/// Reads the typed keys of one device table and refuses the rest.
+struct Keys<'a> {
+    device: &'a str,
+    kind: &'a str,
+    table: &'a Table,
+    known: &'static [&'static str],
+}
+
+impl Keys<'_> {
+    fn check_unknown(&self) -> Result<(), Error> {
+        for key in self.table.keys() {
+            if key != "type" && !self.known.contains(&key.as_str()) {
+                return Err(err(format!(
+                    "device '{}': unknown key '{key}' for type {} (known: {})",
+                    self.device,
+                    self.kind,
+                    self.known.join(", ")
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn bad(&self, key: &str, what: &str) -> Error {
+        err(format!("device '{}': key '{key}' {what}", self.device))
+    }
+
+    fn size(&self, key: &str) -> Result<Option<u64>, Error> {
+        match self.table.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => parse_size(s)
+                .map(Some)
+                .map_err(|e| self.bad(key, &format!("is {e}"))),
+            Some(Value::Integer(n)) if *n > 0 => Ok(Some(*n as u64)),
+            Some(_) => Err(self.bad(key, "must be a size such as \"10G\" or a positive number")),
+        }
+    }
+
+    fn required_size(&self, key: &str) -> Result<u64, Error> {
+        self.size(key)?.ok_or_else(|| self.bad(key, "is missing"))
+    }
+
+    fn string(&self, key: &str) -> Result<Option<&str>, Error> {
+        match self.table.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(_) => Err(self.bad(key, "must be a string")),
+        }
+    }
+
+    fn bool(&self, key: &str) -> Result<Option<bool>, Error> {
+        match self.table.get(key) {
+            None => Ok(None),
+            Some(Value::Boolean(b)) => Ok(Some(*b)),
+            Some(Value::Integer(0)) => Ok(Some(false)),
+            Some(Value::Integer(1)) => Ok(Some(true)),
+            Some(_) => Err(self.bad(key, "must be true or false")),
+        }
+    }
+
+    fn integer(&self, key: &str) -> Result<Option<u64>, Error> {
+        match self.table.get(key) {
+            None => Ok(None),
+            Some(Value::Integer(n)) if *n >= 0 => Ok(Some(*n as u64)),
+            Some(_) => Err(self.bad(key, "must be a whole number")),
+        }
+    }
+
+    #[allow(dead_code)]
+    fn duration(&self, key: &str) -> Result<Option<Duration>, Error> {
+        match self.table.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => parse_duration(s)
+                .map(Some)
+                .map_err(|e| self.bad(key, &format!("is {e}"))),
+            Some(_) => Err(self.bad(key, "must be a duration such as \"1ms\"")),
+        }
+    }
+
+    fn members(&self) -> Result<Vec<String>, Error> {
+        let list = match self.table.get("members") {
+            None => return Err(self.bad("members", "is missing")),
+            Some(Value::Array(a)) => a,
+            Some(_) => return Err(self.bad("members", "must be a list of device names")),
+        };
+        let mut out: Vec<String> = Vec::new();
+        for v in list {
+            let Value::String(name) = v else {
+                return Err(self.bad("members", "must be a list of device names"));
+            };
+            if out.contains(name) {
+                return Err(self.bad("members", &format!("names '{name}' twice")));
+            }
+            out.push(name.clone());
+        }
+        if out.is_empty() {
+            return Err(self.bad("members", "is empty"));
+        }
+        Ok(out)
+    }
+
+    fn chunk(&self) -> Result<u64, Error> {
+        let chunk = self.size("chunk")?.unwrap_or(DEFAULT_CHUNK_BYTES);
+        if !chunk.is_power_of_two() {
+            return Err(self.bad("chunk", &format!("must be a power of two, not {chunk}")));
+        }
+        Ok(chunk)
+    }
+}
+
+fn parse_device(name: &str, table: &Table) -> Result<DeviceSpec, Error> {
+    let kind = match table.get("type") {
+        Some(Value::String(t)) => t.as_str(),
+        Some(_) => return Err(err(format!("device '{name}': key 'type' must be a string"))),
+        None => return Err(err(format!("device '{name}': key 'type' is missing"))),
+    };
+    let known: &'static [&'static str] = match kind {
+        "null" | "mem" => &["size", "block"],
+        "file" => &["path", "size", "engine", "direct"],
+        "linear" | "mirror" => &["members"],
+        "stripe" => &["members", "chunk"],
+        "raid10" => &["members", "chunk", "copies"],
+        _ => {
+            return Err(err(format!(
+                "device '{name}': unknown type '{kind}' (known: null, mem, file, linear, stripe, mirror, raid10)"
+            )))
+        }
+    };
+    let keys = Keys {
+        device: name,
+        kind,
+        table,
+        known,
+    };
+    keys.check_unknown()?;
+    let block = |k: &Keys| -> Result<u32, Error> {
+        let b = k.size("block")?.unwrap_or(u64::from(DEFAULT_BLOCK_BYTES));
+        u32::try_from(b).map_err(|_| k.bad("block", "is too large"))
+    };
+    Ok(match kind {
+        "null" => DeviceSpec::Leaf(LeafSpec::Null {
+            size_bytes: keys.required_size("size")?,
+            block_bytes: block(&keys)?,
+        }),
+        "mem" => DeviceSpec::Leaf(LeafSpec::Mem {
+            size_bytes: keys.required_size("size")?,
+            block_bytes: block(&keys)?,
+        }),
+        "file" => DeviceSpec::Leaf(LeafSpec::File {
+            path: PathBuf::from(
+                keys.string("path")?
+                    .ok_or_else(|| keys.bad("path", "is missing"))?,
+            ),
+            engine: match keys.string("engine")? {
+                Some(e) => {
+                    Engine::parse(e).map_err(|e| keys.bad("engine", &format!("is wrong: {e}")))?
+                }
+                None => Engine::default(),
+            },
+            direct: keys.bool("direct")?.unwrap_or(false),
+            size_bytes: keys.size("size")?,
+        }),
+        "linear" => DeviceSpec::Linear {
+            members: keys.members()?,
+        },
+        "mirror" => DeviceSpec::Mirror {
+            members: keys.members()?,
+        },
+        "stripe" => DeviceSpec::Stripe {
+            members: keys.members()?,
+            chunk: keys.chunk()?,
+        },
+        _ => DeviceSpec::Raid10 {
+            members: keys.members()?,
+            chunk: keys.chunk()?,
+            copies: keys.integer("copies")?.unwrap_or(2) as usize,
+        },
+    })
+}
+
+impl StackFile {
+    /// Parses and checks a stack file's text.
+    pub fn parse(text: &str) -> Result<StackFile, Error> {
+        let root: Table = text
+            .parse()
+            .map_err(|e: toml::de::Error| err(format!("not valid TOML: {}", e.message().trim())))?;
+        let mut devices = BTreeMap::new();
+        let mut tuning = Tuning::new();
+        for (key, value) in &root {
+            match (key.as_str(), value) {
+                ("device", Value::Table(t)) => {
+                    for (name, dv) in t {
+                        let Value::Table(dt) = dv else {
+                            return Err(err(format!(
+                                "device '{name}' must be a table ([device.{name}])"
+                            )));
+                        };
+                        devices.insert(name.clone(), parse_device(name, dt)?);
+                    }
+                }
+                ("tuning", Value::Table(t)) => {
+                    for (k, v) in t {
+                        if !TUNING_KEYS.contains(&k.as_str()) {
+                            return Err(err(format!(
+                                "tuning: unknown key '{k}' (known: {})",
+                                TUNING_KEYS.join(", ")
+                            )));
+                        }
+                        let Value::String(s) = v else {
+                            return Err(err(format!("tuning: key '{k}' must be a string")));
+                        };
+                        tuning.insert(k.clone(), s.clone());
+                    }
+                }
+                _ => {
+                    return Err(err(format!(
+                        "unknown top-level key '{key}' (known: [device.NAME] tables and [tuning])"
+                    )))
+                }
+            }
+        }
+        if devices.is_empty() {
+            return Err(err("the stack file defines no [device.NAME] table".into()));
+        }
+        let file = StackFile { devices, tuning };
+        file.check_graph()?;
+        Ok(file)
+    }
+
+    /// Missing members, devices used twice, cycles.
+    fn check_graph(&self) -> Result<(), Error> {
+        let mut used_by: HashMap<&str, &str> = HashMap::new();
+        for (name, spec) in &self.devices {
+            for m in spec.members() {
+                if !self.devices.contains_key(m) {
+                    return Err(err(format!(
+                        "device '{name}': key 'members' names '{m}', which is not defined"
+                    )));
+                }
+                if m == name {
+                    return Err(err(format!(
+                        "device '{name}': key 'members' names the device itself"
+                    )));
+                }
+                if let Some(other) = used_by.insert(m, name) {
+                    return Err(err(format!(
+                        "device '{m}' is used twice (by '{other}' and '{name}'); a device can be a member of one device only"
+                    )));
+                }
+            }
+        }
+        // With every device used at most once, the graph is a forest unless it has a cycle;
+        // walk up from each device and give up after more steps than there are devices.
+        for start in self.devices.keys() {
+            let mut at = start.as_str();
+            let mut path = vec![at];
+            while let Some(&up) = used_by.get(at) {
+                if up == start {
+                    path.push(up);
+                    return Err(err(format!("devices form a cycle: {}", path.join(" <- "))));
+                }
+                path.push(up);
+                at = up;
+                if path.len() > self.devices.len() + 1 {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Devices that are not a member of any other device.
+    pub fn roots(&self) -> Vec<String> {
+        let used: Vec<&String> = self.devices.values().flat_map(|d| d.members()).collect();
+        self.devices
+            .keys()
+            .filter(|n| !used.contains(n))
+            .cloned()
+            .collect()
+    }
+
+    /// The device to run on: `name`, or the single root.
+    pub fn pick(&self, name: Option<&str>) -> Result<String, Error> {
+        match name {
+            Some(n) if self.devices.contains_key(n) => Ok(n.to_string()),
+            Some(n) => Err(err(format!(
+                "no device '{n}' in the stack file (defined: {})",
+                self.devices.keys().cloned().collect::<Vec<_>>().join(", ")
+            ))),
+            None => {
+                let roots = self.roots();
+                match roots.as_slice() {
+                    [one] => Ok(one.clone()),
+                    _ => Err(err(format!(
+                        "the stack file has {} top-level devices ({}); choose one with --device NAME",
+                        roots.len(),
+                        roots.join(", ")
+                    ))),
+                }
+            }
+        }
+    }
+
+    /// Opens `name` and everything below it.
+    pub fn open(&self, name: &str) -> Result<Arc<dyn Device>, Error> {
+        let mut opened = HashMap::new();
+        self.open_rec(name, &mut opened)
+    }
+
+    fn open_rec(
+        &self,
+        name: &str,
+        opened: &mut HashMap<String, Arc<dyn Device>>,
+    ) -> Result<Arc<dyn Device>, Error> {
+        if let Some(d) = opened.get(name) {
+            return Ok(d.clone());
+        }
+        let spec = self
+            .devices
+            .get(name)
+            .ok_or_else(|| err(format!("no device '{name}'")))?;
+        let members = spec
+            .members()
+            .iter()
+            .map(|m| self.open_rec(m, opened))
+            .collect::<Result<Vec<_>, _>>()?;
+        let sizes: Vec<u64> = members.iter().map(|m| m.geometry().size_bytes).collect();
+        let smallest = sizes.iter().copied().min().unwrap_or(0);
+        let block = members
+            .iter()
+            .map(|m| u64::from(m.geometry().block_bytes))
+            .max()
+            .unwrap_or(512);
+        let named = |e: Error| match e {
+            Error::Invalid(m) => err(format!("device '{name}': {m}")),
+            other => other,
+        };
+        let device: Arc<dyn Device> = match spec {
+            DeviceSpec::Leaf(leaf) => crate::open(leaf, name).map_err(named)?,
+            DeviceSpec::Linear { .. } => {
+                stacked(name, Arc::new(Linear::new(&sizes)), members).map_err(named)?
+            }
+            DeviceSpec::Stripe { chunk, .. } => {
+                let layout = Stripe::new(members.len(), *chunk, smallest, block).map_err(named)?;
+                stacked(name, Arc::new(layout), members).map_err(named)?
+            }
+            DeviceSpec::Mirror { .. } => {
+                let layout = Mirror::new(members.len(), smallest).map_err(named)?;
+                stacked(name, Arc::new(layout), members).map_err(named)?
+            }
+            DeviceSpec::Raid10 { chunk, copies, .. } => {
+                let layout =
+                    Raid10::new(members.len(), *copies, *chunk, smallest, block).map_err(named)?;
+                stacked(name, Arc::new(layout), members).map_err(named)?
+            }
+        };
+        opened.insert(name.to_string(), device.clone());
+        Ok(device)
+    }
+}
+
+fn stacked(
+    name: &str,
+    layout: Arc<dyn Layout>,
+    members: Vec<Arc<dyn Device>>,
+) -> Result<Arc<dyn Device>, Error> {
+    Ok(Arc::new(StackDevice::new(name, layout, members)?))
+}
+
+/// The device tree below `device`, one line each, indented, with sizes.
+pub fn tree(device: &dyn Device) -> String {
+    fn walk(d: &dyn Device, depth: usize, out: &mut String) {
+        let g = d.geometry();
+        out.push_str(&format!(
+            "{:indent$}{} ({}) {}\n",
+            "",
+            d.name(),
+            cairn_core::size::format_bytes(g.size_bytes),
+            d.describe(),
+            indent = depth * 2
+        ));
+        for c in d.children() {
+            walk(&*c, depth + 1, out);
+        }
+    }
+    let mut out = String::new();
+    walk(device, 0, &mut out);
+    out
+}
