@@ -149,7 +149,7 @@ impl GlobalArgs {
 pub enum Command {
     /// Run a fio-style load against a device and report IOPS, bandwidth and latency.
     #[command(after_help = BENCH_HELP)]
-    Bench(BenchArgs),
+    Bench(Box<BenchArgs>),
     /// Validate a stack file and print its device tree with sizes.
     #[command(after_help = CHECK_HELP)]
     Check(CheckArgs),
