@@ -90,6 +90,8 @@ pub struct Report {
     pub clock_reads: u64,
     /// Per-device statistics (the device, then the ones below it), summed over queues.
     pub devices: Vec<(String, DeviceStatsSnapshot)>,
+    /// Failed members of each device in `devices` (non-empty: running degraded).
+    pub failed: Vec<Vec<String>>,
     /// Per-queue completions (one queue per job): `queues[job][device]` = (reads, writes).
     pub queues: Vec<Vec<(u64, u64)>>,
     /// Process CPU time and context switches over the run.
@@ -110,6 +112,14 @@ impl Report {
         usage: Usage,
         elapsed: Duration,
     ) -> Report {
+        fn failed_tree(d: &dyn Device, out: &mut Vec<Vec<String>>) {
+            out.push(d.failed_members());
+            for c in d.children() {
+                failed_tree(&*c, out);
+            }
+        }
+        let mut failed = Vec::new();
+        failed_tree(device, &mut failed);
         let queues = results
             .iter()
             .map(|r| {
@@ -133,6 +143,7 @@ impl Report {
             loop_stats: first.loop_stats,
             clock_reads: first.clock_reads,
             devices: first.devices,
+            failed,
             queues,
             usage,
             elapsed,
@@ -317,7 +328,10 @@ impl Report {
         }
         let _ = writeln!(out, "\nDisk stats (read/write):");
         let runtime_ns = self.runtime_ns.max(1) as f64;
-        for (name, d) in &self.devices {
+        for (i, (name, d)) in self.devices.iter().enumerate() {
+            if let Some(f) = self.failed.get(i).filter(|f| !f.is_empty()) {
+                let _ = writeln!(out, "  {name}: DEGRADED, failed members: {}", f.join(", "));
+            }
             if !d.enabled {
                 let _ = writeln!(out, "  {name}: statistics off (--stats off)");
                 continue;
@@ -468,6 +482,7 @@ impl Report {
                     "name": name, "stats": if d.enabled { "on" } else { "off" },
                     "errors": d.errors, "in_flight": d.in_flight, "busy_ns": d.busy_ns, "ops": ops,
                     "queues": queues,
+                    "failed_members": self.failed.get(index).cloned().unwrap_or_default(),
                 })
             })
             .collect();

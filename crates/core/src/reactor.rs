@@ -25,7 +25,8 @@
 //! Nothing in here is `Send`: a reactor and everything opened on it stay on one thread.
 
 use std::cell::{Cell, RefCell};
-use std::collections::VecDeque;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
 use std::os::fd::RawFd;
 use std::rc::Rc;
 
@@ -112,9 +113,12 @@ struct PollerSlot {
     woken: Cell<bool>,
 }
 
+/// A timer in the reactor's min-heap: ordered by deadline, then by insertion.
+#[derive(PartialEq, Eq, PartialOrd, Ord)]
 struct Timer {
     deadline_ns: u64,
-    sink: SinkId,
+    seq: u64,
+    sink: u32,
     token: u64,
 }
 
@@ -142,7 +146,8 @@ pub struct Core {
     free_sinks: RefCell<Vec<u32>>,
     ring_users: RefCell<Vec<Rc<dyn RingUser>>>,
     pollers: RefCell<Vec<Rc<PollerSlot>>>,
-    timers: RefCell<Vec<Timer>>,
+    timers: RefCell<BinaryHeap<Reverse<Timer>>>,
+    timer_seq: Cell<u64>,
     fixed_files: RefCell<Vec<Option<RawFd>>>,
     ring_queued: Cell<u32>,
     ring_in_flight: Cell<u64>,
@@ -295,11 +300,14 @@ impl Core {
 
     /// Adds a timer: `sink` gets `io_done(token, OK)` once the clock passes `deadline_ns`.
     pub fn add_timer(&self, deadline_ns: u64, sink: SinkId, token: u64) {
-        self.timers.borrow_mut().push(Timer {
+        let seq = self.timer_seq.get();
+        self.timer_seq.set(seq + 1);
+        self.timers.borrow_mut().push(Reverse(Timer {
             deadline_ns,
-            sink,
+            seq,
+            sink: sink.0,
             token,
-        });
+        }));
     }
 
     /// Asks the reactor to return from [`Reactor::run`] after the current pass.
@@ -390,27 +398,24 @@ impl Core {
         n
     }
 
+    /// Moves due timers to the FIFO (they run with this pass's completions).
     fn fire_timers(&self) {
-        if self.timers.borrow().is_empty() {
-            return;
-        }
         let now = self.clock.now_ns();
-        let mut due = Vec::new();
-        self.timers.borrow_mut().retain(|t| {
-            if t.deadline_ns <= now {
-                due.push((t.sink, t.token));
-                false
-            } else {
-                true
-            }
-        });
-        for (sink, token) in due {
-            self.complete(sink, token, IoStatus::OK);
+        let mut timers = self.timers.borrow_mut();
+        while timers.peek().is_some_and(|t| t.0.deadline_ns <= now) {
+            let Some(Reverse(t)) = timers.pop() else {
+                break;
+            };
+            self.fifo.borrow_mut().push_back(Done {
+                sink: SinkId(t.sink),
+                status: IoStatus::OK,
+                token: t.token,
+            });
         }
     }
 
     fn next_timer_ns(&self) -> Option<u64> {
-        self.timers.borrow().iter().map(|t| t.deadline_ns).min()
+        self.timers.borrow().peek().map(|t| t.0.deadline_ns)
     }
 
     /// Hands queued requests to the kernel: aio contexts first, then the ring. With
@@ -571,7 +576,8 @@ impl Reactor {
             free_sinks: RefCell::new(Vec::new()),
             ring_users: RefCell::new(Vec::new()),
             pollers: RefCell::new(Vec::new()),
-            timers: RefCell::new(Vec::new()),
+            timers: RefCell::new(BinaryHeap::with_capacity(RING_ENTRIES as usize)),
+            timer_seq: Cell::new(0),
             fixed_files: RefCell::new(vec![None; FIXED_FILES as usize]),
             ring_queued: Cell::new(0),
             ring_in_flight: Cell::new(0),

@@ -29,7 +29,9 @@ use toml::{Table, Value};
 
 use crate::spec::{Engine, LeafSpec};
 use crate::stack::{Layout, Linear, Mirror, Raid10, StackDevice, Stripe};
+use crate::wrap::{Delays, FaultRule, Faults, WrapDevice};
 use crate::DEFAULT_BLOCK_BYTES;
+use cairn_core::Op;
 
 /// Default chunk of stripe and raid10.
 pub const DEFAULT_CHUNK_BYTES: u64 = 64 << 10;
@@ -65,6 +67,20 @@ pub enum DeviceSpec {
         /// Copies of each chunk.
         copies: usize,
     },
+    /// Fails requests to `base` per a rule.
+    Fault {
+        /// The wrapped device.
+        base: String,
+        /// When to fail.
+        rule: FaultRule,
+    },
+    /// Adds latency to requests to `base`.
+    Delay {
+        /// The wrapped device.
+        base: String,
+        /// How much.
+        delays: Delays,
+    },
 }
 
 impl DeviceSpec {
@@ -76,6 +92,17 @@ impl DeviceSpec {
             | DeviceSpec::Stripe { members, .. }
             | DeviceSpec::Mirror { members }
             | DeviceSpec::Raid10 { members, .. } => members,
+            DeviceSpec::Fault { base, .. } | DeviceSpec::Delay { base, .. } => {
+                std::slice::from_ref(base)
+            }
+        }
+    }
+
+    /// The key that names this device's members (for error messages).
+    fn members_key(&self) -> &'static str {
+        match self {
+            DeviceSpec::Fault { .. } | DeviceSpec::Delay { .. } => "base",
+            _ => "members",
         }
     }
 }
@@ -166,7 +193,6 @@ impl Keys<'_> {
         }
     }
 
-    #[allow(dead_code)]
     fn duration(&self, key: &str) -> Result<Option<Duration>, Error> {
         match self.table.get(key) {
             None => Ok(None),
@@ -175,6 +201,95 @@ impl Keys<'_> {
                 .map_err(|e| self.bad(key, &format!("is {e}"))),
             Some(_) => Err(self.bad(key, "must be a duration such as \"1ms\"")),
         }
+    }
+
+    fn base(&self) -> Result<String, Error> {
+        Ok(self
+            .string("base")?
+            .ok_or_else(|| self.bad("base", "is missing"))?
+            .to_string())
+    }
+
+    fn seconds(&self, key: &str) -> Result<Option<Duration>, Error> {
+        match self.table.get(key) {
+            Some(Value::Integer(n)) if *n >= 0 => Ok(Some(Duration::from_secs(*n as u64))),
+            Some(Value::Float(f)) if *f >= 0.0 && f.is_finite() => {
+                Ok(Some(Duration::from_secs_f64(*f)))
+            }
+            _ => self.duration(key),
+        }
+    }
+
+    fn fault_rule(&self) -> Result<FaultRule, Error> {
+        let mut ops = [false; Op::COUNT];
+        match self.table.get("fail") {
+            None => {
+                ops[Op::Read.index()] = true;
+                ops[Op::Write.index()] = true;
+                ops[Op::Flush.index()] = true;
+            }
+            Some(Value::Array(list)) if !list.is_empty() => {
+                for v in list {
+                    let op =
+                        match v.as_str() {
+                            Some("read") => Op::Read,
+                            Some("write") => Op::Write,
+                            Some("flush") => Op::Flush,
+                            Some("discard") => Op::Discard,
+                            Some("write-zeroes") => Op::WriteZeroes,
+                            _ => return Err(self.bad(
+                                "fail",
+                                "must list operations: read, write, flush, discard, write-zeroes",
+                            )),
+                        };
+                    ops[op.index()] = true;
+                }
+            }
+            Some(_) => return Err(self.bad("fail", "must be a non-empty list such as [\"write\"]")),
+        }
+        let probability = match self.table.get("probability") {
+            None => None,
+            Some(Value::Float(p)) if (0.0..=1.0).contains(p) => Some(*p),
+            Some(Value::Integer(p)) if (0..=1).contains(p) => Some(*p as f64),
+            Some(_) => return Err(self.bad("probability", "must be a number from 0 to 1")),
+        };
+        let sectors = match self.table.get("sectors") {
+            None => None,
+            Some(Value::Array(a)) => match a.as_slice() {
+                [Value::Integer(x), Value::Integer(y)] if 0 <= *x && x < y => {
+                    Some((*x as u64, *y as u64))
+                }
+                _ => return Err(self.bad("sectors", "must be [first, end] with first < end")),
+            },
+            Some(_) => return Err(self.bad("sectors", "must be [first, end] with first < end")),
+        };
+        let errno = match self.table.get("errno") {
+            None => libc::EIO,
+            Some(Value::Integer(n)) if (1..4096).contains(n) => *n as i32,
+            Some(Value::String(name)) => match name.as_str() {
+                "EIO" => libc::EIO,
+                "ENOSPC" => libc::ENOSPC,
+                "EPERM" => libc::EPERM,
+                "EINVAL" => libc::EINVAL,
+                "ENODEV" => libc::ENODEV,
+                "ETIMEDOUT" => libc::ETIMEDOUT,
+                _ => {
+                    return Err(self.bad(
+                        "errno",
+                        "must be EIO, ENOSPC, EPERM, EINVAL, ENODEV, ETIMEDOUT or a number",
+                    ))
+                }
+            },
+            Some(_) => return Err(self.bad("errno", "must be a name such as \"EIO\" or a number")),
+        };
+        Ok(FaultRule {
+            ops,
+            after_ios: self.integer("after_ios")?,
+            after: self.seconds("after_secs")?,
+            probability,
+            sectors,
+            errno,
+        })
     }
 
     fn members(&self) -> Result<Vec<String>, Error> {
@@ -220,9 +335,11 @@ fn parse_device(name: &str, table: &Table) -> Result<DeviceSpec, Error> {
         "linear" | "mirror" => &["members"],
         "stripe" => &["members", "chunk"],
         "raid10" => &["members", "chunk", "copies"],
+        "fault" => &["base", "fail", "after_ios", "after_secs", "probability", "sectors", "errno"],
+        "delay" => &["base", "read", "write", "flush"],
         _ => {
             return Err(err(format!(
-                "device '{name}': unknown type '{kind}' (known: null, mem, file, linear, stripe, mirror, raid10)"
+                "device '{name}': unknown type '{kind}' (known: null, mem, file, linear, stripe, mirror, raid10, fault, delay)"
             )))
         }
     };
@@ -269,6 +386,18 @@ fn parse_device(name: &str, table: &Table) -> Result<DeviceSpec, Error> {
         "stripe" => DeviceSpec::Stripe {
             members: keys.members()?,
             chunk: keys.chunk()?,
+        },
+        "fault" => DeviceSpec::Fault {
+            base: keys.base()?,
+            rule: keys.fault_rule()?,
+        },
+        "delay" => DeviceSpec::Delay {
+            base: keys.base()?,
+            delays: Delays {
+                read: keys.duration("read")?.unwrap_or_default(),
+                write: keys.duration("write")?.unwrap_or_default(),
+                flush: keys.duration("flush")?.unwrap_or_default(),
+            },
         },
         _ => DeviceSpec::Raid10 {
             members: keys.members()?,
@@ -331,15 +460,16 @@ impl StackFile {
     fn check_graph(&self) -> Result<(), Error> {
         let mut used_by: HashMap<&str, &str> = HashMap::new();
         for (name, spec) in &self.devices {
+            let key = spec.members_key();
             for m in spec.members() {
                 if !self.devices.contains_key(m) {
                     return Err(err(format!(
-                        "device '{name}': key 'members' names '{m}', which is not defined"
+                        "device '{name}': key '{key}' names '{m}', which is not defined"
                     )));
                 }
                 if m == name {
                     return Err(err(format!(
-                        "device '{name}': key 'members' names the device itself"
+                        "device '{name}': key '{key}' names the device itself"
                     )));
                 }
                 if let Some(other) = used_by.insert(m, name) {
@@ -447,6 +577,14 @@ impl StackFile {
             DeviceSpec::Mirror { .. } => {
                 let layout = Mirror::new(members.len(), smallest).map_err(named)?;
                 stacked(name, Arc::new(layout), members).map_err(named)?
+            }
+            DeviceSpec::Fault { rule, .. } => Arc::new(WrapDevice::new(
+                name,
+                members[0].clone(),
+                Arc::new(Faults::new(rule.clone())),
+            )),
+            DeviceSpec::Delay { delays, .. } => {
+                Arc::new(WrapDevice::new(name, members[0].clone(), Arc::new(*delays)))
             }
             DeviceSpec::Raid10 { chunk, copies, .. } => {
                 let layout =

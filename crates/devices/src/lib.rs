@@ -15,6 +15,7 @@ pub mod mem;
 pub mod null;
 pub mod spec;
 pub mod stack;
+pub mod wrap;
 
 use std::sync::Arc;
 

@@ -1,0 +1,693 @@
+//! Stack files: every validation error, and the few things that must parse.
+//!
+//! Each mistake gets its own small file, and the test checks that the message names the
+//! device at fault (quoted, as `'d0'`) and the key that is wrong, so a user can find the
+//! line to change. Errors found while parsing come from [`StackFile::parse`]; errors that
+//! need the members' sizes or block sizes (a chunk smaller than a block, members smaller
+//! than a chunk) come from [`StackFile::open`].
+//!
+//! Not here: where data lands (`stack_layout.rs`), data against a model
+//! (`stack_model.rs`), the `cairn check` command (`crates/cli/tests/stack_cli.rs`).
+
+use cairn_core::Error;
+use cairn_devices::config::{DeviceSpec, StackFile, DEFAULT_CHUNK_BYTES};
+use cairn_devices::LeafSpec;
+
+/// A `[device.NAME]` table of a 1 MiB mem device.
+fn mem(name: &str) -> String {
+    format!("[device.{name}]\ntype = \"mem\"\nsize = \"1M\"\n\n")
+}
+
+/// Mem devices `d0` .. `d{n-1}`.
+fn mems(n: usize) -> String {
+    (0..n).map(|i| mem(&format!("d{i}"))).collect()
+}
+
+/// `["d0", "d1", ...]`.
+fn list(n: usize) -> String {
+    let names: Vec<String> = (0..n).map(|i| format!("\"d{i}\"")).collect();
+    format!("[{}]", names.join(", "))
+}
+
+/// The message of the error `parse` returns; panics if the text parses.
+fn parse_err(text: &str) -> String {
+    match StackFile::parse(text) {
+        Ok(f) => panic!("parsed, but should not have:\n{text}\n=> {f:?}"),
+        Err(e) => {
+            assert!(matches!(e, Error::Invalid(_)), "{e:?}");
+            e.to_string()
+        }
+    }
+}
+
+/// The message of the error opening `name` returns; the text must parse.
+fn open_err(text: &str, name: &str) -> String {
+    let file = StackFile::parse(text).unwrap_or_else(|e| panic!("parse: {e}\n{text}"));
+    match file.open(name) {
+        Ok(d) => panic!(
+            "opened '{name}' ({} bytes), but should not have:\n{text}",
+            d.geometry().size_bytes
+        ),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// The message names `device` (quoted) and mentions `key`.
+#[track_caller]
+fn assert_names(message: &str, device: &str, key: &str) {
+    assert!(
+        message.contains(&format!("'{device}'")),
+        "the message does not name device '{device}': {message}"
+    );
+    assert!(
+        message.contains(key),
+        "the message does not name key {key}: {message}"
+    );
+    assert_eq!(message.lines().count(), 1, "one line: {message:?}");
+}
+
+mod parses {
+    use super::*;
+
+    #[test]
+    fn a_raid10_of_files_and_mems_with_defaults() {
+        let text = format!(
+            "[tuning]\nclock = \"precise\"\n\n\
+             [device.f]\ntype = \"file\"\npath = \"/dev/shm/x\"\nsize = \"2M\"\nengine = \"aio\"\ndirect = true\n\n\
+             {}\
+             [device.r]\ntype = \"raid10\"\nmembers = [\"f\", \"d1\", \"d2\", \"d3\"]\n",
+            (1..4).map(|i| mem(&format!("d{i}"))).collect::<String>()
+        );
+        let file = StackFile::parse(&text).unwrap();
+        assert_eq!(
+            file.tuning.get("clock").map(String::as_str),
+            Some("precise")
+        );
+        assert_eq!(file.roots(), vec!["r".to_string()]);
+        assert_eq!(file.pick(None).unwrap(), "r");
+        assert_eq!(file.pick(Some("d1")).unwrap(), "d1");
+        assert_eq!(
+            file.devices["r"],
+            DeviceSpec::Raid10 {
+                members: vec!["f".into(), "d1".into(), "d2".into(), "d3".into()],
+                chunk: DEFAULT_CHUNK_BYTES,
+                copies: 2,
+            }
+        );
+        assert_eq!(
+            file.devices["f"],
+            DeviceSpec::Leaf(LeafSpec::File {
+                path: "/dev/shm/x".into(),
+                engine: cairn_devices::Engine::Aio,
+                direct: true,
+                size_bytes: Some(2 << 20),
+            })
+        );
+        assert_eq!(
+            file.devices["d1"],
+            DeviceSpec::Leaf(LeafSpec::Mem {
+                size_bytes: 1 << 20,
+                block_bytes: 512,
+            })
+        );
+    }
+
+    #[test]
+    fn sizes_as_numbers_and_strings() {
+        let text = "[device.a]\ntype = \"null\"\nsize = 1048576\nblock = 4096\n\n\
+                    [device.b]\ntype = \"mem\"\nsize = \"1MiB\"\nblock = \"4k\"\n";
+        let file = StackFile::parse(text).unwrap();
+        for name in ["a", "b"] {
+            let d = file.open(name).unwrap();
+            assert_eq!(d.geometry().size_bytes, 1 << 20, "{name}");
+            assert_eq!(d.geometry().block_bytes, 4096, "{name}");
+        }
+        assert_eq!(file.roots(), vec!["a".to_string(), "b".to_string()]);
+    }
+
+    #[test]
+    fn every_stacked_type_opens_with_the_size_its_layout_gives() {
+        // Four 1 MiB members: linear 4 MiB, stripe 4 MiB, mirror 1 MiB, raid10 (2 copies)
+        // 2 MiB, raid10 with 3 copies: 16 rows x 4 members / 3 = 21 chunks of 64 KiB.
+        for (kind, extra, size) in [
+            ("linear", "", 4 << 20),
+            ("stripe", "chunk = \"64K\"\n", 4 << 20),
+            ("mirror", "", 1 << 20),
+            ("raid10", "", 2 << 20),
+            ("raid10", "copies = 3\n", 21 * (64 << 10)),
+        ] {
+            let text = format!(
+                "{}[device.top]\ntype = \"{kind}\"\nmembers = {}\n{extra}",
+                mems(4),
+                list(4)
+            );
+            let file = StackFile::parse(&text).unwrap_or_else(|e| panic!("{kind}: {e}"));
+            let top = file.open("top").unwrap_or_else(|e| panic!("{kind}: {e}"));
+            assert_eq!(top.geometry().size_bytes, size, "{kind} {extra}");
+            let children: Vec<String> = top
+                .children()
+                .iter()
+                .map(|c| c.name().to_string())
+                .collect();
+            assert_eq!(children, ["d0", "d1", "d2", "d3"], "{kind}");
+        }
+    }
+
+    #[test]
+    fn stacks_nest() {
+        // A mirror of two stripes, each of two mem devices.
+        let text = format!(
+            "{}[device.s0]\ntype = \"stripe\"\nmembers = [\"d0\", \"d1\"]\nchunk = \"4K\"\n\n\
+             [device.s1]\ntype = \"stripe\"\nmembers = [\"d2\", \"d3\"]\nchunk = \"4K\"\n\n\
+             [device.m]\ntype = \"mirror\"\nmembers = [\"s0\", \"s1\"]\n",
+            mems(4)
+        );
+        let file = StackFile::parse(&text).unwrap();
+        assert_eq!(file.roots(), vec!["m".to_string()]);
+        let m = file.open("m").unwrap();
+        assert_eq!(m.geometry().size_bytes, 2 << 20);
+        let tree = cairn_devices::config::tree(&*m);
+        let names: Vec<&str> = tree
+            .lines()
+            .map(|l| l.split_whitespace().next().unwrap())
+            .collect();
+        assert_eq!(names, ["m", "s0", "d0", "d1", "s1", "d2", "d3"], "{tree}");
+        assert!(tree.lines().nth(1).unwrap().starts_with("  s0"), "{tree}");
+        assert!(tree.lines().nth(2).unwrap().starts_with("    d0"), "{tree}");
+    }
+}
+
+mod types_and_keys {
+    use super::*;
+
+    #[test]
+    fn unknown_type() {
+        let m = parse_err("[device.x]\ntype = \"disk\"\nsize = \"1M\"\n");
+        assert_names(&m, "x", "type");
+        assert!(m.contains("disk"), "{m}");
+        // fault and delay are other types; nothing else is.
+        for kind in ["raid5", "Mem", ""] {
+            let m = parse_err(&format!("[device.x]\ntype = \"{kind}\"\nsize = \"1M\"\n"));
+            assert_names(&m, "x", "type");
+        }
+    }
+
+    #[test]
+    fn type_that_is_not_a_string() {
+        let m = parse_err("[device.x]\ntype = 5\nsize = \"1M\"\n");
+        assert_names(&m, "x", "'type'");
+    }
+
+    #[test]
+    fn unknown_key() {
+        let m = parse_err("[device.d0]\ntype = \"mem\"\nsize = \"1M\"\ncolour = \"red\"\n");
+        assert_names(&m, "d0", "'colour'");
+        // A key of another type is unknown here: copies belongs to raid10, chunk to
+        // stripe and raid10, path to file.
+        for (kind, key) in [
+            ("stripe", "copies = 2"),
+            ("mirror", "chunk = \"64K\""),
+            ("linear", "chunk = \"64K\""),
+            ("raid10", "size = \"1M\""),
+        ] {
+            let text = format!(
+                "{}[device.top]\ntype = \"{kind}\"\nmembers = {}\n{key}\n",
+                mems(4),
+                list(4)
+            );
+            let name = key.split_whitespace().next().unwrap();
+            let m = parse_err(&text);
+            assert_names(&m, "top", &format!("'{name}'"));
+        }
+        let m = parse_err("[device.n]\ntype = \"null\"\nsize = \"1M\"\npath = \"/x\"\n");
+        assert_names(&m, "n", "'path'");
+        let m = parse_err("[device.f]\ntype = \"file\"\npath = \"/x\"\nblock = 512\n");
+        assert_names(&m, "f", "'block'");
+    }
+
+    #[test]
+    fn missing_type() {
+        let m = parse_err("[device.d0]\nsize = \"1M\"\n");
+        assert_names(&m, "d0", "'type'");
+    }
+
+    #[test]
+    fn missing_size() {
+        for kind in ["mem", "null"] {
+            let m = parse_err(&format!("[device.d0]\ntype = \"{kind}\"\nblock = 512\n"));
+            assert_names(&m, "d0", "'size'");
+        }
+    }
+
+    #[test]
+    fn missing_path() {
+        let m = parse_err("[device.f]\ntype = \"file\"\nsize = \"1M\"\n");
+        assert_names(&m, "f", "'path'");
+    }
+
+    #[test]
+    fn missing_members() {
+        for kind in ["linear", "stripe", "mirror", "raid10"] {
+            let m = parse_err(&format!("{}[device.top]\ntype = \"{kind}\"\n", mems(2)));
+            assert_names(&m, "top", "'members'");
+        }
+    }
+
+    #[test]
+    fn file_keys_of_the_wrong_kind() {
+        let base = "[device.f]\ntype = \"file\"\npath = \"/dev/shm/x\"\nsize = \"1M\"\n";
+        for (line, key) in [
+            ("engine = \"spdk\"", "'engine'"),
+            ("engine = 1", "'engine'"),
+            ("direct = \"yes\"", "'direct'"),
+            ("direct = 2", "'direct'"),
+        ] {
+            let m = parse_err(&format!("{base}{line}\n"));
+            assert_names(&m, "f", key);
+        }
+        let m = parse_err("[device.f]\ntype = \"file\"\npath = 7\n");
+        assert_names(&m, "f", "'path'");
+    }
+}
+
+mod members {
+    use super::*;
+
+    #[test]
+    fn members_not_a_list() {
+        for value in ["\"d0\"", "3", "{ a = \"d0\" }", "[1, 2]", "[\"d0\", 1]"] {
+            let m = parse_err(&format!(
+                "{}[device.top]\ntype = \"linear\"\nmembers = {value}\n",
+                mems(2)
+            ));
+            assert_names(&m, "top", "'members'");
+        }
+    }
+
+    #[test]
+    fn members_empty() {
+        for kind in ["linear", "stripe", "mirror", "raid10"] {
+            let m = parse_err(&format!(
+                "{}[device.top]\ntype = \"{kind}\"\nmembers = []\n",
+                mems(2)
+            ));
+            assert_names(&m, "top", "'members'");
+        }
+    }
+
+    #[test]
+    fn member_not_defined() {
+        let m = parse_err(&format!(
+            "{}[device.top]\ntype = \"stripe\"\nmembers = [\"d0\", \"d9\"]\n",
+            mems(2)
+        ));
+        assert_names(&m, "top", "'members'");
+        assert!(m.contains("'d9'"), "{m}");
+    }
+
+    #[test]
+    fn member_named_twice_in_one_list() {
+        let m = parse_err(&format!(
+            "{}[device.top]\ntype = \"mirror\"\nmembers = [\"d0\", \"d1\", \"d0\"]\n",
+            mems(2)
+        ));
+        assert_names(&m, "top", "'members'");
+        assert!(m.contains("'d0'"), "{m}");
+    }
+
+    #[test]
+    fn device_used_by_two_devices() {
+        let m = parse_err(&format!(
+            "{}[device.a]\ntype = \"linear\"\nmembers = [\"d0\", \"d1\"]\n\n\
+             [device.b]\ntype = \"mirror\"\nmembers = [\"d2\", \"d0\"]\n",
+            mems(3)
+        ));
+        assert_names(&m, "d0", "members");
+        assert!(m.contains("'a'") && m.contains("'b'"), "{m}");
+    }
+
+    #[test]
+    fn device_that_is_its_own_member() {
+        let m = parse_err(&format!(
+            "{}[device.top]\ntype = \"linear\"\nmembers = [\"d0\", \"top\"]\n",
+            mems(1)
+        ));
+        assert_names(&m, "top", "'members'");
+    }
+
+    #[test]
+    fn cycle_of_two() {
+        let m = parse_err(&format!(
+            "{}[device.a]\ntype = \"linear\"\nmembers = [\"d0\", \"b\"]\n\n\
+             [device.b]\ntype = \"linear\"\nmembers = [\"a\"]\n",
+            mems(1)
+        ));
+        assert!(m.contains("cycle"), "{m}");
+        assert_names(&m, "a", "members");
+        assert_names(&m, "b", "members");
+    }
+
+    #[test]
+    fn cycle_of_three() {
+        let m = parse_err(
+            "[device.a]\ntype = \"linear\"\nmembers = [\"b\"]\n\n\
+             [device.b]\ntype = \"mirror\"\nmembers = [\"c\", \"x\"]\n\n\
+             [device.c]\ntype = \"linear\"\nmembers = [\"a\"]\n\n\
+             [device.x]\ntype = \"mem\"\nsize = \"1M\"\n",
+        );
+        assert!(m.contains("cycle"), "{m}");
+        for device in ["a", "b", "c"] {
+            assert_names(&m, device, "members");
+        }
+        assert!(!m.contains("'x'"), "x is not in the cycle: {m}");
+    }
+
+    #[test]
+    fn mirror_with_one_member() {
+        let m = open_err(
+            &format!(
+                "{}[device.m]\ntype = \"mirror\"\nmembers = [\"d0\"]\n",
+                mems(1)
+            ),
+            "m",
+        );
+        assert_names(&m, "m", "members");
+    }
+
+    #[test]
+    fn stripe_and_raid10_members_too_small_for_one_chunk() {
+        // 32 KiB members, 64 KiB chunks.
+        for (kind, n) in [("stripe", 2), ("raid10", 2), ("raid10", 4)] {
+            let members: String = (0..n)
+                .map(|i| format!("[device.d{i}]\ntype = \"mem\"\nsize = \"32K\"\n\n"))
+                .collect();
+            let text = format!(
+                "{members}[device.top]\ntype = \"{kind}\"\nmembers = {}\nchunk = \"64K\"\n",
+                list(n)
+            );
+            let m = open_err(&text, "top");
+            assert_names(&m, "top", "members");
+            assert!(m.contains("chunk"), "{m}");
+        }
+    }
+
+    #[test]
+    fn one_small_member_is_enough_to_refuse() {
+        // The smallest member decides: three of 1 MiB and one of 16 KiB.
+        let text = format!(
+            "{}[device.d3]\ntype = \"mem\"\nsize = \"16K\"\n\n\
+             [device.top]\ntype = \"stripe\"\nmembers = {}\nchunk = \"64K\"\n",
+            mems(3),
+            list(4)
+        );
+        assert_names(&open_err(&text, "top"), "top", "members");
+    }
+}
+
+mod chunk {
+    use super::*;
+
+    #[test]
+    fn chunk_not_a_power_of_two() {
+        for kind in ["stripe", "raid10"] {
+            for chunk in ["\"3000\"", "\"48K\"", "\"0\"", "12288"] {
+                let m = parse_err(&format!(
+                    "{}[device.top]\ntype = \"{kind}\"\nmembers = {}\nchunk = {chunk}\n",
+                    mems(4),
+                    list(4)
+                ));
+                assert_names(&m, "top", "'chunk'");
+            }
+        }
+    }
+
+    #[test]
+    fn chunk_smaller_than_the_block_size() {
+        // 256-byte chunks under 512-byte blocks, and 2 KiB chunks under 4 KiB blocks.
+        for kind in ["stripe", "raid10"] {
+            let text = format!(
+                "{}[device.top]\ntype = \"{kind}\"\nmembers = {}\nchunk = \"256\"\n",
+                mems(4),
+                list(4)
+            );
+            assert_names(&open_err(&text, "top"), "top", "chunk");
+            let members: String = (0..4)
+                .map(|i| {
+                    format!("[device.d{i}]\ntype = \"mem\"\nsize = \"1M\"\nblock = \"4K\"\n\n")
+                })
+                .collect();
+            let text = format!(
+                "{members}[device.top]\ntype = \"{kind}\"\nmembers = {}\nchunk = \"2K\"\n",
+                list(4)
+            );
+            let m = open_err(&text, "top");
+            assert_names(&m, "top", "chunk");
+            assert!(m.contains("4096"), "names the block size: {m}");
+        }
+    }
+
+    #[test]
+    fn chunk_not_a_size() {
+        let m = parse_err(&format!(
+            "{}[device.top]\ntype = \"stripe\"\nmembers = {}\nchunk = \"64Q\"\n",
+            mems(2),
+            list(2)
+        ));
+        assert_names(&m, "top", "'chunk'");
+    }
+}
+
+mod copies {
+    use super::*;
+
+    fn raid10(members: usize, copies: &str) -> String {
+        format!(
+            "{}[device.r]\ntype = \"raid10\"\nmembers = {}\ncopies = {copies}\n",
+            mems(members),
+            list(members)
+        )
+    }
+
+    #[test]
+    fn raid10_copies_one() {
+        assert_names(&open_err(&raid10(4, "1"), "r"), "r", "copies");
+        assert_names(&open_err(&raid10(4, "0"), "r"), "r", "copies");
+    }
+
+    #[test]
+    fn raid10_copies_more_than_members() {
+        let m = open_err(&raid10(4, "5"), "r");
+        assert_names(&m, "r", "copies");
+        assert_names(&open_err(&raid10(2, "3"), "r"), "r", "copies");
+        // As many copies as members is allowed: every member holds everything.
+        let file = StackFile::parse(&raid10(3, "3")).unwrap();
+        assert_eq!(file.open("r").unwrap().geometry().size_bytes, 1 << 20);
+    }
+
+    #[test]
+    fn raid10_copies_not_a_number() {
+        for copies in ["-1", "\"two\"", "2.5", "true"] {
+            assert_names(&parse_err(&raid10(4, copies)), "r", "'copies'");
+        }
+    }
+}
+
+mod sizes {
+    use super::*;
+
+    #[test]
+    fn bad_size_strings() {
+        for size in [
+            "\"1x\"",
+            "\"lots\"",
+            "\"-4k\"",
+            "\"1.5G\"",
+            "\"\"",
+            "\"99999999999999999999\"",
+            "-1",
+            "0",
+            "1.5",
+            "true",
+            "[1]",
+        ] {
+            for kind in ["mem", "null"] {
+                let m = parse_err(&format!("[device.d0]\ntype = \"{kind}\"\nsize = {size}\n"));
+                assert_names(&m, "d0", "'size'");
+            }
+        }
+        let m = parse_err("[device.f]\ntype = \"file\"\npath = \"/dev/shm/x\"\nsize = \"9Z\"\n");
+        assert_names(&m, "f", "'size'");
+        assert!(m.contains("9Z"), "quotes the input: {m}");
+    }
+
+    #[test]
+    fn sizes_a_device_cannot_have() {
+        // These parse as sizes but the device refuses them when it opens.
+        for (line, key) in [
+            ("size = \"0\"", "size"),
+            ("size = \"1000\"", "size"),
+            ("size = \"1M\"\nblock = \"1000\"", "block"),
+            ("size = \"1M\"\nblock = \"256\"", "block"),
+            ("size = \"1M\"\nblock = \"128K\"", "block"),
+        ] {
+            let m = open_err(&format!("[device.d0]\ntype = \"mem\"\n{line}\n"), "d0");
+            assert_names(&m, "d0", key);
+        }
+        let m = parse_err("[device.d0]\ntype = \"mem\"\nsize = \"1M\"\nblock = \"8G\"\n");
+        assert_names(&m, "d0", "'block'");
+    }
+
+    #[test]
+    fn a_bad_member_is_named_when_opening_the_top() {
+        let text = format!(
+            "{}[device.d1]\ntype = \"mem\"\nsize = \"1000\"\n\n\
+             [device.top]\ntype = \"linear\"\nmembers = [\"d0\", \"d1\"]\n",
+            mems(1)
+        );
+        assert_names(&open_err(&text, "top"), "d1", "size");
+    }
+}
+
+mod file_members {
+    use super::*;
+
+    #[test]
+    fn a_file_that_does_not_exist_without_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("absent.img");
+        let text = format!(
+            "[device.f]\ntype = \"file\"\npath = \"{}\"\n\n{}\
+             [device.m]\ntype = \"mirror\"\nmembers = [\"f\", \"d0\"]\n",
+            path.display(),
+            mems(1)
+        );
+        for name in ["f", "m"] {
+            let m = open_err(&text, name);
+            assert_names(&m, "f", "size");
+            assert!(m.contains("absent.img"), "names the path: {m}");
+        }
+        assert!(!path.exists(), "nothing was created");
+    }
+
+    #[test]
+    fn a_file_that_cannot_be_created() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("no-such-dir").join("d.img");
+        let text = format!(
+            "[device.f]\ntype = \"file\"\npath = \"{}\"\nsize = \"1M\"\n\n{}\
+             [device.top]\ntype = \"linear\"\nmembers = [\"d0\", \"f\"]\n",
+            path.display(),
+            mems(1)
+        );
+        for name in ["f", "top"] {
+            let m = open_err(&text, name);
+            assert_names(&m, "f", "path");
+        }
+    }
+}
+
+mod file_level {
+    use super::*;
+
+    #[test]
+    fn unknown_tuning_key() {
+        let m = parse_err(&format!("[tuning]\nclocks = \"cached\"\n\n{}", mem("d0")));
+        assert!(m.contains("tuning") && m.contains("'clocks'"), "{m}");
+        let m = parse_err(&format!("[tuning]\nclock = 1\n\n{}", mem("d0")));
+        assert!(m.contains("tuning") && m.contains("'clock'"), "{m}");
+    }
+
+    #[test]
+    fn unknown_top_level_key() {
+        for (text, key) in [
+            (
+                format!("[devices.d0]\ntype = \"mem\"\nsize = \"1M\"\n"),
+                "'devices'",
+            ),
+            (format!("name = \"x\"\n{}", mem("d0")), "'name'"),
+            (
+                format!("[tunings]\nclock = \"cached\"\n\n{}", mem("d0")),
+                "'tunings'",
+            ),
+            (format!("tuning = \"fast\"\n{}", mem("d0")), "'tuning'"),
+        ] {
+            let m = parse_err(&text);
+            assert!(m.contains(key), "{m}");
+        }
+    }
+
+    #[test]
+    fn invalid_toml() {
+        for text in [
+            "[device.d0\ntype = \"mem\"\n",
+            "[device.d0]\ntype = mem\n",
+            "[device.d0]\ntype = \"mem\"\ntype = \"null\"\nsize = \"1M\"\n",
+            // The same device twice.
+            "[device.d0]\ntype = \"mem\"\nsize = \"1M\"\n[device.d0]\ntype = \"mem\"\nsize = \"1M\"\n",
+            "\u{0}",
+        ] {
+            let m = parse_err(text);
+            assert!(m.contains("TOML"), "{m}");
+            assert_eq!(m.lines().count(), 1, "one line: {m:?}");
+        }
+    }
+
+    #[test]
+    fn a_device_that_is_not_a_table() {
+        let m = parse_err("[device]\nd0 = \"mem:1M\"\n");
+        assert!(m.contains("'d0'"), "{m}");
+    }
+
+    #[test]
+    fn no_devices_at_all() {
+        for text in [
+            "",
+            "# nothing\n",
+            "[tuning]\nclock = \"cached\"\n",
+            "[device]\n",
+        ] {
+            let m = parse_err(text);
+            assert!(m.contains("device"), "{text:?}: {m}");
+        }
+    }
+}
+
+mod pick {
+    use super::*;
+
+    #[test]
+    fn several_roots_without_a_name() {
+        let text = format!(
+            "{}[device.a]\ntype = \"linear\"\nmembers = [\"d0\"]\n\n\
+             [device.b]\ntype = \"mirror\"\nmembers = [\"d1\", \"d2\"]\n",
+            mems(4)
+        );
+        let file = StackFile::parse(&text).unwrap();
+        assert_eq!(file.roots(), ["a", "b", "d3"]);
+        let m = file.pick(None).unwrap_err().to_string();
+        for root in ["a", "b", "d3"] {
+            assert!(m.contains(root), "names root {root}: {m}");
+        }
+        assert!(m.contains("--device"), "{m}");
+        assert!(
+            !m.contains("d0") && !m.contains("d1"),
+            "members are not roots: {m}"
+        );
+        assert_eq!(file.pick(Some("b")).unwrap(), "b");
+        assert_eq!(file.pick(Some("d0")).unwrap(), "d0");
+    }
+
+    #[test]
+    fn unknown_name() {
+        let file = StackFile::parse(&mems(2)).unwrap();
+        let m = file.pick(Some("d7")).unwrap_err().to_string();
+        assert!(m.contains("'d7'"), "{m}");
+        assert!(file.open("d7").is_err());
+    }
+
+    #[test]
+    fn a_single_leaf_is_the_root() {
+        let file = StackFile::parse(&mem("only")).unwrap();
+        assert_eq!(file.pick(None).unwrap(), "only");
+    }
+}
