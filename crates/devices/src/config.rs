@@ -18,7 +18,7 @@
 //! [`StackFile::parse`] turns the text into typed specs once; every error names the
 //! device and the key. [`StackFile::open`] builds the devices, members first.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -412,7 +412,7 @@ impl StackFile {
     pub fn parse(text: &str) -> Result<StackFile, Error> {
         let root: Table = text
             .parse()
-            .map_err(|e: toml::de::Error| err(format!("not valid TOML: {}", e.message().trim())))?;
+            .map_err(|e: toml::de::Error| toml_error(text, &e))?;
         let mut devices = BTreeMap::new();
         let mut tuning = Tuning::new();
         for (key, value) in &root {
@@ -473,8 +473,9 @@ impl StackFile {
                     )));
                 }
                 if let Some(other) = used_by.insert(m, name) {
+                    let other_key = self.devices[other].members_key();
                     return Err(err(format!(
-                        "device '{m}' is used twice (by '{other}' and '{name}'); a device can be a member of one device only"
+                        "device '{m}' is used twice (by key '{other_key}' of '{other}' and key '{key}' of '{name}'); a device can be a member of one device only"
                     )));
                 }
             }
@@ -487,7 +488,18 @@ impl StackFile {
             while let Some(&up) = used_by.get(at) {
                 if up == start {
                     path.push(up);
-                    return Err(err(format!("devices form a cycle: {}", path.join(" <- "))));
+                    // Walked from member to user; print from user to member, as written.
+                    path.reverse();
+                    let keys: BTreeSet<String> = path
+                        .iter()
+                        .map(|d| format!("'{}'", self.devices[*d].members_key()))
+                        .collect();
+                    let shown: Vec<String> = path.iter().map(|d| format!("'{d}'")).collect();
+                    return Err(err(format!(
+                        "devices form a cycle (each names the next in key {}): {}",
+                        keys.into_iter().collect::<Vec<_>>().join(" or "),
+                        shown.join(" -> ")
+                    )));
                 }
                 path.push(up);
                 at = up;
@@ -563,6 +575,10 @@ impl StackFile {
             .unwrap_or(512);
         let named = |e: Error| match e {
             Error::Invalid(m) => err(format!("device '{name}': {m}")),
+            Error::Os { context, source } => Error::Os {
+                context: format!("device '{name}': {context}"),
+                source,
+            },
             other => other,
         };
         let device: Arc<dyn Device> = match spec {
@@ -594,6 +610,25 @@ impl StackFile {
         };
         opened.insert(name.to_string(), device.clone());
         Ok(device)
+    }
+}
+
+/// A TOML syntax error as one line, with the line number where the parser stopped.
+fn toml_error(text: &str, e: &toml::de::Error) -> Error {
+    let message: Vec<&str> = e
+        .message()
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    let message = message.join("; ");
+    match e.span() {
+        Some(span) => {
+            let before = &text.as_bytes()[..span.start.min(text.len())];
+            let line = before.iter().filter(|&&b| b == b'\n').count() + 1;
+            err(format!("not valid TOML at line {line}: {message}"))
+        }
+        None => err(format!("not valid TOML: {message}")),
     }
 }
 

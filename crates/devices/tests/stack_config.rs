@@ -581,7 +581,7 @@ mod file_members {
         );
         for name in ["f", "top"] {
             let m = open_err(&text, name);
-            assert_names(&m, "f", "path");
+            assert_names(&m, "f", &path.display().to_string());
         }
     }
 }
@@ -601,7 +601,7 @@ mod file_level {
     fn unknown_top_level_key() {
         for (text, key) in [
             (
-                format!("[devices.d0]\ntype = \"mem\"\nsize = \"1M\"\n"),
+                "[devices.d0]\ntype = \"mem\"\nsize = \"1M\"\n".to_string(),
                 "'devices'",
             ),
             (format!("name = \"x\"\n{}", mem("d0")), "'name'"),
@@ -630,6 +630,9 @@ mod file_level {
             assert!(m.contains("TOML"), "{m}");
             assert_eq!(m.lines().count(), 1, "one line: {m:?}");
         }
+        // The line where the parser stopped.
+        let m = parse_err("[device.d0]\ntype = \"mem\"\nsize = 1M\n");
+        assert!(m.contains("line 3"), "{m}");
     }
 
     #[test]
