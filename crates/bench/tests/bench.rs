@@ -160,7 +160,12 @@ mod verify {
         for reap in [ReapMode::Eager, ReapMode::Lazy] {
             for clock in [ClockMode::Cached, ClockMode::Precise] {
                 for stats in [StatsMode::On, StatsMode::Off] {
-                    let switches = Switches { clock, reap, stats };
+                    let switches = Switches {
+                        clock,
+                        reap,
+                        stats,
+                        ..Switches::default()
+                    };
                     for engine in ENGINES {
                         let device = file_device(&dir, engine, false);
                         let spec = verify_spec(Pattern::RandWrite);

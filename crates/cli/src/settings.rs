@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use cairn_bench::{JobSpec, Pattern};
 use cairn_core::size::{parse_duration, parse_size};
-use cairn_core::{ClockMode, ReapMode, StatsMode, Switches};
+use cairn_core::{ClockMode, FlushMode, ReapMode, StatsMode, Switches};
 use std::path::PathBuf;
 
 use cairn_devices::config::{StackFile, Tuning};
@@ -27,6 +27,8 @@ const GLOBAL_HELP: &str = "Switches (each restores a technique's \"before\", to 
   --reap eager|lazy        technique 5: reap completions right after submitting, or only
                            when the reactor would otherwise block
   --stats on|off           per-device statistics and latency histograms
+  --flush batched|serial   technique 1: one flush covers every flush that arrived before
+                           it started, or one flush per request, one at a time
 
 Examples:
   cairn bench                                   10 s of 4 KiB random reads on mem:1G
@@ -80,6 +82,16 @@ pub struct GlobalArgs {
     /// Keep per-device statistics and latency histograms (on, default).
     #[arg(long, global = true, value_enum)]
     pub stats: Option<OnOff>,
+    /// Technique 1: one flush covers every flush that arrived before it started (batched,
+    /// default), or one flush per request, one at a time (serial).
+    #[arg(long, global = true, value_enum)]
+    pub flush: Option<FlushArg>,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlushArg {
+    Batched,
+    Serial,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -139,6 +151,10 @@ impl GlobalArgs {
             stats: match pick(self.stats, tuning, "stats", OnOff::On)? {
                 OnOff::On => StatsMode::On,
                 OnOff::Off => StatsMode::Off,
+            },
+            flush: match pick(self.flush, tuning, "flush", FlushArg::Batched)? {
+                FlushArg::Batched => FlushMode::Batched,
+                FlushArg::Serial => FlushMode::Serial,
             },
         })
     }

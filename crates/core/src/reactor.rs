@@ -35,6 +35,7 @@ use io_uring::{opcode, squeue, types, IoUring};
 
 use crate::clock::{Clock, ClockMode};
 use crate::error::Error;
+use crate::flush::FlushMode;
 use crate::io::{IoStatus, SinkId};
 use crate::stats::StatsMode;
 
@@ -57,6 +58,8 @@ pub struct Switches {
     pub reap: ReapMode,
     /// `--stats on|off`.
     pub stats: StatsMode,
+    /// Technique 1: `--flush batched|serial`.
+    pub flush: FlushMode,
 }
 
 /// Receives completions. Implemented by whoever submits: a bench job, an NBD connection,

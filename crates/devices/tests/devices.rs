@@ -1084,7 +1084,12 @@ mod switches {
         for reap in [ReapMode::Eager, ReapMode::Lazy] {
             for clock in [ClockMode::Cached, ClockMode::Precise] {
                 for stats in [StatsMode::On, StatsMode::Off] {
-                    out.push(Switches { clock, reap, stats });
+                    out.push(Switches {
+                        clock,
+                        reap,
+                        stats,
+                        ..Switches::default()
+                    });
                 }
             }
         }

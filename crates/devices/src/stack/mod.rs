@@ -20,7 +20,8 @@ use std::sync::Arc;
 
 use cairn_core::slab::Slab;
 use cairn_core::{
-    Caps, Core, Device, Error, Geometry, Io, IoFlags, IoStatus, Op, Queue, QueueStats, Sink, SinkId,
+    Caps, Core, Device, Error, FlushBatcher, Geometry, Io, IoFlags, IoStatus, Op, Queue,
+    QueueStats, Sink, SinkId,
 };
 
 pub use layouts::{Linear, Mirror, Raid10, Stripe};
@@ -163,6 +164,7 @@ impl Device for StackDevice {
                 children: Slab::with_capacity(PARENTS * 2),
             }),
             next_copy: Cell::new(0),
+            flushes: FlushBatcher::new(core.switches().flush),
         });
         queue.sink.set(core.register_sink(queue.clone()));
         Ok(queue)
@@ -220,9 +222,54 @@ pub struct StackQueue {
     sink: Cell<SinkId>,
     state: RefCell<State>,
     next_copy: Cell<usize>,
+    flushes: FlushBatcher,
 }
 
+/// Token of the batched flush fanning out to the members (never a child index).
+const FLUSH_BATCH: u64 = u64::MAX;
+
 impl StackQueue {
+    /// Fans one flush out to every healthy member, on behalf of the batch.
+    fn start_flush(&self) {
+        let io = Io::nodata(Op::Flush, 0, 0, self.sink.get(), FLUSH_BATCH);
+        let parent = self.state.borrow_mut().parents.insert(Parent {
+            io,
+            pending: 1,
+            status: IoStatus::OK,
+            start_ns: 0,
+            degraded: false,
+        });
+        for m in 0..self.members.len() {
+            if self.health.ok(m) {
+                self.child(parent, Op::Flush, &io, (0, 0, std::ptr::null_mut()), m);
+            }
+        }
+        let mut st = self.state.borrow_mut();
+        let p = st.parents.get_mut(parent);
+        p.pending -= 1;
+        if p.pending == 0 {
+            // No healthy member left: the batch fails through the FIFO.
+            st.parents.remove(parent);
+            drop(st);
+            self.core
+                .complete(self.sink.get(), FLUSH_BATCH, IoStatus::errno(libc::EIO));
+        }
+    }
+
+    /// The batch's flush finished: every request it covered completes with `status`.
+    fn flush_done(&self, status: IoStatus) {
+        let again = self.flushes.finish(|io, start| {
+            if self.stats.enabled() {
+                self.stats
+                    .done(Op::Flush, 0, start, self.core.now_ns(), status.is_ok());
+            }
+            self.core.deliver(io.sink, io.token, status);
+        });
+        if again {
+            self.start_flush();
+        }
+    }
+
     /// Records a child of `parent` and submits it to `member`.
     #[inline]
     fn child(&self, parent: u32, op: Op, io: &Io, piece: (u64, u64, *mut u8), copy: usize) {
@@ -265,6 +312,14 @@ impl StackQueue {
             .find(|&k| tried & (1 << k) == 0 && self.health.ok(self.layout.locate(logical, k).0))
     }
 
+    /// Whether some data has lost every copy (checked over one stripe of pieces).
+    fn healthy_copy_sets_missing(&self) -> bool {
+        let size = self.layout.size_bytes();
+        let span = (self.members.len() as u64 * (64 << 10)).min(size);
+        let probe = Io::nodata(Op::Write, 0, span, self.sink.get(), 0);
+        !self.all_pieces_covered(&probe)
+    }
+
     /// Whether every piece of the request still has a healthy copy.
     fn all_pieces_covered(&self, io: &Io) -> bool {
         let mut at = io.offset;
@@ -280,6 +335,14 @@ impl StackQueue {
     fn finish_parent(&self, parent: u32) {
         let p = self.state.borrow_mut().parents.remove(parent);
         let mut status = p.status;
+        if p.io.token == FLUSH_BATCH && p.io.sink == self.sink.get() {
+            // A flush is good if at least one member of every copy set took it.
+            if status.is_ok() && p.degraded && self.healthy_copy_sets_missing() {
+                status = IoStatus::errno(libc::EIO);
+            }
+            self.flush_done(status);
+            return;
+        }
         if status.is_ok() && p.degraded && !self.all_pieces_covered(&p.io) {
             status = IoStatus::errno(libc::EIO);
         }
@@ -304,6 +367,12 @@ impl Queue for StackQueue {
             0
         };
         self.stats.start(start_ns);
+        if io.op == Op::Flush {
+            if self.flushes.arrive(io, start_ns) {
+                self.start_flush();
+            }
+            return;
+        }
         let parent = self.state.borrow_mut().parents.insert(Parent {
             io,
             // One extra reference while children are being submitted, so that no child
@@ -317,13 +386,7 @@ impl Queue for StackQueue {
         let copies = self.layout.copies();
         let mut missing = false;
         match io.op {
-            Op::Flush => {
-                for m in 0..self.members.len() {
-                    if self.health.ok(m) {
-                        self.child(parent, Op::Flush, &io, (0, 0, std::ptr::null_mut()), m);
-                    }
-                }
-            }
+            Op::Flush => unreachable!("flushes go through the batcher"),
             op => {
                 let mut at = io.offset;
                 while at < io.end() {
@@ -395,6 +458,10 @@ impl Queue for StackQueue {
 
 impl Sink for StackQueue {
     fn io_done(&self, token: u64, status: IoStatus) {
+        if token == FLUSH_BATCH {
+            self.flush_done(status);
+            return;
+        }
         let token = token as u32;
         let child = *self.state.borrow().children.get(token);
         if !status.is_ok() {
