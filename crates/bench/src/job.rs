@@ -193,7 +193,7 @@ pub(crate) fn run_job(
         Ok(q) => q,
         Err(e) => return JobResult::failed(Failure::Setup(format!("job {index}: {e}"))),
     };
-    let names = device_names(&*device);
+    let names = device_names(&*device, &queue);
     let now = core.now_ns();
     let blocks = region.1 / spec.bs;
     let slots = (0..spec.iodepth)
@@ -262,10 +262,13 @@ pub(crate) fn run_job(
     job.result()
 }
 
-fn device_names(device: &dyn Device) -> Vec<String> {
+/// Names of the devices whose queues this reactor holds, in the order of
+/// [`snapshot_tree`]: a queue that hides its members (a hand-off to another thread) hides
+/// their names too.
+fn device_names(device: &dyn Device, queue: &Rc<dyn Queue>) -> Vec<String> {
     let mut out = vec![device.name().to_string()];
-    for child in device.children() {
-        out.extend(device_names(&*child));
+    for (d, q) in device.children().iter().zip(queue.children()) {
+        out.extend(device_names(&**d, &q));
     }
     out
 }

@@ -331,6 +331,7 @@ impl Report {
         for (i, (name, d)) in self.devices.iter().enumerate() {
             if let Some(f) = self.failed.get(i).filter(|f| !f.is_empty()) {
                 let _ = writeln!(out, "  {name}: DEGRADED, failed members: {}", f.join(", "));
+                // (aligned by position: the device tree and the queue tree agree inline)
             }
             if !d.enabled {
                 let _ = writeln!(out, "  {name}: statistics off (--stats off)");

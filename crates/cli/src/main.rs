@@ -80,8 +80,8 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                 print!("{}", cairn_devices::config::tree(&*device));
             }
             println!(
-                "switches: clock={:?} reap={:?} stats={:?} flush={:?}",
-                switches.clock, switches.reap, switches.stats, switches.flush
+                "switches: clock={:?} reap={:?} stats={:?} flush={:?} dispatch={:?}",
+                switches.clock, switches.reap, switches.stats, switches.flush, switches.dispatch
             );
             Ok(ExitCode::SUCCESS)
         }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use cairn_bench::{JobSpec, Pattern};
 use cairn_core::size::{parse_duration, parse_size};
-use cairn_core::{ClockMode, FlushMode, ReapMode, StatsMode, Switches};
+use cairn_core::{ClockMode, DispatchMode, FlushMode, ReapMode, StatsMode, Switches};
 use std::path::PathBuf;
 
 use cairn_devices::config::{StackFile, Tuning};
@@ -27,6 +27,8 @@ const GLOBAL_HELP: &str = "Switches (each restores a technique's \"before\", to 
   --reap eager|lazy        technique 5: reap completions right after submitting, or only
                            when the reactor would otherwise block
   --stats on|off           per-device statistics and latency histograms
+  --dispatch inline|handoff technique 4: stacked devices submit to members on the
+                           caller's thread, or through a worker thread per hop
   --flush batched|serial   technique 1: one flush covers every flush that arrived before
                            it started, or one flush per request, one at a time
 
@@ -86,6 +88,16 @@ pub struct GlobalArgs {
     /// default), or one flush per request, one at a time (serial).
     #[arg(long, global = true, value_enum)]
     pub flush: Option<FlushArg>,
+    /// Technique 4: stacked devices submit to their members on the caller's thread
+    /// (inline, default) or through a worker thread per hop (handoff).
+    #[arg(long, global = true, value_enum)]
+    pub dispatch: Option<DispatchArg>,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DispatchArg {
+    Inline,
+    Handoff,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -155,6 +167,10 @@ impl GlobalArgs {
             flush: match pick(self.flush, tuning, "flush", FlushArg::Batched)? {
                 FlushArg::Batched => FlushMode::Batched,
                 FlushArg::Serial => FlushMode::Serial,
+            },
+            dispatch: match pick(self.dispatch, tuning, "dispatch", DispatchArg::Inline)? {
+                DispatchArg::Inline => DispatchMode::Inline,
+                DispatchArg::Handoff => DispatchMode::Handoff,
             },
         })
     }

@@ -60,6 +60,18 @@ pub struct Switches {
     pub stats: StatsMode,
     /// Technique 1: `--flush batched|serial`.
     pub flush: FlushMode,
+    /// Technique 4: `--dispatch inline|handoff`.
+    pub dispatch: DispatchMode,
+}
+
+/// How a stacked device reaches its members (`--dispatch inline|handoff`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DispatchMode {
+    /// On the submitting reactor's own thread (the default).
+    #[default]
+    Inline,
+    /// Through a worker thread per stacked hop, as dm-mq's kblockd did.
+    Handoff,
 }
 
 /// Receives completions. Implemented by whoever submits: a bench job, an NBD connection,

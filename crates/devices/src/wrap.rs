@@ -205,7 +205,7 @@ impl Device for WrapDevice {
         self.base.geometry()
     }
     fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
-        let base = self.base.open_queue(core)?;
+        let base = cairn_core::handoff::open_member(core, &self.base)?;
         let queue = Rc::new(WrapQueue {
             core: core.clone(),
             stats: QueueStats::new(core.switches().stats),

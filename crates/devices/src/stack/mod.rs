@@ -150,7 +150,7 @@ impl Device for StackDevice {
         let members = self
             .members
             .iter()
-            .map(|m| m.open_queue(core))
+            .map(|m| cairn_core::handoff::open_member(core, m))
             .collect::<Result<Vec<_>, _>>()?;
         let queue = Rc::new(StackQueue {
             core: core.clone(),
