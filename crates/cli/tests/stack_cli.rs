@@ -1,0 +1,492 @@
+//! Integration tests for stack files at the `cairn` binary's edge: `cairn check` prints
+//! the tree or one error line, `cairn bench STACK.toml` runs verified jobs on stacked
+//! devices, `--device NAME` picks a device of the file, and `[tuning]` sets the switches
+//! under the command-line flags.
+//!
+//! Every run is bounded by size; nothing asserts on timing.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+use tempfile::TempDir;
+
+fn cairn(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .args(args)
+        .env_remove("RUST_BACKTRACE")
+        .env_remove("RUST_LIB_BACKTRACE")
+        .output()
+        .expect("run cairn")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// A stack file in a fresh temporary directory (kept alive with it).
+struct StackFile {
+    _dir: TempDir,
+    path: PathBuf,
+}
+
+impl StackFile {
+    fn new(contents: &str) -> StackFile {
+        let dir = tempfile::tempdir_in("/dev/shm")
+            .or_else(|_| tempfile::tempdir())
+            .expect("create a temporary directory");
+        let path = dir.path().join("stack.toml");
+        std::fs::write(&path, contents).expect("write the stack file");
+        StackFile { _dir: dir, path }
+    }
+
+    fn dir(&self) -> &Path {
+        self._dir.path()
+    }
+
+    fn arg(&self) -> &str {
+        self.path.to_str().expect("a UTF-8 path")
+    }
+}
+
+/// `[device.NAME]` tables of mem devices.
+fn mems(names: &[&str], size: &str) -> String {
+    names
+        .iter()
+        .map(|n| format!("[device.{n}]\ntype = \"mem\"\nsize = \"{size}\"\n\n"))
+        .collect()
+}
+
+/// A raid10 `r` of four 4 MiB mem devices `d0..d3`, 64 KiB chunks: 8 MiB.
+fn raid10() -> String {
+    format!(
+        "{}[device.r]\ntype = \"raid10\"\nmembers = [\"d0\", \"d1\", \"d2\", \"d3\"]\nchunk = \"64K\"\n",
+        mems(&["d0", "d1", "d2", "d3"], "4M")
+    )
+}
+
+/// Runs `args`, expecting exit status 2, nothing on stdout and exactly one line on stderr
+/// (no panic); returns the line.
+#[track_caller]
+fn bad_input(args: &[&str]) -> String {
+    let out = cairn(args);
+    let stderr = text(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{args:?}: exit status; stderr: {stderr}"
+    );
+    assert_eq!(
+        stderr.lines().count(),
+        1,
+        "{args:?}: one line on stderr, got: {stderr:?}"
+    );
+    assert!(stderr.starts_with("cairn: "), "{args:?}: {stderr:?}");
+    assert!(
+        out.stdout.is_empty(),
+        "{args:?}: stdout: {}",
+        text(&out.stdout)
+    );
+    stderr
+}
+
+/// Runs `args`, expecting exit status 0 and JSON on stdout.
+#[track_caller]
+fn json_run(args: &[&str]) -> Value {
+    let out = cairn(args);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{args:?}: stderr: {}",
+        text(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{args:?}: stdout is not JSON ({e}): {}", text(&out.stdout)))
+}
+
+mod check {
+    use super::*;
+
+    #[test]
+    fn a_valid_raid10_prints_every_device_with_its_size() {
+        let file = StackFile::new(&raid10());
+        let out = cairn(&["check", file.arg()]);
+        let stdout = text(&out.stdout);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
+        let lines: Vec<&str> = stdout.lines().collect();
+        assert!(lines[0].starts_with("r (8MiB)"), "{stdout}");
+        assert!(lines[0].contains("raid10"), "{stdout}");
+        for (i, line) in lines[1..5].iter().enumerate() {
+            assert!(
+                line.starts_with(&format!("  d{i} (4MiB)")),
+                "member d{i} indented under r, with its size: {stdout}"
+            );
+            assert!(line.contains("mem"), "{stdout}");
+        }
+    }
+
+    #[test]
+    fn nested_stacks_and_several_roots() {
+        // A mirror of two stripes, plus a spare device nothing uses: two trees.
+        let text_ = format!(
+            "{}[device.s0]\ntype = \"stripe\"\nmembers = [\"a\", \"b\"]\nchunk = \"4K\"\n\n\
+             [device.s1]\ntype = \"stripe\"\nmembers = [\"c\", \"d\"]\nchunk = \"4K\"\n\n\
+             [device.m]\ntype = \"mirror\"\nmembers = [\"s0\", \"s1\"]\n",
+            mems(&["a", "b", "c", "d", "spare"], "1M")
+        );
+        let file = StackFile::new(&text_);
+        let out = cairn(&["check", file.arg()]);
+        let stdout = text(&out.stdout);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        for line in [
+            "m (2MiB)",
+            "  s0 (2MiB)",
+            "    a (1MiB)",
+            "    b (1MiB)",
+            "  s1 (2MiB)",
+            "    c (1MiB)",
+            "    d (1MiB)",
+            "spare (1MiB)",
+        ] {
+            assert!(
+                stdout.lines().any(|l| l.starts_with(line)),
+                "no line starting {line:?} in:\n{stdout}"
+            );
+        }
+        // --device prints one tree only.
+        let out = cairn(&["check", file.arg(), "--device", "s1"]);
+        let stdout = text(&out.stdout);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        assert!(stdout.starts_with("s1 (2MiB)"), "{stdout}");
+        assert!(
+            !stdout.contains("s0") && !stdout.contains("spare"),
+            "{stdout}"
+        );
+    }
+
+    #[test]
+    fn invalid_files_exit_2_with_one_line_naming_device_and_key() {
+        let four = mems(&["d0", "d1", "d2", "d3"], "1M");
+        let cases: Vec<(String, &str, &str)> = vec![
+            (
+                format!("{four}[device.r]\ntype = \"raid10\"\nmembers = [\"d0\", \"d1\"]\nstripes = 2\n"),
+                "'r'",
+                "'stripes'",
+            ),
+            (
+                format!("{four}[device.r]\ntype = \"raid5\"\nmembers = [\"d0\", \"d1\"]\n"),
+                "'r'",
+                "type",
+            ),
+            (format!("{four}[device.r]\ntype = \"mirror\"\n"), "'r'", "'members'"),
+            (
+                format!("{four}[device.r]\ntype = \"linear\"\nmembers = [\"d0\", \"d9\"]\n"),
+                "'r'",
+                "'members'",
+            ),
+            (
+                format!("{four}[device.r]\ntype = \"stripe\"\nmembers = [\"d0\", \"d1\"]\nchunk = \"48K\"\n"),
+                "'r'",
+                "'chunk'",
+            ),
+            (
+                format!(
+                    "{four}[device.a]\ntype = \"linear\"\nmembers = [\"d0\"]\n\n\
+                     [device.b]\ntype = \"linear\"\nmembers = [\"d0\"]\n"
+                ),
+                "'d0'",
+                "members",
+            ),
+            (
+                "[device.a]\ntype = \"linear\"\nmembers = [\"b\"]\n\n\
+                 [device.b]\ntype = \"linear\"\nmembers = [\"a\"]\n"
+                    .to_string(),
+                "'a'",
+                "members",
+            ),
+            (
+                "[device.d0]\ntype = \"mem\"\nsize = \"1x\"\n".to_string(),
+                "'d0'",
+                "'size'",
+            ),
+            (
+                "[device.d0\ntype = \"mem\"\n".to_string(),
+                "TOML",
+                "line 1",
+            ),
+        ];
+        // Found only when the devices are opened (these lines do not name the file).
+        let opened: Vec<(String, &str, &str)> = vec![
+            (
+                format!("{four}[device.r]\ntype = \"raid10\"\nmembers = [\"d0\", \"d1\", \"d2\", \"d3\"]\ncopies = 5\n"),
+                "'r'",
+                "copies",
+            ),
+            (
+                format!("{four}[device.r]\ntype = \"stripe\"\nmembers = [\"d0\", \"d1\", \"d2\", \"d3\"]\nchunk = \"2M\"\n"),
+                "'r'",
+                "members",
+            ),
+            (
+                "[device.d0]\ntype = \"mem\"\nsize = \"1000\"\n".to_string(),
+                "'d0'",
+                "size",
+            ),
+        ];
+        for (parsed, (contents, device, key)) in cases
+            .into_iter()
+            .map(|c| (true, c))
+            .chain(opened.into_iter().map(|c| (false, c)))
+        {
+            let file = StackFile::new(&contents);
+            let line = bad_input(&["check", file.arg()]);
+            assert!(line.contains(device), "names {device}: {line}");
+            assert!(line.contains(key), "names {key}: {line}");
+            if parsed {
+                assert!(line.contains(file.arg()), "names the file: {line}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_missing_file_member_is_named() {
+        let file = StackFile::new("");
+        let img = file.dir().join("absent.img");
+        std::fs::write(
+            &file.path,
+            format!(
+                "[device.f]\ntype = \"file\"\npath = \"{}\"\n\n{}\
+                 [device.m]\ntype = \"mirror\"\nmembers = [\"f\", \"d0\"]\n",
+                img.display(),
+                mems(&["d0"], "1M")
+            ),
+        )
+        .unwrap();
+        let line = bad_input(&["check", file.arg()]);
+        assert!(line.contains("'f'"), "{line}");
+        assert!(line.contains("absent.img"), "{line}");
+    }
+
+    #[test]
+    fn a_stack_file_that_cannot_be_read() {
+        let line = bad_input(&["check", "/nonexistent/stack.toml"]);
+        assert!(line.contains("/nonexistent/stack.toml"), "{line}");
+        bad_input(&["bench", "/nonexistent/stack.toml", "--size", "1M"]);
+    }
+
+    #[test]
+    fn an_unknown_device_name() {
+        let file = StackFile::new(&raid10());
+        let line = bad_input(&["check", file.arg(), "--device", "d7"]);
+        assert!(line.contains("'d7'"), "{line}");
+        let line = bad_input(&["bench", file.arg(), "--device", "d7", "--size", "1M"]);
+        assert!(line.contains("'d7'"), "{line}");
+    }
+}
+
+mod bench {
+    use super::*;
+
+    /// Verified random reads and writes over the whole 8 MiB device.
+    fn verified(file: &StackFile, extra: &[&str]) -> Value {
+        let mut args = vec![
+            "bench",
+            file.arg(),
+            "--rw",
+            "randrw",
+            "--verify",
+            "crc32c",
+            "--size",
+            "8M",
+            "--io_size",
+            "8M",
+            "--output-format",
+            "json",
+        ];
+        args.extend(extra);
+        let json = json_run(&args);
+        assert_eq!(json["jobs"][0]["error"], 0, "{args:?}");
+        assert!(json["cairn"]["failure"].is_null(), "{args:?}");
+        let checked = json["cairn"]["verify"]["blocks_checked"].as_u64().unwrap();
+        assert!(checked > 0, "{args:?}: nothing was verified");
+        json
+    }
+
+    #[test]
+    fn verify_passes_on_every_stacked_type() {
+        let stacks = [
+            ("raid10", raid10()),
+            (
+                "stripe",
+                format!(
+                    "{}[device.s]\ntype = \"stripe\"\nmembers = [\"d0\", \"d1\"]\nchunk = \"4K\"\n",
+                    mems(&["d0", "d1"], "4M")
+                ),
+            ),
+            (
+                "mirror",
+                format!(
+                    "{}[device.m]\ntype = \"mirror\"\nmembers = [\"d0\", \"d1\", \"d2\"]\n",
+                    mems(&["d0", "d1", "d2"], "8M")
+                ),
+            ),
+            (
+                // Unequal members: 3 MiB and 5 MiB.
+                "linear",
+                format!(
+                    "{}{}[device.l]\ntype = \"linear\"\nmembers = [\"d0\", \"d1\"]\n",
+                    mems(&["d0"], "3M"),
+                    mems(&["d1"], "5M")
+                ),
+            ),
+        ];
+        for (kind, contents) in stacks {
+            let file = StackFile::new(&contents);
+            let json = verified(&file, &[]);
+            let description = json["cairn"]["device"]["description"].as_str().unwrap();
+            assert!(description.contains(kind), "{kind}: {description}");
+            let written = json["jobs"][0]["write"]["io_bytes"].as_u64().unwrap();
+            assert!(written > 0, "{kind}: nothing was written");
+        }
+    }
+
+    #[test]
+    fn device_picks_a_member() {
+        let file = StackFile::new(&raid10());
+        let json = json_run(&[
+            "bench",
+            file.arg(),
+            "--device",
+            "d2",
+            "--rw",
+            "randrw",
+            "--verify",
+            "crc32c",
+            "--size",
+            "4M",
+            "--io_size",
+            "4M",
+            "--output-format",
+            "json",
+        ]);
+        assert_eq!(json["cairn"]["device"]["name"], "d2", "{}", json["cairn"]);
+        let description = json["cairn"]["device"]["description"].as_str().unwrap();
+        assert!(description.starts_with("mem"), "{description}");
+        // The whole member is 4 MiB: 8 MiB does not fit.
+        bad_input(&["bench", file.arg(), "--device", "d2", "--size", "8M"]);
+    }
+
+    #[test]
+    fn several_top_level_devices_need_a_name() {
+        let contents = format!("{}{}", raid10(), mems(&["spare"], "1M"));
+        let file = StackFile::new(&contents);
+        let line = bad_input(&["bench", file.arg(), "--size", "1M"]);
+        assert!(line.contains("r") && line.contains("spare"), "{line}");
+        assert!(line.contains("--device"), "{line}");
+        let json = json_run(&[
+            "bench",
+            file.arg(),
+            "--device",
+            "r",
+            "--size",
+            "1M",
+            "--output-format",
+            "json",
+        ]);
+        assert_eq!(json["cairn"]["device"]["name"], "r");
+    }
+}
+
+mod tuning {
+    use super::*;
+
+    fn with_tuning(tuning: &str) -> StackFile {
+        StackFile::new(&format!("[tuning]\n{tuning}\n\n{}", raid10()))
+    }
+
+    fn switches(file: &StackFile, flags: &[&str]) -> Value {
+        let mut args = vec![
+            "bench",
+            file.arg(),
+            "--size",
+            "1M",
+            "--output-format",
+            "json",
+        ];
+        args.extend(flags);
+        json_run(&args)["cairn"]["switches"].clone()
+    }
+
+    #[test]
+    fn tuning_sets_the_switches() {
+        let file = with_tuning("clock = \"precise\"\nreap = \"lazy\"\nstats = \"off\"");
+        let s = switches(&file, &[]);
+        assert_eq!(s["clock"], "precise", "{s}");
+        assert_eq!(s["reap"], "lazy", "{s}");
+        assert_eq!(s["stats"], "off", "{s}");
+    }
+
+    #[test]
+    fn flags_override_tuning() {
+        let file = with_tuning("clock = \"precise\"\nreap = \"lazy\"");
+        let s = switches(&file, &["--clock", "cached"]);
+        assert_eq!(s["clock"], "cached", "the flag wins: {s}");
+        assert_eq!(s["reap"], "lazy", "tuning still applies to the rest: {s}");
+        // Before the subcommand too.
+        let json = json_run(&[
+            "--clock",
+            "cached",
+            "bench",
+            file.arg(),
+            "--size",
+            "1M",
+            "--output-format",
+            "json",
+        ]);
+        assert_eq!(json["cairn"]["switches"]["clock"], "cached");
+    }
+
+    #[test]
+    fn without_tuning_the_defaults_apply() {
+        let file = StackFile::new(&raid10());
+        let s = switches(&file, &[]);
+        assert_eq!(s["clock"], "cached", "{s}");
+        assert_eq!(s["reap"], "eager", "{s}");
+        assert_eq!(s["stats"], "on", "{s}");
+    }
+
+    #[test]
+    fn a_bad_tuning_value_exits_2() {
+        for (key, value) in [
+            ("clock", "sundial"),
+            ("reap", "never"),
+            ("stats", "maybe"),
+            ("flush", "sometimes"),
+            ("dispatch", "carrier-pigeon"),
+        ] {
+            let file = with_tuning(&format!("{key} = \"{value}\""));
+            for args in [
+                vec!["check", file.arg()],
+                vec!["bench", file.arg(), "--size", "1M"],
+            ] {
+                let line = bad_input(&args);
+                assert!(
+                    line.contains(key) && line.contains(value),
+                    "{args:?}: {line}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn unknown_tuning_keys_exit_2() {
+        let file = with_tuning("clocks = \"cached\"");
+        let line = bad_input(&["check", file.arg()]);
+        assert!(
+            line.contains("tuning") && line.contains("'clocks'"),
+            "{line}"
+        );
+    }
+}
