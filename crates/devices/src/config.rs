@@ -28,7 +28,7 @@ use cairn_core::{Device, Error};
 use toml::{Table, Value};
 
 use crate::spec::{Engine, LeafSpec};
-use crate::stack::{Layout, Linear, Mirror, Raid10, StackDevice, Stripe};
+use crate::stack::{AnyLayout, Linear, Mirror, Raid10, StackDevice, Stripe};
 use crate::wrap::{Delays, FaultRule, Faults, WrapDevice};
 use crate::DEFAULT_BLOCK_BYTES;
 use cairn_core::Op;
@@ -583,16 +583,19 @@ impl StackFile {
         };
         let device: Arc<dyn Device> = match spec {
             DeviceSpec::Leaf(leaf) => crate::open(leaf, name).map_err(named)?,
-            DeviceSpec::Linear { .. } => {
-                stacked(name, Arc::new(Linear::new(&sizes)), members).map_err(named)?
-            }
+            DeviceSpec::Linear { .. } => stacked(
+                name,
+                Arc::new(AnyLayout::Linear(Linear::new(&sizes))),
+                members,
+            )
+            .map_err(named)?,
             DeviceSpec::Stripe { chunk, .. } => {
                 let layout = Stripe::new(members.len(), *chunk, smallest, block).map_err(named)?;
-                stacked(name, Arc::new(layout), members).map_err(named)?
+                stacked(name, Arc::new(layout.into()), members).map_err(named)?
             }
             DeviceSpec::Mirror { .. } => {
                 let layout = Mirror::new(members.len(), smallest).map_err(named)?;
-                stacked(name, Arc::new(layout), members).map_err(named)?
+                stacked(name, Arc::new(layout.into()), members).map_err(named)?
             }
             DeviceSpec::Fault { rule, .. } => Arc::new(WrapDevice::new(
                 name,
@@ -605,7 +608,7 @@ impl StackFile {
             DeviceSpec::Raid10 { chunk, copies, .. } => {
                 let layout =
                     Raid10::new(members.len(), *copies, *chunk, smallest, block).map_err(named)?;
-                stacked(name, Arc::new(layout), members).map_err(named)?
+                stacked(name, Arc::new(layout.into()), members).map_err(named)?
             }
         };
         opened.insert(name.to_string(), device.clone());
@@ -634,7 +637,7 @@ fn toml_error(text: &str, e: &toml::de::Error) -> Error {
 
 fn stacked(
     name: &str,
-    layout: Arc<dyn Layout>,
+    layout: Arc<AnyLayout>,
     members: Vec<Arc<dyn Device>>,
 ) -> Result<Arc<dyn Device>, Error> {
     Ok(Arc::new(StackDevice::new(name, layout, members)?))

@@ -54,6 +54,16 @@ impl Layout for Linear {
     }
 }
 
+/// `(n % d, n / d)`, with shifts when `d` is a power of two (the usual member counts).
+#[inline]
+fn div_small(n: u64, d: u64) -> (u64, u64) {
+    if d.is_power_of_two() {
+        (n & (d - 1), n >> d.trailing_zeros())
+    } else {
+        (n % d, n / d)
+    }
+}
+
 fn check_chunk(kind: &str, chunk: u64, block: u64) -> Result<(), Error> {
     if !chunk.is_power_of_two() || chunk < block {
         return Err(Error::Invalid(format!(
@@ -66,6 +76,7 @@ fn check_chunk(kind: &str, chunk: u64, block: u64) -> Result<(), Error> {
 /// RAID0: chunk `i` on member `i % n`.
 pub struct Stripe {
     chunk: u64,
+    chunk_shift: u32,
     members: u64,
     size: u64,
 }
@@ -82,6 +93,7 @@ impl Stripe {
         }
         Ok(Stripe {
             chunk,
+            chunk_shift: chunk.trailing_zeros(),
             members: members as u64,
             size: rows * chunk * members as u64,
         })
@@ -100,14 +112,16 @@ impl Layout for Stripe {
     }
     #[inline]
     fn piece_len(&self, offset: u64, len: u64) -> u64 {
-        len.min(self.chunk - offset % self.chunk)
+        len.min(self.chunk - (offset & (self.chunk - 1)))
     }
     #[inline]
     fn locate(&self, offset: u64, _copy: usize) -> (usize, u64) {
-        let i = offset / self.chunk;
-        let member = i % self.members;
-        let row = i / self.members;
-        (member as usize, row * self.chunk + offset % self.chunk)
+        let i = offset >> self.chunk_shift;
+        let (member, row) = div_small(i, self.members);
+        (
+            member as usize,
+            (row << self.chunk_shift) | (offset & (self.chunk - 1)),
+        )
     }
     fn describe(&self) -> String {
         format!("chunk={}", self.chunk)
@@ -165,6 +179,7 @@ impl Layout for Mirror {
 /// copies, chunk 1 is on member 2 (row 0) and member 0 (row 1).
 pub struct Raid10 {
     chunk: u64,
+    chunk_shift: u32,
     members: u64,
     copies: u64,
     size: u64,
@@ -194,6 +209,7 @@ impl Raid10 {
         }
         Ok(Raid10 {
             chunk,
+            chunk_shift: chunk.trailing_zeros(),
             members: members as u64,
             copies: copies as u64,
             size: chunks * chunk,
@@ -213,14 +229,16 @@ impl Layout for Raid10 {
     }
     #[inline]
     fn piece_len(&self, offset: u64, len: u64) -> u64 {
-        len.min(self.chunk - offset % self.chunk)
+        len.min(self.chunk - (offset & (self.chunk - 1)))
     }
     #[inline]
     fn locate(&self, offset: u64, copy: usize) -> (usize, u64) {
-        let position = (offset / self.chunk) * self.copies + copy as u64;
-        let member = position % self.members;
-        let row = position / self.members;
-        (member as usize, row * self.chunk + offset % self.chunk)
+        let position = (offset >> self.chunk_shift) * self.copies + copy as u64;
+        let (member, row) = div_small(position, self.members);
+        (
+            member as usize,
+            (row << self.chunk_shift) | (offset & (self.chunk - 1)),
+        )
     }
     fn describe(&self) -> String {
         format!("chunk={} copies={} layout=near", self.chunk, self.copies)
@@ -285,5 +303,70 @@ mod tests {
         assert_eq!(m.copies(), 3);
         assert_eq!(m.locate(4096, 2), (2, 4096));
         assert!(Mirror::new(1, 1 << 20).is_err());
+    }
+}
+
+/// Any of the four layouts, dispatched statically (the hot path inlines through it).
+pub enum AnyLayout {
+    /// Members end to end.
+    Linear(Linear),
+    /// RAID0.
+    Stripe(Stripe),
+    /// RAID1.
+    Mirror(Mirror),
+    /// RAID10.
+    Raid10(Raid10),
+}
+
+macro_rules! each {
+    ($self:ident, $l:ident => $e:expr) => {
+        match $self {
+            AnyLayout::Linear($l) => $e,
+            AnyLayout::Stripe($l) => $e,
+            AnyLayout::Mirror($l) => $e,
+            AnyLayout::Raid10($l) => $e,
+        }
+    };
+}
+
+impl Layout for AnyLayout {
+    fn kind(&self) -> &'static str {
+        each!(self, l => l.kind())
+    }
+    fn size_bytes(&self) -> u64 {
+        each!(self, l => l.size_bytes())
+    }
+    #[inline]
+    fn copies(&self) -> usize {
+        each!(self, l => l.copies())
+    }
+    #[inline]
+    fn piece_len(&self, offset: u64, len: u64) -> u64 {
+        each!(self, l => l.piece_len(offset, len))
+    }
+    #[inline]
+    fn locate(&self, offset: u64, copy: usize) -> (usize, u64) {
+        each!(self, l => l.locate(offset, copy))
+    }
+    fn describe(&self) -> String {
+        each!(self, l => l.describe())
+    }
+}
+
+impl From<Stripe> for AnyLayout {
+    fn from(l: Stripe) -> AnyLayout {
+        AnyLayout::Stripe(l)
+    }
+}
+
+impl From<Mirror> for AnyLayout {
+    fn from(l: Mirror) -> AnyLayout {
+        AnyLayout::Mirror(l)
+    }
+}
+
+impl From<Raid10> for AnyLayout {
+    fn from(l: Raid10) -> AnyLayout {
+        AnyLayout::Raid10(l)
     }
 }

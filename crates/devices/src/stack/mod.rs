@@ -24,7 +24,7 @@ use cairn_core::{
     QueueStats, Sink, SinkId,
 };
 
-pub use layouts::{Linear, Mirror, Raid10, Stripe};
+pub use layouts::{AnyLayout, Linear, Mirror, Raid10, Stripe};
 
 /// Where the bytes of a stacked device live.
 pub trait Layout: Send + Sync {
@@ -69,7 +69,7 @@ impl Health {
 /// A device made of other devices.
 pub struct StackDevice {
     name: String,
-    layout: Arc<dyn Layout>,
+    layout: Arc<AnyLayout>,
     members: Vec<Arc<dyn Device>>,
     health: Arc<Health>,
     geometry: Geometry,
@@ -79,7 +79,7 @@ impl StackDevice {
     /// Stacks `members` with `layout` (the layout was built from the members' sizes).
     pub fn new(
         name: &str,
-        layout: Arc<dyn Layout>,
+        layout: Arc<AnyLayout>,
         members: Vec<Arc<dyn Device>>,
     ) -> Result<StackDevice, Error> {
         if members.is_empty() {
@@ -191,6 +191,8 @@ struct Parent {
     status: IoStatus,
     start_ns: u64,
     degraded: bool,
+    /// Copies tried so far by a request sent whole to one member (bit per copy).
+    tried: u32,
 }
 
 #[derive(Clone, Copy)]
@@ -216,7 +218,7 @@ struct State {
 pub struct StackQueue {
     core: Rc<Core>,
     stats: QueueStats,
-    layout: Arc<dyn Layout>,
+    layout: Arc<AnyLayout>,
     members: Vec<Rc<dyn Queue>>,
     health: Arc<Health>,
     sink: Cell<SinkId>,
@@ -227,8 +229,22 @@ pub struct StackQueue {
 
 /// Token of the batched flush fanning out to the members (never a child index).
 const FLUSH_BATCH: u64 = u64::MAX;
+/// Token bit of a request sent whole to one member: the rest is the parent's index.
+const DIRECT: u64 = 1 << 62;
 
 impl StackQueue {
+    /// Sends the whole request `io` of `parent` to the member holding copy `copy`.
+    #[inline]
+    fn send_direct(&self, parent: u32, io: &Io, copy: usize) {
+        let (member, member_offset) = self.layout.locate(io.offset, copy);
+        self.members[member].submit(Io {
+            offset: member_offset,
+            sink: self.sink.get(),
+            token: DIRECT | u64::from(parent),
+            ..*io
+        });
+    }
+
     /// Fans one flush out to every healthy member, on behalf of the batch.
     fn start_flush(&self) {
         let io = Io::nodata(Op::Flush, 0, 0, self.sink.get(), FLUSH_BATCH);
@@ -238,6 +254,7 @@ impl StackQueue {
             status: IoStatus::OK,
             start_ns: 0,
             degraded: false,
+            tried: 0,
         });
         for m in 0..self.members.len() {
             if self.health.ok(m) {
@@ -373,6 +390,31 @@ impl Queue for StackQueue {
             }
             return;
         }
+        let copies = self.layout.copies();
+        if (copies == 1 || io.op == Op::Read) && self.layout.piece_len(io.offset, io.len) == io.len
+        {
+            // The common case: the whole request goes to one member (one copy, for a
+            // read). No child state; the parent's slab index travels as the token.
+            let copy = if copies == 1 {
+                Some(0)
+            } else {
+                let n = self.next_copy.get();
+                self.next_copy.set(n.wrapping_add(1));
+                self.healthy_copy(io.offset, n % copies, 0)
+            };
+            if let Some(copy) = copy {
+                let parent = self.state.borrow_mut().parents.insert(Parent {
+                    io,
+                    pending: 1,
+                    status: IoStatus::OK,
+                    start_ns,
+                    degraded: false,
+                    tried: 1 << copy,
+                });
+                self.send_direct(parent, &io, copy);
+                return;
+            }
+        }
         let parent = self.state.borrow_mut().parents.insert(Parent {
             io,
             // One extra reference while children are being submitted, so that no child
@@ -382,6 +424,7 @@ impl Queue for StackQueue {
             status: IoStatus::OK,
             start_ns,
             degraded: false,
+            tried: 0,
         });
         let copies = self.layout.copies();
         let mut missing = false;
@@ -460,6 +503,35 @@ impl Sink for StackQueue {
     fn io_done(&self, token: u64, status: IoStatus) {
         if token == FLUSH_BATCH {
             self.flush_done(status);
+            return;
+        }
+        if token & DIRECT != 0 {
+            let index = (token & !DIRECT) as u32;
+            if !status.is_ok() && self.layout.copies() > 1 {
+                // A read sent whole to one copy failed: try another; the client never
+                // sees the failure while a healthy copy remains.
+                let (io, tried) = {
+                    let st = self.state.borrow();
+                    let p = st.parents.get(index);
+                    (p.io, p.tried)
+                };
+                if let Some(k) = self.healthy_copy(io.offset, 0, tried) {
+                    self.state.borrow_mut().parents.get_mut(index).tried |= 1 << k;
+                    self.send_direct(index, &io, k);
+                    return;
+                }
+            }
+            let p = self.state.borrow_mut().parents.remove(index);
+            if self.stats.enabled() {
+                self.stats.done(
+                    p.io.op,
+                    p.io.len,
+                    p.start_ns,
+                    self.core.now_ns(),
+                    status.is_ok(),
+                );
+            }
+            self.core.deliver(p.io.sink, p.io.token, status);
             return;
         }
         let token = token as u32;
