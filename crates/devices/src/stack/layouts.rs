@@ -245,67 +245,6 @@ impl Layout for Raid10 {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const K: u64 = 64 << 10;
-
-    #[test]
-    fn linear_places_members_end_to_end() {
-        let l = Linear::new(&[1000 * 512, 24 * 512, 4096]);
-        assert_eq!(l.size_bytes(), 1024 * 512 + 4096);
-        assert_eq!(l.locate(0, 0), (0, 0));
-        assert_eq!(l.locate(1000 * 512, 0), (1, 0));
-        assert_eq!(l.locate(1024 * 512 + 512, 0), (2, 512));
-        assert_eq!(l.piece_len(999 * 512, 4096), 512);
-    }
-
-    #[test]
-    fn stripe_round_robins_chunks() {
-        let s = Stripe::new(3, K, 10 * K, 512).unwrap();
-        assert_eq!(s.size_bytes(), 30 * K);
-        assert_eq!(s.locate(0, 0), (0, 0));
-        assert_eq!(s.locate(K, 0), (1, 0));
-        assert_eq!(s.locate(2 * K + 512, 0), (2, 512));
-        assert_eq!(s.locate(3 * K, 0), (0, K));
-        assert_eq!(s.locate(7 * K + 4096, 0), (1, 2 * K + 4096));
-        assert_eq!(s.piece_len(K - 512, 8192), 512);
-        assert!(Stripe::new(2, 3000, K, 512).is_err());
-        assert!(Stripe::new(2, K, K - 1, 512).is_err());
-    }
-
-    #[test]
-    fn raid10_near_layout_four_members_two_copies() {
-        let r = Raid10::new(4, 2, K, 8 * K, 512).unwrap();
-        assert_eq!(r.size_bytes(), 16 * K);
-        assert_eq!((r.locate(0, 0), r.locate(0, 1)), ((0, 0), (1, 0)));
-        assert_eq!((r.locate(K, 0), r.locate(K, 1)), ((2, 0), (3, 0)));
-        assert_eq!((r.locate(2 * K, 0), r.locate(2 * K, 1)), ((0, K), (1, K)));
-        assert_eq!(r.locate(5 * K + 100 * 512, 1), (3, 2 * K + 100 * 512));
-    }
-
-    #[test]
-    fn raid10_near_layout_odd_members() {
-        let r = Raid10::new(3, 2, K, 4 * K, 512).unwrap();
-        // 4 rows x 3 members = 12 positions = 6 chunks of 2 copies.
-        assert_eq!(r.size_bytes(), 6 * K);
-        assert_eq!((r.locate(0, 0), r.locate(0, 1)), ((0, 0), (1, 0)));
-        assert_eq!((r.locate(K, 0), r.locate(K, 1)), ((2, 0), (0, K)));
-        assert_eq!((r.locate(2 * K, 0), r.locate(2 * K, 1)), ((1, K), (2, K)));
-        assert!(Raid10::new(3, 4, K, 4 * K, 512).is_err());
-        assert!(Raid10::new(3, 1, K, 4 * K, 512).is_err());
-    }
-
-    #[test]
-    fn mirror_copies_everything() {
-        let m = Mirror::new(3, 1 << 20).unwrap();
-        assert_eq!(m.copies(), 3);
-        assert_eq!(m.locate(4096, 2), (2, 4096));
-        assert!(Mirror::new(1, 1 << 20).is_err());
-    }
-}
-
 /// Any of the four layouts, dispatched statically (the hot path inlines through it).
 pub enum AnyLayout {
     /// Members end to end.
@@ -368,5 +307,66 @@ impl From<Mirror> for AnyLayout {
 impl From<Raid10> for AnyLayout {
     fn from(l: Raid10) -> AnyLayout {
         AnyLayout::Raid10(l)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const K: u64 = 64 << 10;
+
+    #[test]
+    fn linear_places_members_end_to_end() {
+        let l = Linear::new(&[1000 * 512, 24 * 512, 4096]);
+        assert_eq!(l.size_bytes(), 1024 * 512 + 4096);
+        assert_eq!(l.locate(0, 0), (0, 0));
+        assert_eq!(l.locate(1000 * 512, 0), (1, 0));
+        assert_eq!(l.locate(1024 * 512 + 512, 0), (2, 512));
+        assert_eq!(l.piece_len(999 * 512, 4096), 512);
+    }
+
+    #[test]
+    fn stripe_round_robins_chunks() {
+        let s = Stripe::new(3, K, 10 * K, 512).unwrap();
+        assert_eq!(s.size_bytes(), 30 * K);
+        assert_eq!(s.locate(0, 0), (0, 0));
+        assert_eq!(s.locate(K, 0), (1, 0));
+        assert_eq!(s.locate(2 * K + 512, 0), (2, 512));
+        assert_eq!(s.locate(3 * K, 0), (0, K));
+        assert_eq!(s.locate(7 * K + 4096, 0), (1, 2 * K + 4096));
+        assert_eq!(s.piece_len(K - 512, 8192), 512);
+        assert!(Stripe::new(2, 3000, K, 512).is_err());
+        assert!(Stripe::new(2, K, K - 1, 512).is_err());
+    }
+
+    #[test]
+    fn raid10_near_layout_four_members_two_copies() {
+        let r = Raid10::new(4, 2, K, 8 * K, 512).unwrap();
+        assert_eq!(r.size_bytes(), 16 * K);
+        assert_eq!((r.locate(0, 0), r.locate(0, 1)), ((0, 0), (1, 0)));
+        assert_eq!((r.locate(K, 0), r.locate(K, 1)), ((2, 0), (3, 0)));
+        assert_eq!((r.locate(2 * K, 0), r.locate(2 * K, 1)), ((0, K), (1, K)));
+        assert_eq!(r.locate(5 * K + 100 * 512, 1), (3, 2 * K + 100 * 512));
+    }
+
+    #[test]
+    fn raid10_near_layout_odd_members() {
+        let r = Raid10::new(3, 2, K, 4 * K, 512).unwrap();
+        // 4 rows x 3 members = 12 positions = 6 chunks of 2 copies.
+        assert_eq!(r.size_bytes(), 6 * K);
+        assert_eq!((r.locate(0, 0), r.locate(0, 1)), ((0, 0), (1, 0)));
+        assert_eq!((r.locate(K, 0), r.locate(K, 1)), ((2, 0), (0, K)));
+        assert_eq!((r.locate(2 * K, 0), r.locate(2 * K, 1)), ((1, K), (2, K)));
+        assert!(Raid10::new(3, 4, K, 4 * K, 512).is_err());
+        assert!(Raid10::new(3, 1, K, 4 * K, 512).is_err());
+    }
+
+    #[test]
+    fn mirror_copies_everything() {
+        let m = Mirror::new(3, 1 << 20).unwrap();
+        assert_eq!(m.copies(), 3);
+        assert_eq!(m.locate(4096, 2), (2, 4096));
+        assert!(Mirror::new(1, 1 << 20).is_err());
     }
 }
