@@ -45,7 +45,9 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                     let stack = settings::read_stack(&path)?;
                     let switches = cli.global.switches(&stack.tuning)?;
                     let name = stack.pick(name.as_deref()).map_err(|e| e.to_string())?;
-                    let device = stack.open(&name).map_err(|e| e.to_string())?;
+                    let device = stack
+                        .open(&name)
+                        .map_err(|e| format!("{}: {e}", path.display()))?;
                     (device, switches)
                 }
             };
@@ -75,8 +77,13 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                 Some(n) => vec![stack.pick(Some(n)).map_err(|e| e.to_string())?],
                 None => stack.roots(),
             };
-            for name in names {
-                let device = stack.open(&name).map_err(|e| e.to_string())?;
+            // Open everything first: an error prints one line and no half a tree.
+            let devices = names
+                .iter()
+                .map(|name| stack.open(name))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| format!("{}: {e}", args.stack.display()))?;
+            for device in devices {
                 print!("{}", cairn_devices::config::tree(&*device));
             }
             println!(

@@ -134,12 +134,10 @@ impl GlobalArgs {
             key: &str,
             default: T,
         ) -> Result<T, String> {
-            if let Some(v) = flag {
-                return Ok(v);
-            }
-            match tuning.get(key) {
-                None => Ok(default),
-                Some(text) => T::from_str(text, false).map_err(|_| {
+            // A bad value in the file is an error even when a flag overrides it.
+            let from_file = match tuning.get(key) {
+                None => None,
+                Some(text) => Some(T::from_str(text, false).map_err(|_| {
                     let known: Vec<String> = T::value_variants()
                         .iter()
                         .filter_map(|v| v.to_possible_value().map(|p| p.get_name().to_string()))
@@ -148,8 +146,9 @@ impl GlobalArgs {
                         "tuning: {key} = \"{text}\" is not one of {}",
                         known.join(", ")
                     )
-                }),
-            }
+                })?),
+            };
+            Ok(flag.or(from_file).unwrap_or(default))
         }
         Ok(Switches {
             clock: match pick(self.clock, tuning, "clock", ClockArg::Cached)? {

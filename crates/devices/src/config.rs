@@ -585,7 +585,7 @@ impl StackFile {
             DeviceSpec::Leaf(leaf) => crate::open(leaf, name).map_err(named)?,
             DeviceSpec::Linear { .. } => stacked(
                 name,
-                Arc::new(AnyLayout::Linear(Linear::new(&sizes))),
+                Arc::new(AnyLayout::Linear(Linear::new(&sizes, block))),
                 members,
             )
             .map_err(named)?,

@@ -694,3 +694,55 @@ mod pick {
         assert_eq!(file.pick(None).unwrap(), "only");
     }
 }
+
+mod regressions {
+    use cairn_core::blocking::BlockingQueue;
+    use cairn_core::{IoFlags, Switches};
+    use cairn_devices::config::StackFile;
+
+    #[test]
+    fn mirror_with_more_copies_than_tracked_is_refused_not_a_panic() {
+        let mut text = String::new();
+        let mut names = Vec::new();
+        for i in 0..33 {
+            text += &format!("[device.m{i}]\ntype = \"mem\"\nsize = \"1M\"\n");
+            names.push(format!("\"m{i}\""));
+        }
+        text += &format!(
+            "[device.top]\ntype = \"mirror\"\nmembers = [{}]\n",
+            names.join(", ")
+        );
+        let stack = StackFile::parse(&text).unwrap();
+        let err = stack
+            .open("top")
+            .err()
+            .expect("33 copies must be refused")
+            .to_string();
+        assert!(err.contains("top") && err.contains("32"), "{err}");
+    }
+
+    #[test]
+    fn linear_uses_members_in_whole_blocks_of_the_stack() {
+        // A 1.5 KiB member of 512-byte blocks then members of 4 KiB blocks: the stack has
+        // 4 KiB blocks, and no piece may straddle one (an O_DIRECT member would refuse it).
+        let text = "[device.a]\ntype = \"mem\"\nsize = \"1536\"\n\
+                    [device.b]\ntype = \"mem\"\nsize = \"8K\"\nblock = \"4K\"\n\
+                    [device.c]\ntype = \"mem\"\nsize = \"4K\"\nblock = \"4K\"\n\
+                    [device.top]\ntype = \"linear\"\nmembers = [\"a\", \"b\", \"c\"]\n";
+        let top = StackFile::parse(text).unwrap().open("top").unwrap();
+        let g = top.geometry();
+        assert_eq!((g.block_bytes, g.size_bytes), (4096, 12288));
+        let q = BlockingQueue::open(&top, Switches::default()).unwrap();
+        let data: Vec<u8> = (0..12288).map(|i| (i % 251) as u8).collect();
+        q.write(0, &data, IoFlags::NONE).unwrap();
+        let mut back = vec![0u8; 12288];
+        q.read(0, &mut back).unwrap();
+        assert_eq!(back, data);
+        // Member b received whole blocks starting at its offset 0.
+        let b = &top.children()[1];
+        let qb = BlockingQueue::open(b, Switches::default()).unwrap();
+        let mut first = vec![0u8; 4096];
+        qb.read(0, &mut first).unwrap();
+        assert_eq!(first, data[..4096]);
+    }
+}

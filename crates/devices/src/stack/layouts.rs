@@ -4,6 +4,9 @@ use cairn_core::Error;
 
 use super::Layout;
 
+/// Most copies a mirror or raid10 may keep (a per-request bit mask tracks them).
+pub const COPIES_MAX: usize = 32;
+
 /// Members end to end.
 pub struct Linear {
     /// Start of each member in the stacked device, plus the total size at the end.
@@ -11,13 +14,14 @@ pub struct Linear {
 }
 
 impl Linear {
-    /// Members of the given sizes, in order.
-    pub fn new(sizes: &[u64]) -> Linear {
+    /// Members of the given sizes, in order, each used in whole `block`-byte blocks (so a
+    /// piece never straddles a block of the stacked device).
+    pub fn new(sizes: &[u64], block: u64) -> Linear {
         let mut starts = Vec::with_capacity(sizes.len() + 1);
         let mut at = 0;
         for &s in sizes {
             starts.push(at);
-            at += s;
+            at += s / block * block;
         }
         starts.push(at);
         Linear { starts }
@@ -140,6 +144,11 @@ impl Mirror {
         if members < 2 {
             return Err(Error::Invalid("mirror: needs at least two members".into()));
         }
+        if members > COPIES_MAX {
+            return Err(Error::Invalid(format!(
+                "mirror: at most {COPIES_MAX} members, not {members}"
+            )));
+        }
         Ok(Mirror {
             members,
             size: member_size,
@@ -195,9 +204,9 @@ impl Raid10 {
         block: u64,
     ) -> Result<Raid10, Error> {
         check_chunk("raid10", chunk, block)?;
-        if copies < 2 || copies > members {
+        if copies < 2 || copies > members || copies > COPIES_MAX {
             return Err(Error::Invalid(format!(
-                "raid10: copies {copies} must be from 2 to the number of members ({members})"
+                "raid10: copies {copies} must be from 2 to the number of members ({members}), at most {COPIES_MAX}"
             )));
         }
         let rows = member_size / chunk;
@@ -318,12 +327,16 @@ mod tests {
 
     #[test]
     fn linear_places_members_end_to_end() {
-        let l = Linear::new(&[1000 * 512, 24 * 512, 4096]);
+        let l = Linear::new(&[1000 * 512, 24 * 512, 4096], 512);
         assert_eq!(l.size_bytes(), 1024 * 512 + 4096);
         assert_eq!(l.locate(0, 0), (0, 0));
         assert_eq!(l.locate(1000 * 512, 0), (1, 0));
         assert_eq!(l.locate(1024 * 512 + 512, 0), (2, 512));
         assert_eq!(l.piece_len(999 * 512, 4096), 512);
+        // With 4 KiB blocks, a 1.5 KiB member contributes nothing and 6 KiB gives 4 KiB.
+        let l = Linear::new(&[1536, 6144, 8192], 4096);
+        assert_eq!(l.size_bytes(), 12288);
+        assert_eq!(l.locate(4096, 0), (2, 0));
     }
 
     #[test]
