@@ -361,10 +361,10 @@ impl Report {
                     "    {} latency (nsec): mean={:.0}, 50th={}, 90th={}, 99th={}, 99.9th={}, max={}",
                     op,
                     h.mean(),
-                    h.value_at_quantile(0.5),
-                    h.value_at_quantile(0.9),
-                    h.value_at_quantile(0.99),
-                    h.value_at_quantile(0.999),
+                    h.quantile(0.5),
+                    h.quantile(0.9),
+                    h.quantile(0.99),
+                    h.quantile(0.999),
                     h.max()
                 );
             }
@@ -467,7 +467,7 @@ impl Report {
                     let mut pct = Map::new();
                     if !h.is_empty() {
                         for p in CLAT_PERCENTILES {
-                            pct.insert(format!("{p:.6}"), json!(h.value_at_quantile(p / 100.0)));
+                            pct.insert(format!("{p:.6}"), json!(h.quantile(p / 100.0)));
                         }
                     }
                     ops.insert(

@@ -9,8 +9,6 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
-use hdrhistogram::Histogram;
-
 use crate::io::Op;
 
 /// Whether devices keep statistics (`--stats on|off`).
@@ -26,10 +24,130 @@ pub enum StatsMode {
 /// Largest latency a histogram records exactly (one hour); longer ones saturate.
 pub const LATENCY_NS_MAX: u64 = 3_600_000_000_000;
 
-/// A latency histogram in nanoseconds with two significant digits.
-pub fn latency_histogram() -> Histogram<u64> {
-    // The bounds are constants that hdrhistogram accepts (low 1, high > 2*low, 2 digits).
-    Histogram::new_with_max(LATENCY_NS_MAX, 2).expect("valid histogram bounds")
+/// Sub-buckets per power of two (5 bits: at most 1/32 = 3.1% relative error).
+const SUB_BITS: u32 = 5;
+const SUB: u64 = 1 << SUB_BITS;
+/// Values below this are counted exactly.
+const EXACT: u64 = 2 * SUB;
+/// Buckets: exact values, then SUB per power of two up to 2^64.
+const BUCKETS: usize = (EXACT + (64 - SUB_BITS as u64 - 1) * SUB) as usize;
+
+/// A log-linear latency histogram for the hot path: exact below 64 ns, then 32 buckets
+/// per power of two, so recording is a leading-zero count, a shift and an increment.
+/// (hdrhistogram, used for the bench's own report, does more work per value.)
+#[derive(Clone)]
+pub struct LatencyHistogram {
+    counts: Box<[u64]>,
+    count: u64,
+    sum: u64,
+    max: u64,
+}
+
+impl Default for LatencyHistogram {
+    fn default() -> LatencyHistogram {
+        LatencyHistogram {
+            counts: vec![0; BUCKETS].into_boxed_slice(),
+            count: 0,
+            sum: 0,
+            max: 0,
+        }
+    }
+}
+
+impl LatencyHistogram {
+    #[inline]
+    fn index(v: u64) -> usize {
+        if v < EXACT {
+            v as usize
+        } else {
+            let msb = 63 - v.leading_zeros();
+            let shift = msb - SUB_BITS;
+            (EXACT + u64::from(shift - 1) * SUB + ((v >> shift) - SUB)) as usize
+        }
+    }
+
+    /// Highest value counted in bucket `i`.
+    fn upper(i: usize) -> u64 {
+        let i = i as u64;
+        if i < EXACT {
+            return i;
+        }
+        let k = i - EXACT;
+        let shift = k / SUB + 1;
+        let low = (k % SUB + SUB) << shift;
+        low.saturating_add((1 << shift) - 1)
+    }
+
+    /// Counts one value.
+    #[inline]
+    pub fn record(&mut self, v: u64) {
+        self.counts[Self::index(v)] += 1;
+        self.count += 1;
+        self.sum = self.sum.wrapping_add(v);
+        self.max = self.max.max(v);
+    }
+
+    /// Values counted.
+    pub fn len(&self) -> u64 {
+        self.count
+    }
+
+    /// Whether nothing was counted.
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// Exact mean.
+    pub fn mean(&self) -> f64 {
+        if self.count == 0 {
+            0.0
+        } else {
+            self.sum as f64 / self.count as f64
+        }
+    }
+
+    /// Exact maximum.
+    pub fn max(&self) -> u64 {
+        self.max
+    }
+
+    /// The value at quantile `q` (0..=1): the top of the bucket holding it, capped by the
+    /// maximum.
+    pub fn quantile(&self, q: f64) -> u64 {
+        if self.count == 0 {
+            return 0;
+        }
+        let rank = ((q.clamp(0.0, 1.0) * self.count as f64).ceil() as u64).max(1);
+        let mut seen = 0;
+        for (i, &c) in self.counts.iter().enumerate() {
+            seen += c;
+            if seen >= rank {
+                return Self::upper(i).min(self.max);
+            }
+        }
+        self.max
+    }
+
+    /// Adds another histogram.
+    pub fn merge(&mut self, other: &LatencyHistogram) {
+        for (a, b) in self.counts.iter_mut().zip(other.counts.iter()) {
+            *a += b;
+        }
+        self.count += other.count;
+        self.sum = self.sum.wrapping_add(other.sum);
+        self.max = self.max.max(other.max);
+    }
+
+    /// What was counted since `earlier` (the maximum stays the overall one).
+    pub fn since(&self, earlier: &LatencyHistogram) -> LatencyHistogram {
+        let mut out = self.clone();
+        for (a, b) in out.counts.iter_mut().zip(earlier.counts.iter()) {
+            *a -= (*b).min(*a);
+        }
+        out.count -= earlier.count.min(out.count);
+        out.sum = out.sum.wrapping_sub(earlier.sum);
+        out
+    }
 }
 
 /// Counters readable from any thread.
@@ -66,7 +184,7 @@ fn bump(counter: &AtomicU64, by: u64) {
 pub struct QueueStats {
     enabled: bool,
     counters: Arc<Counters>,
-    latency: RefCell<[Histogram<u64>; Op::COUNT]>,
+    latency: RefCell<[LatencyHistogram; Op::COUNT]>,
 }
 
 impl QueueStats {
@@ -75,7 +193,7 @@ impl QueueStats {
         QueueStats {
             enabled: mode == StatsMode::On,
             counters: Arc::new(Counters::default()),
-            latency: RefCell::new(std::array::from_fn(|_| latency_histogram())),
+            latency: RefCell::new(std::array::from_fn(|_| LatencyHistogram::default())),
         }
     }
 
@@ -126,7 +244,7 @@ impl QueueStats {
             let since = c.busy_since_ns.load(Relaxed);
             bump(&c.busy_ns, now_ns.saturating_sub(since));
         }
-        self.latency.borrow_mut()[i].saturating_record(latency_ns);
+        self.latency.borrow_mut()[i].record(latency_ns);
     }
 
     /// A copy of everything counted so far, taken on the owning thread at `now_ns`.
@@ -169,7 +287,7 @@ pub struct DeviceStatsSnapshot {
     /// Time during which at least one request was in flight, in nanoseconds.
     pub busy_ns: u64,
     /// Completion latency per operation.
-    pub latency: [Histogram<u64>; Op::COUNT],
+    pub latency: [LatencyHistogram; Op::COUNT],
 }
 
 impl DeviceStatsSnapshot {
@@ -179,8 +297,7 @@ impl DeviceStatsSnapshot {
             self.ios[i] += other.ios[i];
             self.sectors[i] += other.sectors[i];
             self.ticks_ns[i] += other.ticks_ns[i];
-            // Both histograms have the same bounds, so adding cannot fail.
-            let _ = self.latency[i].add(&other.latency[i]);
+            self.latency[i].merge(&other.latency[i]);
         }
         self.errors += other.errors;
         self.in_flight += other.in_flight;
@@ -197,9 +314,7 @@ impl DeviceStatsSnapshot {
             out.ios[i] -= earlier.ios[i].min(out.ios[i]);
             out.sectors[i] -= earlier.sectors[i].min(out.sectors[i]);
             out.ticks_ns[i] -= earlier.ticks_ns[i].min(out.ticks_ns[i]);
-            if out.latency[i].subtract(&earlier.latency[i]).is_err() {
-                out.latency[i].reset();
-            }
+            out.latency[i] = out.latency[i].since(&earlier.latency[i]);
         }
         out.errors -= earlier.errors.min(out.errors);
         out.busy_ns -= earlier.busy_ns.min(out.busy_ns);
@@ -248,6 +363,32 @@ mod tests {
         let snap = s.snapshot(3);
         assert_eq!(snap.ios, [0; Op::COUNT]);
         assert!(!snap.enabled);
+    }
+
+    #[test]
+    fn histogram_buckets_are_tight_and_ordered() {
+        let mut previous = 0;
+        for v in (0..200_000u64).chain([1 << 40, u64::MAX / 2, u64::MAX]) {
+            let i = LatencyHistogram::index(v);
+            assert!(i < BUCKETS, "{v}");
+            assert!(i >= previous, "{v}");
+            previous = i;
+            let top = LatencyHistogram::upper(i);
+            assert!(
+                top >= v && (top - v) as f64 <= v as f64 / 31.0 + 1.0,
+                "{v} -> {top}"
+            );
+        }
+        let mut h = LatencyHistogram::default();
+        for v in 1..=1000 {
+            h.record(v * 1000);
+        }
+        assert_eq!(h.len(), 1000);
+        assert_eq!(h.max(), 1_000_000);
+        assert!((h.mean() - 500_500.0).abs() < 1e-6);
+        let p50 = h.quantile(0.5) as f64;
+        assert!((p50 - 500_000.0).abs() / 500_000.0 < 0.035, "{p50}");
+        assert_eq!(h.quantile(1.0), 1_000_000);
     }
 
     #[test]
