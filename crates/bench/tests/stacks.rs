@@ -175,22 +175,12 @@ fn delay_device_keeps_data_and_adds_latency() {
     .unwrap();
     assert!(report.failure.is_none(), "{:?}", report.failure);
     assert!(report.verified_blocks > 0);
-    // Every completion waited at least its delay (a lower bound, not a timing target).
-    assert!(
-        report.dirs[0].clat.min() >= 200_000,
-        "read min {}",
-        report.dirs[0].clat.min()
-    );
-    assert!(
-        report.dirs[1].clat.min() >= 100_000,
-        "write min {}",
-        report.dirs[1].clat.min()
-    );
-    assert!(
-        report.dirs[2].clat.min() >= 1_000_000,
-        "flush min {}",
-        report.dirs[2].clat.min()
-    );
+    // Every completion waited at least its delay (a lower bound, not a timing target). The
+    // histogram keeps three significant digits, so its minimum may sit up to 0.1% under.
+    for (dir, ns) in [(0, 200_000u64), (1, 100_000), (2, 1_000_000)] {
+        let min = report.dirs[dir].clat.min();
+        assert!(min >= ns - ns / 1000, "direction {dir}: min {min} < {ns}");
+    }
 }
 
 #[test]
