@@ -1,68 +1,86 @@
 //! A slab: per-queue storage for in-flight request state, indexed by a `u32` token.
 //!
-//! Entries are allocated up front and reused through a free list, so the steady state
-//! allocates nothing. If more requests are in flight than the slab was sized for, it
-//! grows once to the new high-water mark (the bound is then the caller's queue depth).
+//! Values are plain `Copy` data kept in one vector and reused through a free list, so the
+//! steady state allocates nothing and taking a value out is a copy, with no tag to write.
+//! The vector grows to the high-water mark of requests in flight (bounded by the caller's
+//! queue depth) within the capacity reserved up front. Debug builds track which indices
+//! are live and assert on misuse.
 
 /// Fixed storage with a free list.
-pub struct Slab<T> {
-    entries: Vec<Option<T>>,
+pub struct Slab<T: Copy> {
+    entries: Vec<T>,
     free: Vec<u32>,
+    #[cfg(debug_assertions)]
+    live: Vec<bool>,
 }
 
-impl<T> Slab<T> {
-    /// A slab with room for `capacity` entries before it grows.
+impl<T: Copy> Slab<T> {
+    /// A slab with room for `capacity` entries before it reallocates.
     pub fn with_capacity(capacity: usize) -> Slab<T> {
-        let mut entries = Vec::with_capacity(capacity);
-        entries.resize_with(capacity, || None);
         Slab {
-            entries,
-            free: (0..capacity as u32).rev().collect(),
+            entries: Vec::with_capacity(capacity),
+            free: Vec::with_capacity(capacity),
+            #[cfg(debug_assertions)]
+            live: Vec::with_capacity(capacity),
         }
     }
 
     /// Stores `value`; returns its index.
     #[inline]
     pub fn insert(&mut self, value: T) -> u32 {
-        match self.free.pop() {
+        let i = match self.free.pop() {
             Some(i) => {
-                debug_assert!(self.entries[i as usize].is_none());
-                self.entries[i as usize] = Some(value);
+                self.entries[i as usize] = value;
                 i
             }
             None => {
-                self.entries.push(Some(value));
-                self.free.reserve(self.entries.len());
+                self.entries.push(value);
+                #[cfg(debug_assertions)]
+                self.live.push(false);
                 (self.entries.len() - 1) as u32
             }
+        };
+        #[cfg(debug_assertions)]
+        {
+            assert!(!self.live[i as usize], "slab index {i} handed out twice");
+            self.live[i as usize] = true;
         }
+        i
     }
 
-    /// The entry at `i`.
-    ///
-    /// # Panics
-    /// If `i` is not in use: tokens come only from `insert`, so that is a bug.
+    #[inline]
+    fn check(&self, _i: u32) {
+        #[cfg(debug_assertions)]
+        assert!(
+            self.live.get(_i as usize).copied().unwrap_or(false),
+            "slab index {_i} not in use"
+        );
+    }
+
+    /// The entry at `i` (an index from `insert`, not yet removed).
     #[inline]
     pub fn get(&self, i: u32) -> &T {
-        self.entries[i as usize]
-            .as_ref()
-            .expect("slab index in use")
+        self.check(i);
+        &self.entries[i as usize]
     }
 
     /// The entry at `i`, mutably (same contract as [`Slab::get`]).
     #[inline]
     pub fn get_mut(&mut self, i: u32) -> &mut T {
-        self.entries[i as usize]
-            .as_mut()
-            .expect("slab index in use")
+        self.check(i);
+        &mut self.entries[i as usize]
     }
 
     /// Takes the entry at `i` out and frees its index.
     #[inline]
     pub fn remove(&mut self, i: u32) -> T {
-        let value = self.entries[i as usize].take().expect("slab index in use");
+        self.check(i);
+        #[cfg(debug_assertions)]
+        {
+            self.live[i as usize] = false;
+        }
         self.free.push(i);
-        value
+        self.entries[i as usize]
     }
 
     /// Entries in use.
@@ -93,5 +111,14 @@ mod tests {
         assert_eq!(s.len(), 3);
         *s.get_mut(d) += 1;
         assert_eq!(*s.get(d), 5);
+    }
+
+    #[test]
+    #[should_panic(expected = "not in use")]
+    fn stale_index_is_caught_in_debug_builds() {
+        let mut s = Slab::with_capacity(1);
+        let a = s.insert(1);
+        s.remove(a);
+        s.get(a);
     }
 }

@@ -165,6 +165,7 @@ impl Device for StackDevice {
             }),
             next_copy: Cell::new(0),
             flushes: FlushBatcher::new(core.switches().flush),
+            copies: self.layout.copies(),
         });
         queue.sink.set(core.register_sink(queue.clone()));
         Ok(queue)
@@ -185,6 +186,7 @@ impl Device for StackDevice {
 /// Parent requests a queue keeps state for before its slab grows.
 const PARENTS: usize = 256;
 
+#[derive(Clone, Copy)]
 struct Parent {
     io: Io,
     pending: u32,
@@ -225,6 +227,8 @@ pub struct StackQueue {
     state: RefCell<State>,
     next_copy: Cell<usize>,
     flushes: FlushBatcher,
+    /// The layout's copies, kept here to spare the hot path a pointer chase.
+    copies: usize,
 }
 
 /// Token of the batched flush fanning out to the members (never a child index).
@@ -323,7 +327,7 @@ impl StackQueue {
 
     /// The first healthy copy of `logical` at or after `start`, skipping `tried`.
     fn healthy_copy(&self, logical: u64, start: usize, tried: u32) -> Option<usize> {
-        let copies = self.layout.copies();
+        let copies = self.copies;
         (0..copies)
             .map(|i| (start + i) % copies)
             .find(|&k| tried & (1 << k) == 0 && self.health.ok(self.layout.locate(logical, k).0))
@@ -390,7 +394,7 @@ impl Queue for StackQueue {
             }
             return;
         }
-        let copies = self.layout.copies();
+        let copies = self.copies;
         if (copies == 1 || io.op == Op::Read) && self.layout.piece_len(io.offset, io.len) == io.len
         {
             // The common case: the whole request goes to one member (one copy, for a
@@ -426,7 +430,7 @@ impl Queue for StackQueue {
             degraded: false,
             tried: 0,
         });
-        let copies = self.layout.copies();
+        let copies = self.copies;
         let mut missing = false;
         match io.op {
             Op::Flush => unreachable!("flushes go through the batcher"),
@@ -507,7 +511,7 @@ impl Sink for StackQueue {
         }
         if token & DIRECT != 0 {
             let index = (token & !DIRECT) as u32;
-            if !status.is_ok() && self.layout.copies() > 1 {
+            if !status.is_ok() && self.copies > 1 {
                 // A read sent whole to one copy failed: try another; the client never
                 // sees the failure while a healthy copy remains.
                 let (io, tried) = {
@@ -537,7 +541,7 @@ impl Sink for StackQueue {
         let token = token as u32;
         let child = *self.state.borrow().children.get(token);
         if !status.is_ok() {
-            let redundant = self.layout.copies() > 1;
+            let redundant = self.copies > 1;
             if child.op == Op::Read && redundant {
                 // Retry another copy; the client never sees the failed read.
                 let start = self.layout.copies();
