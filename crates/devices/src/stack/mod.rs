@@ -367,6 +367,12 @@ impl StackQueue {
         if status.is_ok() && p.degraded && !self.all_pieces_covered(&p.io) {
             status = IoStatus::errno(libc::EIO);
         }
+        self.answer(&p, status);
+    }
+
+    /// Accounts a finished parent request and hands its completion to its submitter.
+    #[inline]
+    fn answer(&self, p: &Parent, status: IoStatus) {
         if self.stats.enabled() {
             self.stats.done(
                 p.io.op,
@@ -526,16 +532,7 @@ impl Sink for StackQueue {
                 }
             }
             let p = self.state.borrow_mut().parents.remove(index);
-            if self.stats.enabled() {
-                self.stats.done(
-                    p.io.op,
-                    p.io.len,
-                    p.start_ns,
-                    self.core.now_ns(),
-                    status.is_ok(),
-                );
-            }
-            self.core.deliver(p.io.sink, p.io.token, status);
+            self.answer(&p, status);
             return;
         }
         let token = token as u32;
