@@ -19,6 +19,9 @@ use proptest::prelude::*;
 use proptest::test_runner::Config;
 use tempfile::TempDir;
 
+mod common;
+use common::{check_all, data, Step};
+
 /// The block size and length of the devices a property runs on.
 #[derive(Debug, Clone, Copy)]
 struct Shape {
@@ -48,53 +51,6 @@ const DIRECT: Shape = Shape {
     blocks: 21,
     max_blocks: 12,
 };
-
-/// One operation of a sequence.
-#[derive(Debug, Clone)]
-enum Step {
-    Read {
-        offset: u64,
-        len: u64,
-    },
-    Write {
-        offset: u64,
-        len: u64,
-        seed: u64,
-        fua: bool,
-    },
-    Flush,
-    Discard {
-        offset: u64,
-        len: u64,
-    },
-    WriteZeroes {
-        offset: u64,
-        len: u64,
-        no_hole: bool,
-    },
-}
-
-impl Step {
-    fn op(&self) -> Op {
-        match self {
-            Step::Read { .. } => Op::Read,
-            Step::Write { .. } => Op::Write,
-            Step::Flush => Op::Flush,
-            Step::Discard { .. } => Op::Discard,
-            Step::WriteZeroes { .. } => Op::WriteZeroes,
-        }
-    }
-
-    fn range(&self) -> (u64, u64) {
-        match *self {
-            Step::Read { offset, len }
-            | Step::Write { offset, len, .. }
-            | Step::Discard { offset, len }
-            | Step::WriteZeroes { offset, len, .. } => (offset, len),
-            Step::Flush => (0, 0),
-        }
-    }
-}
 
 /// Offsets: mostly block-aligned inside or just past the device, sometimes right before a
 /// page boundary, sometimes unaligned, sometimes so large that offset + len overflows.
@@ -174,19 +130,6 @@ fn expected(shape: Shape, step: &Step) -> Result<(), IoError> {
     }
 }
 
-/// Bytes a write carries: derived from its seed, never all zeros.
-fn data(seed: u64, len: u64) -> Vec<u8> {
-    let mut state = seed | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 24) as u8 | 1
-        })
-        .collect()
-}
-
 /// Applies one step to the device and to the model, checking what the device answers.
 fn apply(
     shape: Shape,
@@ -243,20 +186,6 @@ fn apply(
     if want.is_err() {
         // A refused request changes nothing.
         check_all(q, model)?;
-    }
-    Ok(())
-}
-
-/// Reads the whole device and compares it with the model.
-fn check_all(q: &BlockingQueue, model: &[u8]) -> Result<(), TestCaseError> {
-    let mut buf = vec![0xa5u8; model.len()];
-    q.read(0, &mut buf)
-        .map_err(|e| TestCaseError::fail(format!("full read: {e}")))?;
-    if let Some(at) = buf.iter().zip(model).position(|(a, b)| a != b) {
-        return Err(TestCaseError::fail(format!(
-            "byte {at} is {:#04x}, the model says {:#04x}",
-            buf[at], model[at]
-        )));
     }
     Ok(())
 }

@@ -25,6 +25,9 @@ use proptest::prelude::*;
 use proptest::test_runner::Config;
 use tempfile::TempDir;
 
+mod common;
+use common::{check_all, data, Step};
+
 /// Logical block size of every member (and so of every stack).
 const BLOCK: u64 = 512;
 const K: u64 = 1024;
@@ -296,61 +299,6 @@ impl Stack {
     }
 }
 
-/// One operation of a sequence.
-#[derive(Debug, Clone)]
-enum Step {
-    Read {
-        offset: u64,
-        len: u64,
-    },
-    Write {
-        offset: u64,
-        len: u64,
-        seed: u64,
-        fua: bool,
-    },
-    Flush,
-    Discard {
-        offset: u64,
-        len: u64,
-    },
-    WriteZeroes {
-        offset: u64,
-        len: u64,
-        no_hole: bool,
-    },
-}
-
-impl Step {
-    fn op(&self) -> Op {
-        match self {
-            Step::Read { .. } => Op::Read,
-            Step::Write { .. } => Op::Write,
-            Step::Flush => Op::Flush,
-            Step::Discard { .. } => Op::Discard,
-            Step::WriteZeroes { .. } => Op::WriteZeroes,
-        }
-    }
-
-    fn range(&self) -> (u64, u64) {
-        match *self {
-            Step::Read { offset, len }
-            | Step::Write { offset, len, .. }
-            | Step::Discard { offset, len }
-            | Step::WriteZeroes { offset, len, .. } => (offset, len),
-            Step::Flush => (0, 0),
-        }
-    }
-
-    fn flags(&self) -> IoFlags {
-        match *self {
-            Step::Write { fua: true, .. } => IoFlags::FUA,
-            Step::WriteZeroes { no_hole: true, .. } => IoFlags::NO_HOLE,
-            _ => IoFlags::NONE,
-        }
-    }
-}
-
 /// Block-aligned offsets: anywhere, a few blocks either side of a boundary, near the end,
 /// and past the end.
 fn offset(stack: Stack) -> impl Strategy<Value = u64> {
@@ -408,33 +356,6 @@ fn expected(stack: Stack, step: &Step) -> Result<(), IoError> {
         len,
         size: stack.size(),
     })
-}
-
-/// Bytes a write carries: derived from its seed, never all zeros.
-fn data(seed: u64, len: u64) -> Vec<u8> {
-    let mut state = seed | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 24) as u8 | 1
-        })
-        .collect()
-}
-
-/// Reads the whole device and compares it with the model.
-fn check_all(q: &BlockingQueue, model: &[u8]) -> Result<(), TestCaseError> {
-    let mut buf = vec![0xa5u8; model.len()];
-    q.read(0, &mut buf)
-        .map_err(|e| TestCaseError::fail(format!("full read: {e}")))?;
-    if let Some(at) = buf.iter().zip(model).position(|(a, b)| a != b) {
-        return Err(TestCaseError::fail(format!(
-            "byte {at} is {:#04x}, the model says {:#04x}",
-            buf[at], model[at]
-        )));
-    }
-    Ok(())
 }
 
 /// Reads every member directly; every copy of every block must hold the model's bytes.
