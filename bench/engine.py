@@ -91,17 +91,19 @@ def summary(j):
     return out
 
 
-def compare(name, variants, rounds):
-    """variants: list of (label, thunk). Returns {label: [summaries]}."""
+def compare(name, variants, rounds, summarize=None, prefix="engine"):
+    """Runs each (label, thunk) of `variants` once per round, interleaved, keeping every
+    run's JSON in bench/out/. Returns {label: [summarize(json) per round]}."""
+    summarize = summarize or summary
     results = {label: [] for label, _ in variants}
     for rnd in range(rounds):
         for label, thunk in variants:
             j = thunk()
-            with open(os.path.join(OUT, f"engine-{name}-{label.replace(' ', '_')}-{rnd}.json"), "w") as f:
+            with open(os.path.join(OUT, f"{prefix}-{name}-{label.replace(' ', '_')}-{rnd}.json"), "w") as f:
                 json.dump(j, f, indent=1)
-            results[label].append(summary(j))
-            print(f"  {name}: {label} round {rnd + 1}: {results[label][-1]['iops']:.0f} IOPS",
-                  file=sys.stderr)
+            results[label].append(summarize(j))
+            iops = j["jobs"][0]["read"]["iops"] + j["jobs"][0]["write"]["iops"]
+            print(f"  {name}: {label} round {rnd + 1}: {iops:.0f} IOPS", file=sys.stderr)
     return results
 
 

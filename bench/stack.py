@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine import CAIRN, OUT, ROOT, fmt_iops, sh  # noqa: E402
+from engine import CAIRN, OUT, ROOT, compare, fmt_iops, sh  # noqa: E402
 
 STACKS = {
     "t4": """
@@ -103,16 +103,7 @@ def summary(j):
 
 
 def rounds(name, variants, n):
-    res = {label: [] for label, _ in variants}
-    for rnd in range(n):
-        for label, thunk in variants:
-            j = thunk()
-            with open(os.path.join(OUT, f"stack-{name}-{label.replace(' ', '_')}-{rnd}.json"), "w") as f:
-                json.dump(j, f, indent=1)
-            res[label].append(summary(j))
-            print(f"  {name}: {label} round {rnd + 1}: {res[label][-1]['read_iops'] + res[label][-1]['write_iops']:.0f} IOPS",
-                  file=sys.stderr)
-    return res
+    return compare(name, variants, n, summarize=summary, prefix="stack")
 
 
 def med(rs, key):
