@@ -159,6 +159,9 @@ pub struct Core {
     fifo: RefCell<VecDeque<Done>>,
     sinks: RefCell<Vec<Option<Rc<dyn Sink>>>>,
     free_sinks: RefCell<Vec<u32>>,
+    /// Unregistered sinks, kept alive until the reactor's next pass: a sink may be
+    /// unregistered from inside a completion that is still running on it.
+    retired: RefCell<Vec<Rc<dyn Sink>>>,
     ring_users: RefCell<Vec<Rc<dyn RingUser>>>,
     pollers: RefCell<Vec<Rc<PollerSlot>>>,
     timers: RefCell<BinaryHeap<Reverse<Timer>>>,
@@ -207,8 +210,9 @@ impl Core {
     pub fn unregister_sink(&self, id: SinkId) {
         let mut sinks = self.sinks.borrow_mut();
         if let Some(slot) = sinks.get_mut(id.0 as usize) {
-            if slot.take().is_some() {
+            if let Some(sink) = slot.take() {
                 self.free_sinks.borrow_mut().push(id.0);
+                self.retired.borrow_mut().push(sink);
             }
         }
     }
@@ -231,11 +235,22 @@ impl Core {
     /// of the device stack.
     #[inline]
     pub fn deliver(&self, sink: SinkId, token: u64, status: IoStatus) {
-        let target = self.sinks.borrow().get(sink.0 as usize).cloned().flatten();
-        match target {
-            Some(target) => target.io_done(token, status),
+        match self.sink_ptr(sink) {
+            // SAFETY: the table owns the sink, and one taken out of it is retired, not
+            // dropped, until the reactor's next pass, which runs no completion; so the
+            // sink outlives this call even if it unregisters itself meanwhile.
+            Some(target) => unsafe { (*target).io_done(token, status) },
             None => debug_assert!(false, "completion for unregistered sink {sink:?}"),
         }
+    }
+
+    /// The registered sink `id`, without taking a reference count per completion.
+    #[inline]
+    fn sink_ptr(&self, id: SinkId) -> Option<*const dyn Sink> {
+        self.sinks
+            .borrow()
+            .get(id.0 as usize)
+            .and_then(|s| s.as_ref().map(Rc::as_ptr))
     }
 
     /// Registers a user of the io_uring; returns the id its SQEs carry.
@@ -399,14 +414,9 @@ impl Core {
             let Some(done) = self.fifo.borrow_mut().pop_front() else {
                 break;
             };
-            let sink = self
-                .sinks
-                .borrow()
-                .get(done.sink.0 as usize)
-                .cloned()
-                .flatten();
-            match sink {
-                Some(sink) => sink.io_done(done.token, done.status),
+            match self.sink_ptr(done.sink) {
+                // SAFETY: as in `deliver`.
+                Some(sink) => unsafe { (*sink).io_done(done.token, done.status) },
                 None => debug_assert!(false, "completion for unregistered sink {:?}", done.sink),
             }
         }
@@ -589,6 +599,7 @@ impl Reactor {
             fifo: RefCell::new(VecDeque::with_capacity(RING_ENTRIES as usize)),
             sinks: RefCell::new(Vec::new()),
             free_sinks: RefCell::new(Vec::new()),
+            retired: RefCell::new(Vec::new()),
             ring_users: RefCell::new(Vec::new()),
             pollers: RefCell::new(Vec::new()),
             timers: RefCell::new(BinaryHeap::with_capacity(RING_ENTRIES as usize)),
@@ -618,6 +629,7 @@ impl Reactor {
         let core = &*self.core;
         core.stop.set(false);
         while !core.stop.get() {
+            core.release_retired();
             core.clock.refresh();
             core.bump(|s| s.passes += 1);
             core.fire_timers();
@@ -686,6 +698,7 @@ impl Reactor {
     pub fn drain(&self, deadline_ns: u64) -> bool {
         let core = &*self.core;
         loop {
+            core.release_retired();
             core.clock.refresh();
             core.fire_timers();
             core.run_fifo();
@@ -709,6 +722,14 @@ impl Reactor {
 }
 
 impl Core {
+    /// Drops unregistered sinks; only between passes, when no completion is running.
+    #[inline]
+    fn release_retired(&self) {
+        if !self.retired.borrow().is_empty() {
+            self.retired.borrow_mut().clear();
+        }
+    }
+
     fn armed_polls(&self) -> u64 {
         self.pollers
             .borrow()
@@ -722,6 +743,7 @@ impl Drop for Reactor {
     fn drop(&mut self) {
         // Break the reference cycles sinks and ring users hold through `Rc<Core>`.
         self.core.sinks.borrow_mut().clear();
+        self.core.retired.borrow_mut().clear();
         self.core.pollers.borrow_mut().clear();
         self.core.ring_users.borrow_mut().clear();
     }
