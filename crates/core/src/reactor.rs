@@ -24,10 +24,11 @@
 //!
 //! Nothing in here is `Send`: a reactor and everything opened on it stay on one thread.
 
-use std::cell::{Cell, RefCell};
+use std::cell::{Cell, RefCell, UnsafeCell};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::os::fd::RawFd;
+use std::ptr::NonNull;
 use std::rc::Rc;
 
 use hdrhistogram::Histogram;
@@ -158,6 +159,11 @@ pub struct Core {
     switches: Switches,
     fifo: RefCell<VecDeque<Done>>,
     sinks: RefCell<Vec<Option<Rc<dyn Sink>>>>,
+    /// Where each registered sink sits (null when free): a completion calls it with no
+    /// look-up of the value's place inside its `Rc`.
+    /// Only `register_sink` and `unregister_sink` change it, and neither runs while a
+    /// completion reads it (the read copies one pointer and ends before the call).
+    targets: UnsafeCell<Vec<Option<NonNull<dyn Sink>>>>,
     free_sinks: RefCell<Vec<u32>>,
     /// Unregistered sinks, kept alive until the reactor's next pass: a sink may be
     /// unregistered from inside a completion that is still running on it.
@@ -197,11 +203,16 @@ impl Core {
     /// Registers a sink; completions for `SinkId` go to it until it is unregistered.
     pub fn register_sink(&self, sink: Rc<dyn Sink>) -> SinkId {
         let mut sinks = self.sinks.borrow_mut();
+        // SAFETY: see `targets`; nothing else borrows it during this call.
+        let targets = unsafe { &mut *self.targets.get() };
+        let target = NonNull::new(Rc::as_ptr(&sink).cast_mut());
         if let Some(i) = self.free_sinks.borrow_mut().pop() {
             sinks[i as usize] = Some(sink);
+            targets[i as usize] = target;
             SinkId(i)
         } else {
             sinks.push(Some(sink));
+            targets.push(target);
             SinkId(sinks.len() as u32 - 1)
         }
     }
@@ -211,6 +222,8 @@ impl Core {
         let mut sinks = self.sinks.borrow_mut();
         if let Some(slot) = sinks.get_mut(id.0 as usize) {
             if let Some(sink) = slot.take() {
+                // SAFETY: see `targets`.
+                unsafe { (&mut *self.targets.get())[id.0 as usize] = None };
                 self.free_sinks.borrow_mut().push(id.0);
                 self.retired.borrow_mut().push(sink);
             }
@@ -247,10 +260,12 @@ impl Core {
     /// The registered sink `id`, without taking a reference count per completion.
     #[inline]
     fn sink_ptr(&self, id: SinkId) -> Option<*const dyn Sink> {
-        self.sinks
-            .borrow()
+        // SAFETY: see `targets`; the reference ends before any sink runs.
+        unsafe { &*self.targets.get() }
             .get(id.0 as usize)
-            .and_then(|s| s.as_ref().map(Rc::as_ptr))
+            .copied()
+            .flatten()
+            .map(|p| p.as_ptr().cast_const())
     }
 
     /// Registers a user of the io_uring; returns the id its SQEs carry.
@@ -598,6 +613,7 @@ impl Reactor {
             switches,
             fifo: RefCell::new(VecDeque::with_capacity(RING_ENTRIES as usize)),
             sinks: RefCell::new(Vec::new()),
+            targets: UnsafeCell::new(Vec::new()),
             free_sinks: RefCell::new(Vec::new()),
             retired: RefCell::new(Vec::new()),
             ring_users: RefCell::new(Vec::new()),
@@ -742,6 +758,8 @@ impl Core {
 impl Drop for Reactor {
     fn drop(&mut self) {
         // Break the reference cycles sinks and ring users hold through `Rc<Core>`.
+        // SAFETY: see `targets`; no completion is running while the reactor drops.
+        unsafe { (*self.core.targets.get()).clear() };
         self.core.sinks.borrow_mut().clear();
         self.core.retired.borrow_mut().clear();
         self.core.pollers.borrow_mut().clear();

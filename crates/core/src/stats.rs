@@ -5,7 +5,7 @@
 //! and can be read from any thread for progress displays. Latency histograms belong to the
 //! owning thread and are copied out with [`QueueStats::snapshot`].
 
-use std::cell::RefCell;
+use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
@@ -37,7 +37,7 @@ const BUCKETS: usize = (EXACT + (64 - SUB_BITS as u64 - 1) * SUB) as usize;
 /// (hdrhistogram, used for the bench's own report, does more work per value.)
 #[derive(Clone)]
 pub struct LatencyHistogram {
-    counts: Box<[u64]>,
+    counts: Box<[u64; BUCKETS]>,
     count: u64,
     sum: u64,
     max: u64,
@@ -46,7 +46,7 @@ pub struct LatencyHistogram {
 impl Default for LatencyHistogram {
     fn default() -> LatencyHistogram {
         LatencyHistogram {
-            counts: vec![0; BUCKETS].into_boxed_slice(),
+            counts: Box::new([0; BUCKETS]),
             count: 0,
             sum: 0,
             max: 0,
@@ -155,7 +155,6 @@ impl LatencyHistogram {
 pub struct Counters {
     ios: [AtomicU64; Op::COUNT],
     sectors: [AtomicU64; Op::COUNT],
-    ticks_ns: [AtomicU64; Op::COUNT],
     errors: AtomicU64,
     in_flight: AtomicU64,
     busy_ns: AtomicU64,
@@ -184,7 +183,9 @@ fn bump(counter: &AtomicU64, by: u64) {
 pub struct QueueStats {
     enabled: bool,
     counters: Arc<Counters>,
-    latency: RefCell<[LatencyHistogram; Op::COUNT]>,
+    /// Touched only by the owning thread, by `done` and `snapshot`, neither of which calls
+    /// out while holding it (and `UnsafeCell` keeps the type from being shared).
+    latency: UnsafeCell<[LatencyHistogram; Op::COUNT]>,
 }
 
 impl QueueStats {
@@ -193,7 +194,7 @@ impl QueueStats {
         QueueStats {
             enabled: mode == StatsMode::On,
             counters: Arc::new(Counters::default()),
-            latency: RefCell::new(std::array::from_fn(|_| LatencyHistogram::default())),
+            latency: UnsafeCell::new(std::array::from_fn(|_| LatencyHistogram::default())),
         }
     }
 
@@ -223,7 +224,7 @@ impl QueueStats {
     }
 
     /// A request started at `start_ns` completed at `now_ns`.
-    #[inline]
+    #[inline(always)]
     pub fn done(&self, op: Op, bytes: u64, start_ns: u64, now_ns: u64, ok: bool) {
         if !self.enabled {
             return;
@@ -237,19 +238,21 @@ impl QueueStats {
         } else {
             bump(&c.errors, 1);
         }
-        bump(&c.ticks_ns[i], latency_ns);
         let in_flight = c.in_flight.load(Relaxed).saturating_sub(1);
         c.in_flight.store(in_flight, Relaxed);
         if in_flight == 0 {
             let since = c.busy_since_ns.load(Relaxed);
             bump(&c.busy_ns, now_ns.saturating_sub(since));
         }
-        self.latency.borrow_mut()[i].record(latency_ns);
+        // SAFETY: see `latency`; no other reference to it is live during this call.
+        unsafe { (*self.latency.get())[i].record(latency_ns) };
     }
 
     /// A copy of everything counted so far, taken on the owning thread at `now_ns`.
     pub fn snapshot(&self, now_ns: u64) -> DeviceStatsSnapshot {
         let c = &*self.counters;
+        // SAFETY: see `latency`.
+        let latency = unsafe { (*self.latency.get()).clone() };
         let load = |a: &[AtomicU64; Op::COUNT]| std::array::from_fn(|i| a[i].load(Relaxed));
         let in_flight = c.in_flight.load(Relaxed);
         let mut busy_ns = c.busy_ns.load(Relaxed);
@@ -260,11 +263,11 @@ impl QueueStats {
             enabled: self.enabled,
             ios: load(&c.ios),
             sectors: load(&c.sectors),
-            ticks_ns: load(&c.ticks_ns),
+            ticks_ns: std::array::from_fn(|i| latency[i].sum),
             errors: c.errors.load(Relaxed),
             in_flight,
             busy_ns,
-            latency: self.latency.borrow().clone(),
+            latency,
         }
     }
 }

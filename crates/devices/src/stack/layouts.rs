@@ -53,18 +53,41 @@ impl Layout for Linear {
         let m = self.member(offset);
         (m, offset - self.starts[m])
     }
+    #[inline(always)]
+    fn place(&self, offset: u64, len: u64, _copy: usize) -> Option<(usize, u64)> {
+        let m = self.member(offset);
+        (offset + len <= self.starts[m + 1]).then(|| (m, offset - self.starts[m]))
+    }
     fn describe(&self) -> String {
         String::from("members end to end")
     }
 }
 
-/// `(n % d, n / d)`, with shifts when `d` is a power of two (the usual member counts).
-#[inline]
-fn div_small(n: u64, d: u64) -> (u64, u64) {
-    if d.is_power_of_two() {
-        (n & (d - 1), n >> d.trailing_zeros())
-    } else {
-        (n % d, n / d)
+/// A member count to divide by: shifts when it is a power of two (the usual case),
+/// decided once when the layout is built rather than per request.
+#[derive(Clone, Copy)]
+struct Members {
+    n: u64,
+    /// log2(n) when n is a power of two.
+    shift: Option<u32>,
+}
+
+impl Members {
+    fn new(n: usize) -> Members {
+        let n = n as u64;
+        Members {
+            n,
+            shift: n.is_power_of_two().then(|| n.trailing_zeros()),
+        }
+    }
+
+    /// `(x % n, x / n)`.
+    #[inline(always)]
+    fn div(self, x: u64) -> (u64, u64) {
+        match self.shift {
+            Some(shift) => (x & (self.n - 1), x >> shift),
+            None => (x % self.n, x / self.n),
+        }
     }
 }
 
@@ -81,7 +104,7 @@ fn check_chunk(kind: &str, chunk: u64, block: u64) -> Result<(), Error> {
 pub struct Stripe {
     chunk: u64,
     chunk_shift: u32,
-    members: u64,
+    members: Members,
     size: u64,
 }
 
@@ -98,7 +121,7 @@ impl Stripe {
         Ok(Stripe {
             chunk,
             chunk_shift: chunk.trailing_zeros(),
-            members: members as u64,
+            members: Members::new(members),
             size: rows * chunk * members as u64,
         })
     }
@@ -121,7 +144,7 @@ impl Layout for Stripe {
     #[inline]
     fn locate(&self, offset: u64, _copy: usize) -> (usize, u64) {
         let i = offset >> self.chunk_shift;
-        let (member, row) = div_small(i, self.members);
+        let (member, row) = self.members.div(i);
         (
             member as usize,
             (row << self.chunk_shift) | (offset & (self.chunk - 1)),
@@ -189,7 +212,7 @@ impl Layout for Mirror {
 pub struct Raid10 {
     chunk: u64,
     chunk_shift: u32,
-    members: u64,
+    members: Members,
     copies: u64,
     size: u64,
 }
@@ -219,7 +242,7 @@ impl Raid10 {
         Ok(Raid10 {
             chunk,
             chunk_shift: chunk.trailing_zeros(),
-            members: members as u64,
+            members: Members::new(members),
             copies: copies as u64,
             size: chunks * chunk,
         })
@@ -243,7 +266,7 @@ impl Layout for Raid10 {
     #[inline]
     fn locate(&self, offset: u64, copy: usize) -> (usize, u64) {
         let position = (offset >> self.chunk_shift) * self.copies + copy as u64;
-        let (member, row) = div_small(position, self.members);
+        let (member, row) = self.members.div(position);
         (
             member as usize,
             (row << self.chunk_shift) | (offset & (self.chunk - 1)),
@@ -288,13 +311,17 @@ impl Layout for AnyLayout {
     fn copies(&self) -> usize {
         each!(self, l => l.copies())
     }
-    #[inline]
+    #[inline(always)]
     fn piece_len(&self, offset: u64, len: u64) -> u64 {
         each!(self, l => l.piece_len(offset, len))
     }
-    #[inline]
+    #[inline(always)]
     fn locate(&self, offset: u64, copy: usize) -> (usize, u64) {
         each!(self, l => l.locate(offset, copy))
+    }
+    #[inline(always)]
+    fn place(&self, offset: u64, len: u64, copy: usize) -> Option<(usize, u64)> {
+        each!(self, l => l.place(offset, len, copy))
     }
     fn describe(&self) -> String {
         each!(self, l => l.describe())
@@ -381,5 +408,37 @@ mod tests {
         assert_eq!(m.copies(), 3);
         assert_eq!(m.locate(4096, 2), (2, 4096));
         assert!(Mirror::new(1, 1 << 20).is_err());
+    }
+
+    /// `place` (the one-look-up fast path) agrees with `piece_len` and `locate` on every
+    /// layout, including odd member counts (no shift) and linear's uneven members.
+    #[test]
+    fn place_agrees_with_piece_len_and_locate() {
+        let layouts: Vec<AnyLayout> = vec![
+            AnyLayout::Linear(Linear::new(&[3 * K + 512, K, 5 * K], 512)),
+            Stripe::new(3, K, 4 * K, 512).unwrap().into(),
+            Stripe::new(4, K, 4 * K, 512).unwrap().into(),
+            Mirror::new(2, 8 * K).unwrap().into(),
+            Raid10::new(3, 2, K, 4 * K, 512).unwrap().into(),
+            Raid10::new(4, 2, K, 4 * K, 512).unwrap().into(),
+        ];
+        for l in &layouts {
+            let size = l.size_bytes();
+            for offset in (0..size).step_by(512) {
+                for len in [512, 4096, K - 512, K, K + 512, 3 * K] {
+                    let len = len.min(size - offset);
+                    for copy in 0..l.copies() {
+                        let want =
+                            (l.piece_len(offset, len) == len).then(|| l.locate(offset, copy));
+                        assert_eq!(
+                            l.place(offset, len, copy),
+                            want,
+                            "{} offset {offset} len {len} copy {copy}",
+                            l.kind()
+                        );
+                    }
+                }
+            }
+        }
     }
 }

@@ -39,6 +39,12 @@ pub trait Layout: Send + Sync {
     fn piece_len(&self, offset: u64, len: u64) -> u64;
     /// Member index and member offset of copy `copy` of logical `offset`.
     fn locate(&self, offset: u64, copy: usize) -> (usize, u64);
+    /// Where copy `copy` of the whole range lives, if it lies on one member in one piece
+    /// (the common case, answered with one look-up).
+    #[inline(always)]
+    fn place(&self, offset: u64, len: u64, copy: usize) -> Option<(usize, u64)> {
+        (self.piece_len(offset, len) == len).then(|| self.locate(offset, copy))
+    }
     /// Layout parameters for reports, e.g. `chunk=65536 copies=2`.
     fn describe(&self) -> String;
 }
@@ -152,8 +158,10 @@ impl Device for StackDevice {
             .iter()
             .map(|m| cairn_core::handoff::open_member(core, m))
             .collect::<Result<Vec<_>, _>>()?;
+        let targets = members.iter().map(Rc::as_ptr).collect();
         let queue = Rc::new(StackQueue {
             core: core.clone(),
+            targets,
             stats: QueueStats::new(core.switches().stats),
             layout: self.layout.clone(),
             members,
@@ -223,6 +231,9 @@ struct State {
 /// A stacked device's queue on one reactor.
 pub struct StackQueue {
     core: Rc<Core>,
+    /// The members' queues as plain pointers, so that a submit needs no look-up of where
+    /// the value sits inside its `Rc` (`members` keeps them alive and never changes).
+    targets: Vec<*const dyn Queue>,
     stats: QueueStats,
     layout: Arc<AnyLayout>,
     members: Vec<Rc<dyn Queue>>,
@@ -241,11 +252,32 @@ const FLUSH_BATCH: u64 = u64::MAX;
 const DIRECT: u64 = 1 << 62;
 
 impl StackQueue {
-    /// Sends the whole request `io` of `parent` to the member holding copy `copy`.
+    /// The queue of member `m`.
     #[inline]
-    fn send_direct(&self, parent: u32, io: &Io, copy: usize) {
-        let (member, member_offset) = self.layout.locate(io.offset, copy);
-        self.members[member].submit(Io {
+    fn member(&self, m: usize) -> &dyn Queue {
+        // SAFETY: `targets` points into `members`, which this queue owns and never changes.
+        unsafe { &*self.targets[m] }
+    }
+
+    /// Starts `io` as a parent sent whole to copy `copy`, which lives at `at`.
+    #[inline(always)]
+    fn direct(&self, io: Io, start_ns: u64, copy: usize, at: (usize, u64)) {
+        let parent = self.state.borrow_mut().parents.insert(Parent {
+            io,
+            pending: 1,
+            status: IoStatus::OK,
+            start_ns,
+            degraded: false,
+            tried: 1 << copy,
+        });
+        self.send_direct(parent, &io, at);
+    }
+
+    /// Sends the whole request `io` of `parent` to `at` (member, member offset).
+    #[inline(always)]
+    fn send_direct(&self, parent: u32, io: &Io, at: (usize, u64)) {
+        let (member, member_offset) = at;
+        self.member(member).submit(Io {
             offset: member_offset,
             sink: self.sink.get(),
             token: DIRECT | u64::from(parent),
@@ -318,7 +350,7 @@ impl StackQueue {
                 tried: 1 << copy,
             })
         };
-        self.members[member].submit(Io {
+        self.member(member).submit(Io {
             op,
             flags: io.flags,
             offset: member_offset,
@@ -375,7 +407,7 @@ impl StackQueue {
     }
 
     /// Accounts a finished parent request and hands its completion to its submitter.
-    #[inline]
+    #[inline(always)]
     fn answer(&self, p: &Parent, status: IoStatus) {
         if self.stats.enabled() {
             self.stats.done(
@@ -405,27 +437,18 @@ impl Queue for StackQueue {
             return;
         }
         let copies = self.copies;
-        if (copies == 1 || io.op == Op::Read) && self.layout.piece_len(io.offset, io.len) == io.len
-        {
-            // The common case: the whole request goes to one member (one copy, for a
-            // read). No child state; the parent's slab index travels as the token.
-            let copy = if copies == 1 {
-                Some(0)
-            } else {
-                let n = self.next_copy.get();
-                self.next_copy.set(n.wrapping_add(1));
-                self.healthy_copy(io.offset, n % copies, 0)
-            };
-            if let Some(copy) = copy {
-                let parent = self.state.borrow_mut().parents.insert(Parent {
-                    io,
-                    pending: 1,
-                    status: IoStatus::OK,
-                    start_ns,
-                    degraded: false,
-                    tried: 1 << copy,
-                });
-                self.send_direct(parent, &io, copy);
+        // The common case: the whole request goes to one member (one copy, for a read).
+        // No child state; the parent's slab index travels as the token.
+        if copies == 1 {
+            if let Some(at) = self.layout.place(io.offset, io.len, 0) {
+                self.direct(io, start_ns, 0, at);
+                return;
+            }
+        } else if io.op == Op::Read && self.layout.piece_len(io.offset, io.len) == io.len {
+            let n = self.next_copy.get();
+            self.next_copy.set(n.wrapping_add(1));
+            if let Some(copy) = self.healthy_copy(io.offset, n % copies, 0) {
+                self.direct(io, start_ns, copy, self.layout.locate(io.offset, copy));
                 return;
             }
         }
@@ -531,7 +554,7 @@ impl Sink for StackQueue {
                 };
                 if let Some(k) = self.healthy_copy(io.offset, 0, tried) {
                     self.state.borrow_mut().parents.get_mut(index).tried |= 1 << k;
-                    self.send_direct(index, &io, k);
+                    self.send_direct(index, &io, self.layout.locate(io.offset, k));
                     return;
                 }
             }
@@ -554,7 +577,7 @@ impl Sink for StackQueue {
                         c.member = member as u16;
                         c.tried |= 1 << k;
                     }
-                    self.members[member].submit(Io {
+                    self.member(member).submit(Io {
                         op: Op::Read,
                         flags: child.flags,
                         offset: member_offset,
