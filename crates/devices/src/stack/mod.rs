@@ -430,6 +430,32 @@ impl Queue for StackQueue {
             0
         };
         self.stats.start(start_ns);
+        // The common case, kept small so that it stays cheap: the whole request goes to
+        // one member of a layout without copies. No child state; the parent's slab index
+        // travels as the token.
+        if self.copies == 1 && io.op != Op::Flush {
+            if let Some(at) = self.layout.place(io.offset, io.len, 0) {
+                self.direct(io, start_ns, 0, at);
+                return;
+            }
+        }
+        self.submit_other(io, start_ns);
+    }
+
+    fn stats(&self) -> &QueueStats {
+        &self.stats
+    }
+
+    fn children(&self) -> Vec<Rc<dyn Queue>> {
+        self.members.clone()
+    }
+}
+
+impl StackQueue {
+    /// Everything but the common case of `submit`: flushes, reads of redundant layouts,
+    /// and requests split into pieces.
+    #[inline(never)]
+    fn submit_other(&self, io: Io, start_ns: u64) {
         if io.op == Op::Flush {
             if self.flushes.arrive(io, start_ns) {
                 self.start_flush();
@@ -437,14 +463,8 @@ impl Queue for StackQueue {
             return;
         }
         let copies = self.copies;
-        // The common case: the whole request goes to one member (one copy, for a read).
-        // No child state; the parent's slab index travels as the token.
-        if copies == 1 {
-            if let Some(at) = self.layout.place(io.offset, io.len, 0) {
-                self.direct(io, start_ns, 0, at);
-                return;
-            }
-        } else if io.op == Op::Read && self.layout.piece_len(io.offset, io.len) == io.len {
+        // A read of a redundant layout that lands whole on one member goes to one copy.
+        if copies > 1 && io.op == Op::Read && self.layout.piece_len(io.offset, io.len) == io.len {
             let n = self.next_copy.get();
             self.next_copy.set(n.wrapping_add(1));
             if let Some(copy) = self.healthy_copy(io.offset, n % copies, 0) {
@@ -527,17 +547,9 @@ impl Queue for StackQueue {
         }
     }
 
-    fn stats(&self) -> &QueueStats {
-        &self.stats
-    }
-
-    fn children(&self) -> Vec<Rc<dyn Queue>> {
-        self.members.clone()
-    }
-}
-
-impl Sink for StackQueue {
-    fn io_done(&self, token: u64, status: IoStatus) {
+    /// Everything but the common case of `io_done`: flushes, retries, failures, pieces.
+    #[inline(never)]
+    fn io_done_other(&self, token: u64, status: IoStatus) {
         if token == FLUSH_BATCH {
             self.flush_done(status);
             return;
@@ -614,5 +626,22 @@ impl Sink for StackQueue {
         if done {
             self.finish_parent(child.parent);
         }
+    }
+}
+
+impl Sink for StackQueue {
+    fn io_done(&self, token: u64, status: IoStatus) {
+        // The common case: a request sent whole to one member succeeded (or failed where
+        // there is no other copy to try).
+        if token & DIRECT != 0 && token != FLUSH_BATCH && (status.is_ok() || self.copies == 1) {
+            let p = self
+                .state
+                .borrow_mut()
+                .parents
+                .remove((token & !DIRECT) as u32);
+            self.answer(&p, status);
+            return;
+        }
+        self.io_done_other(token, status);
     }
 }
