@@ -70,6 +70,7 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             }
             Ok(ExitCode::from(report.exit_code() as u8))
         }
+        Command::Serve(args) => serve(&cli.global, &args),
         Command::Check(args) => {
             let stack = settings::read_stack(&args.stack)?;
             let switches = cli.global.switches(&stack.tuning)?;
@@ -93,4 +94,162 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// `cairn serve`: builds the exports, then serves until SIGTERM or SIGINT.
+fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<ExitCode, String> {
+    use cairn_nbd::proto::tflags;
+    use std::sync::Arc;
+
+    let limits = args.limits()?;
+    // (name, device, read-only, description, default)
+    type Chosen = (String, Arc<dyn cairn_core::Device>, bool, String, bool);
+    let (chosen, tuning): (Vec<Chosen>, Tuning) = match &args.stack {
+        None => {
+            let text = args
+                .device
+                .as_deref()
+                .unwrap_or(settings::DEFAULT_SERVE_DEVICE);
+            let leaf = cairn_devices::LeafSpec::parse(text).map_err(|e| format!("--device {e}"))?;
+            let device =
+                cairn_devices::open(&leaf, &leaf.default_name()).map_err(|e| e.to_string())?;
+            (
+                vec![(
+                    String::new(),
+                    device,
+                    args.read_only,
+                    text.to_string(),
+                    true,
+                )],
+                Tuning::new(),
+            )
+        }
+        Some(path) => {
+            let stack = settings::read_stack(path)?;
+            let open = |name: &str| {
+                stack
+                    .open(name)
+                    .map_err(|e| format!("{}: {e}", path.display()))
+            };
+            let chosen = if args.device.is_some() || stack.exports.is_empty() {
+                let name = stack
+                    .pick(args.device.as_deref())
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                vec![(String::new(), open(&name)?, args.read_only, name, true)]
+            } else {
+                if args.read_only {
+                    return Err(
+                        "--read-only applies to --device; set read_only in the [export.NAME] tables"
+                            .into(),
+                    );
+                }
+                // Devices shared by several exports are opened once.
+                let mut opened: std::collections::HashMap<String, Arc<dyn cairn_core::Device>> =
+                    std::collections::HashMap::new();
+                let mut v = Vec::new();
+                for (name, e) in &stack.exports {
+                    let device = match opened.get(&e.device) {
+                        Some(d) => d.clone(),
+                        None => {
+                            let d = open(&e.device)?;
+                            opened.insert(e.device.clone(), d.clone());
+                            d
+                        }
+                    };
+                    let description = if e.description.is_empty() {
+                        e.device.clone()
+                    } else {
+                        e.description.clone()
+                    };
+                    v.push((name.clone(), device, e.read_only, description, e.default));
+                }
+                v
+            };
+            (chosen, stack.tuning.clone())
+        }
+    };
+    let switches = global.switches(&tuning)?;
+    let exports: Vec<cairn_nbd::Export> = chosen
+        .into_iter()
+        .map(|(name, device, read_only, description, default)| {
+            let g = device.geometry();
+            let mut flags = tflags::HAS_FLAGS | tflags::SEND_FLUSH | tflags::SEND_CACHE;
+            if read_only {
+                flags |= tflags::READ_ONLY;
+            } else {
+                if g.caps.fua {
+                    flags |= tflags::SEND_FUA;
+                }
+                if g.caps.discard {
+                    flags |= tflags::SEND_TRIM;
+                }
+                if g.caps.write_zeroes {
+                    flags |= tflags::SEND_WRITE_ZEROES | tflags::SEND_FAST_ZERO;
+                }
+            }
+            if read_only || device.coherent_across_queues() {
+                flags |= tflags::CAN_MULTI_CONN;
+            }
+            let preferred = g.block_bytes.max(4096);
+            cairn_nbd::Export {
+                info: cairn_nbd::ExportInfo {
+                    name,
+                    description,
+                    size: g.size_bytes,
+                    flags,
+                    min_block: g.block_bytes,
+                    preferred_block: preferred,
+                    max_payload: limits.max_payload.max(preferred),
+                    default,
+                },
+                device,
+            }
+        })
+        .collect();
+    let mut listen = args
+        .listen
+        .iter()
+        .map(|l| cairn_nbd::Listen::parse(l))
+        .collect::<Result<Vec<_>, _>>()?;
+    if listen.is_empty() && std::env::var_os("LISTEN_FDS").is_none() {
+        listen.push(cairn_nbd::Listen::parse(settings::DEFAULT_LISTEN)?);
+    }
+    let config = cairn_nbd::Config {
+        listen,
+        threads: limits.threads,
+        limits: cairn_nbd::Limits {
+            max_payload: limits.max_payload,
+            buffer_bytes: limits.buffer_bytes,
+        },
+        max_connections: args.max_connections,
+        max_options: args.max_options,
+        handshake_timeout: limits.handshake_timeout,
+        tls: cairn_nbd::TlsMode::Off,
+        switches,
+    };
+    let summary: Vec<String> = exports
+        .iter()
+        .map(|e| {
+            format!(
+                "'{}' ({}, {} bytes{})",
+                e.info.name,
+                e.info.description,
+                e.info.size,
+                if e.info.flags & tflags::READ_ONLY != 0 {
+                    ", read-only"
+                } else {
+                    ""
+                }
+            )
+        })
+        .collect();
+    cairn_nbd::serve(config, exports, |addrs| {
+        eprintln!(
+            "cairn: serving {} on {}",
+            summary.join(", "),
+            addrs.join(", ")
+        );
+    })
+    .map_err(|e| e.to_string())?;
+    Ok(ExitCode::SUCCESS)
 }

@@ -184,6 +184,125 @@ pub enum Command {
     /// Validate a stack file and print its device tree with sizes.
     #[command(after_help = CHECK_HELP)]
     Check(CheckArgs),
+    /// Serve devices over NBD (a 1 GiB memory device when no stack file is given).
+    #[command(after_help = SERVE_HELP)]
+    Serve(ServeArgs),
+}
+
+/// The device `cairn serve` offers when neither a stack file nor --device is given.
+pub const DEFAULT_SERVE_DEVICE: &str = "mem:1G";
+/// Where `cairn serve` listens by default: loopback only.
+pub const DEFAULT_LISTEN: &str = "tcp:127.0.0.1:10809";
+
+const SERVE_HELP: &str = "Exports:
+  cairn serve                                   mem:1G as export \"\" on 127.0.0.1:10809
+  cairn serve --device file:/srv/disk.img       one leaf device as export \"\"
+  cairn serve stack.toml                        the file's [export.NAME] tables, or its
+                                                single top-level device as export \"\"
+
+An export table names a top-level device:
+  [export.vm1]
+  device = \"r\"          # required
+  read_only = false     # writes, trims and write-zeroes fail with EPERM when true
+  description = \"...\"   # shown by nbdinfo --list
+  default = true        # chosen by clients that ask for the empty name
+
+Listening: --listen tcp:HOST:PORT and --listen unix:PATH, repeatable (default
+tcp:127.0.0.1:10809: loopback only). Sockets passed by systemd (LISTEN_FDS) are used too.
+SIGTERM or SIGINT: stop accepting, finish requests in flight, flush, answer later requests
+with ESHUTDOWN, close, exit 0.
+
+Examples:
+  cairn serve &  nbdinfo nbd://127.0.0.1
+  cairn serve --listen unix:/tmp/nbd.sock examples/raid10.toml
+  nbdcopy disk.img nbd+unix:///?socket=/tmp/nbd.sock";
+
+/// `cairn serve` arguments.
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// A stack file with [device.NAME] and [export.NAME] tables.
+    #[arg(value_name = "STACK.toml")]
+    pub stack: Option<PathBuf>,
+    /// Serve this device as export "": a leaf spec (mem:1G, file:PATH,...) or, with a
+    /// stack file, a device of the file.
+    #[arg(long, value_name = "DEVICE")]
+    pub device: Option<String>,
+    /// With --device: refuse writes.
+    #[arg(long)]
+    pub read_only: bool,
+    /// tcp:HOST:PORT or unix:PATH; repeatable.
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Vec<String>,
+    /// Reactor threads (default: one per CPU).
+    #[arg(long, value_name = "N")]
+    pub threads: Option<usize>,
+    /// Largest read or write payload a client may send.
+    #[arg(long, value_name = "SIZE", default_value = "32M")]
+    pub max_payload: String,
+    /// Data buffer memory per connection.
+    #[arg(long, value_name = "SIZE", default_value = "64M")]
+    pub buffer_memory: String,
+    /// Connections served at once.
+    #[arg(long, value_name = "N", default_value_t = 128)]
+    pub max_connections: usize,
+    /// Options one handshake may send.
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    pub max_options: u32,
+    /// Longest a handshake may take.
+    #[arg(long, value_name = "TIME", default_value = "10s")]
+    pub handshake_timeout: String,
+}
+
+/// Validated `serve` limits.
+pub struct ServeLimits {
+    pub max_payload: u32,
+    pub buffer_bytes: usize,
+    pub handshake_timeout: Duration,
+    pub threads: usize,
+}
+
+impl ServeArgs {
+    pub fn limits(&self) -> Result<ServeLimits, String> {
+        let max_payload = parse_size(&self.max_payload)
+            .map_err(|e| format!("--max-payload {}: {e}", self.max_payload))?;
+        if !(4096..=(1 << 30)).contains(&max_payload) {
+            return Err(format!(
+                "--max-payload {}: must be from 4K to 1G",
+                self.max_payload
+            ));
+        }
+        let buffer_bytes = parse_size(&self.buffer_memory)
+            .map_err(|e| format!("--buffer-memory {}: {e}", self.buffer_memory))?;
+        if buffer_bytes < max_payload {
+            return Err(format!(
+                "--buffer-memory {}: must hold at least one --max-payload ({})",
+                self.buffer_memory, self.max_payload
+            ));
+        }
+        let handshake_timeout = parse_duration(&self.handshake_timeout)
+            .map_err(|e| format!("--handshake-timeout {}: {e}", self.handshake_timeout))?;
+        if handshake_timeout.is_zero() {
+            return Err("--handshake-timeout must be more than 0".into());
+        }
+        if self.max_connections == 0 {
+            return Err("--max-connections must be at least 1".into());
+        }
+        if self.max_options == 0 {
+            return Err("--max-options must be at least 1".into());
+        }
+        let threads = match self.threads {
+            Some(0) => return Err("--threads must be at least 1".into()),
+            Some(n) if n > 256 => return Err("--threads must be at most 256".into()),
+            Some(n) => n,
+            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        };
+        Ok(ServeLimits {
+            max_payload: max_payload as u32,
+            buffer_bytes: buffer_bytes as usize,
+            handshake_timeout,
+            threads,
+        })
+    }
 }
 
 const CHECK_HELP: &str =

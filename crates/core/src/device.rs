@@ -112,6 +112,63 @@ pub trait Device: Send + Sync {
     fn failed_members(&self) -> Vec<String> {
         Vec::new()
     }
+
+    /// How `[offset, offset + len)` is allocated, as consecutive extents from `offset`
+    /// (NBD's `base:allocation`). The extents may stop early (callers ask again) but never
+    /// claim a hole or zeroes that are not there. The default: all data.
+    fn extents(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<(), Error> {
+        let _ = offset;
+        out.push(Extent::data(len));
+        Ok(())
+    }
+
+    /// Whether writes completed on one queue are seen by every other queue, and a flush
+    /// on any queue makes them all durable (NBD's `CAN_MULTI_CONN` promise).
+    fn coherent_across_queues(&self) -> bool {
+        self.children().iter().all(|c| c.coherent_across_queues())
+    }
+}
+
+/// A run of bytes with one allocation state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    /// Length in bytes.
+    pub len: u64,
+    /// No storage is allocated.
+    pub hole: bool,
+    /// Reads return zeroes.
+    pub zero: bool,
+}
+
+impl Extent {
+    /// Allocated data.
+    pub fn data(len: u64) -> Extent {
+        Extent {
+            len,
+            hole: false,
+            zero: false,
+        }
+    }
+
+    /// A hole that reads as zeroes.
+    pub fn hole(len: u64) -> Extent {
+        Extent {
+            len,
+            hole: true,
+            zero: true,
+        }
+    }
+
+    /// Appends to `out`, merging with the last extent when the state is the same.
+    pub fn push(out: &mut Vec<Extent>, e: Extent) {
+        if e.len == 0 {
+            return;
+        }
+        match out.last_mut() {
+            Some(last) if last.hole == e.hole && last.zero == e.zero => last.len += e.len,
+            _ => out.push(e),
+        }
+    }
 }
 
 /// One device's submission path on one reactor.

@@ -110,6 +110,19 @@ impl DeviceSpec {
 /// The `[tuning]` table: switch values by name (validated by the binary).
 pub type Tuning = BTreeMap<String, String>;
 
+/// An `[export.NAME]` table: a device that `cairn serve` offers to NBD clients.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportSpec {
+    /// The device served (a top-level device of the file).
+    pub device: String,
+    /// Refuse every request that would change data.
+    pub read_only: bool,
+    /// Shown to clients that list exports.
+    pub description: String,
+    /// Chosen by clients that ask for the default export (the empty name).
+    pub default: bool,
+}
+
 /// A parsed stack file.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StackFile {
@@ -117,6 +130,47 @@ pub struct StackFile {
     pub devices: BTreeMap<String, DeviceSpec>,
     /// The `[tuning]` table.
     pub tuning: Tuning,
+    /// `[export.NAME]` tables by name.
+    pub exports: BTreeMap<String, ExportSpec>,
+}
+
+const EXPORT_KEYS: [&str; 4] = ["device", "read_only", "description", "default"];
+
+fn parse_export(name: &str, table: &Table) -> Result<ExportSpec, Error> {
+    let bad = |key: &str, what: &str| err(format!("export '{name}': key '{key}' {what}"));
+    for key in table.keys() {
+        if !EXPORT_KEYS.contains(&key.as_str()) {
+            return Err(err(format!(
+                "export '{name}': unknown key '{key}' (known: {})",
+                EXPORT_KEYS.join(", ")
+            )));
+        }
+    }
+    let device = match table.get("device") {
+        Some(Value::String(d)) => d.clone(),
+        Some(_) => return Err(bad("device", "must be a string")),
+        None => return Err(bad("device", "is missing")),
+    };
+    let flag = |key: &str| match table.get(key) {
+        None => Ok(false),
+        Some(Value::Boolean(b)) => Ok(*b),
+        Some(_) => Err(bad(key, "must be true or false")),
+    };
+    let description = match table.get("description") {
+        None => String::new(),
+        Some(Value::String(d)) if d.len() <= 4096 => d.clone(),
+        Some(Value::String(_)) => return Err(bad("description", "is longer than 4096 bytes")),
+        Some(_) => return Err(bad("description", "must be a string")),
+    };
+    if name.len() > 4096 {
+        return Err(err("an export name is longer than 4096 bytes".into()));
+    }
+    Ok(ExportSpec {
+        device,
+        read_only: flag("read_only")?,
+        description,
+        default: flag("default")?,
+    })
 }
 
 const TUNING_KEYS: [&str; 5] = ["clock", "reap", "stats", "dispatch", "flush"];
@@ -415,6 +469,7 @@ impl StackFile {
             .map_err(|e: toml::de::Error| toml_error(text, &e))?;
         let mut devices = BTreeMap::new();
         let mut tuning = Tuning::new();
+        let mut exports = BTreeMap::new();
         for (key, value) in &root {
             match (key.as_str(), value) {
                 ("device", Value::Table(t)) => {
@@ -425,6 +480,16 @@ impl StackFile {
                             )));
                         };
                         devices.insert(name.clone(), parse_device(name, dt)?);
+                    }
+                }
+                ("export", Value::Table(t)) => {
+                    for (name, ev) in t {
+                        let Value::Table(et) = ev else {
+                            return Err(err(format!(
+                                "export '{name}' must be a table ([export.{name}])"
+                            )));
+                        };
+                        exports.insert(name.clone(), parse_export(name, et)?);
                     }
                 }
                 ("tuning", Value::Table(t)) => {
@@ -443,7 +508,7 @@ impl StackFile {
                 }
                 _ => {
                     return Err(err(format!(
-                        "unknown top-level key '{key}' (known: [device.NAME] tables and [tuning])"
+                        "unknown top-level key '{key}' (known: [device.NAME] and [export.NAME] tables, and [tuning])"
                     )))
                 }
             }
@@ -451,8 +516,13 @@ impl StackFile {
         if devices.is_empty() {
             return Err(err("the stack file defines no [device.NAME] table".into()));
         }
-        let file = StackFile { devices, tuning };
+        let file = StackFile {
+            devices,
+            tuning,
+            exports,
+        };
         file.check_graph()?;
+        file.check_exports()?;
         Ok(file)
     }
 
@@ -506,6 +576,49 @@ impl StackFile {
                 if path.len() > self.devices.len() + 1 {
                     break;
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// Exports name defined top-level devices; at most one is the default.
+    fn check_exports(&self) -> Result<(), Error> {
+        let roots = self.roots();
+        for (name, e) in &self.exports {
+            if !self.devices.contains_key(&e.device) {
+                return Err(err(format!(
+                    "export '{name}': key 'device' names '{}', which is not defined",
+                    e.device
+                )));
+            }
+            if !roots.contains(&e.device) {
+                return Err(err(format!(
+                    "export '{name}': key 'device' names '{}', which is a member of another device; export the device at the top instead",
+                    e.device
+                )));
+            }
+        }
+        let defaults: Vec<&String> = self
+            .exports
+            .iter()
+            .filter(|(_, e)| e.default)
+            .map(|(n, _)| n)
+            .collect();
+        if defaults.len() > 1 {
+            return Err(err(format!(
+                "exports {} all set 'default = true'; at most one can be the default",
+                defaults
+                    .iter()
+                    .map(|n| format!("'{n}'"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+        if let (Some(d), true) = (defaults.first(), self.exports.contains_key("")) {
+            if !d.is_empty() {
+                return Err(err(format!(
+                    "export '{d}' sets 'default = true', but an export named \"\" exists and is the default"
+                )));
             }
         }
         Ok(())

@@ -1,0 +1,1120 @@
+//! The transmission phase: connections served on a reactor.
+//!
+//! Each reactor thread has one [`ServerLoop`], which owns the connections handed to that
+//! reactor. A connection's socket is read and written with io_uring (one `Recv` and at most
+//! one `SendMsg` in flight), its requests go straight into the export's queue on the same
+//! reactor, and replies collect in an output queue that is sent with one `sendmsg` per
+//! pass: requests and replies batch the way the block layer's plug batches I/O. Nothing
+//! crosses to another thread per request.
+//!
+//! Memory per connection is bounded: a fixed input buffer, data buffers from a pool with
+//! a byte limit, and a cap on requests and replies outstanding. When a limit is reached
+//! the connection stops reading from its socket until replies drain (backpressure).
+
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::Arc;
+
+use io_uring::{opcode, types};
+
+use cairn_core::{
+    AlignedBuf, Core, Device, Geometry, Io, IoFlags, IoStatus, Op, Poller, Queue, RingUser, Sink,
+    SinkId,
+};
+
+use crate::handshake::{ExportInfo, Session};
+use crate::pool::BufPool;
+use crate::proto::{self, cflags, chunk, cmd, errno, tflags};
+
+/// A served export: what clients see, and the device behind it.
+pub struct Export {
+    /// Name, size, flags and block sizes.
+    pub info: ExportInfo,
+    /// The device requests go to.
+    pub device: Arc<dyn Device>,
+}
+
+/// A connection that finished its handshake, on its way to a reactor.
+pub struct NewConn {
+    /// The socket.
+    pub fd: OwnedFd,
+    /// What was negotiated.
+    pub session: Session,
+    /// Where the client is, for logs.
+    pub peer: String,
+}
+
+/// Messages to a reactor's server loop.
+pub enum Msg {
+    /// Serve this connection.
+    Conn(NewConn),
+    /// Stop: finish what is in flight, flush, answer the rest with ESHUTDOWN, close.
+    Shutdown,
+}
+
+/// Per-connection limits.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Largest read or write payload accepted.
+    pub max_payload: u32,
+    /// Data buffer bytes a connection may hold.
+    pub buffer_bytes: usize,
+}
+
+/// Input buffer per connection: room for many small requests per `recv`.
+const INBUF: usize = 256 << 10;
+/// Requests plus unsent replies per connection.
+const MAX_PENDING: usize = 512;
+/// iovecs per `sendmsg`.
+const IOV_BATCH: usize = 64;
+/// Extents per block status reply.
+const MAX_EXTENTS: usize = 1 << 16;
+/// Beyond this a write's payload is not even skipped: the connection is dropped.
+const SKIP_MAX: u64 = 64 << 20;
+
+const RECV: u64 = 1;
+const SEND: u64 = 2;
+/// Token of the flush a connection sends on shutdown (never a request index).
+const SHUTDOWN_FLUSH: u32 = u32::MAX;
+
+/// A reply waiting to be sent: a header and, for a read or a block status, a buffer.
+struct Seg {
+    head: [u8; 32],
+    head_len: u8,
+    buf: Option<AlignedBuf>,
+    data_len: u32,
+}
+
+impl Seg {
+    fn len(&self) -> usize {
+        usize::from(self.head_len) + self.data_len as usize
+    }
+}
+
+#[derive(Default)]
+struct Req {
+    cookie: u64,
+    command: u16,
+    flags: u16,
+    offset: u64,
+    len: u32,
+    buf: Option<AlignedBuf>,
+    /// A trim or write-zeroes with FUA: flush before replying.
+    then_flush: bool,
+}
+
+/// Where the next received bytes go.
+enum Rx {
+    /// Request headers, into the input buffer.
+    Header,
+    /// The payload of write request `req`, of which `got` bytes arrived.
+    Payload { req: u32, got: u32 },
+    /// A refused write's payload, skipped; then the error reply is sent.
+    Skip { left: u64, cookie: u64, error: u32 },
+}
+
+struct ConnState {
+    inbuf: Box<[u8]>,
+    rs: usize,
+    re: usize,
+    rx: Rx,
+    recv_armed: bool,
+    send_armed: bool,
+    dirty: bool,
+    reqs: Vec<Req>,
+    free_reqs: Vec<u32>,
+    in_flight: u32,
+    pool: BufPool,
+    out: VecDeque<Seg>,
+    /// Bytes of the front segment already sent.
+    out_sent: usize,
+    iov: Vec<libc::iovec>,
+    msg: libc::msghdr,
+    /// No more requests will be read (end of stream, DISC, or shutdown).
+    eof: bool,
+    /// Hard disconnect: send nothing more, close once nothing is in flight.
+    dead: bool,
+    /// Waiting for a buffer or room in the output queue.
+    blocked: bool,
+    shutdown_flush: ShutdownFlush,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ShutdownFlush {
+    NotYet,
+    Sent,
+    Done,
+}
+
+struct Conn {
+    index: u32,
+    fd: OwnedFd,
+    export: usize,
+    queue: Rc<dyn Queue>,
+    geometry: Geometry,
+    session: Session,
+    peer: String,
+    st: RefCell<ConnState>,
+}
+
+/// What `next_request` wants the caller to do (outside the state borrow).
+enum Next {
+    Submit(Io),
+    Again,
+    Stop,
+}
+
+/// The server side of one reactor: a ring user (socket I/O), a sink (device completions)
+/// and a poller (new connections, and one send per connection per pass).
+pub struct ServerLoop {
+    core: Rc<Core>,
+    user: Cell<u16>,
+    sink: Cell<SinkId>,
+    exports: Arc<Vec<Export>>,
+    queues: RefCell<Vec<Option<Rc<dyn Queue>>>>,
+    conns: RefCell<Vec<Option<Rc<Conn>>>>,
+    free_conns: RefCell<Vec<u32>>,
+    dirty: RefCell<Vec<u32>>,
+    spare: RefCell<Vec<u32>>,
+    inbox: Receiver<Msg>,
+    wake: Arc<OwnedFd>,
+    shutting: Cell<bool>,
+    live: Arc<AtomicUsize>,
+    limits: Limits,
+}
+
+impl ServerLoop {
+    /// Registers a server loop on `core`; connections arrive through `inbox`, announced by
+    /// a write to the eventfd `wake`. `live` counts open connections across reactors.
+    pub fn start(
+        core: &Rc<Core>,
+        exports: Arc<Vec<Export>>,
+        inbox: Receiver<Msg>,
+        wake: Arc<OwnedFd>,
+        live: Arc<AtomicUsize>,
+        limits: Limits,
+    ) -> Result<Rc<ServerLoop>, cairn_core::Error> {
+        let n = exports.len();
+        let lp = Rc::new(ServerLoop {
+            core: core.clone(),
+            user: Cell::new(0),
+            sink: Cell::new(SinkId(u32::MAX)),
+            exports,
+            queues: RefCell::new((0..n).map(|_| None).collect()),
+            conns: RefCell::new(Vec::new()),
+            free_conns: RefCell::new(Vec::new()),
+            dirty: RefCell::new(Vec::new()),
+            spare: RefCell::new(Vec::new()),
+            inbox,
+            wake,
+            shutting: Cell::new(false),
+            live,
+            limits,
+        });
+        lp.user.set(core.register_ring_user(lp.clone())?);
+        lp.sink.set(core.register_sink(lp.clone()));
+        core.register_poller(lp.clone());
+        Ok(lp)
+    }
+
+    fn conn(&self, index: u32) -> Option<Rc<Conn>> {
+        self.conns.borrow().get(index as usize).cloned().flatten()
+    }
+
+    fn mark_dirty(&self, conn: &Conn, st: &mut ConnState) {
+        if !st.dirty {
+            st.dirty = true;
+            self.dirty.borrow_mut().push(conn.index);
+        }
+    }
+
+    fn queue_for(&self, export: usize) -> Result<Rc<dyn Queue>, cairn_core::Error> {
+        if let Some(q) = &self.queues.borrow()[export] {
+            return Ok(q.clone());
+        }
+        let q = self.exports[export].device.open_queue(&self.core)?;
+        self.queues.borrow_mut()[export] = Some(q.clone());
+        Ok(q)
+    }
+
+    fn accept(&self, nc: NewConn) {
+        let export = nc.session.export;
+        let queue = match self.queue_for(export) {
+            Ok(q) => q,
+            Err(e) => {
+                eprintln!(
+                    "cairn: serve: {}: cannot open export '{}': {e}",
+                    nc.peer, self.exports[export].info.name
+                );
+                self.live.fetch_sub(1, Ordering::Relaxed);
+                return;
+            }
+        };
+        let index = match self.free_conns.borrow_mut().pop() {
+            Some(i) => i,
+            None => {
+                let mut conns = self.conns.borrow_mut();
+                conns.push(None);
+                conns.len() as u32 - 1
+            }
+        };
+        let mut out = VecDeque::new();
+        out.reserve_exact(MAX_PENDING + 1);
+        // SAFETY: msghdr is plain data; all-zero is a valid empty header.
+        let msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        let conn = Rc::new(Conn {
+            index,
+            fd: nc.fd,
+            export,
+            queue,
+            geometry: self.exports[export].device.geometry(),
+            session: nc.session,
+            peer: nc.peer,
+            st: RefCell::new(ConnState {
+                inbuf: vec![0u8; INBUF].into_boxed_slice(),
+                rs: 0,
+                re: 0,
+                rx: Rx::Header,
+                recv_armed: false,
+                send_armed: false,
+                dirty: false,
+                reqs: Vec::with_capacity(MAX_PENDING),
+                free_reqs: Vec::with_capacity(MAX_PENDING),
+                in_flight: 0,
+                pool: BufPool::new(self.limits.buffer_bytes),
+                out,
+                out_sent: 0,
+                iov: Vec::with_capacity(IOV_BATCH),
+                msg,
+                eof: false,
+                dead: false,
+                blocked: false,
+                shutdown_flush: ShutdownFlush::NotYet,
+            }),
+        });
+        self.conns.borrow_mut()[index as usize] = Some(conn.clone());
+        let mut st = conn.st.borrow_mut();
+        if self.shutting.get() {
+            st.eof = true;
+        }
+        self.mark_dirty(&conn, &mut st);
+    }
+
+    /// Parses and starts every complete request in the input.
+    fn process(&self, conn: &Conn) {
+        loop {
+            let next = {
+                let mut st = conn.st.borrow_mut();
+                self.next_request(conn, &mut st)
+            };
+            match next {
+                Next::Submit(io) => conn.queue.submit(io),
+                Next::Again => {}
+                Next::Stop => break,
+            }
+        }
+        let mut st = conn.st.borrow_mut();
+        self.maybe_shutdown_flush(conn, &mut st);
+        self.mark_dirty(conn, &mut st);
+    }
+
+    /// On shutdown, once nothing is in flight, one flush makes the connection's writes
+    /// durable before it closes.
+    fn maybe_shutdown_flush(&self, conn: &Conn, st: &mut ConnState) {
+        if self.shutting.get()
+            && st.shutdown_flush == ShutdownFlush::NotYet
+            && st.in_flight == 0
+            && !st.dead
+        {
+            st.shutdown_flush = ShutdownFlush::Sent;
+            st.in_flight += 1;
+            let io = Io::nodata(
+                Op::Flush,
+                0,
+                0,
+                self.sink.get(),
+                (u64::from(conn.index) << 32) | u64::from(SHUTDOWN_FLUSH),
+            );
+            // Submitted from here: a queue never completes inside submit, so this cannot
+            // re-enter the connection's state.
+            conn.queue.submit(io);
+        }
+    }
+
+    fn reply_simple(&self, st: &mut ConnState, cookie: u64, error: u32) {
+        let mut head = [0u8; 32];
+        head[..proto::SIMPLE_REPLY].copy_from_slice(&proto::simple_reply(error, cookie));
+        st.out.push_back(Seg {
+            head,
+            head_len: proto::SIMPLE_REPLY as u8,
+            buf: None,
+            data_len: 0,
+        });
+    }
+
+    /// An error reply in the form the command needs (structured for reads when
+    /// structured replies are on).
+    fn reply_error(&self, conn: &Conn, st: &mut ConnState, command: u16, cookie: u64, e: u32) {
+        if conn.session.structured && (command == cmd::READ || command == cmd::BLOCK_STATUS) {
+            let mut head = [0u8; 32];
+            head[..20].copy_from_slice(&proto::chunk_header(
+                chunk::FLAG_DONE,
+                chunk::ERROR,
+                cookie,
+                6,
+            ));
+            head[20..24].copy_from_slice(&e.to_be_bytes());
+            // Message length 0.
+            st.out.push_back(Seg {
+                head,
+                head_len: 26,
+                buf: None,
+                data_len: 0,
+            });
+        } else {
+            self.reply_simple(st, cookie, e);
+        }
+    }
+
+    /// Successful reply without data.
+    fn reply_ok(&self, conn: &Conn, st: &mut ConnState, command: u16, cookie: u64) {
+        if conn.session.structured && command == cmd::READ {
+            let mut head = [0u8; 32];
+            head[..20].copy_from_slice(&proto::chunk_header(
+                chunk::FLAG_DONE,
+                chunk::NONE,
+                cookie,
+                0,
+            ));
+            st.out.push_back(Seg {
+                head,
+                head_len: 20,
+                buf: None,
+                data_len: 0,
+            });
+        } else {
+            self.reply_simple(st, cookie, 0);
+        }
+    }
+
+    fn alloc_req(st: &mut ConnState, req: Req) -> u32 {
+        match st.free_reqs.pop() {
+            Some(i) => {
+                st.reqs[i as usize] = req;
+                i
+            }
+            None => {
+                st.reqs.push(req);
+                st.reqs.len() as u32 - 1
+            }
+        }
+    }
+
+    /// The next step of input processing; never calls out of the connection.
+    fn next_request(&self, conn: &Conn, st: &mut ConnState) -> Next {
+        if st.dead {
+            return Next::Stop;
+        }
+        match st.rx {
+            Rx::Payload { .. } => return Next::Stop,
+            Rx::Skip {
+                left,
+                cookie,
+                error,
+            } => {
+                let avail = (st.re - st.rs) as u64;
+                let n = avail.min(left);
+                st.rs += n as usize;
+                if n < left {
+                    st.rx = Rx::Skip {
+                        left: left - n,
+                        cookie,
+                        error,
+                    };
+                    return Next::Stop;
+                }
+                st.rx = Rx::Header;
+                self.reply_simple(st, cookie, error);
+                return Next::Again;
+            }
+            Rx::Header => {}
+        }
+        if st.eof && !self.shutting.get() {
+            return Next::Stop;
+        }
+        if st.reqs.len() - st.free_reqs.len() + st.out.len() >= MAX_PENDING {
+            st.blocked = true;
+            return Next::Stop;
+        }
+        let r = match proto::parse_request(&st.inbuf[st.rs..st.re]) {
+            proto::Decoded::Incomplete => return Next::Stop,
+            proto::Decoded::BadMagic(m) => {
+                eprintln!(
+                    "cairn: serve: {}: bad request magic {m:#010x}; disconnecting",
+                    conn.peer
+                );
+                st.dead = true;
+                return Next::Stop;
+            }
+            proto::Decoded::Request(r) => r,
+        };
+        let info = &self.exports[conn.export].info;
+        let payload = if r.command == cmd::WRITE {
+            u64::from(r.len)
+        } else {
+            0
+        };
+        // Refusals: skip a write's payload (never parse it as requests), then reply.
+        let refuse = |st: &mut ConnState, this: &ServerLoop, error: u32| {
+            st.rs += proto::REQUEST_HEADER;
+            if payload > 0 {
+                if payload > SKIP_MAX {
+                    eprintln!(
+                        "cairn: serve: {}: write payload of {payload} bytes is over any limit; disconnecting",
+                        conn.peer
+                    );
+                    st.dead = true;
+                    return Next::Stop;
+                }
+                st.rx = Rx::Skip {
+                    left: payload,
+                    cookie: r.cookie,
+                    error,
+                };
+            } else {
+                this.reply_error(conn, st, r.command, r.cookie, error);
+            }
+            Next::Again
+        };
+        if self.shutting.get() {
+            if r.command == cmd::DISC {
+                st.rs += proto::REQUEST_HEADER;
+                st.eof = true;
+                return Next::Stop;
+            }
+            return refuse(st, self, errno::ESHUTDOWN);
+        }
+        let allowed = match r.command {
+            cmd::READ => {
+                cflags::FUA
+                    | if conn.session.structured {
+                        cflags::DF
+                    } else {
+                        0
+                    }
+            }
+            cmd::WRITE | cmd::FLUSH | cmd::TRIM | cmd::CACHE => cflags::FUA,
+            cmd::WRITE_ZEROES => {
+                cflags::FUA
+                    | cflags::NO_HOLE
+                    | if conn.session.flags & tflags::SEND_FAST_ZERO != 0 {
+                        cflags::FAST_ZERO
+                    } else {
+                        0
+                    }
+            }
+            cmd::BLOCK_STATUS => cflags::FUA | cflags::REQ_ONE,
+            cmd::DISC => 0,
+            _ => return refuse(st, self, errno::EINVAL),
+        };
+        if r.flags & !allowed != 0 {
+            return refuse(st, self, errno::EINVAL);
+        }
+        let read_only = conn.session.flags & tflags::READ_ONLY != 0;
+        let op = match r.command {
+            cmd::DISC => {
+                st.rs += proto::REQUEST_HEADER;
+                st.eof = true;
+                return Next::Stop;
+            }
+            cmd::READ => Op::Read,
+            cmd::WRITE => Op::Write,
+            cmd::FLUSH => Op::Flush,
+            cmd::TRIM => Op::Discard,
+            cmd::WRITE_ZEROES => Op::WriteZeroes,
+            _ => Op::Read, // CACHE and BLOCK_STATUS: range checks as a read
+        };
+        if read_only && op.is_write() {
+            return refuse(st, self, errno::EPERM);
+        }
+        if payload > u64::from(self.limits.max_payload) {
+            return refuse(st, self, errno::EINVAL);
+        }
+        if r.len == 0 && op != Op::Flush {
+            // Nothing to do; a zero-length block status is invalid.
+            if r.command == cmd::BLOCK_STATUS {
+                return refuse(st, self, errno::EINVAL);
+            }
+            st.rs += proto::REQUEST_HEADER;
+            self.reply_ok(conn, st, r.command, r.cookie);
+            return Next::Again;
+        }
+        if matches!(r.command, cmd::CACHE | cmd::BLOCK_STATUS) {
+            // Like a read, but any length: only the range and the alignment matter.
+            let block = u64::from(conn.geometry.block_bytes);
+            let end = r.offset.checked_add(u64::from(r.len));
+            if end.is_none_or(|e| e > conn.geometry.size_bytes)
+                || r.offset % block != 0
+                || u64::from(r.len) % block != 0
+            {
+                return refuse(st, self, errno::EINVAL);
+            }
+        } else if op != Op::Flush {
+            if let Err(e) = conn.geometry.check(op, r.offset, u64::from(r.len)) {
+                let error = match e {
+                    cairn_core::IoError::Unsupported(_) => errno::EINVAL,
+                    e => errno::from_local(e.errno()),
+                };
+                return refuse(st, self, error);
+            }
+        }
+        match r.command {
+            cmd::CACHE => {
+                // A hint; every device here reads at memory or page-cache speed.
+                st.rs += proto::REQUEST_HEADER;
+                self.reply_simple(st, r.cookie, 0);
+                return Next::Again;
+            }
+            cmd::BLOCK_STATUS => {
+                st.rs += proto::REQUEST_HEADER;
+                if !conn.session.base_allocation {
+                    self.reply_error(conn, st, r.command, r.cookie, errno::EINVAL);
+                    return Next::Again;
+                }
+                return self.block_status(conn, st, &r);
+            }
+            cmd::WRITE_ZEROES if r.flags & cflags::FAST_ZERO != 0 && !info_fast_zero(info) => {
+                return refuse(st, self, errno::ENOTSUP);
+            }
+            _ => {}
+        }
+        let needs_buf = op.has_data();
+        let buf = if needs_buf {
+            match st.pool.get(r.len as usize) {
+                Some(b) => Some(b),
+                None => {
+                    st.blocked = true;
+                    return Next::Stop;
+                }
+            }
+        } else {
+            None
+        };
+        st.rs += proto::REQUEST_HEADER;
+        let mut flags = IoFlags::NONE;
+        if r.flags & cflags::FUA != 0 && op == Op::Write {
+            flags = flags.with(IoFlags::FUA);
+        }
+        if r.command == cmd::WRITE_ZEROES && r.flags & cflags::NO_HOLE != 0 {
+            flags = flags.with(IoFlags::NO_HOLE);
+        }
+        let then_flush = r.flags & cflags::FUA != 0 && matches!(op, Op::Discard | Op::WriteZeroes);
+        let index = Self::alloc_req(
+            st,
+            Req {
+                cookie: r.cookie,
+                command: r.command,
+                flags: r.flags,
+                offset: r.offset,
+                len: r.len,
+                buf,
+                then_flush,
+            },
+        );
+        let token = (u64::from(conn.index) << 32) | u64::from(index);
+        let (ptr, len) = if op == Op::Flush {
+            (std::ptr::null_mut(), 0)
+        } else {
+            let req = &mut st.reqs[index as usize];
+            let p = req
+                .buf
+                .as_mut()
+                .map_or(std::ptr::null_mut(), |b| b.as_mut_ptr());
+            (p, u64::from(r.len))
+        };
+        let io = Io {
+            op,
+            flags,
+            offset: if op == Op::Flush { 0 } else { r.offset },
+            len,
+            buf: ptr,
+            sink: self.sink.get(),
+            token,
+        };
+        if op == Op::Write {
+            // The payload follows the header: take what has arrived, receive the rest.
+            let avail = (st.re - st.rs).min(r.len as usize);
+            let (rs, re) = (st.rs, st.rs + avail);
+            let ConnState { inbuf, reqs, .. } = &mut *st;
+            if let Some(b) = reqs[index as usize].buf.as_mut() {
+                b.as_mut_slice()[..avail].copy_from_slice(&inbuf[rs..re]);
+            }
+            st.rs += avail;
+            if avail < r.len as usize {
+                st.rx = Rx::Payload {
+                    req: index,
+                    got: avail as u32,
+                };
+                return Next::Stop;
+            }
+        }
+        st.in_flight += 1;
+        Next::Submit(io)
+    }
+
+    /// Answers a block status request from the device's allocation map.
+    fn block_status(&self, conn: &Conn, st: &mut ConnState, r: &proto::Request) -> Next {
+        let device = &self.exports[conn.export].device;
+        let mut extents = Vec::new();
+        let len = u64::from(r.len);
+        if let Err(e) = device.extents(r.offset, len, &mut extents) {
+            eprintln!("cairn: serve: {}: block status: {e}", conn.peer);
+            self.reply_error(conn, st, r.command, r.cookie, errno::EIO);
+            return Next::Again;
+        }
+        if extents.is_empty() {
+            extents.push(cairn_core::Extent::data(len));
+        }
+        let max = if r.flags & cflags::REQ_ONE != 0 {
+            1
+        } else {
+            MAX_EXTENTS
+        };
+        let mut body = Vec::with_capacity(4 + 8 * extents.len().min(max));
+        body.extend_from_slice(&proto::BASE_ALLOCATION_ID.to_be_bytes());
+        let mut covered = 0u64;
+        for (n, e) in extents.iter().enumerate() {
+            if covered >= len || n == max || e.len == 0 {
+                break;
+            }
+            // Descriptors are 32-bit and must not run past the request.
+            let l = e.len.min(len - covered).min(u64::from(u32::MAX) & !4095);
+            let mut flags = 0;
+            if e.hole {
+                flags |= proto::state::HOLE;
+            }
+            if e.zero {
+                flags |= proto::state::ZERO;
+            }
+            body.extend_from_slice(&(l as u32).to_be_bytes());
+            body.extend_from_slice(&flags.to_be_bytes());
+            covered += l;
+        }
+        // Bounded by MAX_EXTENTS, so it may go over the pool's limit once.
+        let mut buf = st.pool.get_always(body.len());
+        buf.as_mut_slice()[..body.len()].copy_from_slice(&body);
+        let mut head = [0u8; 32];
+        head[..20].copy_from_slice(&proto::chunk_header(
+            chunk::FLAG_DONE,
+            chunk::BLOCK_STATUS,
+            r.cookie,
+            body.len() as u32,
+        ));
+        st.out.push_back(Seg {
+            head,
+            head_len: 20,
+            buf: Some(buf),
+            data_len: body.len() as u32,
+        });
+        Next::Again
+    }
+
+    /// Bytes arrived from the socket (`res` > 0), or the stream ended or failed.
+    fn received(&self, conn: &Conn, res: i32) {
+        let submit = {
+            let mut st = conn.st.borrow_mut();
+            st.recv_armed = false;
+            if res <= 0 {
+                if res < 0 && res != -libc::ECONNRESET && !st.eof {
+                    eprintln!(
+                        "cairn: serve: {}: receive failed: {}",
+                        conn.peer,
+                        std::io::Error::from_raw_os_error(-res)
+                    );
+                }
+                st.eof = true;
+                if let Rx::Payload { req, .. } = st.rx {
+                    // The client went away in the middle of a write: drop it.
+                    let b = st.reqs[req as usize].buf.take();
+                    if let Some(b) = b {
+                        st.pool.put(b);
+                    }
+                    st.free_reqs.push(req);
+                    st.rx = Rx::Header;
+                }
+                self.mark_dirty(conn, &mut st);
+                None
+            } else {
+                let n = res as usize;
+                match st.rx {
+                    Rx::Payload { req, got } => {
+                        let got = got + n as u32;
+                        let r = &st.reqs[req as usize];
+                        if got < r.len {
+                            st.rx = Rx::Payload { req, got };
+                            None
+                        } else {
+                            st.rx = Rx::Header;
+                            st.in_flight += 1;
+                            let r = &mut st.reqs[req as usize];
+                            let mut flags = IoFlags::NONE;
+                            if r.flags & cflags::FUA != 0 {
+                                flags = flags.with(IoFlags::FUA);
+                            }
+                            Some(Io {
+                                op: Op::Write,
+                                flags,
+                                offset: r.offset,
+                                len: u64::from(r.len),
+                                buf: r
+                                    .buf
+                                    .as_mut()
+                                    .map_or(std::ptr::null_mut(), |b| b.as_mut_ptr()),
+                                sink: self.sink.get(),
+                                token: (u64::from(conn.index) << 32) | u64::from(req),
+                            })
+                        }
+                    }
+                    _ => {
+                        st.re += n;
+                        None
+                    }
+                }
+            }
+        };
+        if let Some(io) = submit {
+            conn.queue.submit(io);
+        }
+        self.process(conn);
+    }
+
+    /// `res` bytes of the output went out (or sending failed).
+    fn sent(&self, conn: &Conn, res: i32) {
+        let mut st = conn.st.borrow_mut();
+        st.send_armed = false;
+        if res < 0 {
+            if res != -libc::EPIPE && res != -libc::ECONNRESET {
+                eprintln!(
+                    "cairn: serve: {}: send failed: {}",
+                    conn.peer,
+                    std::io::Error::from_raw_os_error(-res)
+                );
+            }
+            st.dead = true;
+        } else {
+            let mut n = res as usize + st.out_sent;
+            st.out_sent = 0;
+            while let Some(front) = st.out.front() {
+                let l = front.len();
+                if n < l {
+                    st.out_sent = n;
+                    break;
+                }
+                n -= l;
+                if let Some(b) = st.out.pop_front().and_then(|s| s.buf) {
+                    st.pool.put(b);
+                }
+            }
+        }
+        let was_blocked = std::mem::replace(&mut st.blocked, false);
+        self.mark_dirty(conn, &mut st);
+        drop(st);
+        if was_blocked {
+            self.process(conn);
+        }
+    }
+
+    /// Pushes the SQEs a connection needs (a send, a receive), or closes it when done.
+    fn arm(&self, conn: &Rc<Conn>) {
+        let mut st = conn.st.borrow_mut();
+        st.dirty = false;
+        let fd = conn.fd.as_raw_fd();
+        let finished = st.in_flight == 0 && st.out.is_empty() && !self.awaiting_flush(&st);
+        if st.dead || (st.eof && finished) {
+            if st.recv_armed || st.send_armed {
+                // Make a pending receive or send finish now; we are called again then.
+                // SAFETY: shutdown on our own socket; it stays open until `close`.
+                unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+            } else if st.in_flight == 0 {
+                drop(st);
+                self.close(conn);
+            }
+            // Else device requests are in flight: their completions call us again.
+            return;
+        }
+        if !st.send_armed && !st.out.is_empty() {
+            self.push_send(conn, &mut st, fd);
+        }
+        if !st.recv_armed && !st.eof {
+            self.push_recv(conn, &mut st, fd);
+        }
+    }
+
+    fn awaiting_flush(&self, st: &ConnState) -> bool {
+        self.shutting.get() && st.shutdown_flush != ShutdownFlush::Done
+    }
+
+    fn push_send(&self, conn: &Conn, st: &mut ConnState, fd: RawFd) {
+        let ConnState {
+            out,
+            out_sent,
+            iov,
+            msg,
+            ..
+        } = st;
+        iov.clear();
+        let mut skip = *out_sent;
+        for seg in out.iter() {
+            if iov.len() + 2 > IOV_BATCH {
+                break;
+            }
+            let hl = usize::from(seg.head_len);
+            if skip < hl {
+                iov.push(libc::iovec {
+                    iov_base: seg.head[skip..].as_ptr() as *mut libc::c_void,
+                    iov_len: hl - skip,
+                });
+                skip = 0;
+            } else {
+                skip -= hl;
+            }
+            if let Some(b) = &seg.buf {
+                let dl = seg.data_len as usize;
+                if skip < dl {
+                    iov.push(libc::iovec {
+                        iov_base: b.as_slice()[skip..].as_ptr() as *mut libc::c_void,
+                        iov_len: dl - skip,
+                    });
+                }
+                skip = skip.saturating_sub(dl);
+            }
+        }
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = iov.len() as _;
+        let entry = opcode::SendMsg::new(types::Fd(fd), msg as *const libc::msghdr)
+            .flags(libc::MSG_NOSIGNAL as u32)
+            .build();
+        st.send_armed = true;
+        // SAFETY: the msghdr, the iovecs and every buffer they point at live in the
+        // connection's state (the output queue never reallocates: it was reserved for
+        // MAX_PENDING segments) and stay untouched until this SQE completes; the
+        // connection is not freed while an SQE is in flight.
+        unsafe {
+            self.core
+                .push_sqe(self.user.get(), (u64::from(conn.index) << 8) | SEND, entry)
+        };
+    }
+
+    fn push_recv(&self, conn: &Conn, st: &mut ConnState, fd: RawFd) {
+        let (ptr, len) = match st.rx {
+            Rx::Payload { req, got } => {
+                let r = &mut st.reqs[req as usize];
+                let Some(b) = r.buf.as_mut() else { return };
+                // SAFETY: got < r.len <= the buffer's length.
+                (
+                    unsafe { b.as_mut_ptr().add(got as usize) },
+                    (r.len - got) as usize,
+                )
+            }
+            _ => {
+                if st.rs == st.re {
+                    st.rs = 0;
+                    st.re = 0;
+                } else if st.re == st.inbuf.len() || st.rs > INBUF / 2 {
+                    let (rs, re) = (st.rs, st.re);
+                    st.inbuf.copy_within(rs..re, 0);
+                    st.re -= st.rs;
+                    st.rs = 0;
+                }
+                if st.re == st.inbuf.len() {
+                    // Full of unparsed requests: wait until replies drain.
+                    return;
+                }
+                let re = st.re;
+                (st.inbuf[re..].as_mut_ptr(), st.inbuf.len() - re)
+            }
+        };
+        let entry = opcode::Recv::new(types::Fd(fd), ptr, len as u32).build();
+        st.recv_armed = true;
+        // SAFETY: the target (input buffer or request buffer) belongs to the connection
+        // and is not touched or freed until this SQE completes.
+        unsafe {
+            self.core
+                .push_sqe(self.user.get(), (u64::from(conn.index) << 8) | RECV, entry)
+        };
+    }
+
+    fn close(&self, conn: &Rc<Conn>) {
+        let mut st = conn.st.borrow_mut();
+        // Buffers of requests never started (a write cut short) go back to the pool.
+        st.out.clear();
+        drop(st);
+        self.conns.borrow_mut()[conn.index as usize] = None;
+        self.free_conns.borrow_mut().push(conn.index);
+        self.live.fetch_sub(1, Ordering::Relaxed);
+        if self.shutting.get() && self.conns.borrow().iter().all(Option::is_none) {
+            self.core.stop();
+        }
+    }
+
+    fn shutdown(&self) {
+        if self.shutting.replace(true) {
+            return;
+        }
+        let conns: Vec<Rc<Conn>> = self.conns.borrow().iter().flatten().cloned().collect();
+        if conns.is_empty() {
+            self.core.stop();
+        }
+        for c in conns {
+            self.process(&c);
+        }
+    }
+}
+
+fn info_fast_zero(info: &ExportInfo) -> bool {
+    info.flags & tflags::SEND_FAST_ZERO != 0
+}
+
+impl Sink for ServerLoop {
+    fn io_done(&self, token: u64, status: IoStatus) {
+        let Some(conn) = self.conn((token >> 32) as u32) else {
+            return;
+        };
+        let index = token as u32;
+        let resubmit = {
+            let mut st = conn.st.borrow_mut();
+            st.in_flight -= 1;
+            if index == SHUTDOWN_FLUSH {
+                st.shutdown_flush = ShutdownFlush::Done;
+                if !status.is_ok() {
+                    eprintln!(
+                        "cairn: serve: {}: flush on shutdown failed: {status}",
+                        conn.peer
+                    );
+                }
+                st.eof = true;
+                self.mark_dirty(&conn, &mut st);
+                return;
+            }
+            let r = &mut st.reqs[index as usize];
+            if status.is_ok() && r.then_flush {
+                r.then_flush = false;
+                st.in_flight += 1;
+                Some(Io::nodata(Op::Flush, 0, 0, self.sink.get(), token))
+            } else {
+                let r = std::mem::take(&mut st.reqs[index as usize]);
+                st.free_reqs.push(index);
+                if !status.is_ok() {
+                    if let Some(b) = r.buf {
+                        st.pool.put(b);
+                    }
+                    let e = errno::from_local(status.raw());
+                    self.reply_error(&conn, &mut st, r.command, r.cookie, e);
+                } else if r.command == cmd::READ {
+                    let mut head = [0u8; 32];
+                    let head_len = if conn.session.structured {
+                        head[..20].copy_from_slice(&proto::chunk_header(
+                            chunk::FLAG_DONE,
+                            chunk::OFFSET_DATA,
+                            r.cookie,
+                            8 + r.len,
+                        ));
+                        head[20..28].copy_from_slice(&r.offset.to_be_bytes());
+                        28
+                    } else {
+                        head[..16].copy_from_slice(&proto::simple_reply(0, r.cookie));
+                        16
+                    };
+                    st.out.push_back(Seg {
+                        head,
+                        head_len,
+                        buf: r.buf,
+                        data_len: r.len,
+                    });
+                } else {
+                    if let Some(b) = r.buf {
+                        st.pool.put(b);
+                    }
+                    self.reply_simple(&mut st, r.cookie, 0);
+                }
+                self.mark_dirty(&conn, &mut st);
+                None
+            }
+        };
+        if let Some(io) = resubmit {
+            conn.queue.submit(io);
+            return;
+        }
+        let (blocked, flush) = {
+            let st = conn.st.borrow();
+            (st.blocked, self.shutting.get() && st.in_flight == 0)
+        };
+        if blocked || flush {
+            conn.st.borrow_mut().blocked = false;
+            self.process(&conn);
+        }
+    }
+}
+
+impl RingUser for ServerLoop {
+    fn ring_complete(&self, cookie: u64, res: i32) {
+        let Some(conn) = self.conn((cookie >> 8) as u32) else {
+            return;
+        };
+        match cookie & 0xff {
+            RECV => self.received(&conn, res),
+            _ => self.sent(&conn, res),
+        }
+    }
+}
+
+impl Poller for ServerLoop {
+    fn unplug(&self) {
+        // Swap the dirty list out (no allocation: the two vectors trade places).
+        let mut work = std::mem::take(&mut *self.spare.borrow_mut());
+        std::mem::swap(&mut work, &mut *self.dirty.borrow_mut());
+        for &i in &work {
+            if let Some(c) = self.conn(i) {
+                self.arm(&c);
+            }
+        }
+        work.clear();
+        *self.spare.borrow_mut() = work;
+    }
+
+    fn reap(&self) -> usize {
+        let mut n = 0;
+        loop {
+            match self.inbox.try_recv() {
+                Ok(Msg::Conn(c)) => {
+                    self.accept(c);
+                    n += 1;
+                }
+                Ok(Msg::Shutdown) | Err(TryRecvError::Disconnected) => {
+                    self.shutdown();
+                    break;
+                }
+                Err(TryRecvError::Empty) => break,
+            }
+        }
+        n
+    }
+
+    fn busy(&self) -> bool {
+        !self.shutting.get()
+    }
+
+    fn event_fd(&self) -> RawFd {
+        self.wake.as_raw_fd()
+    }
+
+    fn clear_event(&self) {
+        let mut v = 0u64;
+        // SAFETY: reads 8 bytes into `v` from our own non-blocking eventfd.
+        unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+    }
+}

@@ -1,0 +1,14 @@
+//! NBD serving for cairn: the wire protocol, the handshake, and the transmission phase on
+//! cairn's reactors.
+
+#![warn(missing_docs)]
+
+pub mod conn;
+pub mod handshake;
+pub mod pool;
+pub mod proto;
+pub mod server;
+
+pub use conn::{Export, Limits};
+pub use handshake::{Catalog, ExportInfo, TlsMode};
+pub use server::{serve, Config, Listen};

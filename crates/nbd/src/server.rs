@@ -1,0 +1,579 @@
+//! `cairn serve`: listeners, handshakes, reactor threads and orderly shutdown.
+//!
+//! The main thread accepts connections and watches for SIGTERM/SIGINT (through a
+//! signalfd). Each accepted connection gets a short-lived thread for its handshake, so a
+//! slow or hostile client never stalls a reactor; once an export is chosen, the socket
+//! moves to one of the reactor threads (round robin) and stays there. That is the only
+//! hand-off between threads, once per connection.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cairn_core::{Error, Reactor, Switches};
+
+use crate::conn::{Export, Limits, Msg, NewConn, ServerLoop};
+use crate::handshake::{Catalog, Negotiator, Step, TlsMode};
+use crate::proto;
+
+/// Where to listen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Listen {
+    /// `tcp:HOST:PORT`.
+    Tcp(String),
+    /// `unix:PATH`.
+    Unix(PathBuf),
+}
+
+impl Listen {
+    /// Parses `tcp:HOST:PORT` or `unix:PATH`.
+    pub fn parse(text: &str) -> Result<Listen, String> {
+        if let Some(rest) = text.strip_prefix("tcp:") {
+            if rest
+                .rsplit_once(':')
+                .is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err())
+            {
+                return Err(format!(
+                    "--listen {text}: expected tcp:HOST:PORT, e.g. tcp:127.0.0.1:10809"
+                ));
+            }
+            Ok(Listen::Tcp(rest.to_string()))
+        } else if let Some(rest) = text.strip_prefix("unix:") {
+            if rest.is_empty() {
+                return Err(format!("--listen {text}: expected unix:PATH"));
+            }
+            Ok(Listen::Unix(PathBuf::from(rest)))
+        } else {
+            Err(format!(
+                "--listen {text}: expected tcp:HOST:PORT or unix:PATH"
+            ))
+        }
+    }
+}
+
+impl std::fmt::Display for Listen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Listen::Tcp(a) => write!(f, "tcp:{a}"),
+            Listen::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
+/// Everything `serve` needs besides the exports.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Listeners to open (socket-activated ones are added).
+    pub listen: Vec<Listen>,
+    /// Reactor threads.
+    pub threads: usize,
+    /// Per-connection limits.
+    pub limits: Limits,
+    /// Connections served at once; more are closed at accept.
+    pub max_connections: usize,
+    /// Options one handshake may send.
+    pub max_options: u32,
+    /// Longest a handshake may take.
+    pub handshake_timeout: Duration,
+    /// TLS offered or required.
+    pub tls: TlsMode,
+    /// Engine switches for the reactors.
+    pub switches: Switches,
+}
+
+/// Largest option payload read; bigger ones are skipped (up to `OPTION_SKIP_MAX`) and
+/// answered with `NBD_REP_ERR_TOO_BIG`.
+const OPTION_DATA_MAX: u32 = 64 << 10;
+const OPTION_SKIP_MAX: u32 = 1 << 20;
+
+struct Shared {
+    catalog: Catalog,
+    tls: TlsMode,
+    max_options: u32,
+    handshake_timeout: Duration,
+    shutting: AtomicBool,
+    live: Arc<AtomicUsize>,
+    reactors: Vec<(Sender<Msg>, Arc<OwnedFd>)>,
+    next: AtomicUsize,
+}
+
+fn eventfd() -> Result<Arc<OwnedFd>, Error> {
+    // SAFETY: plain syscall; the fd is owned by the OwnedFd from here on.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(Error::last_os("serve: eventfd"));
+    }
+    // SAFETY: fd is a fresh descriptor nobody else owns.
+    Ok(Arc::new(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+fn wake(fd: &OwnedFd) {
+    let one = 1u64;
+    // SAFETY: writes 8 bytes from `one` to our own eventfd.
+    unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+}
+
+enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener, Option<PathBuf>),
+}
+
+impl Listener {
+    fn fd(&self) -> RawFd {
+        match self {
+            Listener::Tcp(l) => l.as_raw_fd(),
+            Listener::Unix(l, _) => l.as_raw_fd(),
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Listener::Unix(_, Some(path)) = self {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+fn bind(l: &Listen) -> Result<(Listener, String), Error> {
+    match l {
+        Listen::Tcp(addr) => {
+            let addrs: Vec<SocketAddr> = addr
+                .to_socket_addrs()
+                .map_err(|e| Error::os(format!("--listen tcp:{addr}"), e))?
+                .collect();
+            let listener = TcpListener::bind(&addrs[..])
+                .map_err(|e| Error::os(format!("--listen tcp:{addr}: bind"), e))?;
+            let shown = listener
+                .local_addr()
+                .map(|a| format!("tcp:{a}"))
+                .unwrap_or_else(|_| format!("tcp:{addr}"));
+            Ok((Listener::Tcp(listener), shown))
+        }
+        Listen::Unix(path) => {
+            if let Ok(meta) = std::fs::symlink_metadata(path) {
+                if !meta.file_type().is_socket() {
+                    return Err(Error::Invalid(format!(
+                        "--listen unix:{}: the path exists and is not a socket",
+                        path.display()
+                    )));
+                }
+                if UnixStream::connect(path).is_ok() {
+                    return Err(Error::Invalid(format!(
+                        "--listen unix:{}: another server is listening there",
+                        path.display()
+                    )));
+                }
+                // A stale socket from a server that is gone.
+                let _ = std::fs::remove_file(path);
+            }
+            let listener = UnixListener::bind(path)
+                .map_err(|e| Error::os(format!("--listen unix:{}: bind", path.display()), e))?;
+            Ok((
+                Listener::Unix(listener, Some(path.clone())),
+                format!("unix:{}", path.display()),
+            ))
+        }
+    }
+}
+
+/// Listeners passed by systemd-style socket activation (`LISTEN_PID`, `LISTEN_FDS`).
+fn activated() -> Vec<(Listener, String)> {
+    let pid_ok = std::env::var("LISTEN_PID")
+        .ok()
+        .and_then(|p| p.parse::<u32>().ok())
+        == Some(std::process::id());
+    let n = std::env::var("LISTEN_FDS")
+        .ok()
+        .and_then(|n| n.parse::<i32>().ok())
+        .unwrap_or(0);
+    if !pid_ok || n <= 0 {
+        return Vec::new();
+    }
+    (3..3 + n)
+        .map(|fd| {
+            // SAFETY: the service manager passed these descriptors to us.
+            unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+            let mut domain: libc::c_int = 0;
+            let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+            // SAFETY: reads one int option of a socket we own into `domain`.
+            unsafe {
+                libc::getsockopt(
+                    fd,
+                    libc::SOL_SOCKET,
+                    libc::SO_DOMAIN,
+                    (&mut domain as *mut libc::c_int).cast(),
+                    &mut len,
+                )
+            };
+            // SAFETY: the descriptor is ours from here on (systemd's convention).
+            if domain == libc::AF_UNIX {
+                let l = unsafe { UnixListener::from_raw_fd(fd) };
+                (Listener::Unix(l, None), format!("fd:{fd} (unix)"))
+            } else {
+                let l = unsafe { TcpListener::from_raw_fd(fd) };
+                (Listener::Tcp(l), format!("fd:{fd} (tcp)"))
+            }
+        })
+        .collect()
+}
+
+/// Blocks SIGTERM, SIGINT and SIGHUP in this thread (and the threads it starts), and
+/// returns a signalfd that reads them.
+fn signal_fd() -> Result<OwnedFd, Error> {
+    // SAFETY: sigset manipulation on a local, then a mask change for this thread.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGHUP);
+        if libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) != 0 {
+            return Err(Error::last_os("serve: block signals"));
+        }
+        let fd = libc::signalfd(-1, &set, libc::SFD_CLOEXEC | libc::SFD_NONBLOCK);
+        if fd < 0 {
+            return Err(Error::last_os("serve: signalfd"));
+        }
+        Ok(OwnedFd::from_raw_fd(fd))
+    }
+}
+
+/// Serves `exports` until SIGTERM or SIGINT; `ready` gets the addresses once listening.
+pub fn serve(
+    config: Config,
+    exports: Vec<Export>,
+    ready: impl FnOnce(&[String]),
+) -> Result<(), Error> {
+    if exports.is_empty() {
+        return Err(Error::Invalid("nothing to serve: no exports".into()));
+    }
+    let signals = signal_fd()?;
+    let mut listeners = activated();
+    for l in &config.listen {
+        listeners.push(bind(l)?);
+    }
+    if listeners.is_empty() {
+        return Err(Error::Invalid(
+            "no --listen address and no socket activation".into(),
+        ));
+    }
+    for (l, _) in &listeners {
+        // SAFETY: sets O_NONBLOCK on our own listening socket.
+        unsafe {
+            let flags = libc::fcntl(l.fd(), libc::F_GETFL);
+            libc::fcntl(l.fd(), libc::F_SETFL, flags | libc::O_NONBLOCK);
+        }
+    }
+    let catalog = Catalog {
+        exports: exports.iter().map(|e| e.info.clone()).collect(),
+    };
+    let exports = Arc::new(exports);
+    let live = Arc::new(AtomicUsize::new(0));
+    let mut threads = Vec::new();
+    let mut reactors = Vec::new();
+    for i in 0..config.threads.max(1) {
+        let (tx, rx) = mpsc::channel::<Msg>();
+        let wake_fd = eventfd()?;
+        let (ready_tx, ready_rx) = mpsc::channel::<Result<(), Error>>();
+        let (exports, live, w, switches, limits) = (
+            exports.clone(),
+            live.clone(),
+            wake_fd.clone(),
+            config.switches,
+            config.limits,
+        );
+        let t = std::thread::Builder::new()
+            .name(format!("cairn-serve{i}"))
+            .spawn(move || {
+                let reactor = match Reactor::new(switches) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let lp = match ServerLoop::start(reactor.core(), exports, rx, w, live, limits) {
+                    Ok(lp) => lp,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let _ = ready_tx.send(Ok(()));
+                reactor.run();
+                reactor.drain(cairn_core::clock::monotonic_ns() + 10_000_000_000);
+                drop(lp);
+            })
+            .map_err(|e| Error::os("serve: start a reactor thread", e))?;
+        ready_rx
+            .recv()
+            .map_err(|_| Error::Invalid("serve: a reactor thread exited".into()))??;
+        threads.push(t);
+        reactors.push((tx, wake_fd));
+    }
+    let shared = Arc::new(Shared {
+        catalog,
+        tls: config.tls,
+        max_options: config.max_options,
+        handshake_timeout: config.handshake_timeout,
+        shutting: AtomicBool::new(false),
+        live: live.clone(),
+        reactors,
+        next: AtomicUsize::new(0),
+    });
+    let shown: Vec<String> = listeners.iter().map(|(_, s)| s.clone()).collect();
+    ready(&shown);
+
+    // Accept until a signal arrives.
+    let mut fds: Vec<libc::pollfd> = listeners
+        .iter()
+        .map(|(l, _)| libc::pollfd {
+            fd: l.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    fds.push(libc::pollfd {
+        fd: signals.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    });
+    'accept: loop {
+        // SAFETY: polls our own descriptors, described by `fds`.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        if n < 0 {
+            if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Error::last_os("serve: poll"));
+        }
+        if fds.last().is_some_and(|p| p.revents != 0) {
+            let mut info = [0u8; 128];
+            // SAFETY: reads one signalfd_siginfo (128 bytes) into `info`.
+            unsafe { libc::read(signals.as_raw_fd(), info.as_mut_ptr().cast(), info.len()) };
+            let signo = u32::from_ne_bytes([info[0], info[1], info[2], info[3]]);
+            eprintln!(
+                "cairn: serve: signal {signo} received: finishing requests in flight, flushing, closing"
+            );
+            break 'accept;
+        }
+        for (i, (l, _)) in listeners.iter().enumerate() {
+            if fds[i].revents == 0 {
+                continue;
+            }
+            loop {
+                let accepted = match l {
+                    Listener::Tcp(t) => t
+                        .accept()
+                        .map(|(s, a)| (OwnedFd::from(s), a.to_string(), true)),
+                    Listener::Unix(u, _) => u
+                        .accept()
+                        .map(|(s, _)| (OwnedFd::from(s), "unix".to_string(), false)),
+                };
+                match accepted {
+                    Ok((fd, peer, tcp)) => {
+                        if live.fetch_add(1, Ordering::Relaxed) >= config.max_connections {
+                            live.fetch_sub(1, Ordering::Relaxed);
+                            eprintln!(
+                                "cairn: serve: {peer}: refused, {} connections already (--max-connections)",
+                                config.max_connections
+                            );
+                            continue;
+                        }
+                        let shared = shared.clone();
+                        let started = std::thread::Builder::new()
+                            .name("cairn-handshake".into())
+                            .spawn(move || {
+                                if !handshake(fd, &peer, tcp, &shared) {
+                                    shared.live.fetch_sub(1, Ordering::Relaxed);
+                                }
+                            });
+                        if started.is_err() {
+                            live.fetch_sub(1, Ordering::Relaxed);
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        // Out of descriptors and the like: log, keep serving.
+                        eprintln!("cairn: serve: accept: {e}");
+                        std::thread::sleep(Duration::from_millis(10));
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    // Stop accepting, then let every reactor finish its connections.
+    drop(listeners);
+    shared.shutting.store(true, Ordering::SeqCst);
+    for (tx, w) in &shared.reactors {
+        let _ = tx.send(Msg::Shutdown);
+        wake(w);
+    }
+    for t in threads {
+        let _ = t.join();
+    }
+    Ok(())
+}
+
+fn set_nodelay(fd: RawFd) {
+    let one: libc::c_int = 1;
+    // SAFETY: sets one int option on our own socket.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_NODELAY,
+            (&one as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+}
+
+/// Runs one handshake; on success the connection is on a reactor and counted there.
+fn handshake(fd: OwnedFd, peer: &str, tcp: bool, shared: &Shared) -> bool {
+    if tcp {
+        set_nodelay(fd.as_raw_fd());
+    }
+    let mut s = UnixStream::from(fd);
+    let deadline = Instant::now() + shared.handshake_timeout;
+    match negotiate(&mut s, shared, deadline) {
+        Ok(Some(session)) => {
+            let _ = s.set_read_timeout(None);
+            let _ = s.set_write_timeout(None);
+            let i = shared.next.fetch_add(1, Ordering::Relaxed) % shared.reactors.len();
+            let (tx, w) = &shared.reactors[i];
+            let nc = NewConn {
+                fd: OwnedFd::from(s),
+                session,
+                peer: peer.to_string(),
+            };
+            if tx.send(Msg::Conn(nc)).is_err() {
+                return false;
+            }
+            wake(w);
+            true
+        }
+        Ok(None) => false,
+        Err(e) => {
+            if e.kind() != std::io::ErrorKind::UnexpectedEof {
+                eprintln!("cairn: serve: {peer}: handshake: {e}");
+            }
+            false
+        }
+    }
+}
+
+fn remaining(deadline: Instant) -> std::io::Result<Duration> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "took longer than --handshake-timeout",
+        ));
+    }
+    Ok(left)
+}
+
+fn read_exact(s: &mut UnixStream, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
+    s.set_read_timeout(Some(remaining(deadline)?))?;
+    s.read_exact(buf).map_err(|e| {
+        if matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ) {
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "took longer than --handshake-timeout",
+            )
+        } else {
+            e
+        }
+    })
+}
+
+fn write_all(s: &mut UnixStream, buf: &[u8], deadline: Instant) -> std::io::Result<()> {
+    s.set_write_timeout(Some(remaining(deadline)?))?;
+    s.write_all(buf)
+}
+
+/// The fixed newstyle handshake; `Ok(None)` when the client left or was refused.
+fn negotiate(
+    s: &mut UnixStream,
+    shared: &Shared,
+    deadline: Instant,
+) -> std::io::Result<Option<crate::handshake::Session>> {
+    let mut hello = Vec::with_capacity(18);
+    hello.extend_from_slice(&proto::NBDMAGIC.to_be_bytes());
+    hello.extend_from_slice(&proto::IHAVEOPT.to_be_bytes());
+    hello.extend_from_slice(&(proto::FLAG_FIXED_NEWSTYLE | proto::FLAG_NO_ZEROES).to_be_bytes());
+    write_all(s, &hello, deadline)?;
+    let mut cf = [0u8; 4];
+    read_exact(s, &mut cf, deadline)?;
+    let client_flags = u32::from_be_bytes(cf);
+    if client_flags & !(proto::FLAG_C_FIXED_NEWSTYLE | proto::FLAG_C_NO_ZEROES) != 0 {
+        // Unknown client flags: the protocol says to close.
+        return Ok(None);
+    }
+    let mut neg = Negotiator::new(&shared.catalog, shared.tls, client_flags);
+    let mut out = Vec::with_capacity(256);
+    let mut data = Vec::new();
+    for _ in 0..shared.max_options {
+        if shared.shutting.load(Ordering::Relaxed) {
+            neg.shut_down();
+        }
+        let mut hb = [0u8; proto::OPTION_HEADER];
+        read_exact(s, &mut hb, deadline)?;
+        let Some(h) = proto::parse_option_header(&hb) else {
+            return Ok(None);
+        };
+        out.clear();
+        if h.len > OPTION_DATA_MAX {
+            if h.len > OPTION_SKIP_MAX {
+                return Ok(None);
+            }
+            let mut left = h.len as usize;
+            let mut sink = [0u8; 4096];
+            while left > 0 {
+                let n = left.min(sink.len());
+                read_exact(s, &mut sink[..n], deadline)?;
+                left -= n;
+            }
+            proto::put_option_reply(
+                &mut out,
+                h.option,
+                proto::rep::ERR_TOO_BIG,
+                b"option data too large",
+            );
+            write_all(s, &out, deadline)?;
+            continue;
+        }
+        data.resize(h.len as usize, 0);
+        read_exact(s, &mut data, deadline)?;
+        let step = neg.option(h, &data, &mut out);
+        write_all(s, &out, deadline)?;
+        match step {
+            Step::Continue => {}
+            Step::Close => return Ok(None),
+            Step::Go(session) => return Ok(Some(session)),
+            Step::StartTls => {
+                // TLS is not configured in this build path; the negotiator refuses
+                // STARTTLS with ERR_POLICY when TLS is off, so this is not reached.
+                return Ok(None);
+            }
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::InvalidData,
+        format!("more than {} options (--max-options)", shared.max_options),
+    ))
+}
