@@ -162,6 +162,20 @@ impl MemStore {
         }
     }
 
+    /// How `[offset, offset+len)` is allocated, at region granularity: a region never
+    /// written is a hole; a mapped one is data (it may hold zeros, which is allowed).
+    pub fn extents(&self, offset: u64, len: u64, out: &mut Vec<cairn_core::Extent>) {
+        use cairn_core::Extent;
+        for (index, _, n, _) in Self::pieces(offset, len) {
+            let e = if self.region(index).is_null() {
+                Extent::hole(n as u64)
+            } else {
+                Extent::data(n as u64)
+            };
+            Extent::push(out, e);
+        }
+    }
+
     /// Makes `[offset, offset+len)` read as zeros, giving whole pages back to the kernel.
     pub fn zero(&self, offset: u64, len: u64) {
         debug_assert!(offset + len <= self.size_bytes);
@@ -291,6 +305,16 @@ impl Device for MemDevice {
 
     fn geometry(&self) -> Geometry {
         self.geometry
+    }
+
+    fn extents(
+        &self,
+        offset: u64,
+        len: u64,
+        out: &mut Vec<cairn_core::Extent>,
+    ) -> Result<(), Error> {
+        self.store.extents(offset, len, out);
+        Ok(())
     }
 
     fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {

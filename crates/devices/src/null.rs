@@ -44,6 +44,16 @@ impl Device for NullDevice {
         self.geometry
     }
 
+    fn extents(
+        &self,
+        _offset: u64,
+        len: u64,
+        out: &mut Vec<cairn_core::Extent>,
+    ) -> Result<(), Error> {
+        cairn_core::Extent::push(out, cairn_core::Extent::hole(len));
+        Ok(())
+    }
+
     fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
         Ok(Rc::new(NullQueue {
             core: core.clone(),

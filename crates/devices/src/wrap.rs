@@ -218,6 +218,15 @@ impl Device for WrapDevice {
         queue.sink.set(core.register_sink(queue.clone()));
         Ok(queue)
     }
+    fn extents(
+        &self,
+        offset: u64,
+        len: u64,
+        out: &mut Vec<cairn_core::Extent>,
+    ) -> Result<(), Error> {
+        self.base.extents(offset, len, out)
+    }
+
     fn children(&self) -> Vec<Arc<dyn Device>> {
         vec![self.base.clone()]
     }

@@ -180,6 +180,58 @@ impl Device for FileDevice {
         self.geometry
     }
 
+    fn extents(
+        &self,
+        offset: u64,
+        len: u64,
+        out: &mut Vec<cairn_core::Extent>,
+    ) -> Result<(), Error> {
+        use cairn_core::Extent;
+        let end = offset + len;
+        if self.block_device {
+            Extent::push(out, Extent::data(len));
+            return Ok(());
+        }
+        let fd = self.shared.fd();
+        let mut at = offset;
+        while at < end {
+            // SAFETY: lseek on our own descriptor; the file position is not used for I/O
+            // (every engine reads and writes at explicit offsets).
+            let data = unsafe { libc::lseek(fd, at as libc::off_t, libc::SEEK_DATA) };
+            if data < 0 {
+                let e = std::io::Error::last_os_error();
+                match e.raw_os_error() {
+                    // No data after `at`: the rest is a hole.
+                    Some(libc::ENXIO) => {
+                        Extent::push(out, Extent::hole(end - at));
+                        return Ok(());
+                    }
+                    // The file system cannot tell: call it all data.
+                    Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) => {
+                        Extent::push(out, Extent::data(end - at));
+                        return Ok(());
+                    }
+                    _ => return Err(Error::os(format!("{}: SEEK_DATA", self.name), e)),
+                }
+            }
+            let data = (data as u64).min(end);
+            Extent::push(out, Extent::hole(data - at));
+            if data >= end {
+                break;
+            }
+            // SAFETY: as above.
+            let hole = unsafe { libc::lseek(fd, data as libc::off_t, libc::SEEK_HOLE) };
+            let hole = if hole < 0 {
+                end
+            } else {
+                (hole as u64).min(end)
+            };
+            Extent::push(out, Extent::data(hole - data));
+            at = hole;
+        }
+        Ok(())
+    }
+
     fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
         let inner = match self.engine {
             Engine::IoUring => uring::UringQueue::open(core, self.shared.clone())?,

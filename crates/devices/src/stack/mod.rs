@@ -183,6 +183,44 @@ impl Device for StackDevice {
         self.members.clone()
     }
 
+    fn extents(
+        &self,
+        offset: u64,
+        len: u64,
+        out: &mut Vec<cairn_core::Extent>,
+    ) -> Result<(), Error> {
+        // Piece by piece from the first healthy copy; stop early on a long map (callers
+        // ask again from where it ends).
+        const MAX_EXTENTS: usize = 4096;
+        let end = offset + len;
+        let mut at = offset;
+        let mut piece = Vec::new();
+        while at < end && out.len() < MAX_EXTENTS {
+            let n = self.layout.piece_len(at, end - at);
+            let copy = (0..self.layout.copies())
+                .find(|&k| self.health.ok(self.layout.locate(at, k).0))
+                .unwrap_or(0);
+            let (member, member_offset) = self.layout.locate(at, copy);
+            piece.clear();
+            self.members[member].extents(member_offset, n, &mut piece)?;
+            let mut got = 0;
+            for e in &piece {
+                let l = e.len.min(n - got);
+                cairn_core::Extent::push(out, cairn_core::Extent { len: l, ..*e });
+                got += l;
+                if got == n {
+                    break;
+                }
+            }
+            if got < n {
+                // The member stopped early: so do we.
+                break;
+            }
+            at += n;
+        }
+        Ok(())
+    }
+
     fn failed_members(&self) -> Vec<String> {
         (0..self.members.len())
             .filter(|&m| !self.health.ok(m))
