@@ -169,6 +169,24 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
         }
     };
     let switches = global.switches(&tuning)?;
+    let tls = match (args.tls, &args.tls_certificates) {
+        (Some(settings::TlsArg::Off), _) => cairn_nbd::TlsMode::Off,
+        (None, None) => cairn_nbd::TlsMode::Off,
+        (Some(settings::TlsArg::On), None) | (Some(settings::TlsArg::Require), None) => {
+            return Err("--tls on|require needs --tls-certificates DIR".into())
+        }
+        (Some(settings::TlsArg::Require), Some(_)) => cairn_nbd::TlsMode::Required,
+        (_, Some(_)) => cairn_nbd::TlsMode::Optional,
+    };
+    if args.tls_verify_peer && tls == cairn_nbd::TlsMode::Off {
+        return Err("--tls-verify-peer needs --tls-certificates DIR".into());
+    }
+    let tls_config = match (&args.tls_certificates, tls) {
+        (Some(dir), t) if t != cairn_nbd::TlsMode::Off => {
+            Some(cairn_nbd::tls::load(dir, args.tls_verify_peer).map_err(|e| e.to_string())?)
+        }
+        _ => None,
+    };
     let exports: Vec<cairn_nbd::Export> = chosen
         .into_iter()
         .map(|(name, device, read_only, description, default)| {
@@ -224,7 +242,8 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
         max_connections: args.max_connections,
         max_options: args.max_options,
         handshake_timeout: limits.handshake_timeout,
-        tls: cairn_nbd::TlsMode::Off,
+        tls,
+        tls_config,
         switches,
     };
     let summary: Vec<String> = exports

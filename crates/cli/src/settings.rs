@@ -207,6 +207,9 @@ An export table names a top-level device:
   description = \"...\"   # shown by nbdinfo --list
   default = true        # chosen by clients that ask for the empty name
 
+TLS: --tls-certificates DIR offers STARTTLS (server-cert.pem, server-key.pem; clients use
+nbds:// URIs); --tls require refuses every option but STARTTLS before TLS is up.
+
 Listening: --listen tcp:HOST:PORT and --listen unix:PATH, repeatable (default
 tcp:127.0.0.1:10809: loopback only). Sockets passed by systemd (LISTEN_FDS) are used too.
 SIGTERM or SIGINT: stop accepting, finish requests in flight, flush, answer later requests
@@ -251,6 +254,24 @@ pub struct ServeArgs {
     /// Longest a handshake may take.
     #[arg(long, value_name = "TIME", default_value = "10s")]
     pub handshake_timeout: String,
+    /// TLS: off, on (offered through STARTTLS), or require (nothing but STARTTLS before
+    /// TLS is up). Default: on when --tls-certificates is given, else off.
+    #[arg(long, value_enum)]
+    pub tls: Option<TlsArg>,
+    /// Directory with server-cert.pem and server-key.pem (and ca-cert.pem for
+    /// --tls-verify-peer), laid out as for nbdkit and QEMU.
+    #[arg(long, value_name = "DIR")]
+    pub tls_certificates: Option<PathBuf>,
+    /// Require client certificates signed by ca-cert.pem.
+    #[arg(long)]
+    pub tls_verify_peer: bool,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TlsArg {
+    Off,
+    On,
+    Require,
 }
 
 /// Validated `serve` limits.

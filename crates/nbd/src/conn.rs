@@ -13,6 +13,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
+use std::io::Write;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -46,12 +47,14 @@ pub struct NewConn {
     pub session: Session,
     /// Where the client is, for logs.
     pub peer: String,
+    /// The TLS session, if the client started TLS.
+    pub tls: Option<rustls::ServerConnection>,
 }
 
 /// Messages to a reactor's server loop.
 pub enum Msg {
     /// Serve this connection.
-    Conn(NewConn),
+    Conn(Box<NewConn>),
     /// Stop: finish what is in flight, flush, answer the rest with ESHUTDOWN, close.
     Shutdown,
 }
@@ -78,6 +81,20 @@ const SKIP_MAX: u64 = 64 << 20;
 
 const RECV: u64 = 1;
 const SEND: u64 = 2;
+/// Ciphertext received per `recv` on a TLS connection.
+const RAW_IN: usize = 64 << 10;
+
+/// A TLS connection's ciphertext buffers around the rustls session.
+struct TlsIo {
+    conn: rustls::ServerConnection,
+    raw_in: Box<[u8]>,
+    /// Received ciphertext not yet given to rustls: `raw_in[raw_pos..raw_len]`.
+    raw_pos: usize,
+    raw_len: usize,
+    raw_out: Vec<u8>,
+    raw_sent: usize,
+}
+
 /// Token of the flush a connection sends on shutdown (never a request index).
 const SHUTDOWN_FLUSH: u32 = u32::MAX;
 
@@ -107,6 +124,14 @@ struct Req {
     then_flush: bool,
 }
 
+/// Where the receive in flight writes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum RecvTarget {
+    Inbuf,
+    Payload,
+    Raw,
+}
+
 /// Where the next received bytes go.
 enum Rx {
     /// Request headers, into the input buffer.
@@ -123,6 +148,7 @@ struct ConnState {
     re: usize,
     rx: Rx,
     recv_armed: bool,
+    recv_target: RecvTarget,
     send_armed: bool,
     dirty: bool,
     reqs: Vec<Req>,
@@ -141,6 +167,64 @@ struct ConnState {
     /// Waiting for a buffer or room in the output queue.
     blocked: bool,
     shutdown_flush: ShutdownFlush,
+    tls: Option<Box<TlsIo>>,
+}
+
+impl ConnState {
+    /// Whether replies are waiting to go out (segments, or ciphertext on TLS).
+    fn output_pending(&self) -> bool {
+        !self.out.is_empty()
+            || self
+                .tls
+                .as_ref()
+                .is_some_and(|t| t.raw_sent < t.raw_out.len() || t.conn.wants_write())
+    }
+
+    /// Moves decrypted bytes from the TLS session into the input buffer, feeding rustls
+    /// the received ciphertext a record at a time (its plaintext buffer is small). Marks
+    /// the connection dead on a TLS error.
+    fn pump_tls(&mut self, peer: &str) {
+        let ConnState {
+            tls,
+            inbuf,
+            rs,
+            re,
+            dead,
+            ..
+        } = self;
+        let Some(t) = tls.as_mut() else { return };
+        loop {
+            if *rs > 0 && (*rs == *re || *re == inbuf.len()) {
+                inbuf.copy_within(*rs..*re, 0);
+                *re -= *rs;
+                *rs = 0;
+            }
+            while *re < inbuf.len() {
+                match std::io::Read::read(&mut t.conn.reader(), &mut inbuf[*re..]) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => *re += n,
+                }
+            }
+            if *re == inbuf.len() || t.raw_pos == t.raw_len {
+                return;
+            }
+            let mut rd = &t.raw_in[t.raw_pos..t.raw_len];
+            let before = rd.len();
+            let fed = t.conn.read_tls(&mut rd);
+            t.raw_pos += before - rd.len();
+            let processed = fed.map_err(|e| e.to_string()).and_then(|_| {
+                t.conn
+                    .process_new_packets()
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            });
+            if let Err(e) = processed {
+                eprintln!("cairn: serve: {peer}: TLS: {e}");
+                *dead = true;
+                return;
+            }
+        }
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -280,6 +364,7 @@ impl ServerLoop {
                 re: 0,
                 rx: Rx::Header,
                 recv_armed: false,
+                recv_target: RecvTarget::Inbuf,
                 send_armed: false,
                 dirty: false,
                 reqs: Vec::with_capacity(MAX_PENDING),
@@ -294,6 +379,18 @@ impl ServerLoop {
                 dead: false,
                 blocked: false,
                 shutdown_flush: ShutdownFlush::NotYet,
+                tls: nc.tls.map(|mut c| {
+                    // Replies are bounded by the connection's own limits.
+                    c.set_buffer_limit(None);
+                    Box::new(TlsIo {
+                        conn: c,
+                        raw_in: vec![0u8; RAW_IN].into_boxed_slice(),
+                        raw_pos: 0,
+                        raw_len: 0,
+                        raw_out: Vec::with_capacity(RAW_IN),
+                        raw_sent: 0,
+                    })
+                }),
             }),
         });
         self.conns.borrow_mut()[index as usize] = Some(conn.clone());
@@ -302,10 +399,14 @@ impl ServerLoop {
             st.eof = true;
         }
         self.mark_dirty(&conn, &mut st);
+        drop(st);
+        // A TLS session may hold requests that arrived with the end of the handshake.
+        self.process(&conn);
     }
 
     /// Parses and starts every complete request in the input.
     fn process(&self, conn: &Conn) {
+        conn.st.borrow_mut().pump_tls(&conn.peer);
         loop {
             let next = {
                 let mut st = conn.st.borrow_mut();
@@ -420,7 +521,31 @@ impl ServerLoop {
             return Next::Stop;
         }
         match st.rx {
-            Rx::Payload { .. } => return Next::Stop,
+            Rx::Payload { req, got } => {
+                // Payload bytes that came with the header (or through TLS) are in the
+                // input buffer; the rest is received straight into the request buffer.
+                let want = st.reqs[req as usize].len - got;
+                let n = (st.re - st.rs).min(want as usize);
+                if n == 0 {
+                    return Next::Stop;
+                }
+                let (rs, got_us) = (st.rs, got as usize);
+                let ConnState { inbuf, reqs, .. } = &mut *st;
+                if let Some(b) = reqs[req as usize].buf.as_mut() {
+                    b.as_mut_slice()[got_us..got_us + n].copy_from_slice(&inbuf[rs..rs + n]);
+                }
+                st.rs += n;
+                if n < want as usize {
+                    st.rx = Rx::Payload {
+                        req,
+                        got: got + n as u32,
+                    };
+                    return Next::Stop;
+                }
+                st.rx = Rx::Header;
+                st.in_flight += 1;
+                return Next::Submit(self.write_io(conn, st, req));
+            }
             Rx::Skip {
                 left,
                 cookie,
@@ -666,6 +791,27 @@ impl ServerLoop {
         Next::Submit(io)
     }
 
+    /// The device write for request `req`, whose payload has fully arrived.
+    fn write_io(&self, conn: &Conn, st: &mut ConnState, req: u32) -> Io {
+        let r = &mut st.reqs[req as usize];
+        let mut flags = IoFlags::NONE;
+        if r.flags & cflags::FUA != 0 {
+            flags = flags.with(IoFlags::FUA);
+        }
+        Io {
+            op: Op::Write,
+            flags,
+            offset: r.offset,
+            len: u64::from(r.len),
+            buf: r
+                .buf
+                .as_mut()
+                .map_or(std::ptr::null_mut(), |b| b.as_mut_ptr()),
+            sink: self.sink.get(),
+            token: (u64::from(conn.index) << 32) | u64::from(req),
+        }
+    }
+
     /// Answers a block status request from the device's allocation map.
     fn block_status(&self, conn: &Conn, st: &mut ConnState, r: &proto::Request) -> Next {
         let device = &self.exports[conn.export].device;
@@ -750,37 +896,30 @@ impl ServerLoop {
                 None
             } else {
                 let n = res as usize;
-                match st.rx {
-                    Rx::Payload { req, got } => {
-                        let got = got + n as u32;
-                        let r = &st.reqs[req as usize];
-                        if got < r.len {
-                            st.rx = Rx::Payload { req, got };
-                            None
-                        } else {
-                            st.rx = Rx::Header;
-                            st.in_flight += 1;
-                            let r = &mut st.reqs[req as usize];
-                            let mut flags = IoFlags::NONE;
-                            if r.flags & cflags::FUA != 0 {
-                                flags = flags.with(IoFlags::FUA);
+                match st.recv_target {
+                    RecvTarget::Payload => match st.rx {
+                        Rx::Payload { req, got } => {
+                            let got = got + n as u32;
+                            if got < st.reqs[req as usize].len {
+                                st.rx = Rx::Payload { req, got };
+                                None
+                            } else {
+                                st.rx = Rx::Header;
+                                st.in_flight += 1;
+                                Some(self.write_io(conn, &mut st, req))
                             }
-                            Some(Io {
-                                op: Op::Write,
-                                flags,
-                                offset: r.offset,
-                                len: u64::from(r.len),
-                                buf: r
-                                    .buf
-                                    .as_mut()
-                                    .map_or(std::ptr::null_mut(), |b| b.as_mut_ptr()),
-                                sink: self.sink.get(),
-                                token: (u64::from(conn.index) << 32) | u64::from(req),
-                            })
                         }
-                    }
-                    _ => {
+                        _ => None,
+                    },
+                    RecvTarget::Inbuf => {
                         st.re += n;
+                        None
+                    }
+                    RecvTarget::Raw => {
+                        if let Some(t) = st.tls.as_mut() {
+                            t.raw_pos = 0;
+                            t.raw_len = n;
+                        }
                         None
                     }
                 }
@@ -805,6 +944,12 @@ impl ServerLoop {
                 );
             }
             st.dead = true;
+        } else if let Some(t) = st.tls.as_mut() {
+            t.raw_sent += res as usize;
+            if t.raw_sent >= t.raw_out.len() {
+                t.raw_out.clear();
+                t.raw_sent = 0;
+            }
         } else {
             let mut n = res as usize + st.out_sent;
             st.out_sent = 0;
@@ -833,7 +978,7 @@ impl ServerLoop {
         let mut st = conn.st.borrow_mut();
         st.dirty = false;
         let fd = conn.fd.as_raw_fd();
-        let finished = st.in_flight == 0 && st.out.is_empty() && !self.awaiting_flush(&st);
+        let finished = st.in_flight == 0 && !st.output_pending() && !self.awaiting_flush(&st);
         if st.dead || (st.eof && finished) {
             if st.recv_armed || st.send_armed {
                 // Make a pending receive or send finish now; we are called again then.
@@ -846,8 +991,12 @@ impl ServerLoop {
             // Else device requests are in flight: their completions call us again.
             return;
         }
-        if !st.send_armed && !st.out.is_empty() {
-            self.push_send(conn, &mut st, fd);
+        if !st.send_armed && st.output_pending() {
+            if st.tls.is_some() {
+                self.push_send_tls(conn, &mut st, fd);
+            } else {
+                self.push_send(conn, &mut st, fd);
+            }
         }
         if !st.recv_armed && !st.eof {
             self.push_recv(conn, &mut st, fd);
@@ -909,9 +1058,77 @@ impl ServerLoop {
         };
     }
 
+    /// Encrypts every waiting reply and sends the ciphertext.
+    fn push_send_tls(&self, conn: &Conn, st: &mut ConnState, fd: RawFd) {
+        let ConnState { out, pool, tls, .. } = st;
+        let Some(t) = tls.as_mut() else { return };
+        if t.raw_sent == t.raw_out.len() {
+            t.raw_out.clear();
+            t.raw_sent = 0;
+            while let Some(seg) = out.pop_front() {
+                let mut w = t.conn.writer();
+                let mut ok = w.write_all(&seg.head[..usize::from(seg.head_len)]).is_ok();
+                if let Some(b) = seg.buf {
+                    ok &= w.write_all(&b.as_slice()[..seg.data_len as usize]).is_ok();
+                    pool.put(b);
+                }
+                if !ok {
+                    st.dead = true;
+                    return;
+                }
+            }
+            while t.conn.wants_write() {
+                if t.conn.write_tls(&mut t.raw_out).is_err() {
+                    break;
+                }
+            }
+        }
+        if t.raw_sent == t.raw_out.len() {
+            return;
+        }
+        let entry = opcode::Send::new(
+            types::Fd(fd),
+            t.raw_out[t.raw_sent..].as_ptr(),
+            (t.raw_out.len() - t.raw_sent) as u32,
+        )
+        .flags(libc::MSG_NOSIGNAL)
+        .build();
+        st.send_armed = true;
+        // SAFETY: the ciphertext buffer is not touched (no more is appended) until this
+        // SQE completes, and the connection is not freed while an SQE is in flight.
+        unsafe {
+            self.core
+                .push_sqe(self.user.get(), (u64::from(conn.index) << 8) | SEND, entry)
+        };
+    }
+
     fn push_recv(&self, conn: &Conn, st: &mut ConnState, fd: RawFd) {
+        if st.tls.is_some() {
+            // Only once rustls has every byte received so far, and decrypted input has
+            // somewhere to go.
+            st.pump_tls(&conn.peer);
+            if st.re == st.inbuf.len() || st.dead {
+                return;
+            }
+            let Some(t) = st.tls.as_mut() else { return };
+            if t.raw_pos < t.raw_len {
+                return;
+            }
+            let entry =
+                opcode::Recv::new(types::Fd(fd), t.raw_in.as_mut_ptr(), RAW_IN as u32).build();
+            st.recv_armed = true;
+            st.recv_target = RecvTarget::Raw;
+            // SAFETY: the ciphertext buffer belongs to the connection and is not touched
+            // until this SQE completes.
+            unsafe {
+                self.core
+                    .push_sqe(self.user.get(), (u64::from(conn.index) << 8) | RECV, entry)
+            };
+            return;
+        }
+        let direct = matches!(st.rx, Rx::Payload { .. }) && st.rs == st.re;
         let (ptr, len) = match st.rx {
-            Rx::Payload { req, got } => {
+            Rx::Payload { req, got } if direct => {
                 let r = &mut st.reqs[req as usize];
                 let Some(b) = r.buf.as_mut() else { return };
                 // SAFETY: got < r.len <= the buffer's length.
@@ -940,6 +1157,11 @@ impl ServerLoop {
         };
         let entry = opcode::Recv::new(types::Fd(fd), ptr, len as u32).build();
         st.recv_armed = true;
+        st.recv_target = if direct {
+            RecvTarget::Payload
+        } else {
+            RecvTarget::Inbuf
+        };
         // SAFETY: the target (input buffer or request buffer) belongs to the connection
         // and is not touched or freed until this SQE completes.
         unsafe {
@@ -1091,7 +1313,7 @@ impl Poller for ServerLoop {
         loop {
             match self.inbox.try_recv() {
                 Ok(Msg::Conn(c)) => {
-                    self.accept(c);
+                    self.accept(*c);
                     n += 1;
                 }
                 Ok(Msg::Shutdown) | Err(TryRecvError::Disconnected) => {

@@ -8,6 +8,7 @@ pub mod handshake;
 pub mod pool;
 pub mod proto;
 pub mod server;
+pub mod tls;
 
 pub use conn::{Export, Limits};
 pub use handshake::{Catalog, ExportInfo, TlsMode};

@@ -84,6 +84,8 @@ pub struct Config {
     pub handshake_timeout: Duration,
     /// TLS offered or required.
     pub tls: TlsMode,
+    /// Certificates for STARTTLS (required unless `tls` is off).
+    pub tls_config: Option<Arc<rustls::ServerConfig>>,
     /// Engine switches for the reactors.
     pub switches: Switches,
 }
@@ -96,6 +98,7 @@ const OPTION_SKIP_MAX: u32 = 1 << 20;
 struct Shared {
     catalog: Catalog,
     tls: TlsMode,
+    tls_config: Option<Arc<rustls::ServerConfig>>,
     max_options: u32,
     handshake_timeout: Duration,
     shutting: AtomicBool,
@@ -255,6 +258,9 @@ pub fn serve(
     if exports.is_empty() {
         return Err(Error::Invalid("nothing to serve: no exports".into()));
     }
+    if config.tls != TlsMode::Off && config.tls_config.is_none() {
+        return Err(Error::Invalid("TLS needs --tls-certificates".into()));
+    }
     let signals = signal_fd()?;
     let mut listeners = activated();
     for l in &config.listen {
@@ -322,6 +328,7 @@ pub fn serve(
     let shared = Arc::new(Shared {
         catalog,
         tls: config.tls,
+        tls_config: config.tls_config.clone(),
         max_options: config.max_options,
         handshake_timeout: config.handshake_timeout,
         shutting: AtomicBool::new(false),
@@ -444,10 +451,17 @@ fn handshake(fd: OwnedFd, peer: &str, tcp: bool, shared: &Shared) -> bool {
     if tcp {
         set_nodelay(fd.as_raw_fd());
     }
-    let mut s = UnixStream::from(fd);
+    let mut ch = Channel::Plain(UnixStream::from(fd));
     let deadline = Instant::now() + shared.handshake_timeout;
-    match negotiate(&mut s, shared, deadline) {
+    match negotiate(&mut ch, shared, deadline) {
         Ok(Some(session)) => {
+            let (s, tls) = match ch {
+                Channel::Plain(s) => (s, None),
+                Channel::Tls(t) => {
+                    let (conn, s) = t.into_parts();
+                    (s, Some(conn))
+                }
+            };
             let _ = s.set_read_timeout(None);
             let _ = s.set_write_timeout(None);
             let i = shared.next.fetch_add(1, Ordering::Relaxed) % shared.reactors.len();
@@ -456,8 +470,9 @@ fn handshake(fd: OwnedFd, peer: &str, tcp: bool, shared: &Shared) -> bool {
                 fd: OwnedFd::from(s),
                 session,
                 peer: peer.to_string(),
+                tls,
             };
-            if tx.send(Msg::Conn(nc)).is_err() {
+            if tx.send(Msg::Conn(Box::new(nc))).is_err() {
                 return false;
             }
             wake(w);
@@ -484,31 +499,60 @@ fn remaining(deadline: Instant) -> std::io::Result<Duration> {
     Ok(left)
 }
 
-fn read_exact(s: &mut UnixStream, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
-    s.set_read_timeout(Some(remaining(deadline)?))?;
-    s.read_exact(buf).map_err(|e| {
-        if matches!(
-            e.kind(),
-            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-        ) {
-            std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                "took longer than --handshake-timeout",
-            )
-        } else {
-            e
-        }
-    })
+/// The handshake's byte stream: the socket, or TLS over it after STARTTLS.
+enum Channel {
+    Plain(UnixStream),
+    Tls(Box<rustls::StreamOwned<rustls::ServerConnection, UnixStream>>),
 }
 
-fn write_all(s: &mut UnixStream, buf: &[u8], deadline: Instant) -> std::io::Result<()> {
-    s.set_write_timeout(Some(remaining(deadline)?))?;
-    s.write_all(buf)
+impl Channel {
+    fn socket(&self) -> &UnixStream {
+        match self {
+            Channel::Plain(s) => s,
+            Channel::Tls(t) => &t.sock,
+        }
+    }
+
+    fn read_exact(&mut self, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
+        self.socket().set_read_timeout(Some(remaining(deadline)?))?;
+        self.socket()
+            .set_write_timeout(Some(remaining(deadline)?))?;
+        let r = match self {
+            Channel::Plain(s) => s.read_exact(buf),
+            Channel::Tls(t) => t.read_exact(buf),
+        };
+        r.map_err(|e| {
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) {
+                std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "took longer than --handshake-timeout",
+                )
+            } else {
+                e
+            }
+        })
+    }
+
+    fn write_all(&mut self, buf: &[u8], deadline: Instant) -> std::io::Result<()> {
+        self.socket()
+            .set_write_timeout(Some(remaining(deadline)?))?;
+        self.socket().set_read_timeout(Some(remaining(deadline)?))?;
+        match self {
+            Channel::Plain(s) => s.write_all(buf),
+            Channel::Tls(t) => {
+                t.write_all(buf)?;
+                t.flush()
+            }
+        }
+    }
 }
 
 /// The fixed newstyle handshake; `Ok(None)` when the client left or was refused.
 fn negotiate(
-    s: &mut UnixStream,
+    s: &mut Channel,
     shared: &Shared,
     deadline: Instant,
 ) -> std::io::Result<Option<crate::handshake::Session>> {
@@ -516,9 +560,9 @@ fn negotiate(
     hello.extend_from_slice(&proto::NBDMAGIC.to_be_bytes());
     hello.extend_from_slice(&proto::IHAVEOPT.to_be_bytes());
     hello.extend_from_slice(&(proto::FLAG_FIXED_NEWSTYLE | proto::FLAG_NO_ZEROES).to_be_bytes());
-    write_all(s, &hello, deadline)?;
+    s.write_all(&hello, deadline)?;
     let mut cf = [0u8; 4];
-    read_exact(s, &mut cf, deadline)?;
+    s.read_exact(&mut cf, deadline)?;
     let client_flags = u32::from_be_bytes(cf);
     if client_flags & !(proto::FLAG_C_FIXED_NEWSTYLE | proto::FLAG_C_NO_ZEROES) != 0 {
         // Unknown client flags: the protocol says to close.
@@ -532,7 +576,7 @@ fn negotiate(
             neg.shut_down();
         }
         let mut hb = [0u8; proto::OPTION_HEADER];
-        read_exact(s, &mut hb, deadline)?;
+        s.read_exact(&mut hb, deadline)?;
         let Some(h) = proto::parse_option_header(&hb) else {
             return Ok(None);
         };
@@ -545,7 +589,7 @@ fn negotiate(
             let mut sink = [0u8; 4096];
             while left > 0 {
                 let n = left.min(sink.len());
-                read_exact(s, &mut sink[..n], deadline)?;
+                s.read_exact(&mut sink[..n], deadline)?;
                 left -= n;
             }
             proto::put_option_reply(
@@ -554,21 +598,36 @@ fn negotiate(
                 proto::rep::ERR_TOO_BIG,
                 b"option data too large",
             );
-            write_all(s, &out, deadline)?;
+            s.write_all(&out, deadline)?;
             continue;
         }
         data.resize(h.len as usize, 0);
-        read_exact(s, &mut data, deadline)?;
+        s.read_exact(&mut data, deadline)?;
         let step = neg.option(h, &data, &mut out);
-        write_all(s, &out, deadline)?;
+        s.write_all(&out, deadline)?;
         match step {
             Step::Continue => {}
             Step::Close => return Ok(None),
             Step::Go(session) => return Ok(Some(session)),
             Step::StartTls => {
-                // TLS is not configured in this build path; the negotiator refuses
-                // STARTTLS with ERR_POLICY when TLS is off, so this is not reached.
-                return Ok(None);
+                let Some(config) = shared.tls_config.clone() else {
+                    return Ok(None);
+                };
+                let conn = rustls::ServerConnection::new(config)
+                    .map_err(|e| std::io::Error::other(format!("TLS: {e}")))?;
+                let Channel::Plain(sock) = std::mem::replace(s, Channel::Plain(dummy_stream()?))
+                else {
+                    return Ok(None);
+                };
+                let mut t = rustls::StreamOwned::new(conn, sock);
+                // Finish the TLS handshake before the next option.
+                t.sock.set_read_timeout(Some(remaining(deadline)?))?;
+                t.sock.set_write_timeout(Some(remaining(deadline)?))?;
+                while t.conn.is_handshaking() {
+                    t.conn.complete_io(&mut t.sock)?;
+                }
+                *s = Channel::Tls(Box::new(t));
+                neg.tls_started();
             }
         }
     }
@@ -576,4 +635,9 @@ fn negotiate(
         std::io::ErrorKind::InvalidData,
         format!("more than {} options (--max-options)", shared.max_options),
     ))
+}
+
+/// A placeholder socket while the real one moves into the TLS stream.
+fn dummy_stream() -> std::io::Result<UnixStream> {
+    UnixStream::pair().map(|(a, _)| a)
 }
