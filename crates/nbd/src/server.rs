@@ -513,27 +513,37 @@ impl Channel {
         }
     }
 
+    /// Reads exactly `buf.len()` bytes before `deadline`: the time left is set again
+    /// before every read, so a client trickling bytes cannot stretch it.
     fn read_exact(&mut self, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
-        self.socket().set_read_timeout(Some(remaining(deadline)?))?;
-        self.socket()
-            .set_write_timeout(Some(remaining(deadline)?))?;
-        let r = match self {
-            Channel::Plain(s) => s.read_exact(buf),
-            Channel::Tls(t) => t.read_exact(buf),
-        };
-        r.map_err(|e| {
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            ) {
-                std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    "took longer than --handshake-timeout",
-                )
-            } else {
-                e
+        let mut filled = 0;
+        while filled < buf.len() {
+            let left = remaining(deadline)?;
+            self.socket().set_read_timeout(Some(left))?;
+            self.socket().set_write_timeout(Some(left))?;
+            let r = match self {
+                Channel::Plain(s) => s.read(&mut buf[filled..]),
+                Channel::Tls(t) => t.read(&mut buf[filled..]),
+            };
+            match r {
+                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => filled += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "took longer than --handshake-timeout",
+                    ))
+                }
+                Err(e) => return Err(e),
             }
-        })
+        }
+        Ok(())
     }
 
     fn write_all(&mut self, buf: &[u8], deadline: Instant) -> std::io::Result<()> {

@@ -1,0 +1,2229 @@
+//! Integration tests for `cairn serve` with real NBD clients: nbdinfo, nbdcopy, qemu-img,
+//! qemu-io, fio's nbd engine, libnbd from Python with its safety checks off, a raw socket
+//! that speaks the protocol by hand (and breaks it on purpose), and, as root, ext4 on a
+//! RAID10 export through nbdfuse and a loop device.
+//!
+//! Every test starts its own server on a Unix socket in a temporary directory (one test
+//! uses TCP on port 0) and stops it with SIGTERM. Sizes are small; nothing asserts on
+//! timing beyond generous upper bounds on things that must eventually happen.
+//!
+//! A test whose tool is missing does not pass silently: it writes `SKIP <test>: <reason>`
+//! to stderr and appends it to the file named by `CAIRN_SKIP_LOG` (scripts/test.sh counts
+//! those lines), then returns.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tempfile::TempDir;
+
+/// Longest a server may take to print its ready line.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest a server may take to exit after SIGTERM.
+const EXIT_TIMEOUT: Duration = Duration::from_secs(20);
+/// Longest a raw-socket read or write may block.
+const IO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest a client tool may run.
+const TOOL_TIMEOUT: Duration = Duration::from_secs(120);
+
+// ---------------------------------------------------------------------------------------
+// Skipping
+
+/// Records that `test` could not run: one line on stderr and in `$CAIRN_SKIP_LOG`.
+fn skip(test: &str, reason: &str) {
+    let line = format!("SKIP {test}: {reason}");
+    eprintln!("{line}");
+    if let Some(path) = std::env::var_os("CAIRN_SKIP_LOG") {
+        let appended = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| f.write_all(format!("{line}\n").as_bytes()));
+        if let Err(e) = appended {
+            eprintln!("cannot append to CAIRN_SKIP_LOG {}: {e}", path.display());
+        }
+    }
+}
+
+/// The executable `name` on PATH (or in the sbin directories, which a non-root PATH may
+/// lack).
+fn tool(name: &str) -> Option<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect())
+        .unwrap_or_default();
+    dirs.extend(["/usr/sbin", "/sbin", "/usr/bin", "/bin"].map(PathBuf::from));
+    dirs.into_iter().map(|d| d.join(name)).find(|p| {
+        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    })
+}
+
+/// Every tool's path, or `None` after recording a skip for `test`.
+fn tools<const N: usize>(test: &str, names: [&str; N]) -> Option<[PathBuf; N]> {
+    let mut found = Vec::with_capacity(N);
+    for name in names {
+        match tool(name) {
+            Some(p) => found.push(p),
+            None => {
+                skip(test, &format!("{name} is not installed"));
+                return None;
+            }
+        }
+    }
+    found.try_into().ok()
+}
+
+/// A Python interpreter that can `import nbd` (python3-libnbd), or `None` after recording
+/// a skip. Debian's module lives in /usr/bin/python3's path, which another python3 first
+/// on PATH (pyenv and the like) does not see, so that one is tried first.
+fn python_with_libnbd(test: &str) -> Option<PathBuf> {
+    let mut candidates = vec![PathBuf::from("/usr/bin/python3")];
+    candidates.extend(tool("python3"));
+    for py in candidates {
+        let ok = Command::new(&py)
+            .args(["-c", "import nbd"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if ok {
+            return Some(py);
+        }
+    }
+    skip(
+        test,
+        "no python3 can import nbd (install python3-libnbd for /usr/bin/python3)",
+    );
+    None
+}
+
+// ---------------------------------------------------------------------------------------
+// Running things
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// A fresh temporary directory, in /dev/shm when possible (the root disk is slow).
+fn tmpdir() -> TempDir {
+    tempfile::tempdir_in("/dev/shm")
+        .or_else(|_| tempfile::tempdir())
+        .expect("create a temporary directory")
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().expect("a UTF-8 path")
+}
+
+/// Runs `cmd` to the end (stdin closed), killing it after `limit`.
+fn run_for(cmd: &mut Command, limit: Duration) -> Output {
+    let desc = format!("{cmd:?}");
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{desc}: cannot start: {e}"));
+    let pid = child.id() as libc::pid_t;
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(Ok(out)) => out,
+        Ok(Err(e)) => panic!("{desc}: {e}"),
+        Err(_) => {
+            // SAFETY: signals the child we started, which has not been reaped (its
+            // waiter has not reported).
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            panic!("{desc}: still running after {limit:?}; killed")
+        }
+    }
+}
+
+fn run(cmd: &mut Command) -> Output {
+    run_for(cmd, TOOL_TIMEOUT)
+}
+
+/// Asserts that `out` is a success; returns its stdout.
+#[track_caller]
+fn success(what: &str, out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "{what}: {}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    text(&out.stdout)
+}
+
+/// Deterministic pseudo-random bytes (splitmix64).
+fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x1234_5678;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        out.extend_from_slice(&(z ^ (z >> 31)).to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// Asserts equal bytes, naming the first difference (never prints megabytes).
+#[track_caller]
+fn assert_same(what: &str, got: &[u8], want: &[u8]) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths differ");
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        panic!(
+            "{what}: first difference at byte {i}: got {:#04x}, want {:#04x}",
+            got[i], want[i]
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The server
+
+/// A `cairn serve` process; SIGTERM and a wait on drop.
+struct Server {
+    child: Option<Child>,
+    dir: TempDir,
+    /// The Unix socket (when it listens on one).
+    sock: PathBuf,
+    /// The addresses from the ready line (`unix:...`, `tcp:HOST:PORT`).
+    addrs: Vec<String>,
+    log: Arc<Mutex<String>>,
+    reader: Option<JoinHandle<()>>,
+}
+
+impl Server {
+    /// Serves with `args` on a Unix socket in a new temporary directory.
+    fn start(args: &[&str]) -> Server {
+        Server::start_in(tmpdir(), args)
+    }
+
+    /// Serves with `args` on `dir/nbd.sock`; `dir` lives as long as the server.
+    fn start_in(dir: TempDir, args: &[&str]) -> Server {
+        let sock = dir.path().join("nbd.sock");
+        let listen = format!("unix:{}", sock.display());
+        Server::spawn(dir, sock, &["--listen", &listen], args)
+    }
+
+    fn spawn(dir: TempDir, sock: PathBuf, listen: &[&str], args: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_cairn"))
+            .arg("serve")
+            .args(listen)
+            .args(args)
+            .env_remove("RUST_BACKTRACE")
+            .env_remove("RUST_LIB_BACKTRACE")
+            .env_remove("LISTEN_FDS")
+            .env_remove("LISTEN_PID")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start cairn serve");
+        let stderr = child.stderr.take().expect("piped stderr");
+        let log = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = mpsc::channel::<String>();
+        let reader = {
+            let log = log.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines() {
+                    let Ok(line) = line else { break };
+                    {
+                        let mut l = log.lock().unwrap();
+                        l.push_str(&line);
+                        l.push('\n');
+                    }
+                    let _ = tx.send(line);
+                }
+            })
+        };
+        // From here a panic drops the server, which stops the process.
+        let mut server = Server {
+            child: Some(child),
+            dir,
+            sock,
+            addrs: Vec::new(),
+            log,
+            reader: Some(reader),
+        };
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(line) if line.starts_with("cairn: serving ") => {
+                    let (_, addrs) = line
+                        .rsplit_once(" on ")
+                        .unwrap_or_else(|| panic!("ready line without ' on ': {line}"));
+                    server.addrs = addrs.split(", ").map(str::to_string).collect();
+                    break;
+                }
+                Ok(_) => {}
+                Err(RecvTimeoutError::Timeout) => panic!(
+                    "cairn serve {args:?}: no ready line after {READY_TIMEOUT:?}; stderr:\n{}",
+                    server.stderr()
+                ),
+                Err(RecvTimeoutError::Disconnected) => {
+                    let status = server.child.as_mut().unwrap().wait();
+                    server.child = None;
+                    panic!(
+                        "cairn serve {args:?} exited before it was ready ({status:?}); stderr:\n{}",
+                        server.stderr()
+                    );
+                }
+            }
+        }
+        server
+    }
+
+    fn uri(&self) -> String {
+        self.uri_for("")
+    }
+
+    fn uri_for(&self, export: &str) -> String {
+        format!("nbd+unix:///{export}?socket={}", self.sock.display())
+    }
+
+    /// A path in the server's temporary directory.
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn stderr(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    fn signal(&self, sig: libc::c_int) {
+        let pid = self.child.as_ref().expect("server running").id() as libc::pid_t;
+        // SAFETY: signals our own child, which is not reaped while `child` is Some.
+        unsafe { libc::kill(pid, sig) };
+    }
+
+    /// Waits until stderr contains `needle`.
+    fn wait_for_stderr(&self, needle: &str, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if self.stderr().contains(needle) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.stderr().contains(needle)
+    }
+
+    /// Waits for the process to exit (after a signal); kills it after EXIT_TIMEOUT.
+    fn wait_exit(&mut self) -> (ExitStatus, String) {
+        let mut child = self.child.take().expect("server running");
+        let deadline = Instant::now() + EXIT_TIMEOUT;
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("wait for cairn serve") {
+                break status;
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "cairn serve still running {EXIT_TIMEOUT:?} after SIGTERM; stderr:\n{}",
+                    self.stderr()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+        let log = self.stderr();
+        assert!(!log.contains("panicked"), "cairn serve panicked:\n{log}");
+        (status, log)
+    }
+
+    /// SIGTERM, then the exit status and everything on stderr.
+    fn stop(&mut self) -> (ExitStatus, String) {
+        self.signal(libc::SIGTERM);
+        self.wait_exit()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if self.child.is_none() {
+            return;
+        }
+        if std::thread::panicking() {
+            if let Some(mut child) = self.child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            return;
+        }
+        let (status, log) = self.stop();
+        assert!(
+            status.success(),
+            "cairn serve exited with {status} on SIGTERM; stderr:\n{log}"
+        );
+    }
+}
+
+/// A stack file in `dir`.
+fn write_stack(dir: &TempDir, text: &str) -> PathBuf {
+    let path = dir.path().join("stack.toml");
+    std::fs::write(&path, text).expect("write the stack file");
+    path
+}
+
+// ---------------------------------------------------------------------------------------
+// The protocol, by hand (numbers from the NBD protocol document, not from cairn's crate)
+
+const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
+const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
+const OPT_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
+const REQUEST_MAGIC: u32 = 0x2560_9513;
+const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
+const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
+
+const OPT_EXPORT_NAME: u32 = 1;
+const OPT_ABORT: u32 = 2;
+const OPT_GO: u32 = 7;
+const OPT_STRUCTURED_REPLY: u32 = 8;
+
+const REP_ACK: u32 = 1;
+const REP_INFO: u32 = 3;
+const REP_ERR_UNSUP: u32 = (1 << 31) + 1;
+const REP_ERR_UNKNOWN: u32 = (1 << 31) + 6;
+const REP_ERR_TOO_BIG: u32 = (1 << 31) + 9;
+
+const CMD_READ: u16 = 0;
+const CMD_WRITE: u16 = 1;
+const CMD_DISC: u16 = 2;
+const CMD_FLUSH: u16 = 3;
+const CMD_TRIM: u16 = 4;
+const CMD_BLOCK_STATUS: u16 = 7;
+
+const FLAG_FUA: u16 = 1 << 0;
+const FLAG_DF: u16 = 1 << 2;
+
+const CHUNK_DONE: u16 = 1;
+const CHUNK_OFFSET_DATA: u16 = 1;
+const CHUNK_ERROR: u16 = (1 << 15) + 1;
+
+const TFLAG_READ_ONLY: u16 = 1 << 1;
+
+const EPERM: u32 = 1;
+const EINVAL: u32 = 22;
+const ENOSPC: u32 = 28;
+const ESHUTDOWN: u32 = 108;
+
+/// Cookies of the fake requests hidden in write payloads start with these 16 bits.
+const SMUGGLED: u64 = 0x5a5a << 48;
+
+fn be_u16(b: &[u8]) -> u16 {
+    u16::from_be_bytes(b[..2].try_into().unwrap())
+}
+fn be_u32(b: &[u8]) -> u32 {
+    u32::from_be_bytes(b[..4].try_into().unwrap())
+}
+fn be_u64(b: &[u8]) -> u64 {
+    u64::from_be_bytes(b[..8].try_into().unwrap())
+}
+
+/// A request header.
+fn header(flags: u16, command: u16, cookie: u64, offset: u64, len: u32) -> Vec<u8> {
+    let mut b = Vec::with_capacity(28);
+    b.extend_from_slice(&REQUEST_MAGIC.to_be_bytes());
+    b.extend_from_slice(&flags.to_be_bytes());
+    b.extend_from_slice(&command.to_be_bytes());
+    b.extend_from_slice(&cookie.to_be_bytes());
+    b.extend_from_slice(&offset.to_be_bytes());
+    b.extend_from_slice(&len.to_be_bytes());
+    b
+}
+
+/// `len` bytes of well-formed READ request headers (cookies `SMUGGLED | i`): the payload
+/// of a write that a server must skip, never parse.
+fn smuggled(len: usize) -> Vec<u8> {
+    let mut b = Vec::with_capacity(len + 28);
+    let mut i = 0u64;
+    while b.len() < len {
+        b.extend_from_slice(&header(0, CMD_READ, SMUGGLED | i, 0, 512));
+        i += 1;
+    }
+    b.truncate(len);
+    b
+}
+
+/// GO's data: the export name and no information requests.
+fn go_data(name: &str) -> Vec<u8> {
+    let mut d = (name.len() as u32).to_be_bytes().to_vec();
+    d.extend_from_slice(name.as_bytes());
+    d.extend_from_slice(&0u16.to_be_bytes());
+    d
+}
+
+/// A client on a raw Unix socket.
+struct Raw {
+    s: UnixStream,
+}
+
+impl Raw {
+    fn connect(sock: &Path) -> Raw {
+        let s = UnixStream::connect(sock)
+            .unwrap_or_else(|e| panic!("connect to {}: {e}", sock.display()));
+        s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+        s.set_write_timeout(Some(IO_TIMEOUT)).unwrap();
+        Raw { s }
+    }
+
+    /// Reads the 18-byte greeting; returns the handshake flags.
+    fn greeting(&mut self) -> std::io::Result<u16> {
+        let mut g = [0u8; 18];
+        self.s.read_exact(&mut g)?;
+        assert_eq!(be_u64(&g[0..]), NBDMAGIC, "greeting: NBDMAGIC");
+        assert_eq!(be_u64(&g[8..]), IHAVEOPT, "greeting: IHAVEOPT");
+        Ok(be_u16(&g[16..]))
+    }
+
+    fn send(&mut self, b: &[u8]) -> std::io::Result<()> {
+        self.s.write_all(b)
+    }
+
+    fn opt(&mut self, option: u32, data: &[u8]) -> std::io::Result<()> {
+        let mut b = IHAVEOPT.to_be_bytes().to_vec();
+        b.extend_from_slice(&option.to_be_bytes());
+        b.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        b.extend_from_slice(data);
+        self.send(&b)
+    }
+
+    /// One option reply: (option, reply type, data).
+    fn opt_reply(&mut self) -> std::io::Result<(u32, u32, Vec<u8>)> {
+        let mut h = [0u8; 20];
+        self.s.read_exact(&mut h)?;
+        assert_eq!(be_u64(&h), OPT_REPLY_MAGIC, "option reply magic");
+        let mut data = vec![0u8; be_u32(&h[16..]) as usize];
+        self.s.read_exact(&mut data)?;
+        Ok((be_u32(&h[8..]), be_u32(&h[12..]), data))
+    }
+
+    /// Greeting, client flags 3 (fixed newstyle, no zeroes), `options` (each answered
+    /// with replies until an ACK or an error), then GO for `name` with no information
+    /// requests. Returns the client, the export size and the transmission flags.
+    fn handshake(sock: &Path, options: &[u32], name: &str) -> (Raw, u64, u16) {
+        let mut c = Raw::connect(sock);
+        c.greeting().expect("greeting");
+        c.send(&3u32.to_be_bytes()).expect("client flags");
+        for &o in options {
+            c.opt(o, &[]).expect("send an option");
+            let (ro, t, data) = c.opt_reply().expect("option reply");
+            assert_eq!(ro, o);
+            assert_eq!(t, REP_ACK, "option {o}: {}", text(&data));
+        }
+        c.opt(OPT_GO, &go_data(name)).expect("send GO");
+        let (mut size, mut flags) = (None, 0);
+        loop {
+            let (o, t, data) = c.opt_reply().expect("GO reply");
+            assert_eq!(o, OPT_GO);
+            match t {
+                REP_ACK => break,
+                REP_INFO if be_u16(&data) == 0 => {
+                    size = Some(be_u64(&data[2..]));
+                    flags = be_u16(&data[10..]);
+                }
+                REP_INFO => {}
+                t => panic!("GO '{name}': reply {t:#x}: {}", text(&data)),
+            }
+        }
+        (c, size.expect("GO sent NBD_INFO_EXPORT"), flags)
+    }
+
+    /// A client in transmission on export `name`, simple replies.
+    fn go(sock: &Path, name: &str) -> (Raw, u64, u16) {
+        Raw::handshake(sock, &[], name)
+    }
+
+    fn request(
+        &mut self,
+        flags: u16,
+        command: u16,
+        cookie: u64,
+        offset: u64,
+        len: u32,
+        payload: &[u8],
+    ) -> std::io::Result<()> {
+        let mut b = header(flags, command, cookie, offset, len);
+        b.extend_from_slice(payload);
+        self.send(&b)
+    }
+
+    /// One simple reply: (error, cookie).
+    fn reply(&mut self) -> std::io::Result<(u32, u64)> {
+        let mut h = [0u8; 16];
+        self.s.read_exact(&mut h)?;
+        assert_eq!(
+            be_u32(&h),
+            SIMPLE_REPLY_MAGIC,
+            "simple reply magic; header {h:02x?}"
+        );
+        Ok((be_u32(&h[4..]), be_u64(&h[8..])))
+    }
+
+    /// Reads a simple reply and checks its cookie and error.
+    #[track_caller]
+    fn expect(&mut self, cookie: u64, error: u32) {
+        let (e, c) = self.reply().expect("read a reply");
+        assert!(
+            c & SMUGGLED != SMUGGLED,
+            "the server answered request {c:#x}, hidden in a write's payload"
+        );
+        assert_eq!((c, e), (cookie, error), "reply (cookie, error)");
+    }
+
+    fn read_exact(&mut self, n: usize) -> std::io::Result<Vec<u8>> {
+        let mut b = vec![0u8; n];
+        self.s.read_exact(&mut b)?;
+        Ok(b)
+    }
+
+    #[track_caller]
+    fn read_ok(&mut self, cookie: u64, offset: u64, len: u32) -> Vec<u8> {
+        self.request(0, CMD_READ, cookie, offset, len, &[])
+            .expect("send a read");
+        self.expect(cookie, 0);
+        self.read_exact(len as usize).expect("read data")
+    }
+
+    #[track_caller]
+    fn write_ok(&mut self, cookie: u64, flags: u16, offset: u64, data: &[u8]) {
+        self.request(flags, CMD_WRITE, cookie, offset, data.len() as u32, data)
+            .expect("send a write");
+        self.expect(cookie, 0);
+    }
+
+    fn disconnect(&mut self) {
+        let _ = self.request(0, CMD_DISC, 0, 0, 0, &[]);
+    }
+
+    /// Waits for the server to close the connection; `Err` if it stays open for
+    /// IO_TIMEOUT or sends anything first.
+    fn closed(&mut self) -> Result<(), String> {
+        let mut extra = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            match self.s.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => extra.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == ErrorKind::ConnectionReset => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    return Err(format!(
+                        "still open after {IO_TIMEOUT:?} ({} bytes received)",
+                        extra.len()
+                    ))
+                }
+                Err(e) => return Err(format!("read failed: {e}")),
+            }
+        }
+        if extra.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} unexpected bytes before the close: {:02x?}",
+                extra.len(),
+                &extra[..extra.len().min(64)]
+            ))
+        }
+    }
+}
+
+#[track_caller]
+fn assert_closed(c: &mut Raw, what: &str) {
+    if let Err(e) = c.closed() {
+        panic!("{what}: the server should close the connection: {e}");
+    }
+}
+
+/// Connects until the server admits the connection (a slot freed by a closed connection
+/// is given back a moment after the client sees the close).
+fn admitted(sock: &Path) -> Raw {
+    let deadline = Instant::now() + IO_TIMEOUT;
+    loop {
+        let mut c = Raw::connect(sock);
+        if c.greeting().is_ok() {
+            return c;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no connection admitted for {IO_TIMEOUT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// nbdinfo
+
+mod nbdinfo {
+    use super::*;
+
+    #[test]
+    fn json_reports_size_flags_block_sizes_and_base_allocation() {
+        const NAME: &str = "nbdinfo::json_reports_size_flags_block_sizes_and_base_allocation";
+        let Some([nbdinfo]) = tools(NAME, ["nbdinfo"]) else {
+            return;
+        };
+        let srv = Server::start(&["--device", "mem:64M"]);
+        let out = success(
+            "nbdinfo --json",
+            &run(Command::new(&nbdinfo).args(["--json", &srv.uri()])),
+        );
+        let json: Value = serde_json::from_str(&out)
+            .unwrap_or_else(|e| panic!("nbdinfo --json is not JSON ({e}): {out}"));
+        assert_eq!(json["protocol"], "newstyle-fixed", "{json:#}");
+        assert_eq!(json["structured"], true, "{json:#}");
+        let e = &json["exports"][0];
+        assert_eq!(e["export-size"], 64u64 << 20, "{json:#}");
+        assert_eq!(e["is_read_only"], false, "{json:#}");
+        for key in [
+            "can_flush",
+            "can_trim",
+            "can_zero",
+            "can_fua",
+            "can_multi_conn",
+            "can_df",
+            "can_fast_zero",
+            "can_cache",
+        ] {
+            assert_eq!(e[key], true, "{key}: {json:#}");
+        }
+        assert_eq!(e["block_size_minimum"], 512, "{json:#}");
+        assert_eq!(e["block_size_preferred"], 4096, "{json:#}");
+        assert_eq!(e["block_size_maximum"], 33_554_432, "{json:#}");
+        let contexts: Vec<&str> = e["contexts"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no contexts: {json:#}"))
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        assert!(contexts.contains(&"base:allocation"), "{json:#}");
+        // `--can` and `--is` answer with exit status 0 (true) or 2 (false).
+        let can = |what: &[&str], uri: &str| {
+            run(Command::new(&nbdinfo).args(what).arg(uri))
+                .status
+                .code()
+        };
+        for c in [
+            "flush",
+            "trim",
+            "zero",
+            "fua",
+            "multi-conn",
+            "df",
+            "fast-zero",
+            "cache",
+        ] {
+            assert_eq!(can(&["--can", c], &srv.uri()), Some(0), "--can {c}");
+        }
+        assert_eq!(can(&["--is", "read-only"], &srv.uri()), Some(2));
+        assert_eq!(can(&["--can", "write"], &srv.uri()), Some(0));
+
+        // A read-only export: no writes, trims or zeroes, but flush and multi-conn.
+        let ro = Server::start(&["--device", "mem:16M", "--read-only"]);
+        assert_eq!(can(&["--is", "read-only"], &ro.uri()), Some(0));
+        for c in ["write", "trim", "zero", "fua", "fast-zero"] {
+            assert_eq!(
+                can(&["--can", c], &ro.uri()),
+                Some(2),
+                "read-only --can {c}"
+            );
+        }
+        for c in ["flush", "multi-conn"] {
+            assert_eq!(
+                can(&["--can", c], &ro.uri()),
+                Some(0),
+                "read-only --can {c}"
+            );
+        }
+    }
+
+    #[test]
+    fn map_covers_the_export_and_never_claims_zeroes_over_data() {
+        const NAME: &str = "nbdinfo::map_covers_the_export_and_never_claims_zeroes_over_data";
+        let Some([nbdinfo]) = tools(NAME, ["nbdinfo"]) else {
+            return;
+        };
+        const SIZE: u64 = 16 << 20;
+        let srv = Server::start(&["--device", "mem:16M"]);
+        let map = |srv: &Server| -> Vec<(u64, u64, u64)> {
+            let out = success(
+                "nbdinfo --map --json",
+                &run(Command::new(&nbdinfo).args(["--map", "--json", &srv.uri()])),
+            );
+            let json: Value = serde_json::from_str(&out)
+                .unwrap_or_else(|e| panic!("nbdinfo --map --json is not JSON ({e}): {out}"));
+            let runs: Vec<(u64, u64, u64)> = json
+                .as_array()
+                .unwrap_or_else(|| panic!("not an array: {out}"))
+                .iter()
+                .map(|r| {
+                    (
+                        r["offset"].as_u64().unwrap(),
+                        r["length"].as_u64().unwrap(),
+                        r["type"].as_u64().unwrap(),
+                    )
+                })
+                .collect();
+            // Contiguous from 0 to the end of the export.
+            let mut at = 0;
+            for &(offset, length, _) in &runs {
+                assert_eq!(offset, at, "runs must be contiguous: {out}");
+                assert!(length > 0, "{out}");
+                at += length;
+            }
+            assert_eq!(at, SIZE, "the map must end at the export size: {out}");
+            runs
+        };
+        // A fresh sparse RAM disk is one hole that reads as zeroes.
+        assert_eq!(map(&srv), vec![(0, SIZE, 3)]);
+
+        // Data at [3M, 4M): no run over it may claim zeroes (bit 1) or a hole (bit 0).
+        let (mut c, _, _) = Raw::go(&srv.sock, "");
+        c.write_ok(1, 0, 3 << 20, &random_bytes(1 << 20, 7));
+        let runs = map(&srv);
+        for &(offset, length, kind) in &runs {
+            if offset < 4 << 20 && offset + length > 3 << 20 {
+                assert_eq!(kind & 3, 0, "data reported as hole or zero: {runs:?}");
+            }
+        }
+        assert!(
+            runs.iter().any(|&(_, _, kind)| kind == 3),
+            "the unwritten rest should still be a hole: {runs:?}"
+        );
+        c.disconnect();
+    }
+
+    #[test]
+    fn list_names_every_export_with_its_description() {
+        const NAME: &str = "nbdinfo::list_names_every_export_with_its_description";
+        let Some([nbdinfo]) = tools(NAME, ["nbdinfo"]) else {
+            return;
+        };
+        let dir = tmpdir();
+        let stack = write_stack(
+            &dir,
+            "[device.a]\ntype = \"mem\"\nsize = \"8M\"\n\n\
+             [device.b]\ntype = \"mem\"\nsize = \"16M\"\n\n\
+             [export.alpha]\ndevice = \"a\"\ndescription = \"the first disk\"\ndefault = true\n\n\
+             [export.beta]\ndevice = \"b\"\nread_only = true\ndescription = \"the second, read-only\"\n",
+        );
+        let srv = Server::start_in(dir, &[path_str(&stack)]);
+        let out = success(
+            "nbdinfo --list --json",
+            &run(Command::new(&nbdinfo).args(["--list", "--json", &srv.uri()])),
+        );
+        let json: Value = serde_json::from_str(&out)
+            .unwrap_or_else(|e| panic!("nbdinfo --list --json is not JSON ({e}): {out}"));
+        let exports = json["exports"].as_array().expect("exports");
+        let found: Vec<(&str, &str, u64, bool)> = exports
+            .iter()
+            .map(|e| {
+                (
+                    e["export-name"].as_str().unwrap(),
+                    e["description"].as_str().unwrap_or(""),
+                    e["export-size"].as_u64().unwrap(),
+                    e["is_read_only"].as_bool().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            found,
+            vec![
+                ("alpha", "the first disk", 8 << 20, false),
+                ("beta", "the second, read-only", 16 << 20, true),
+            ],
+            "{out}"
+        );
+        // The plain listing shows the names and descriptions too.
+        let plain = success(
+            "nbdinfo --list",
+            &run(Command::new(&nbdinfo).args(["--list", &srv.uri()])),
+        );
+        for s in [
+            "export=\"alpha\"",
+            "the first disk",
+            "export=\"beta\"",
+            "the second, read-only",
+        ] {
+            assert!(plain.contains(s), "{s:?} not in:\n{plain}");
+        }
+        // The empty name picks the default export; names pick theirs.
+        let size = |uri: &str| {
+            let out = success(
+                "nbdinfo --size",
+                &run(Command::new(&nbdinfo).args(["--size", uri])),
+            );
+            out.trim().parse::<u64>().unwrap()
+        };
+        assert_eq!(size(&srv.uri()), 8 << 20);
+        assert_eq!(size(&srv.uri_for("beta")), 16 << 20);
+        // An unknown name fails (and says which).
+        let out = run(Command::new(&nbdinfo).arg(srv.uri_for("nope")));
+        assert!(!out.status.success(), "nbdinfo on export 'nope' succeeded");
+        assert!(text(&out.stderr).contains("nope"), "{}", text(&out.stderr));
+    }
+
+    #[test]
+    fn tcp_port_0_listens_on_the_port_the_ready_line_names() {
+        const NAME: &str = "nbdinfo::tcp_port_0_listens_on_the_port_the_ready_line_names";
+        let Some([nbdinfo]) = tools(NAME, ["nbdinfo"]) else {
+            return;
+        };
+        let dir = tmpdir();
+        let none = dir.path().join("no.sock");
+        let srv = Server::spawn(
+            dir,
+            none,
+            &["--listen", "tcp:127.0.0.1:0"],
+            &["--device", "mem:16M"],
+        );
+        assert_eq!(srv.addrs.len(), 1, "{:?}", srv.addrs);
+        let port: u16 = srv.addrs[0]
+            .strip_prefix("tcp:127.0.0.1:")
+            .unwrap_or_else(|| panic!("ready line address {:?}", srv.addrs))
+            .parse()
+            .expect("a port number");
+        assert_ne!(port, 0, "the ready line must show the bound port");
+        let out = success(
+            "nbdinfo --size over TCP",
+            &run(Command::new(&nbdinfo).args(["--size", &format!("nbd://127.0.0.1:{port}/")])),
+        );
+        assert_eq!(out.trim(), (16u64 << 20).to_string());
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Copying and checking data with nbdcopy, qemu-img, qemu-io and fio
+
+mod clients {
+    use super::*;
+
+    #[test]
+    fn nbdcopy_round_trip_is_byte_exact() {
+        const NAME: &str = "clients::nbdcopy_round_trip_is_byte_exact";
+        let Some([nbdcopy]) = tools(NAME, ["nbdcopy"]) else {
+            return;
+        };
+        let srv = Server::start(&["--device", "mem:32M"]);
+        let src = srv.path("src.img");
+        let back = srv.path("back.img");
+        let data = random_bytes(32 << 20, 1);
+        std::fs::write(&src, &data).unwrap();
+        success(
+            "nbdcopy into the export",
+            &run(Command::new(&nbdcopy).args(["--flush", path_str(&src), &srv.uri()])),
+        );
+        success(
+            "nbdcopy out of the export",
+            &run(Command::new(&nbdcopy).args([&srv.uri(), path_str(&back)])),
+        );
+        assert_same("nbdcopy round trip", &std::fs::read(&back).unwrap(), &data);
+        // One connection and many requests in flight: the same bytes again.
+        let back1 = srv.path("back1.img");
+        success(
+            "nbdcopy out, one connection",
+            &run(Command::new(&nbdcopy).args([
+                "--connections=1",
+                "--requests=64",
+                "--request-size=65536",
+                &srv.uri(),
+                path_str(&back1),
+            ])),
+        );
+        assert_same(
+            "nbdcopy, one connection",
+            &std::fs::read(&back1).unwrap(),
+            &data,
+        );
+    }
+
+    #[test]
+    fn qemu_img_convert_and_compare() {
+        const NAME: &str = "clients::qemu_img_convert_and_compare";
+        let Some([qemu_img]) = tools(NAME, ["qemu-img"]) else {
+            return;
+        };
+        let srv = Server::start(&["--device", "mem:16M"]);
+        let src = srv.path("src.raw");
+        let data = random_bytes(16 << 20, 2);
+        std::fs::write(&src, &data).unwrap();
+        // -n: the target exists; -W and -m 16: many writes in flight, out of order.
+        success(
+            "qemu-img convert into the export",
+            &run(Command::new(&qemu_img).args([
+                "convert",
+                "-n",
+                "-W",
+                "-m",
+                "16",
+                "-f",
+                "raw",
+                "-O",
+                "raw",
+                path_str(&src),
+                &srv.uri(),
+            ])),
+        );
+        let compare = |a: &Path| {
+            run(Command::new(&qemu_img).args([
+                "compare",
+                "-s",
+                "-f",
+                "raw",
+                "-F",
+                "raw",
+                path_str(a),
+                &srv.uri(),
+            ]))
+        };
+        let out = compare(&src);
+        success("qemu-img compare -s", &out);
+        // The comparison is not vacuous: one changed byte makes it fail with status 1.
+        let mut changed = data.clone();
+        changed[5 << 20] ^= 0xff;
+        let other = srv.path("changed.raw");
+        std::fs::write(&other, &changed).unwrap();
+        let out = compare(&other);
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "qemu-img compare of different images: {}{}",
+            text(&out.stdout),
+            text(&out.stderr)
+        );
+        // And out again, byte for byte.
+        let back = srv.path("back.raw");
+        success(
+            "qemu-img convert out of the export",
+            &run(Command::new(&qemu_img).args([
+                "convert",
+                "-f",
+                "raw",
+                "-O",
+                "raw",
+                &srv.uri(),
+                path_str(&back),
+            ])),
+        );
+        assert_same("qemu-img round trip", &std::fs::read(&back).unwrap(), &data);
+    }
+
+    #[test]
+    fn qemu_io_patterns_zeroes_discards_flushes_and_aio() {
+        const NAME: &str = "clients::qemu_io_patterns_zeroes_discards_flushes_and_aio";
+        let Some([qemu_io]) = tools(NAME, ["qemu-io"]) else {
+            return;
+        };
+        let srv = Server::start(&["--device", "mem:16M"]);
+        let script = [
+            "write -P 0xab 0 64k",
+            "read -P 0xab 0 64k",
+            "write -z 64k 64k",
+            "read -P 0 64k 64k",
+            "write -P 0xcd 128k 64k",
+            "discard 128k 64k",
+            "write -P 0xce 128k 4k",
+            "read -P 0xce 128k 4k",
+            "write -f -P 0x11 256k 4k",
+            "read -P 0x11 256k 4k",
+            "write -P 0x12 320k 64k",
+            "write -z -u 320k 64k",
+            "read -P 0 320k 64k",
+            "write -z -f 384k 4k",
+            "read -P 0 384k 4k",
+            "flush",
+            "aio_write -P 0x21 1M 64k",
+            "aio_write -P 0x22 2M 64k",
+            "aio_write -P 0x23 3M 1M",
+            "aio_flush",
+            "aio_read -P 0x21 1M 64k",
+            "aio_read -P 0x22 2M 64k",
+            "aio_read -P 0x23 3M 1M",
+            "aio_flush",
+            "writev -P 0x31 8M 4k 4k 8k",
+            "readv -P 0x31 8M 16k",
+            "read -P 0xab 0 64k",
+            "flush",
+        ];
+        let mut cmd = Command::new(&qemu_io);
+        cmd.args(["-f", "raw"]);
+        for c in script {
+            cmd.args(["-c", c]);
+        }
+        cmd.arg(srv.uri());
+        let out = run(&mut cmd);
+        let all = format!("{}{}", text(&out.stdout), text(&out.stderr));
+        assert!(out.status.success(), "qemu-io: {}\n{all}", out.status);
+        for bad in ["Pattern verification failed", "error", "failed"] {
+            assert!(!all.contains(bad), "qemu-io printed {bad:?}:\n{all}");
+        }
+        // The check is not vacuous: a wrong pattern is reported.
+        let out =
+            run(Command::new(&qemu_io).args(["-f", "raw", "-c", "read -P 0x55 0 4k", &srv.uri()]));
+        let all = format!("{}{}", text(&out.stdout), text(&out.stderr));
+        assert!(all.contains("Pattern verification failed"), "{all}");
+    }
+
+    #[test]
+    fn fio_nbd_engine_randwrite_with_crc32c_verify() {
+        const NAME: &str = "clients::fio_nbd_engine_randwrite_with_crc32c_verify";
+        let Some([fio]) = tools(NAME, ["fio"]) else {
+            return;
+        };
+        let srv = Server::start(&["--device", "mem:64M"]);
+        let out = run(Command::new(&fio).current_dir(srv.dir.path()).args([
+            "--name=verify",
+            "--ioengine=nbd",
+            &format!("--uri={}", srv.uri()),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--size=64M",
+            "--iodepth=16",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--verify_state_save=0",
+            "--output-format=json",
+        ]));
+        let stdout = success("fio", &out);
+        // fio's nbd engine prints a line before the JSON.
+        let start = stdout
+            .find("\n{")
+            .map(|i| i + 1)
+            .or_else(|| stdout.starts_with('{').then_some(0))
+            .unwrap_or_else(|| panic!("no JSON from fio: {stdout}"));
+        let json: Value = serde_json::from_str(&stdout[start..])
+            .unwrap_or_else(|e| panic!("fio JSON ({e}): {stdout}"));
+        let job = &json["jobs"][0];
+        assert_eq!(job["error"], 0, "{job:#}");
+        assert_eq!(job["write"]["io_bytes"], 64u64 << 20, "{job:#}");
+        // The verify pass reads everything back.
+        assert_eq!(job["read"]["io_bytes"], 64u64 << 20, "{job:#}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// libnbd with its client-side checks off: what polite clients never send
+
+mod strict_off {
+    use super::*;
+
+    const SCRIPT: &str = r#"
+import errno, os
+import nbd
+
+sock = os.environ["CAIRN_SOCK"]
+failures = []
+checked = 0
+pattern = bytes((i * 7 + 1) % 251 for i in range(4096))
+
+def connect(name, structured, meta=False):
+    h = nbd.NBD()
+    h.set_strict_mode(0)
+    h.set_request_structured_replies(structured)
+    if meta:
+        h.add_meta_context("base:allocation")
+    h.set_export_name(name)
+    h.connect_unix(sock)
+    return h
+
+def refused(h, what, want, f):
+    """f must fail with one of the errnos in want, answered by the server; the connection
+    must still work afterwards and offset 0 must still hold the pattern."""
+    global checked
+    checked += 1
+    want = want if isinstance(want, tuple) else (want,)
+    names = "/".join(errno.errorcode[w] for w in want)
+    try:
+        f()
+        failures.append(f"{what}: succeeded, want {names}")
+    except nbd.Error as e:
+        if e.errnum not in want:
+            failures.append(f"{what}: {e.errno} ({e.errnum}), want {names}: {e.string}")
+        elif "command failed" not in (e.string or ""):
+            failures.append(f"{what}: refused by libnbd, never reached the server: {e.string}")
+    try:
+        if bytes(h.pread(4096, 0)) != pattern:
+            failures.append(f"after {what}: offset 0 changed")
+    except nbd.Error as e:
+        failures.append(f"after {what}: a normal read failed: {e.string}")
+
+def works(what, f):
+    global checked
+    checked += 1
+    try:
+        f()
+    except nbd.Error as e:
+        failures.append(f"{what}: failed: {e.string}")
+
+EINVAL, ENOSPC, EPERM = errno.EINVAL, errno.ENOSPC, errno.EPERM
+junk = b"\xee" * 8192
+for structured in (True, False):
+    mode = "structured" if structured else "simple"
+    h = connect("rw", structured)
+    if h.get_structured_replies_negotiated() != structured:
+        failures.append(f"{mode}: structured replies negotiated: {h.get_structured_replies_negotiated()}")
+    size = h.get_size()
+    h.pwrite(pattern, 0)
+    r = lambda what, want, f: refused(h, f"{mode}: {what}", want, f)
+    r("read past the end", EINVAL, lambda: h.pread(4096, size))
+    r("read across the end", EINVAL, lambda: h.pread(8192, size - 4096))
+    r("read at offset 2^63", EINVAL, lambda: h.pread(512, 1 << 63))
+    r("read whose end overflows 64 bits", EINVAL, lambda: h.pread(1024, (1 << 64) - 512))
+    r("write past the end", ENOSPC, lambda: h.pwrite(junk[:4096], size))
+    r("write across the end", ENOSPC, lambda: h.pwrite(junk, size - 4096))
+    r("write whose end overflows 64 bits", (ENOSPC, EINVAL), lambda: h.pwrite(junk[:1024], (1 << 64) - 512))
+    r("write-zeroes past the end", ENOSPC, lambda: h.zero(4096, size))
+    r("trim past the end", EINVAL, lambda: h.trim(4096, size))
+    r("cache past the end", EINVAL, lambda: h.cache(4096, size))
+    r("read at offset 1", EINVAL, lambda: h.pread(512, 1))
+    r("read of 100 bytes", EINVAL, lambda: h.pread(100, 0))
+    r("write at offset 1", EINVAL, lambda: h.pwrite(junk[:512], 1))
+    r("write of 100 bytes", EINVAL, lambda: h.pwrite(junk[:100], 0))
+    r("trim at offset 1", EINVAL, lambda: h.trim(512, 1))
+    r("write-zeroes at offset 1", EINVAL, lambda: h.zero(512, 1))
+    r("read with unknown flag 1<<9", EINVAL, lambda: h.pread(512, 0, 1 << 9))
+    r("write with unknown flag 1<<9", EINVAL, lambda: h.pwrite(junk[:4096], 0, 1 << 9))
+    r("write with REQ_ONE", EINVAL, lambda: h.pwrite(junk[:4096], 0, nbd.CMD_FLAG_REQ_ONE))
+    r("write with DF", EINVAL, lambda: h.pwrite(junk[:4096], 0, nbd.CMD_FLAG_DF))
+    r("trim with NO_HOLE", EINVAL, lambda: h.trim(4096, 0, nbd.CMD_FLAG_NO_HOLE))
+    r("flush with NO_HOLE", EINVAL, lambda: h.flush(nbd.CMD_FLAG_NO_HOLE))
+    r("block status without a metadata context", EINVAL, lambda: h.block_status(4096, 0, lambda *a: 0))
+    if not structured:
+        r("read with DF without structured replies", EINVAL, lambda: h.pread(512, 0, nbd.CMD_FLAG_DF))
+    # What a polite client does still works, with every flag the export offers.
+    works(f"{mode}: write with FUA", lambda: h.pwrite(junk[:4096], 1 << 20, nbd.CMD_FLAG_FUA))
+    works(f"{mode}: trim with FUA", lambda: h.trim(8192, 1 << 20, nbd.CMD_FLAG_FUA))
+    works(f"{mode}: write-zeroes with NO_HOLE and FUA", lambda: h.zero(8192, 1 << 20, nbd.CMD_FLAG_NO_HOLE | nbd.CMD_FLAG_FUA))
+    works(f"{mode}: write-zeroes with FAST_ZERO", lambda: h.zero(8192, 1 << 20, nbd.CMD_FLAG_FAST_ZERO))
+    works(f"{mode}: flush with FUA", lambda: h.flush(nbd.CMD_FLAG_FUA))
+    works(f"{mode}: cache", lambda: h.cache(1 << 20, 0))
+    if structured:
+        works(f"{mode}: read with DF", lambda: h.pread(1 << 20, 0, nbd.CMD_FLAG_DF))
+    if bytes(h.pread(8192, 1 << 20)) != bytes(8192):
+        failures.append(f"{mode}: write-zeroes did not zero")
+    h.shutdown()
+
+# The read-only export of the same device: writes of every kind are EPERM.
+ro = connect("ro", True)
+if not ro.is_read_only():
+    failures.append("export ro is not read-only")
+refused(ro, "read-only: write", EPERM, lambda: ro.pwrite(junk[:4096], 0))
+refused(ro, "read-only: write with FUA", EPERM, lambda: ro.pwrite(junk[:4096], 0, nbd.CMD_FLAG_FUA))
+refused(ro, "read-only: trim", EPERM, lambda: ro.trim(4096, 0))
+refused(ro, "read-only: write-zeroes", EPERM, lambda: ro.zero(4096, 0))
+works("read-only: flush", lambda: ro.flush())
+ro.shutdown()
+
+# Block status with base:allocation selected.
+h = connect("rw", True, meta=True)
+if not h.can_meta_context("base:allocation"):
+    failures.append("base:allocation was not negotiated")
+else:
+    seen = []
+    def cb(context, offset, entries, err):
+        seen.append((context, offset, list(entries)))
+        return 0
+    works("block status", lambda: h.block_status(size, 0, cb))
+    total = sum(seen[0][2][0::2]) if seen else 0
+    if not seen or seen[0][0] != "base:allocation" or not 0 < total <= size:
+        failures.append(f"block status: {seen}")
+    elif seen[0][2][1] & 2:
+        failures.append(f"block status claims zeroes over data at offset 0: {seen}")
+    seen.clear()
+    works("block status with REQ_ONE", lambda: h.block_status(size, 0, cb, nbd.CMD_FLAG_REQ_ONE))
+    if len(seen) != 1 or len(seen[0][2]) != 2 or seen[0][2][0] > size:
+        failures.append(f"block status with REQ_ONE: not one extent: {seen}")
+    refused(h, "block status past the end", EINVAL, lambda: h.block_status(4096, size, cb))
+    refused(h, "block status with unknown flag 1<<9", EINVAL, lambda: h.block_status(4096, 0, cb, 1 << 9))
+    refused(h, "block status of length 0", EINVAL, lambda: h.block_status(0, 0, cb))
+h.shutdown()
+
+print(f"{checked} checks")
+for f in failures:
+    print("FAIL", f)
+raise SystemExit(1 if failures else 0)
+"#;
+
+    #[test]
+    fn refused_requests_get_the_right_errno_and_the_connection_survives() {
+        const NAME: &str =
+            "strict_off::refused_requests_get_the_right_errno_and_the_connection_survives";
+        let Some(python) = python_with_libnbd(NAME) else {
+            return;
+        };
+        let dir = tmpdir();
+        let stack = write_stack(
+            &dir,
+            "[device.a]\ntype = \"mem\"\nsize = \"16M\"\n\n\
+             [export.rw]\ndevice = \"a\"\ndefault = true\n\n\
+             [export.ro]\ndevice = \"a\"\nread_only = true\n",
+        );
+        let srv = Server::start_in(dir, &[path_str(&stack)]);
+        let out = run(Command::new(&python)
+            .args(["-c", SCRIPT])
+            .env("CAIRN_SOCK", &srv.sock));
+        let stdout = success("the libnbd script", &out);
+        assert!(stdout.contains(" checks"), "{stdout}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// A raw socket: the protocol by hand, and broken on purpose
+
+mod raw {
+    use super::*;
+
+    #[test]
+    fn bad_request_magic_closes_the_connection() {
+        let srv = Server::start(&["--device", "mem:16M"]);
+        let (mut c, size, _) = Raw::go(&srv.sock, "");
+        assert_eq!(size, 16 << 20);
+        let mut h = header(0, CMD_READ, 1, 0, 4096);
+        h[..4].copy_from_slice(&0xdead_beefu32.to_be_bytes());
+        c.send(&h).unwrap();
+        assert_closed(&mut c, "a request with a bad magic");
+        // The server itself is fine.
+        let (mut c, _, _) = Raw::go(&srv.sock, "");
+        c.read_ok(2, 0, 4096);
+        c.disconnect();
+    }
+
+    #[test]
+    fn oversized_write_payload_is_skipped_never_parsed_as_requests() {
+        let srv = Server::start(&["--device", "mem:16M", "--max-payload", "64K"]);
+        let (mut c, _, _) = Raw::go(&srv.sock, "");
+        let data = random_bytes(4096, 3);
+        c.write_ok(1, 0, 0, &data);
+        // 128 KiB over a 64 KiB limit; the payload is nothing but valid READ headers, sent
+        // in pieces so the server sees it across many receives.
+        let payload = smuggled(128 << 10);
+        c.send(&header(0, CMD_WRITE, 2, 0, 128 << 10)).unwrap();
+        for piece in payload.chunks(9_999) {
+            if c.send(piece).is_err() {
+                break; // hung up: allowed
+            }
+        }
+        match c.reply() {
+            Ok((error, cookie)) => {
+                assert!(
+                    cookie & SMUGGLED != SMUGGLED,
+                    "the server answered request {cookie:#x}, hidden in the payload"
+                );
+                assert_eq!((cookie, error), (2, EINVAL));
+                // The connection still works, and nothing was written.
+                assert_same("offset 0", &c.read_ok(3, 0, 4096), &data);
+                c.disconnect();
+                assert_closed(&mut c, "after DISC (no replies to the payload)");
+            }
+            Err(_) => assert_closed(&mut c, "an oversized write"),
+        }
+
+        // Far over any limit (256 MiB): the server hangs up rather than skip it.
+        let (mut c, _, _) = Raw::go(&srv.sock, "");
+        c.send(&header(0, CMD_WRITE, 4, 0, 256 << 20)).unwrap();
+        let _ = c.send(&smuggled(64 << 10));
+        assert_closed(&mut c, "a 256 MiB write");
+    }
+
+    #[test]
+    fn read_longer_than_max_payload_is_refused_with_einval() {
+        let srv = Server::start(&["--device", "mem:16M", "--max-payload", "64K"]);
+        let (mut c, _, _) = Raw::go(&srv.sock, "");
+        c.request(0, CMD_READ, 1, 0, 128 << 10, &[]).unwrap();
+        let (error, cookie) = c.reply().unwrap();
+        assert_eq!(cookie, 1);
+        assert_eq!(
+            error, EINVAL,
+            "a 128 KiB read with --max-payload 64K (the NBD spec: the server SHOULD \
+             report EINVAL for a request larger than the advertised maximum block size)"
+        );
+        c.read_ok(2, 0, 4096);
+        c.disconnect();
+    }
+
+    #[test]
+    fn refused_writes_skip_their_payload() {
+        let dir = tmpdir();
+        let stack = write_stack(
+            &dir,
+            "[device.a]\ntype = \"mem\"\nsize = \"16M\"\n\n\
+             [export.rw]\ndevice = \"a\"\ndefault = true\n\n\
+             [export.ro]\ndevice = \"a\"\nread_only = true\n",
+        );
+        let srv = Server::start_in(dir, &[path_str(&stack)]);
+        let (mut c, size, flags) = Raw::go(&srv.sock, "rw");
+        assert_eq!(flags & TFLAG_READ_ONLY, 0);
+        let head = random_bytes(4096, 4);
+        let tail = random_bytes(4096, 5);
+        c.write_ok(1, 0, 0, &head);
+        c.write_ok(2, 0, size - 4096, &tail);
+        let check = |c: &mut Raw, what: &str| {
+            assert_same(
+                &format!("after {what}: head"),
+                &c.read_ok(90, 0, 4096),
+                &head,
+            );
+            assert_same(
+                &format!("after {what}: tail"),
+                &c.read_ok(91, size - 4096, 4096),
+                &tail,
+            );
+        };
+        // (what, flags, offset, length, errno): each carries a payload of fake requests.
+        let cases: [(&str, u16, u64, u32, u32); 6] = [
+            ("a write past the end", 0, size, 4096, ENOSPC),
+            ("a write across the end", 0, size - 4096, 8192, ENOSPC),
+            ("a write at offset 1", 0, 1, 4096, EINVAL),
+            ("a write of 100 bytes", 0, 0, 100, EINVAL),
+            ("a write with unknown flag 1<<9", 1 << 9, 0, 4096, EINVAL),
+            ("a write with DF", FLAG_DF, 0, 4096, EINVAL),
+        ];
+        for (i, (what, f, offset, len, errno)) in cases.into_iter().enumerate() {
+            let cookie = 10 + i as u64;
+            c.request(f, CMD_WRITE, cookie, offset, len, &smuggled(len as usize))
+                .unwrap();
+            c.expect(cookie, errno);
+            check(&mut c, what);
+        }
+        // The read-only export of the same device.
+        let (mut ro, _, flags) = Raw::go(&srv.sock, "ro");
+        assert_ne!(flags & TFLAG_READ_ONLY, 0);
+        ro.request(0, CMD_WRITE, 20, 0, 8192, &smuggled(8192))
+            .unwrap();
+        ro.expect(20, EPERM);
+        ro.request(0, CMD_TRIM, 21, 0, 8192, &[]).unwrap();
+        ro.expect(21, EPERM);
+        assert_same("read-only head", &ro.read_ok(22, 0, 4096), &head);
+        check(&mut c, "the read-only export's refusals");
+        for (mut x, what) in [(c, "rw"), (ro, "ro")] {
+            x.disconnect();
+            assert_closed(
+                &mut x,
+                &format!("{what}: after DISC (no replies to payloads)"),
+            );
+        }
+    }
+
+    #[test]
+    fn unknown_commands_get_einval_and_the_connection_survives() {
+        let srv = Server::start(&["--device", "mem:16M"]);
+        let (mut c, _, _) = Raw::go(&srv.sock, "");
+        let data = random_bytes(4096, 6);
+        c.write_ok(1, 0, 0, &data);
+        c.request(0, 99, 2, 0, 0, &[]).unwrap();
+        c.expect(2, EINVAL);
+        c.request(0, 99, 3, 4096, 4096, &[]).unwrap();
+        c.expect(3, EINVAL);
+        c.request(0, u16::MAX, 4, 0, 512, &[]).unwrap();
+        c.expect(4, EINVAL);
+        // Block status needs structured replies and a metadata context: neither here.
+        c.request(0, CMD_BLOCK_STATUS, 5, 0, 4096, &[]).unwrap();
+        c.expect(5, EINVAL);
+        assert_same("after unknown commands", &c.read_ok(6, 0, 4096), &data);
+        c.request(FLAG_FUA, CMD_FLUSH, 7, 0, 0, &[]).unwrap();
+        c.expect(7, 0);
+        c.disconnect();
+        assert_closed(&mut c, "after DISC");
+    }
+
+    #[test]
+    fn disc_after_pipelined_requests_answers_them_all_then_closes() {
+        let srv = Server::start(&["--device", "mem:16M"]);
+        let (mut c, _, _) = Raw::go(&srv.sock, "");
+        let mut batch = Vec::new();
+        let blocks: Vec<Vec<u8>> = (0..32).map(|i| random_bytes(4096, 100 + i)).collect();
+        for (i, b) in blocks.iter().enumerate() {
+            batch.extend_from_slice(&header(0, CMD_WRITE, i as u64, i as u64 * 4096, 4096));
+            batch.extend_from_slice(b);
+        }
+        batch.extend_from_slice(&header(0, CMD_FLUSH, 1000, 0, 0));
+        batch.extend_from_slice(&header(0, CMD_DISC, 1001, 0, 0));
+        c.send(&batch).unwrap();
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..33 {
+            let (error, cookie) = c.reply().expect("every request before DISC is answered");
+            assert_eq!(error, 0, "request {cookie}");
+            assert!(seen.insert(cookie), "two replies for {cookie}");
+        }
+        assert!(seen.contains(&1000));
+        assert_closed(&mut c, "after DISC");
+        // The writes landed.
+        let (mut c, _, _) = Raw::go(&srv.sock, "");
+        for (i, b) in blocks.iter().enumerate() {
+            assert_same(
+                &format!("block {i}"),
+                &c.read_ok(i as u64, i as u64 * 4096, 4096),
+                b,
+            );
+        }
+        c.disconnect();
+    }
+
+    #[test]
+    fn structured_replies_by_hand() {
+        let srv = Server::start(&["--device", "mem:16M"]);
+        let (mut c, size, _) = Raw::handshake(&srv.sock, &[OPT_STRUCTURED_REPLY], "");
+        let data = random_bytes(8192, 8);
+        c.write_ok(1, FLAG_FUA, 4096, &data); // writes still get simple replies
+        c.request(FLAG_DF, CMD_READ, 2, 4096, 8192, &[]).unwrap();
+        let h = c.read_exact(20).unwrap();
+        assert_eq!(be_u32(&h), STRUCTURED_REPLY_MAGIC, "{h:02x?}");
+        let (flags, kind, cookie, len) = (
+            be_u16(&h[4..]),
+            be_u16(&h[6..]),
+            be_u64(&h[8..]),
+            be_u32(&h[16..]),
+        );
+        assert_eq!((kind, cookie), (CHUNK_OFFSET_DATA, 2));
+        assert_ne!(flags & CHUNK_DONE, 0, "DF: one chunk, the last");
+        assert_eq!(len, 8 + 8192);
+        let body = c.read_exact(len as usize).unwrap();
+        assert_eq!(be_u64(&body), 4096, "the chunk's offset");
+        assert_same("structured read", &body[8..], &data);
+        // An error chunk for a read past the end.
+        c.request(0, CMD_READ, 3, size, 4096, &[]).unwrap();
+        let h = c.read_exact(20).unwrap();
+        assert_eq!(be_u32(&h), STRUCTURED_REPLY_MAGIC, "{h:02x?}");
+        assert_eq!((be_u16(&h[6..]), be_u64(&h[8..])), (CHUNK_ERROR, 3));
+        assert_ne!(be_u16(&h[4..]) & CHUNK_DONE, 0);
+        let body = c.read_exact(be_u32(&h[16..]) as usize).unwrap();
+        assert_eq!(be_u32(&body), EINVAL);
+        assert_eq!(
+            be_u16(&body[4..]) as usize,
+            body.len() - 6,
+            "message length"
+        );
+        c.disconnect();
+        assert_closed(&mut c, "after DISC");
+    }
+
+    #[test]
+    fn export_name_option_with_and_without_zeroes() {
+        let srv = Server::start(&["--device", "mem:16M"]);
+        for (client_flags, tail) in [(3u32, 10usize), (1, 10 + 124)] {
+            let mut c = Raw::connect(&srv.sock);
+            assert_eq!(c.greeting().unwrap() & 3, 3, "fixed newstyle, no zeroes");
+            c.send(&client_flags.to_be_bytes()).unwrap();
+            c.opt(OPT_EXPORT_NAME, b"").unwrap();
+            let t = c.read_exact(tail).unwrap();
+            assert_eq!(be_u64(&t), 16 << 20, "size");
+            assert_ne!(be_u16(&t[8..]) & 1, 0, "HAS_FLAGS");
+            assert!(t[10..].iter().all(|&b| b == 0), "the 124 zero bytes");
+            c.read_ok(1, 0, 4096);
+            c.disconnect();
+            assert_closed(&mut c, "after DISC");
+        }
+        // An unknown name has no error reply: the server hangs up.
+        let mut c = Raw::connect(&srv.sock);
+        c.greeting().unwrap();
+        c.send(&3u32.to_be_bytes()).unwrap();
+        c.opt(OPT_EXPORT_NAME, b"nope").unwrap();
+        assert_closed(&mut c, "EXPORT_NAME of an unknown export");
+    }
+
+    #[test]
+    fn handshake_garbage_closes_the_connection() {
+        let srv = Server::start(&["--device", "mem:16M"]);
+        let start = || {
+            let mut c = Raw::connect(&srv.sock);
+            c.greeting().unwrap();
+            c
+        };
+        // Unknown client flags.
+        let mut c = start();
+        c.send(&0x8000_0003u32.to_be_bytes()).unwrap();
+        assert_closed(&mut c, "unknown client flags");
+        // An option with the wrong magic.
+        let mut c = start();
+        c.send(&3u32.to_be_bytes()).unwrap();
+        c.send(b"GARBAGE!\0\0\0\x07\0\0\0\x06").unwrap();
+        assert_closed(&mut c, "an option with a bad magic");
+        // Option data far over any limit (2 MiB).
+        let mut c = start();
+        c.send(&3u32.to_be_bytes()).unwrap();
+        let mut h = IHAVEOPT.to_be_bytes().to_vec();
+        h.extend_from_slice(&OPT_GO.to_be_bytes());
+        h.extend_from_slice(&(2u32 << 20).to_be_bytes());
+        c.send(&h).unwrap();
+        let _ = c.send(&[0u8; 4096]);
+        assert_closed(&mut c, "2 MiB of option data");
+        // The client leaves in the middle of an option.
+        let mut c = start();
+        c.send(&3u32.to_be_bytes()).unwrap();
+        c.send(&IHAVEOPT.to_be_bytes()).unwrap();
+        drop(c);
+        // ABORT is acknowledged, then the server closes.
+        let mut c = start();
+        c.send(&3u32.to_be_bytes()).unwrap();
+        c.opt(OPT_ABORT, &[]).unwrap();
+        let (o, t, _) = c.opt_reply().unwrap();
+        assert_eq!((o, t), (OPT_ABORT, REP_ACK));
+        assert_closed(&mut c, "after ABORT");
+
+        // Errors that keep the handshake going: too big (skipped), unsupported, unknown
+        // export; then GO still works on the same connection.
+        let mut c = start();
+        c.send(&3u32.to_be_bytes()).unwrap();
+        c.opt(OPT_GO, &[0u8; 100 << 10]).unwrap();
+        assert_eq!(c.opt_reply().unwrap().1, REP_ERR_TOO_BIG);
+        c.opt(99, &[]).unwrap();
+        assert_eq!(c.opt_reply().unwrap().1, REP_ERR_UNSUP);
+        c.opt(OPT_GO, &go_data("nope")).unwrap();
+        assert_eq!(c.opt_reply().unwrap().1, REP_ERR_UNKNOWN);
+        c.opt(OPT_GO, &go_data("")).unwrap();
+        loop {
+            let (_, t, data) = c.opt_reply().unwrap();
+            match t {
+                REP_ACK => break,
+                REP_INFO => {}
+                t => panic!("GO after errors: reply {t:#x}: {}", text(&data)),
+            }
+        }
+        c.read_ok(1, 0, 4096);
+        c.disconnect();
+        assert_closed(&mut c, "after DISC");
+    }
+
+    #[test]
+    fn more_options_than_max_options_closes_the_connection() {
+        let srv = Server::start(&["--device", "mem:16M", "--max-options", "4"]);
+        let mut c = Raw::connect(&srv.sock);
+        c.greeting().unwrap();
+        c.send(&3u32.to_be_bytes()).unwrap();
+        for _ in 0..4 {
+            c.opt(99, &[]).unwrap();
+            assert_eq!(c.opt_reply().unwrap().1, REP_ERR_UNSUP);
+        }
+        // The fifth option, even a good GO, is one too many.
+        let _ = c.opt(OPT_GO, &go_data(""));
+        assert_closed(&mut c, "a fifth option with --max-options 4");
+        // Four options and a GO as the fourth is fine.
+        let (mut c, _, _) = Raw::handshake(
+            &srv.sock,
+            &[
+                OPT_STRUCTURED_REPLY,
+                OPT_STRUCTURED_REPLY,
+                OPT_STRUCTURED_REPLY,
+            ],
+            "",
+        );
+        c.write_ok(1, 0, 0, &[7u8; 512]);
+        c.disconnect();
+    }
+
+    #[test]
+    fn silent_clients_are_dropped_after_the_handshake_timeout() {
+        let srv = Server::start(&["--device", "mem:16M", "--handshake-timeout", "1s"]);
+        // Never reads the greeting, never sends anything.
+        let mut a = Raw::connect(&srv.sock);
+        // Sends its flags, then nothing.
+        let mut b = Raw::connect(&srv.sock);
+        b.greeting().unwrap();
+        b.send(&3u32.to_be_bytes()).unwrap();
+        // Half an option header, then nothing.
+        let mut c = Raw::connect(&srv.sock);
+        c.greeting().unwrap();
+        c.send(&3u32.to_be_bytes()).unwrap();
+        c.send(&IHAVEOPT.to_be_bytes()).unwrap();
+        let mut g = [0u8; 18];
+        a.s.read_exact(&mut g).unwrap();
+        assert_closed(&mut a, "a client that sends nothing");
+        assert_closed(&mut b, "a client that sends its flags only");
+        assert_closed(&mut c, "a client that stops in an option header");
+        // The timeout is for the handshake only: an idle client in transmission stays.
+        let (mut d, _, _) = Raw::go(&srv.sock, "");
+        std::thread::sleep(Duration::from_millis(1500));
+        d.read_ok(1, 0, 4096);
+        d.disconnect();
+    }
+
+    #[test]
+    fn a_trickling_client_is_dropped_at_the_handshake_deadline() {
+        let srv = Server::start(&["--device", "mem:16M", "--handshake-timeout", "1s"]);
+        let mut c = Raw::connect(&srv.sock);
+        c.greeting().unwrap();
+        c.send(&3u32.to_be_bytes()).unwrap();
+        let mut h = IHAVEOPT.to_be_bytes().to_vec();
+        h.extend_from_slice(&3u32.to_be_bytes()); // LIST
+        h.extend_from_slice(&1000u32.to_be_bytes()); // with 1000 bytes of data
+        c.send(&h).unwrap();
+        c.s.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        let started = Instant::now();
+        let limit = Duration::from_secs(10);
+        let mut buf = [0u8; 64];
+        loop {
+            assert!(
+                started.elapsed() < limit,
+                "a client trickling one byte per 300 ms is still connected {limit:?} into a 1 s handshake timeout"
+            );
+            if c.send(b"x").is_err() {
+                break;
+            }
+            match c.s.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => panic!("unexpected bytes: {:02x?}", &buf[..n]),
+                Err(e) if e.kind() == ErrorKind::ConnectionReset => break,
+                Err(_) => {} // still open
+            }
+        }
+    }
+
+    #[test]
+    fn misbehaving_clients_do_not_stall_a_well_behaved_one() {
+        const NAME: &str = "raw::misbehaving_clients_do_not_stall_a_well_behaved_one";
+        let Some([nbdcopy]) = tools(NAME, ["nbdcopy"]) else {
+            return;
+        };
+        // One reactor thread: every connection shares it.
+        let srv = Server::start(&[
+            "--device",
+            "mem:16M",
+            "--threads",
+            "1",
+            "--handshake-timeout",
+            "60s",
+        ]);
+        // A: silent in the handshake.
+        let mut a = Raw::connect(&srv.sock);
+        a.greeting().unwrap();
+        // B: a 1 MiB write whose payload stops after 1000 bytes.
+        let (mut b, _, _) = Raw::go(&srv.sock, "");
+        let b_data = random_bytes(1 << 20, 9);
+        b.send(&header(0, CMD_WRITE, 1, 15 << 20, 1 << 20)).unwrap();
+        b.send(&b_data[..1000]).unwrap();
+        // C: 1000 reads of 64 KiB, and it reads none of the replies (yet).
+        let (mut c, _, _) = Raw::go(&srv.sock, "");
+        let mut reads = Vec::new();
+        for i in 0..1000u64 {
+            reads.extend_from_slice(&header(0, CMD_READ, i, (i % 200) * 65536, 65536));
+        }
+        c.send(&reads).unwrap();
+        // D: garbage after the handshake.
+        let (mut d, _, _) = Raw::go(&srv.sock, "");
+        d.send(&[0xffu8; 100]).unwrap();
+
+        // Meanwhile nbdcopy copies 16 MiB in and out.
+        let src = srv.path("src.img");
+        let back = srv.path("back.img");
+        let data = random_bytes(16 << 20, 10);
+        std::fs::write(&src, &data).unwrap();
+        success(
+            "nbdcopy in, beside misbehaving clients",
+            &run(Command::new(&nbdcopy).args([path_str(&src), &srv.uri()])),
+        );
+        success(
+            "nbdcopy out, beside misbehaving clients",
+            &run(Command::new(&nbdcopy).args([&srv.uri(), path_str(&back)])),
+        );
+        assert_same("nbdcopy round trip", &std::fs::read(&back).unwrap(), &data);
+
+        assert_closed(&mut d, "garbage after the handshake");
+        // B finishes its write; C reads its replies: all were kept.
+        b.send(&b_data[1000..]).unwrap();
+        b.expect(1, 0);
+        assert_same("B's write", &b.read_ok(2, 15 << 20, 1 << 20), &b_data);
+        let mut seen = vec![false; 1000];
+        for _ in 0..1000 {
+            let (error, cookie) = c.reply().expect("C's replies");
+            assert_eq!(error, 0, "C's read {cookie}");
+            assert!(!std::mem::replace(&mut seen[cookie as usize], true));
+            c.read_exact(65536).unwrap();
+        }
+        for x in [&mut b, &mut c] {
+            x.disconnect();
+            assert_closed(x, "after DISC");
+        }
+        drop(a);
+    }
+
+    #[test]
+    fn max_connections_refuses_a_third_connection_at_once() {
+        let srv = Server::start(&["--device", "mem:16M", "--max-connections", "2"]);
+        let (mut a, _, _) = Raw::go(&srv.sock, "");
+        let (mut b, _, _) = Raw::go(&srv.sock, "");
+        let mut c = Raw::connect(&srv.sock);
+        assert_closed(&mut c, "a third connection with --max-connections 2");
+        let data = random_bytes(4096, 11);
+        a.write_ok(1, 0, 0, &data);
+        assert_same("B reads A's write", &b.read_ok(2, 0, 4096), &data);
+        // Connections that end in every way give their slot back.
+        a.disconnect();
+        assert_closed(&mut a, "after DISC");
+        for round in 0..3 {
+            let mut x = admitted(&srv.sock);
+            match round {
+                0 => drop(x), // leaves during the handshake
+                1 => {
+                    x.send(&0xffff_ffffu32.to_be_bytes()).unwrap();
+                    assert_closed(&mut x, "bad client flags");
+                }
+                _ => {
+                    x.send(&3u32.to_be_bytes()).unwrap();
+                    x.opt(OPT_GO, &go_data("")).unwrap();
+                    while x.opt_reply().unwrap().1 != REP_ACK {}
+                    x.send(&[0u8; 28]).unwrap();
+                    assert_closed(&mut x, "bad request magic");
+                }
+            }
+        }
+        let mut x = admitted(&srv.sock);
+        x.send(&3u32.to_be_bytes()).unwrap();
+        x.opt(OPT_GO, &go_data("")).unwrap();
+        while x.opt_reply().unwrap().1 != REP_ACK {}
+        assert_same("a later client", &x.read_ok(3, 0, 4096), &data);
+        // B all along, and x: two at once again.
+        assert_same("B still works", &b.read_ok(4, 0, 4096), &data);
+        let mut y = Raw::connect(&srv.sock);
+        assert_closed(&mut y, "a third connection again");
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// SIGTERM
+
+mod shutdown {
+    use super::*;
+
+    #[test]
+    fn sigterm_flushes_acknowledged_writes_and_exits_0() {
+        let dir = tmpdir();
+        let disk = dir.path().join("disk.img");
+        let device = format!("file:{},size=64M", disk.display());
+        let mut srv = Server::start_in(dir, &["--device", &device]);
+        let (mut c, size, _) = Raw::go(&srv.sock, "");
+        assert_eq!(size, 64 << 20);
+        let a = random_bytes(1 << 20, 12);
+        let b = random_bytes(256 << 10, 13);
+        c.write_ok(1, 0, 0, &a);
+        c.write_ok(2, FLAG_FUA, 32 << 20, &b);
+        // The client stays connected, idle.
+        let (status, log) = srv.stop();
+        assert!(status.success(), "exit status {status}; stderr:\n{log}");
+        assert!(log.contains("signal 15"), "{log}");
+        assert_closed(&mut c, "a connected client at SIGTERM");
+        assert!(!srv.sock.exists(), "the socket file is removed at exit");
+        let file = std::fs::read(&disk).unwrap();
+        assert_eq!(file.len(), 64 << 20);
+        assert_same("first write", &file[..1 << 20], &a);
+        assert_same("FUA write", &file[32 << 20..(32 << 20) + (256 << 10)], &b);
+    }
+
+    #[test]
+    fn sigterm_finishes_requests_in_flight_and_refuses_later_ones_with_eshutdown() {
+        let dir = tmpdir();
+        let disk = dir.path().join("disk.img");
+        // Writes take 3 s: one stays in flight while the server shuts down.
+        let stack = write_stack(
+            &dir,
+            &format!(
+                "[device.f]\ntype = \"file\"\npath = \"{}\"\nsize = \"16M\"\n\n\
+                 [device.slow]\ntype = \"delay\"\nbase = \"f\"\nwrite = \"3s\"\n",
+                disk.display()
+            ),
+        );
+        let mut srv = Server::start_in(dir, &[path_str(&stack)]);
+        let (mut c, _, _) = Raw::go(&srv.sock, "");
+        let data = random_bytes(64 << 10, 14);
+        c.request(0, CMD_WRITE, 1, 0, data.len() as u32, &data)
+            .unwrap();
+        // Requests are parsed in order: once a read sent after the write is answered (reads
+        // are not delayed), the write's whole payload is in and the write is in flight.
+        assert_same(
+            "a read beside the write",
+            &c.read_ok(50, 1 << 20, 4096),
+            &[0u8; 4096],
+        );
+        srv.signal(libc::SIGTERM);
+        assert!(
+            srv.wait_for_stderr("signal 15", IO_TIMEOUT),
+            "{}",
+            srv.stderr()
+        );
+        // The reactor learns of the shutdown a moment after that line: probe with reads
+        // until one is refused. The write in flight must not be answered before that.
+        let mut write_error = None;
+        let mut cookie = 100;
+        let mut refused = false;
+        while !refused {
+            cookie += 1;
+            c.request(0, CMD_READ, cookie, 1 << 20, 4096, &[])
+                .expect("send a read after SIGTERM");
+            loop {
+                let (error, got) = c.reply().expect("a reply after SIGTERM");
+                if got == 1 {
+                    write_error = Some(error);
+                    assert!(
+                        refused,
+                        "the write in flight finished before any later request was refused"
+                    );
+                    continue;
+                }
+                assert_eq!(got, cookie);
+                match error {
+                    0 => {
+                        c.read_exact(4096).unwrap();
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    ESHUTDOWN => refused = true,
+                    e => panic!("read after SIGTERM: error {e}"),
+                }
+                break;
+            }
+        }
+        // Later writes are refused too (their payload skipped), and flushes.
+        c.request(0, CMD_WRITE, 2, 1 << 20, 8192, &smuggled(8192))
+            .unwrap();
+        c.request(0, CMD_FLUSH, 3, 0, 0, &[]).unwrap();
+        let mut replies = HashMap::new();
+        while !(replies.contains_key(&2)
+            && replies.contains_key(&3)
+            && (write_error.is_some() || replies.contains_key(&1)))
+        {
+            let (error, got) = c.reply().expect("replies during shutdown");
+            assert!(
+                got & SMUGGLED != SMUGGLED,
+                "answered hidden request {got:#x}"
+            );
+            replies.insert(got, error);
+        }
+        assert_eq!(replies.get(&2), Some(&ESHUTDOWN), "{replies:?}");
+        assert_eq!(replies.get(&3), Some(&ESHUTDOWN), "{replies:?}");
+        let write_error = write_error.or(replies.get(&1).copied());
+        assert_eq!(write_error, Some(0), "the write in flight completes");
+        assert_closed(&mut c, "after shutdown");
+        let (status, log) = srv.wait_exit();
+        assert!(status.success(), "exit status {status}; stderr:\n{log}");
+        let file = std::fs::read(&disk).unwrap();
+        assert_same("the write in flight", &file[..64 << 10], &data);
+        assert!(
+            file[1 << 20..(1 << 20) + 8192].iter().all(|&x| x == 0),
+            "a write refused with ESHUTDOWN reached the disk"
+        );
+    }
+    #[test]
+    fn sigterm_answers_a_write_whose_payload_is_still_arriving() {
+        let dir = tmpdir();
+        let disk = dir.path().join("disk.img");
+        let device = format!("file:{},size=16M", disk.display());
+        let mut srv = Server::start_in(dir, &["--device", &device]);
+        let (mut c, _, _) = Raw::go(&srv.sock, "");
+        let data = random_bytes(64 << 10, 15);
+        c.send(&header(0, CMD_WRITE, 1, 0, data.len() as u32))
+            .unwrap();
+        c.send(&data[..1000]).unwrap();
+        // Let the server read the header (it is idle: this only sets the scene).
+        std::thread::sleep(Duration::from_millis(300));
+        srv.signal(libc::SIGTERM);
+        assert!(
+            srv.wait_for_stderr("signal 15", IO_TIMEOUT),
+            "{}",
+            srv.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(300));
+        // The rest of the payload: the request was in flight before the signal, so it
+        // gets a reply (done, or refused with ESHUTDOWN) before the server hangs up.
+        let sent = c.send(&data[1000..]);
+        let reply = c.reply();
+        let (status, log) = srv.wait_exit();
+        assert!(status.success(), "exit status {status}; stderr:\n{log}");
+        let (error, cookie) = reply.unwrap_or_else(|e| {
+            panic!(
+                "no reply to a write in flight at SIGTERM ({e}; sending the rest of its \
+                 payload: {sent:?})"
+            )
+        });
+        assert_eq!(cookie, 1);
+        assert!(error == 0 || error == ESHUTDOWN, "error {error}");
+        assert_closed(&mut c, "after the reply");
+        if error == 0 {
+            let file = std::fs::read(&disk).unwrap();
+            assert_same("the write", &file[..64 << 10], &data);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// A real file system, as root
+
+mod filesystem {
+    use super::*;
+
+    /// Undoes a mount, a loop device and a FUSE mount, in that order, even on panic.
+    struct Mounted {
+        umount: PathBuf,
+        losetup: PathBuf,
+        fusermount: PathBuf,
+        mnt: Option<PathBuf>,
+        loop_dev: Option<String>,
+        fuse: Option<(PathBuf, Child)>,
+    }
+
+    impl Mounted {
+        /// Unmounts the file system.
+        fn unmount(&mut self) {
+            if let Some(m) = self.mnt.clone() {
+                retry_busy("umount", || {
+                    let mut c = Command::new(&self.umount);
+                    c.arg(&m);
+                    c
+                });
+                self.mnt = None;
+            }
+        }
+
+        fn detach(&mut self) {
+            if let Some(l) = self.loop_dev.clone() {
+                retry_busy("losetup -d", || {
+                    let mut c = Command::new(&self.losetup);
+                    c.args(["-d", &l]);
+                    c
+                });
+                self.loop_dev = None;
+            }
+        }
+
+        /// Unmounts the FUSE file; returns nbdfuse's exit status.
+        fn unfuse(&mut self) -> Option<ExitStatus> {
+            let dir = self.fuse.as_ref()?.0.clone();
+            retry_busy("fusermount3 -u", || {
+                let mut c = Command::new(&self.fusermount);
+                c.arg("-u").arg(&dir);
+                c
+            });
+            let (_, mut child) = self.fuse.take()?;
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                if let Ok(Some(status)) = child.try_wait() {
+                    return Some(status);
+                }
+                if Instant::now() > deadline {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    panic!("nbdfuse still running 30 s after fusermount3 -u");
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+
+    /// Runs a teardown command until it succeeds. "Busy" can be a passing state (a loop
+    /// device is released asynchronously; a process of the parallel test run may hold a
+    /// descriptor it inherited across fork for a moment), so it is retried for 20 s.
+    fn retry_busy(what: &str, make: impl Fn() -> Command) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let out = run_for(&mut make(), Duration::from_secs(60));
+            if out.status.success() {
+                return;
+            }
+            if !text(&out.stderr).to_lowercase().contains("busy") || Instant::now() > deadline {
+                success(what, &out);
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    impl Drop for Mounted {
+        /// Whatever is still set up after a panic or a skip goes, quietly.
+        fn drop(&mut self) {
+            if let Some(m) = self.mnt.take() {
+                let _ = Command::new(&self.umount).arg("-l").arg(m).status();
+            }
+            if let Some(l) = self.loop_dev.take() {
+                let _ = Command::new(&self.losetup).args(["-d", &l]).status();
+            }
+            if let Some((dir, mut child)) = self.fuse.take() {
+                let _ = Command::new(&self.fusermount)
+                    .args(["-u", "-z"])
+                    .arg(dir)
+                    .status();
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+
+    #[test]
+    fn ext4_on_a_raid10_export_through_nbdfuse_and_a_loop_device() {
+        const NAME: &str = "filesystem::ext4_on_a_raid10_export_through_nbdfuse_and_a_loop_device";
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            skip(NAME, "needs root (losetup, mount)");
+            return;
+        }
+        if !Path::new("/dev/fuse").exists() {
+            skip(NAME, "/dev/fuse is missing");
+            return;
+        }
+        let Some([nbdfuse, fusermount, losetup, mkfs, fsck, mount, umount]) = tools(
+            NAME,
+            [
+                "nbdfuse",
+                "fusermount3",
+                "losetup",
+                "mkfs.ext4",
+                "fsck.ext4",
+                "mount",
+                "umount",
+            ],
+        ) else {
+            return;
+        };
+        let probe = run_for(Command::new(&losetup).arg("-f"), Duration::from_secs(30));
+        if !probe.status.success() {
+            skip(
+                NAME,
+                &format!("losetup -f: no loop device: {}", text(&probe.stderr).trim()),
+            );
+            return;
+        }
+
+        // RAID10 of four 32 MiB files: 64 MiB.
+        let dir = tmpdir();
+        let mut toml = String::new();
+        for i in 0..4 {
+            toml += &format!(
+                "[device.d{i}]\ntype = \"file\"\npath = \"{}\"\nsize = \"32M\"\n\n",
+                dir.path().join(format!("d{i}.img")).display()
+            );
+        }
+        toml += "[device.r]\ntype = \"raid10\"\nmembers = [\"d0\", \"d1\", \"d2\", \"d3\"]\nchunk = \"64K\"\n";
+        let stack = write_stack(&dir, &toml);
+        let mut srv = Server::start_in(dir, &[path_str(&stack)]);
+
+        let fuse_dir = srv.path("fuse");
+        let mnt = srv.path("mnt");
+        std::fs::create_dir(&fuse_dir).unwrap();
+        std::fs::create_dir(&mnt).unwrap();
+        let pidfile = srv.path("nbdfuse.pid");
+        let fuse_log = srv.path("nbdfuse.log");
+        let child = Command::new(&nbdfuse)
+            .arg("-P")
+            .arg(&pidfile)
+            .arg(&fuse_dir)
+            .arg(srv.uri())
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(srv.path("nbdfuse.out")).unwrap())
+            .stderr(std::fs::File::create(&fuse_log).unwrap())
+            .spawn()
+            .expect("start nbdfuse");
+        let mut m = Mounted {
+            umount: umount.clone(),
+            losetup: losetup.clone(),
+            fusermount,
+            mnt: None,
+            loop_dev: None,
+            fuse: Some((fuse_dir.clone(), child)),
+        };
+        // Ready once the pid file is written.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !std::fs::read_to_string(&pidfile).is_ok_and(|s| !s.trim().is_empty()) {
+            let exited = m.fuse.as_mut().unwrap().1.try_wait().unwrap();
+            if let Some(status) = exited {
+                m.fuse = None;
+                let log = std::fs::read_to_string(&fuse_log).unwrap_or_default();
+                if log.contains("fuse:") || log.contains("fusermount") {
+                    skip(NAME, &format!("FUSE cannot mount here: {}", log.trim()));
+                    return;
+                }
+                panic!("nbdfuse exited ({status}) before it was ready:\n{log}");
+            }
+            assert!(Instant::now() < deadline, "nbdfuse not ready after 30 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let image = fuse_dir.join("nbd");
+        assert_eq!(std::fs::metadata(&image).unwrap().len(), 64 << 20);
+
+        let out = run_for(
+            Command::new(&losetup)
+                .args(["--find", "--show"])
+                .arg(&image),
+            Duration::from_secs(60),
+        );
+        if !out.status.success() {
+            skip(
+                NAME,
+                &format!("losetup cannot attach: {}", text(&out.stderr).trim()),
+            );
+            return;
+        }
+        let dev = text(&out.stdout).trim().to_string();
+        m.loop_dev = Some(dev.clone());
+        success(
+            "mkfs.ext4",
+            &run(Command::new(&mkfs).args(["-q", "-F", &dev])),
+        );
+        success(
+            "mount",
+            &run(Command::new(&mount).args(["-t", "ext4", &dev]).arg(&mnt)),
+        );
+        m.mnt = Some(mnt.clone());
+        let files: Vec<(PathBuf, Vec<u8>)> = (0..8)
+            .map(|i| {
+                let sub = mnt.join(format!("dir{}", i % 3));
+                std::fs::create_dir_all(&sub).unwrap();
+                (
+                    sub.join(format!("file{i}")),
+                    random_bytes((1 << 20) + i * 4096 + 17, 200 + i as u64),
+                )
+            })
+            .collect();
+        for (path, data) in &files {
+            let mut f = std::fs::File::create(path).unwrap();
+            f.write_all(data).unwrap();
+            f.sync_all().unwrap();
+        }
+        std::fs::File::open(&mnt).unwrap().sync_all().unwrap();
+        m.unmount();
+        let out = run(Command::new(&fsck).args(["-f", "-n", &dev]));
+        success("fsck.ext4 -f -n (a clean file system)", &out);
+        // Mounted again, read-only: every file reads back.
+        success(
+            "mount -o ro",
+            &run(Command::new(&mount)
+                .args(["-t", "ext4", "-o", "ro", &dev])
+                .arg(&mnt)),
+        );
+        m.mnt = Some(mnt.clone());
+        for (path, data) in &files {
+            assert_same(
+                &path.display().to_string(),
+                &std::fs::read(path).unwrap(),
+                data,
+            );
+        }
+        m.unmount();
+        m.detach();
+        let status = m.unfuse().expect("nbdfuse was running");
+        assert!(status.success(), "nbdfuse exit status {status}");
+        let (status, log) = srv.stop();
+        assert!(status.success(), "exit status {status}; stderr:\n{log}");
+        // md's near layout with four members and two copies: d0 mirrors d1, d2 mirrors d3.
+        let member = |i: usize| std::fs::read(srv.path(&format!("d{i}.img"))).unwrap();
+        assert_same("raid10 members d0 and d1", &member(0), &member(1));
+        assert_same("raid10 members d2 and d3", &member(2), &member(3));
+        assert!(member(0).iter().any(|&x| x != 0), "nothing reached d0");
+    }
+}
