@@ -238,7 +238,6 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
         limits: cairn_nbd::Limits {
             max_payload: limits.max_payload,
             buffer_bytes: limits.buffer_bytes,
-            coalesce_ns: limits.coalesce_ns,
         },
         max_connections: args.max_connections,
         max_options: args.max_options,

@@ -254,10 +254,6 @@ pub struct ServeArgs {
     /// Longest a handshake may take.
     #[arg(long, value_name = "TIME", default_value = "10s")]
     pub handshake_timeout: String,
-    /// Reply coalescing: while a client pipelines requests, hold replies back this long at
-    /// most so that several leave together (0 turns it off).
-    #[arg(long, value_name = "TIME", default_value = "20us")]
-    pub coalesce: String,
     /// TLS: off, on (offered through STARTTLS), or require (nothing but STARTTLS before
     /// TLS is up). Default: on when --tls-certificates is given, else off.
     #[arg(long, value_enum)]
@@ -280,7 +276,6 @@ pub enum TlsArg {
 
 /// Validated `serve` limits.
 pub struct ServeLimits {
-    pub coalesce_ns: u64,
     pub max_payload: u32,
     pub buffer_bytes: usize,
     pub handshake_timeout: Duration,
@@ -322,13 +317,7 @@ impl ServeArgs {
             Some(n) => n,
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
-        let coalesce = parse_duration(&self.coalesce)
-            .map_err(|e| format!("--coalesce {}: {e}", self.coalesce))?;
-        if coalesce > Duration::from_millis(1) {
-            return Err(format!("--coalesce {}: at most 1ms", self.coalesce));
-        }
         Ok(ServeLimits {
-            coalesce_ns: coalesce.as_nanos() as u64,
             max_payload: max_payload as u32,
             buffer_bytes: buffer_bytes as usize,
             handshake_timeout,

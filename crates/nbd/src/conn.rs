@@ -66,8 +66,6 @@ pub struct Limits {
     pub max_payload: u32,
     /// Data buffer bytes a connection may hold.
     pub buffer_bytes: usize,
-    /// Longest a reply is held back to go out with others (0: never).
-    pub coalesce_ns: u64,
 }
 
 /// Input buffer per connection: room for many small requests per `recv`.
@@ -99,10 +97,6 @@ struct TlsIo {
 
 /// Token of the flush a connection sends on shutdown (never a request index).
 const SHUTDOWN_FLUSH: u32 = u32::MAX;
-/// Token of a connection's reply-coalescing timer.
-const COALESCE_TIMER: u32 = u32::MAX - 1;
-/// Replies held back at most before they go out anyway.
-const COALESCE_REPLIES: usize = 16;
 
 /// A reply waiting to be sent: a header and, for a read or a block status, a buffer.
 struct Seg {
@@ -175,11 +169,6 @@ struct ConnState {
     shutdown_flush: ShutdownFlush,
     tls: Option<Box<TlsIo>>,
     counts: Counts,
-    /// When replies started being held back (for coalescing), 0 if they are not.
-    hold_since: u64,
-    timer_armed: bool,
-    /// Requests read since the last send: two or more mean the client pipelines.
-    since_send: u32,
 }
 
 /// What a connection did, logged when it closes if `CAIRN_DEBUG` is set.
@@ -402,9 +391,7 @@ impl ServerLoop {
                 blocked: false,
                 shutdown_flush: ShutdownFlush::NotYet,
                 counts: Counts::default(),
-                hold_since: 0,
-                timer_armed: false,
-                since_send: 0,
+
                 tls: nc.tls.map(|mut c| {
                     // Replies are bounded by the connection's own limits.
                     c.set_buffer_limit(None);
@@ -615,7 +602,6 @@ impl ServerLoop {
             proto::Decoded::Request(r) => r,
         };
         st.counts.requests += 1;
-        st.since_send += 1;
         let info = &self.exports[conn.export].info;
         let payload = if r.command == cmd::WRITE {
             u64::from(r.len)
@@ -1030,42 +1016,7 @@ impl ServerLoop {
             // Else device requests are in flight: their completions call us again.
             return;
         }
-        // Reply coalescing (like a NIC's interrupt moderation): while a client keeps
-        // several requests in flight, hold a few replies back for a moment, so that it
-        // reads them in one wake-up instead of one each. A client that waits for each
-        // reply before sending the next (fewer than two requests since the last send)
-        // is never held.
-        let coalesce = self.limits.coalesce_ns;
-        if coalesce > 0
-            && !st.send_armed
-            && !st.out.is_empty()
-            && st.out.len() < COALESCE_REPLIES
-            && st.since_send >= 2
-            && !st.eof
-            && !self.shutting.get()
-        {
-            let now = self.core.now_ns();
-            if st.hold_since == 0 {
-                st.hold_since = now;
-            }
-            if now < st.hold_since + coalesce {
-                if !st.timer_armed {
-                    st.timer_armed = true;
-                    self.core.add_timer(
-                        st.hold_since + coalesce,
-                        self.sink.get(),
-                        (u64::from(conn.index) << 32) | u64::from(COALESCE_TIMER),
-                    );
-                }
-                if !st.recv_armed && !st.eof {
-                    self.push_recv(conn, &mut st, fd);
-                }
-                return;
-            }
-        }
         if !st.send_armed && st.output_pending() {
-            st.hold_since = 0;
-            st.since_send = 0;
             if st.tls.is_some() {
                 self.push_send_tls(conn, &mut st, fd);
             } else {
@@ -1285,11 +1236,6 @@ impl Sink for ServerLoop {
         let index = token as u32;
         let resubmit = {
             let mut st = conn.st.borrow_mut();
-            if index == COALESCE_TIMER {
-                st.timer_armed = false;
-                self.mark_dirty(&conn, &mut st);
-                return;
-            }
             st.in_flight -= 1;
             if index == SHUTDOWN_FLUSH {
                 st.shutdown_flush = ShutdownFlush::Done;
