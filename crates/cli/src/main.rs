@@ -245,6 +245,7 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
         tls,
         tls_config,
         switches,
+        idle_poll_ns: limits.idle_poll_ns,
     };
     let summary: Vec<String> = exports
         .iter()

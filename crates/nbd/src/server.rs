@@ -88,6 +88,8 @@ pub struct Config {
     pub tls_config: Option<Arc<rustls::ServerConfig>>,
     /// Engine switches for the reactors.
     pub switches: Switches,
+    /// Idle polling of the reactors before they sleep, in nanoseconds (0: off).
+    pub idle_poll_ns: u64,
 }
 
 /// Largest option payload read; bigger ones are skipped (up to `OPTION_SKIP_MAX`) and
@@ -289,12 +291,13 @@ pub fn serve(
         let (tx, rx) = mpsc::channel::<Msg>();
         let wake_fd = eventfd()?;
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), Error>>();
-        let (exports, live, w, switches, limits) = (
+        let (exports, live, w, switches, limits, idle_poll_ns) = (
             exports.clone(),
             live.clone(),
             wake_fd.clone(),
             config.switches,
             config.limits,
+            config.idle_poll_ns,
         );
         let t = std::thread::Builder::new()
             .name(format!("cairn-serve{i}"))
@@ -313,6 +316,7 @@ pub fn serve(
                         return;
                     }
                 };
+                reactor.set_idle_poll(idle_poll_ns);
                 let _ = ready_tx.send(Ok(()));
                 reactor.run();
                 reactor.drain(cairn_core::clock::monotonic_ns() + 10_000_000_000);
