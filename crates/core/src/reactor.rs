@@ -587,6 +587,10 @@ pub struct Reactor {
     core: Rc<Core>,
     /// Before sleeping, keep collecting completions this long (0: sleep at once).
     idle_poll_ns: Cell<u64>,
+    /// Sleeps left to take without polling first, after polls that found nothing.
+    poll_skip: Cell<u32>,
+    /// What a poll that finds nothing costs in skipped polls (doubles each time).
+    poll_penalty: Cell<u32>,
 }
 
 impl Reactor {
@@ -635,6 +639,8 @@ impl Reactor {
         Ok(Reactor {
             core: Rc::new(core),
             idle_poll_ns: Cell::new(0),
+            poll_skip: Cell::new(0),
+            poll_penalty: Cell::new(0),
         })
     }
 
@@ -647,6 +653,11 @@ impl Reactor {
     /// `ns` (one non-blocking `io_uring_enter` after another). A request that arrives
     /// meanwhile is served without a sleep and a wake-up, which on a socket is most of a
     /// round trip's latency; the price is up to `ns` of CPU after each burst of work.
+    ///
+    /// A poll that finds nothing makes the reactor skip polling before its next sleeps
+    /// (1, 2, 4, ... up to 256): when completions take longer than the window (or need
+    /// the CPU the poll would burn, like io_uring's workers on a small machine), polling
+    /// stops paying and stops.
     pub fn set_idle_poll(&self, ns: u64) {
         self.idle_poll_ns.set(ns);
     }
@@ -708,9 +719,18 @@ impl Reactor {
             return;
         }
         let spin = self.idle_poll_ns.get();
-        if spin > 0 && core.poll_for_completions(spin) {
-            core.clock.refresh();
-            return;
+        if spin > 0 {
+            if self.poll_skip.get() > 0 {
+                self.poll_skip.set(self.poll_skip.get() - 1);
+            } else if core.poll_for_completions(spin) {
+                self.poll_penalty.set(0);
+                core.clock.refresh();
+                return;
+            } else {
+                let p = (self.poll_penalty.get() * 2).clamp(1, 256);
+                self.poll_penalty.set(p);
+                self.poll_skip.set(p);
+            }
         }
         let now = crate::clock::monotonic_ns();
         let timeout = match core.next_timer_ns() {
