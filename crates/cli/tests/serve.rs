@@ -2227,3 +2227,184 @@ mod filesystem {
         assert!(member(0).iter().any(|&x| x != 0), "nothing reached d0");
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// TLS
+
+mod tls {
+    use super::*;
+
+    /// A CA and a server certificate for `localhost` signed by it, made with openssl in
+    /// `dir` (laid out as `--tls-certificates` and libnbd's `tls-certificates` expect).
+    fn make_certs(test: &str, dir: &Path) -> bool {
+        let Some([openssl]) = tools(test, ["openssl"]) else {
+            return false;
+        };
+        let sh = |args: &[&str]| {
+            let out = run(Command::new(&openssl).args(args).current_dir(dir));
+            success(&format!("openssl {args:?}"), &out);
+        };
+        sh(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca-key.pem",
+            "-out",
+            "ca-cert.pem",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=cairn test CA",
+        ]);
+        sh(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "server-key.pem",
+            "-out",
+            "server.csr",
+            "-subj",
+            "/CN=localhost",
+        ]);
+        std::fs::write(
+            dir.join("ext.cnf"),
+            "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n\
+             keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n",
+        )
+        .unwrap();
+        sh(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca-cert.pem",
+            "-CAkey",
+            "ca-key.pem",
+            "-CAcreateserial",
+            "-out",
+            "server-cert.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+        ]);
+        true
+    }
+
+    fn tls_uri(server: &Server, certs: &Path) -> String {
+        format!(
+            "nbds+unix:///?socket={}&tls-certificates={}",
+            server.sock.display(),
+            certs.display()
+        )
+    }
+
+    #[test]
+    fn nbdcopy_round_trip_over_tls_and_tls_required_refuses_plain_clients() {
+        let test = "tls::nbdcopy_round_trip_over_tls_and_tls_required_refuses_plain_clients";
+        let Some([nbdinfo, nbdcopy]) = tools(test, ["nbdinfo", "nbdcopy"]) else {
+            return;
+        };
+        let certs = tmpdir();
+        if !make_certs(test, certs.path()) {
+            return;
+        }
+        let c = path_str(certs.path());
+        let server = Server::start(&[
+            "--device",
+            "mem:64M",
+            "--tls",
+            "require",
+            "--tls-certificates",
+            c,
+        ]);
+        // A plain client is refused (TLS required) and nothing is served to it.
+        let out = run(Command::new(&nbdinfo).arg(server.uri()));
+        assert!(
+            !out.status.success(),
+            "plain nbdinfo succeeded: {}",
+            text(&out.stdout)
+        );
+        // Over TLS: the handshake finishes and the export is described.
+        let uri = tls_uri(&server, certs.path());
+        let info = success("nbdinfo over TLS", &run(Command::new(&nbdinfo).arg(&uri)));
+        assert!(info.contains("with TLS"), "{info}");
+        // Data survives the round trip through rustls in both directions, large
+        // requests (many TLS records each) included.
+        let src = server.path("src.img");
+        let back = server.path("back.img");
+        let data = random_bytes(24 << 20, 7);
+        std::fs::write(&src, &data).unwrap();
+        success(
+            "nbdcopy in over TLS",
+            &run(Command::new(&nbdcopy).arg(&src).arg(&uri)),
+        );
+        success(
+            "nbdcopy out over TLS",
+            &run(Command::new(&nbdcopy).arg(&uri).arg(&back)),
+        );
+        let got = std::fs::read(&back).unwrap();
+        assert_same("TLS round trip", &got[..data.len()], &data);
+    }
+
+    #[test]
+    fn tls_is_optional_with_certificates_and_refused_without() {
+        let test = "tls::tls_is_optional_with_certificates_and_refused_without";
+        let Some([nbdinfo]) = tools(test, ["nbdinfo"]) else {
+            return;
+        };
+        let certs = tmpdir();
+        if !make_certs(test, certs.path()) {
+            return;
+        }
+        let c = path_str(certs.path());
+        // Certificates given: TLS is offered, plain clients still served.
+        let server = Server::start(&["--device", "mem:16M", "--tls-certificates", c]);
+        success(
+            "plain nbdinfo",
+            &run(Command::new(&nbdinfo).arg(server.uri())),
+        );
+        let info = success(
+            "nbdinfo over TLS",
+            &run(Command::new(&nbdinfo).arg(tls_uri(&server, certs.path()))),
+        );
+        assert!(info.contains("with TLS"), "{info}");
+        drop(server);
+        // No certificates: a client that insists on TLS is refused, cleanly.
+        let server = Server::start(&["--device", "mem:16M"]);
+        let out = run(Command::new(&nbdinfo).arg(tls_uri(&server, certs.path())));
+        assert!(!out.status.success());
+        success(
+            "plain nbdinfo",
+            &run(Command::new(&nbdinfo).arg(server.uri())),
+        );
+    }
+
+    #[test]
+    fn bad_tls_settings_are_refused_at_start() {
+        let bin = env!("CARGO_BIN_EXE_cairn");
+        let dir = tmpdir();
+        for (args, needle) in [
+            (vec!["--tls", "require"], "--tls-certificates"),
+            (vec!["--tls-verify-peer"], "--tls-certificates"),
+            (
+                vec!["--tls-certificates", path_str(dir.path())],
+                "server-cert.pem",
+            ),
+        ] {
+            let out = run(Command::new(bin)
+                .arg("serve")
+                .args(["--listen", &format!("unix:{}/x.sock", dir.path().display())])
+                .args(&args));
+            assert_eq!(out.status.code(), Some(2), "{args:?}");
+            let err = text(&out.stderr);
+            assert!(err.contains(needle), "{args:?}: {err}");
+        }
+    }
+}
