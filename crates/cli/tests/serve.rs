@@ -2386,6 +2386,99 @@ mod tls {
         );
     }
 
+    /// A client certificate signed by the test CA, in `client/` next to a copy of the CA
+    /// (libnbd's layout: ca-cert.pem, client-cert.pem, client-key.pem).
+    fn make_client_cert(test: &str, certs: &Path, client: &Path) -> bool {
+        let Some([openssl]) = tools(test, ["openssl"]) else {
+            return false;
+        };
+        let sh = |args: &[&str]| {
+            let out = run(Command::new(&openssl).args(args).current_dir(certs));
+            success(&format!("openssl {args:?}"), &out);
+        };
+        sh(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "client-key.pem",
+            "-out",
+            "client.csr",
+            "-subj",
+            "/CN=cairn test client",
+        ]);
+        std::fs::write(
+            certs.join("client-ext.cnf"),
+            "basicConstraints=CA:FALSE
+keyUsage=digitalSignature,keyEncipherment
+             extendedKeyUsage=clientAuth
+",
+        )
+        .unwrap();
+        sh(&[
+            "x509",
+            "-req",
+            "-in",
+            "client.csr",
+            "-CA",
+            "ca-cert.pem",
+            "-CAkey",
+            "ca-key.pem",
+            "-CAcreateserial",
+            "-out",
+            "client-cert.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "client-ext.cnf",
+        ]);
+        for f in ["ca-cert.pem", "client-cert.pem", "client-key.pem"] {
+            std::fs::copy(certs.join(f), client.join(f)).unwrap();
+        }
+        true
+    }
+
+    #[test]
+    fn verify_peer_wants_a_client_certificate_from_the_ca() {
+        let test = "tls::verify_peer_wants_a_client_certificate_from_the_ca";
+        let Some([nbdinfo]) = tools(test, ["nbdinfo"]) else {
+            return;
+        };
+        let certs = tmpdir();
+        let client = tmpdir();
+        if !make_certs(test, certs.path()) || !make_client_cert(test, certs.path(), client.path()) {
+            return;
+        }
+        let server = Server::start(&[
+            "--device",
+            "mem:16M",
+            "--tls",
+            "require",
+            "--tls-verify-peer",
+            "--tls-certificates",
+            path_str(certs.path()),
+        ]);
+        // With the client certificate: served.
+        let with = tls_uri(&server, client.path());
+        success(
+            "nbdinfo with a client certificate",
+            &run(Command::new(&nbdinfo).arg(&with)),
+        );
+        // Trusting the server but without a certificate of its own: refused.
+        let bare = tmpdir();
+        std::fs::copy(
+            certs.path().join("ca-cert.pem"),
+            bare.path().join("ca-cert.pem"),
+        )
+        .unwrap();
+        let out = run(Command::new(&nbdinfo).arg(tls_uri(&server, bare.path())));
+        assert!(
+            !out.status.success(),
+            "served a client without a certificate"
+        );
+    }
+
     #[test]
     fn bad_tls_settings_are_refused_at_start() {
         let bin = env!("CARGO_BIN_EXE_cairn");
