@@ -390,7 +390,7 @@ fn parse_device(name: &str, table: &Table) -> Result<DeviceSpec, Error> {
         "stripe" => &["members", "chunk"],
         "raid10" => &["members", "chunk", "copies"],
         "fault" => &["base", "fail", "after_ios", "after_secs", "probability", "sectors", "errno"],
-        "delay" => &["base", "read", "write", "flush"],
+        "delay" => &["base", "read", "write", "flush", "bandwidth", "seek"],
         _ => {
             return Err(err(format!(
                 "device '{name}': unknown type '{kind}' (known: null, mem, file, linear, stripe, mirror, raid10, fault, delay)"
@@ -451,6 +451,8 @@ fn parse_device(name: &str, table: &Table) -> Result<DeviceSpec, Error> {
                 read: keys.duration("read")?.unwrap_or_default(),
                 write: keys.duration("write")?.unwrap_or_default(),
                 flush: keys.duration("flush")?.unwrap_or_default(),
+                bandwidth: keys.size("bandwidth")?,
+                seek: keys.duration("seek")?.unwrap_or_default(),
             },
         },
         _ => DeviceSpec::Raid10 {
@@ -715,9 +717,11 @@ impl StackFile {
                 members[0].clone(),
                 Arc::new(Faults::new(rule.clone())),
             )),
-            DeviceSpec::Delay { delays, .. } => {
-                Arc::new(WrapDevice::new(name, members[0].clone(), Arc::new(*delays)))
-            }
+            DeviceSpec::Delay { delays, .. } => Arc::new(WrapDevice::new(
+                name,
+                members[0].clone(),
+                Arc::new(crate::wrap::Delay::new(*delays)),
+            )),
             DeviceSpec::Raid10 { chunk, copies, .. } => {
                 let layout =
                     Raid10::new(members.len(), *copies, *chunk, smallest, block).map_err(named)?;

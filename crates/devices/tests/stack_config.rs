@@ -113,6 +113,38 @@ mod parses {
     }
 
     #[test]
+    fn a_delay_that_models_a_rotational_disk() {
+        let text = format!(
+            "{}[device.hdd]\ntype = \"delay\"\nbase = \"d0\"\nbandwidth = \"150M\"\nseek = \"8ms\"\nflush = \"1ms\"\n",
+            mem("d0")
+        );
+        let file = StackFile::parse(&text).unwrap();
+        let DeviceSpec::Delay { delays, .. } = &file.devices["hdd"] else {
+            panic!("{:?}", file.devices["hdd"])
+        };
+        assert_eq!(delays.bandwidth, Some(150 << 20));
+        assert_eq!(delays.seek, std::time::Duration::from_millis(8));
+        assert!(delays.models_a_disk());
+        let d = file.open("hdd").unwrap();
+        assert!(d.describe().contains("seek +8ms"), "{}", d.describe());
+    }
+
+    #[test]
+    fn a_delay_with_a_bad_bandwidth_or_seek_names_the_key() {
+        for (key, value) in [
+            ("bandwidth", "\"fast\""),
+            ("seek", "\"soon\""),
+            ("seek", "-1"),
+        ] {
+            let text = format!(
+                "{}[device.hdd]\ntype = \"delay\"\nbase = \"d0\"\n{key} = {value}\n",
+                mem("d0")
+            );
+            assert_names(&parse_err(&text), "hdd", key);
+        }
+    }
+
+    #[test]
     fn sizes_as_numbers_and_strings() {
         let text = "[device.a]\ntype = \"null\"\nsize = 1048576\nblock = 4096\n\n\
                     [device.b]\ntype = \"mem\"\nsize = \"1MiB\"\nblock = \"4k\"\n";
