@@ -122,6 +122,14 @@ pub trait Device: Send + Sync {
         Ok(())
     }
 
+    /// Simulates a power cut: every write not yet made durable by a flush is lost (only
+    /// volatile devices hold such writes; the default passes the cut to the children).
+    fn power_cut(&self) {
+        for c in self.children() {
+            c.power_cut();
+        }
+    }
+
     /// Whether writes completed on one queue are seen by every other queue, and a flush
     /// on any queue makes them all durable (NBD's `CAN_MULTI_CONN` promise).
     fn coherent_across_queues(&self) -> bool {

@@ -343,6 +343,7 @@ impl Keys<'_> {
             probability,
             sectors,
             errno,
+            power_cut: self.bool("power_cut")?.unwrap_or(false),
         })
     }
 
@@ -384,12 +385,22 @@ fn parse_device(name: &str, table: &Table) -> Result<DeviceSpec, Error> {
         None => return Err(err(format!("device '{name}': key 'type' is missing"))),
     };
     let known: &'static [&'static str] = match kind {
-        "null" | "mem" => &["size", "block"],
+        "null" => &["size", "block"],
+        "mem" => &["size", "block", "volatile"],
         "file" => &["path", "size", "engine", "direct"],
         "linear" | "mirror" => &["members"],
         "stripe" => &["members", "chunk"],
         "raid10" => &["members", "chunk", "copies"],
-        "fault" => &["base", "fail", "after_ios", "after_secs", "probability", "sectors", "errno"],
+        "fault" => &[
+            "base",
+            "fail",
+            "after_ios",
+            "after_secs",
+            "probability",
+            "sectors",
+            "errno",
+            "power_cut",
+        ],
         "delay" => &["base", "read", "write", "flush", "bandwidth", "seek"],
         _ => {
             return Err(err(format!(
@@ -416,6 +427,7 @@ fn parse_device(name: &str, table: &Table) -> Result<DeviceSpec, Error> {
         "mem" => DeviceSpec::Leaf(LeafSpec::Mem {
             size_bytes: keys.required_size("size")?,
             block_bytes: block(&keys)?,
+            volatile: keys.bool("volatile")?.unwrap_or(false),
         }),
         "file" => DeviceSpec::Leaf(LeafSpec::File {
             path: PathBuf::from(

@@ -36,7 +36,14 @@ pub fn open(spec: &LeafSpec, name: &str) -> Result<Arc<dyn Device>, Error> {
         LeafSpec::Mem {
             size_bytes,
             block_bytes,
-        } => Arc::new(mem::MemDevice::new(name, *size_bytes, *block_bytes)?),
+            volatile,
+        } => {
+            let mut d = mem::MemDevice::new(name, *size_bytes, *block_bytes)?;
+            if *volatile {
+                d = d.volatile();
+            }
+            Arc::new(d)
+        }
         LeafSpec::File {
             path,
             engine,

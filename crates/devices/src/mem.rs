@@ -256,11 +256,143 @@ impl Drop for MemStore {
     }
 }
 
+/// One page of the volatile layer.
+enum Page {
+    /// Written since the last flush.
+    Data(Box<[u8]>),
+    /// Zeroed (discard, write-zeroes) since the last flush.
+    Zero,
+}
+
+/// The volatile layer of a `volatile = true` mem device, as a disk's write cache: pages
+/// written since the last flush, which a flush writes to the durable store and a power
+/// cut loses. A crash-testing device: one mutex guards the layer (exactness over speed).
+pub struct Volatile {
+    size_bytes: u64,
+    pages: std::sync::Mutex<std::collections::HashMap<u64, Page>>,
+}
+
+impl Volatile {
+    fn new(size_bytes: u64) -> Volatile {
+        Volatile {
+            size_bytes,
+            pages: std::sync::Mutex::new(std::collections::HashMap::new()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, Page>> {
+        self.pages.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `(page, offset in page, length, position in the request)` pieces of a range.
+    fn pieces(offset: u64, len: u64) -> impl Iterator<Item = (u64, usize, usize, usize)> {
+        let mut pos = 0u64;
+        std::iter::from_fn(move || {
+            if pos >= len {
+                return None;
+            }
+            let at = offset + pos;
+            let in_page = at % PAGE_BYTES;
+            let n = (PAGE_BYTES - in_page).min(len - pos);
+            let item = (at / PAGE_BYTES, in_page as usize, n as usize, pos as usize);
+            pos += n;
+            Some(item)
+        })
+    }
+
+    /// Bytes of page `p` inside the device (the last page may be short).
+    fn page_len(&self, p: u64) -> usize {
+        (self.size_bytes - p * PAGE_BYTES).min(PAGE_BYTES) as usize
+    }
+
+    /// The current contents of page `p` as a fresh buffer.
+    fn load(&self, store: &MemStore, p: u64, page: Option<&Page>) -> Box<[u8]> {
+        let mut b = vec![0u8; self.page_len(p)].into_boxed_slice();
+        match page {
+            Some(Page::Data(d)) => b.copy_from_slice(d),
+            Some(Page::Zero) => {}
+            // SAFETY: the page lies inside the store and `b` has page_len bytes.
+            None => unsafe { store.read(p * PAGE_BYTES, b.len() as u64, b.as_mut_ptr()) },
+        }
+        b
+    }
+
+    /// # Safety
+    /// As [`MemStore::read`].
+    unsafe fn read(&self, store: &MemStore, offset: u64, len: u64, dst: *mut u8) {
+        let pages = self.lock();
+        for (p, at, n, pos) in Self::pieces(offset, len) {
+            // SAFETY: `dst` has `len` bytes; pieces stay inside it and inside the page.
+            unsafe {
+                match pages.get(&p) {
+                    Some(Page::Data(d)) => {
+                        std::ptr::copy_nonoverlapping(d.as_ptr().add(at), dst.add(pos), n)
+                    }
+                    Some(Page::Zero) => std::ptr::write_bytes(dst.add(pos), 0, n),
+                    None => store.read(p * PAGE_BYTES + at as u64, n as u64, dst.add(pos)),
+                }
+            }
+        }
+    }
+
+    /// # Safety
+    /// As [`MemStore::write`]; a null `src` writes zeros.
+    unsafe fn write(&self, store: &MemStore, offset: u64, len: u64, src: *const u8) {
+        let mut pages = self.lock();
+        for (p, at, n, pos) in Self::pieces(offset, len) {
+            let whole = at == 0 && n == self.page_len(p);
+            if whole && src.is_null() {
+                pages.insert(p, Page::Zero);
+                continue;
+            }
+            let mut data = match pages.remove(&p) {
+                Some(Page::Data(d)) => d,
+                other if whole => {
+                    drop(other);
+                    vec![0u8; n].into_boxed_slice()
+                }
+                other => self.load(store, p, other.as_ref()),
+            };
+            // SAFETY: `src` has `len` bytes when not null; the piece fits the page.
+            unsafe {
+                if src.is_null() {
+                    data[at..at + n].fill(0);
+                } else {
+                    std::ptr::copy_nonoverlapping(src.add(pos), data.as_mut_ptr().add(at), n);
+                }
+            }
+            pages.insert(p, Page::Data(data));
+        }
+    }
+
+    /// Makes every page written so far durable.
+    fn flush(&self, store: &MemStore) {
+        let mut pages = self.lock();
+        for (p, page) in pages.drain() {
+            let start = p * PAGE_BYTES;
+            match page {
+                // SAFETY: the page lies inside the store and holds page_len bytes.
+                Page::Data(d) => unsafe { store.write(start, d.len() as u64, d.as_ptr()) },
+                Page::Zero => store.zero(start, self.page_len(p) as u64),
+            }
+        }
+    }
+
+    /// Loses every page written since the last flush; returns how many.
+    fn power_cut(&self) -> usize {
+        let mut pages = self.lock();
+        let n = pages.len();
+        pages.clear();
+        n
+    }
+}
+
 /// A sparse RAM disk.
 pub struct MemDevice {
     name: String,
     geometry: Geometry,
     store: Arc<MemStore>,
+    volatile: Option<Arc<Volatile>>,
 }
 
 impl MemDevice {
@@ -280,7 +412,15 @@ impl MemDevice {
                 caps: Caps::ALL,
             },
             store: Arc::new(MemStore::new(size_bytes)),
+            volatile: None,
         })
+    }
+
+    /// The same disk with a volatile write cache: writes are lost by a power cut
+    /// ([`Device::power_cut`]) unless a flush made them durable first.
+    pub fn volatile(mut self) -> MemDevice {
+        self.volatile = Some(Arc::new(Volatile::new(self.geometry.size_bytes)));
+        self
     }
 
     /// The store, for tests and reports.
@@ -296,11 +436,26 @@ impl Device for MemDevice {
 
     fn describe(&self) -> String {
         format!(
-            "mem {} bytes, {}-byte blocks, {} bytes allocated",
+            "mem {} bytes, {}-byte blocks, {} bytes allocated{}",
             self.geometry.size_bytes,
             self.geometry.block_bytes,
-            self.store.allocated_bytes()
+            self.store.allocated_bytes(),
+            if self.volatile.is_some() {
+                ", volatile until flushed"
+            } else {
+                ""
+            }
         )
+    }
+
+    fn power_cut(&self) {
+        if let Some(v) = &self.volatile {
+            let lost = v.power_cut();
+            eprintln!(
+                "cairn: {}: power cut: {lost} pages written since the last flush are lost",
+                self.name
+            );
+        }
     }
 
     fn geometry(&self) -> Geometry {
@@ -313,6 +468,11 @@ impl Device for MemDevice {
         len: u64,
         out: &mut Vec<cairn_core::Extent>,
     ) -> Result<(), Error> {
+        if self.volatile.as_ref().is_some_and(|v| !v.lock().is_empty()) {
+            // Unflushed pages are not in the store's map: claim no hole.
+            cairn_core::Extent::push(out, cairn_core::Extent::data(len));
+            return Ok(());
+        }
         self.store.extents(offset, len, out);
         Ok(())
     }
@@ -322,6 +482,7 @@ impl Device for MemDevice {
             core: core.clone(),
             stats: QueueStats::new(core.switches().stats),
             store: self.store.clone(),
+            volatile: self.volatile.clone(),
         }))
     }
 }
@@ -330,6 +491,7 @@ struct MemQueue {
     core: Rc<Core>,
     stats: QueueStats,
     store: Arc<MemStore>,
+    volatile: Option<Arc<Volatile>>,
 }
 
 impl Queue for MemQueue {
@@ -343,11 +505,24 @@ impl Queue for MemQueue {
         // SAFETY: the request passed Geometry::check at the edge (so it is in range), and
         // its submitter keeps `buf` valid for `len` bytes until completion.
         unsafe {
-            match io.op {
-                Op::Read => self.store.read(io.offset, io.len, io.buf),
-                Op::Write => self.store.write(io.offset, io.len, io.buf),
-                Op::Discard | Op::WriteZeroes => self.store.zero(io.offset, io.len),
-                Op::Flush => {}
+            match (&self.volatile, io.op) {
+                (None, Op::Read) => self.store.read(io.offset, io.len, io.buf),
+                (None, Op::Write) => self.store.write(io.offset, io.len, io.buf),
+                (None, Op::Discard | Op::WriteZeroes) => self.store.zero(io.offset, io.len),
+                (None, Op::Flush) => {}
+                (Some(v), Op::Read) => v.read(&self.store, io.offset, io.len, io.buf),
+                (Some(v), Op::Write) => {
+                    v.write(&self.store, io.offset, io.len, io.buf);
+                    if io.flags.contains(cairn_core::IoFlags::FUA) {
+                        // FUA: this write is durable when it completes (and so, as on
+                        // a disk without per-request FUA, is everything before it).
+                        v.flush(&self.store);
+                    }
+                }
+                (Some(v), Op::Discard | Op::WriteZeroes) => {
+                    v.write(&self.store, io.offset, io.len, std::ptr::null())
+                }
+                (Some(v), Op::Flush) => v.flush(&self.store),
             }
         }
         if self.stats.enabled() {

@@ -61,12 +61,14 @@ pub enum LeafSpec {
         /// Logical block size.
         block_bytes: u32,
     },
-    /// `mem:SIZE[,block=N]`.
+    /// `mem:SIZE[,block=N][,volatile=0|1]`.
     Mem {
         /// Size in bytes.
         size_bytes: u64,
         /// Logical block size.
         block_bytes: u32,
+        /// Writes stay volatile until a flush; a power cut loses them.
+        volatile: bool,
     },
     /// `file:PATH[,engine=E][,direct=0|1][,size=SIZE]`.
     File {
@@ -104,6 +106,7 @@ impl LeafSpec {
             "null" | "mem" => {
                 let size_bytes = size(first)?;
                 let mut block_bytes = DEFAULT_BLOCK_BYTES;
+                let mut volatile = false;
                 for (k, v) in options {
                     match k {
                         "block" => {
@@ -111,10 +114,26 @@ impl LeafSpec {
                                 format!("invalid device '{text}': block size too large")
                             })?
                         }
+                        "volatile" if kind == "mem" => {
+                            volatile = match v {
+                                "1" | "true" => true,
+                                "0" | "false" => false,
+                                _ => {
+                                    return Err(format!(
+                                        "invalid device '{text}': volatile must be 0 or 1"
+                                    ))
+                                }
+                            }
+                        }
                         _ => {
+                            let known = if kind == "mem" {
+                                "block, volatile"
+                            } else {
+                                "block"
+                            };
                             return Err(format!(
-                                "invalid device '{text}': unknown option '{k}' for {kind} (known: block)"
-                            ))
+                                "invalid device '{text}': unknown option '{k}' for {kind} (known: {known})"
+                            ));
                         }
                     }
                 }
@@ -127,6 +146,7 @@ impl LeafSpec {
                     LeafSpec::Mem {
                         size_bytes,
                         block_bytes,
+                        volatile,
                     }
                 })
             }
@@ -205,7 +225,8 @@ mod tests {
             LeafSpec::parse("mem:64M,block=4k"),
             Ok(LeafSpec::Mem {
                 size_bytes: 64 << 20,
-                block_bytes: 4096
+                block_bytes: 4096,
+                volatile: false
             })
         );
         assert_eq!(

@@ -25,6 +25,8 @@ pub enum Decision {
     Delay(u64),
     /// Fail it with this errno; the base never sees it.
     Fail(i32),
+    /// Cut the power of the base (it loses what was not flushed), then fail it.
+    PowerCut(i32),
 }
 
 /// Decides the fate of each request.
@@ -165,6 +167,9 @@ pub struct FaultRule {
     pub sectors: Option<(u64, u64)>,
     /// The errno failed requests get.
     pub errno: i32,
+    /// Instead of failing requests: cut the power of everything below, once, the first
+    /// time the conditions hold (that request fails; later ones pass).
+    pub power_cut: bool,
 }
 
 /// A [`FaultRule`] with the device-wide state it counts with.
@@ -172,6 +177,7 @@ pub struct Faults {
     rule: FaultRule,
     seen: AtomicU64,
     opened_ns: OnceLock<u64>,
+    cut: std::sync::atomic::AtomicBool,
 }
 
 impl Faults {
@@ -181,6 +187,7 @@ impl Faults {
             rule,
             seen: AtomicU64::new(0),
             opened_ns: OnceLock::new(),
+            cut: std::sync::atomic::AtomicBool::new(false),
         }
     }
 }
@@ -207,6 +214,9 @@ impl Policy for Faults {
         }
         if let Some((a, b)) = self.rule.sectors {
             out += &format!(", in sectors {a}..{b}");
+        }
+        if self.rule.power_cut {
+            out += ", by cutting the power (once)";
         }
         out
     }
@@ -242,6 +252,12 @@ impl Policy for Faults {
             if (random >> 11) as f64 / (1u64 << 53) as f64 >= p {
                 return Decision::Forward;
             }
+        }
+        if r.power_cut {
+            if self.cut.swap(true, Relaxed) {
+                return Decision::Forward;
+            }
+            return Decision::PowerCut(r.errno);
         }
         Decision::Fail(r.errno)
     }
@@ -286,6 +302,7 @@ impl Device for WrapDevice {
             core: core.clone(),
             stats: QueueStats::new(core.switches().stats),
             base,
+            base_device: self.base.clone(),
             policy: self.policy.clone(),
             sink: Cell::new(SinkId(u32::MAX)),
             requests: RefCell::new(Slab::with_capacity(256)),
@@ -316,6 +333,7 @@ struct WrapQueue {
     core: Rc<Core>,
     stats: QueueStats,
     base: Rc<dyn Queue>,
+    base_device: Arc<dyn Device>,
     policy: Arc<dyn Policy>,
     sink: Cell<SinkId>,
     requests: RefCell<Slab<(Io, u64)>>,
@@ -346,6 +364,13 @@ impl Queue for WrapQueue {
         let now = self.core.now_ns();
         self.stats.start(now);
         match self.policy.decide(&io, now, self.random()) {
+            Decision::PowerCut(errno) => {
+                eprintln!("cairn: fault: cutting the power below this device");
+                self.base_device.power_cut();
+                self.stats.done(io.op, io.len, now, now, false);
+                self.core
+                    .complete(io.sink, io.token, IoStatus::errno(errno));
+            }
             Decision::Fail(errno) => {
                 self.stats.done(io.op, io.len, now, now, false);
                 // Never complete inside submit: through the FIFO.

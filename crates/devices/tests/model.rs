@@ -284,6 +284,12 @@ proptest! {
     }
 
     #[test]
+    fn volatile_mem_matches_the_model(steps in steps(BUFFERED)) {
+        // Without a power cut, the volatile layer must be invisible.
+        run_model(BUFFERED, &open(&format!("mem:{},volatile=1", BUFFERED.size())), &steps)?;
+    }
+
+    #[test]
     fn io_uring_file_matches_the_model(steps in steps(BUFFERED)) {
         run_file_model(BUFFERED, "io_uring", &steps)?;
     }

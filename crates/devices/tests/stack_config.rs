@@ -108,6 +108,7 @@ mod parses {
             DeviceSpec::Leaf(LeafSpec::Mem {
                 size_bytes: 1 << 20,
                 block_bytes: 512,
+                volatile: false,
             })
         );
     }
