@@ -132,6 +132,8 @@ pub struct StackFile {
     pub tuning: Tuning,
     /// `[export.NAME]` tables by name.
     pub exports: BTreeMap<String, ExportSpec>,
+    /// The `[writeback]` table (the dirty budget of cache devices), if present.
+    pub writeback: Option<crate::writeback::Writeback>,
 }
 
 const EXPORT_KEYS: [&str; 4] = ["device", "read_only", "description", "default"];
@@ -484,6 +486,7 @@ impl StackFile {
         let mut devices = BTreeMap::new();
         let mut tuning = Tuning::new();
         let mut exports = BTreeMap::new();
+        let mut writeback = None;
         for (key, value) in &root {
             match (key.as_str(), value) {
                 ("device", Value::Table(t)) => {
@@ -506,6 +509,9 @@ impl StackFile {
                         exports.insert(name.clone(), parse_export(name, et)?);
                     }
                 }
+                ("writeback", Value::Table(t)) => {
+                    writeback = Some(crate::writeback::Writeback::parse(t)?);
+                }
                 ("tuning", Value::Table(t)) => {
                     for (k, v) in t {
                         if !TUNING_KEYS.contains(&k.as_str()) {
@@ -522,7 +528,7 @@ impl StackFile {
                 }
                 _ => {
                     return Err(err(format!(
-                        "unknown top-level key '{key}' (known: [device.NAME] and [export.NAME] tables, and [tuning])"
+                        "unknown top-level key '{key}' (known: [device.NAME] and [export.NAME] tables, [tuning] and [writeback])"
                     )))
                 }
             }
@@ -534,6 +540,7 @@ impl StackFile {
             devices,
             tuning,
             exports,
+            writeback,
         };
         file.check_graph()?;
         file.check_exports()?;

@@ -16,6 +16,7 @@ pub mod null;
 pub mod spec;
 pub mod stack;
 pub mod wrap;
+pub mod writeback;
 
 use std::sync::Arc;
 

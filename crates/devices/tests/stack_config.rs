@@ -146,6 +146,20 @@ mod parses {
     }
 
     #[test]
+    fn a_writeback_table() {
+        let text = format!(
+            "[writeback]\nbackground = \"10%\"\nlimit = \"64M\"\nexpire = \"2s\"\n\n{}",
+            mem("d0")
+        );
+        let w = StackFile::parse(&text).unwrap().writeback.unwrap();
+        assert_eq!(w.limit, cairn_devices::writeback::Amount::Bytes(64 << 20));
+        let e = StackFile::parse(&format!("[writeback]\nlimt = \"1G\"\n\n{}", mem("d0")))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("writeback") && e.contains("limt"), "{e}");
+    }
+
+    #[test]
     fn sizes_as_numbers_and_strings() {
         let text = "[device.a]\ntype = \"null\"\nsize = 1048576\nblock = 4096\n\n\
                     [device.b]\ntype = \"mem\"\nsize = \"1MiB\"\nblock = \"4k\"\n";
