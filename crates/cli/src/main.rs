@@ -87,6 +87,14 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             for device in devices {
                 print!("{}", cairn_devices::config::tree(&*device));
             }
+            for (name, e) in &stack.exports {
+                println!(
+                    "export '{name}': device {}{}{}",
+                    e.device,
+                    if e.read_only { ", read-only" } else { "" },
+                    if e.default { ", default" } else { "" }
+                );
+            }
             println!(
                 "switches: clock={:?} reap={:?} stats={:?} flush={:?} dispatch={:?}",
                 switches.clock, switches.reap, switches.stats, switches.flush, switches.dispatch

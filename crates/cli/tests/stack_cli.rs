@@ -109,6 +109,30 @@ mod check {
     use super::*;
 
     #[test]
+    fn exports_are_listed_and_bad_ones_refused() {
+        let file = StackFile::new(&format!(
+            "{}[export.vm]\ndevice = \"r\"\nread_only = true\ndefault = true\n",
+            raid10()
+        ));
+        let out = cairn(&["check", file.arg()]);
+        let stdout = text(&out.stdout);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        assert!(
+            stdout.contains("export 'vm': device r, read-only, default"),
+            "{stdout}"
+        );
+        // A member cannot be exported: that would bypass the array.
+        let file = StackFile::new(&format!("{}[export.bad]\ndevice = \"d0\"\n", raid10()));
+        let out = cairn(&["check", file.arg()]);
+        assert_eq!(out.status.code(), Some(2));
+        let err = text(&out.stderr);
+        assert!(
+            err.contains("export 'bad'") && err.contains("member"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn a_valid_raid10_prints_every_device_with_its_size() {
         let file = StackFile::new(&raid10());
         let out = cairn(&["check", file.arg()]);

@@ -793,3 +793,59 @@ mod regressions {
         assert_eq!(first, data[..4096]);
     }
 }
+
+mod exports {
+    use super::*;
+
+    fn with(exports: &str) -> String {
+        format!(
+            "{}[device.s]\ntype = \"stripe\"\nmembers = [\"d0\", \"d1\"]\n\n{}{exports}",
+            mems(2),
+            mem("other")
+        )
+    }
+
+    #[test]
+    fn exports_parse_with_their_defaults() {
+        let f = StackFile::parse(&with(
+            "[export.a]\ndevice = \"s\"\n[export.b]\ndevice = \"other\"\nread_only = true\ndescription = \"spare\"\ndefault = true\n",
+        ))
+        .unwrap();
+        assert!(!f.exports["a"].read_only && !f.exports["a"].default);
+        assert!(f.exports["b"].read_only && f.exports["b"].default);
+        assert_eq!(f.exports["b"].description, "spare");
+    }
+
+    #[test]
+    fn every_export_mistake_names_the_export_and_key() {
+        for (text, export, key) in [
+            (
+                "[export.a]\ndevice = \"s\"\nreadonly = true\n",
+                "a",
+                "readonly",
+            ),
+            ("[export.a]\nread_only = true\n", "a", "device"),
+            ("[export.a]\ndevice = \"nope\"\n", "a", "device"),
+            ("[export.a]\ndevice = \"d0\"\n", "a", "device"),
+            ("[export.a]\ndevice = 3\n", "a", "device"),
+            (
+                "[export.a]\ndevice = \"s\"\nread_only = \"yes\"\n",
+                "a",
+                "read_only",
+            ),
+        ] {
+            let e = parse_err(&with(text));
+            assert!(
+                e.contains(&format!("export '{export}'")) && e.contains(key),
+                "{text}: {e}"
+            );
+        }
+        let e = parse_err(&with(
+            "[export.a]\ndevice = \"s\"\ndefault = true\n[export.b]\ndevice = \"other\"\ndefault = true\n",
+        ));
+        assert!(
+            e.contains("'a'") && e.contains("'b'") && e.contains("default"),
+            "{e}"
+        );
+    }
+}
