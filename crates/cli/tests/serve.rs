@@ -1830,6 +1830,36 @@ mod shutdown {
         assert_same("FUA write", &file[32 << 20..(32 << 20) + (256 << 10)], &b);
     }
 
+    /// Through a write-back cache that would keep the data for 30 s: the client has gone
+    /// without a flush, and SIGTERM still leaves every acknowledged write in the file
+    /// (the cache is written back before the process exits).
+    #[test]
+    fn sigterm_writes_a_cache_back_before_exit() {
+        let dir = tmpdir();
+        let disk = dir.path().join("disk.img");
+        let stack = write_stack(
+            &dir,
+            &format!(
+                "[writeback]\nexpire = \"30s\"\ninterval = \"30s\"\n\
+                 [device.f]\ntype = \"file\"\npath = \"{}\"\nsize = \"16M\"\n\
+                 [device.c]\ntype = \"cache\"\nbase = \"f\"\nmemory = \"8M\"\n",
+                disk.display()
+            ),
+        );
+        let mut srv = Server::start_in(dir, &[path_str(&stack)]);
+        let a = random_bytes(4 << 20, 21);
+        {
+            let (mut c, size, _) = Raw::go(&srv.sock, "");
+            assert_eq!(size, 16 << 20);
+            c.write_ok(1, 0, 4096, &a);
+            c.disconnect();
+        }
+        let (status, log) = srv.stop();
+        assert!(status.success(), "exit status {status}; stderr:\n{log}");
+        let file = std::fs::read(&disk).unwrap();
+        assert_same("cached write after exit", &file[4096..4096 + a.len()], &a);
+    }
+
     #[test]
     fn sigterm_finishes_requests_in_flight_and_refuses_later_ones_with_eshutdown() {
         let dir = tmpdir();

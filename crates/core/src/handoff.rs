@@ -236,6 +236,7 @@ fn worker(
     wake_submitter: Arc<OwnedFd>,
     ready: Sender<Result<(), Error>>,
 ) {
+    crate::reactor::block_signals_in_this_thread();
     let reactor = match Reactor::new(switches) {
         Ok(r) => r,
         Err(e) => {

@@ -579,6 +579,27 @@ impl Core {
     }
 }
 
+/// Blocks every asynchronous signal in the calling thread. Worker threads call it first,
+/// so that SIGTERM and its kind reach the thread that waits for them (`cairn serve`'s main
+/// thread), never a worker that would die of the default action.
+pub fn block_signals_in_this_thread() {
+    // SAFETY: sigset manipulation on a local, then a mask change for this thread only.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut set);
+        for s in [
+            libc::SIGSEGV,
+            libc::SIGBUS,
+            libc::SIGFPE,
+            libc::SIGILL,
+            libc::SIGABRT,
+        ] {
+            libc::sigdelset(&mut set, s);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+}
+
 /// Longest a reactor blocks without a timer (it then looks at its stop flag again).
 const IDLE_WAIT_NS: u64 = 100_000_000;
 

@@ -81,6 +81,13 @@ pub enum DeviceSpec {
         /// How much.
         delays: Delays,
     },
+    /// A write-back cache in memory over `base`.
+    Cache {
+        /// The cached device.
+        base: String,
+        /// Cache memory in bytes.
+        memory: u64,
+    },
 }
 
 impl DeviceSpec {
@@ -92,16 +99,18 @@ impl DeviceSpec {
             | DeviceSpec::Stripe { members, .. }
             | DeviceSpec::Mirror { members }
             | DeviceSpec::Raid10 { members, .. } => members,
-            DeviceSpec::Fault { base, .. } | DeviceSpec::Delay { base, .. } => {
-                std::slice::from_ref(base)
-            }
+            DeviceSpec::Fault { base, .. }
+            | DeviceSpec::Delay { base, .. }
+            | DeviceSpec::Cache { base, .. } => std::slice::from_ref(base),
         }
     }
 
     /// The key that names this device's members (for error messages).
     fn members_key(&self) -> &'static str {
         match self {
-            DeviceSpec::Fault { .. } | DeviceSpec::Delay { .. } => "base",
+            DeviceSpec::Fault { .. } | DeviceSpec::Delay { .. } | DeviceSpec::Cache { .. } => {
+                "base"
+            }
             _ => "members",
         }
     }
@@ -404,9 +413,10 @@ fn parse_device(name: &str, table: &Table) -> Result<DeviceSpec, Error> {
             "power_cut",
         ],
         "delay" => &["base", "read", "write", "flush", "bandwidth", "seek"],
+        "cache" => &["base", "memory"],
         _ => {
             return Err(err(format!(
-                "device '{name}': unknown type '{kind}' (known: null, mem, file, linear, stripe, mirror, raid10, fault, delay)"
+                "device '{name}': unknown type '{kind}' (known: null, mem, file, linear, stripe, mirror, raid10, fault, delay, cache)"
             )))
         }
     };
@@ -458,6 +468,10 @@ fn parse_device(name: &str, table: &Table) -> Result<DeviceSpec, Error> {
         "fault" => DeviceSpec::Fault {
             base: keys.base()?,
             rule: keys.fault_rule()?,
+        },
+        "cache" => DeviceSpec::Cache {
+            base: keys.base()?,
+            memory: keys.required_size("memory")?,
         },
         "delay" => DeviceSpec::Delay {
             base: keys.base()?,
@@ -736,6 +750,16 @@ impl StackFile {
                 members[0].clone(),
                 Arc::new(Faults::new(rule.clone())),
             )),
+            DeviceSpec::Cache { memory, .. } => Arc::new(
+                crate::cache::CacheDevice::new(
+                    name,
+                    members[0].clone(),
+                    *memory,
+                    &self.writeback.unwrap_or_default(),
+                    cairn_core::Switches::default(),
+                )
+                .map_err(named)?,
+            ),
             DeviceSpec::Delay { delays, .. } => Arc::new(WrapDevice::new(
                 name,
                 members[0].clone(),

@@ -196,6 +196,21 @@ fn scratch_dir() -> TempDir {
         .expect("create a temporary directory")
 }
 
+/// A cache device over a mem of DIRECT's size, with a flusher that wakes every 5 ms and
+/// writes back anything older than 10 ms, so write-back races the requests.
+fn cache_over_mem(memory: &str) -> Arc<dyn Device> {
+    let text = format!(
+        "[writeback]\nbackground = \"25%\"\nlimit = \"50%\"\nexpire = \"10ms\"\ninterval = \"5ms\"\n\
+         [device.m]\ntype = \"mem\"\nsize = {}\nblock = 4096\n\
+         [device.c]\ntype = \"cache\"\nbase = \"m\"\nmemory = \"{memory}\"\n",
+        DIRECT.size()
+    );
+    cairn_devices::config::StackFile::parse(&text)
+        .expect("stack parses")
+        .open("c")
+        .expect("cache opens")
+}
+
 fn open(spec: &str) -> Arc<dyn Device> {
     let spec = LeafSpec::parse(spec).expect("spec parses");
     cairn_devices::open(&spec, "model").expect("device opens")
@@ -281,6 +296,17 @@ proptest! {
     #[test]
     fn mem_matches_the_model(steps in steps(BUFFERED)) {
         run_model(BUFFERED, &open(&format!("mem:{}", BUFFERED.size())), &steps)?;
+    }
+
+    #[test]
+    fn small_cache_matches_the_model(steps in steps(DIRECT)) {
+        // 16 pages over 21: eviction, and writes through when every page is dirty.
+        run_model(DIRECT, &cache_over_mem("64K"), &steps)?;
+    }
+
+    #[test]
+    fn roomy_cache_matches_the_model(steps in steps(DIRECT)) {
+        run_model(DIRECT, &cache_over_mem("1M"), &steps)?;
     }
 
     #[test]

@@ -1,0 +1,731 @@
+//! `cache`: a write-back cache in memory over a `base` device, with its own flusher.
+//!
+//! The cache works in 4 KiB pages (its block size is at least that). Reads hit the cache
+//! or go to the base and fill it; writes complete once cached (paced by the dirty
+//! throttle as the dirty level nears the limit); FUA writes also go through to the base
+//! before they complete; discard and write-zeroes turn cached pages into zero pages and
+//! go to the base; a flush completes once every page dirty when it arrived has been
+//! written back and the base flushed. Clean pages are evicted oldest first when the
+//! cache memory is full; when every page is dirty, writes go through to the base.
+//!
+//! Technique 3: each cache device has its own flusher thread, which writes its dirty
+//! pages back in offset order, merging neighbours into writes of up to 1 MiB.
+//!
+//! First version: one mutex guards the cache's state (shared by every queue of the
+//! device), and the dirty budget is per device. The shared budget of several caches,
+//! `--writeback shared` and `--timeline` come next.
+
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use cairn_core::blocking::{BlockingQueue, Request};
+use cairn_core::slab::Slab;
+use cairn_core::{
+    AlignedBuf, Caps, Core, Device, Error, Geometry, Io, IoFlags, IoStatus, Op, Poller, Queue,
+    QueueStats, Sink, SinkId, Switches,
+};
+
+use crate::writeback::{Throttle, Writeback};
+
+/// Cache page size.
+pub const PAGE: u64 = 4096;
+/// Longest write a flusher sends to the base.
+const MAX_RUN: u64 = 1 << 20;
+
+/// One cached page.
+struct Entry {
+    /// `None`: reads as zeros (discarded or zeroed).
+    data: Option<Box<[u8]>>,
+    dirty: bool,
+    /// Bumped by every change, so a flusher knows whether what it wrote is still current.
+    gen: u64,
+    /// When the page became dirty (for `expire`).
+    dirtied: Instant,
+}
+
+/// A flush waiting for write-back: it covers every change up to `gen`.
+struct Waiter {
+    gen: u64,
+    reply: Sender<(u64, IoStatus)>,
+    token: u64,
+    wake: Arc<OwnedFd>,
+}
+
+struct State {
+    pages: HashMap<u64, Entry>,
+    dirty: BTreeSet<u64>,
+    /// Pages in the order they became clean (stale entries are skipped).
+    clean: VecDeque<u64>,
+    gen: u64,
+    waiters: Vec<Waiter>,
+    /// Write-back rate, bytes per second (a moving average).
+    writeback_bps: f64,
+}
+
+struct Shared {
+    name: String,
+    capacity: usize,
+    state: Mutex<State>,
+    wake: Condvar,
+    stop: AtomicBool,
+    throttle: Throttle,
+    expire: Duration,
+    interval: Duration,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn dirty_bytes(st: &State) -> u64 {
+        st.dirty.len() as u64 * PAGE
+    }
+}
+
+impl State {
+    /// A free page slot: below capacity, or by evicting the oldest clean page.
+    fn make_room(&mut self, capacity: usize) -> bool {
+        while self.pages.len() >= capacity {
+            let Some(p) = self.clean.pop_front() else {
+                return false;
+            };
+            if self.pages.get(&p).is_some_and(|e| !e.dirty) {
+                self.pages.remove(&p);
+            }
+        }
+        true
+    }
+
+    fn mark_dirty(&mut self, p: u64, now: Instant) {
+        self.gen += 1;
+        let gen = self.gen;
+        let e = self.pages.get_mut(&p).expect("page present");
+        e.gen = gen;
+        if !e.dirty {
+            e.dirty = true;
+            e.dirtied = now;
+            self.dirty.insert(p);
+        }
+    }
+}
+
+/// A write-back cache device.
+pub struct CacheDevice {
+    name: String,
+    base: Arc<dyn Device>,
+    geometry: Geometry,
+    shared: Arc<Shared>,
+    flusher: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl CacheDevice {
+    /// A cache of `memory` bytes over `base`, written back per `writeback`.
+    pub fn new(
+        name: &str,
+        base: Arc<dyn Device>,
+        memory: u64,
+        writeback: &Writeback,
+        switches: Switches,
+    ) -> Result<CacheDevice, Error> {
+        let g = base.geometry();
+        let block = g.block_bytes.max(PAGE as u32);
+        if u64::from(block) != PAGE {
+            return Err(Error::Invalid(format!(
+                "{name}: the base's {block}-byte blocks are larger than a cache page"
+            )));
+        }
+        let capacity = (memory / PAGE) as usize;
+        if capacity < 16 {
+            return Err(Error::Invalid(format!(
+                "{name}: key 'memory' must be at least 64K"
+            )));
+        }
+        let throttle = writeback
+            .throttle(memory)
+            .map_err(|e| Error::Invalid(format!("{name}: {e}")))?;
+        let shared = Arc::new(Shared {
+            name: name.into(),
+            capacity,
+            state: Mutex::new(State {
+                pages: HashMap::new(),
+                dirty: BTreeSet::new(),
+                clean: VecDeque::new(),
+                gen: 0,
+                waiters: Vec::new(),
+                writeback_bps: 100e6,
+            }),
+            wake: Condvar::new(),
+            stop: AtomicBool::new(false),
+            throttle,
+            expire: writeback.expire,
+            interval: writeback.interval,
+        });
+        let (tx, rx) = mpsc::channel::<Result<(), Error>>();
+        let (s, b) = (shared.clone(), base.clone());
+        let flusher = std::thread::Builder::new()
+            .name(format!("cairn-flush-{name}"))
+            .spawn(move || flusher(s, b, switches, tx))
+            .map_err(|e| Error::os(format!("{name}: start the flusher"), e))?;
+        rx.recv()
+            .map_err(|_| Error::Invalid(format!("{name}: the flusher did not start")))??;
+        Ok(CacheDevice {
+            name: name.into(),
+            base,
+            geometry: Geometry {
+                size_bytes: g.size_bytes / PAGE * PAGE,
+                block_bytes: PAGE as u32,
+                caps: Caps {
+                    flush: true,
+                    fua: true,
+                    discard: g.caps.discard || g.caps.write_zeroes,
+                    write_zeroes: g.caps.write_zeroes || g.caps.discard,
+                },
+            },
+            shared,
+            flusher: Mutex::new(Some(flusher)),
+        })
+    }
+
+    /// Dirty bytes now.
+    pub fn dirty_bytes(&self) -> u64 {
+        Shared::dirty_bytes(&self.shared.lock())
+    }
+}
+
+impl Drop for CacheDevice {
+    fn drop(&mut self) {
+        // The flusher writes everything back before it exits.
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.shared.wake.notify_all();
+        if let Some(t) = self.flusher.lock().ok().and_then(|mut f| f.take()) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Device for CacheDevice {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn describe(&self) -> String {
+        format!(
+            "write-back cache of {} bytes over {}, {} bytes dirty",
+            self.shared.capacity as u64 * PAGE,
+            self.base.name(),
+            self.dirty_bytes()
+        )
+    }
+    fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+    fn children(&self) -> Vec<Arc<dyn Device>> {
+        vec![self.base.clone()]
+    }
+    fn extents(
+        &self,
+        offset: u64,
+        len: u64,
+        out: &mut Vec<cairn_core::Extent>,
+    ) -> Result<(), Error> {
+        if !self.shared.lock().pages.is_empty() {
+            // Cached pages may hold data the base's map does not show yet.
+            cairn_core::Extent::push(out, cairn_core::Extent::data(len));
+            return Ok(());
+        }
+        self.base.extents(offset, len, out)
+    }
+    fn power_cut(&self) {
+        // Cache memory is volatile: everything in it is gone.
+        let mut st = self.shared.lock();
+        let lost = st.dirty.len();
+        st.pages.clear();
+        st.dirty.clear();
+        st.clean.clear();
+        drop(st);
+        eprintln!(
+            "cairn: {}: power cut: {lost} dirty cache pages are lost",
+            self.name
+        );
+        self.base.power_cut();
+    }
+    fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
+        let base = cairn_core::handoff::open_member(core, &self.base)?;
+        // SAFETY: plain syscall; the fd is owned by the OwnedFd from here on.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(Error::last_os("cache: eventfd"));
+        }
+        // SAFETY: a fresh descriptor nobody else owns.
+        let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(fd) });
+        let (tx, rx) = mpsc::channel();
+        let q = Rc::new(CacheQueue {
+            core: core.clone(),
+            stats: QueueStats::new(core.switches().stats),
+            base,
+            base_caps: self.base.geometry().caps,
+            shared: self.shared.clone(),
+            sink: Cell::new(SinkId(u32::MAX)),
+            requests: RefCell::new(Slab::with_capacity(256)),
+            flushes_out: Cell::new(0),
+            reply_tx: tx,
+            reply_rx: rx,
+            wake,
+        });
+        q.sink.set(core.register_sink(q.clone()));
+        core.register_poller(q.clone());
+        Ok(q)
+    }
+}
+
+/// What a request waiting for the base is.
+#[derive(Clone, Copy)]
+enum Pending {
+    /// A read that missed: fill the cache when it completes. `gen` is the cache's
+    /// generation when it was sent (pages changed since are not filled from it).
+    Read { gen: u64 },
+    /// A write or zeroing sent through to the base.
+    Through,
+    /// A write throttled: complete it when the timer fires.
+    Paused,
+}
+
+struct CacheQueue {
+    core: Rc<Core>,
+    stats: QueueStats,
+    base: Rc<dyn Queue>,
+    base_caps: Caps,
+    shared: Arc<Shared>,
+    sink: Cell<SinkId>,
+    requests: RefCell<Slab<(Io, u64, Pending)>>,
+    flushes_out: Cell<u64>,
+    reply_tx: Sender<(u64, IoStatus)>,
+    reply_rx: Receiver<(u64, IoStatus)>,
+    wake: Arc<OwnedFd>,
+}
+
+impl CacheQueue {
+    fn pages(io: &Io) -> std::ops::Range<u64> {
+        io.offset / PAGE..io.end().div_ceil(PAGE)
+    }
+
+    fn finish(&self, io: &Io, start: u64, status: IoStatus) {
+        if self.stats.enabled() {
+            self.stats
+                .done(io.op, io.len, start, self.core.now_ns(), status.is_ok());
+        }
+    }
+
+    /// Completes from submit context (through the FIFO).
+    fn complete_now(&self, io: &Io, start: u64, status: IoStatus) {
+        self.finish(io, start, status);
+        self.core.complete(io.sink, io.token, status);
+    }
+
+    fn to_base(&self, io: Io, start: u64, pending: Pending) {
+        let index = self.requests.borrow_mut().insert((io, start, pending));
+        // Either zeroing op does: both leave zeros on every cairn device.
+        let op = match io.op {
+            Op::Discard if !self.base_caps.discard => Op::WriteZeroes,
+            Op::WriteZeroes if !self.base_caps.write_zeroes => Op::Discard,
+            op => op,
+        };
+        self.base.submit(Io {
+            op,
+            sink: self.sink.get(),
+            token: u64::from(index),
+            ..io
+        });
+    }
+
+    fn read(&self, io: Io, start: u64) {
+        let st = self.shared.lock();
+        let all = Self::pages(&io).all(|p| st.pages.contains_key(&p));
+        if !all {
+            let gen = st.gen;
+            drop(st);
+            self.to_base(io, start, Pending::Read { gen });
+            return;
+        }
+        for p in Self::pages(&io) {
+            let e = &st.pages[&p];
+            let at = (p * PAGE - io.offset) as usize;
+            // SAFETY: the request is page aligned (the cache's block size) and `buf`
+            // holds `len` bytes; this page lies inside it.
+            unsafe {
+                match &e.data {
+                    Some(d) => {
+                        std::ptr::copy_nonoverlapping(d.as_ptr(), io.buf.add(at), PAGE as usize)
+                    }
+                    None => std::ptr::write_bytes(io.buf.add(at), 0, PAGE as usize),
+                }
+            }
+        }
+        drop(st);
+        self.complete_now(&io, start, IoStatus::OK);
+    }
+
+    /// Caches `io`'s data (or zeros); false when the cache has no room for it.
+    fn cache_write(&self, io: &Io, zeros: bool) -> (bool, u64) {
+        let now = Instant::now();
+        let mut st = self.shared.lock();
+        let missing = Self::pages(io)
+            .filter(|p| !st.pages.contains_key(p))
+            .count();
+        let fits = st.pages.len() + missing <= self.shared.capacity || {
+            // Evict clean pages to make room.
+            let want = self.shared.capacity.saturating_sub(missing);
+            st.make_room(want.max(1)) && st.pages.len() + missing <= self.shared.capacity
+        };
+        for p in Self::pages(io) {
+            if !fits && !st.pages.contains_key(&p) {
+                continue;
+            }
+            let at = (p * PAGE - io.offset) as usize;
+            let old = st.pages.remove(&p);
+            let (dirty, gen, dirtied) = old
+                .as_ref()
+                .map_or((false, 0, now), |e| (e.dirty, e.gen, e.dirtied));
+            let data = if zeros {
+                None
+            } else {
+                let mut d = match old.and_then(|e| e.data) {
+                    Some(d) => d,
+                    None => vec![0u8; PAGE as usize].into_boxed_slice(),
+                };
+                // SAFETY: as in `read`.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(io.buf.add(at), d.as_mut_ptr(), PAGE as usize)
+                };
+                Some(d)
+            };
+            st.pages.insert(
+                p,
+                Entry {
+                    data,
+                    dirty,
+                    gen,
+                    dirtied,
+                },
+            );
+            st.mark_dirty(p, now);
+        }
+        (fits, Shared::dirty_bytes(&st))
+    }
+
+    fn write(&self, io: Io, start: u64) {
+        let zeros = io.op != Op::Write;
+        let (fits, dirty) = self.cache_write(&io, zeros);
+        if !fits || zeros || io.flags.contains(IoFlags::FUA) {
+            // Through to the base as well: no room (the base then holds the data, and
+            // the pages that are cached hold the same), a zeroing (so that the base
+            // never keeps older data under a cached zero page once it is evicted), or
+            // FUA (durable before it completes).
+            self.to_base(io, start, Pending::Through);
+            return;
+        }
+        let t = self.shared.throttle;
+        if dirty > t.background {
+            self.shared.wake.notify_one();
+        }
+        let bps = self.shared.lock().writeback_bps;
+        let pause = t.pause(dirty, io.len, bps);
+        if pause.is_zero() {
+            self.complete_now(&io, start, IoStatus::OK);
+        } else {
+            let index = self
+                .requests
+                .borrow_mut()
+                .insert((io, start, Pending::Paused));
+            self.core.add_timer(
+                self.core.now_ns() + pause.as_nanos() as u64,
+                self.sink.get(),
+                u64::from(index),
+            );
+        }
+    }
+
+    fn flush(&self, io: Io, start: u64) {
+        let index = self
+            .requests
+            .borrow_mut()
+            .insert((io, start, Pending::Through));
+        let mut st = self.shared.lock();
+        let gen = st.gen;
+        st.waiters.push(Waiter {
+            gen,
+            reply: self.reply_tx.clone(),
+            token: u64::from(index),
+            wake: self.wake.clone(),
+        });
+        drop(st);
+        self.flushes_out.set(self.flushes_out.get() + 1);
+        self.shared.wake.notify_one();
+    }
+}
+
+impl Queue for CacheQueue {
+    fn submit(&self, io: Io) {
+        let start = self.core.now_ns();
+        self.stats.start(start);
+        match io.op {
+            Op::Read => self.read(io, start),
+            Op::Write | Op::Discard | Op::WriteZeroes => self.write(io, start),
+            Op::Flush => self.flush(io, start),
+        }
+    }
+
+    fn stats(&self) -> &QueueStats {
+        &self.stats
+    }
+
+    fn children(&self) -> Vec<Rc<dyn Queue>> {
+        vec![self.base.clone()]
+    }
+}
+
+impl Sink for CacheQueue {
+    fn io_done(&self, token: u64, status: IoStatus) {
+        let (io, start, pending) = self.requests.borrow_mut().remove(token as u32);
+        if let Pending::Read { gen } = pending {
+            if status.is_ok() {
+                // Newer cached pages win over what the base returned; pages unchanged
+                // since the read was sent are cached clean.
+                let mut st = self.shared.lock();
+                let unchanged = st.gen == gen;
+                for p in Self::pages(&io) {
+                    let at = (p * PAGE - io.offset) as usize;
+                    if let Some(e) = st.pages.get(&p) {
+                        // SAFETY: as in `read`.
+                        unsafe {
+                            match &e.data {
+                                Some(d) => std::ptr::copy_nonoverlapping(
+                                    d.as_ptr(),
+                                    io.buf.add(at),
+                                    PAGE as usize,
+                                ),
+                                None => std::ptr::write_bytes(io.buf.add(at), 0, PAGE as usize),
+                            }
+                        }
+                    } else if unchanged && st.make_room(self.shared.capacity) {
+                        let mut d = vec![0u8; PAGE as usize].into_boxed_slice();
+                        // SAFETY: as in `read`.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                io.buf.add(at),
+                                d.as_mut_ptr(),
+                                PAGE as usize,
+                            )
+                        };
+                        st.pages.insert(
+                            p,
+                            Entry {
+                                data: Some(d),
+                                dirty: false,
+                                gen: 0,
+                                dirtied: Instant::now(),
+                            },
+                        );
+                        st.clean.push_back(p);
+                    }
+                }
+            }
+        }
+        self.finish(&io, start, status);
+        self.core.deliver(io.sink, io.token, status);
+    }
+}
+
+impl Poller for CacheQueue {
+    fn unplug(&self) {}
+
+    fn reap(&self) -> usize {
+        let mut n = 0;
+        while let Ok((token, status)) = self.reply_rx.try_recv() {
+            let (io, start, _) = self.requests.borrow_mut().remove(token as u32);
+            self.flushes_out.set(self.flushes_out.get() - 1);
+            self.finish(&io, start, status);
+            self.core.complete(io.sink, io.token, status);
+            n += 1;
+        }
+        n
+    }
+
+    fn busy(&self) -> bool {
+        self.flushes_out.get() > 0
+    }
+
+    fn event_fd(&self) -> RawFd {
+        self.wake.as_raw_fd()
+    }
+
+    fn clear_event(&self) {
+        let mut v = 0u64;
+        // SAFETY: reads 8 bytes into `v` from our own non-blocking eventfd.
+        unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+    }
+}
+
+/// Pages written back together: the first page, their data, and each page's generation
+/// when copied.
+type Run = (u64, AlignedBuf, Vec<(u64, u64)>);
+/// A run being gathered.
+type Gathering = (u64, Vec<u8>, Vec<(u64, u64)>);
+
+/// The flusher: writes dirty pages back in offset order, merged into runs.
+fn flusher(
+    shared: Arc<Shared>,
+    base: Arc<dyn Device>,
+    switches: Switches,
+    ready: Sender<Result<(), Error>>,
+) {
+    cairn_core::reactor::block_signals_in_this_thread();
+    let q = match BlockingQueue::open(&base, switches) {
+        Ok(q) => q,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let _ = ready.send(Ok(()));
+    loop {
+        let stopping = shared.stop.load(Ordering::SeqCst);
+        // What to write back, copied out under the lock: (first page, data, pages' gens).
+        let mut runs: Vec<Run> = Vec::new();
+        let (waiters_gen, serve_waiters) = {
+            let mut st = shared.lock();
+            let urgent = |st: &State| {
+                !st.waiters.is_empty() || Shared::dirty_bytes(st) > shared.throttle.background
+            };
+            if !stopping && !urgent(&st) {
+                st = shared
+                    .wake
+                    .wait_timeout(st, shared.interval)
+                    .map(|(g, _)| g)
+                    .unwrap_or_else(|p| p.into_inner().0);
+            }
+            let now = Instant::now();
+            let all = stopping || !st.waiters.is_empty();
+            let over = Shared::dirty_bytes(&st).saturating_sub(shared.throttle.background);
+            let waiters_gen = st.waiters.iter().map(|w| w.gen).max();
+            let mut budget = if all { u64::MAX } else { over };
+            let mut cur: Option<Gathering> = None;
+            let dirty: Vec<u64> = st.dirty.iter().copied().collect();
+            for p in dirty {
+                let e = &st.pages[&p];
+                let expired = now.duration_since(e.dirtied) >= shared.expire;
+                if !(all || expired || budget > 0) {
+                    continue;
+                }
+                budget = budget.saturating_sub(PAGE);
+                let extend = matches!(&cur, Some((first, d, _)) if first + (d.len() as u64 / PAGE) == p && (d.len() as u64) < MAX_RUN);
+                if !extend {
+                    if let Some((first, d, gens)) = cur.take() {
+                        let mut b = AlignedBuf::new(d.len());
+                        b.as_mut_slice().copy_from_slice(&d);
+                        runs.push((first, b, gens));
+                    }
+                    cur = Some((p, Vec::with_capacity(PAGE as usize), Vec::new()));
+                }
+                let (_, d, gens) = cur.as_mut().expect("a run");
+                match &e.data {
+                    Some(data) => d.extend_from_slice(data),
+                    None => d.resize(d.len() + PAGE as usize, 0),
+                }
+                gens.push((p, e.gen));
+            }
+            if let Some((first, d, gens)) = cur.take() {
+                let mut b = AlignedBuf::new(d.len());
+                b.as_mut_slice().copy_from_slice(&d);
+                runs.push((first, b, gens));
+            }
+            (waiters_gen, all && !st.waiters.is_empty())
+        };
+        // Write the runs, all in flight together.
+        let started = Instant::now();
+        let bytes: u64 = runs.iter().map(|r| r.1.len() as u64).sum();
+        let mut reqs: Vec<Request<'_>> = runs
+            .iter_mut()
+            .map(|(first, b, _)| Request {
+                op: Op::Write,
+                flags: IoFlags::NONE,
+                offset: *first * PAGE,
+                len: 0,
+                buf: Some(b.as_mut_slice()),
+            })
+            .collect();
+        let results = if reqs.is_empty() {
+            Vec::new()
+        } else {
+            q.run(&mut reqs)
+        };
+        drop(reqs);
+        let mut failed = results.iter().any(|r| r.is_err());
+        if failed {
+            eprintln!(
+                "cairn: {}: write-back to the base failed; pages stay dirty",
+                shared.name
+            );
+        }
+        if serve_waiters && !failed && q.flush().is_err() {
+            eprintln!("cairn: {}: flushing the base failed", shared.name);
+            failed = true;
+        }
+        let elapsed = started.elapsed().as_secs_f64();
+        let mut st = shared.lock();
+        for ((_, _, gens), r) in runs.iter().zip(&results) {
+            if r.is_err() {
+                continue;
+            }
+            for &(p, gen) in gens {
+                if let Some(e) = st.pages.get_mut(&p) {
+                    if e.dirty && e.gen == gen {
+                        e.dirty = false;
+                        st.dirty.remove(&p);
+                        st.clean.push_back(p);
+                    }
+                }
+            }
+        }
+        if bytes > 0 && elapsed > 0.0 {
+            let rate = bytes as f64 / elapsed;
+            st.writeback_bps = 0.8 * st.writeback_bps + 0.2 * rate;
+        }
+        if serve_waiters {
+            let upto = waiters_gen.unwrap_or(0);
+            let status = if failed {
+                IoStatus::errno(libc::EIO)
+            } else {
+                IoStatus::OK
+            };
+            let (done, keep): (Vec<Waiter>, Vec<Waiter>) =
+                st.waiters.drain(..).partition(|w| w.gen <= upto);
+            st.waiters = keep;
+            drop(st);
+            for w in done {
+                let _ = w.reply.send((w.token, status));
+                let one = 1u64;
+                // SAFETY: writes 8 bytes to the queue's eventfd.
+                unsafe { libc::write(w.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+            }
+        } else {
+            drop(st);
+        }
+        if stopping && shared.lock().dirty.is_empty() {
+            return;
+        }
+        if stopping && failed {
+            eprintln!(
+                "cairn: {}: dirty pages could not be written back at exit",
+                shared.name
+            );
+            return;
+        }
+    }
+}
