@@ -22,7 +22,7 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use cairn_core::blocking::{BlockingQueue, Request};
 use cairn_core::slab::Slab;
@@ -31,7 +31,7 @@ use cairn_core::{
     QueueStats, Sink, SinkId, Switches,
 };
 
-use crate::writeback::{Throttle, Writeback};
+use crate::writeback::Budget;
 
 /// Cache page size.
 pub const PAGE: u64 = 4096;
@@ -74,9 +74,8 @@ struct Shared {
     state: Mutex<State>,
     wake: Condvar,
     stop: AtomicBool,
-    throttle: Throttle,
-    expire: Duration,
-    interval: Duration,
+    /// Shared with every other cache of the stack file.
+    budget: Arc<Budget>,
 }
 
 impl Shared {
@@ -103,7 +102,7 @@ impl State {
         true
     }
 
-    fn mark_dirty(&mut self, p: u64, now: Instant) {
+    fn mark_dirty(&mut self, p: u64, now: Instant, budget: &Budget) {
         self.gen += 1;
         let gen = self.gen;
         let e = self.pages.get_mut(&p).expect("page present");
@@ -112,6 +111,7 @@ impl State {
             e.dirty = true;
             e.dirtied = now;
             self.dirty.insert(p);
+            budget.add(PAGE);
         }
     }
 }
@@ -126,12 +126,12 @@ pub struct CacheDevice {
 }
 
 impl CacheDevice {
-    /// A cache of `memory` bytes over `base`, written back per `writeback`.
+    /// A cache of `memory` bytes over `base`, sharing the dirty `budget`.
     pub fn new(
         name: &str,
         base: Arc<dyn Device>,
         memory: u64,
-        writeback: &Writeback,
+        budget: Arc<Budget>,
         switches: Switches,
     ) -> Result<CacheDevice, Error> {
         let g = base.geometry();
@@ -147,9 +147,6 @@ impl CacheDevice {
                 "{name}: key 'memory' must be at least 64K"
             )));
         }
-        let throttle = writeback
-            .throttle(memory)
-            .map_err(|e| Error::Invalid(format!("{name}: {e}")))?;
         let shared = Arc::new(Shared {
             name: name.into(),
             capacity,
@@ -163,9 +160,7 @@ impl CacheDevice {
             }),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
-            throttle,
-            expire: writeback.expire,
-            interval: writeback.interval,
+            budget,
         });
         let (tx, rx) = mpsc::channel::<Result<(), Error>>();
         let (s, b) = (shared.clone(), base.clone());
@@ -245,6 +240,7 @@ impl Device for CacheDevice {
         // Cache memory is volatile: everything in it is gone.
         let mut st = self.shared.lock();
         let lost = st.dirty.len();
+        self.shared.budget.sub(lost as u64 * PAGE);
         st.pages.clear();
         st.dirty.clear();
         st.clean.clear();
@@ -414,9 +410,9 @@ impl CacheQueue {
                     dirtied,
                 },
             );
-            st.mark_dirty(p, now);
+            st.mark_dirty(p, now, &self.shared.budget);
         }
-        (fits, Shared::dirty_bytes(&st))
+        (fits, self.shared.budget.dirty_bytes())
     }
 
     fn write(&self, io: Io, start: u64) {
@@ -430,7 +426,7 @@ impl CacheQueue {
             self.to_base(io, start, Pending::Through);
             return;
         }
-        let t = self.shared.throttle;
+        let t = self.shared.budget.throttle;
         if dirty > t.background {
             self.shared.wake.notify_one();
         }
@@ -600,26 +596,29 @@ fn flusher(
         let mut runs: Vec<Run> = Vec::new();
         let (waiters_gen, serve_waiters) = {
             let mut st = shared.lock();
+            let b = &shared.budget;
             let urgent = |st: &State| {
-                !st.waiters.is_empty() || Shared::dirty_bytes(st) > shared.throttle.background
+                !st.waiters.is_empty()
+                    || (!st.dirty.is_empty() && b.dirty_bytes() > b.throttle.background)
             };
             if !stopping && !urgent(&st) {
                 st = shared
                     .wake
-                    .wait_timeout(st, shared.interval)
+                    .wait_timeout(st, b.interval)
                     .map(|(g, _)| g)
                     .unwrap_or_else(|p| p.into_inner().0);
             }
             let now = Instant::now();
             let all = stopping || !st.waiters.is_empty();
-            let over = Shared::dirty_bytes(&st).saturating_sub(shared.throttle.background);
+            // Over the shared background level, each cache writes back its own pages.
+            let over = b.dirty_bytes().saturating_sub(b.throttle.background);
             let waiters_gen = st.waiters.iter().map(|w| w.gen).max();
             let mut budget = if all { u64::MAX } else { over };
             let mut cur: Option<Gathering> = None;
             let dirty: Vec<u64> = st.dirty.iter().copied().collect();
             for p in dirty {
                 let e = &st.pages[&p];
-                let expired = now.duration_since(e.dirtied) >= shared.expire;
+                let expired = now.duration_since(e.dirtied) >= b.expire;
                 if !(all || expired || budget > 0) {
                     continue;
                 }
@@ -689,6 +688,7 @@ fn flusher(
                         e.dirty = false;
                         st.dirty.remove(&p);
                         st.clean.push_back(p);
+                        shared.budget.sub(PAGE);
                     }
                 }
             }

@@ -694,13 +694,29 @@ impl StackFile {
     /// Opens `name` and everything below it.
     pub fn open(&self, name: &str) -> Result<Arc<dyn Device>, Error> {
         let mut opened = HashMap::new();
-        self.open_rec(name, &mut opened)
+        // Every cache of the file shares one dirty budget, sized on their memory together.
+        let cache_bytes: u64 = self
+            .devices
+            .values()
+            .map(|d| match d {
+                DeviceSpec::Cache { memory, .. } => *memory,
+                _ => 0,
+            })
+            .sum();
+        let budget = if cache_bytes > 0 {
+            let w = self.writeback.unwrap_or_default();
+            Some(Arc::new(crate::writeback::Budget::new(&w, cache_bytes)?))
+        } else {
+            None
+        };
+        self.open_rec(name, &mut opened, &budget)
     }
 
     fn open_rec(
         &self,
         name: &str,
         opened: &mut HashMap<String, Arc<dyn Device>>,
+        budget: &Option<Arc<crate::writeback::Budget>>,
     ) -> Result<Arc<dyn Device>, Error> {
         if let Some(d) = opened.get(name) {
             return Ok(d.clone());
@@ -712,7 +728,7 @@ impl StackFile {
         let members = spec
             .members()
             .iter()
-            .map(|m| self.open_rec(m, opened))
+            .map(|m| self.open_rec(m, opened, budget))
             .collect::<Result<Vec<_>, _>>()?;
         let sizes: Vec<u64> = members.iter().map(|m| m.geometry().size_bytes).collect();
         let smallest = sizes.iter().copied().min().unwrap_or(0);
@@ -755,7 +771,7 @@ impl StackFile {
                     name,
                     members[0].clone(),
                     *memory,
-                    &self.writeback.unwrap_or_default(),
+                    budget.clone().expect("a budget when the file has caches"),
                     cairn_core::Switches::default(),
                 )
                 .map_err(named)?,

@@ -148,6 +148,50 @@ impl Writeback {
     }
 }
 
+/// The dirty budget several cache devices share: their dirty bytes together, the throttle
+/// computed on their memory together, and the timing knobs.
+#[derive(Debug)]
+pub struct Budget {
+    /// Dirty bytes of every cache sharing the budget.
+    pub dirty: std::sync::atomic::AtomicU64,
+    /// Levels for all of them together.
+    pub throttle: Throttle,
+    /// Write back data older than this.
+    pub expire: Duration,
+    /// Flushers wake at least this often.
+    pub interval: Duration,
+}
+
+impl Budget {
+    /// The budget of caches holding `cache_bytes` of memory in all.
+    pub fn new(w: &Writeback, cache_bytes: u64) -> Result<Budget, Error> {
+        Ok(Budget {
+            dirty: std::sync::atomic::AtomicU64::new(0),
+            throttle: w.throttle(cache_bytes)?,
+            expire: w.expire,
+            interval: w.interval,
+        })
+    }
+
+    /// Dirty bytes now, across the caches.
+    pub fn dirty_bytes(&self) -> u64 {
+        self.dirty.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(crate) fn add(&self, bytes: u64) {
+        self.dirty
+            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn sub(&self, bytes: u64) {
+        let _ = self.dirty.fetch_update(
+            std::sync::atomic::Ordering::Relaxed,
+            std::sync::atomic::Ordering::Relaxed,
+            |d| Some(d.saturating_sub(bytes)),
+        );
+    }
+}
+
 /// Writer pacing from the dirty level (see the module documentation).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Throttle {

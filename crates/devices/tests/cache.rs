@@ -165,3 +165,56 @@ fn bad_cache_settings_name_the_key() {
     };
     assert!(e.to_string().contains("memory"), "{e}");
 }
+
+#[test]
+fn caches_of_one_file_share_one_dirty_budget() {
+    use cairn_devices::cache::CacheDevice;
+    use cairn_devices::writeback::{Budget, Writeback};
+    // Nothing is written back on its own: the budget moves only with writes and flushes.
+    let w = Writeback {
+        expire: Duration::from_secs(600),
+        interval: Duration::from_secs(600),
+        ..Writeback::default()
+    };
+    let budget = Arc::new(Budget::new(&w, 2 << 20).unwrap());
+    let mem = |n: &str| {
+        let s = cairn_devices::LeafSpec::parse("mem:1M,block=4k").unwrap();
+        cairn_devices::open(&s, n).unwrap()
+    };
+    let c0: Arc<dyn Device> = Arc::new(
+        CacheDevice::new(
+            "c0",
+            mem("m0"),
+            1 << 20,
+            budget.clone(),
+            Switches::default(),
+        )
+        .unwrap(),
+    );
+    let c1: Arc<dyn Device> = Arc::new(
+        CacheDevice::new(
+            "c1",
+            mem("m1"),
+            1 << 20,
+            budget.clone(),
+            Switches::default(),
+        )
+        .unwrap(),
+    );
+    let (q0, q1) = (queue(&c0), queue(&c1));
+    for i in 0..3u32 {
+        q0.write(u64::from(i) * PAGE as u64, &page_of(i), IoFlags::NONE)
+            .unwrap();
+    }
+    for i in 0..5u32 {
+        q1.write(u64::from(i) * PAGE as u64, &page_of(i), IoFlags::NONE)
+            .unwrap();
+    }
+    // Rewriting a dirty page dirties nothing new.
+    q1.write(0, &page_of(9), IoFlags::NONE).unwrap();
+    assert_eq!(budget.dirty_bytes(), 8 * PAGE as u64);
+    q0.flush().unwrap();
+    assert_eq!(budget.dirty_bytes(), 5 * PAGE as u64);
+    c1.power_cut();
+    assert_eq!(budget.dirty_bytes(), 0);
+}
