@@ -46,7 +46,7 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                     let switches = cli.global.switches(&stack.tuning)?;
                     let name = stack.pick(name.as_deref()).map_err(|e| e.to_string())?;
                     let device = stack
-                        .open(&name)
+                        .open_with(&name, switches)
                         .map_err(|e| format!("{}: {e}", path.display()))?;
                     (device, switches)
                 }
@@ -81,7 +81,7 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             // Open everything first: an error prints one line and no half a tree.
             let devices = names
                 .iter()
-                .map(|name| stack.open(name))
+                .map(|name| stack.open_with(name, switches))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| format!("{}: {e}", args.stack.display()))?;
             for device in devices {
@@ -96,8 +96,13 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                 );
             }
             println!(
-                "switches: clock={:?} reap={:?} stats={:?} flush={:?} dispatch={:?}",
-                switches.clock, switches.reap, switches.stats, switches.flush, switches.dispatch
+                "switches: clock={:?} reap={:?} stats={:?} flush={:?} dispatch={:?} writeback={:?}",
+                switches.clock,
+                switches.reap,
+                switches.stats,
+                switches.flush,
+                switches.dispatch,
+                switches.writeback
             );
             Ok(ExitCode::SUCCESS)
         }
@@ -134,9 +139,10 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
         }
         Some(path) => {
             let stack = settings::read_stack(path)?;
+            let switches = global.switches(&stack.tuning)?;
             let open = |name: &str| {
                 stack
-                    .open(name)
+                    .open_with(name, switches)
                     .map_err(|e| format!("{}: {e}", path.display()))
             };
             let chosen = if args.device.is_some() || stack.exports.is_empty() {

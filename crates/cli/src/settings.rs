@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use cairn_bench::{JobSpec, Pattern};
 use cairn_core::size::{parse_duration, parse_size};
-use cairn_core::{ClockMode, DispatchMode, FlushMode, ReapMode, StatsMode, Switches};
+use cairn_core::{
+    ClockMode, DispatchMode, FlushMode, ReapMode, StatsMode, Switches, WritebackMode,
+};
 use std::path::PathBuf;
 
 use cairn_devices::config::{StackFile, Tuning};
@@ -31,6 +33,9 @@ const GLOBAL_HELP: &str = "Switches (each restores a technique's \"before\", to 
                            caller's thread, or through a worker thread per hop
   --flush batched|serial   technique 1: one flush covers every flush that arrived before
                            it started, or one flush per request, one at a time
+  --writeback per-device|shared
+                           technique 3: a flusher thread per cache device writing back in
+                           offset order, or one shared pool taking pages in dirtied order
 
 Examples:
   cairn bench                                   10 s of 4 KiB random reads on mem:1G
@@ -92,6 +97,17 @@ pub struct GlobalArgs {
     /// (inline, default) or through a worker thread per hop (handoff).
     #[arg(long, global = true, value_enum)]
     pub dispatch: Option<DispatchArg>,
+    /// Technique 3: each cache device has its own flusher writing back in offset order
+    /// (per-device, default), or one shared pool takes pages from every cache in the
+    /// order they were dirtied (shared).
+    #[arg(long, global = true, value_enum)]
+    pub writeback: Option<WritebackArg>,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WritebackArg {
+    PerDevice,
+    Shared,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -170,6 +186,10 @@ impl GlobalArgs {
             dispatch: match pick(self.dispatch, tuning, "dispatch", DispatchArg::Inline)? {
                 DispatchArg::Inline => DispatchMode::Inline,
                 DispatchArg::Handoff => DispatchMode::Handoff,
+            },
+            writeback: match pick(self.writeback, tuning, "writeback", WritebackArg::PerDevice)? {
+                WritebackArg::PerDevice => WritebackMode::PerDevice,
+                WritebackArg::Shared => WritebackMode::Shared,
             },
         })
     }

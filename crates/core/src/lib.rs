@@ -31,5 +31,7 @@ pub use device::{Caps, Device, Extent, Geometry, Queue};
 pub use error::{Error, IoError};
 pub use flush::{FlushBatcher, FlushMode};
 pub use io::{Io, IoFlags, IoStatus, Op, SinkId};
-pub use reactor::{Core, DispatchMode, Poller, Reactor, ReapMode, RingUser, Sink, Switches};
+pub use reactor::{
+    Core, DispatchMode, Poller, Reactor, ReapMode, RingUser, Sink, Switches, WritebackMode,
+};
 pub use stats::{DeviceStatsSnapshot, QueueStats, StatsMode};

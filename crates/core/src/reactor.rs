@@ -63,6 +63,19 @@ pub struct Switches {
     pub flush: FlushMode,
     /// Technique 4: `--dispatch inline|handoff`.
     pub dispatch: DispatchMode,
+    /// Technique 3: `--writeback per-device|shared`.
+    pub writeback: WritebackMode,
+}
+
+/// Who writes cache devices back (`--writeback per-device|shared`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WritebackMode {
+    /// Each cache has its own flusher thread, writing back in offset order (the default).
+    #[default]
+    PerDevice,
+    /// One pool of as many threads as caches takes pages from every cache in the order
+    /// they were dirtied (the "before").
+    Shared,
 }
 
 /// How a stacked device reaches its members (`--dispatch inline|handoff`).

@@ -76,6 +76,18 @@ struct Shared {
     stop: AtomicBool,
     /// Shared with every other cache of the stack file.
     budget: Arc<Budget>,
+    /// With `--writeback shared`: the pool and this cache's index in it.
+    pool: std::sync::OnceLock<(Arc<Pool>, usize)>,
+}
+
+impl Shared {
+    /// Wakes whoever writes this cache back.
+    fn kick(&self) {
+        match self.pool.get() {
+            Some((pool, _)) => pool.kick(),
+            None => self.wake.notify_one(),
+        }
+    }
 }
 
 impl Shared {
@@ -102,17 +114,20 @@ impl State {
         true
     }
 
-    fn mark_dirty(&mut self, p: u64, now: Instant, budget: &Budget) {
+    /// Marks page `p` changed; whether it was clean before.
+    fn mark_dirty(&mut self, p: u64, now: Instant, budget: &Budget) -> bool {
         self.gen += 1;
         let gen = self.gen;
         let e = self.pages.get_mut(&p).expect("page present");
         e.gen = gen;
-        if !e.dirty {
-            e.dirty = true;
-            e.dirtied = now;
-            self.dirty.insert(p);
-            budget.add(PAGE);
+        if e.dirty {
+            return false;
         }
+        e.dirty = true;
+        e.dirtied = now;
+        self.dirty.insert(p);
+        budget.add(PAGE);
+        true
     }
 }
 
@@ -161,15 +176,28 @@ impl CacheDevice {
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
             budget,
+            pool: std::sync::OnceLock::new(),
         });
-        let (tx, rx) = mpsc::channel::<Result<(), Error>>();
-        let (s, b) = (shared.clone(), base.clone());
-        let flusher = std::thread::Builder::new()
-            .name(format!("cairn-flush-{name}"))
-            .spawn(move || flusher(s, b, switches, tx))
-            .map_err(|e| Error::os(format!("{name}: start the flusher"), e))?;
-        rx.recv()
-            .map_err(|_| Error::Invalid(format!("{name}: the flusher did not start")))??;
+        let flusher = if switches.writeback == cairn_core::WritebackMode::Shared {
+            let pool = shared
+                .budget
+                .pool
+                .get_or_init(|| Arc::new(Pool::new(switches)))
+                .clone();
+            let index = pool.register(shared.clone(), base.clone())?;
+            let _ = shared.pool.set((pool, index));
+            None
+        } else {
+            let (tx, rx) = mpsc::channel::<Result<(), Error>>();
+            let (s, b) = (shared.clone(), base.clone());
+            let flusher = std::thread::Builder::new()
+                .name(format!("cairn-flush-{name}"))
+                .spawn(move || flusher(s, b, switches, tx))
+                .map_err(|e| Error::os(format!("{name}: start the flusher"), e))?;
+            rx.recv()
+                .map_err(|_| Error::Invalid(format!("{name}: the flusher did not start")))??;
+            Some(flusher)
+        };
         Ok(CacheDevice {
             name: name.into(),
             base,
@@ -184,7 +212,7 @@ impl CacheDevice {
                 },
             },
             shared,
-            flusher: Mutex::new(Some(flusher)),
+            flusher: Mutex::new(flusher),
         })
     }
 
@@ -196,6 +224,15 @@ impl CacheDevice {
 
 impl Drop for CacheDevice {
     fn drop(&mut self) {
+        if let Some((pool, index)) = self.shared.pool.get() {
+            // Shared write-back: this thread writes the cache back, then leaves the pool.
+            match BlockingQueue::open(&self.base, pool.switches) {
+                Ok(q) => drain(&self.shared, &q),
+                Err(e) => eprintln!("cairn: {}: cannot write back at exit: {e}", self.name),
+            }
+            pool.deregister(*index);
+            return;
+        }
         // The flusher writes everything back before it exits.
         self.shared.stop.store(true, Ordering::SeqCst);
         self.shared.wake.notify_all();
@@ -410,7 +447,15 @@ impl CacheQueue {
                     dirtied,
                 },
             );
-            st.mark_dirty(p, now, &self.shared.budget);
+            if st.mark_dirty(p, now, &self.shared.budget) {
+                if let Some((pool, index)) = self.shared.pool.get() {
+                    // Lock order: cache state, then the pool's order.
+                    pool.order
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push_back((*index, p));
+                }
+            }
         }
         (fits, self.shared.budget.dirty_bytes())
     }
@@ -428,7 +473,7 @@ impl CacheQueue {
         }
         let t = self.shared.budget.throttle;
         if dirty > t.background {
-            self.shared.wake.notify_one();
+            self.shared.kick();
         }
         let bps = self.shared.lock().writeback_bps;
         let pause = t.pause(dirty, io.len, bps);
@@ -462,7 +507,7 @@ impl CacheQueue {
         });
         drop(st);
         self.flushes_out.set(self.flushes_out.get() + 1);
-        self.shared.wake.notify_one();
+        self.shared.kick();
     }
 }
 
@@ -574,7 +619,163 @@ type Run = (u64, AlignedBuf, Vec<(u64, u64)>);
 /// A run being gathered.
 type Gathering = (u64, Vec<u8>, Vec<(u64, u64)>);
 
-/// The flusher: writes dirty pages back in offset order, merged into runs.
+/// Which dirty pages a write-back round takes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Take {
+    /// Every dirty page (a flush is waiting, or the cache is going away).
+    All,
+    /// Pages over the shared background level, and expired ones.
+    Due,
+}
+
+/// One write-back round of `shared` through `q`: copies the pages out in offset order,
+/// merged into runs, writes them (all in flight together), flushes the base when a flush
+/// is waiting, marks the pages clean unless they changed meanwhile, and answers the
+/// flushes it covered. Returns whether any write failed.
+fn round(shared: &Shared, q: &BlockingQueue, take: Take) -> bool {
+    let b = &shared.budget;
+    let mut runs: Vec<Run> = Vec::new();
+    let (waiters_gen, serve_waiters) = {
+        let st = shared.lock();
+        let now = Instant::now();
+        let all = take == Take::All || !st.waiters.is_empty();
+        // Over the shared background level, each cache writes back its own pages.
+        let over = b.dirty_bytes().saturating_sub(b.throttle.background);
+        let waiters_gen = st.waiters.iter().map(|w| w.gen).max();
+        let mut budget = if all { u64::MAX } else { over };
+        let mut cur: Option<Gathering> = None;
+        for &p in st.dirty.iter() {
+            let e = &st.pages[&p];
+            let expired = now.duration_since(e.dirtied) >= b.expire;
+            if !(all || expired || budget > 0) {
+                continue;
+            }
+            budget = budget.saturating_sub(PAGE);
+            let extend = matches!(&cur, Some((first, d, _)) if first + (d.len() as u64 / PAGE) == p && (d.len() as u64) < MAX_RUN);
+            if !extend {
+                if let Some(run) = cur.take() {
+                    runs.push(seal(run));
+                }
+                cur = Some((p, Vec::with_capacity(PAGE as usize), Vec::new()));
+            }
+            let (_, d, gens) = cur.as_mut().expect("a run");
+            match &e.data {
+                Some(data) => d.extend_from_slice(data),
+                None => d.resize(d.len() + PAGE as usize, 0),
+            }
+            gens.push((p, e.gen));
+        }
+        if let Some(run) = cur.take() {
+            runs.push(seal(run));
+        }
+        (waiters_gen, !st.waiters.is_empty())
+    };
+    write_runs(
+        shared,
+        q,
+        runs,
+        serve_waiters.then_some(waiters_gen.unwrap_or(0)),
+    )
+}
+
+fn seal((first, d, gens): Gathering) -> Run {
+    let mut b = AlignedBuf::new(d.len());
+    b.as_mut_slice().copy_from_slice(&d);
+    (first, b, gens)
+}
+
+/// Writes `runs`, flushes the base and answers the flushes covering changes up to `gen`
+/// when given, and marks written pages clean. Returns whether anything failed.
+fn write_runs(
+    shared: &Shared,
+    q: &BlockingQueue,
+    mut runs: Vec<Run>,
+    waiters: Option<u64>,
+) -> bool {
+    let started = Instant::now();
+    let bytes: u64 = runs.iter().map(|r| r.1.len() as u64).sum();
+    let mut reqs: Vec<Request<'_>> = runs
+        .iter_mut()
+        .map(|(first, b, _)| Request {
+            op: Op::Write,
+            flags: IoFlags::NONE,
+            offset: *first * PAGE,
+            len: 0,
+            buf: Some(b.as_mut_slice()),
+        })
+        .collect();
+    let results = if reqs.is_empty() {
+        Vec::new()
+    } else {
+        q.run(&mut reqs)
+    };
+    drop(reqs);
+    let mut failed = results.iter().any(|r| r.is_err());
+    if failed {
+        eprintln!(
+            "cairn: {}: write-back to the base failed; pages stay dirty",
+            shared.name
+        );
+    }
+    if waiters.is_some() && !failed && q.flush().is_err() {
+        eprintln!("cairn: {}: flushing the base failed", shared.name);
+        failed = true;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let mut st = shared.lock();
+    for ((_, _, gens), r) in runs.iter().zip(&results) {
+        if r.is_err() {
+            continue;
+        }
+        for &(p, gen) in gens {
+            if let Some(e) = st.pages.get_mut(&p) {
+                if e.dirty && e.gen == gen {
+                    e.dirty = false;
+                    st.dirty.remove(&p);
+                    st.clean.push_back(p);
+                    shared.budget.sub(PAGE);
+                }
+            }
+        }
+    }
+    if bytes > 0 && elapsed > 0.0 {
+        let rate = bytes as f64 / elapsed;
+        st.writeback_bps = 0.8 * st.writeback_bps + 0.2 * rate;
+    }
+    if let Some(upto) = waiters {
+        let status = if failed {
+            IoStatus::errno(libc::EIO)
+        } else {
+            IoStatus::OK
+        };
+        let (done, keep): (Vec<Waiter>, Vec<Waiter>) =
+            st.waiters.drain(..).partition(|w| w.gen <= upto);
+        st.waiters = keep;
+        drop(st);
+        for w in done {
+            let _ = w.reply.send((w.token, status));
+            let one = 1u64;
+            // SAFETY: writes 8 bytes to the queue's eventfd.
+            unsafe { libc::write(w.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        }
+    }
+    failed
+}
+
+/// Writes everything back (at exit); gives up after a failure.
+fn drain(shared: &Shared, q: &BlockingQueue) {
+    while !shared.lock().dirty.is_empty() {
+        if round(shared, q, Take::All) {
+            eprintln!(
+                "cairn: {}: dirty pages could not be written back at exit",
+                shared.name
+            );
+            return;
+        }
+    }
+}
+
+/// The per-device flusher (technique 3): its own thread, its own cache.
 fn flusher(
     shared: Arc<Shared>,
     base: Arc<dyn Device>,
@@ -591,141 +792,218 @@ fn flusher(
     };
     let _ = ready.send(Ok(()));
     loop {
-        let stopping = shared.stop.load(Ordering::SeqCst);
-        // What to write back, copied out under the lock: (first page, data, pages' gens).
-        let mut runs: Vec<Run> = Vec::new();
-        let (waiters_gen, serve_waiters) = {
-            let mut st = shared.lock();
+        if shared.stop.load(Ordering::SeqCst) {
+            drain(&shared, &q);
+            return;
+        }
+        {
+            let st = shared.lock();
             let b = &shared.budget;
-            let urgent = |st: &State| {
-                !st.waiters.is_empty()
-                    || (!st.dirty.is_empty() && b.dirty_bytes() > b.throttle.background)
-            };
-            if !stopping && !urgent(&st) {
-                st = shared
-                    .wake
-                    .wait_timeout(st, b.interval)
-                    .map(|(g, _)| g)
-                    .unwrap_or_else(|p| p.into_inner().0);
-            }
-            let now = Instant::now();
-            let all = stopping || !st.waiters.is_empty();
-            // Over the shared background level, each cache writes back its own pages.
-            let over = b.dirty_bytes().saturating_sub(b.throttle.background);
-            let waiters_gen = st.waiters.iter().map(|w| w.gen).max();
-            let mut budget = if all { u64::MAX } else { over };
-            let mut cur: Option<Gathering> = None;
-            let dirty: Vec<u64> = st.dirty.iter().copied().collect();
-            for p in dirty {
-                let e = &st.pages[&p];
-                let expired = now.duration_since(e.dirtied) >= b.expire;
-                if !(all || expired || budget > 0) {
-                    continue;
-                }
-                budget = budget.saturating_sub(PAGE);
-                let extend = matches!(&cur, Some((first, d, _)) if first + (d.len() as u64 / PAGE) == p && (d.len() as u64) < MAX_RUN);
-                if !extend {
-                    if let Some((first, d, gens)) = cur.take() {
-                        let mut b = AlignedBuf::new(d.len());
-                        b.as_mut_slice().copy_from_slice(&d);
-                        runs.push((first, b, gens));
-                    }
-                    cur = Some((p, Vec::with_capacity(PAGE as usize), Vec::new()));
-                }
-                let (_, d, gens) = cur.as_mut().expect("a run");
-                match &e.data {
-                    Some(data) => d.extend_from_slice(data),
-                    None => d.resize(d.len() + PAGE as usize, 0),
-                }
-                gens.push((p, e.gen));
-            }
-            if let Some((first, d, gens)) = cur.take() {
-                let mut b = AlignedBuf::new(d.len());
-                b.as_mut_slice().copy_from_slice(&d);
-                runs.push((first, b, gens));
-            }
-            (waiters_gen, all && !st.waiters.is_empty())
-        };
-        // Write the runs, all in flight together.
-        let started = Instant::now();
-        let bytes: u64 = runs.iter().map(|r| r.1.len() as u64).sum();
-        let mut reqs: Vec<Request<'_>> = runs
-            .iter_mut()
-            .map(|(first, b, _)| Request {
-                op: Op::Write,
-                flags: IoFlags::NONE,
-                offset: *first * PAGE,
-                len: 0,
-                buf: Some(b.as_mut_slice()),
-            })
-            .collect();
-        let results = if reqs.is_empty() {
-            Vec::new()
-        } else {
-            q.run(&mut reqs)
-        };
-        drop(reqs);
-        let mut failed = results.iter().any(|r| r.is_err());
-        if failed {
-            eprintln!(
-                "cairn: {}: write-back to the base failed; pages stay dirty",
-                shared.name
-            );
-        }
-        if serve_waiters && !failed && q.flush().is_err() {
-            eprintln!("cairn: {}: flushing the base failed", shared.name);
-            failed = true;
-        }
-        let elapsed = started.elapsed().as_secs_f64();
-        let mut st = shared.lock();
-        for ((_, _, gens), r) in runs.iter().zip(&results) {
-            if r.is_err() {
-                continue;
-            }
-            for &(p, gen) in gens {
-                if let Some(e) = st.pages.get_mut(&p) {
-                    if e.dirty && e.gen == gen {
-                        e.dirty = false;
-                        st.dirty.remove(&p);
-                        st.clean.push_back(p);
-                        shared.budget.sub(PAGE);
-                    }
-                }
+            let urgent = !st.waiters.is_empty()
+                || (!st.dirty.is_empty() && b.dirty_bytes() > b.throttle.background);
+            if !urgent {
+                drop(
+                    shared
+                        .wake
+                        .wait_timeout(st, b.interval)
+                        .unwrap_or_else(|p| p.into_inner()),
+                );
             }
         }
-        if bytes > 0 && elapsed > 0.0 {
-            let rate = bytes as f64 / elapsed;
-            st.writeback_bps = 0.8 * st.writeback_bps + 0.2 * rate;
-        }
-        if serve_waiters {
-            let upto = waiters_gen.unwrap_or(0);
-            let status = if failed {
-                IoStatus::errno(libc::EIO)
-            } else {
-                IoStatus::OK
-            };
-            let (done, keep): (Vec<Waiter>, Vec<Waiter>) =
-                st.waiters.drain(..).partition(|w| w.gen <= upto);
-            st.waiters = keep;
-            drop(st);
-            for w in done {
-                let _ = w.reply.send((w.token, status));
-                let one = 1u64;
-                // SAFETY: writes 8 bytes to the queue's eventfd.
-                unsafe { libc::write(w.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
-            }
-        } else {
-            drop(st);
-        }
-        if stopping && shared.lock().dirty.is_empty() {
-            return;
-        }
-        if stopping && failed {
-            eprintln!(
-                "cairn: {}: dirty pages could not be written back at exit",
-                shared.name
-            );
-            return;
+        if !shared.stop.load(Ordering::SeqCst) {
+            round(&shared, &q, Take::Due);
         }
     }
+}
+
+/// A cache in the pool: its state and its base.
+type Member = (Arc<Shared>, Arc<dyn Device>);
+
+/// `--writeback shared`, the "before" of technique 3: one pool with as many threads as
+/// there are caches, taking dirty pages from every cache in the order they were dirtied
+/// (one page per write, wherever it lies), as a single shared flusher pool did before
+/// Linux gave each device its own.
+pub struct Pool {
+    caches: Mutex<Vec<Option<Member>>>,
+    /// (cache, page) in the order the pages became dirty.
+    order: Mutex<VecDeque<(usize, u64)>>,
+    wake: Condvar,
+    /// Set by `kick` (under `order`'s lock), so a wake-up between a thread's look for
+    /// work and its wait is never lost.
+    kicked: AtomicBool,
+    stop: AtomicBool,
+    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    switches: Switches,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Pool")
+    }
+}
+
+impl Pool {
+    fn new(switches: Switches) -> Pool {
+        Pool {
+            caches: Mutex::new(Vec::new()),
+            order: Mutex::new(VecDeque::new()),
+            wake: Condvar::new(),
+            kicked: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            threads: Mutex::new(Vec::new()),
+            switches,
+        }
+    }
+
+    /// Adds a cache and one thread; returns the cache's index.
+    fn register(
+        self: &Arc<Pool>,
+        shared: Arc<Shared>,
+        base: Arc<dyn Device>,
+    ) -> Result<usize, Error> {
+        let index = {
+            let mut caches = self.caches.lock().unwrap_or_else(|p| p.into_inner());
+            caches.push(Some((shared.clone(), base)));
+            caches.len() - 1
+        };
+        let (pool, budget) = (self.clone(), Arc::downgrade(&shared.budget));
+        let t = std::thread::Builder::new()
+            .name(format!("cairn-pool{index}"))
+            .spawn(move || pool_thread(pool, budget))
+            .map_err(|e| Error::os("cache: start a write-back pool thread", e))?;
+        self.threads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(t);
+        Ok(index)
+    }
+
+    fn kick(&self) {
+        let _order = self.order.lock().unwrap_or_else(|p| p.into_inner());
+        self.kicked.store(true, Ordering::SeqCst);
+        self.wake.notify_all();
+    }
+
+    /// Removes a cache (its pages were written back); the last one stops the threads.
+    fn deregister(&self, index: usize) {
+        let none_left = {
+            let mut caches = self.caches.lock().unwrap_or_else(|p| p.into_inner());
+            caches[index] = None;
+            caches.iter().all(Option::is_none)
+        };
+        if none_left {
+            self.stop.store(true, Ordering::SeqCst);
+            self.kick();
+            let threads =
+                std::mem::take(&mut *self.threads.lock().unwrap_or_else(|p| p.into_inner()));
+            for t in threads {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+fn pool_thread(pool: Arc<Pool>, budget: std::sync::Weak<Budget>) {
+    cairn_core::reactor::block_signals_in_this_thread();
+    let mut queues: HashMap<usize, BlockingQueue> = HashMap::new();
+    loop {
+        if pool.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let Some(b) = budget.upgrade() else { return };
+        let caches: Vec<(usize, Arc<Shared>, Arc<dyn Device>)> = pool
+            .caches
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| c.as_ref().map(|(s, d)| (i, s.clone(), d.clone())))
+            .collect();
+        // Flushes first: a waiting flush gets its whole cache written back.
+        let mut worked = false;
+        for (i, s, d) in &caches {
+            if !s.lock().waiters.is_empty() && open_queue(&mut queues, *i, d, pool.switches) {
+                round(s, &queues[i], Take::All);
+                worked = true;
+            }
+        }
+        // Then pages in the order they were dirtied, while over the background level or
+        // expired. (Never hold the order's lock while taking a cache's: writers take
+        // them the other way round.)
+        let front = pool
+            .order
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .front()
+            .copied();
+        let due = front.is_some_and(|(i, p)| {
+            b.dirty_bytes() > b.throttle.background
+                || caches.iter().find(|c| c.0 == i).is_some_and(|c| {
+                    c.1.lock()
+                        .pages
+                        .get(&p)
+                        .is_some_and(|e| e.dirty && e.dirtied.elapsed() >= b.expire)
+                })
+                || caches.iter().all(|c| c.0 != i)
+        });
+        if !due {
+            if !worked {
+                let order = pool.order.lock().unwrap_or_else(|p| p.into_inner());
+                if !pool.kicked.swap(false, Ordering::SeqCst) {
+                    drop(
+                        pool.wake
+                            .wait_timeout(order, b.interval)
+                            .unwrap_or_else(|p| p.into_inner()),
+                    );
+                }
+            }
+            continue;
+        }
+        let next = pool
+            .order
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop_front();
+        let Some((i, p)) = next else { continue };
+        let Some((_, s, d)) = caches.iter().find(|c| c.0 == i) else {
+            continue;
+        };
+        let run = {
+            let st = s.lock();
+            st.pages.get(&p).filter(|e| e.dirty).map(|e| {
+                let mut d = Vec::with_capacity(PAGE as usize);
+                match &e.data {
+                    Some(data) => d.extend_from_slice(data),
+                    None => d.resize(PAGE as usize, 0),
+                }
+                seal((p, d, vec![(p, e.gen)]))
+            })
+        };
+        if let Some(run) = run {
+            if open_queue(&mut queues, i, d, pool.switches) {
+                write_runs(s, &queues[&i], vec![run], None);
+            }
+        }
+    }
+}
+
+/// Makes sure `queues` has a queue for cache `i` (on `base`); whether it has.
+fn open_queue(
+    queues: &mut HashMap<usize, BlockingQueue>,
+    i: usize,
+    base: &Arc<dyn Device>,
+    switches: Switches,
+) -> bool {
+    if let std::collections::hash_map::Entry::Vacant(slot) = queues.entry(i) {
+        match BlockingQueue::open(base, switches) {
+            Ok(q) => {
+                slot.insert(q);
+            }
+            Err(e) => {
+                eprintln!("cairn: write-back pool: cannot open the base: {e}");
+                return false;
+            }
+        }
+    }
+    true
 }

@@ -184,7 +184,7 @@ fn parse_export(name: &str, table: &Table) -> Result<ExportSpec, Error> {
     })
 }
 
-const TUNING_KEYS: [&str; 5] = ["clock", "reap", "stats", "dispatch", "flush"];
+const TUNING_KEYS: [&str; 6] = ["clock", "reap", "stats", "dispatch", "flush", "writeback"];
 
 fn err(msg: String) -> Error {
     Error::Invalid(msg)
@@ -693,6 +693,16 @@ impl StackFile {
 
     /// Opens `name` and everything below it.
     pub fn open(&self, name: &str) -> Result<Arc<dyn Device>, Error> {
+        self.open_with(name, cairn_core::Switches::default())
+    }
+
+    /// Opens `name` and everything below it, with the switches that shape devices (the
+    /// write-back mode of caches).
+    pub fn open_with(
+        &self,
+        name: &str,
+        switches: cairn_core::Switches,
+    ) -> Result<Arc<dyn Device>, Error> {
         let mut opened = HashMap::new();
         // Every cache of the file shares one dirty budget, sized on their memory together.
         let cache_bytes: u64 = self
@@ -709,7 +719,7 @@ impl StackFile {
         } else {
             None
         };
-        self.open_rec(name, &mut opened, &budget)
+        self.open_rec(name, &mut opened, &budget, switches)
     }
 
     fn open_rec(
@@ -717,6 +727,7 @@ impl StackFile {
         name: &str,
         opened: &mut HashMap<String, Arc<dyn Device>>,
         budget: &Option<Arc<crate::writeback::Budget>>,
+        switches: cairn_core::Switches,
     ) -> Result<Arc<dyn Device>, Error> {
         if let Some(d) = opened.get(name) {
             return Ok(d.clone());
@@ -728,7 +739,7 @@ impl StackFile {
         let members = spec
             .members()
             .iter()
-            .map(|m| self.open_rec(m, opened, budget))
+            .map(|m| self.open_rec(m, opened, budget, switches))
             .collect::<Result<Vec<_>, _>>()?;
         let sizes: Vec<u64> = members.iter().map(|m| m.geometry().size_bytes).collect();
         let smallest = sizes.iter().copied().min().unwrap_or(0);
@@ -772,7 +783,7 @@ impl StackFile {
                     members[0].clone(),
                     *memory,
                     budget.clone().expect("a budget when the file has caches"),
-                    cairn_core::Switches::default(),
+                    switches,
                 )
                 .map_err(named)?,
             ),

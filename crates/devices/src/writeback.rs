@@ -160,6 +160,8 @@ pub struct Budget {
     pub expire: Duration,
     /// Flushers wake at least this often.
     pub interval: Duration,
+    /// The shared write-back pool, with `--writeback shared`.
+    pub(crate) pool: std::sync::OnceLock<std::sync::Arc<crate::cache::Pool>>,
 }
 
 impl Budget {
@@ -170,6 +172,7 @@ impl Budget {
             throttle: w.throttle(cache_bytes)?,
             expire: w.expire,
             interval: w.interval,
+            pool: std::sync::OnceLock::new(),
         })
     }
 

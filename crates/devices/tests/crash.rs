@@ -11,7 +11,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use cairn_core::blocking::BlockingQueue;
-use cairn_core::{Device, IoFlags, Switches};
+use cairn_core::{Device, IoFlags, Switches, WritebackMode};
 use cairn_devices::config::StackFile;
 use proptest::prelude::*;
 use proptest::test_runner::Config;
@@ -55,7 +55,7 @@ fn content(p: u64, v: u32) -> Vec<u8> {
 
 /// The stacks under test, each with the cache's flusher waking often, so that some
 /// unflushed writes reach the volatile bases before a cut and some do not.
-fn stack(shape: &str) -> Arc<dyn Device> {
+fn stack(shape: &str, writeback: WritebackMode) -> Arc<dyn Device> {
     let wb = "[writeback]\nbackground = \"25%\"\nlimit = \"75%\"\nexpire = \"2ms\"\ninterval = \"1ms\"\n";
     let mem = |n: &str| {
         format!("[device.{n}]\ntype = \"mem\"\nsize = \"1M\"\nblock = 4096\nvolatile = true\n")
@@ -99,11 +99,22 @@ fn stack(shape: &str) -> Arc<dyn Device> {
         ),
         _ => unreachable!(),
     };
-    StackFile::parse(&text).unwrap().open("top").unwrap()
+    let switches = Switches {
+        writeback,
+        ..Switches::default()
+    };
+    StackFile::parse(&text)
+        .unwrap()
+        .open_with("top", switches)
+        .unwrap()
 }
 
 fn run(shape: &str, steps: &[Step]) -> Result<(), TestCaseError> {
-    let dev = stack(shape);
+    run_with(shape, WritebackMode::PerDevice, steps)
+}
+
+fn run_with(shape: &str, mode: WritebackMode, steps: &[Step]) -> Result<(), TestCaseError> {
+    let dev = stack(shape, mode);
     let q = BlockingQueue::open(&dev, Switches::default()).unwrap();
     let n = PAGES as usize;
     // What a read may return now; what a cut may leave; values written since the last
@@ -199,4 +210,14 @@ proptest! {
 
     #[test]
     fn raid10_of_caches(s in steps()) { run("raid10-of-caches", &s)?; }
+
+    #[test]
+    fn cache_written_back_by_the_shared_pool(s in steps()) {
+        run_with("cache", WritebackMode::Shared, &s)?;
+    }
+
+    #[test]
+    fn raid10_of_caches_sharing_a_pool(s in steps()) {
+        run_with("raid10-of-caches", WritebackMode::Shared, &s)?;
+    }
 }

@@ -199,6 +199,10 @@ fn scratch_dir() -> TempDir {
 /// A cache device over a mem of DIRECT's size, with a flusher that wakes every 5 ms and
 /// writes back anything older than 10 ms, so write-back races the requests.
 fn cache_over_mem(memory: &str) -> Arc<dyn Device> {
+    cache_over_mem_with(memory, cairn_core::WritebackMode::PerDevice)
+}
+
+fn cache_over_mem_with(memory: &str, writeback: cairn_core::WritebackMode) -> Arc<dyn Device> {
     let text = format!(
         "[writeback]\nbackground = \"25%\"\nlimit = \"50%\"\nexpire = \"10ms\"\ninterval = \"5ms\"\n\
          [device.m]\ntype = \"mem\"\nsize = {}\nblock = 4096\n\
@@ -207,7 +211,13 @@ fn cache_over_mem(memory: &str) -> Arc<dyn Device> {
     );
     cairn_devices::config::StackFile::parse(&text)
         .expect("stack parses")
-        .open("c")
+        .open_with(
+            "c",
+            Switches {
+                writeback,
+                ..Switches::default()
+            },
+        )
         .expect("cache opens")
 }
 
@@ -307,6 +317,11 @@ proptest! {
     #[test]
     fn roomy_cache_matches_the_model(steps in steps(DIRECT)) {
         run_model(DIRECT, &cache_over_mem("1M"), &steps)?;
+    }
+
+    #[test]
+    fn cache_written_back_by_the_shared_pool_matches_the_model(steps in steps(DIRECT)) {
+        run_model(DIRECT, &cache_over_mem_with("64K", cairn_core::WritebackMode::Shared), &steps)?;
     }
 
     #[test]
