@@ -30,6 +30,27 @@ fn main() -> ExitCode {
     }
 }
 
+/// Writes to stdout; a reader that went away (`| head`) is not an error, and nothing is
+/// printed after it (cairn keeps SIGPIPE ignored, so that devices are still closed in
+/// order, caches written back, and so on).
+fn out(text: &str) {
+    use std::io::Write;
+    thread_local! {
+        static GONE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+    if GONE.with(|g| g.get()) {
+        return;
+    }
+    let mut o = std::io::stdout().lock();
+    if let Err(e) = o.write_all(text.as_bytes()).and_then(|_| o.flush()) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            GONE.with(|g| g.set(true));
+        } else {
+            eprintln!("cairn: cannot write to stdout: {e}");
+        }
+    }
+}
+
 fn run(cli: Cli) -> Result<ExitCode, String> {
     match cli.command {
         Command::Bench(args) => {
@@ -54,11 +75,11 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             let progress = std::io::stderr().is_terminal() && format == OutputFormat::Normal;
             let report = cairn_bench::run(&spec, device, switches, progress)?;
             match format {
-                OutputFormat::Normal => print!("{}", report.to_text()),
+                OutputFormat::Normal => out(&report.to_text()),
                 OutputFormat::Json => {
                     let text = serde_json::to_string_pretty(&report.to_json())
                         .map_err(|e| format!("cannot write JSON: {e}"))?;
-                    println!("{text}");
+                    out(&format!("{text}\n"));
                 }
             }
             if let Some(f) = &report.failure {
@@ -85,25 +106,25 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| format!("{}: {e}", args.stack.display()))?;
             for device in devices {
-                print!("{}", cairn_devices::config::tree(&*device));
+                out(&cairn_devices::config::tree(&*device));
             }
             for (name, e) in &stack.exports {
-                println!(
-                    "export '{name}': device {}{}{}",
+                out(&format!(
+                    "export '{name}': device {}{}{}\n",
                     e.device,
                     if e.read_only { ", read-only" } else { "" },
                     if e.default { ", default" } else { "" }
-                );
+                ));
             }
-            println!(
-                "switches: clock={:?} reap={:?} stats={:?} flush={:?} dispatch={:?} writeback={:?}",
+            out(&format!(
+                "switches: clock={:?} reap={:?} stats={:?} flush={:?} dispatch={:?} writeback={:?}\n",
                 switches.clock,
                 switches.reap,
                 switches.stats,
                 switches.flush,
                 switches.dispatch,
                 switches.writeback
-            );
+            ));
             Ok(ExitCode::SUCCESS)
         }
     }

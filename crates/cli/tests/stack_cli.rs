@@ -108,6 +108,37 @@ fn json_run(args: &[&str]) -> Value {
 mod check {
     use super::*;
 
+    /// `cairn check FILE | head -1`: the reader goes away after one line; cairn stops
+    /// printing and exits 0, with no panic about a broken pipe.
+    #[test]
+    fn a_reader_that_goes_away_is_not_an_error() {
+        let file = StackFile::new(&raid10());
+        let out = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "'{}' check '{}' | head -c 1 >/dev/null; echo \"status=${{PIPESTATUS:-x}}\"",
+                env!("CARGO_BIN_EXE_cairn"),
+                file.arg()
+            ))
+            .output()
+            .unwrap();
+        let err = text(&out.stderr);
+        assert!(
+            !err.contains("panicked") && !err.contains("Broken pipe"),
+            "{err}"
+        );
+        // Directly: a closed stdout, then the exit status.
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_cairn"))
+            .args(["check", file.arg()])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    }
+
     #[test]
     fn exports_are_listed_and_bad_ones_refused() {
         let file = StackFile::new(&format!(
