@@ -118,6 +118,11 @@ pub struct JobSpec {
     pub verify: bool,
     /// `--randseed`.
     pub randseed: u64,
+    /// `--timeline SECS`: one line per interval on stderr (throughput, dirty bytes,
+    /// write-back rate).
+    pub timeline: Option<Duration>,
+    /// `--timeline-csv FILE`: the same rows as CSV.
+    pub timeline_csv: Option<std::path::PathBuf>,
 }
 
 impl Default for JobSpec {
@@ -137,6 +142,8 @@ impl Default for JobSpec {
             fsync: 0,
             verify: false,
             randseed: 0x2545_f491_4f6c_dd1d,
+            timeline: None,
+            timeline_csv: None,
         }
     }
 }
@@ -325,6 +332,70 @@ pub struct Progress {
     pub done: AtomicBool,
 }
 
+/// Prints (and with `--timeline-csv` writes) one row per interval until every job is
+/// done: I/Os and bytes per second, the caches' dirty bytes, and their write-back rate
+/// (as the original's vmstat columns did).
+fn timeline(
+    spec: &JobSpec,
+    device: &dyn Device,
+    progresses: &[Arc<Progress>],
+    every: Duration,
+) -> Result<(), String> {
+    use std::io::Write;
+    let mut csv = match &spec.timeline_csv {
+        Some(path) => {
+            let mut f = std::fs::File::create(path)
+                .map_err(|e| format!("--timeline-csv {}: {e}", path.display()))?;
+            writeln!(
+                f,
+                "seconds,iops,bytes_per_second,dirty_bytes,writeback_bytes_per_second"
+            )
+            .map_err(|e| format!("--timeline-csv {}: {e}", path.display()))?;
+            Some(f)
+        }
+        None => None,
+    };
+    let ios = || -> u64 {
+        progresses
+            .iter()
+            .map(|p| p.reads.load(Relaxed) + p.writes.load(Relaxed))
+            .sum()
+    };
+    let start = Instant::now();
+    let (mut last_t, mut last_ios, mut last_written) =
+        (start, ios(), device.writeback_counters().1);
+    eprintln!(
+        "{:>8} {:>10} {:>10} {:>12} {:>14}",
+        "seconds", "IOPS", "MB/s", "dirty MiB", "writeback MB/s"
+    );
+    while !progresses.iter().all(|p| p.done.load(Relaxed)) {
+        std::thread::sleep(every.min(Duration::from_millis(50)));
+        if last_t.elapsed() < every && !progresses.iter().all(|p| p.done.load(Relaxed)) {
+            continue;
+        }
+        let now = Instant::now();
+        let dt = now.duration_since(last_t).as_secs_f64().max(1e-9);
+        let n = ios();
+        let (dirty, written) = device.writeback_counters();
+        let iops = (n - last_ios) as f64 / dt;
+        let bw = iops * spec.bs as f64;
+        let wb = written.saturating_sub(last_written) as f64 / dt;
+        let t = now.duration_since(start).as_secs_f64();
+        eprintln!(
+            "{t:>8.1} {iops:>10.0} {:>10.1} {:>12.1} {:>14.1}",
+            bw / 1e6,
+            dirty as f64 / (1 << 20) as f64,
+            wb / 1e6
+        );
+        if let Some(f) = csv.as_mut() {
+            writeln!(f, "{t:.3},{iops:.0},{bw:.0},{dirty},{wb:.0}")
+                .map_err(|e| format!("--timeline-csv: {e}"))?;
+        }
+        (last_t, last_ios, last_written) = (now, n, written);
+    }
+    Ok(())
+}
+
 /// Runs the job on `device` and collects the results.
 ///
 /// With `progress`, a status line on stderr is refreshed every second.
@@ -365,7 +436,9 @@ pub fn run(
             .map_err(|e| format!("cannot start job thread: {e}"))?;
         handles.push(handle);
     }
-    if progress {
+    if let Some(every) = spec.timeline {
+        timeline(spec, &*device, &progresses, every)?;
+    } else if progress {
         report::show_progress(spec, &progresses, started);
     }
     let mut results = Vec::new();

@@ -392,6 +392,13 @@ pub enum VerifyArg {
 /// `cairn bench` flags, named as fio names them.
 #[derive(Args, Debug)]
 pub struct BenchArgs {
+    /// Print throughput, dirty bytes and write-back rate every interval (e.g. 1s) on
+    /// stderr.
+    #[arg(long, value_name = "TIME")]
+    pub timeline: Option<String>,
+    /// With --timeline: also write the rows to this CSV file.
+    #[arg(long, value_name = "FILE")]
+    pub timeline_csv: Option<PathBuf>,
     /// A stack file; the job runs on its one top-level device, or on --device NAME.
     #[arg(value_name = "STACK.toml")]
     pub stack: Option<PathBuf>,
@@ -487,8 +494,23 @@ impl BenchArgs {
                 .transpose()?,
             fsync: self.fsync,
             verify: self.verify.is_some(),
+            timeline: self
+                .timeline
+                .as_deref()
+                .map(|v| duration("timeline", v))
+                .transpose()?,
+            timeline_csv: self.timeline_csv.clone(),
             ..JobSpec::default()
         };
+        if spec
+            .timeline
+            .is_some_and(|t| t < Duration::from_millis(100))
+        {
+            return Err("--timeline: at least 100ms".into());
+        }
+        if spec.timeline_csv.is_some() && spec.timeline.is_none() {
+            return Err("--timeline-csv needs --timeline SECS".into());
+        }
         if let Some(seed) = self.randseed {
             spec.randseed = seed;
         }

@@ -545,3 +545,78 @@ mod tuning {
         );
     }
 }
+
+mod timeline {
+    use super::*;
+
+    /// `--timeline` prints a row per interval on stderr and `--timeline-csv` writes them;
+    /// through a cache over a slow base, dirty data and write-back show up.
+    #[test]
+    fn rows_with_dirty_bytes_and_write_back() {
+        let file = StackFile::new(
+            "[writeback]\nbackground = \"25%\"\nlimit = \"75%\"\nexpire = \"10s\"\ninterval = \"50ms\"\n\
+             [device.m]\ntype = \"mem\"\nsize = \"64M\"\nblock = 4096\n\
+             [device.h]\ntype = \"delay\"\nbase = \"m\"\nbandwidth = \"20M\"\n\
+             [device.c]\ntype = \"cache\"\nbase = \"h\"\nmemory = \"16M\"\n",
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let csv = dir.path().join("t.csv");
+        let out = cairn(&[
+            "bench",
+            file.arg(),
+            "--rw",
+            "randwrite",
+            "--runtime",
+            "1",
+            "--time_based",
+            "--timeline",
+            "200ms",
+            "--timeline-csv",
+            csv.to_str().unwrap(),
+        ]);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        let err = text(&out.stderr);
+        assert!(
+            err.contains("dirty MiB") && err.contains("writeback MB/s"),
+            "{err}"
+        );
+        let rows = std::fs::read_to_string(&csv).unwrap();
+        let mut lines = rows.lines();
+        assert_eq!(
+            lines.next(),
+            Some("seconds,iops,bytes_per_second,dirty_bytes,writeback_bytes_per_second")
+        );
+        let data: Vec<Vec<f64>> = lines
+            .map(|l| l.split(',').map(|v| v.parse().unwrap()).collect())
+            .collect();
+        assert!(data.len() >= 3, "{rows}");
+        assert!(
+            data.iter().any(|r| r[3] > 0.0),
+            "no dirty data seen: {rows}"
+        );
+        assert!(
+            data.iter().any(|r| r[4] > 0.0),
+            "no write-back seen: {rows}"
+        );
+        assert!(data.iter().all(|r| r.len() == 5));
+    }
+
+    #[test]
+    fn bad_timeline_flags_are_refused() {
+        for (args, needle) in [
+            (vec!["--timeline-csv", "/tmp/x.csv"], "--timeline"),
+            (vec!["--timeline", "10ms"], "100ms"),
+            (vec!["--timeline", "soon"], "--timeline"),
+        ] {
+            let mut a = vec!["bench", "--device", "null:1M", "--runtime", "1"];
+            a.extend(args.iter().copied());
+            let out = cairn(&a);
+            assert_eq!(out.status.code(), Some(2), "{args:?}");
+            assert!(
+                text(&out.stderr).contains(needle),
+                "{args:?}: {}",
+                text(&out.stderr)
+            );
+        }
+    }
+}

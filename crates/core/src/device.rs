@@ -130,6 +130,15 @@ pub trait Device: Send + Sync {
         }
     }
 
+    /// Write-back counters of the caches in this tree: bytes dirty now, and bytes written
+    /// back so far (the default sums the children's).
+    fn writeback_counters(&self) -> (u64, u64) {
+        self.children()
+            .iter()
+            .map(|c| c.writeback_counters())
+            .fold((0, 0), |(d, w), (cd, cw)| (d + cd, w + cw))
+    }
+
     /// Whether writes completed on one queue are seen by every other queue, and a flush
     /// on any queue makes them all durable (NBD's `CAN_MULTI_CONN` promise).
     fn coherent_across_queues(&self) -> bool {

@@ -78,6 +78,8 @@ struct Shared {
     budget: Arc<Budget>,
     /// With `--writeback shared`: the pool and this cache's index in it.
     pool: std::sync::OnceLock<(Arc<Pool>, usize)>,
+    /// Bytes written back so far.
+    written: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -177,6 +179,7 @@ impl CacheDevice {
             stop: AtomicBool::new(false),
             budget,
             pool: std::sync::OnceLock::new(),
+            written: std::sync::atomic::AtomicU64::new(0),
         });
         let flusher = if switches.writeback == cairn_core::WritebackMode::Shared {
             let pool = shared
@@ -259,6 +262,13 @@ impl Device for CacheDevice {
     }
     fn children(&self) -> Vec<Arc<dyn Device>> {
         vec![self.base.clone()]
+    }
+    fn writeback_counters(&self) -> (u64, u64) {
+        let (d, w) = self.base.writeback_counters();
+        (
+            d + self.dirty_bytes(),
+            w + self.shared.written.load(Ordering::Relaxed),
+        )
     }
     fn extents(
         &self,
@@ -723,10 +733,11 @@ fn write_runs(
     }
     let elapsed = started.elapsed().as_secs_f64();
     let mut st = shared.lock();
-    for ((_, _, gens), r) in runs.iter().zip(&results) {
+    for ((_, b, gens), r) in runs.iter().zip(&results) {
         if r.is_err() {
             continue;
         }
+        shared.written.fetch_add(b.len() as u64, Ordering::Relaxed);
         for &(p, gen) in gens {
             if let Some(e) = st.pages.get_mut(&p) {
                 if e.dirty && e.gen == gen {
