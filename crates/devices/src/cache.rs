@@ -68,7 +68,7 @@ struct State {
     writeback_bps: f64,
 }
 
-struct Shared {
+pub(crate) struct Shared {
     name: String,
     capacity: usize,
     state: Mutex<State>,
@@ -84,7 +84,7 @@ struct Shared {
 
 impl Shared {
     /// Wakes whoever writes this cache back.
-    fn kick(&self) {
+    pub(crate) fn kick(&self) {
         match self.pool.get() {
             Some((pool, _)) => pool.kick(),
             None => self.wake.notify_one(),
@@ -164,7 +164,7 @@ impl CacheDevice {
                 "{name}: key 'memory' must be at least 64K"
             )));
         }
-        let shared = Arc::new(Shared {
+        let shared: Arc<Shared> = Arc::new(Shared {
             name: name.into(),
             capacity,
             state: Mutex::new(State {
@@ -181,6 +181,12 @@ impl CacheDevice {
             pool: std::sync::OnceLock::new(),
             written: std::sync::atomic::AtomicU64::new(0),
         });
+        shared
+            .budget
+            .members
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Arc::downgrade(&shared));
         let flusher = if switches.writeback == cairn_core::WritebackMode::Shared {
             let pool = shared
                 .budget
@@ -483,7 +489,8 @@ impl CacheQueue {
         }
         let t = self.shared.budget.throttle;
         if dirty > t.background {
-            self.shared.kick();
+            // Over the shared level: every cache's flusher writes back its own pages.
+            self.shared.budget.kick_all();
         }
         let bps = self.shared.lock().writeback_bps;
         let pause = t.pause(dirty, io.len, bps);

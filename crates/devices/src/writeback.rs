@@ -162,6 +162,8 @@ pub struct Budget {
     pub interval: Duration,
     /// The shared write-back pool, with `--writeback shared`.
     pub(crate) pool: std::sync::OnceLock<std::sync::Arc<crate::cache::Pool>>,
+    /// The caches sharing the budget, to wake all their flushers.
+    pub(crate) members: std::sync::Mutex<Vec<std::sync::Weak<crate::cache::Shared>>>,
 }
 
 impl Budget {
@@ -173,12 +175,21 @@ impl Budget {
             expire: w.expire,
             interval: w.interval,
             pool: std::sync::OnceLock::new(),
+            members: std::sync::Mutex::new(Vec::new()),
         })
     }
 
     /// Dirty bytes now, across the caches.
     pub fn dirty_bytes(&self) -> u64 {
         self.dirty.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Wakes the flusher of every cache sharing the budget.
+    pub(crate) fn kick_all(&self) {
+        let members = self.members.lock().unwrap_or_else(|p| p.into_inner());
+        for m in members.iter().filter_map(std::sync::Weak::upgrade) {
+            m.kick();
+        }
     }
 
     pub(crate) fn add(&self, bytes: u64) {
