@@ -8,7 +8,7 @@
 //! each side wakes the other with an eventfd (once per batch, not per request).
 
 use std::cell::{Cell, RefCell};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::rc::Rc;
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::Arc;
@@ -19,28 +19,6 @@ use crate::io::{Io, IoStatus, SinkId};
 use crate::reactor::{Core, Poller, Reactor, Sink, Switches};
 use crate::slab::Slab;
 use crate::stats::QueueStats;
-
-fn eventfd() -> Result<Arc<OwnedFd>, Error> {
-    // SAFETY: plain syscall; the fd is owned by the OwnedFd from here on.
-    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(Error::last_os("handoff: eventfd"));
-    }
-    // SAFETY: fd is a fresh descriptor nobody else owns.
-    Ok(Arc::new(unsafe { OwnedFd::from_raw_fd(fd) }))
-}
-
-fn signal(fd: RawFd) {
-    let one = 1u64;
-    // SAFETY: writes 8 bytes from `one` to our own eventfd.
-    unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
-}
-
-fn drain(fd: RawFd) {
-    let mut value = 0u64;
-    // SAFETY: reads 8 bytes into `value` from our own non-blocking eventfd.
-    unsafe { libc::read(fd, (&mut value as *mut u64).cast(), 8) };
-}
 
 /// The submitting side: a queue whose requests run on a worker thread.
 pub struct HandoffQueue {
@@ -64,8 +42,8 @@ impl HandoffQueue {
     ) -> Result<Rc<dyn Queue>, Error> {
         let (to_worker, requests) = mpsc::channel::<(Io, u32)>();
         let (completions, from_worker) = mpsc::channel::<(u32, IoStatus)>();
-        let worker_wake = eventfd()?;
-        let my_wake = eventfd()?;
+        let worker_wake = crate::event::eventfd("handoff")?;
+        let my_wake = crate::event::eventfd("handoff")?;
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), Error>>();
         let (w_wake, m_wake) = (worker_wake.clone(), my_wake.clone());
         std::thread::Builder::new()
@@ -125,7 +103,7 @@ impl Poller for HandoffQueue {
     fn unplug(&self) {
         // One wake-up of the worker per batch.
         if self.unsent.replace(false) {
-            signal(self.worker_wake.as_raw_fd());
+            crate::event::signal(self.worker_wake.as_raw_fd());
         }
     }
 
@@ -152,7 +130,7 @@ impl Poller for HandoffQueue {
     }
 
     fn clear_event(&self) {
-        drain(self.my_wake.as_raw_fd());
+        crate::event::clear(self.my_wake.as_raw_fd());
     }
 }
 
@@ -181,7 +159,7 @@ impl Sink for Worker {
 impl Poller for Worker {
     fn unplug(&self) {
         if self.unsent.replace(false) {
-            signal(self.wake_submitter.as_raw_fd());
+            crate::event::signal(self.wake_submitter.as_raw_fd());
         }
         if self.closed.get() && self.in_flight.get() == 0 {
             self.core.stop();
@@ -223,7 +201,7 @@ impl Poller for Worker {
     }
 
     fn clear_event(&self) {
-        drain(self.wake_me.as_raw_fd());
+        crate::event::clear(self.wake_me.as_raw_fd());
     }
 }
 

@@ -17,6 +17,7 @@ pub mod buf;
 pub mod clock;
 pub mod device;
 pub mod error;
+pub mod event;
 pub mod flush;
 pub mod handoff;
 pub mod io;

@@ -17,7 +17,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeSet, HashMap, VecDeque};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -306,13 +306,7 @@ impl Device for CacheDevice {
     }
     fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
         let base = cairn_core::handoff::open_member(core, &self.base)?;
-        // SAFETY: plain syscall; the fd is owned by the OwnedFd from here on.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(Error::last_os("cache: eventfd"));
-        }
-        // SAFETY: a fresh descriptor nobody else owns.
-        let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(fd) });
+        let wake = cairn_core::event::eventfd("cache")?;
         let (tx, rx) = mpsc::channel();
         let q = Rc::new(CacheQueue {
             core: core.clone(),
@@ -364,6 +358,19 @@ impl CacheQueue {
         io.offset / PAGE..io.end().div_ceil(PAGE)
     }
 
+    /// Copies cached page `p` (data or zeros) into its place in `io`'s buffer.
+    fn copy_out(e: &Entry, io: &Io, p: u64) {
+        let at = (p * PAGE - io.offset) as usize;
+        // SAFETY: requests are page aligned (the cache's block size), `buf` holds `len`
+        // bytes, and page `p` lies inside the request.
+        unsafe {
+            match &e.data {
+                Some(d) => std::ptr::copy_nonoverlapping(d.as_ptr(), io.buf.add(at), PAGE as usize),
+                None => std::ptr::write_bytes(io.buf.add(at), 0, PAGE as usize),
+            }
+        }
+    }
+
     fn finish(&self, io: &Io, start: u64, status: IoStatus) {
         if self.stats.enabled() {
             self.stats
@@ -403,18 +410,7 @@ impl CacheQueue {
             return;
         }
         for p in Self::pages(&io) {
-            let e = &st.pages[&p];
-            let at = (p * PAGE - io.offset) as usize;
-            // SAFETY: the request is page aligned (the cache's block size) and `buf`
-            // holds `len` bytes; this page lies inside it.
-            unsafe {
-                match &e.data {
-                    Some(d) => {
-                        std::ptr::copy_nonoverlapping(d.as_ptr(), io.buf.add(at), PAGE as usize)
-                    }
-                    None => std::ptr::write_bytes(io.buf.add(at), 0, PAGE as usize),
-                }
-            }
+            Self::copy_out(&st.pages[&p], &io, p);
         }
         drop(st);
         self.complete_now(&io, start, IoStatus::OK);
@@ -560,17 +556,7 @@ impl Sink for CacheQueue {
                 for p in Self::pages(&io) {
                     let at = (p * PAGE - io.offset) as usize;
                     if let Some(e) = st.pages.get(&p) {
-                        // SAFETY: as in `read`.
-                        unsafe {
-                            match &e.data {
-                                Some(d) => std::ptr::copy_nonoverlapping(
-                                    d.as_ptr(),
-                                    io.buf.add(at),
-                                    PAGE as usize,
-                                ),
-                                None => std::ptr::write_bytes(io.buf.add(at), 0, PAGE as usize),
-                            }
-                        }
+                        Self::copy_out(e, &io, p);
                     } else if unchanged && st.make_room(self.shared.capacity) {
                         let mut d = vec![0u8; PAGE as usize].into_boxed_slice();
                         // SAFETY: as in `read`.
@@ -624,9 +610,7 @@ impl Poller for CacheQueue {
     }
 
     fn clear_event(&self) {
-        let mut v = 0u64;
-        // SAFETY: reads 8 bytes into `v` from our own non-blocking eventfd.
-        unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        cairn_core::event::clear(self.wake.as_raw_fd());
     }
 }
 
@@ -772,9 +756,7 @@ fn write_runs(
         drop(st);
         for w in done {
             let _ = w.reply.send((w.token, status));
-            let one = 1u64;
-            // SAFETY: writes 8 bytes to the queue's eventfd.
-            unsafe { libc::write(w.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+            cairn_core::event::signal(w.wake.as_raw_fd());
         }
     }
     failed

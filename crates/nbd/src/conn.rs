@@ -1362,8 +1362,6 @@ impl Poller for ServerLoop {
     }
 
     fn clear_event(&self) {
-        let mut v = 0u64;
-        // SAFETY: reads 8 bytes into `v` from our own non-blocking eventfd.
-        unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        cairn_core::event::clear(self.wake.as_raw_fd());
     }
 }

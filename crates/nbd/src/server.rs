@@ -109,22 +109,6 @@ struct Shared {
     next: AtomicUsize,
 }
 
-fn eventfd() -> Result<Arc<OwnedFd>, Error> {
-    // SAFETY: plain syscall; the fd is owned by the OwnedFd from here on.
-    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(Error::last_os("serve: eventfd"));
-    }
-    // SAFETY: fd is a fresh descriptor nobody else owns.
-    Ok(Arc::new(unsafe { OwnedFd::from_raw_fd(fd) }))
-}
-
-fn wake(fd: &OwnedFd) {
-    let one = 1u64;
-    // SAFETY: writes 8 bytes from `one` to our own eventfd.
-    unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
-}
-
 enum Listener {
     Tcp(TcpListener),
     Unix(UnixListener, Option<PathBuf>),
@@ -289,7 +273,7 @@ pub fn serve(
     let mut reactors = Vec::new();
     for i in 0..config.threads.max(1) {
         let (tx, rx) = mpsc::channel::<Msg>();
-        let wake_fd = eventfd()?;
+        let wake_fd = cairn_core::event::eventfd("serve")?;
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), Error>>();
         let (exports, live, w, switches, limits, idle_poll_ns) = (
             exports.clone(),
@@ -428,7 +412,7 @@ pub fn serve(
     shared.shutting.store(true, Ordering::SeqCst);
     for (tx, w) in &shared.reactors {
         let _ = tx.send(Msg::Shutdown);
-        wake(w);
+        cairn_core::event::signal(w.as_raw_fd());
     }
     for t in threads {
         let _ = t.join();
@@ -479,7 +463,7 @@ fn handshake(fd: OwnedFd, peer: &str, tcp: bool, shared: &Shared) -> bool {
             if tx.send(Msg::Conn(Box::new(nc))).is_err() {
                 return false;
             }
-            wake(w);
+            cairn_core::event::signal(w.as_raw_fd());
             true
         }
         Ok(None) => false,
