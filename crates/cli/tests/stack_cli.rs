@@ -620,3 +620,34 @@ mod timeline {
         }
     }
 }
+
+mod serve_flags {
+    use super::*;
+
+    /// Every bad `serve` flag ends in one line on stderr and exit status 2, before
+    /// anything listens.
+    #[test]
+    fn bad_serve_flags_are_refused_with_one_line() {
+        for (args, needle) in [
+            (vec!["--max-payload", "1k"], "--max-payload"),
+            (vec!["--idle-poll", "1h"], "--idle-poll"),
+            (vec!["--idle-poll", "soon"], "--idle-poll"),
+            (vec!["--threads", "0"], "--threads"),
+            (vec!["--listen", "foo"], "--listen"),
+            (vec!["--listen", "tcp:localhost"], "--listen"),
+            (vec!["--handshake-timeout", "0s"], "--handshake-timeout"),
+            (vec!["--buffer-memory", "1M"], "--buffer-memory"),
+            (vec!["--max-connections", "0"], "--max-connections"),
+            (vec!["--device", "nope:1G"], "--device"),
+            (vec!["--tls", "require"], "--tls-certificates"),
+        ] {
+            let mut a = vec!["serve"];
+            a.extend(args.iter().copied());
+            let out = cairn(&a);
+            let err = text(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+            assert!(err.contains(needle), "{args:?}: {err}");
+            assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+        }
+    }
+}
