@@ -80,6 +80,10 @@ pub(crate) struct Shared {
     pool: std::sync::OnceLock<(Arc<Pool>, usize)>,
     /// Bytes written back so far.
     written: std::sync::atomic::AtomicU64,
+    /// Held for a whole write-back (copy, write, mark clean): writes of one cache reach
+    /// its base in the order their data was copied, so an older copy never lands after
+    /// a newer one (several pool threads may serve one cache).
+    writing: Mutex<()>,
 }
 
 impl Shared {
@@ -180,6 +184,7 @@ impl CacheDevice {
             budget,
             pool: std::sync::OnceLock::new(),
             written: std::sync::atomic::AtomicU64::new(0),
+            writing: Mutex::new(()),
         });
         shared
             .budget
@@ -475,12 +480,18 @@ impl CacheQueue {
     fn write(&self, io: Io, start: u64) {
         let zeros = io.op != Op::Write;
         let (fits, dirty) = self.cache_write(&io, zeros);
-        if !fits || zeros || io.flags.contains(IoFlags::FUA) {
+        if !fits || zeros {
             // Through to the base as well: no room (the base then holds the data, and
-            // the pages that are cached hold the same), a zeroing (so that the base
-            // never keeps older data under a cached zero page once it is evicted), or
-            // FUA (durable before it completes).
+            // the pages that are cached hold the same), or a zeroing (so that the base
+            // never keeps older data under a cached zero page once it is evicted).
             self.to_base(io, start, Pending::Through);
+            return;
+        }
+        if io.flags.contains(IoFlags::FUA) {
+            // Durable before it completes: it completes as a flush does, once the
+            // flusher has written it back (in order with any older copy of its pages
+            // still being written) and flushed the base.
+            self.flush(io, start);
             return;
         }
         let t = self.shared.budget.throttle;
@@ -634,6 +645,7 @@ enum Take {
 /// is waiting, marks the pages clean unless they changed meanwhile, and answers the
 /// flushes it covered. Returns whether any write failed.
 fn round(shared: &Shared, q: &BlockingQueue, take: Take) -> bool {
+    let _writing = shared.writing.lock().unwrap_or_else(|p| p.into_inner());
     let b = &shared.budget;
     let mut runs: Vec<Run> = Vec::new();
     let (waiters_gen, serve_waiters) = {
@@ -968,6 +980,7 @@ fn pool_thread(pool: Arc<Pool>, budget: std::sync::Weak<Budget>) {
         let Some((_, s, d)) = caches.iter().find(|c| c.0 == i) else {
             continue;
         };
+        let _writing = s.writing.lock().unwrap_or_else(|p| p.into_inner());
         let run = {
             let st = s.lock();
             st.pages.get(&p).filter(|e| e.dirty).map(|e| {
