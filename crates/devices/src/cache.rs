@@ -31,12 +31,19 @@ use cairn_core::{
     QueueStats, Sink, SinkId, Switches,
 };
 
-use crate::writeback::Budget;
+use crate::writeback::{Budget, Paced, Pacer};
 
 /// Cache page size.
 pub const PAGE: u64 = 4096;
 /// Longest write a flusher sends to the base.
 const MAX_RUN: u64 = 1 << 20;
+/// A flusher writes back at most this much at a time before it marks the pages clean
+/// (so that the dirty level falls steadily, not in steps the size of a whole round).
+const BATCH_BYTES: usize = 4 << 20;
+/// ... and at most this many writes.
+const BATCH_WRITES: usize = 32;
+/// The token of a queue's pacing timer.
+const PACE: u64 = u64::MAX;
 
 /// One cached page.
 struct Entry {
@@ -64,8 +71,6 @@ struct State {
     clean: VecDeque<u64>,
     gen: u64,
     waiters: Vec<Waiter>,
-    /// Write-back rate, bytes per second (a moving average).
-    writeback_bps: f64,
 }
 
 pub(crate) struct Shared {
@@ -177,7 +182,6 @@ impl CacheDevice {
                 clean: VecDeque::new(),
                 gen: 0,
                 waiters: Vec::new(),
-                writeback_bps: 100e6,
             }),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -238,11 +242,32 @@ impl CacheDevice {
 
 impl Drop for CacheDevice {
     fn drop(&mut self) {
+        // Every cache sharing the budget starts writing everything back now, in
+        // parallel, not one after another as each is dropped.
+        let b = &self.shared.budget;
+        if !b.closing.swap(true, Ordering::SeqCst) {
+            b.kick_all();
+        }
         if let Some((pool, index)) = self.shared.pool.get() {
-            // Shared write-back: this thread writes the cache back, then leaves the pool.
-            match BlockingQueue::open(&self.base, pool.switches) {
-                Ok(q) => drain(&self.shared, &q),
-                Err(e) => eprintln!("cairn: {}: cannot write back at exit: {e}", self.name),
+            // Shared write-back: the pool writes the cache back (in the order pages were
+            // dirtied, as always); should it stop making progress (failing writes), this
+            // thread tries once more and reports.
+            let mut seen = (self.shared.written.load(Ordering::Relaxed), Instant::now());
+            while !self.shared.lock().dirty.is_empty() {
+                pool.kick();
+                std::thread::sleep(std::time::Duration::from_millis(10));
+                let written = self.shared.written.load(Ordering::Relaxed);
+                if written != seen.0 {
+                    seen = (written, Instant::now());
+                } else if seen.1.elapsed() > std::time::Duration::from_secs(5) {
+                    match BlockingQueue::open(&self.base, pool.switches) {
+                        Ok(q) => drain(&self.shared, &q),
+                        Err(e) => {
+                            eprintln!("cairn: {}: cannot write back at exit: {e}", self.name)
+                        }
+                    }
+                    break;
+                }
             }
             pool.deregister(*index);
             return;
@@ -322,6 +347,8 @@ impl Device for CacheDevice {
             sink: Cell::new(SinkId(u32::MAX)),
             requests: RefCell::new(Slab::with_capacity(256)),
             flushes_out: Cell::new(0),
+            pacer: RefCell::new(Pacer::default()),
+            released: RefCell::new(Vec::with_capacity(64)),
             reply_tx: tx,
             reply_rx: rx,
             wake,
@@ -340,8 +367,6 @@ enum Pending {
     Read { gen: u64 },
     /// A write or zeroing sent through to the base.
     Through,
-    /// A write throttled: complete it when the timer fires.
-    Paused,
 }
 
 struct CacheQueue {
@@ -353,6 +378,10 @@ struct CacheQueue {
     sink: Cell<SinkId>,
     requests: RefCell<Slab<(Io, u64, Pending)>>,
     flushes_out: Cell<u64>,
+    /// Throttled writes, completed one after another by the pacing timer.
+    pacer: RefCell<Pacer<(Io, u64)>>,
+    /// Writes the pacer released, completed once it is no longer borrowed.
+    released: RefCell<Vec<(Io, u64)>>,
     reply_tx: Sender<(u64, IoStatus)>,
     reply_rx: Receiver<(u64, IoStatus)>,
     wake: Arc<OwnedFd>,
@@ -494,26 +523,40 @@ impl CacheQueue {
             self.flush(io, start);
             return;
         }
-        let t = self.shared.budget.throttle;
-        if dirty > t.background {
+        let b = &self.shared.budget;
+        if dirty > b.throttle.background {
             // Over the shared level: every cache's flusher writes back its own pages.
-            self.shared.budget.kick_all();
+            b.over_background();
         }
-        let bps = self.shared.lock().writeback_bps;
-        let pause = t.pause(dirty, io.len, bps);
-        if pause.is_zero() {
-            self.complete_now(&io, start, IoStatus::OK);
-        } else {
-            let index = self
-                .requests
-                .borrow_mut()
-                .insert((io, start, Pending::Paused));
-            self.core.add_timer(
-                self.core.now_ns() + pause.as_nanos() as u64,
-                self.sink.get(),
-                u64::from(index),
-            );
+        let paced = self
+            .pacer
+            .borrow_mut()
+            .write(b, (io, start), io.len, self.core.now_ns());
+        match paced {
+            Paced::Done((io, start)) => self.complete_now(&io, start, IoStatus::OK),
+            Paced::Wait(Some(at)) => self.core.add_timer(at, self.sink.get(), PACE),
+            Paced::Wait(None) => {}
         }
+    }
+
+    /// The pacing timer fired: completes the writes whose turn it is.
+    fn pace(&self) {
+        // Taken out while completions run (they may submit and pace another write).
+        let mut released = std::mem::take(&mut *self.released.borrow_mut());
+        let next = self.pacer.borrow_mut().timer(
+            &self.shared.budget,
+            self.core.now_ns(),
+            |w| released.push(w),
+        );
+        if let Some(at) = next {
+            self.core.add_timer(at, self.sink.get(), PACE);
+        }
+        for &(io, start) in &released {
+            self.finish(&io, start, IoStatus::OK);
+            self.core.deliver(io.sink, io.token, IoStatus::OK);
+        }
+        released.clear();
+        *self.released.borrow_mut() = released;
     }
 
     fn flush(&self, io: Io, start: u64) {
@@ -557,6 +600,10 @@ impl Queue for CacheQueue {
 
 impl Sink for CacheQueue {
     fn io_done(&self, token: u64, status: IoStatus) {
+        if token == PACE {
+            self.pace();
+            return;
+        }
         let (io, start, pending) = self.requests.borrow_mut().remove(token as u32);
         if let Pending::Read { gen } = pending {
             if status.is_ok() {
@@ -698,32 +745,61 @@ fn seal((first, d, gens): Gathering) -> Run {
 }
 
 /// Writes `runs`, flushes the base and answers the flushes covering changes up to `gen`
-/// when given, and marks written pages clean. Returns whether anything failed.
+/// when given, and marks written pages clean. The runs go in batches (all of a batch in
+/// flight together), each marked clean as soon as it is written. Returns whether
+/// anything failed.
 fn write_runs(
     shared: &Shared,
     q: &BlockingQueue,
     mut runs: Vec<Run>,
     waiters: Option<u64>,
 ) -> bool {
-    let started = Instant::now();
-    let bytes: u64 = runs.iter().map(|r| r.1.len() as u64).sum();
-    let mut reqs: Vec<Request<'_>> = runs
-        .iter_mut()
-        .map(|(first, b, _)| Request {
-            op: Op::Write,
-            flags: IoFlags::NONE,
-            offset: *first * PAGE,
-            len: 0,
-            buf: Some(b.as_mut_slice()),
-        })
-        .collect();
-    let results = if reqs.is_empty() {
-        Vec::new()
-    } else {
-        q.run(&mut reqs)
-    };
-    drop(reqs);
-    let mut failed = results.iter().any(|r| r.is_err());
+    let mut failed = false;
+    let mut rest: &mut [Run] = &mut runs;
+    while !rest.is_empty() {
+        let (mut n, mut bytes) = (0, 0);
+        while n < rest.len()
+            && n < BATCH_WRITES
+            && (n == 0 || bytes + rest[n].1.len() <= BATCH_BYTES)
+        {
+            bytes += rest[n].1.len();
+            n += 1;
+        }
+        let (batch, tail) = std::mem::take(&mut rest).split_at_mut(n);
+        rest = tail;
+        let mut reqs: Vec<Request<'_>> = batch
+            .iter_mut()
+            .map(|(first, b, _)| Request {
+                op: Op::Write,
+                flags: IoFlags::NONE,
+                offset: *first * PAGE,
+                len: 0,
+                buf: Some(b.as_mut_slice()),
+            })
+            .collect();
+        let results = q.run(&mut reqs);
+        drop(reqs);
+        failed |= results.iter().any(|r| r.is_err());
+        let mut st = shared.lock();
+        for ((_, b, gens), r) in batch.iter().zip(&results) {
+            if r.is_err() {
+                continue;
+            }
+            shared.written.fetch_add(b.len() as u64, Ordering::Relaxed);
+            for &(p, gen) in gens {
+                if let Some(e) = st.pages.get_mut(&p) {
+                    if e.dirty && e.gen == gen {
+                        e.dirty = false;
+                        st.dirty.remove(&p);
+                        st.clean.push_back(p);
+                        shared.budget.written_back(PAGE);
+                    }
+                }
+            }
+        }
+        drop(st);
+        shared.budget.tick();
+    }
     if failed {
         eprintln!(
             "cairn: {}: write-back to the base failed; pages stay dirty",
@@ -734,34 +810,13 @@ fn write_runs(
         eprintln!("cairn: {}: flushing the base failed", shared.name);
         failed = true;
     }
-    let elapsed = started.elapsed().as_secs_f64();
-    let mut st = shared.lock();
-    for ((_, b, gens), r) in runs.iter().zip(&results) {
-        if r.is_err() {
-            continue;
-        }
-        shared.written.fetch_add(b.len() as u64, Ordering::Relaxed);
-        for &(p, gen) in gens {
-            if let Some(e) = st.pages.get_mut(&p) {
-                if e.dirty && e.gen == gen {
-                    e.dirty = false;
-                    st.dirty.remove(&p);
-                    st.clean.push_back(p);
-                    shared.budget.sub(PAGE);
-                }
-            }
-        }
-    }
-    if bytes > 0 && elapsed > 0.0 {
-        let rate = bytes as f64 / elapsed;
-        st.writeback_bps = 0.8 * st.writeback_bps + 0.2 * rate;
-    }
     if let Some(upto) = waiters {
         let status = if failed {
             IoStatus::errno(libc::EIO)
         } else {
             IoStatus::OK
         };
+        let mut st = shared.lock();
         let (done, keep): (Vec<Waiter>, Vec<Waiter>) =
             st.waiters.drain(..).partition(|w| w.gen <= upto);
         st.waiters = keep;
@@ -808,12 +863,15 @@ fn flusher(
             drain(&shared, &q);
             return;
         }
+        let b = &shared.budget;
+        let closing = b.closing.load(Ordering::SeqCst);
         {
             let st = shared.lock();
-            let b = &shared.budget;
             let urgent = !st.waiters.is_empty()
-                || (!st.dirty.is_empty() && b.dirty_bytes() > b.throttle.background);
+                || (!st.dirty.is_empty()
+                    && (closing || b.dirty_bytes() > b.throttle.background));
             if !urgent {
+                b.woken.store(false, Ordering::Relaxed);
                 drop(
                     shared
                         .wake
@@ -823,7 +881,9 @@ fn flusher(
             }
         }
         if !shared.stop.load(Ordering::SeqCst) {
-            round(&shared, &q, Take::Due);
+            // Going away: everything, as every other cache of the budget does too.
+            round(&shared, &q, if closing { Take::All } else { Take::Due });
+            b.tick();
         }
     }
 }
@@ -948,8 +1008,10 @@ fn pool_thread(pool: Arc<Pool>, budget: std::sync::Weak<Budget>) {
             .unwrap_or_else(|p| p.into_inner())
             .front()
             .copied();
+        let closing = b.closing.load(Ordering::SeqCst);
         let due = front.is_some_and(|(i, p)| {
-            b.dirty_bytes() > b.throttle.background
+            closing
+                || b.dirty_bytes() > b.throttle.background
                 || caches.iter().find(|c| c.0 == i).is_some_and(|c| {
                     c.1.lock()
                         .pages
@@ -960,6 +1022,7 @@ fn pool_thread(pool: Arc<Pool>, budget: std::sync::Weak<Budget>) {
         });
         if !due {
             if !worked {
+                b.woken.store(false, Ordering::Relaxed);
                 let order = pool.order.lock().unwrap_or_else(|p| p.into_inner());
                 if !pool.kicked.swap(false, Ordering::SeqCst) {
                     drop(

@@ -11,6 +11,13 @@
 //! write is paced at the measured write-back rate scaled by a position ratio that falls
 //! smoothly (a cubic) from 1 at the setpoint to 0 at the limit, so dirty data settles
 //! near the setpoint instead of hitting the limit and stopping writers dead.
+//!
+//! Pacing is per writer (a device queue, with however many requests in flight), not per
+//! request, and at a rate [`Ratelimit`] estimates the way Linux estimates its
+//! `dirty_ratelimit`: the rate at which each of the writers there are now may dirty data
+//! so that together they dirty it as fast as it is written back. Without it, a writer
+//! with 32 requests in flight would dirty 32 times faster than planned, the dirty level
+//! would ride the limit, and writers would stop and go.
 
 use std::time::Duration;
 
@@ -164,6 +171,17 @@ pub struct Budget {
     pub(crate) pool: std::sync::OnceLock<std::sync::Arc<crate::cache::Pool>>,
     /// The caches sharing the budget, to wake all their flushers.
     pub(crate) members: std::sync::Mutex<Vec<std::sync::Weak<crate::cache::Shared>>>,
+    /// Bytes that became dirty, and bytes written back, since the start.
+    dirtied: std::sync::atomic::AtomicU64,
+    cleaned: std::sync::atomic::AtomicU64,
+    /// Each writer's base pacing rate (f64 bits, bytes per second), from `estimator`.
+    ratelimit: std::sync::atomic::AtomicU64,
+    estimator: std::sync::Mutex<(std::time::Instant, Ratelimit)>,
+    /// Set by a writer that woke the flushers for being over the background level;
+    /// cleared by a flusher going back to sleep (so writers do not wake them per write).
+    pub(crate) woken: std::sync::atomic::AtomicBool,
+    /// The caches are going away: flushers write everything back, in parallel.
+    pub(crate) closing: std::sync::atomic::AtomicBool,
 }
 
 impl Budget {
@@ -176,7 +194,64 @@ impl Budget {
             interval: w.interval,
             pool: std::sync::OnceLock::new(),
             members: std::sync::Mutex::new(Vec::new()),
+            dirtied: std::sync::atomic::AtomicU64::new(0),
+            cleaned: std::sync::atomic::AtomicU64::new(0),
+            ratelimit: std::sync::atomic::AtomicU64::new(0f64.to_bits()),
+            estimator: std::sync::Mutex::new((std::time::Instant::now(), Ratelimit::default())),
+            woken: std::sync::atomic::AtomicBool::new(false),
+            closing: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// How long a writer that just dirtied `bytes`, with `dirty` bytes dirty, waits.
+    pub fn pause(&self, dirty: u64, bytes: u64) -> Duration {
+        let r = f64::from_bits(self.ratelimit.load(std::sync::atomic::Ordering::Relaxed));
+        // Before the first estimate: as if one writer went at 100 MB/s.
+        let r = if r > 0.0 { r } else { 100e6 };
+        self.throttle.pause(dirty, bytes, r)
+    }
+
+    /// Each writer's pacing rate at the setpoint, bytes per second (0 before the first
+    /// estimate).
+    pub fn ratelimit(&self) -> f64 {
+        f64::from_bits(self.ratelimit.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Brings the rate estimate up to date, at most every [`Ratelimit::PERIOD`]; flushers
+    /// call it as they work (writers never wait for it).
+    pub(crate) fn tick(&self) {
+        let Ok(mut e) = self.estimator.try_lock() else {
+            return;
+        };
+        let dt = e.0.elapsed().as_secs_f64();
+        if dt < Ratelimit::PERIOD {
+            return;
+        }
+        e.0 = std::time::Instant::now();
+        let r = e.1.update(
+            dt,
+            self.dirtied.load(std::sync::atomic::Ordering::Relaxed),
+            self.cleaned.load(std::sync::atomic::Ordering::Relaxed),
+            self.dirty_bytes(),
+            &self.throttle,
+        );
+        self.ratelimit
+            .store(r.to_bits(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Wakes every flusher once when a writer takes the dirty level over the background
+    /// level (not on every write after that).
+    pub(crate) fn over_background(&self) {
+        if !self.woken.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            self.kick_all();
+        }
+    }
+
+    /// Counts `bytes` written back and no longer dirty.
+    pub(crate) fn written_back(&self, bytes: u64) {
+        self.cleaned
+            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+        self.sub(bytes);
     }
 
     /// Dirty bytes now, across the caches.
@@ -193,6 +268,8 @@ impl Budget {
     }
 
     pub(crate) fn add(&self, bytes: u64) {
+        self.dirtied
+            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
         self.dirty
             .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
     }
@@ -251,6 +328,144 @@ impl Throttle {
             return MAX_PAUSE;
         }
         Duration::from_secs_f64(bytes as f64 / rate).min(MAX_PAUSE)
+    }
+}
+
+/// What became of a write handed to a [`Pacer`].
+#[derive(Debug, PartialEq, Eq)]
+pub enum Paced<T> {
+    /// It completes now.
+    Done(T),
+    /// It waits; arm the pacing timer for this time (ns) when given (`None`: the timer
+    /// is already armed).
+    Wait(Option<u64>),
+}
+
+/// One writer's pacing (a cache queue's): its throttled writes complete one after
+/// another, each a pause after the one before, the pause taken from the dirty level when
+/// the write reaches the head of the line. So however many writes a writer has in
+/// flight, it dirties data at the pacing rate, and a change in the dirty level is felt
+/// at the next completion (not after a backlog computed in advance).
+#[derive(Debug)]
+pub struct Pacer<T> {
+    waiting: std::collections::VecDeque<(T, u64)>,
+}
+
+impl<T> Default for Pacer<T> {
+    fn default() -> Pacer<T> {
+        Pacer {
+            waiting: std::collections::VecDeque::with_capacity(64),
+        }
+    }
+}
+
+impl<T> Pacer<T> {
+    /// A write of `len` bytes has just dirtied the cache at `now_ns`.
+    pub fn write(&mut self, b: &Budget, item: T, len: u64, now_ns: u64) -> Paced<T> {
+        if !self.waiting.is_empty() {
+            self.waiting.push_back((item, len));
+            return Paced::Wait(None);
+        }
+        let pause = b.pause(b.dirty_bytes(), len);
+        if pause.is_zero() {
+            return Paced::Done(item);
+        }
+        self.waiting.push_back((item, len));
+        Paced::Wait(Some(now_ns + pause.as_nanos() as u64))
+    }
+
+    /// The pacing timer fired at `now_ns`: completes the head of the line, and those
+    /// behind it whose pause is now zero, through `done`; returns when to fire next.
+    pub fn timer(&mut self, b: &Budget, now_ns: u64, mut done: impl FnMut(T)) -> Option<u64> {
+        if let Some((item, _)) = self.waiting.pop_front() {
+            done(item);
+        }
+        while let Some(&(_, len)) = self.waiting.front() {
+            let pause = b.pause(b.dirty_bytes(), len);
+            if !pause.is_zero() {
+                return Some(now_ns + pause.as_nanos() as u64);
+            }
+            let (item, _) = self.waiting.pop_front().expect("a head");
+            done(item);
+        }
+        None
+    }
+
+    /// Writes waiting.
+    pub fn len(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Whether no write waits.
+    pub fn is_empty(&self) -> bool {
+        self.waiting.is_empty()
+    }
+}
+
+/// The estimate of each writer's pacing rate (Linux's `dirty_ratelimit`), updated every
+/// [`Ratelimit::PERIOD`] from how fast data was dirtied and written back.
+///
+/// While writers are paced, `n` of them at `rate * pos` dirty `n * rate * pos` bytes per
+/// second; the rate that would make them dirty exactly what is written back is
+/// `rate * pos * written / dirtied` (the "balanced" rate). The estimate moves halfway
+/// toward it each period, which settles on `written / n` without knowing `n`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Ratelimit {
+    /// Each writer's rate at the setpoint, bytes per second (0: not yet known).
+    pub rate: f64,
+    /// Write-back bandwidth, a moving average, bytes per second.
+    pub write_bw: f64,
+    dirtied: u64,
+    cleaned: u64,
+    /// The dirty level at the last update.
+    dirty: u64,
+    started: bool,
+}
+
+impl Ratelimit {
+    /// Seconds between updates.
+    pub const PERIOD: f64 = 0.2;
+
+    /// One update, `dt` seconds after the last, with the totals dirtied and written back
+    /// so far and the dirty level now; returns the new rate.
+    pub fn update(&mut self, dt: f64, dirtied: u64, cleaned: u64, dirty: u64, t: &Throttle) -> f64 {
+        let (dd, dc) = (
+            dirtied.saturating_sub(self.dirtied) as f64,
+            cleaned.saturating_sub(self.cleaned) as f64,
+        );
+        let busy = self.dirty > t.background && dirty > t.background;
+        (self.dirtied, self.cleaned, self.dirty) = (dirtied, cleaned, dirty);
+        if !self.started || dt <= 0.0 {
+            self.started = true;
+            return self.rate;
+        }
+        let (dirty_rate, written) = (dd / dt, dc / dt);
+        // The disks' bandwidth shows only while flushers had work all the period long
+        // (below the background level they write what writers leave them).
+        if busy && written > 0.0 {
+            self.write_bw = if self.write_bw > 0.0 {
+                0.7 * self.write_bw + 0.3 * written
+            } else {
+                written
+            };
+        }
+        if self.write_bw <= 0.0 {
+            return self.rate;
+        }
+        if self.rate <= 0.0 {
+            self.rate = self.write_bw;
+        }
+        if dirty >= t.freerun() && dirty_rate > 0.0 {
+            // Writers were paced during the period: move toward the balanced rate.
+            let pos = t.position_ratio(dirty).max(1.0 / 64.0);
+            let balanced = self.rate * pos * self.write_bw / dirty_rate;
+            self.rate = 0.5 * self.rate + 0.5 * balanced;
+        }
+        // At most 1024 writers' worth of slowdown, and no faster than twice the disks.
+        self.rate = self
+            .rate
+            .clamp(self.write_bw / 1024.0, 2.0 * self.write_bw);
+        self.rate
     }
 }
 
@@ -335,5 +550,99 @@ mod tests {
         // Above the setpoint, slower than write-back; at the limit, the longest pause.
         assert!(t.pause(t.setpoint() + (10 << 20), 4096, 1e8) > p);
         assert_eq!(t.pause(t.limit, 4096, 1e8), MAX_PAUSE);
+    }
+
+    /// Simulates `writers` writers keeping `depth` 4 KiB writes in flight each, paced as
+    /// a cache queue paces them (see [`Pacer`]), against a flusher writing back `bw` bytes
+    /// a second over the background level. Returns the bytes dirtied in each second and
+    /// the lowest and highest dirty level after `warm` seconds.
+    fn simulate(writers: usize, depth: usize, bw: f64, secs: u64, warm: u64) -> (Vec<f64>, u64, u64) {
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
+        const NS: u64 = 1_000_000_000;
+        let b = Budget::new(
+            &Writeback {
+                background: Amount::Bytes(12 << 20),
+                limit: Amount::Bytes(24 << 20),
+                ..Writeback::default()
+            },
+            0,
+        )
+        .unwrap();
+        let t = b.throttle;
+        let mut est = Ratelimit::default();
+        let mut pacers: Vec<Pacer<()>> = (0..writers).map(|_| Pacer::default()).collect();
+        // Pacing timers: (deadline, writer).
+        let mut heap = BinaryHeap::new();
+        let (mut now, mut next_tick) = (0u64, 0u64);
+        let mut per_sec = vec![0.0; secs as usize];
+        let (mut lo, mut hi) = (u64::MAX, 0);
+        // A writer's slot writes again as soon as its last write completes.
+        let mut pending: Vec<usize> = (0..writers).flat_map(|w| std::iter::repeat_n(w, depth)).collect();
+        loop {
+            while let Some(w) = pending.pop() {
+                b.add(4096);
+                per_sec[(now / NS) as usize] += 4096.0;
+                if now >= warm * NS {
+                    (lo, hi) = (lo.min(b.dirty_bytes()), hi.max(b.dirty_bytes()));
+                }
+                match pacers[w].write(&b, (), 4096, now) {
+                    Paced::Done(()) => pending.push(w),
+                    Paced::Wait(Some(at)) => heap.push(Reverse((at, w))),
+                    Paced::Wait(None) => {}
+                }
+            }
+            let Some(Reverse((at, w))) = heap.pop() else { break };
+            if at >= secs * NS {
+                break;
+            }
+            // The flusher and the estimator catch up to `at`.
+            while now < at {
+                let step = at.min(next_tick.max(now + 1)) - now;
+                let clean = ((bw * step as f64 / NS as f64) as u64)
+                    .min(b.dirty_bytes().saturating_sub(t.background));
+                b.written_back(clean);
+                now += step;
+                if now >= next_tick {
+                    let r = est.update(
+                        Ratelimit::PERIOD,
+                        b.dirtied.load(std::sync::atomic::Ordering::Relaxed),
+                        b.cleaned.load(std::sync::atomic::Ordering::Relaxed),
+                        b.dirty_bytes(),
+                        &t,
+                    );
+                    b.ratelimit.store(r.to_bits(), std::sync::atomic::Ordering::Relaxed);
+                    next_tick += (Ratelimit::PERIOD * NS as f64) as u64;
+                }
+            }
+            if let Some(at) = pacers[w].timer(&b, now, |()| pending.push(w)) {
+                heap.push(Reverse((at, w)));
+            }
+        }
+        (per_sec, lo, hi)
+    }
+
+    #[test]
+    fn pacing_settles_writers_at_the_write_back_rate_whatever_their_number_and_depth() {
+        let bw = 4e6;
+        let t = Throttle {
+            background: 12 << 20,
+            limit: 24 << 20,
+        };
+        for (writers, depth) in [(1, 1), (1, 32), (4, 32), (16, 8), (64, 4)] {
+            let (per_sec, lo, hi) = simulate(writers, depth, bw, 60, 20);
+            let steady = &per_sec[20..];
+            let mean = steady.iter().sum::<f64>() / steady.len() as f64;
+            let var = steady.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / steady.len() as f64;
+            let cov = var.sqrt() / mean;
+            let case = format!("{writers} writers x {depth}: mean {mean:.0} B/s, CoV {cov:.3}, dirty {lo}..{hi}");
+            assert!((mean / bw - 1.0).abs() < 0.1, "{case}");
+            assert!(cov < 0.1, "{case}");
+            // The level holds near the setpoint (the writers' rate is estimated right:
+            // were each paced at the full write-back rate, more writers would push it
+            // toward the limit), far from both ends: never stop-and-go.
+            let band = (t.limit - t.setpoint()) / 2;
+            assert!(lo > t.setpoint() - band && hi < t.setpoint() + band, "{case}");
+        }
     }
 }
