@@ -9,6 +9,7 @@
 //! binary).
 #![warn(missing_docs)]
 
+pub mod chart;
 mod job;
 pub mod report;
 pub mod verify;
@@ -123,6 +124,8 @@ pub struct JobSpec {
     pub timeline: Option<Duration>,
     /// `--timeline-csv FILE`: the same rows as CSV.
     pub timeline_csv: Option<std::path::PathBuf>,
+    /// `--timeline-svg FILE`: the same rows as an SVG chart.
+    pub timeline_svg: Option<std::path::PathBuf>,
 }
 
 impl Default for JobSpec {
@@ -144,6 +147,7 @@ impl Default for JobSpec {
             randseed: 0x2545_f491_4f6c_dd1d,
             timeline: None,
             timeline_csv: None,
+            timeline_svg: None,
         }
     }
 }
@@ -338,6 +342,7 @@ pub struct Progress {
 fn timeline(
     spec: &JobSpec,
     device: &dyn Device,
+    switches: Switches,
     progresses: &[Arc<Progress>],
     every: Duration,
 ) -> Result<(), String> {
@@ -361,6 +366,7 @@ fn timeline(
             .map(|p| p.reads.load(Relaxed) + p.writes.load(Relaxed))
             .sum()
     };
+    let mut rows = Vec::new();
     let start = Instant::now();
     let (mut last_t, mut last_ios, mut last_written) =
         (start, ios(), device.writeback_counters().1);
@@ -391,7 +397,32 @@ fn timeline(
             writeln!(f, "{t:.3},{iops:.0},{bw:.0},{dirty},{wb:.0}")
                 .map_err(|e| format!("--timeline-csv: {e}"))?;
         }
+        rows.push(chart::Row {
+            seconds: t,
+            iops,
+            bytes_per_second: bw,
+            dirty_bytes: dirty,
+            writeback_bytes_per_second: wb,
+        });
         (last_t, last_ios, last_written) = (now, n, written);
+    }
+    if let Some(path) = &spec.timeline_svg {
+        let mode = match switches.writeback {
+            cairn_core::WritebackMode::PerDevice => "per-device",
+            cairn_core::WritebackMode::Shared => "shared",
+        };
+        let title = format!(
+            "cairn bench {}: {} {}, iodepth {}, --writeback {mode}",
+            device.name(),
+            spec.rw.name(),
+            if spec.bs % 1024 == 0 {
+                format!("{}k", spec.bs / 1024)
+            } else {
+                format!("{}", spec.bs)
+            },
+            spec.iodepth,
+        );
+        chart::write_svg(path, &title, &rows)?;
     }
     Ok(())
 }
@@ -406,6 +437,11 @@ pub fn run(
     progress: bool,
 ) -> Result<Report, String> {
     let plan = spec.plan(&*device)?;
+    if let Some(path) = spec.timeline_svg.as_ref().filter(|_| spec.timeline.is_some()) {
+        // Refused before the job starts rather than after it.
+        std::fs::File::create(path)
+            .map_err(|e| format!("--timeline-svg {}: {e}", path.display()))?;
+    }
     let started = Instant::now();
     let usage_before = report::Usage::now();
     let progresses: Vec<Arc<Progress>> = (0..spec.numjobs)
@@ -437,7 +473,7 @@ pub fn run(
         handles.push(handle);
     }
     if let Some(every) = spec.timeline {
-        timeline(spec, &*device, &progresses, every)?;
+        timeline(spec, &*device, switches, &progresses, every)?;
     } else if progress {
         report::show_progress(spec, &progresses, started);
     }

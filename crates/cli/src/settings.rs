@@ -399,6 +399,9 @@ pub struct BenchArgs {
     /// With --timeline: also write the rows to this CSV file.
     #[arg(long, value_name = "FILE")]
     pub timeline_csv: Option<PathBuf>,
+    /// With --timeline: also draw the rows as an SVG chart in this file.
+    #[arg(long, value_name = "FILE")]
+    pub timeline_svg: Option<PathBuf>,
     /// A stack file; the job runs on its one top-level device, or on --device NAME.
     #[arg(value_name = "STACK.toml")]
     pub stack: Option<PathBuf>,
@@ -500,6 +503,7 @@ impl BenchArgs {
                 .map(|v| duration("timeline", v))
                 .transpose()?,
             timeline_csv: self.timeline_csv.clone(),
+            timeline_svg: self.timeline_svg.clone(),
             ..JobSpec::default()
         };
         if spec
@@ -510,6 +514,9 @@ impl BenchArgs {
         }
         if spec.timeline_csv.is_some() && spec.timeline.is_none() {
             return Err("--timeline-csv needs --timeline SECS".into());
+        }
+        if spec.timeline_svg.is_some() && spec.timeline.is_none() {
+            return Err("--timeline-svg needs --timeline SECS".into());
         }
         if let Some(seed) = self.randseed {
             spec.randseed = seed;

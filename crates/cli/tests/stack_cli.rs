@@ -561,6 +561,7 @@ mod timeline {
         );
         let dir = tempfile::tempdir().unwrap();
         let csv = dir.path().join("t.csv");
+        let svg = dir.path().join("t.svg");
         let out = cairn(&[
             "bench",
             file.arg(),
@@ -573,6 +574,8 @@ mod timeline {
             "200ms",
             "--timeline-csv",
             csv.to_str().unwrap(),
+            "--timeline-svg",
+            svg.to_str().unwrap(),
         ]);
         assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
         let err = text(&out.stderr);
@@ -599,12 +602,22 @@ mod timeline {
             "no write-back seen: {rows}"
         );
         assert!(data.iter().all(|r| r.len() == 5));
+        let chart = std::fs::read_to_string(&svg).unwrap();
+        assert!(
+            chart.starts_with("<svg") && chart.contains("--writeback per-device"),
+            "{chart}"
+        );
     }
 
     #[test]
     fn bad_timeline_flags_are_refused() {
         for (args, needle) in [
             (vec!["--timeline-csv", "/tmp/x.csv"], "--timeline"),
+            (vec!["--timeline-svg", "/tmp/x.svg"], "--timeline"),
+            (
+                vec!["--timeline", "200ms", "--timeline-svg", "/no/such/dir/x.svg"],
+                "/no/such/dir/x.svg",
+            ),
             (vec!["--timeline", "10ms"], "100ms"),
             (vec!["--timeline", "soon"], "--timeline"),
         ] {

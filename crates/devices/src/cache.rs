@@ -543,11 +543,12 @@ impl CacheQueue {
     fn pace(&self) {
         // Taken out while completions run (they may submit and pace another write).
         let mut released = std::mem::take(&mut *self.released.borrow_mut());
-        let next = self.pacer.borrow_mut().timer(
-            &self.shared.budget,
-            self.core.now_ns(),
-            |w| released.push(w),
-        );
+        let next = self
+            .pacer
+            .borrow_mut()
+            .timer(&self.shared.budget, self.core.now_ns(), |w| {
+                released.push(w)
+            });
         if let Some(at) = next {
             self.core.add_timer(at, self.sink.get(), PACE);
         }
@@ -868,8 +869,7 @@ fn flusher(
         {
             let st = shared.lock();
             let urgent = !st.waiters.is_empty()
-                || (!st.dirty.is_empty()
-                    && (closing || b.dirty_bytes() > b.throttle.background));
+                || (!st.dirty.is_empty() && (closing || b.dirty_bytes() > b.throttle.background));
             if !urgent {
                 b.woken.store(false, Ordering::Relaxed);
                 drop(

@@ -462,9 +462,7 @@ impl Ratelimit {
             self.rate = 0.5 * self.rate + 0.5 * balanced;
         }
         // At most 1024 writers' worth of slowdown, and no faster than twice the disks.
-        self.rate = self
-            .rate
-            .clamp(self.write_bw / 1024.0, 2.0 * self.write_bw);
+        self.rate = self.rate.clamp(self.write_bw / 1024.0, 2.0 * self.write_bw);
         self.rate
     }
 }
@@ -556,7 +554,13 @@ mod tests {
     /// a cache queue paces them (see [`Pacer`]), against a flusher writing back `bw` bytes
     /// a second over the background level. Returns the bytes dirtied in each second and
     /// the lowest and highest dirty level after `warm` seconds.
-    fn simulate(writers: usize, depth: usize, bw: f64, secs: u64, warm: u64) -> (Vec<f64>, u64, u64) {
+    fn simulate(
+        writers: usize,
+        depth: usize,
+        bw: f64,
+        secs: u64,
+        warm: u64,
+    ) -> (Vec<f64>, u64, u64) {
         use std::cmp::Reverse;
         use std::collections::BinaryHeap;
         const NS: u64 = 1_000_000_000;
@@ -578,7 +582,9 @@ mod tests {
         let mut per_sec = vec![0.0; secs as usize];
         let (mut lo, mut hi) = (u64::MAX, 0);
         // A writer's slot writes again as soon as its last write completes.
-        let mut pending: Vec<usize> = (0..writers).flat_map(|w| std::iter::repeat_n(w, depth)).collect();
+        let mut pending: Vec<usize> = (0..writers)
+            .flat_map(|w| std::iter::repeat_n(w, depth))
+            .collect();
         loop {
             while let Some(w) = pending.pop() {
                 b.add(4096);
@@ -592,7 +598,9 @@ mod tests {
                     Paced::Wait(None) => {}
                 }
             }
-            let Some(Reverse((at, w))) = heap.pop() else { break };
+            let Some(Reverse((at, w))) = heap.pop() else {
+                break;
+            };
             if at >= secs * NS {
                 break;
             }
@@ -611,7 +619,8 @@ mod tests {
                         b.dirty_bytes(),
                         &t,
                     );
-                    b.ratelimit.store(r.to_bits(), std::sync::atomic::Ordering::Relaxed);
+                    b.ratelimit
+                        .store(r.to_bits(), std::sync::atomic::Ordering::Relaxed);
                     next_tick += (Ratelimit::PERIOD * NS as f64) as u64;
                 }
             }
@@ -635,14 +644,19 @@ mod tests {
             let mean = steady.iter().sum::<f64>() / steady.len() as f64;
             let var = steady.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / steady.len() as f64;
             let cov = var.sqrt() / mean;
-            let case = format!("{writers} writers x {depth}: mean {mean:.0} B/s, CoV {cov:.3}, dirty {lo}..{hi}");
+            let case = format!(
+                "{writers} writers x {depth}: mean {mean:.0} B/s, CoV {cov:.3}, dirty {lo}..{hi}"
+            );
             assert!((mean / bw - 1.0).abs() < 0.1, "{case}");
             assert!(cov < 0.1, "{case}");
             // The level holds near the setpoint (the writers' rate is estimated right:
             // were each paced at the full write-back rate, more writers would push it
             // toward the limit), far from both ends: never stop-and-go.
             let band = (t.limit - t.setpoint()) / 2;
-            assert!(lo > t.setpoint() - band && hi < t.setpoint() + band, "{case}");
+            assert!(
+                lo > t.setpoint() - band && hi < t.setpoint() + band,
+                "{case}"
+            );
         }
     }
 }
