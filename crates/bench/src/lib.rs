@@ -437,7 +437,11 @@ pub fn run(
     progress: bool,
 ) -> Result<Report, String> {
     let plan = spec.plan(&*device)?;
-    if let Some(path) = spec.timeline_svg.as_ref().filter(|_| spec.timeline.is_some()) {
+    if let Some(path) = spec
+        .timeline_svg
+        .as_ref()
+        .filter(|_| spec.timeline.is_some())
+    {
         // Refused before the job starts rather than after it.
         std::fs::File::create(path)
             .map_err(|e| format!("--timeline-svg {}: {e}", path.display()))?;

@@ -615,7 +615,12 @@ mod timeline {
             (vec!["--timeline-csv", "/tmp/x.csv"], "--timeline"),
             (vec!["--timeline-svg", "/tmp/x.svg"], "--timeline"),
             (
-                vec!["--timeline", "200ms", "--timeline-svg", "/no/such/dir/x.svg"],
+                vec![
+                    "--timeline",
+                    "200ms",
+                    "--timeline-svg",
+                    "/no/such/dir/x.svg",
+                ],
                 "/no/such/dir/x.svg",
             ),
             (vec!["--timeline", "10ms"], "100ms"),

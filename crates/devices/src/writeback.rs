@@ -307,14 +307,18 @@ impl Throttle {
     }
 
     /// The position ratio at `dirty` bytes: 0 at or above the limit, 2 at the freerun
-    /// level, 1 at the setpoint, a cubic in between (as Linux's `pos_ratio`).
+    /// level, 1 at the setpoint. In between, `1 + (x^3 + x) / 2` of the distance `x` from
+    /// the setpoint (1 at either end): Linux's global cubic `pos_ratio`, averaged with the
+    /// linear term Linux applies per device, so that the level is pulled back to the
+    /// setpoint from close by as well (the cubic alone is flat there, and the level
+    /// drifts for tens of seconds).
     pub fn position_ratio(&self, dirty: u64) -> f64 {
         if dirty >= self.limit {
             return 0.0;
         }
         let (setpoint, limit) = (self.setpoint() as f64, self.limit as f64);
         let x = (setpoint - dirty as f64) / (limit - setpoint).max(1.0);
-        (1.0 + x * x * x).clamp(0.0, 2.0)
+        (1.0 + (x * x * x + x) / 2.0).clamp(0.0, 2.0)
     }
 
     /// How long a writer that just dirtied `bytes` waits, with `dirty` bytes dirty and
@@ -442,7 +446,9 @@ impl Ratelimit {
         let (dirty_rate, written) = (dd / dt, dc / dt);
         // The disks' bandwidth shows only while flushers had work all the period long
         // (below the background level they write what writers leave them).
-        if busy && written > 0.0 {
+        // Until the first such period, any write-back over the background level will do.
+        let seed = self.write_bw <= 0.0 && dirty > t.background;
+        if (busy || seed) && written > 0.0 {
             self.write_bw = if self.write_bw > 0.0 {
                 0.7 * self.write_bw + 0.3 * written
             } else {
@@ -639,8 +645,8 @@ mod tests {
             limit: 24 << 20,
         };
         for (writers, depth) in [(1, 1), (1, 32), (4, 32), (16, 8), (64, 4)] {
-            let (per_sec, lo, hi) = simulate(writers, depth, bw, 60, 20);
-            let steady = &per_sec[20..];
+            let (per_sec, lo, hi) = simulate(writers, depth, bw, 40, 8);
+            let steady = &per_sec[8..];
             let mean = steady.iter().sum::<f64>() / steady.len() as f64;
             let var = steady.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / steady.len() as f64;
             let cov = var.sqrt() / mean;
