@@ -5,6 +5,7 @@
 //! mistake ends in one line on stderr and exit status 2; a failed I/O or verification
 //! during a run ends in exit status 1.
 
+mod admin;
 mod settings;
 
 use std::io::IsTerminal;
@@ -92,6 +93,10 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             Ok(ExitCode::from(report.exit_code() as u8))
         }
         Command::Serve(args) => serve(&cli.global, &args),
+        Command::Admin(args) => {
+            admin::client(&args.socket, &args.command)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Check(args) => {
             let stack = settings::read_stack(&args.stack)?;
             let switches = cli.global.switches(&stack.tuning)?;
@@ -298,6 +303,13 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
             )
         })
         .collect();
+    let devices: Vec<Arc<dyn cairn_core::Device>> =
+        exports.iter().map(|e| e.device.clone()).collect();
+    let _admin = match &args.admin {
+        Some(path) => Some(admin::start(path, &devices)?),
+        None => None,
+    };
+    drop(devices);
     cairn_nbd::serve(config, exports, |addrs| {
         eprintln!(
             "cairn: serving {} on {}",

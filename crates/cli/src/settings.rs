@@ -207,6 +207,30 @@ pub enum Command {
     /// Serve devices over NBD (a 1 GiB memory device when no stack file is given).
     #[command(after_help = SERVE_HELP)]
     Serve(ServeArgs),
+    /// Send a command to a running `cairn serve --admin PATH` (try: help).
+    #[command(after_help = ADMIN_HELP)]
+    Admin(AdminArgs),
+}
+
+const ADMIN_HELP: &str = "Commands:
+  devices                 every device served, with its members
+  power-cut [DEVICE...]   lose what these devices (default: every export's) hold that no
+                          flush has made durable: cache memory, volatile mem layers
+  help                    this list
+
+Example:
+  cairn serve --admin /run/cairn.admin examples/hdd-caches.toml &
+  cairn admin /run/cairn.admin power-cut c0";
+
+/// `cairn admin` arguments.
+#[derive(Args, Debug)]
+pub struct AdminArgs {
+    /// The socket given to `cairn serve --admin`.
+    #[arg(value_name = "SOCKET")]
+    pub socket: PathBuf,
+    /// The command and its arguments.
+    #[arg(value_name = "COMMAND", required = true, num_args = 1..)]
+    pub command: Vec<String>,
 }
 
 /// The device `cairn serve` offers when neither a stack file nor --device is given.
@@ -292,6 +316,10 @@ pub struct ServeArgs {
     /// Require client certificates signed by ca-cert.pem.
     #[arg(long)]
     pub tls_verify_peer: bool,
+    /// Listen for admin commands (`cairn admin PATH help`) on this Unix socket, which
+    /// only its owner may use.
+    #[arg(long, value_name = "PATH")]
+    pub admin: Option<PathBuf>,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]

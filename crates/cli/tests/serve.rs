@@ -2573,3 +2573,114 @@ mod activation {
         assert_eq!(size.trim(), (8u64 << 20).to_string());
     }
 }
+
+mod admin {
+    use super::*;
+
+    fn admin(sock: &Path, words: &[&str]) -> Output {
+        run(Command::new(env!("CARGO_BIN_EXE_cairn"))
+            .arg("admin")
+            .arg(sock)
+            .args(words))
+    }
+
+    /// `power-cut` through the admin socket loses exactly what no flush made durable:
+    /// through a cache over a volatile mem, flushed and FUA writes survive, the rest is
+    /// gone. A bad command changes nothing.
+    #[test]
+    fn power_cut_loses_only_what_no_flush_made_durable() {
+        let dir = tmpdir();
+        let stack = write_stack(
+            &dir,
+            "[writeback]\nexpire = \"30s\"\ninterval = \"30s\"\n\
+             [device.m]\ntype = \"mem\"\nsize = \"16M\"\nblock = 4096\nvolatile = true\n\
+             [device.c]\ntype = \"cache\"\nbase = \"m\"\nmemory = \"8M\"\n",
+        );
+        let ctl = dir.path().join("admin.sock");
+        let mut srv = Server::start_in(dir, &[path_str(&stack), "--admin", path_str(&ctl)]);
+        let mode = std::fs::metadata(&ctl).unwrap().permissions();
+        assert_eq!(
+            std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777,
+            0o600,
+            "the admin socket is its owner's only"
+        );
+        let out = admin(&ctl, &["devices"]);
+        assert_eq!(success("admin devices", &out), "c\n  m\n");
+
+        let (mut c, _, _) = Raw::go(&srv.sock, "");
+        let a = random_bytes(1 << 20, 31);
+        let b = random_bytes(64 << 10, 32);
+        let lost = random_bytes(256 << 10, 33);
+        let fua = random_bytes(128 << 10, 34);
+        c.write_ok(1, 0, 0, &a);
+        c.request(0, CMD_FLUSH, 2, 0, 0, &[]).unwrap();
+        c.expect(2, 0);
+        // (A FUA write makes everything written before it durable too: it comes first.)
+        c.write_ok(5, FLAG_FUA, 8 << 20, &fua);
+        c.write_ok(3, 0, 0, &b);
+        c.write_ok(4, 0, 4 << 20, &lost);
+
+        // Mistakes: exit status 2, one line, nothing cut.
+        for (words, needle) in [
+            (vec!["power-cut", "c", "nosuch"], "no device 'nosuch'"),
+            (vec!["explode"], "unknown command 'explode'"),
+        ] {
+            let out = admin(&ctl, &words);
+            assert_eq!(out.status.code(), Some(2), "{words:?}");
+            assert!(
+                text(&out.stderr).contains(needle),
+                "{words:?}: {}",
+                text(&out.stderr)
+            );
+        }
+        assert_same(
+            "before the cut",
+            &c.read_ok(6, 4 << 20, lost.len() as u32),
+            &lost,
+        );
+
+        let out = admin(&ctl, &["power-cut"]);
+        assert_eq!(success("admin power-cut", &out).trim(), "power cut: c");
+        assert!(
+            srv.wait_for_stderr("power cut of c", Duration::from_secs(5)),
+            "{}",
+            srv.stderr()
+        );
+        assert_same("flushed", &c.read_ok(7, 0, 1 << 20), &a);
+        assert_same("FUA", &c.read_ok(8, 8 << 20, fua.len() as u32), &fua);
+        assert_same(
+            "never flushed",
+            &c.read_ok(9, 4 << 20, lost.len() as u32),
+            &vec![0u8; lost.len()],
+        );
+        // The device goes on working after the cut.
+        c.write_ok(10, 0, 4 << 20, &b);
+        assert_same("after the cut", &c.read_ok(11, 4 << 20, b.len() as u32), &b);
+        c.disconnect();
+        let (status, log) = srv.stop();
+        assert!(status.success(), "exit status {status}; stderr:\n{log}");
+        assert!(!ctl.exists(), "the admin socket is removed at exit");
+    }
+
+    /// An admin socket path that cannot be bound is refused before anything listens.
+    #[test]
+    fn an_admin_socket_in_use_is_refused() {
+        let dir = tmpdir();
+        let ctl = dir.path().join("admin.sock");
+        std::fs::write(&ctl, b"").unwrap();
+        let out = run(Command::new(env!("CARGO_BIN_EXE_cairn"))
+            .args(["serve", "--listen"])
+            .arg(format!("unix:{}", dir.path().join("nbd.sock").display()))
+            .arg("--admin")
+            .arg(&ctl));
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+        assert!(
+            text(&out.stderr).contains("--admin"),
+            "{}",
+            text(&out.stderr)
+        );
+        assert!(ctl.exists(), "a file that was there is left alone");
+        let out = admin(&dir.path().join("none.sock"), &["help"]);
+        assert_eq!(out.status.code(), Some(2));
+    }
+}

@@ -411,8 +411,11 @@ impl<T> Pacer<T> {
 ///
 /// While writers are paced, `n` of them at `rate * pos` dirty `n * rate * pos` bytes per
 /// second; the rate that would make them dirty exactly what is written back is
-/// `rate * pos * written / dirtied` (the "balanced" rate). The estimate moves halfway
-/// toward it each period, which settles on `written / n` without knowing `n`.
+/// `rate * pos * written / dirtied` (the "balanced" rate). The estimate moves toward it
+/// each period (an eighth of the way when close, up to half when far), which settles on `written / n` without knowing `n`;
+/// the write-back bandwidth is averaged over about 3 s. Both are smoothed as Linux
+/// smooths them, so that the noise of one period's measurements does not reach the
+/// writers.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Ratelimit {
     /// Each writer's rate at the setpoint, bytes per second (0: not yet known).
@@ -429,6 +432,8 @@ pub struct Ratelimit {
 impl Ratelimit {
     /// Seconds between updates.
     pub const PERIOD: f64 = 0.2;
+    /// Seconds the write-back bandwidth is averaged over.
+    pub const BANDWIDTH_WINDOW: f64 = 3.0;
 
     /// One update, `dt` seconds after the last, with the totals dirtied and written back
     /// so far and the dirty level now; returns the new rate.
@@ -450,7 +455,8 @@ impl Ratelimit {
         let seed = self.write_bw <= 0.0 && dirty > t.background;
         if (busy || seed) && written > 0.0 {
             self.write_bw = if self.write_bw > 0.0 {
-                0.7 * self.write_bw + 0.3 * written
+                let w = (dt / Self::BANDWIDTH_WINDOW).min(1.0);
+                (1.0 - w) * self.write_bw + w * written
             } else {
                 written
             };
@@ -465,7 +471,11 @@ impl Ratelimit {
             // Writers were paced during the period: move toward the balanced rate.
             let pos = t.position_ratio(dirty).max(1.0 / 64.0);
             let balanced = self.rate * pos * self.write_bw / dirty_rate;
-            self.rate = 0.5 * self.rate + 0.5 * balanced;
+            // In log space: an eighth of the way when close (a period's measurement noise
+            // is a few percent), up to half of it when far (a change in the number of
+            // writers).
+            let e = (balanced / self.rate).ln();
+            self.rate *= (e * e.abs().clamp(1.0 / 8.0, 0.5)).exp();
         }
         // At most 1024 writers' worth of slowdown, and no faster than twice the disks.
         self.rate = self.rate.clamp(self.write_bw / 1024.0, 2.0 * self.write_bw);

@@ -1,0 +1,198 @@
+//! The admin socket of `cairn serve --admin PATH`, and `cairn admin PATH COMMAND`.
+//!
+//! A Unix socket, readable and writable by its owner only. Each connection carries one
+//! command line (at most 1 KiB) and gets one reply, then is closed:
+//!
+//!   devices                 every device served, with its members, one per line
+//!   power-cut [DEVICE...]   cut the power of these devices (default: every export's):
+//!                           what their volatile layers and caches hold and no flush has
+//!                           made durable is lost, as in a real power cut
+//!   help                    this list
+//!
+//! A reply starts with `ok` or with `error:`.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use cairn_core::Device;
+
+/// Longest command line read.
+const MAX_LINE: u64 = 1024;
+
+const HELP: &str = "ok: commands:
+  devices                 every device served, with its members
+  power-cut [DEVICE...]   lose what these devices (default: every export's) hold that no
+                          flush has made durable, as in a power cut
+  help                    this list
+";
+
+/// The listening admin socket. Dropping it stops its thread and removes the file.
+///
+/// The thread holds the devices weakly: when serving ends, they close (and caches write
+/// back) as if there were no admin socket.
+pub struct Admin {
+    path: PathBuf,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Admin {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        // Wakes the accept.
+        let _ = UnixStream::connect(&self.path);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Listens on `path` (which must not exist) for commands about `roots` and their
+/// members, on a thread of its own.
+pub fn start(path: &Path, roots: &[Arc<dyn Device>]) -> Result<Admin, String> {
+    // Owner only from the start (no moment when others could connect).
+    // SAFETY: umask only changes this process's file creation mask.
+    let old = unsafe { libc::umask(0o177) };
+    let bound = UnixListener::bind(path);
+    // SAFETY: as above.
+    unsafe { libc::umask(old) };
+    let listener = bound.map_err(|e| format!("--admin {}: {e}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| format!("--admin {}: {e}", path.display()))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let roots: Vec<Weak<dyn Device>> = roots.iter().map(Arc::downgrade).collect();
+    let s = stop.clone();
+    let thread = std::thread::Builder::new()
+        .name("cairn-admin".into())
+        .spawn(move || {
+            cairn_core::reactor::block_signals_in_this_thread();
+            for conn in listener.incoming().flatten() {
+                if s.load(Ordering::SeqCst) {
+                    return;
+                }
+                // One command at a time: a slow client is cut off, not waited for.
+                let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
+                let _ = conn.set_write_timeout(Some(Duration::from_secs(5)));
+                let live: Vec<Arc<dyn Device>> = roots.iter().filter_map(Weak::upgrade).collect();
+                serve_one(conn, &live);
+            }
+        })
+        .map_err(|e| format!("--admin: cannot start its thread: {e}"))?;
+    Ok(Admin {
+        path: path.to_path_buf(),
+        stop,
+        thread: Some(thread),
+    })
+}
+
+fn serve_one(mut conn: UnixStream, roots: &[Arc<dyn Device>]) {
+    let mut line = String::new();
+    let read = BufReader::new((&conn).take(MAX_LINE)).read_line(&mut line);
+    let reply = match read {
+        Ok(_) if !line.ends_with('\n') && line.len() as u64 >= MAX_LINE => {
+            "error: command longer than 1 KiB\n".to_string()
+        }
+        Ok(_) => match std::str::from_utf8(line.as_bytes()) {
+            Ok(text) => command(text.trim(), roots),
+            Err(_) => "error: not UTF-8\n".into(),
+        },
+        Err(e) => format!("error: {e}\n"),
+    };
+    let _ = conn.write_all(reply.as_bytes());
+}
+
+/// Every device under `roots`, depth first, each once.
+fn all_devices(roots: &[Arc<dyn Device>]) -> Vec<(usize, Arc<dyn Device>)> {
+    fn walk(d: &Arc<dyn Device>, depth: usize, out: &mut Vec<(usize, Arc<dyn Device>)>) {
+        out.push((depth, d.clone()));
+        for c in d.children() {
+            walk(&c, depth + 1, out);
+        }
+    }
+    let mut out = Vec::new();
+    for r in roots {
+        if !out
+            .iter()
+            .any(|(_, d): &(usize, Arc<dyn Device>)| d.name() == r.name())
+        {
+            walk(r, 0, &mut out);
+        }
+    }
+    out
+}
+
+/// Runs one command line; the reply.
+fn command(line: &str, roots: &[Arc<dyn Device>]) -> String {
+    let mut words = line.split_whitespace();
+    match words.next() {
+        Some("help") | None => HELP.into(),
+        Some("devices") => {
+            let mut out = String::from("ok\n");
+            for (depth, d) in all_devices(roots) {
+                out += &format!("{}{}\n", "  ".repeat(depth), d.name());
+            }
+            out
+        }
+        Some("power-cut") => {
+            let names: Vec<&str> = words.collect();
+            let all = all_devices(roots);
+            let chosen: Vec<Arc<dyn Device>> = if names.is_empty() {
+                roots.to_vec()
+            } else {
+                let mut v = Vec::new();
+                for n in &names {
+                    match all.iter().find(|(_, d)| d.name() == *n) {
+                        Some((_, d)) => v.push(d.clone()),
+                        None => {
+                            // Nothing is cut unless every name is known.
+                            return format!(
+                                "error: no device '{n}' is served (see the 'devices' command)\n"
+                            );
+                        }
+                    }
+                }
+                v
+            };
+            let mut done: Vec<String> = Vec::new();
+            for d in chosen {
+                if !done.iter().any(|n| n == d.name()) {
+                    eprintln!("cairn: admin: power cut of {}", d.name());
+                    d.power_cut();
+                    done.push(d.name().to_string());
+                }
+            }
+            format!("ok: power cut: {}\n", done.join(", "))
+        }
+        Some(other) => {
+            format!("error: unknown command '{other}' (known: devices, power-cut, help)\n")
+        }
+    }
+}
+
+/// `cairn admin PATH COMMAND...`: sends the command, prints the reply; whether it was ok.
+pub fn client(path: &Path, words: &[String]) -> Result<bool, String> {
+    let mut conn =
+        UnixStream::connect(path).map_err(|e| format!("admin {}: {e}", path.display()))?;
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(60)));
+    conn.write_all(format!("{}\n", words.join(" ")).as_bytes())
+        .map_err(|e| format!("admin {}: {e}", path.display()))?;
+    let mut reply = String::new();
+    conn.read_to_string(&mut reply)
+        .map_err(|e| format!("admin {}: {e}", path.display()))?;
+    if let Some(err) = reply.strip_prefix("error: ") {
+        return Err(err.trim_end().to_string());
+    }
+    let body = reply.strip_prefix("ok").unwrap_or(&reply);
+    let body = body
+        .strip_prefix(": ")
+        .or_else(|| body.strip_prefix('\n'))
+        .unwrap_or(body);
+    crate::out(body);
+    Ok(true)
+}
