@@ -35,7 +35,14 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "bench", "out")
-CAIRN = os.path.join(ROOT, "target", "release", "cairn")
+# CAIRN_BIN: a copy of the binary to measure (so that building goes on meanwhile); without
+# it, the scripts build and measure target/release/cairn.
+CAIRN = os.environ.get("CAIRN_BIN") or os.path.join(ROOT, "target", "release", "cairn")
+
+
+def build():
+    if not os.environ.get("CAIRN_BIN"):
+        subprocess.run(["cargo", "build", "--release", "-q"], cwd=ROOT, check=True)
 SHM_FILE = "/dev/shm/cairn-bench-1g"
 
 
@@ -52,7 +59,7 @@ def prepare():
             subprocess.run(["apt-get", "install", "-y", "-qq", "fio"], check=True)
         else:
             sys.exit("fio is not installed (apt-get install fio)")
-    subprocess.run(["cargo", "build", "--release", "-q"], cwd=ROOT, check=True)
+    build()
     os.makedirs(OUT, exist_ok=True)
     if not os.path.exists(SHM_FILE) or os.path.getsize(SHM_FILE) != 1 << 30:
         with open(SHM_FILE, "wb") as f:

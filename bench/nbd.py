@@ -58,7 +58,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine import CAIRN, OUT, ROOT, compare, fmt_iops  # noqa: E402
+from engine import CAIRN, OUT, ROOT, build, compare, fmt_iops  # noqa: E402
 
 IMG = "/dev/shm/cairn-nbd.img"
 SIZE = 1 << 30
@@ -321,7 +321,7 @@ def prepare(args):
     if missing:
         sys.exit(f"missing: {', '.join(missing)} (apt-get install fio libnbd-bin)")
     if not args.no_build:
-        subprocess.run(["cargo", "build", "--release", "-q"], cwd=ROOT, check=True)
+        build()
     os.makedirs(OUT, exist_ok=True)
     # Adopt daemons (nbd-server) so they can be waited for. PR_SET_CHILD_SUBREAPER = 36.
     try:

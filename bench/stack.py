@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine import CAIRN, OUT, ROOT, compare, fmt_iops, sh  # noqa: E402
+from engine import CAIRN, OUT, ROOT, build, compare, fmt_iops, sh  # noqa: E402
 
 STACKS = {
     "t4": """
@@ -117,7 +117,7 @@ def main():
     ap.add_argument("--only", default="t4,t1,raid10")
     args = ap.parse_args()
     only = set(args.only.split(","))
-    subprocess.run(["cargo", "build", "--release", "-q"], cwd=ROOT, check=True)
+    build()
     os.makedirs(OUT, exist_ok=True)
     t, n = args.runtime, args.rounds
     out = [f"Median of {n} interleaved rounds of {t} s each (`bench/stack.py --runtime {t} --rounds {n}`).", ""]

@@ -31,7 +31,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine import CAIRN, OUT, ROOT  # noqa: E402
+from engine import CAIRN, OUT, ROOT, build  # noqa: E402
 
 
 def stack(disks, memory, bandwidth, seek):
@@ -107,7 +107,7 @@ def main():
     args = ap.parse_args()
     if args.warmup + 5 > args.runtime:
         sys.exit("--runtime must be at least --warmup + 5 seconds")
-    subprocess.run(["cargo", "build", "--release", "-q"], cwd=ROOT, check=True)
+    build()
     os.makedirs(OUT, exist_ok=True)
     out = [f"Median of {args.rounds} interleaved rounds of {args.runtime} s each "
            f"(`bench/writeback.py --runtime {args.runtime} --rounds {args.rounds} --disks {args.disks} "

@@ -26,12 +26,24 @@ pub fn write_svg(path: &std::path::Path, title: &str, rows: &[Row]) -> Result<()
     let err = |e: &dyn std::fmt::Display| format!("--timeline-svg {}: {e}", path.display());
     let end = rows.last().map_or(1.0, |r| r.seconds).max(1e-3);
     let mb = |b: f64| b / 1e6;
-    let top = rows
+    // A burst (a cache absorbing writes at memory speed before the throttle starts) would
+    // flatten everything else: the scale stops at four times the median, and the peak is
+    // named instead.
+    let mut rates: Vec<f64> = rows
         .iter()
         .map(|r| mb(r.bytes_per_second).max(mb(r.writeback_bytes_per_second)))
-        .fold(0.0f64, f64::max)
-        .max(1e-3)
-        * 1.05;
+        .collect();
+    let peak = rates.iter().copied().fold(0.0f64, f64::max).max(1e-3);
+    rates.sort_by(f64::total_cmp);
+    let median = rates.get(rates.len() / 2).copied().unwrap_or(peak);
+    let clipped = peak > 4.0 * median && median > 0.0;
+    let top = if clipped { 4.0 * median } else { peak * 1.05 };
+    let clip = |v: f64| v.min(top);
+    let rate_desc = if clipped {
+        format!("MB/s (peak {peak:.0}, off the scale)")
+    } else {
+        "MB/s".to_string()
+    };
     let dirty_top = rows
         .iter()
         .map(|r| r.dirty_bytes as f64 / (1 << 20) as f64)
@@ -53,12 +65,13 @@ pub fn write_svg(path: &std::path::Path, title: &str, rows: &[Row]) -> Result<()
             .build_cartesian_2d(0.0..end, 0.0..top)
             .map_err(|e| err(&e))?;
         c.configure_mesh()
-            .y_desc("MB/s")
+            .y_desc(rate_desc)
             .x_desc("seconds")
             .draw()
             .map_err(|e| err(&e))?;
         c.draw_series(LineSeries::new(
-            rows.iter().map(|r| (r.seconds, mb(r.bytes_per_second))),
+            rows.iter()
+                .map(|r| (r.seconds, clip(mb(r.bytes_per_second)))),
             BLUE.stroke_width(2),
         ))
         .map_err(|e| err(&e))?
@@ -66,7 +79,7 @@ pub fn write_svg(path: &std::path::Path, title: &str, rows: &[Row]) -> Result<()
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(2)));
         c.draw_series(LineSeries::new(
             rows.iter()
-                .map(|r| (r.seconds, mb(r.writeback_bytes_per_second))),
+                .map(|r| (r.seconds, clip(mb(r.writeback_bytes_per_second)))),
             RED.stroke_width(2),
         ))
         .map_err(|e| err(&e))?
@@ -133,5 +146,11 @@ mod tests {
         assert_eq!(lines, 3, "{svg}");
         // An unwritable path is an error, not a panic.
         assert!(write_svg(&dir.path().join("no/such/dir.svg"), "x", &rows).is_err());
+        // A burst far above the rest is named, not scaled to.
+        let mut burst = rows.clone();
+        burst[0].bytes_per_second = 60e6;
+        write_svg(&path, "a burst", &burst).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        assert!(svg.contains("peak 60, off the scale"), "{svg}");
     }
 }

@@ -566,6 +566,47 @@ mod tests {
         assert_eq!(t.pause(t.limit, 4096, 1e8), MAX_PAUSE);
     }
 
+    #[test]
+    fn a_pacer_releases_one_write_per_pause_in_order_and_all_below_freerun() {
+        let b = Budget::new(
+            &Writeback {
+                background: Amount::Bytes(100 << 20),
+                limit: Amount::Bytes(200 << 20),
+                ..Writeback::default()
+            },
+            0,
+        )
+        .unwrap();
+        let mut p: Pacer<u32> = Pacer::default();
+        // Below freerun: no wait.
+        b.add(10 << 20);
+        assert_eq!(p.write(&b, 1, 4096, 0), Paced::Done(1));
+        // At the setpoint: the first write arms the timer a pause away (4 KiB at the
+        // default 100 MB/s), the others queue behind it.
+        b.add(b.throttle.setpoint() - (10 << 20));
+        let Paced::Wait(Some(at)) = p.write(&b, 2, 4096, 1000) else {
+            panic!("the first paced write arms the timer")
+        };
+        assert_eq!(at, 1000 + b.pause(b.dirty_bytes(), 4096).as_nanos() as u64);
+        assert!(at > 1000);
+        for i in 3..6 {
+            assert_eq!(p.write(&b, i, 4096, 1000), Paced::Wait(None));
+        }
+        assert_eq!(p.len(), 4);
+        // Each firing releases the head only, and re-arms.
+        let mut out = Vec::new();
+        let next = p.timer(&b, at, |w| out.push(w));
+        assert_eq!(out, [2]);
+        assert!(next.is_some_and(|n| n > at));
+        // The level drops below freerun: everything waiting goes at once.
+        b.written_back(b.dirty_bytes());
+        assert_eq!(p.timer(&b, next.unwrap(), |w| out.push(w)), None);
+        assert_eq!(out, [2, 3, 4, 5]);
+        assert!(p.is_empty());
+        // And a write with nothing waiting completes at once again.
+        assert_eq!(p.write(&b, 6, 4096, 2000), Paced::Done(6));
+    }
+
     /// Simulates `writers` writers keeping `depth` 4 KiB writes in flight each, paced as
     /// a cache queue paces them (see [`Pacer`]), against a flusher writing back `bw` bytes
     /// a second over the background level. Returns the bytes dirtied in each second and
