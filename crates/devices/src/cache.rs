@@ -11,9 +11,13 @@
 //! Technique 3: each cache device has its own flusher thread, which writes its dirty
 //! pages back in offset order, merging neighbours into writes of up to 1 MiB.
 //!
-//! First version: one mutex guards the cache's state (shared by every queue of the
-//! device), and the dirty budget is per device. The shared budget of several caches,
-//! `--writeback shared` and `--timeline` come next.
+//! The caches of a stack file share one dirty budget ([`Budget`]): its throttle paces
+//! each queue's writes ([`Pacer`]) as the shared dirty level nears the limit. With
+//! `--writeback shared` (the "before") one pool of as many threads as caches writes pages
+//! back from every cache in the order they were dirtied, one page per write.
+//!
+//! One mutex guards a cache's state (shared by every queue of the device): fine for the
+//! rotational disks a cache fronts, a limit for many reactors over fast media.
 
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeSet, HashMap, VecDeque};
