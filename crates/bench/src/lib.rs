@@ -415,7 +415,7 @@ fn timeline(
             "cairn bench {}: {} {}, iodepth {}, --writeback {mode}",
             device.name(),
             spec.rw.name(),
-            if spec.bs % 1024 == 0 {
+            if spec.bs.is_multiple_of(1024) {
                 format!("{}k", spec.bs / 1024)
             } else {
                 format!("{}", spec.bs)
