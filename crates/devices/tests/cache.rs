@@ -218,3 +218,62 @@ fn caches_of_one_file_share_one_dirty_budget() {
     c1.power_cut();
     assert_eq!(budget.dirty_bytes(), 0);
 }
+
+/// Closing a stack file's caches writes every one of them back, in both write-back
+/// modes: three caches over files, striped, written through the stripe with nothing due
+/// for a minute; once the devices are gone, the files hold every write.
+#[test]
+fn every_cache_is_written_back_when_the_stack_closes_in_both_modes() {
+    for mode in [
+        cairn_core::WritebackMode::PerDevice,
+        cairn_core::WritebackMode::Shared,
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut text = String::from(
+            "[writeback]\nbackground = \"90%\"\nlimit = \"95%\"\nexpire = \"60s\"\ninterval = \"60s\"\n",
+        );
+        for i in 0..3 {
+            text += &format!(
+                "[device.f{i}]\ntype = \"file\"\npath = \"{}\"\nsize = \"1M\"\n\
+                 [device.c{i}]\ntype = \"cache\"\nbase = \"f{i}\"\nmemory = \"1M\"\n",
+                dir.path().join(format!("f{i}.img")).display()
+            );
+        }
+        text +=
+            "[device.s]\ntype = \"stripe\"\nmembers = [\"c0\", \"c1\", \"c2\"]\nchunk = \"4K\"\n";
+        let switches = Switches {
+            writeback: mode,
+            ..Switches::default()
+        };
+        let data: Vec<u8> = (0..3 * 256 * PAGE as u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        {
+            let s = StackFile::parse(&text)
+                .unwrap()
+                .open_with("s", switches)
+                .unwrap();
+            let q = BlockingQueue::open(&s, switches).unwrap();
+            for (i, chunk) in data.chunks(64 * PAGE).enumerate() {
+                q.write((i * 64 * PAGE) as u64, chunk, IoFlags::NONE)
+                    .unwrap();
+            }
+            assert!(
+                s.writeback_counters().0 > 0,
+                "{mode:?}: the writes are cached"
+            );
+        }
+        // Page k of the stripe is page k / 3 of file k % 3.
+        let files: Vec<Vec<u8>> = (0..3)
+            .map(|i| std::fs::read(dir.path().join(format!("f{i}.img"))).unwrap())
+            .collect();
+        for (k, page) in data.chunks(PAGE).enumerate() {
+            let at = k / 3 * PAGE;
+            assert!(
+                files[k % 3][at..at + PAGE] == *page,
+                "{mode:?}: stripe page {k} is not in file {} after closing",
+                k % 3
+            );
+        }
+    }
+}
