@@ -170,6 +170,7 @@ impl Device for StackDevice {
             state: RefCell::new(State {
                 parents: Slab::with_capacity(PARENTS),
                 children: Slab::with_capacity(PARENTS * 2),
+                lone: Slab::with_capacity(PARENTS),
             }),
             next_copy: Cell::new(0),
             flushes: FlushBatcher::new(core.switches().flush),
@@ -264,6 +265,19 @@ struct Child {
 struct State {
     parents: Slab<Parent>,
     children: Slab<Child>,
+    /// Requests of a layout without copies sent whole to one member: only what their
+    /// completion needs (a third of a `Parent`).
+    lone: Slab<Lone>,
+}
+
+/// A request of a layout without copies, sent whole to one member.
+#[derive(Clone, Copy)]
+struct Lone {
+    sink: SinkId,
+    op: Op,
+    len: u64,
+    token: u64,
+    start_ns: u64,
 }
 
 /// A stacked device's queue on one reactor.
@@ -288,6 +302,9 @@ pub struct StackQueue {
 const FLUSH_BATCH: u64 = u64::MAX;
 /// Token bit of a request sent whole to one member: the rest is the parent's index.
 const DIRECT: u64 = 1 << 62;
+/// Token bit of a request of a layout without copies sent whole to one member: the rest
+/// is its index in `lone` (`FLUSH_BATCH` has both bits).
+const LONE: u64 = 1 << 61;
 
 impl StackQueue {
     /// The queue of member `m`.
@@ -472,8 +489,20 @@ impl Queue for StackQueue {
         // one member of a layout without copies. No child state; the parent's slab index
         // travels as the token.
         if self.copies == 1 && io.op != Op::Flush {
-            if let Some(at) = self.layout.place(io.offset, io.len, 0) {
-                self.direct(io, start_ns, 0, at);
+            if let Some((member, member_offset)) = self.layout.place(io.offset, io.len, 0) {
+                let index = self.state.borrow_mut().lone.insert(Lone {
+                    sink: io.sink,
+                    op: io.op,
+                    len: io.len,
+                    token: io.token,
+                    start_ns,
+                });
+                self.member(member).submit(Io {
+                    offset: member_offset,
+                    sink: self.sink.get(),
+                    token: LONE | u64::from(index),
+                    ..io
+                });
                 return;
             }
         }
@@ -669,8 +698,18 @@ impl StackQueue {
 
 impl Sink for StackQueue {
     fn io_done(&self, token: u64, status: IoStatus) {
-        // The common case: a request sent whole to one member succeeded (or failed where
-        // there is no other copy to try).
+        // The common case: a request of a layout without copies, sent whole to one member.
+        if token & (DIRECT | LONE) == LONE {
+            let l = self.state.borrow_mut().lone.remove((token & !LONE) as u32);
+            if self.stats.enabled() {
+                self.stats
+                    .done(l.op, l.len, l.start_ns, self.core.now_ns(), status.is_ok());
+            }
+            self.core.deliver(l.sink, l.token, status);
+            return;
+        }
+        // A request sent whole to one copy succeeded (or failed where there is no other
+        // copy to try).
         if token & DIRECT != 0 && token != FLUSH_BATCH && (status.is_ok() || self.copies == 1) {
             let p = self
                 .state
