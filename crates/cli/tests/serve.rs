@@ -1085,6 +1085,59 @@ mod clients {
     }
 
     #[test]
+    /// fio with crc32c verify through a write-back cache much smaller than the data (so
+    /// pages are evicted, written back under pressure, and written through when the cache
+    /// is all dirty); then the export is copied out with nbdcopy, the server stopped, and
+    /// the file below the cache must equal the copy: what the cache served is what it
+    /// wrote back.
+    fn fio_verify_through_a_small_write_back_cache_then_the_file_matches() {
+        const NAME: &str =
+            "clients::fio_verify_through_a_small_write_back_cache_then_the_file_matches";
+        let Some([fio, nbdcopy]) = tools(NAME, ["fio", "nbdcopy"]) else {
+            return;
+        };
+        let dir = tmpdir();
+        let disk = dir.path().join("disk.img");
+        let stack = write_stack(
+            &dir,
+            &format!(
+                "[writeback]\nbackground = \"10%\"\nlimit = \"20%\"\nexpire = \"200ms\"\ninterval = \"100ms\"\n\
+                 [device.f]\ntype = \"file\"\npath = \"{}\"\nsize = \"64M\"\n\
+                 [device.c]\ntype = \"cache\"\nbase = \"f\"\nmemory = \"4M\"\n",
+                disk.display()
+            ),
+        );
+        let mut srv = Server::start_in(dir, &[path_str(&stack)]);
+        let out = run(Command::new(&fio).current_dir(srv.dir.path()).args([
+            "--name=verify",
+            "--ioengine=nbd",
+            &format!("--uri={}", srv.uri()),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--size=64M",
+            "--iodepth=16",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--verify_state_save=0",
+        ]));
+        success("fio through the cache", &out);
+        let copy = srv.path("copy.img");
+        let out = run(Command::new(&nbdcopy).arg(srv.uri()).arg(&copy));
+        success("nbdcopy", &out);
+        let (status, log) = srv.stop();
+        assert!(status.success(), "exit status {status}; stderr:\n{log}");
+        let copied = std::fs::read(&copy).unwrap();
+        let file = std::fs::read(&disk).unwrap();
+        assert_eq!(copied.len(), 64 << 20);
+        assert_same(
+            "the file below the cache against the export",
+            &file,
+            &copied,
+        );
+    }
+
+    #[test]
     fn fio_nbd_engine_randwrite_with_crc32c_verify() {
         const NAME: &str = "clients::fio_nbd_engine_randwrite_with_crc32c_verify";
         let Some([fio]) = tools(NAME, ["fio"]) else {
