@@ -56,8 +56,9 @@ struct Entry {
     dirty: bool,
     /// Bumped by every change, so a flusher knows whether what it wrote is still current.
     gen: u64,
-    /// When the page became dirty (for `expire`).
-    dirtied: Instant,
+    /// When the page became dirty (for `expire`): CLOCK_MONOTONIC ns, from the
+    /// reactor's cached clock (no clock read per write).
+    dirtied: u64,
 }
 
 /// A flush waiting for write-back: it covers every change up to `gen`.
@@ -130,7 +131,7 @@ impl State {
     }
 
     /// Marks page `p` changed; whether it was clean before.
-    fn mark_dirty(&mut self, p: u64, now: Instant, budget: &Budget) -> bool {
+    fn mark_dirty(&mut self, p: u64, now: u64, budget: &Budget) -> bool {
         self.gen += 1;
         let gen = self.gen;
         let e = self.pages.get_mut(&p).expect("page present");
@@ -456,7 +457,7 @@ impl CacheQueue {
 
     /// Caches `io`'s data (or zeros); false when the cache has no room for it.
     fn cache_write(&self, io: &Io, zeros: bool) -> (bool, u64) {
-        let now = Instant::now();
+        let now = self.core.now_ns();
         let mut st = self.shared.lock();
         let missing = Self::pages(io)
             .filter(|p| !st.pages.contains_key(p))
@@ -636,7 +637,7 @@ impl Sink for CacheQueue {
                                 data: Some(d),
                                 dirty: false,
                                 gen: 0,
-                                dirtied: Instant::now(),
+                                dirtied: 0,
                             },
                         );
                         st.clean.push_back(p);
@@ -702,7 +703,8 @@ fn round(shared: &Shared, q: &BlockingQueue, take: Take) -> bool {
     let mut runs: Vec<Run> = Vec::new();
     let (waiters_gen, serve_waiters) = {
         let st = shared.lock();
-        let now = Instant::now();
+        let now = cairn_core::clock::monotonic_ns();
+        let expire = b.expire.as_nanos() as u64;
         let all = take == Take::All || !st.waiters.is_empty();
         // Over the shared background level, each cache writes back its own pages.
         let over = b.dirty_bytes().saturating_sub(b.throttle.background);
@@ -711,7 +713,7 @@ fn round(shared: &Shared, q: &BlockingQueue, take: Take) -> bool {
         let mut cur: Option<Gathering> = None;
         for &p in st.dirty.iter() {
             let e = &st.pages[&p];
-            let expired = now.duration_since(e.dirtied) >= b.expire;
+            let expired = now.saturating_sub(e.dirtied) >= expire;
             if !(all || expired || budget > 0) {
                 continue;
             }
@@ -1020,7 +1022,11 @@ fn pool_thread(pool: Arc<Pool>, budget: std::sync::Weak<Budget>) {
                     c.1.lock()
                         .pages
                         .get(&p)
-                        .is_some_and(|e| e.dirty && e.dirtied.elapsed() >= b.expire)
+                        .is_some_and(|e| {
+                            e.dirty
+                                && cairn_core::clock::monotonic_ns().saturating_sub(e.dirtied)
+                                    >= b.expire.as_nanos() as u64
+                        })
                 })
                 || caches.iter().all(|c| c.0 != i)
         });
