@@ -1019,14 +1019,11 @@ fn pool_thread(pool: Arc<Pool>, budget: std::sync::Weak<Budget>) {
             closing
                 || b.dirty_bytes() > b.throttle.background
                 || caches.iter().find(|c| c.0 == i).is_some_and(|c| {
-                    c.1.lock()
-                        .pages
-                        .get(&p)
-                        .is_some_and(|e| {
-                            e.dirty
-                                && cairn_core::clock::monotonic_ns().saturating_sub(e.dirtied)
-                                    >= b.expire.as_nanos() as u64
-                        })
+                    c.1.lock().pages.get(&p).is_some_and(|e| {
+                        e.dirty
+                            && cairn_core::clock::monotonic_ns().saturating_sub(e.dirtied)
+                                >= b.expire.as_nanos() as u64
+                    })
                 })
                 || caches.iter().all(|c| c.0 != i)
         });
