@@ -38,14 +38,18 @@ const HELP: &str = "ok: commands:
 pub struct Admin {
     path: PathBuf,
     stop: Arc<AtomicBool>,
+    /// The listening socket's descriptor (owned by the thread), to wake its accept.
+    fd: std::os::fd::RawFd,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Drop for Admin {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        // Wakes the accept.
-        let _ = UnixStream::connect(&self.path);
+        // Wakes the accept (even if the socket file is gone): on Linux, shutting a
+        // listening socket down makes a blocked accept return.
+        // SAFETY: the descriptor stays open until the thread, joined below, returns.
+        unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -65,6 +69,7 @@ pub fn start(path: &Path, roots: &[Arc<dyn Device>]) -> Result<Admin, String> {
     let listener = bound.map_err(|e| format!("--admin {}: {e}", path.display()))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
         .map_err(|e| format!("--admin {}: {e}", path.display()))?;
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&listener);
     let stop = Arc::new(AtomicBool::new(false));
     let roots: Vec<Weak<dyn Device>> = roots.iter().map(Arc::downgrade).collect();
     let s = stop.clone();
@@ -72,10 +77,19 @@ pub fn start(path: &Path, roots: &[Arc<dyn Device>]) -> Result<Admin, String> {
         .name("cairn-admin".into())
         .spawn(move || {
             cairn_core::reactor::block_signals_in_this_thread();
-            for conn in listener.incoming().flatten() {
+            for conn in listener.incoming() {
                 if s.load(Ordering::SeqCst) {
                     return;
                 }
+                let conn = match conn {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Out of descriptors, say: not a reason to spin.
+                        eprintln!("cairn: admin: accept: {e}");
+                        std::thread::sleep(Duration::from_millis(100));
+                        continue;
+                    }
+                };
                 // One command at a time: a slow client is cut off, not waited for.
                 let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
                 let _ = conn.set_write_timeout(Some(Duration::from_secs(5)));
@@ -87,6 +101,7 @@ pub fn start(path: &Path, roots: &[Arc<dyn Device>]) -> Result<Admin, String> {
     Ok(Admin {
         path: path.to_path_buf(),
         stop,
+        fd,
         thread: Some(thread),
     })
 }

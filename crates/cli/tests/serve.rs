@@ -2889,6 +2889,18 @@ mod admin {
         assert!(status.success(), "exit status {status}; stderr:\n{log}");
     }
 
+    /// Removing the admin socket's file while serving does not keep SIGTERM from ending
+    /// the server (its thread used to be woken by connecting to the file).
+    #[test]
+    fn sigterm_ends_the_server_even_when_the_admin_socket_file_is_gone() {
+        let dir = tmpdir();
+        let ctl = dir.path().join("admin.sock");
+        let mut srv = Server::start_in(dir, &["--device", "mem:1M", "--admin", path_str(&ctl)]);
+        std::fs::remove_file(&ctl).unwrap();
+        let (status, log) = srv.stop();
+        assert!(status.success(), "exit status {status}; stderr:\n{log}");
+    }
+
     /// An admin socket path that cannot be bound is refused before anything listens.
     #[test]
     fn an_admin_socket_in_use_is_refused() {

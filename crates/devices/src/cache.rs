@@ -101,7 +101,12 @@ impl Shared {
     pub(crate) fn kick(&self) {
         match self.pool.get() {
             Some((pool, _)) => pool.kick(),
-            None => self.wake.notify_one(),
+            None => {
+                // Under the lock the flusher checks for work with, so that the wake-up
+                // cannot fall between its check and its wait.
+                let _st = self.lock();
+                self.wake.notify_one();
+            }
         }
     }
 }
@@ -279,7 +284,10 @@ impl Drop for CacheDevice {
         }
         // The flusher writes everything back before it exits.
         self.shared.stop.store(true, Ordering::SeqCst);
-        self.shared.wake.notify_all();
+        {
+            let _st = self.shared.lock();
+            self.shared.wake.notify_all();
+        }
         if let Some(t) = self.flusher.lock().ok().and_then(|mut f| f.take()) {
             let _ = t.join();
         }
@@ -328,6 +336,8 @@ impl Device for CacheDevice {
         // Cache memory is volatile: everything in it is gone.
         let mut st = self.shared.lock();
         let lost = st.dirty.len();
+        // Reads in flight saw data the cut may have taken away: they must not fill.
+        st.gen += 1;
         self.shared.budget.sub(lost as u64 * PAGE);
         st.pages.clear();
         st.dirty.clear();
@@ -865,15 +875,17 @@ fn flusher(
         }
     };
     let _ = ready.send(Ok(()));
+    let b = &shared.budget;
     loop {
-        if shared.stop.load(Ordering::SeqCst) {
-            drain(&shared, &q);
-            return;
-        }
-        let b = &shared.budget;
-        let closing = b.closing.load(Ordering::SeqCst);
         {
+            // Every reason to work is checked under the lock that wakers take.
             let st = shared.lock();
+            if shared.stop.load(Ordering::SeqCst) {
+                drop(st);
+                drain(&shared, &q);
+                return;
+            }
+            let closing = b.closing.load(Ordering::SeqCst);
             let urgent = !st.waiters.is_empty()
                 || (!st.dirty.is_empty() && (closing || b.dirty_bytes() > b.throttle.background));
             if !urgent {
@@ -886,11 +898,17 @@ fn flusher(
                 );
             }
         }
-        if !shared.stop.load(Ordering::SeqCst) {
-            // Going away: everything, as every other cache of the budget does too.
-            round(&shared, &q, if closing { Take::All } else { Take::Due });
-            b.tick();
+        if shared.stop.load(Ordering::SeqCst) {
+            continue;
         }
+        // Going away: everything, as every other cache of the budget does too.
+        let take = if b.closing.load(Ordering::SeqCst) {
+            Take::All
+        } else {
+            Take::Due
+        };
+        round(&shared, &q, take);
+        b.tick();
     }
 }
 
@@ -912,6 +930,11 @@ pub struct Pool {
     stop: AtomicBool,
     threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
     switches: Switches,
+    /// Bumped when a cache leaves; each thread acknowledges the value once it has let go
+    /// of every reference to the caches gone (so that the last reference to a cache's
+    /// base is never dropped on a pool thread).
+    epoch: std::sync::atomic::AtomicU64,
+    acks: Mutex<Vec<(std::thread::ThreadId, u64)>>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -930,6 +953,8 @@ impl Pool {
             stop: AtomicBool::new(false),
             threads: Mutex::new(Vec::new()),
             switches,
+            epoch: std::sync::atomic::AtomicU64::new(0),
+            acks: Mutex::new(Vec::new()),
         }
     }
 
@@ -949,11 +974,24 @@ impl Pool {
             .name(format!("cairn-pool{index}"))
             .spawn(move || pool_thread(pool, budget))
             .map_err(|e| Error::os("cache: start a write-back pool thread", e))?;
+        self.acks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((t.thread().id(), u64::MAX));
         self.threads
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(t);
         Ok(index)
+    }
+
+    /// A thread's acknowledgement of `epoch` (see `epoch`).
+    fn ack(&self, epoch: u64) {
+        let me = std::thread::current().id();
+        let mut acks = self.acks.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(a) = acks.iter_mut().find(|a| a.0 == me) {
+            a.1 = epoch;
+        }
     }
 
     fn kick(&self) {
@@ -962,21 +1000,42 @@ impl Pool {
         self.wake.notify_all();
     }
 
-    /// Removes a cache (its pages were written back); the last one stops the threads.
+    /// Removes a cache (its pages were written back) and waits until no thread holds a
+    /// reference to it; the last one stops the threads.
     fn deregister(&self, index: usize) {
-        let none_left = {
+        let (member, none_left) = {
             let mut caches = self.caches.lock().unwrap_or_else(|p| p.into_inner());
-            caches[index] = None;
-            caches.iter().all(Option::is_none)
+            let member = caches[index].take();
+            (member, caches.iter().all(Option::is_none))
         };
+        // Dropped outside the lock (it may hold the last reference to another cache).
+        drop(member);
+        let me = std::thread::current().id();
         if none_left {
             self.stop.store(true, Ordering::SeqCst);
             self.kick();
             let threads =
                 std::mem::take(&mut *self.threads.lock().unwrap_or_else(|p| p.into_inner()));
             for t in threads {
-                let _ = t.join();
+                if t.thread().id() != me {
+                    let _ = t.join();
+                }
             }
+            return;
+        }
+        let epoch = self.epoch.fetch_add(1, Ordering::SeqCst) + 1;
+        loop {
+            let done = self
+                .acks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .all(|&(id, acked)| id == me || acked == u64::MAX || acked >= epoch);
+            if done {
+                return;
+            }
+            self.kick();
+            std::thread::sleep(std::time::Duration::from_millis(1));
         }
     }
 }
@@ -984,11 +1043,14 @@ impl Pool {
 fn pool_thread(pool: Arc<Pool>, budget: std::sync::Weak<Budget>) {
     cairn_core::reactor::block_signals_in_this_thread();
     let mut queues: HashMap<usize, BlockingQueue> = HashMap::new();
+    pool.ack(pool.epoch.load(Ordering::SeqCst));
     loop {
         if pool.stop.load(Ordering::SeqCst) {
             return;
         }
         let Some(b) = budget.upgrade() else { return };
+        // This iteration's references; the caches gone lose theirs, then it says so.
+        let epoch = pool.epoch.load(Ordering::SeqCst);
         let caches: Vec<(usize, Arc<Shared>, Arc<dyn Device>)> = pool
             .caches
             .lock()
@@ -997,6 +1059,8 @@ fn pool_thread(pool: Arc<Pool>, budget: std::sync::Weak<Budget>) {
             .enumerate()
             .filter_map(|(i, c)| c.as_ref().map(|(s, d)| (i, s.clone(), d.clone())))
             .collect();
+        queues.retain(|i, _| caches.iter().any(|c| c.0 == *i));
+        pool.ack(epoch);
         // Flushes first: a waiting flush gets its whole cache written back.
         let mut worked = false;
         for (i, s, d) in &caches {
@@ -1028,6 +1092,7 @@ fn pool_thread(pool: Arc<Pool>, budget: std::sync::Weak<Budget>) {
                 || caches.iter().all(|c| c.0 != i)
         });
         if !due {
+            drop(caches);
             if !worked {
                 b.woken.store(false, Ordering::Relaxed);
                 let order = pool.order.lock().unwrap_or_else(|p| p.into_inner());
@@ -1063,8 +1128,17 @@ fn pool_thread(pool: Arc<Pool>, budget: std::sync::Weak<Budget>) {
             })
         };
         if let Some(run) = run {
-            if open_queue(&mut queues, i, d, pool.switches) {
-                write_runs(s, &queues[&i], vec![run], None);
+            if open_queue(&mut queues, i, d, pool.switches)
+                && !write_runs(s, &queues[&i], vec![run], None)
+                && s.lock().pages.get(&p).is_some_and(|e| e.dirty)
+            {
+                // Rewritten while it was being written: it is still dirty and has left
+                // the order, so it goes back in at the end (after the cache's lock; see
+                // above).
+                pool.order
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push_back((i, p));
             }
         }
     }

@@ -277,3 +277,81 @@ fn every_cache_is_written_back_when_the_stack_closes_in_both_modes() {
         }
     }
 }
+
+fn shared_switches() -> Switches {
+    Switches {
+        writeback: cairn_core::WritebackMode::Shared,
+        ..Switches::default()
+    }
+}
+
+/// `--writeback shared`: a page rewritten while a pool thread writes its older copy stays
+/// dirty; it must still be written back when it expires (it used to lose its place in the
+/// pool's order and wait for a flush, or for the exit, forever).
+#[test]
+fn shared_pool_writes_back_a_page_rewritten_during_its_write() {
+    let text = "[writeback]\nbackground = \"90%\"\nlimit = \"95%\"\nexpire = \"1ms\"\ninterval = \"1ms\"\n\
+                [device.m]\ntype = \"mem\"\nsize = \"256K\"\nblock = 4096\n\
+                [device.slow]\ntype = \"delay\"\nbase = \"m\"\nwrite = \"100ms\"\n\
+                [device.c]\ntype = \"cache\"\nbase = \"slow\"\nmemory = \"64K\"\n";
+    let c = StackFile::parse(text)
+        .unwrap()
+        .open_with("c", shared_switches())
+        .unwrap();
+    let q = BlockingQueue::open(&c, shared_switches()).unwrap();
+    // A copy goes to the pool (due at once), and a newer one is written while the pool
+    // writes it (a write takes 100 ms). Several times, so that at least once the newer
+    // copy lands during a write.
+    for k in 0..5 {
+        q.write(0, &page_of(2 * k + 1), IoFlags::NONE).unwrap();
+        std::thread::sleep(Duration::from_millis(30));
+        q.write(0, &page_of(2 * k + 2), IoFlags::NONE).unwrap();
+        std::thread::sleep(Duration::from_millis(120));
+    }
+    // Whatever copy is written now, the newest must reach the base without a flush.
+    let m = c.children()[0].children()[0].clone();
+    let mq = queue(&m);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while read(&mq, 0, PAGE) != page_of(10) {
+        assert!(
+            Instant::now() < deadline,
+            "the rewritten page never reached the base: {}",
+            c.describe()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// `--writeback shared` with a cache over a cache: dropping the top writes everything
+/// down to the bottom device before the drop returns (the lower cache's last reference
+/// used to be dropped on a pool thread, which then tried to join itself).
+#[test]
+fn shared_pool_closes_a_cache_over_a_cache_completely() {
+    let text = "[writeback]\nbackground = \"90%\"\nlimit = \"95%\"\nexpire = \"60s\"\ninterval = \"60s\"\n\
+                [device.m]\ntype = \"mem\"\nsize = \"4M\"\nblock = 4096\n\
+                [device.slow]\ntype = \"delay\"\nbase = \"m\"\nwrite = \"2ms\"\n\
+                [device.l]\ntype = \"cache\"\nbase = \"slow\"\nmemory = \"4M\"\n\
+                [device.u]\ntype = \"cache\"\nbase = \"l\"\nmemory = \"4M\"\n";
+    let u = StackFile::parse(text)
+        .unwrap()
+        .open_with("u", shared_switches())
+        .unwrap();
+    let m = u.children()[0].children()[0].children()[0].clone();
+    assert_eq!(m.name(), "m");
+    {
+        let q = BlockingQueue::open(&u, shared_switches()).unwrap();
+        for i in 0..256u32 {
+            q.write(u64::from(i) * PAGE as u64, &page_of(i + 1), IoFlags::NONE)
+                .unwrap();
+        }
+    }
+    drop(u);
+    let bq = queue(&m);
+    let missing: Vec<u32> = (0..256u32)
+        .filter(|&i| read(&bq, u64::from(i) * PAGE as u64, PAGE) != page_of(i + 1))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "pages not on the bottom device after the drop: {missing:?}"
+    );
+}
