@@ -113,6 +113,9 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             for device in devices {
                 out(&cairn_devices::config::tree(&*device));
             }
+            if let Some(w) = stack.writeback_summary() {
+                out(&format!("{w}\n"));
+            }
             for (name, e) in &stack.exports {
                 out(&format!(
                     "export '{name}': device {}{}{}\n",

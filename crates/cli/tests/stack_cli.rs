@@ -163,6 +163,30 @@ mod check {
         );
     }
 
+    /// The caches' shared dirty budget is spelled out in bytes (and absent without caches).
+    #[test]
+    fn the_caches_dirty_budget_is_shown() {
+        let file = StackFile::new(
+            "[writeback]\nbackground = \"10%\"\nlimit = \"20%\"\n\
+             [device.m]\ntype = \"mem\"\nsize = \"64M\"\nblock = 4096\n\
+             [device.a]\ntype = \"cache\"\nbase = \"m\"\nmemory = \"60M\"\n\
+             [device.n]\ntype = \"mem\"\nsize = \"64M\"\nblock = 4096\n\
+             [device.b]\ntype = \"cache\"\nbase = \"n\"\nmemory = \"40M\"\n",
+        );
+        let out = cairn(&["check", file.arg()]);
+        let stdout = text(&out.stdout);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        assert!(
+            stdout.contains(
+                "writeback: 2 caches with 100MiB of memory share one budget: flushers write back \
+                 over 10MiB, writers are paced from 15MiB (held near 17.5MiB) to 20MiB"
+            ),
+            "{stdout}"
+        );
+        let out = cairn(&["check", StackFile::new(&raid10()).arg()]);
+        assert!(!text(&out.stdout).contains("writeback:"));
+    }
+
     #[test]
     fn a_valid_raid10_prints_every_device_with_its_size() {
         let file = StackFile::new(&raid10());

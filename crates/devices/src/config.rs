@@ -697,6 +697,46 @@ impl StackFile {
     }
 
     /// Opens `name` and everything below it, with the switches that shape devices (the
+    /// The cache memory of every cache device of the file together.
+    fn cache_bytes(&self) -> u64 {
+        self.devices
+            .values()
+            .map(|d| match d {
+                DeviceSpec::Cache { memory, .. } => *memory,
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// The dirty budget the file's caches share, in bytes, for `cairn check`: `None`
+    /// without caches.
+    pub fn writeback_summary(&self) -> Option<String> {
+        use cairn_core::size::format_bytes;
+        let caches = self
+            .devices
+            .values()
+            .filter(|d| matches!(d, DeviceSpec::Cache { .. }))
+            .count();
+        let memory = self.cache_bytes();
+        if memory == 0 {
+            return None;
+        }
+        let w = self.writeback.unwrap_or_default();
+        let t = w.throttle(memory).ok()?;
+        Some(format!(
+            "writeback: {caches} cache{} with {} of memory share one budget: flushers write back over {}, \
+             writers are paced from {} (held near {}) to {}; expire {:?}, interval {:?}",
+            if caches == 1 { "" } else { "s" },
+            format_bytes(memory),
+            format_bytes(t.background),
+            format_bytes(t.freerun()),
+            format_bytes(t.setpoint()),
+            format_bytes(t.limit),
+            w.expire,
+            w.interval,
+        ))
+    }
+
     /// write-back mode of caches).
     pub fn open_with(
         &self,
@@ -705,14 +745,7 @@ impl StackFile {
     ) -> Result<Arc<dyn Device>, Error> {
         let mut opened = HashMap::new();
         // Every cache of the file shares one dirty budget, sized on their memory together.
-        let cache_bytes: u64 = self
-            .devices
-            .values()
-            .map(|d| match d {
-                DeviceSpec::Cache { memory, .. } => *memory,
-                _ => 0,
-            })
-            .sum();
+        let cache_bytes = self.cache_bytes();
         let budget = if cache_bytes > 0 {
             let w = self.writeback.unwrap_or_default();
             Some(Arc::new(crate::writeback::Budget::new(&w, cache_bytes)?))
