@@ -633,6 +633,35 @@ mod timeline {
         );
     }
 
+    /// A cache over a base whose writes all fail retries its write-back once per
+    /// interval (1 s here), not in a loop: the log holds a handful of failures, not one
+    /// per round of a spinning flusher (825 in a second before the fix).
+    #[test]
+    fn a_failing_base_is_retried_per_interval_not_in_a_loop() {
+        let file = StackFile::new(
+            "[writeback]\nbackground = \"1%\"\nlimit = \"50%\"\ninterval = \"1s\"\n\
+             [device.m]\ntype = \"mem\"\nsize = \"64M\"\nblock = 4096\n\
+             [device.f]\ntype = \"fault\"\nbase = \"m\"\nfail = [\"write\"]\n\
+             [device.c]\ntype = \"cache\"\nbase = \"f\"\nmemory = \"16M\"\n",
+        );
+        let out = cairn(&[
+            "bench",
+            file.arg(),
+            "--rw",
+            "randwrite",
+            "--runtime",
+            "1",
+            "--time_based",
+            "--size",
+            "8M",
+        ]);
+        let err = text(&out.stderr);
+        let failures = err.matches("write-back to the base failed").count();
+        assert!(failures >= 1, "the failure is reported: {err}");
+        assert!(failures < 50, "{failures} failed write-back rounds logged");
+        assert!(err.contains("could not be written back at exit"), "{err}");
+    }
+
     #[test]
     fn bad_timeline_flags_are_refused() {
         for (args, needle) in [

@@ -907,8 +907,21 @@ fn flusher(
         } else {
             Take::Due
         };
-        round(&shared, &q, take);
+        let failed = round(&shared, &q, take);
         b.tick();
+        if failed {
+            // A failing base: try again after an interval (or a kick, a flush or the
+            // exit), not in a loop that burns a CPU and floods the log.
+            let st = shared.lock();
+            if !shared.stop.load(Ordering::SeqCst) {
+                drop(
+                    shared
+                        .wake
+                        .wait_timeout(st, b.interval)
+                        .unwrap_or_else(|p| p.into_inner()),
+                );
+            }
+        }
     }
 }
 
