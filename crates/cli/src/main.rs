@@ -22,13 +22,24 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return settings::clap_exit(e),
     };
-    match run(cli) {
+    let code = match run(cli) {
         Ok(code) => code,
         Err(message) => {
             eprintln!("cairn: {message}");
             ExitCode::from(2)
         }
+    };
+    // Every device is closed by now: acknowledged writes that a cache could not write
+    // back are lost, and the exit status says so.
+    let lost = cairn_devices::cache::unwritten_at_close();
+    if lost > 0 {
+        eprintln!(
+            "cairn: {lost} cached pages ({} bytes) of acknowledged writes could not be written back and are lost",
+            lost * cairn_devices::cache::PAGE
+        );
+        return ExitCode::from(1);
     }
+    code
 }
 
 /// Writes to stdout; a reader that went away (`| head`) is not an error, and nothing is

@@ -635,7 +635,8 @@ mod timeline {
 
     /// A cache over a base whose writes all fail retries its write-back once per
     /// interval (1 s here), not in a loop: the log holds a handful of failures, not one
-    /// per round of a spinning flusher (825 in a second before the fix).
+    /// per round of a spinning flusher (825 in a second before the fix). What it could
+    /// not write back at exit is lost, and cairn exits with status 1.
     #[test]
     fn a_failing_base_is_retried_per_interval_not_in_a_loop() {
         let file = StackFile::new(
@@ -660,6 +661,12 @@ mod timeline {
         assert!(failures >= 1, "the failure is reported: {err}");
         assert!(failures < 50, "{failures} failed write-back rounds logged");
         assert!(err.contains("could not be written back at exit"), "{err}");
+        // Acknowledged writes are lost: the exit status says so.
+        assert!(
+            err.contains("of acknowledged writes could not be written back and are lost"),
+            "{err}"
+        );
+        assert_eq!(out.status.code(), Some(1), "{err}");
     }
 
     #[test]
