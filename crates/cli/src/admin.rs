@@ -190,8 +190,9 @@ fn command(line: &str, roots: &[Arc<dyn Device>]) -> String {
     }
 }
 
-/// `cairn admin PATH COMMAND...`: sends the command, prints the reply; whether it was ok.
-pub fn client(path: &Path, words: &[String]) -> Result<bool, String> {
+/// `cairn admin PATH COMMAND...`: sends the command and prints the reply; an error reply
+/// is an `Err`.
+pub fn client(path: &Path, words: &[String]) -> Result<(), String> {
     let mut conn =
         UnixStream::connect(path).map_err(|e| format!("admin {}: {e}", path.display()))?;
     let _ = conn.set_read_timeout(Some(Duration::from_secs(60)));
@@ -209,5 +210,5 @@ pub fn client(path: &Path, words: &[String]) -> Result<bool, String> {
         .or_else(|| body.strip_prefix('\n'))
         .unwrap_or(body);
     crate::out(body);
-    Ok(true)
+    Ok(())
 }

@@ -378,6 +378,27 @@ impl Drop for Server {
 }
 
 /// A stack file in `dir`.
+/// fio's nbd engine against `srv`: 64 MiB of random 4 KiB writes at iodepth 16, each
+/// block with a crc32c, all read back and checked at the end.
+fn fio_randwrite_verify(fio: &Path, srv: &Server, extra: &[&str]) -> Output {
+    run(Command::new(fio)
+        .current_dir(srv.dir.path())
+        .args([
+            "--name=verify",
+            "--ioengine=nbd",
+            &format!("--uri={}", srv.uri()),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--size=64M",
+            "--iodepth=16",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--verify_state_save=0",
+        ])
+        .args(extra))
+}
+
 fn write_stack(dir: &TempDir, text: &str) -> PathBuf {
     let path = dir.path().join("stack.toml");
     std::fs::write(&path, text).expect("write the stack file");
@@ -1108,19 +1129,7 @@ mod clients {
             ),
         );
         let mut srv = Server::start_in(dir, &[path_str(&stack)]);
-        let out = run(Command::new(&fio).current_dir(srv.dir.path()).args([
-            "--name=verify",
-            "--ioengine=nbd",
-            &format!("--uri={}", srv.uri()),
-            "--rw=randwrite",
-            "--bs=4k",
-            "--size=64M",
-            "--iodepth=16",
-            "--verify=crc32c",
-            "--do_verify=1",
-            "--verify_fatal=1",
-            "--verify_state_save=0",
-        ]));
+        let out = fio_randwrite_verify(&fio, &srv, &[]);
         success("fio through the cache", &out);
         let copy = srv.path("copy.img");
         let out = run(Command::new(&nbdcopy).arg(srv.uri()).arg(&copy));
@@ -1144,20 +1153,7 @@ mod clients {
             return;
         };
         let srv = Server::start(&["--device", "mem:64M"]);
-        let out = run(Command::new(&fio).current_dir(srv.dir.path()).args([
-            "--name=verify",
-            "--ioengine=nbd",
-            &format!("--uri={}", srv.uri()),
-            "--rw=randwrite",
-            "--bs=4k",
-            "--size=64M",
-            "--iodepth=16",
-            "--verify=crc32c",
-            "--do_verify=1",
-            "--verify_fatal=1",
-            "--verify_state_save=0",
-            "--output-format=json",
-        ]));
+        let out = fio_randwrite_verify(&fio, &srv, &["--output-format=json"]);
         let stdout = success("fio", &out);
         // fio's nbd engine prints a line before the JSON.
         let start = stdout

@@ -920,9 +920,8 @@ fn flusher(
         } else {
             Take::Due
         };
-        let failed = round(&shared, &q, take);
-        b.tick();
-        if failed {
+        // (`write_runs` updates the rate estimate as it goes.)
+        if round(&shared, &q, take) {
             // A failing base: try again after an interval (or a kick, a flush or the
             // exit), not in a loop that burns a CPU and floods the log.
             let st = shared.lock();

@@ -211,12 +211,6 @@ impl Budget {
         self.throttle.pause(dirty, bytes, r)
     }
 
-    /// Each writer's pacing rate at the setpoint, bytes per second (0 before the first
-    /// estimate).
-    pub fn ratelimit(&self) -> f64 {
-        f64::from_bits(self.ratelimit.load(std::sync::atomic::Ordering::Relaxed))
-    }
-
     /// Brings the rate estimate up to date, at most every [`Ratelimit::PERIOD`]; flushers
     /// call it as they work (writers never wait for it).
     pub(crate) fn tick(&self) {
