@@ -69,7 +69,7 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             let (spec, choice, format) = args.settings()?;
             let (device, switches) = match choice {
                 DeviceChoice::Leaf(leaf) => {
-                    let switches = cli.global.switches(&Tuning::new())?;
+                    let switches = cli.global.switches(&Tuning::default())?;
                     let device = cairn_devices::open(&leaf, &leaf.default_name())
                         .map_err(|e| e.to_string())?;
                     (device, switches)
@@ -111,30 +111,10 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
         Command::Check(args) => {
             let stack = settings::read_stack(&args.stack)?;
             let switches = cli.global.switches(&stack.tuning)?;
-            let names = match &args.device {
-                Some(n) => vec![stack.pick(Some(n)).map_err(|e| e.to_string())?],
-                None => stack.roots(),
-            };
-            // Open everything first: an error prints one line and no half a tree.
-            let devices = names
-                .iter()
-                .map(|name| stack.open_with(name, switches))
-                .collect::<Result<Vec<_>, _>>()
+            let report = stack
+                .check(args.device.as_deref(), switches)
                 .map_err(|e| format!("{}: {e}", args.stack.display()))?;
-            for device in devices {
-                out(&cairn_devices::config::tree(&*device));
-            }
-            if let Some(w) = stack.writeback_summary() {
-                out(&format!("{w}\n"));
-            }
-            for (name, e) in &stack.exports {
-                out(&format!(
-                    "export '{name}': device {}{}{}\n",
-                    e.device,
-                    if e.read_only { ", read-only" } else { "" },
-                    if e.default { ", default" } else { "" }
-                ));
-            }
+            out(&report);
             out(&format!(
                 "switches: clock={:?} reap={:?} stats={:?} flush={:?} dispatch={:?} writeback={:?}\n",
                 switches.clock,
@@ -174,7 +154,7 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
                     text.to_string(),
                     true,
                 )],
-                Tuning::new(),
+                Tuning::default(),
             )
         }
         Some(path) => {
@@ -219,7 +199,7 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
                 }
                 v
             };
-            (chosen, stack.tuning.clone())
+            (chosen, stack.tuning)
         }
     };
     let switches = global.switches(&tuning)?;

@@ -144,52 +144,37 @@ impl GlobalArgs {
     /// The switches: command-line flags first, then the stack file's `[tuning]`, then the
     /// defaults.
     pub fn switches(&self, tuning: &Tuning) -> Result<Switches, String> {
-        fn pick<T: ValueEnum + Copy>(
-            flag: Option<T>,
-            tuning: &Tuning,
-            key: &str,
-            default: T,
-        ) -> Result<T, String> {
-            // A bad value in the file is an error even when a flag overrides it.
-            let from_file = match tuning.get(key) {
-                None => None,
-                Some(text) => Some(T::from_str(text, false).map_err(|_| {
-                    let known: Vec<String> = T::value_variants()
-                        .iter()
-                        .filter_map(|v| v.to_possible_value().map(|p| p.get_name().to_string()))
-                        .collect();
-                    format!(
-                        "tuning: {key} = \"{text}\" is not one of {}",
-                        known.join(", ")
-                    )
-                })?),
-            };
-            Ok(flag.or(from_file).unwrap_or(default))
-        }
+        let file = tuning.over(Switches::default());
         Ok(Switches {
-            clock: match pick(self.clock, tuning, "clock", ClockArg::Cached)? {
-                ClockArg::Cached => ClockMode::Cached,
-                ClockArg::Precise => ClockMode::Precise,
+            clock: match self.clock {
+                Some(ClockArg::Cached) => ClockMode::Cached,
+                Some(ClockArg::Precise) => ClockMode::Precise,
+                None => file.clock,
             },
-            reap: match pick(self.reap, tuning, "reap", ReapArg::Eager)? {
-                ReapArg::Eager => ReapMode::Eager,
-                ReapArg::Lazy => ReapMode::Lazy,
+            reap: match self.reap {
+                Some(ReapArg::Eager) => ReapMode::Eager,
+                Some(ReapArg::Lazy) => ReapMode::Lazy,
+                None => file.reap,
             },
-            stats: match pick(self.stats, tuning, "stats", OnOff::On)? {
-                OnOff::On => StatsMode::On,
-                OnOff::Off => StatsMode::Off,
+            stats: match self.stats {
+                Some(OnOff::On) => StatsMode::On,
+                Some(OnOff::Off) => StatsMode::Off,
+                None => file.stats,
             },
-            flush: match pick(self.flush, tuning, "flush", FlushArg::Batched)? {
-                FlushArg::Batched => FlushMode::Batched,
-                FlushArg::Serial => FlushMode::Serial,
+            flush: match self.flush {
+                Some(FlushArg::Batched) => FlushMode::Batched,
+                Some(FlushArg::Serial) => FlushMode::Serial,
+                None => file.flush,
             },
-            dispatch: match pick(self.dispatch, tuning, "dispatch", DispatchArg::Inline)? {
-                DispatchArg::Inline => DispatchMode::Inline,
-                DispatchArg::Handoff => DispatchMode::Handoff,
+            dispatch: match self.dispatch {
+                Some(DispatchArg::Inline) => DispatchMode::Inline,
+                Some(DispatchArg::Handoff) => DispatchMode::Handoff,
+                None => file.dispatch,
             },
-            writeback: match pick(self.writeback, tuning, "writeback", WritebackArg::PerDevice)? {
-                WritebackArg::PerDevice => WritebackMode::PerDevice,
-                WritebackArg::Shared => WritebackMode::Shared,
+            writeback: match self.writeback {
+                Some(WritebackArg::PerDevice) => WritebackMode::PerDevice,
+                Some(WritebackArg::Shared) => WritebackMode::Shared,
+                None => file.writeback,
             },
         })
     }
@@ -576,8 +561,27 @@ pub enum DeviceChoice {
 
 /// Reads and parses a stack file.
 pub fn read_stack(path: &std::path::Path) -> Result<StackFile, String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read stack file {}: {e}", path.display()))?;
+    use std::io::Read;
+    let max = cairn_devices::config::limits::FILE_BYTES_MAX;
+    let cannot = |e: std::io::Error| format!("cannot read stack file {}: {e}", path.display());
+    // Bounded: a stack file is small, and `/dev/zero` never ends.
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(max + 1).read_to_end(&mut bytes))
+        .map_err(cannot)?;
+    if bytes.len() as u64 > max {
+        return Err(format!(
+            "{}: the stack file is longer than {max} bytes",
+            path.display()
+        ));
+    }
+    let text = String::from_utf8(bytes).map_err(|e| {
+        format!(
+            "{}: the stack file is not UTF-8 text (byte {} is not)",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        )
+    })?;
     StackFile::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
 }
 

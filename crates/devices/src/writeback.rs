@@ -114,9 +114,17 @@ impl Writeback {
                     };
                     let d = parse_duration(s)
                         .map_err(|e| Error::Invalid(format!("writeback: key '{k}' is {e}")))?;
-                    if d.is_zero() {
+                    let range = if k == "expire" {
+                        crate::config::limits::EXPIRE
+                    } else {
+                        crate::config::limits::INTERVAL
+                    };
+                    if !range.contains(&d) {
                         return Err(Error::Invalid(format!(
-                            "writeback: key '{k}' must be more than 0"
+                            "writeback: key '{k}' = \"{}\" is out of range (from {} to {})",
+                            crate::config::shown(s),
+                            crate::config::format_duration(*range.start()),
+                            crate::config::format_duration(*range.end())
                         )));
                     }
                     if k == "expire" {
@@ -127,13 +135,32 @@ impl Writeback {
                 }
                 _ => {
                     return Err(Error::Invalid(format!(
-                        "writeback: unknown key '{k}' (known: {})",
+                        "writeback: unknown key '{}' (known: {})",
+                        crate::config::shown(k),
                         KEYS.join(", ")
                     )))
                 }
             }
         }
         Ok(w)
+    }
+
+    /// Levels given in bytes fit in the caches' memory (`cache_bytes` in all), and the
+    /// background level is below the limit.
+    pub fn check_for(&self, cache_bytes: u64) -> Result<(), Error> {
+        use cairn_core::size::format_bytes;
+        for (key, amount) in [("background", self.background), ("limit", self.limit)] {
+            if let Amount::Bytes(b) = amount {
+                if b > cache_bytes {
+                    return Err(Error::Invalid(format!(
+                        "writeback: key '{key}' is {}, more than the caches' memory together ({}); give at most that, or a share such as \"20%\"",
+                        format_bytes(b),
+                        format_bytes(cache_bytes)
+                    )));
+                }
+            }
+        }
+        self.throttle(cache_bytes).map(|_| ())
     }
 
     /// The throttle for caches holding `cache_bytes` in all; an error when the

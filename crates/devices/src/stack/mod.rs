@@ -24,7 +24,7 @@ use cairn_core::{
     QueueStats, Sink, SinkId,
 };
 
-pub use layouts::{AnyLayout, Linear, Mirror, Raid10, Stripe};
+pub use layouts::{AnyLayout, Linear, Mirror, Raid10, Stripe, COPIES_MAX};
 
 /// Where the bytes of a stacked device live.
 pub trait Layout: Send + Sync {

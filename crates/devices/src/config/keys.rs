@@ -1,0 +1,586 @@
+//! One `[device.NAME]` or `[export.NAME]` table to a typed spec, with every key checked.
+//!
+//! Each key has a type and, when it is a number, a range ([`super::limits`]); a value
+//! outside it is refused with one line naming the device, the key, the value as written
+//! and the range. Nothing here touches the file system or opens a device: checks that
+//! need the members (their sizes and block sizes) happen when the stack is opened.
+
+use std::ops::RangeInclusive;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use cairn_core::size::{format_bytes, parse_duration, parse_size};
+use cairn_core::{Error, Op};
+use toml::{Table, Value};
+
+use super::limits;
+use super::{err, DeviceSpec, ExportSpec, DEFAULT_CHUNK_BYTES};
+use crate::spec::{Engine, LeafSpec};
+use crate::wrap::{Delays, FaultRule};
+use crate::DEFAULT_BLOCK_BYTES;
+
+const EXPORT_KEYS: [&str; 4] = ["device", "read_only", "description", "default"];
+
+/// Parses one `[export.NAME]` table.
+pub(super) fn parse_export(name: &str, table: &Table) -> Result<ExportSpec, Error> {
+    let bad = |key: &str, what: &str| err(format!("export '{name}': key '{key}' {what}"));
+    for key in table.keys() {
+        if !EXPORT_KEYS.contains(&key.as_str()) {
+            return Err(err(format!(
+                "export '{name}': unknown key '{}' (known: {})",
+                shown(key),
+                EXPORT_KEYS.join(", ")
+            )));
+        }
+    }
+    let device = match table.get("device") {
+        Some(Value::String(d)) => d.clone(),
+        Some(_) => return Err(bad("device", "must be a string")),
+        None => return Err(bad("device", "is missing")),
+    };
+    let flag = |key: &str| match table.get(key) {
+        None => Ok(false),
+        Some(Value::Boolean(b)) => Ok(*b),
+        Some(_) => Err(bad(key, "must be true or false")),
+    };
+    let description = match table.get("description") {
+        None => String::new(),
+        Some(Value::String(d)) if d.len() <= limits::DESCRIPTION_BYTES_MAX => d.clone(),
+        Some(Value::String(_)) => {
+            return Err(bad(
+                "description",
+                &format!("is longer than {} bytes", limits::DESCRIPTION_BYTES_MAX),
+            ))
+        }
+        Some(_) => return Err(bad("description", "must be a string")),
+    };
+    Ok(ExportSpec {
+        device,
+        read_only: flag("read_only")?,
+        description,
+        default: flag("default")?,
+    })
+}
+
+/// Reads the typed keys of one device table and refuses the rest.
+struct Keys<'a> {
+    device: &'a str,
+    kind: &'a str,
+    table: &'a Table,
+    known: &'static [&'static str],
+}
+
+impl Keys<'_> {
+    fn check_unknown(&self) -> Result<(), Error> {
+        for key in self.table.keys() {
+            if key != "type" && !self.known.contains(&key.as_str()) {
+                return Err(err(format!(
+                    "device '{}': unknown key '{}' for type {} (known: {})",
+                    self.device,
+                    shown(key),
+                    self.kind,
+                    self.known.join(", ")
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn bad(&self, key: &str, what: &str) -> Error {
+        err(format!("device '{}': key '{key}' {what}", self.device))
+    }
+
+    /// The value of `key` as written (TOML syntax, cut short), for messages.
+    fn written(&self, key: &str) -> String {
+        self.table
+            .get(key)
+            .map(|v| shown(&v.to_string()))
+            .unwrap_or_default()
+    }
+
+    /// `key = VALUE is out of range (RANGE)`.
+    fn out_of_range(&self, key: &str, range: &str) -> Error {
+        self.bad(
+            key,
+            &format!("= {} is out of range ({range})", self.written(key)),
+        )
+    }
+
+    fn size(&self, key: &str) -> Result<Option<u64>, Error> {
+        match self.table.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => parse_size(s)
+                .map(Some)
+                .map_err(|e| self.bad(key, &format!("is {}", shown(&e)))),
+            Some(Value::Integer(n)) if *n >= 0 => Ok(Some(*n as u64)),
+            Some(_) => Err(self.bad(key, "must be a size such as \"10G\" or a positive number")),
+        }
+    }
+
+    /// A size within `range`; `why` says where the upper end comes from, if anywhere.
+    fn size_in(
+        &self,
+        key: &str,
+        range: RangeInclusive<u64>,
+        why: &str,
+    ) -> Result<Option<u64>, Error> {
+        let Some(v) = self.size(key)? else {
+            return Ok(None);
+        };
+        if !range.contains(&v) {
+            let mut text = bytes_range(&range);
+            if !why.is_empty() {
+                text += &format!(", {why}");
+            }
+            return Err(self.out_of_range(key, &text));
+        }
+        Ok(Some(v))
+    }
+
+    fn required(&self, key: &str, v: Option<u64>) -> Result<u64, Error> {
+        v.ok_or_else(|| self.bad(key, "is missing"))
+    }
+
+    fn string(&self, key: &str) -> Result<Option<&str>, Error> {
+        match self.table.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(_) => Err(self.bad(key, "must be a string")),
+        }
+    }
+
+    fn bool(&self, key: &str) -> Result<Option<bool>, Error> {
+        match self.table.get(key) {
+            None => Ok(None),
+            Some(Value::Boolean(b)) => Ok(Some(*b)),
+            Some(Value::Integer(0)) => Ok(Some(false)),
+            Some(Value::Integer(1)) => Ok(Some(true)),
+            Some(_) => Err(self.bad(key, "must be true or false")),
+        }
+    }
+
+    fn integer(&self, key: &str) -> Result<Option<u64>, Error> {
+        match self.table.get(key) {
+            None => Ok(None),
+            Some(Value::Integer(n)) if *n >= 0 => Ok(Some(*n as u64)),
+            Some(_) => Err(self.bad(key, "must be a whole number")),
+        }
+    }
+
+    /// A duration within `range`: a string with a unit, or (with `bare_seconds`) a number
+    /// of seconds.
+    fn duration_in(
+        &self,
+        key: &str,
+        range: RangeInclusive<Duration>,
+        bare_seconds: bool,
+    ) -> Result<Option<Duration>, Error> {
+        let out = || self.out_of_range(key, &duration_range(&range));
+        let d = match self.table.get(key) {
+            None => return Ok(None),
+            Some(Value::String(s)) => {
+                parse_duration(s).map_err(|e| self.bad(key, &format!("is {}", shown(&e))))?
+            }
+            Some(Value::Integer(n)) if bare_seconds && *n >= 0 => Duration::from_secs(*n as u64),
+            Some(Value::Float(f)) if bare_seconds && *f >= 0.0 && f.is_finite() => {
+                // Checked before converting: a huge number of seconds has no Duration.
+                if *f > range.end().as_secs_f64() {
+                    return Err(out());
+                }
+                Duration::from_secs_f64(*f)
+            }
+            Some(_) if bare_seconds => {
+                return Err(self.bad(
+                    key,
+                    "must be a duration such as \"30s\" or a number of seconds",
+                ))
+            }
+            Some(_) => return Err(self.bad(key, "must be a duration such as \"1ms\"")),
+        };
+        if !range.contains(&d) {
+            return Err(out());
+        }
+        Ok(Some(d))
+    }
+
+    fn base(&self) -> Result<String, Error> {
+        Ok(self
+            .string("base")?
+            .ok_or_else(|| self.bad("base", "is missing"))?
+            .to_string())
+    }
+
+    fn block(&self) -> Result<u32, Error> {
+        let b = self
+            .size_in("block", limits::BLOCK, "")?
+            .unwrap_or(u64::from(DEFAULT_BLOCK_BYTES));
+        if !b.is_power_of_two() {
+            return Err(self.bad(
+                "block",
+                &format!("= {} must be a power of two", self.written("block")),
+            ));
+        }
+        Ok(b as u32)
+    }
+
+    /// The size of a null or mem device: whole blocks, up to `max`.
+    fn leaf_size(&self, block: u32, max: u64, why: &str) -> Result<u64, Error> {
+        let size = self.size_in("size", u64::from(block)..=max, why)?;
+        let size = self.required("size", size)?;
+        if !size.is_multiple_of(u64::from(block)) {
+            return Err(self.bad(
+                "size",
+                &format!(
+                    "= {} is not a whole number of {block}-byte blocks",
+                    self.written("size")
+                ),
+            ));
+        }
+        Ok(size)
+    }
+
+    fn fault_rule(&self) -> Result<FaultRule, Error> {
+        let mut ops = [false; Op::COUNT];
+        match self.table.get("fail") {
+            None => {
+                ops[Op::Read.index()] = true;
+                ops[Op::Write.index()] = true;
+                ops[Op::Flush.index()] = true;
+            }
+            Some(Value::Array(list)) if !list.is_empty() => {
+                for v in list {
+                    let op =
+                        match v.as_str() {
+                            Some("read") => Op::Read,
+                            Some("write") => Op::Write,
+                            Some("flush") => Op::Flush,
+                            Some("discard") => Op::Discard,
+                            Some("write-zeroes") => Op::WriteZeroes,
+                            _ => return Err(self.bad(
+                                "fail",
+                                "must list operations: read, write, flush, discard, write-zeroes",
+                            )),
+                        };
+                    ops[op.index()] = true;
+                }
+            }
+            Some(_) => return Err(self.bad("fail", "must be a non-empty list such as [\"write\"]")),
+        }
+        let probability = match self.table.get("probability") {
+            None => None,
+            Some(Value::Float(p)) if (0.0..=1.0).contains(p) => Some(*p),
+            Some(Value::Integer(p)) if (0..=1).contains(p) => Some(*p as f64),
+            Some(_) => return Err(self.bad("probability", "must be a number from 0 to 1")),
+        };
+        let sectors = match self.table.get("sectors") {
+            None => None,
+            Some(Value::Array(a)) => match a.as_slice() {
+                [Value::Integer(x), Value::Integer(y)] if 0 <= *x && x < y => {
+                    Some((*x as u64, *y as u64))
+                }
+                _ => return Err(self.bad("sectors", "must be [first, end] with first < end")),
+            },
+            Some(_) => return Err(self.bad("sectors", "must be [first, end] with first < end")),
+        };
+        let errno = match self.table.get("errno") {
+            None => libc::EIO,
+            Some(Value::Integer(n)) if (1..4096).contains(n) => *n as i32,
+            Some(Value::String(name)) => match name.as_str() {
+                "EIO" => libc::EIO,
+                "ENOSPC" => libc::ENOSPC,
+                "EPERM" => libc::EPERM,
+                "EINVAL" => libc::EINVAL,
+                "ENODEV" => libc::ENODEV,
+                "ETIMEDOUT" => libc::ETIMEDOUT,
+                _ => {
+                    return Err(self.bad(
+                        "errno",
+                        "must be EIO, ENOSPC, EPERM, EINVAL, ENODEV, ETIMEDOUT or a number from 1 to 4095",
+                    ))
+                }
+            },
+            Some(_) => {
+                return Err(self.bad(
+                    "errno",
+                    "must be a name such as \"EIO\" or a number from 1 to 4095",
+                ))
+            }
+        };
+        Ok(FaultRule {
+            ops,
+            after_ios: self.integer("after_ios")?,
+            after: self.duration_in("after_secs", limits::AFTER, true)?,
+            probability,
+            sectors,
+            errno,
+            power_cut: self.bool("power_cut")?.unwrap_or(false),
+        })
+    }
+
+    /// A list of member names: `min` to [`limits::MEMBERS_MAX`], each once.
+    fn members(&self, min: usize, max: usize) -> Result<Vec<String>, Error> {
+        let list = match self.table.get("members") {
+            None => return Err(self.bad("members", "is missing")),
+            Some(Value::Array(a)) => a,
+            Some(_) => return Err(self.bad("members", "must be a list of device names")),
+        };
+        if list.is_empty() {
+            return Err(self.bad("members", "is empty"));
+        }
+        // Counted before anything else: the check for names given twice is quadratic.
+        if !(min..=max).contains(&list.len()) {
+            return Err(self.bad(
+                "members",
+                &format!(
+                    "lists {} devices; a {} has from {min} to {max}",
+                    list.len(),
+                    self.kind
+                ),
+            ));
+        }
+        let mut out: Vec<String> = Vec::with_capacity(list.len());
+        for v in list {
+            let Value::String(name) = v else {
+                return Err(self.bad("members", "must be a list of device names"));
+            };
+            if out.contains(name) {
+                return Err(self.bad("members", &format!("names '{}' twice", shown(name))));
+            }
+            out.push(name.clone());
+        }
+        Ok(out)
+    }
+
+    fn chunk(&self) -> Result<u64, Error> {
+        let chunk = self
+            .size_in("chunk", limits::CHUNK, "")?
+            .unwrap_or(DEFAULT_CHUNK_BYTES);
+        if !chunk.is_power_of_two() {
+            return Err(self.bad("chunk", &format!("must be a power of two, not {chunk}")));
+        }
+        Ok(chunk)
+    }
+}
+
+/// Parses one `[device.NAME]` table; `memory_bytes` is this machine's memory (the upper
+/// end of a cache's `memory`).
+pub(super) fn parse_device(
+    name: &str,
+    table: &Table,
+    memory_bytes: u64,
+) -> Result<DeviceSpec, Error> {
+    let kind = match table.get("type") {
+        Some(Value::String(t)) => t.as_str(),
+        Some(_) => return Err(err(format!("device '{name}': key 'type' must be a string"))),
+        None => return Err(err(format!("device '{name}': key 'type' is missing"))),
+    };
+    let known: &'static [&'static str] = match kind {
+        "null" => &["size", "block"],
+        "mem" => &["size", "block", "volatile"],
+        "file" => &["path", "size", "engine", "direct"],
+        "linear" | "mirror" => &["members"],
+        "stripe" => &["members", "chunk"],
+        "raid10" => &["members", "chunk", "copies"],
+        "fault" => &[
+            "base",
+            "fail",
+            "after_ios",
+            "after_secs",
+            "probability",
+            "sectors",
+            "errno",
+            "power_cut",
+        ],
+        "delay" => &["base", "read", "write", "flush", "bandwidth", "seek"],
+        "cache" => &["base", "memory"],
+        _ => {
+            return Err(err(format!(
+                "device '{name}': unknown type '{}' (known: null, mem, file, linear, stripe, mirror, raid10, fault, delay, cache)",
+                shown(kind)
+            )))
+        }
+    };
+    let keys = Keys {
+        device: name,
+        kind,
+        table,
+        known,
+    };
+    keys.check_unknown()?;
+    let latency = |key: &str| {
+        keys.duration_in(key, Duration::ZERO..=limits::LATENCY_MAX, false)
+            .map(Option::unwrap_or_default)
+    };
+    Ok(match kind {
+        "null" => {
+            let block_bytes = keys.block()?;
+            DeviceSpec::Leaf(LeafSpec::Null {
+                size_bytes: keys.leaf_size(block_bytes, limits::SIZE_MAX, "")?,
+                block_bytes,
+            })
+        }
+        "mem" => {
+            let block_bytes = keys.block()?;
+            DeviceSpec::Leaf(LeafSpec::Mem {
+                size_bytes: keys.leaf_size(
+                    block_bytes,
+                    crate::mem::MEM_SIZE_MAX,
+                    "the most a mem device can have",
+                )?,
+                block_bytes,
+                volatile: keys.bool("volatile")?.unwrap_or(false),
+            })
+        }
+        "file" => {
+            let path = keys
+                .string("path")?
+                .ok_or_else(|| keys.bad("path", "is missing"))?;
+            if path.is_empty() || path.contains('\0') {
+                return Err(keys.bad("path", "must be a file's path (not empty, no NUL)"));
+            }
+            DeviceSpec::Leaf(LeafSpec::File {
+                path: PathBuf::from(path),
+                engine: match keys.string("engine")? {
+                    Some(e) => Engine::parse(e)
+                        .map_err(|e| keys.bad("engine", &format!("is wrong: {}", shown(&e))))?,
+                    None => Engine::default(),
+                },
+                direct: keys.bool("direct")?.unwrap_or(false),
+                size_bytes: keys.size_in("size", limits::FILE_SIZE, "")?,
+            })
+        }
+        "linear" => DeviceSpec::Linear {
+            members: keys.members(1, limits::MEMBERS_MAX)?,
+        },
+        "mirror" => DeviceSpec::Mirror {
+            members: keys.members(2, crate::stack::COPIES_MAX)?,
+        },
+        "stripe" => DeviceSpec::Stripe {
+            members: keys.members(1, limits::MEMBERS_MAX)?,
+            chunk: keys.chunk()?,
+        },
+        "fault" => DeviceSpec::Fault {
+            base: keys.base()?,
+            rule: keys.fault_rule()?,
+        },
+        "cache" => {
+            let most = memory_bytes / 2;
+            let memory = keys.size_in(
+                "memory",
+                limits::CACHE_MIN..=most.max(limits::CACHE_MIN),
+                "half of this machine's memory",
+            )?;
+            DeviceSpec::Cache {
+                base: keys.base()?,
+                memory: keys.required("memory", memory)?,
+            }
+        }
+        "delay" => DeviceSpec::Delay {
+            base: keys.base()?,
+            delays: Delays {
+                read: latency("read")?,
+                write: latency("write")?,
+                flush: latency("flush")?,
+                bandwidth: match keys.size("bandwidth")? {
+                    Some(b) if b < limits::BANDWIDTH_MIN => {
+                        return Err(keys.out_of_range(
+                            "bandwidth",
+                            &format!("at least {} a second", format_bytes(limits::BANDWIDTH_MIN)),
+                        ))
+                    }
+                    b => b,
+                },
+                seek: latency("seek")?,
+            },
+        },
+        _ => {
+            let members = keys.members(2, limits::MEMBERS_MAX)?;
+            let copies = match keys.integer("copies")? {
+                None => 2,
+                Some(c)
+                    if (2..=members.len().min(crate::stack::COPIES_MAX) as u64).contains(&c) =>
+                {
+                    c as usize
+                }
+                Some(_) => {
+                    return Err(keys.out_of_range(
+                        "copies",
+                        &format!(
+                            "from 2 to the number of members, {}",
+                            members.len().min(crate::stack::COPIES_MAX)
+                        ),
+                    ))
+                }
+            };
+            DeviceSpec::Raid10 {
+                members,
+                chunk: keys.chunk()?,
+                copies,
+            }
+        }
+    })
+}
+
+/// `from 64KiB to 12GiB`, or `at least 1MiB` when the range is open above.
+pub(super) fn bytes_range(range: &RangeInclusive<u64>) -> String {
+    if *range.end() == u64::MAX {
+        format!("at least {}", format_bytes(*range.start()))
+    } else {
+        format!(
+            "from {} to {}",
+            format_bytes(*range.start()),
+            format_bytes(*range.end())
+        )
+    }
+}
+
+/// `from 0s to 10s`.
+pub(super) fn duration_range(range: &RangeInclusive<Duration>) -> String {
+    format!(
+        "from {} to {}",
+        format_duration(*range.start()),
+        format_duration(*range.end())
+    )
+}
+
+/// A duration in the largest unit that gives a whole number: `10s`, `365d`, `1ms`.
+pub(crate) fn format_duration(d: Duration) -> String {
+    const UNITS: [(u128, &str); 7] = [
+        (86_400_000_000_000, "d"),
+        (3_600_000_000_000, "h"),
+        (60_000_000_000, "min"),
+        (1_000_000_000, "s"),
+        (1_000_000, "ms"),
+        (1_000, "us"),
+        (1, "ns"),
+    ];
+    let ns = d.as_nanos();
+    if ns == 0 {
+        return "0s".into();
+    }
+    let (scale, unit) = UNITS
+        .iter()
+        .find(|(scale, _)| ns.is_multiple_of(*scale))
+        .copied()
+        .unwrap_or((1, "ns"));
+    format!("{}{unit}", ns / scale)
+}
+
+/// Text from the input, made safe for a one-line message: control characters escaped,
+/// and cut short when long.
+pub(crate) fn shown(text: &str) -> String {
+    const MAX_CHARS: usize = 80;
+    let mut out = String::new();
+    for (i, c) in text.chars().enumerate() {
+        if i == MAX_CHARS {
+            out.push('…');
+            break;
+        }
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}

@@ -1,0 +1,791 @@
+//! Stack files: a TOML description of devices and how they stack.
+//!
+//! ```toml
+//! [tuning]                 # optional: the global switches (command-line flags win)
+//! clock = "cached"
+//!
+//! [device.d0]
+//! type = "file"
+//! path = "/var/lib/cairn/d0.img"
+//! size = "10G"             # created if missing
+//!
+//! [device.r]
+//! type = "raid10"
+//! members = ["d0", "d1", "d2", "d3"]
+//! chunk = "64K"
+//! ```
+//!
+//! [`StackFile::parse`] turns the text into typed specs once: every key has a type and,
+//! if it is a number, a range ([`limits`]); the device graph is checked (members
+//! defined, each used once, no cycle, at most [`limits::DEPTH_MAX`] levels). Every error
+//! is one line that names the device (or the table) and the key. [`StackFile::open`]
+//! refuses two devices backed by the same file, then builds the devices, members first.
+//!
+//! Nothing that input drives recurses without a bound: the graph walks are iterative, and
+//! opening recurses once per level of a graph already checked to be shallow.
+
+mod graph;
+mod keys;
+
+pub(crate) use keys::{format_duration, shown};
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use cairn_core::{
+    ClockMode, Device, DispatchMode, Error, FlushMode, ReapMode, StatsMode, Switches, WritebackMode,
+};
+use toml::{Table, Value};
+
+use crate::spec::LeafSpec;
+use crate::stack::{AnyLayout, Linear, Mirror, Raid10, StackDevice, Stripe};
+use crate::wrap::{Delays, FaultRule, Faults, WrapDevice};
+
+/// Default chunk of stripe and raid10.
+pub const DEFAULT_CHUNK_BYTES: u64 = 64 << 10;
+
+/// The bounds a stack file is checked against when it is parsed.
+///
+/// A value outside them is a mistake, not a configuration: a 20,000-level chain, a cache
+/// larger than the machine, a disk modelled at 0 bytes a second. Each bound is generous
+/// for real use and keeps every walk, wait and allocation that input drives finite.
+pub mod limits {
+    use std::ops::RangeInclusive;
+    use std::time::Duration;
+
+    /// Bytes of a stack file cairn reads; a longer file is refused.
+    pub const FILE_BYTES_MAX: u64 = 1 << 20;
+    /// Devices in one stack file.
+    pub const DEVICES_MAX: usize = 4096;
+    /// Exports in one stack file.
+    pub const EXPORTS_MAX: usize = 4096;
+    /// Levels of a device graph: a leaf alone is one level.
+    pub const DEPTH_MAX: usize = 64;
+    /// Members of a linear, stripe or raid10 device (a mirror has at most
+    /// [`crate::stack::COPIES_MAX`]).
+    pub const MEMBERS_MAX: usize = 256;
+    /// Bytes of a device or export name.
+    pub const NAME_BYTES_MAX: usize = 255;
+    /// Bytes of an export's description.
+    pub const DESCRIPTION_BYTES_MAX: usize = 4096;
+    /// Logical block size (also a power of two).
+    pub const BLOCK: RangeInclusive<u64> = 512..=65536;
+    /// Size of a null device (1 EiB; mem has [`crate::mem::MEM_SIZE_MAX`]).
+    pub const SIZE_MAX: u64 = 1 << 60;
+    /// `size` of a file device.
+    pub const FILE_SIZE: RangeInclusive<u64> = 512..=(1 << 60);
+    /// Chunk of stripe and raid10 (also a power of two).
+    pub const CHUNK: RangeInclusive<u64> = 512..=(1 << 30);
+    /// A cache's `memory`, at least; at most half of the machine's memory, for each cache
+    /// and for all of a file's caches together.
+    pub const CACHE_MIN: u64 = 64 << 10;
+    /// A delay's `read`, `write`, `flush` and `seek`.
+    pub const LATENCY_MAX: Duration = Duration::from_secs(10);
+    /// A delay's `bandwidth`, in bytes per second.
+    pub const BANDWIDTH_MIN: u64 = 1 << 20;
+    /// A fault's `after_secs`.
+    pub const AFTER: RangeInclusive<Duration> =
+        Duration::ZERO..=Duration::from_secs(365 * 24 * 3600);
+    /// `[writeback]` `interval`.
+    pub const INTERVAL: RangeInclusive<Duration> =
+        Duration::from_millis(1)..=Duration::from_secs(3600);
+    /// `[writeback]` `expire`.
+    pub const EXPIRE: RangeInclusive<Duration> =
+        Duration::from_millis(1)..=Duration::from_secs(24 * 3600);
+}
+
+/// This machine's memory in bytes (the upper end of cache memory is half of it).
+pub fn machine_memory_bytes() -> u64 {
+    // SAFETY: sysconf reads system constants; no memory is passed.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    if pages <= 0 || page <= 0 {
+        // Unknown: no bound from memory beyond what a cache can address.
+        return u64::MAX;
+    }
+    (pages as u64).saturating_mul(page as u64)
+}
+
+/// What one `[device.NAME]` table describes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DeviceSpec {
+    /// null, mem or file.
+    Leaf(LeafSpec),
+    /// Members end to end.
+    Linear {
+        /// Member names.
+        members: Vec<String>,
+    },
+    /// RAID0.
+    Stripe {
+        /// Member names.
+        members: Vec<String>,
+        /// Chunk size in bytes.
+        chunk: u64,
+    },
+    /// RAID1.
+    Mirror {
+        /// Member names.
+        members: Vec<String>,
+    },
+    /// RAID10, md's near layout.
+    Raid10 {
+        /// Member names.
+        members: Vec<String>,
+        /// Chunk size in bytes.
+        chunk: u64,
+        /// Copies of each chunk.
+        copies: usize,
+    },
+    /// Fails requests to `base` per a rule.
+    Fault {
+        /// The wrapped device.
+        base: String,
+        /// When to fail.
+        rule: FaultRule,
+    },
+    /// Adds latency to requests to `base`.
+    Delay {
+        /// The wrapped device.
+        base: String,
+        /// How much.
+        delays: Delays,
+    },
+    /// A write-back cache in memory over `base`.
+    Cache {
+        /// The cached device.
+        base: String,
+        /// Cache memory in bytes.
+        memory: u64,
+    },
+}
+
+impl DeviceSpec {
+    /// Names of the devices this one is built from.
+    pub fn members(&self) -> &[String] {
+        match self {
+            DeviceSpec::Leaf(_) => &[],
+            DeviceSpec::Linear { members }
+            | DeviceSpec::Stripe { members, .. }
+            | DeviceSpec::Mirror { members }
+            | DeviceSpec::Raid10 { members, .. } => members,
+            DeviceSpec::Fault { base, .. }
+            | DeviceSpec::Delay { base, .. }
+            | DeviceSpec::Cache { base, .. } => std::slice::from_ref(base),
+        }
+    }
+
+    /// The key that names this device's members (for error messages).
+    fn members_key(&self) -> &'static str {
+        match self {
+            DeviceSpec::Fault { .. } | DeviceSpec::Delay { .. } | DeviceSpec::Cache { .. } => {
+                "base"
+            }
+            _ => "members",
+        }
+    }
+}
+
+/// The `[tuning]` table: the switches a stack file sets (command-line flags win).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Tuning {
+    /// `clock = "cached" | "precise"`.
+    pub clock: Option<ClockMode>,
+    /// `reap = "eager" | "lazy"`.
+    pub reap: Option<ReapMode>,
+    /// `stats = "on" | "off"`.
+    pub stats: Option<StatsMode>,
+    /// `flush = "batched" | "serial"`.
+    pub flush: Option<FlushMode>,
+    /// `dispatch = "inline" | "handoff"`.
+    pub dispatch: Option<DispatchMode>,
+    /// `writeback = "per-device" | "shared"`.
+    pub writeback: Option<WritebackMode>,
+}
+
+impl Tuning {
+    /// The switches this table sets, over `defaults`.
+    pub fn over(&self, defaults: Switches) -> Switches {
+        Switches {
+            clock: self.clock.unwrap_or(defaults.clock),
+            reap: self.reap.unwrap_or(defaults.reap),
+            stats: self.stats.unwrap_or(defaults.stats),
+            flush: self.flush.unwrap_or(defaults.flush),
+            dispatch: self.dispatch.unwrap_or(defaults.dispatch),
+            writeback: self.writeback.unwrap_or(defaults.writeback),
+        }
+    }
+
+    fn parse(table: &Table) -> Result<Tuning, Error> {
+        fn pick<T: Copy>(key: &str, text: &str, names: &[(&str, T)]) -> Result<T, Error> {
+            names
+                .iter()
+                .find(|(n, _)| *n == text)
+                .map(|(_, v)| *v)
+                .ok_or_else(|| {
+                    let known: Vec<&str> = names.iter().map(|(n, _)| *n).collect();
+                    err(format!(
+                        "tuning: {key} = \"{}\" is not one of {}",
+                        keys::shown(text),
+                        known.join(", ")
+                    ))
+                })
+        }
+        let mut t = Tuning::default();
+        for (k, v) in table {
+            let Value::String(s) = v else {
+                if TUNING_KEYS.contains(&k.as_str()) {
+                    return Err(err(format!("tuning: key '{k}' must be a string")));
+                }
+                return Err(unknown_tuning_key(k));
+            };
+            let s = s.as_str();
+            match k.as_str() {
+                "clock" => {
+                    t.clock = Some(pick(
+                        k,
+                        s,
+                        &[
+                            ("cached", ClockMode::Cached),
+                            ("precise", ClockMode::Precise),
+                        ],
+                    )?)
+                }
+                "reap" => {
+                    t.reap = Some(pick(
+                        k,
+                        s,
+                        &[("eager", ReapMode::Eager), ("lazy", ReapMode::Lazy)],
+                    )?)
+                }
+                "stats" => {
+                    t.stats = Some(pick(
+                        k,
+                        s,
+                        &[("on", StatsMode::On), ("off", StatsMode::Off)],
+                    )?)
+                }
+                "flush" => {
+                    t.flush = Some(pick(
+                        k,
+                        s,
+                        &[
+                            ("batched", FlushMode::Batched),
+                            ("serial", FlushMode::Serial),
+                        ],
+                    )?)
+                }
+                "dispatch" => {
+                    t.dispatch = Some(pick(
+                        k,
+                        s,
+                        &[
+                            ("inline", DispatchMode::Inline),
+                            ("handoff", DispatchMode::Handoff),
+                        ],
+                    )?)
+                }
+                "writeback" => {
+                    t.writeback = Some(pick(
+                        k,
+                        s,
+                        &[
+                            ("per-device", WritebackMode::PerDevice),
+                            ("shared", WritebackMode::Shared),
+                        ],
+                    )?)
+                }
+                _ => return Err(unknown_tuning_key(k)),
+            }
+        }
+        Ok(t)
+    }
+}
+
+const TUNING_KEYS: [&str; 6] = ["clock", "reap", "stats", "dispatch", "flush", "writeback"];
+
+fn unknown_tuning_key(key: &str) -> Error {
+    err(format!(
+        "tuning: unknown key '{}' (known: {})",
+        keys::shown(key),
+        TUNING_KEYS.join(", ")
+    ))
+}
+
+fn err(msg: String) -> Error {
+    Error::Invalid(msg)
+}
+
+/// An `[export.NAME]` table: a device that `cairn serve` offers to NBD clients.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportSpec {
+    /// The device served (a top-level device of the file).
+    pub device: String,
+    /// Refuse every request that would change data.
+    pub read_only: bool,
+    /// Shown to clients that list exports.
+    pub description: String,
+    /// Chosen by clients that ask for the default export (the empty name).
+    pub default: bool,
+}
+
+/// A parsed stack file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StackFile {
+    /// Devices by name.
+    pub devices: BTreeMap<String, DeviceSpec>,
+    /// The `[tuning]` table.
+    pub tuning: Tuning,
+    /// `[export.NAME]` tables by name.
+    pub exports: BTreeMap<String, ExportSpec>,
+    /// The `[writeback]` table (the dirty budget of cache devices), if present.
+    pub writeback: Option<crate::writeback::Writeback>,
+}
+
+impl StackFile {
+    /// Parses and checks a stack file's text.
+    pub fn parse(text: &str) -> Result<StackFile, Error> {
+        StackFile::parse_on(text, machine_memory_bytes())
+    }
+
+    /// Parses as on a machine with `memory_bytes` of memory (caches may take half).
+    pub fn parse_on(text: &str, memory_bytes: u64) -> Result<StackFile, Error> {
+        if text.len() as u64 > limits::FILE_BYTES_MAX {
+            return Err(err(format!(
+                "the stack file is {} bytes; at most {} are read",
+                text.len(),
+                limits::FILE_BYTES_MAX
+            )));
+        }
+        let root: Table = text
+            .parse()
+            .map_err(|e: toml::de::Error| toml_error(text, &e))?;
+        let mut devices = BTreeMap::new();
+        let mut tuning = Tuning::default();
+        let mut exports = BTreeMap::new();
+        let mut writeback = None;
+        for (key, value) in &root {
+            match (key.as_str(), value) {
+                ("device", Value::Table(t)) => {
+                    if t.len() > limits::DEVICES_MAX {
+                        return Err(err(format!(
+                            "the stack file defines {} devices; at most {} are allowed",
+                            t.len(),
+                            limits::DEVICES_MAX
+                        )));
+                    }
+                    for (name, dv) in t {
+                        graph::check_name("device", name)?;
+                        let Value::Table(dt) = dv else {
+                            return Err(err(format!(
+                                "device '{name}' must be a table ([device.{name}])"
+                            )));
+                        };
+                        devices.insert(name.clone(), keys::parse_device(name, dt, memory_bytes)?);
+                    }
+                }
+                ("export", Value::Table(t)) => {
+                    if t.len() > limits::EXPORTS_MAX {
+                        return Err(err(format!(
+                            "the stack file defines {} exports; at most {} are allowed",
+                            t.len(),
+                            limits::EXPORTS_MAX
+                        )));
+                    }
+                    for (name, ev) in t {
+                        // The empty name is NBD's default export, and allowed.
+                        if !name.is_empty() {
+                            graph::check_name("export", name)?;
+                        }
+                        let Value::Table(et) = ev else {
+                            return Err(err(format!(
+                                "export '{name}' must be a table ([export.{name}])"
+                            )));
+                        };
+                        exports.insert(name.clone(), keys::parse_export(name, et)?);
+                    }
+                }
+                ("writeback", Value::Table(t)) => {
+                    writeback = Some(crate::writeback::Writeback::parse(t)?);
+                }
+                ("tuning", Value::Table(t)) => tuning = Tuning::parse(t)?,
+                ("device" | "export" | "writeback" | "tuning", _) => {
+                    return Err(err(format!(
+                        "'{key}' must be a table ([{key}{}])",
+                        if matches!(key.as_str(), "device" | "export") {
+                            ".NAME"
+                        } else {
+                            ""
+                        }
+                    )))
+                }
+                _ => {
+                    return Err(err(format!(
+                        "unknown top-level key '{}' (known: [device.NAME] and [export.NAME] tables, [tuning] and [writeback])",
+                        keys::shown(key)
+                    )))
+                }
+            }
+        }
+        if devices.is_empty() {
+            return Err(err("the stack file defines no [device.NAME] table".into()));
+        }
+        let file = StackFile {
+            devices,
+            tuning,
+            exports,
+            writeback,
+        };
+        graph::check(&file.devices)?;
+        file.check_exports()?;
+        file.check_cache_memory(memory_bytes)?;
+        Ok(file)
+    }
+
+    /// The caches together fit in half of the machine's memory, and a `[writeback]` table's
+    /// levels fit in the caches.
+    fn check_cache_memory(&self, memory_bytes: u64) -> Result<(), Error> {
+        let total = self.cache_bytes();
+        if total > memory_bytes / 2 {
+            let caches: Vec<String> = self
+                .devices
+                .iter()
+                .filter(|(_, d)| matches!(d, DeviceSpec::Cache { .. }))
+                .map(|(n, _)| format!("'{n}'"))
+                .collect();
+            return Err(err(format!(
+                "devices {} together set key 'memory' to {}, more than half of this machine's memory ({})",
+                caches.join(", "),
+                cairn_core::size::format_bytes(total),
+                cairn_core::size::format_bytes(memory_bytes / 2)
+            )));
+        }
+        match (&self.writeback, total) {
+            (Some(w), 1..) => w.check_for(total),
+            _ => Ok(()),
+        }
+    }
+
+    /// Exports name defined top-level devices; at most one is the default.
+    fn check_exports(&self) -> Result<(), Error> {
+        let roots = self.roots();
+        for (name, e) in &self.exports {
+            if !self.devices.contains_key(&e.device) {
+                return Err(err(format!(
+                    "export '{name}': key 'device' names '{}', which is not defined",
+                    e.device
+                )));
+            }
+            if !roots.contains(&e.device) {
+                return Err(err(format!(
+                    "export '{name}': key 'device' names '{}', which is a member of another device; export the device at the top instead",
+                    e.device
+                )));
+            }
+        }
+        let defaults: Vec<&String> = self
+            .exports
+            .iter()
+            .filter(|(_, e)| e.default)
+            .map(|(n, _)| n)
+            .collect();
+        if defaults.len() > 1 {
+            return Err(err(format!(
+                "exports {} all set 'default = true'; at most one can be the default",
+                defaults
+                    .iter()
+                    .map(|n| format!("'{n}'"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+        if let (Some(d), true) = (defaults.first(), self.exports.contains_key("")) {
+            if !d.is_empty() {
+                return Err(err(format!(
+                    "export '{d}' sets 'default = true', but an export named \"\" exists and is the default"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Devices that are not a member of any other device.
+    pub fn roots(&self) -> Vec<String> {
+        let used: std::collections::HashSet<&String> =
+            self.devices.values().flat_map(|d| d.members()).collect();
+        self.devices
+            .keys()
+            .filter(|n| !used.contains(n))
+            .cloned()
+            .collect()
+    }
+
+    /// The device to run on: `name`, or the single root.
+    pub fn pick(&self, name: Option<&str>) -> Result<String, Error> {
+        match name {
+            Some(n) if self.devices.contains_key(n) => Ok(n.to_string()),
+            Some(n) => Err(err(format!(
+                "no device '{n}' in the stack file (defined: {})",
+                self.devices.keys().cloned().collect::<Vec<_>>().join(", ")
+            ))),
+            None => {
+                let roots = self.roots();
+                match roots.as_slice() {
+                    [one] => Ok(one.clone()),
+                    _ => Err(err(format!(
+                        "the stack file has {} top-level devices ({}); choose one with --device NAME",
+                        roots.len(),
+                        roots.join(", ")
+                    ))),
+                }
+            }
+        }
+    }
+
+    /// Opens `name` and everything below it.
+    pub fn open(&self, name: &str) -> Result<Arc<dyn Device>, Error> {
+        self.open_with(name, Switches::default())
+    }
+
+    /// What `cairn check` shows: opens `device` (or every top-level device) with
+    /// everything below it, and returns their trees, the caches' budget and the exports.
+    /// Everything is opened before anything is shown, so an error comes alone.
+    pub fn check(&self, device: Option<&str>, switches: Switches) -> Result<String, Error> {
+        let names = match device {
+            Some(n) => vec![self.pick(Some(n))?],
+            None => self.roots(),
+        };
+        let devices = names
+            .iter()
+            .map(|name| self.open_with(name, switches))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut out = String::new();
+        for device in devices {
+            out += &tree(&*device);
+        }
+        if let Some(w) = self.writeback_summary() {
+            out += &w;
+            out.push('\n');
+        }
+        for (name, e) in &self.exports {
+            out += &format!(
+                "export '{name}': device {}{}{}\n",
+                e.device,
+                if e.read_only { ", read-only" } else { "" },
+                if e.default { ", default" } else { "" }
+            );
+        }
+        Ok(out)
+    }
+
+    /// The cache memory of every cache device of the file together.
+    fn cache_bytes(&self) -> u64 {
+        self.devices
+            .values()
+            .map(|d| match d {
+                DeviceSpec::Cache { memory, .. } => *memory,
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// The dirty budget the file's caches share, in bytes, for `cairn check`: `None`
+    /// without caches.
+    pub fn writeback_summary(&self) -> Option<String> {
+        use cairn_core::size::format_bytes;
+        let caches = self
+            .devices
+            .values()
+            .filter(|d| matches!(d, DeviceSpec::Cache { .. }))
+            .count();
+        let memory = self.cache_bytes();
+        if memory == 0 {
+            return None;
+        }
+        let w = self.writeback.unwrap_or_default();
+        let t = w.throttle(memory).ok()?;
+        Some(format!(
+            "writeback: {caches} cache{} with {} of memory share one budget: flushers write back over {}, \
+             writers are paced from {} (held near {}) to {}; expire {:?}, interval {:?}",
+            if caches == 1 { "" } else { "s" },
+            format_bytes(memory),
+            format_bytes(t.background),
+            format_bytes(t.freerun()),
+            format_bytes(t.setpoint()),
+            format_bytes(t.limit),
+            w.expire,
+            w.interval,
+        ))
+    }
+
+    /// Opens `name` and everything below it, with the switches that shape devices (the
+    /// write-back mode of caches). Two devices of the file backed by the same file are
+    /// refused first, whichever of them `name` uses.
+    pub fn open_with(&self, name: &str, switches: Switches) -> Result<Arc<dyn Device>, Error> {
+        graph::check_paths(&self.devices)?;
+        let mut opened = HashMap::new();
+        // Every cache of the file shares one dirty budget, sized on their memory together.
+        let cache_bytes = self.cache_bytes();
+        let budget = if cache_bytes > 0 {
+            let w = self.writeback.unwrap_or_default();
+            Some(Arc::new(crate::writeback::Budget::new(&w, cache_bytes)?))
+        } else {
+            None
+        };
+        self.open_rec(name, &mut opened, &budget, switches, 1)
+    }
+
+    fn open_rec(
+        &self,
+        name: &str,
+        opened: &mut HashMap<String, Arc<dyn Device>>,
+        budget: &Option<Arc<crate::writeback::Budget>>,
+        switches: Switches,
+        depth: usize,
+    ) -> Result<Arc<dyn Device>, Error> {
+        if let Some(d) = opened.get(name) {
+            return Ok(d.clone());
+        }
+        // `parse` refused deeper graphs; this bounds the recursion on its own all the same.
+        if depth > limits::DEPTH_MAX {
+            return Err(err(format!(
+                "device '{name}' is more than {} levels deep",
+                limits::DEPTH_MAX
+            )));
+        }
+        let spec = self
+            .devices
+            .get(name)
+            .ok_or_else(|| err(format!("no device '{name}'")))?;
+        let members = spec
+            .members()
+            .iter()
+            .map(|m| self.open_rec(m, opened, budget, switches, depth + 1))
+            .collect::<Result<Vec<_>, _>>()?;
+        let sizes: Vec<u64> = members.iter().map(|m| m.geometry().size_bytes).collect();
+        let smallest = sizes.iter().copied().min().unwrap_or(0);
+        let block = members
+            .iter()
+            .map(|m| u64::from(m.geometry().block_bytes))
+            .max()
+            .unwrap_or(512);
+        let named = |e: Error| match e {
+            Error::Invalid(m) => err(format!("device '{name}': {m}")),
+            Error::Os { context, source } => Error::Os {
+                context: format!("device '{name}': {context}"),
+                source,
+            },
+            other => other,
+        };
+        let device: Arc<dyn Device> = match spec {
+            DeviceSpec::Leaf(leaf) => crate::open(leaf, name).map_err(named)?,
+            DeviceSpec::Linear { .. } => stacked(
+                name,
+                Arc::new(AnyLayout::Linear(Linear::new(&sizes, block))),
+                members,
+            )
+            .map_err(named)?,
+            DeviceSpec::Stripe { chunk, .. } => {
+                let layout = Stripe::new(members.len(), *chunk, smallest, block).map_err(named)?;
+                stacked(name, Arc::new(layout.into()), members).map_err(named)?
+            }
+            DeviceSpec::Mirror { .. } => {
+                let layout = Mirror::new(members.len(), smallest).map_err(named)?;
+                stacked(name, Arc::new(layout.into()), members).map_err(named)?
+            }
+            DeviceSpec::Fault { rule, .. } => Arc::new(WrapDevice::new(
+                name,
+                members[0].clone(),
+                Arc::new(Faults::new(rule.clone())),
+            )),
+            DeviceSpec::Cache { memory, .. } => {
+                let budget = budget
+                    .clone()
+                    .ok_or_else(|| err(format!("device '{name}': the caches have no memory")))?;
+                Arc::new(
+                    crate::cache::CacheDevice::new(
+                        name,
+                        members[0].clone(),
+                        *memory,
+                        budget,
+                        switches,
+                    )
+                    .map_err(named)?,
+                )
+            }
+            DeviceSpec::Delay { delays, .. } => Arc::new(WrapDevice::new(
+                name,
+                members[0].clone(),
+                Arc::new(crate::wrap::Delay::new(*delays)),
+            )),
+            DeviceSpec::Raid10 { chunk, copies, .. } => {
+                let layout =
+                    Raid10::new(members.len(), *copies, *chunk, smallest, block).map_err(named)?;
+                stacked(name, Arc::new(layout.into()), members).map_err(named)?
+            }
+        };
+        opened.insert(name.to_string(), device.clone());
+        Ok(device)
+    }
+}
+
+/// A TOML syntax error as one line, with the line number where the parser stopped.
+fn toml_error(text: &str, e: &toml::de::Error) -> Error {
+    let message: Vec<&str> = e
+        .message()
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    let message = message.join("; ");
+    match e.span() {
+        Some(span) => {
+            let before = &text.as_bytes()[..span.start.min(text.len())];
+            let line = before.iter().filter(|&&b| b == b'\n').count() + 1;
+            err(format!("not valid TOML at line {line}: {message}"))
+        }
+        None => err(format!("not valid TOML: {message}")),
+    }
+}
+
+fn stacked(
+    name: &str,
+    layout: Arc<AnyLayout>,
+    members: Vec<Arc<dyn Device>>,
+) -> Result<Arc<dyn Device>, Error> {
+    Ok(Arc::new(StackDevice::new(name, layout, members)?))
+}
+
+/// The device tree below `device`, one line each, indented, with sizes.
+pub fn tree(device: &dyn Device) -> String {
+    fn line(d: &dyn Device, depth: usize, out: &mut String) {
+        out.push_str(&format!(
+            "{:indent$}{} ({}) {}\n",
+            "",
+            d.name(),
+            cairn_core::size::format_bytes(d.geometry().size_bytes),
+            d.describe(),
+            indent = depth * 2
+        ));
+    }
+    // Depth first, members in order, without recursion.
+    let mut out = String::new();
+    line(device, 0, &mut out);
+    let below = |d: &dyn Device, depth: usize| {
+        d.children()
+            .into_iter()
+            .rev()
+            .map(move |c| (c, depth + 1))
+            .collect::<Vec<_>>()
+    };
+    let mut stack = below(device, 0);
+    while let Some((d, depth)) = stack.pop() {
+        line(&*d, depth, &mut out);
+        stack.extend(below(&*d, depth));
+    }
+    out
+}
