@@ -771,8 +771,7 @@ mod regressions {
         );
         // Refused when the file is read, before any device is built.
         let err = StackFile::parse(&text)
-            .err()
-            .expect("33 copies must be refused")
+            .expect_err("33 copies must be refused")
             .to_string();
         assert!(err.contains("'top'") && err.contains("32"), "{err}");
     }
