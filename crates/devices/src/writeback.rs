@@ -172,7 +172,10 @@ impl Writeback {
         );
         if bg >= limit {
             return Err(Error::Invalid(format!(
-                "writeback: background ({bg} bytes) must be below limit ({limit} bytes)"
+                "writeback: key 'background' ({}) must be below key 'limit' ({}) for caches of {} together",
+                cairn_core::size::format_bytes(bg),
+                cairn_core::size::format_bytes(limit),
+                cairn_core::size::format_bytes(cache_bytes)
             )));
         }
         Ok(Throttle {

@@ -569,10 +569,18 @@ pub(crate) fn format_duration(d: Duration) -> String {
 /// Text from the input, made safe for a one-line message: control characters escaped,
 /// and cut short when long.
 pub(crate) fn shown(text: &str) -> String {
-    const MAX_CHARS: usize = 80;
+    escaped(text, 80)
+}
+
+/// [`shown`] without cutting short.
+pub(super) fn shown_all(text: &str) -> String {
+    escaped(text, usize::MAX)
+}
+
+fn escaped(text: &str, max_chars: usize) -> String {
     let mut out = String::new();
     for (i, c) in text.chars().enumerate() {
-        if i == MAX_CHARS {
+        if i == max_chars {
             out.push('…');
             break;
         }

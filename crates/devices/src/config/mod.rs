@@ -741,7 +741,16 @@ fn toml_error(text: &str, e: &toml::de::Error) -> Error {
         .map(str::trim)
         .filter(|l| !l.is_empty())
         .collect();
-    let message = message.join("; ");
+    let mut message = message.join("; ");
+    if message.is_empty() {
+        message = if e.span().is_some_and(|s| s.start >= text.len()) {
+            "the file ends in the middle of a line".into()
+        } else {
+            "a syntax error".into()
+        };
+    }
+    // The parser quotes the input: keep control characters out of a one-line message.
+    let message = keys::shown_all(&message);
     match e.span() {
         Some(span) => {
             let before = &text.as_bytes()[..span.start.min(text.len())];
