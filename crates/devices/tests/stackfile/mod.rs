@@ -352,9 +352,9 @@ impl Draw {
 
     fn value(&mut self, pool: &Pool) -> &'static str {
         if self.mistake(self.mistake_percent) {
-            *self.rng.pick(pool.bad)
+            self.rng.pick(pool.bad)
         } else {
-            *self.rng.pick(pool.good)
+            self.rng.pick(pool.good)
         }
     }
 
