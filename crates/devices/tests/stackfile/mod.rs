@@ -352,9 +352,9 @@ impl Draw {
 
     fn value(&mut self, pool: &Pool) -> &'static str {
         if self.mistake(self.mistake_percent) {
-            self.rng.pick(pool.bad)
+            pool.bad[self.rng.below(pool.bad.len())]
         } else {
-            self.rng.pick(pool.good)
+            pool.good[self.rng.below(pool.good.len())]
         }
     }
 
