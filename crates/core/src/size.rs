@@ -36,7 +36,8 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("invalid size '{text}': too large"))
 }
 
-/// Parses a duration such as `1ms`, `250us`, `30s`, `2m` or a bare number of seconds.
+/// Parses a duration such as `1ms`, `250us`, `30s`, `2m`, `1h`, `1d` or a bare number of
+/// seconds.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let t = text.trim();
     let split = t
@@ -53,6 +54,7 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         "ms" | "msec" => 1e6,
         "m" | "min" => 60e9,
         "h" => 3600e9,
+        "d" | "day" | "days" => 86400e9,
         _ => {
             return Err(format!(
                 "invalid duration '{text}': unknown unit '{suffix}'"
