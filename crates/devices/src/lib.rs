@@ -9,6 +9,7 @@
 //! typed [`LeafSpec`] once, at the edge; [`open`] turns that into a device.
 #![warn(missing_docs)]
 
+pub mod array;
 pub mod cache;
 pub mod config;
 pub mod file;
