@@ -402,3 +402,60 @@ mod help {
         assert!(text(&out.stdout).starts_with("cairn "));
     }
 }
+
+/// Exclusive access: a file a running cairn serves cannot be opened by another cairn.
+mod exclusive {
+    use super::*;
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+
+    #[test]
+    fn a_file_served_by_one_cairn_is_refused_to_another_naming_the_holder() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let image = dir.path().join("shared.img");
+        let socket = dir.path().join("nbd.sock");
+        let spec = format!("file:{},size=1M", image.display());
+        let mut server = Command::new(env!("CARGO_BIN_EXE_cairn"))
+            .args(["serve", "--device", &spec, "--listen"])
+            .arg(format!("unix:{}", socket.display()))
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start cairn serve");
+        let mut lines = BufReader::new(server.stderr.take().expect("stderr")).lines();
+        let first = lines.next().expect("a line").expect("text");
+        assert!(first.contains("serving"), "{first}");
+
+        let holder = format!("in use by pid {} (cairn)", server.id());
+        let line = bad_input(&["bench", "--device", &spec, "--runtime", "1"]);
+        assert!(
+            line.contains(&holder) && line.contains("shared.img"),
+            "{line}"
+        );
+        let stack = dir.path().join("s.toml");
+        std::fs::write(
+            &stack,
+            format!(
+                "[device.f]\ntype = \"file\"\npath = \"{}\"\n",
+                image.display()
+            ),
+        )
+        .expect("write the stack file");
+        let line = bad_input(&["check", stack.to_str().expect("UTF-8")]);
+        assert!(line.contains("'f'") && line.contains(&holder), "{line}");
+
+        // SAFETY: a signal to the child this test started and still owns.
+        unsafe { libc::kill(server.id() as i32, libc::SIGTERM) };
+        assert!(server.wait().expect("wait").success());
+        // Free again.
+        let out = cairn(&[
+            "bench",
+            "--device",
+            &spec,
+            "--runtime",
+            "1",
+            "--size",
+            "64k",
+        ]);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    }
+}

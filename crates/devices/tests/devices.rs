@@ -918,6 +918,29 @@ mod opening {
         format!("file:{},engine={engine}{extra}", path.display())
     }
 
+    /// A file backs one device at a time: a second open (another device, or another
+    /// cairn) is refused before anything changes, naming the holder; closing frees it.
+    #[test]
+    fn a_file_in_use_is_refused_until_closed() {
+        let dir = scratch_dir();
+        let path = dir.path().join("locked");
+        for engine in ENGINES {
+            let first = open_spec(&file_spec(&path, engine, ",size=64k")).unwrap();
+            let e = match open_spec(&file_spec(&path, engine, ",size=128k")) {
+                Ok(_) => panic!("{engine}: the file opened twice"),
+                Err(e) => e.to_string(),
+            };
+            assert!(
+                e.contains("in use") && e.contains("this cairn") && e.contains("locked"),
+                "{e}"
+            );
+            // Refused before the size was changed.
+            assert_eq!(std::fs::metadata(&path).unwrap().len(), 64 << 10);
+            drop(first);
+            open_spec(&file_spec(&path, engine, "")).expect("free again once closed");
+        }
+    }
+
     #[test]
     fn file_created_with_size() {
         let dir = scratch_dir();

@@ -15,7 +15,7 @@ pub mod uring;
 use std::cell::Cell;
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::{Arc, OnceLock};
@@ -99,6 +99,9 @@ impl FileDevice {
             .open(path)
             .map_err(|e| Error::os(format!("file {shown}: open"), e))?;
         let fd = file.as_raw_fd();
+        // Before anything is changed: one user at a time (another cairn, another device
+        // of the same stack file, or any program that takes the same lock).
+        lock_exclusive(fd, path)?;
         let (actual, block_bytes) = if block_device {
             (
                 ioctl_u64(fd, BLKGETSIZE64, &shown)?,
@@ -153,6 +156,53 @@ impl FileDevice {
     pub fn engine(&self) -> Engine {
         self.engine
     }
+}
+
+/// Takes an exclusive `flock` on `fd` without waiting; when another open file holds it,
+/// the error names the file and, where `/proc/locks` tells, the holder.
+fn lock_exclusive(fd: std::os::fd::RawFd, path: &Path) -> Result<(), Error> {
+    // SAFETY: flock on a descriptor this function's caller owns and keeps open.
+    if unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+        return Err(Error::os(format!("file {}: lock", path.display()), e));
+    }
+    let holder = std::fs::metadata(path)
+        .ok()
+        .and_then(|m| lock_holder(m.dev(), m.ino()))
+        .map(|(pid, comm)| {
+            if pid == std::process::id() {
+                format!(" by this cairn (pid {pid}; another device of the stack uses it)")
+            } else {
+                format!(" by pid {pid} ({comm})")
+            }
+        })
+        .unwrap_or_default();
+    Err(Error::Invalid(format!(
+        "file {}: in use{holder}; a file backs one device of one cairn at a time",
+        path.display()
+    )))
+}
+
+/// The process holding a `flock` on the file `(dev, ino)`, from `/proc/locks`:
+/// `1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF`.
+fn lock_holder(dev: u64, ino: u64) -> Option<(u32, String)> {
+    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    let want = format!("{major:02x}:{minor:02x}:{ino}");
+    let locks = std::fs::read_to_string("/proc/locks").ok()?;
+    let pid: u32 = locks.lines().find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        // Blocked waiters are listed with "->"; only holders count.
+        (f.len() >= 6 && f[1] == "FLOCK" && f[5] == want)
+            .then(|| f[4].parse().ok())
+            .flatten()
+    })?;
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .map(|c| c.trim().to_string())
+        .unwrap_or_else(|_| "?".into());
+    Some((pid, comm))
 }
 
 impl Device for FileDevice {
