@@ -8,4 +8,5 @@
 //! Still to come, on top of it: creating and assembling arrays from their members'
 //! superblocks, the write-intent bitmap, online rebuild, and the admin actions.
 
+pub mod assemble;
 pub mod superblock;

@@ -1,0 +1,506 @@
+//! Deciding what an array is from what its members hold: create it, assemble it, or refuse.
+//!
+//! Pure: the caller reads each member's superblock slots and passes what it found
+//! ([`Seen`]); [`plan`] returns the array to run ([`Plan`]) or one line saying why not.
+//! The rules, after md's:
+//!
+//! - Every member blank (or named `missing`): a new array is created.
+//! - Otherwise the members' superblocks must agree: one array UUID, the layout the stack
+//!   file gives, each member at the position its superblock records, no member twice.
+//!   A member that is not blank and has no valid superblock is foreign and refused.
+//! - The superblock with the highest event count is the array's record. A member is read
+//!   only if that record has it active and its own superblock is as new; a member that is
+//!   behind, marked failed or missing, or blank (a replacement) is written to but not
+//!   read until it is rebuilt. The array runs degraded, and says so, while every piece of
+//!   data still has a current copy; otherwise it does not start.
+
+use super::superblock::{Level, MemberState, Superblock};
+
+/// What the stack file says the array is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Expect {
+    /// The device's name in the stack file.
+    pub name: String,
+    /// Layout.
+    pub level: Level,
+    /// Chunk of stripe and raid10 (0 otherwise).
+    pub chunk_bytes: u64,
+    /// Copies of each chunk (1 for linear and stripe, members for a mirror).
+    pub copies: u32,
+    /// Member names, in order (`missing` for an absent one).
+    pub members: Vec<String>,
+}
+
+/// What one member position holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Seen {
+    /// Named `missing` in the stack file.
+    Missing,
+    /// Both superblock slots are all zeros.
+    Blank,
+    /// The newest valid superblock.
+    Valid(Superblock),
+    /// Not blank, and no valid superblock: why.
+    Foreign(String),
+}
+
+/// How one member takes part in this run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Part {
+    /// Its state.
+    pub state: MemberState,
+    /// For a rebuilding member: bytes in sync from the start.
+    pub recovery_offset: u64,
+    /// Its identity (new for a blank member).
+    pub member_uuid: [u8; 16],
+}
+
+/// The array to run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// Created now (every member was blank).
+    pub created: bool,
+    /// The array's identity.
+    pub array_uuid: [u8; 16],
+    /// The event count of the array's record (0 when created).
+    pub events: u64,
+    /// Whether the record says the array stopped cleanly.
+    pub clean: bool,
+    /// Unix seconds of creation.
+    pub created_secs: u64,
+    /// Every member, in order.
+    pub parts: Vec<Part>,
+    /// Lines to log: members not read, and why.
+    pub notes: Vec<String>,
+}
+
+/// Decides the array from what its members hold; `uuid` makes new identities.
+pub fn plan(
+    expect: &Expect,
+    seen: &[Seen],
+    now_secs: u64,
+    mut uuid: impl FnMut() -> [u8; 16],
+) -> Result<Plan, String> {
+    assert_eq!(seen.len(), expect.members.len(), "one entry per member");
+    let name = &expect.name;
+    for (i, s) in seen.iter().enumerate() {
+        if let Seen::Foreign(why) = s {
+            return Err(format!(
+                "device '{name}': member '{}' is not blank and holds no cairn superblock ({why}); \
+                 it may be another array's or hold data: clear its first 16 KiB to use it",
+                expect.members[i]
+            ));
+        }
+    }
+    let valid: Vec<(usize, &Superblock)> = seen
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| match s {
+            Seen::Valid(sb) => Some((i, sb)),
+            _ => None,
+        })
+        .collect();
+    let Some(&(_, record)) = valid.iter().max_by_key(|(_, sb)| sb.events) else {
+        return create(expect, seen, now_secs, uuid);
+    };
+    // Every valid superblock must be of this array, as the stack file lays it out.
+    for &(i, sb) in &valid {
+        let member = &expect.members[i];
+        if sb.array_uuid != record.array_uuid {
+            let (j, _) = valid
+                .iter()
+                .find(|(_, r)| r.array_uuid == record.array_uuid)
+                .copied()
+                .unwrap_or((i, sb));
+            return Err(format!(
+                "device '{name}': members '{member}' and '{}' belong to different arrays ({} and {})",
+                expect.members[j],
+                super::superblock::uuid_text(&sb.array_uuid),
+                super::superblock::uuid_text(&record.array_uuid)
+            ));
+        }
+        let layout = |s: &Superblock| {
+            format!(
+                "{} of {} members, chunk {}, copies {}",
+                s.level.name(),
+                s.roles.len(),
+                s.chunk_bytes,
+                s.copies
+            )
+        };
+        let want = format!(
+            "{} of {} members, chunk {}, copies {}",
+            expect.level.name(),
+            expect.members.len(),
+            expect.chunk_bytes,
+            expect.copies
+        );
+        if layout(sb) != want {
+            return Err(format!(
+                "device '{name}': member '{member}' belongs to a {}, but the stack file makes a {want}",
+                layout(sb)
+            ));
+        }
+        if sb.role as usize != i {
+            return Err(format!(
+                "device '{name}': member '{member}' is member {} of the array, but listed as member {}; \
+                 list the members in their order",
+                sb.role + 1,
+                i + 1
+            ));
+        }
+        if let Some(&(j, _)) = valid
+            .iter()
+            .find(|(j, other)| *j < i && other.member_uuid == sb.member_uuid)
+        {
+            return Err(format!(
+                "device '{name}': members '{}' and '{member}' are the same member (a copy of one image?)",
+                expect.members[j]
+            ));
+        }
+    }
+    let mut notes = Vec::new();
+    let mut parts = Vec::with_capacity(seen.len());
+    for (i, s) in seen.iter().enumerate() {
+        let member = &expect.members[i];
+        let role = record.roles[i];
+        let (state, recovery_offset, member_uuid) = match s {
+            Seen::Missing => (MemberState::Missing, 0, [0; 16]),
+            Seen::Blank => {
+                notes.push(format!(
+                    "member '{member}' is blank: it is written to, and not read until rebuilt"
+                ));
+                (MemberState::Rebuilding, 0, uuid())
+            }
+            Seen::Valid(sb) if sb.events == record.events && role.state == MemberState::Active => {
+                (MemberState::Active, role.recovery_offset, sb.member_uuid)
+            }
+            Seen::Valid(sb)
+                if sb.events == record.events && role.state == MemberState::Rebuilding =>
+            {
+                notes.push(format!(
+                    "member '{member}' is being rebuilt ({} bytes done): not read beyond that",
+                    role.recovery_offset
+                ));
+                (
+                    MemberState::Rebuilding,
+                    role.recovery_offset,
+                    sb.member_uuid,
+                )
+            }
+            Seen::Valid(sb) => {
+                let why = if sb.events < record.events {
+                    format!(
+                        "stale: events {} behind the array's {}",
+                        sb.events, record.events
+                    )
+                } else {
+                    format!("marked {} by the array", role.state.name())
+                };
+                notes.push(format!(
+                    "member '{member}' is {why}: it is written to, and not read until rebuilt"
+                ));
+                (MemberState::Rebuilding, 0, sb.member_uuid)
+            }
+            Seen::Foreign(_) => unreachable!("refused above"),
+        };
+        parts.push(Part {
+            state,
+            recovery_offset,
+            member_uuid,
+        });
+    }
+    let plan = Plan {
+        created: false,
+        array_uuid: record.array_uuid,
+        events: record.events,
+        clean: record.clean(),
+        created_secs: record.created_secs,
+        parts,
+        notes,
+    };
+    check_readable(expect, &plan)?;
+    Ok(plan)
+}
+
+/// Every member blank or missing: a new array.
+fn create(
+    expect: &Expect,
+    seen: &[Seen],
+    now_secs: u64,
+    mut uuid: impl FnMut() -> [u8; 16],
+) -> Result<Plan, String> {
+    let parts = seen
+        .iter()
+        .map(|s| match s {
+            Seen::Missing => Part {
+                state: MemberState::Missing,
+                recovery_offset: 0,
+                member_uuid: [0; 16],
+            },
+            _ => Part {
+                state: MemberState::Active,
+                recovery_offset: 0,
+                member_uuid: uuid(),
+            },
+        })
+        .collect();
+    let plan = Plan {
+        created: true,
+        array_uuid: uuid(),
+        events: 0,
+        clean: true,
+        created_secs: now_secs,
+        parts,
+        notes: Vec::new(),
+    };
+    check_readable(expect, &plan)?;
+    Ok(plan)
+}
+
+/// Every piece of data has an active copy.
+fn check_readable(expect: &Expect, plan: &Plan) -> Result<(), String> {
+    let active: Vec<bool> = plan
+        .parts
+        .iter()
+        .map(|p| p.state == MemberState::Active)
+        .collect();
+    if let Some(set) = uncovered(expect.level, expect.copies as usize, &active) {
+        let names: Vec<String> = set
+            .iter()
+            .map(|&m| format!("'{}' ({})", expect.members[m], plan.parts[m].state.name()))
+            .collect();
+        return Err(format!(
+            "device '{}': cannot start: no current copy of some data (it lives on {}){}",
+            expect.name,
+            names.join(", "),
+            if plan.created {
+                ""
+            } else {
+                "; the members that hold it are stale, missing or failed"
+            }
+        ));
+    }
+    Ok(())
+}
+
+/// A set of members holding every copy of some data, none of them active; `None` when
+/// every piece has an active copy.
+pub fn uncovered(level: Level, copies: usize, active: &[bool]) -> Option<Vec<usize>> {
+    let n = active.len();
+    match level {
+        Level::Linear | Level::Stripe => (0..n).find(|&m| !active[m]).map(|m| vec![m]),
+        Level::Mirror => (!active.iter().any(|&a| a)).then(|| (0..n).collect()),
+        Level::Raid10 => {
+            // Copy k of chunk i is on member (i * copies + k) % n; the pattern of copy
+            // sets repeats within n chunks.
+            (0..n).find_map(|i| {
+                let set: Vec<usize> = (0..copies).map(|k| (i * copies + k) % n).collect();
+                (!set.iter().any(|&m| active[m])).then_some(set)
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::superblock::{Role, DATA_OFFSET_MIN, FLAG_CLEAN};
+    use super::*;
+
+    fn expect(level: Level, members: &[&str]) -> Expect {
+        let n = members.len() as u32;
+        Expect {
+            name: "r".into(),
+            level,
+            chunk_bytes: if matches!(level, Level::Stripe | Level::Raid10) {
+                65536
+            } else {
+                0
+            },
+            copies: match level {
+                Level::Mirror => n,
+                Level::Raid10 => 2,
+                _ => 1,
+            },
+            members: members.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    fn counter() -> impl FnMut() -> [u8; 16] {
+        let mut n = 0u8;
+        move || {
+            n += 1;
+            [n; 16]
+        }
+    }
+
+    /// The superblock member `role` of a plan would carry at `events`.
+    fn sb(e: &Expect, plan: &Plan, role: usize, events: u64) -> Superblock {
+        Superblock {
+            generation: 1,
+            array_uuid: plan.array_uuid,
+            member_uuid: plan.parts[role].member_uuid,
+            level: e.level,
+            chunk_bytes: e.chunk_bytes,
+            copies: e.copies,
+            role: role as u32,
+            data_offset: DATA_OFFSET_MIN,
+            member_data_bytes: 1 << 20,
+            array_bytes: 1 << 20,
+            events,
+            flags: FLAG_CLEAN,
+            region_bytes: 0,
+            bitmap_offset: 0,
+            bitmap_bytes: 0,
+            created_secs: 1,
+            updated_secs: 2,
+            name: "r".into(),
+            roles: plan
+                .parts
+                .iter()
+                .map(|p| Role {
+                    state: p.state,
+                    recovery_offset: p.recovery_offset,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn blank_members_make_a_new_array() {
+        let e = expect(Level::Mirror, &["a", "b"]);
+        let p = plan(&e, &[Seen::Blank, Seen::Blank], 5, counter()).unwrap();
+        assert!(p.created);
+        assert!(p.parts.iter().all(|x| x.state == MemberState::Active));
+        assert_ne!(p.parts[0].member_uuid, p.parts[1].member_uuid);
+    }
+
+    #[test]
+    fn missing_members_start_degraded_only_with_a_copy_left() {
+        let e = expect(Level::Mirror, &["a", "missing"]);
+        let p = plan(&e, &[Seen::Blank, Seen::Missing], 5, counter()).unwrap();
+        assert_eq!(p.parts[1].state, MemberState::Missing);
+        let e = expect(Level::Stripe, &["a", "missing"]);
+        let err = plan(&e, &[Seen::Blank, Seen::Missing], 5, counter()).unwrap_err();
+        assert!(
+            err.contains("cannot start") && err.contains("'missing'"),
+            "{err}"
+        );
+        // raid10 of 4, copies 2: members 0 and 1 hold the same data.
+        let e = expect(Level::Raid10, &["a", "b", "c", "d"]);
+        let seen = [Seen::Blank, Seen::Missing, Seen::Blank, Seen::Missing];
+        assert!(plan(&e, &seen, 5, counter()).is_ok());
+        let seen = [Seen::Missing, Seen::Missing, Seen::Blank, Seen::Blank];
+        let err = plan(&e, &seen, 5, counter()).unwrap_err();
+        assert!(err.contains("'a'") && err.contains("'b'"), "{err}");
+    }
+
+    #[test]
+    fn a_member_behind_is_not_read() {
+        let e = expect(Level::Mirror, &["a", "b"]);
+        let p = plan(&e, &[Seen::Blank, Seen::Blank], 5, counter()).unwrap();
+        let seen = [Seen::Valid(sb(&e, &p, 0, 9)), Seen::Valid(sb(&e, &p, 1, 7))];
+        let q = plan(&e, &seen, 6, counter()).unwrap();
+        assert!(!q.created);
+        assert_eq!(q.events, 9);
+        assert_eq!(q.parts[0].state, MemberState::Active);
+        assert_eq!(q.parts[1].state, MemberState::Rebuilding);
+        assert!(
+            q.notes[0].contains("'b'") && q.notes[0].contains("stale"),
+            "{:?}",
+            q.notes
+        );
+    }
+
+    #[test]
+    fn a_member_the_record_marks_failed_is_not_read() {
+        let e = expect(Level::Mirror, &["a", "b"]);
+        let mut p = plan(&e, &[Seen::Blank, Seen::Blank], 5, counter()).unwrap();
+        p.parts[1].state = MemberState::Failed;
+        // The failed member's own superblock is as new as the record: the record alone
+        // says it failed.
+        let seen = [Seen::Valid(sb(&e, &p, 0, 9)), Seen::Valid(sb(&e, &p, 1, 9))];
+        let q = plan(&e, &seen, 6, counter()).unwrap();
+        assert_eq!(q.parts[1].state, MemberState::Rebuilding);
+        assert!(q.notes[0].contains("marked failed"), "{:?}", q.notes);
+    }
+
+    #[test]
+    fn a_blank_replacement_is_written_not_read() {
+        let e = expect(Level::Mirror, &["a", "b"]);
+        let p = plan(&e, &[Seen::Blank, Seen::Blank], 5, counter()).unwrap();
+        let seen = [Seen::Valid(sb(&e, &p, 0, 3)), Seen::Blank];
+        let q = plan(&e, &seen, 6, counter()).unwrap();
+        assert_eq!(q.parts[1].state, MemberState::Rebuilding);
+        assert_ne!(q.parts[1].member_uuid, [0; 16]);
+        let seen = [Seen::Blank, Seen::Valid(sb(&e, &p, 1, 3))];
+        let q = plan(&e, &seen, 6, counter()).unwrap();
+        assert_eq!(q.parts[0].state, MemberState::Rebuilding);
+        let e1 = expect(Level::Stripe, &["a", "b"]);
+        let p1 = plan(&e1, &[Seen::Blank, Seen::Blank], 5, counter()).unwrap();
+        let seen = [Seen::Valid(sb(&e1, &p1, 0, 3)), Seen::Blank];
+        let err = plan(&e1, &seen, 6, counter()).unwrap_err();
+        assert!(err.contains("cannot start") && err.contains("'b'"), "{err}");
+    }
+
+    #[test]
+    fn foreign_reordered_duplicated_and_other_layouts_are_refused() {
+        let e = expect(Level::Mirror, &["a", "b"]);
+        let p = plan(&e, &[Seen::Blank, Seen::Blank], 5, counter()).unwrap();
+        let err = plan(
+            &e,
+            &[Seen::Blank, Seen::Foreign("checksum".into())],
+            6,
+            counter(),
+        )
+        .unwrap_err();
+        assert!(err.contains("'b'") && err.contains("not blank"), "{err}");
+        // Swapped.
+        let seen = [Seen::Valid(sb(&e, &p, 1, 3)), Seen::Valid(sb(&e, &p, 0, 3))];
+        let err = plan(&e, &seen, 6, counter()).unwrap_err();
+        assert!(err.contains("'a'") && err.contains("member 2"), "{err}");
+        // One image twice.
+        let mut twin = sb(&e, &p, 0, 3);
+        twin.role = 1;
+        let seen = [Seen::Valid(sb(&e, &p, 0, 3)), Seen::Valid(twin)];
+        let err = plan(&e, &seen, 6, counter()).unwrap_err();
+        assert!(err.contains("same member"), "{err}");
+        // Another array's member.
+        let mut other = sb(&e, &p, 1, 3);
+        other.array_uuid = [0xee; 16];
+        let seen = [Seen::Valid(sb(&e, &p, 0, 3)), Seen::Valid(other)];
+        let err = plan(&e, &seen, 6, counter()).unwrap_err();
+        assert!(err.contains("different arrays"), "{err}");
+        // Another layout.
+        let e3 = expect(Level::Mirror, &["a", "b", "c"]);
+        let seen = [
+            Seen::Valid(sb(&e, &p, 0, 3)),
+            Seen::Valid(sb(&e, &p, 1, 3)),
+            Seen::Blank,
+        ];
+        let err = plan(&e3, &seen, 6, counter()).unwrap_err();
+        assert!(
+            err.contains("mirror of 2 members") && err.contains("mirror of 3"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn raid10_copy_sets() {
+        // 4 members, 2 copies: sets {0,1} and {2,3}.
+        assert_eq!(
+            uncovered(Level::Raid10, 2, &[true, false, false, true]),
+            None
+        );
+        assert_eq!(
+            uncovered(Level::Raid10, 2, &[false, false, true, true]),
+            Some(vec![0, 1])
+        );
+        // 3 members, 2 copies: sets {0,1}, {2,0}, {1,2}.
+        assert_eq!(
+            uncovered(Level::Raid10, 2, &[false, true, false]),
+            Some(vec![2, 0])
+        );
+        assert_eq!(uncovered(Level::Raid10, 2, &[true, true, false]), None);
+    }
+}
