@@ -24,7 +24,8 @@ use crate::stats::QueueStats;
 pub struct HandoffQueue {
     core: Rc<Core>,
     stats: QueueStats,
-    to_worker: Sender<(Io, u32)>,
+    /// Taken when the queue is dropped, so that the worker sees the channel close.
+    to_worker: Option<Sender<(Io, u32)>>,
     from_worker: Receiver<(u32, IoStatus)>,
     worker_wake: Arc<OwnedFd>,
     my_wake: Arc<OwnedFd>,
@@ -66,7 +67,7 @@ impl HandoffQueue {
         let queue = Rc::new(HandoffQueue {
             core: core.clone(),
             stats: QueueStats::new(core.switches().stats),
-            to_worker,
+            to_worker: Some(to_worker),
             from_worker,
             worker_wake,
             my_wake,
@@ -83,7 +84,11 @@ impl Queue for HandoffQueue {
         let now = self.core.now_ns();
         self.stats.start(now);
         let index = self.requests.borrow_mut().insert((io, now));
-        if self.to_worker.send((io, index)).is_err() {
+        let sent = self
+            .to_worker
+            .as_ref()
+            .is_some_and(|tx| tx.send((io, index)).is_ok());
+        if !sent {
             // The worker is gone: fail the request through the FIFO.
             self.requests.borrow_mut().remove(index);
             self.stats.done(io.op, io.len, now, now, false);
@@ -96,6 +101,16 @@ impl Queue for HandoffQueue {
 
     fn stats(&self) -> &QueueStats {
         &self.stats
+    }
+}
+
+impl Drop for HandoffQueue {
+    fn drop(&mut self) {
+        // Close the channel, then wake the worker so that it sees it closed, finishes
+        // what it has in flight and exits (it would otherwise sleep for ever: a thread
+        // leaked per queue).
+        self.to_worker = None;
+        crate::event::signal(self.worker_wake.as_raw_fd());
     }
 }
 
@@ -192,8 +207,9 @@ impl Poller for Worker {
     }
 
     fn busy(&self) -> bool {
-        // Always wait for the submitter's wake-up.
-        true
+        // Always wait for the submitter's wake-up, until it has gone and nothing is in
+        // flight (then the worker's drain ends at once).
+        !(self.closed.get() && self.in_flight.get() == 0)
     }
 
     fn event_fd(&self) -> RawFd {
