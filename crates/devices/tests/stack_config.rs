@@ -96,6 +96,7 @@ mod parses {
                 members: vec!["f".into(), "d1".into(), "d2".into(), "d3".into()],
                 chunk: DEFAULT_CHUNK_BYTES,
                 copies: 2,
+                metadata: false,
             }
         );
         assert_eq!(

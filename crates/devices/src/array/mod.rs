@@ -1,12 +1,386 @@
-//! Arrays that keep their state on their members (work in progress, issue "Arrays that
+//! Arrays that keep their state on their members (in progress: issue "Arrays that
 //! remember").
 //!
 //! - [`superblock`]: the on-disk superblock, format version 1: identity, role, layout,
 //!   event counter, every member's state and rebuild checkpoint, in two checksummed slots
 //!   so a torn write leaves the last good copy. Pure encode and decode.
+//! - [`assemble`]: from what the members hold to the array to run (create, assemble,
+//!   refuse). Pure.
+//! - [`Metadata`] (here): the control-plane I/O around them. When the array opens, every
+//!   member's slots are read and the plan made; the superblocks are then rewritten with
+//!   the event count bumped and the clean flag off (the array is in use). When it closes,
+//!   they are written again with the clean flag on and every member's state, so a member
+//!   that failed while the array ran is known as failed at the next start, and not read.
 //!
-//! Still to come, on top of it: creating and assembling arrays from their members'
-//! superblocks, the write-intent bitmap, online rebuild, and the admin actions.
+//! Superblock I/O is synchronous on the calling thread (a [`BlockingQueue`] per member),
+//! never on a reactor: it happens at open and close, not per request.
+//!
+//! Not yet: recording a failure in the superblocks before the write that found it is
+//! acknowledged (until then, a crash after a member fails can leave both copies looking
+//! current), the write-intent bitmap, rebuild, and the admin actions.
 
 pub mod assemble;
 pub mod superblock;
+
+use std::sync::{Arc, Mutex};
+
+use cairn_core::blocking::BlockingQueue;
+use cairn_core::{Device, Error, IoFlags, Switches};
+
+use assemble::{Expect, Part, Plan, Seen};
+use superblock::{Found, MemberState, Role, Superblock, DATA_OFFSET_MIN, SLOTS, SLOT_BYTES};
+
+/// What the members hold, read when the array opens: the plan, where data starts and how
+/// much of each member is data.
+#[derive(Debug)]
+pub struct Examined {
+    /// The array to run.
+    pub plan: Plan,
+    /// Where data starts on every member.
+    pub data_offset: u64,
+    /// Data bytes of each member (by position), as recorded, or as the members give for a
+    /// new array.
+    pub member_data: Vec<u64>,
+    /// Each present member's newest superblock generation (0 when blank).
+    generations: Vec<u64>,
+    /// The array's name as recorded (the stack file's name when created).
+    name: String,
+}
+
+/// Reads every present member's superblock slots and decides the array.
+pub fn examine(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Result<Examined, Error> {
+    let name = &expect.name;
+    let mut seen = Vec::with_capacity(members.len());
+    let mut generations = Vec::with_capacity(members.len());
+    for (i, m) in members.iter().enumerate() {
+        let Some(device) = m else {
+            seen.push(Seen::Missing);
+            generations.push(0);
+            continue;
+        };
+        let g = device.geometry();
+        let member = &expect.members[i];
+        if u64::from(g.block_bytes) > SLOT_BYTES as u64 {
+            return Err(Error::Invalid(format!(
+                "device '{name}': member '{member}' has {}-byte blocks; an array with metadata needs blocks of at most {SLOT_BYTES}",
+                g.block_bytes
+            )));
+        }
+        let mut area = vec![0u8; SLOTS * SLOT_BYTES];
+        if g.size_bytes < DATA_OFFSET_MIN {
+            return Err(Error::Invalid(format!(
+                "device '{name}': member '{member}' ({} bytes) is smaller than the metadata area ({DATA_OFFSET_MIN} bytes)",
+                g.size_bytes
+            )));
+        }
+        let q = queue(device, name, member)?;
+        q.read(0, &mut area).map_err(|e| {
+            Error::Invalid(format!(
+                "device '{name}': member '{member}': reading its superblock failed: {e}"
+            ))
+        })?;
+        match superblock::pick(&area) {
+            Found::Blank => {
+                seen.push(Seen::Blank);
+                generations.push(0);
+            }
+            Found::Valid { sb, .. } => {
+                generations.push(sb.generation);
+                seen.push(Seen::Valid(sb));
+            }
+            Found::Foreign { first, second } => {
+                seen.push(Seen::Foreign(format!("slot 0: {first}; slot 1: {second}")));
+                generations.push(0);
+            }
+        }
+    }
+    let now = now_secs();
+    let plan = assemble::plan(expect, &seen, now, new_uuid).map_err(Error::Invalid)?;
+    let record = seen
+        .iter()
+        .filter_map(|s| match s {
+            Seen::Valid(sb) => Some(sb),
+            _ => None,
+        })
+        .max_by_key(|sb| sb.events);
+    let (data_offset, member_data, recorded_name) = match record {
+        None => {
+            // A new array: data after the metadata area. Linear members each give what
+            // they have; the others all give what the smallest has.
+            let mut data: Vec<u64> = members
+                .iter()
+                .map(|m| {
+                    m.as_ref()
+                        .map_or(0, |d| d.geometry().size_bytes - DATA_OFFSET_MIN)
+                })
+                .collect();
+            if expect.level != superblock::Level::Linear {
+                let smallest = data
+                    .iter()
+                    .zip(members)
+                    .filter(|(_, m)| m.is_some())
+                    .map(|(d, _)| *d)
+                    .min()
+                    .unwrap_or(0);
+                data.iter_mut().for_each(|d| *d = smallest);
+            }
+            (DATA_OFFSET_MIN, data, expect.name.clone())
+        }
+        Some(r) => {
+            let mut data = Vec::with_capacity(members.len());
+            for (i, s) in seen.iter().enumerate() {
+                // Linear members each record their own size; the others share one.
+                let bytes = match s {
+                    Seen::Valid(sb) if expect.level == superblock::Level::Linear => {
+                        sb.member_data_bytes
+                    }
+                    _ => r.member_data_bytes,
+                };
+                if let Some(d) = &members[i] {
+                    let size = d.geometry().size_bytes;
+                    if size < r.data_offset + bytes {
+                        return Err(Error::Invalid(format!(
+                            "device '{name}': member '{}' ({size} bytes) is smaller than the array needs ({} bytes)",
+                            expect.members[i],
+                            r.data_offset + bytes
+                        )));
+                    }
+                }
+                data.push(bytes);
+            }
+            (r.data_offset, data, r.name.clone())
+        }
+    };
+    Ok(Examined {
+        plan,
+        data_offset,
+        member_data,
+        generations,
+        name: recorded_name,
+    })
+}
+
+/// An open array's metadata: writes the superblocks when the array starts and stops.
+pub struct Metadata {
+    expect: Expect,
+    members: Vec<Option<Arc<dyn Device>>>,
+    data_offset: u64,
+    member_data: Vec<u64>,
+    array_bytes: u64,
+    array_uuid: [u8; 16],
+    created_secs: u64,
+    name: String,
+    state: Mutex<MetaState>,
+}
+
+struct MetaState {
+    events: u64,
+    parts: Vec<Part>,
+    generations: Vec<u64>,
+}
+
+impl Metadata {
+    /// Starts the array: every present member gets a superblock with the event count
+    /// bumped and the clean flag off. Logs the members not read.
+    pub fn start(
+        expect: Expect,
+        members: Vec<Option<Arc<dyn Device>>>,
+        examined: Examined,
+        array_bytes: u64,
+    ) -> Result<Metadata, Error> {
+        for note in &examined.plan.notes {
+            eprintln!("cairn: {}: {note}", expect.name);
+        }
+        if examined.plan.created {
+            eprintln!(
+                "cairn: {}: created a {} of {} members ({})",
+                expect.name,
+                expect.level.name(),
+                expect.members.len(),
+                superblock::uuid_text(&examined.plan.array_uuid)
+            );
+        }
+        let meta = Metadata {
+            data_offset: examined.data_offset,
+            member_data: examined.member_data,
+            array_bytes,
+            array_uuid: examined.plan.array_uuid,
+            created_secs: examined.plan.created_secs,
+            name: examined.name,
+            state: Mutex::new(MetaState {
+                events: examined.plan.events,
+                parts: examined.plan.parts,
+                generations: examined.generations,
+            }),
+            expect,
+            members,
+        };
+        meta.write(false)?;
+        Ok(meta)
+    }
+
+    /// Where data starts on every member.
+    pub fn data_offset(&self) -> u64 {
+        self.data_offset
+    }
+
+    /// Each member's state now.
+    pub fn states(&self) -> Vec<MemberState> {
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.parts.iter().map(|p| p.state).collect()
+    }
+
+    /// Stops the array: members that failed while it ran are recorded as failed, and
+    /// every member still in use gets a superblock with the clean flag on.
+    pub fn stop(&self, failed: &[bool]) {
+        {
+            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            for (p, &f) in st.parts.iter_mut().zip(failed) {
+                if f && p.state != MemberState::Missing {
+                    p.state = MemberState::Failed;
+                }
+            }
+        }
+        if let Err(e) = self.write(true) {
+            eprintln!("cairn: {}: {e}", self.expect.name);
+        }
+    }
+
+    /// Writes the next superblock to every member in use, event count bumped, `clean` as
+    /// given. A member that does not take it is failed, and the others are written again
+    /// so that they record it. Fails if no member took it.
+    fn write(&self, clean: bool) -> Result<(), Error> {
+        // Each round fails at least one more member or ends: at most one per member.
+        for _ in 0..=self.members.len() {
+            let failed = self.write_once(clean)?;
+            if failed.is_empty() {
+                return Ok(());
+            }
+            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            for i in failed {
+                st.parts[i].state = MemberState::Failed;
+                eprintln!(
+                    "cairn: {}: member '{}' failed (its superblock could not be written); running degraded",
+                    self.expect.name, self.expect.members[i]
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// One round of [`Metadata::write`]: the members that did not take it.
+    fn write_once(&self, clean: bool) -> Result<Vec<usize>, Error> {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.events += 1;
+        let roles: Vec<Role> = st
+            .parts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| Role {
+                state: p.state,
+                recovery_offset: if p.state == MemberState::Active {
+                    self.member_data[i]
+                } else {
+                    p.recovery_offset
+                },
+            })
+            .collect();
+        let mut written = 0;
+        let mut errors = Vec::new();
+        let mut failed = Vec::new();
+        for (i, m) in self.members.iter().enumerate() {
+            let part = st.parts[i];
+            let Some(device) = m else { continue };
+            if !matches!(part.state, MemberState::Active | MemberState::Rebuilding) {
+                continue;
+            }
+            let generation = st.generations[i] + 1;
+            let sb = Superblock {
+                generation,
+                array_uuid: self.array_uuid,
+                member_uuid: part.member_uuid,
+                level: self.expect.level,
+                chunk_bytes: self.expect.chunk_bytes,
+                copies: self.expect.copies,
+                role: i as u32,
+                data_offset: self.data_offset,
+                member_data_bytes: self.member_data[i],
+                array_bytes: self.array_bytes,
+                events: st.events,
+                flags: if clean { superblock::FLAG_CLEAN } else { 0 },
+                region_bytes: 0,
+                bitmap_offset: 0,
+                bitmap_bytes: 0,
+                created_secs: self.created_secs,
+                updated_secs: now_secs(),
+                name: truncated(&self.name, 64),
+                roles: roles.clone(),
+            };
+            let member = &self.expect.members[i];
+            let result = queue(device, &self.expect.name, member).and_then(|q| {
+                let at = (sb.slot() * SLOT_BYTES) as u64;
+                q.write(at, &sb.encode(), IoFlags::FUA)
+                    .and_then(|()| q.flush())
+                    .map_err(|e| Error::Invalid(format!("member '{member}': {e}")))
+            });
+            match result {
+                Ok(()) => {
+                    st.generations[i] = generation;
+                    written += 1;
+                }
+                Err(e) => {
+                    errors.push(e.to_string());
+                    failed.push(i);
+                }
+            }
+        }
+        if written == 0 {
+            return Err(Error::Invalid(format!(
+                "device '{}': no member took its superblock ({})",
+                self.expect.name,
+                errors.join("; ")
+            )));
+        }
+        Ok(failed)
+    }
+}
+
+fn queue(device: &Arc<dyn Device>, array: &str, member: &str) -> Result<BlockingQueue, Error> {
+    BlockingQueue::open(device, Switches::default()).map_err(|e| {
+        Error::Invalid(format!(
+            "device '{array}': member '{member}': cannot open it for its superblock: {e}"
+        ))
+    })
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// A random (version 4) UUID from the kernel's generator.
+fn new_uuid() -> [u8; 16] {
+    let mut u = [0u8; 16];
+    // SAFETY: getrandom writes at most `u.len()` bytes into `u`.
+    let n = unsafe { libc::getrandom(u.as_mut_ptr().cast(), u.len(), 0) };
+    if n != u.len() as isize {
+        // Not expected on Linux; fall back on the clock and the process so that two
+        // arrays still differ.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        u[..16].copy_from_slice(&(t ^ (u128::from(std::process::id()) << 64)).to_le_bytes());
+    }
+    u[6] = (u[6] & 0x0f) | 0x40;
+    u[8] = (u[8] & 0x3f) | 0x80;
+    u
+}
+
+fn truncated(s: &str, max: usize) -> String {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_string()
+}

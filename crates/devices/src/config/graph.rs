@@ -17,7 +17,9 @@ use crate::spec::LeafSpec;
 /// A device or export name: 1 to [`limits::NAME_BYTES_MAX`] bytes, no control characters
 /// (names are printed in one-line messages and typed on command lines).
 pub(super) fn check_name(what: &str, name: &str) -> Result<(), Error> {
-    let problem = if name.is_empty() {
+    let problem = if what == "device" && name == super::MISSING {
+        "is reserved (an array's absent member)"
+    } else if name.is_empty() {
         "is empty"
     } else if name.len() > limits::NAME_BYTES_MAX {
         "is too long"
@@ -40,6 +42,10 @@ pub(super) fn check(devices: &BTreeMap<String, DeviceSpec>) -> Result<(), Error>
     for (name, spec) in devices {
         let key = spec.members_key();
         for m in spec.members() {
+            if m == super::MISSING {
+                // An absent member of an array with metadata (checked when parsed).
+                continue;
+            }
             if !devices.contains_key(m) {
                 return Err(err(format!(
                     "device '{name}': key '{key}' names '{}', which is not defined",

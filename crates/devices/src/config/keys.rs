@@ -343,12 +343,42 @@ impl Keys<'_> {
             let Value::String(name) = v else {
                 return Err(self.bad("members", "must be a list of device names"));
             };
-            if out.contains(name) {
+            if name != super::MISSING && out.contains(name) {
                 return Err(self.bad("members", &format!("names '{}' twice", shown(name))));
             }
             out.push(name.clone());
         }
         Ok(out)
+    }
+
+    /// `metadata = "1"` (superblocks on the members, format version 1) or `"none"`
+    /// (the default); `missing` members are allowed only with metadata and only when
+    /// `missing_allowed` (redundant layouts).
+    fn metadata(&self, missing_allowed: bool) -> Result<bool, Error> {
+        let on = match self.table.get("metadata") {
+            None => false,
+            Some(Value::String(s)) if s == "1" => true,
+            Some(Value::String(s)) if s == "none" => false,
+            Some(_) => {
+                return Err(self.bad(
+                    "metadata",
+                    "must be \"1\" (superblocks on the members) or \"none\"",
+                ))
+            }
+        };
+        let names_missing = matches!(self.table.get("members"), Some(Value::Array(a))
+            if a.iter().any(|v| v.as_str() == Some(super::MISSING)));
+        if names_missing && !(on && missing_allowed) {
+            return Err(self.bad(
+                "members",
+                if on {
+                    "names 'missing', but a linear or stripe cannot run without a member"
+                } else {
+                    "names 'missing', which needs metadata = \"1\" (the superblocks record what is absent)"
+                },
+            ));
+        }
+        Ok(on)
     }
 
     fn chunk(&self) -> Result<u64, Error> {
@@ -378,9 +408,9 @@ pub(super) fn parse_device(
         "null" => &["size", "block"],
         "mem" => &["size", "block", "volatile"],
         "file" => &["path", "size", "engine", "direct"],
-        "linear" | "mirror" => &["members"],
-        "stripe" => &["members", "chunk"],
-        "raid10" => &["members", "chunk", "copies"],
+        "linear" | "mirror" => &["members", "metadata"],
+        "stripe" => &["members", "chunk", "metadata"],
+        "raid10" => &["members", "chunk", "copies", "metadata"],
         "fault" => &[
             "base",
             "fail",
@@ -451,13 +481,19 @@ pub(super) fn parse_device(
         }
         "linear" => DeviceSpec::Linear {
             members: keys.members(1, limits::MEMBERS_MAX)?,
+            metadata: keys.metadata(false)?,
         },
-        "mirror" => DeviceSpec::Mirror {
-            members: keys.members(2, crate::stack::COPIES_MAX)?,
-        },
+        "mirror" => {
+            let metadata = keys.metadata(true)?;
+            DeviceSpec::Mirror {
+                members: keys.members(2, crate::stack::COPIES_MAX)?,
+                metadata,
+            }
+        }
         "stripe" => DeviceSpec::Stripe {
             members: keys.members(1, limits::MEMBERS_MAX)?,
             chunk: keys.chunk()?,
+            metadata: keys.metadata(false)?,
         },
         "fault" => DeviceSpec::Fault {
             base: keys.base()?,
@@ -494,6 +530,7 @@ pub(super) fn parse_device(
             },
         },
         _ => {
+            let metadata = keys.metadata(true)?;
             let members = keys.members(2, limits::MEMBERS_MAX)?;
             let copies = match keys.integer("copies")? {
                 None => 2,
@@ -516,6 +553,7 @@ pub(super) fn parse_device(
                 members,
                 chunk: keys.chunk()?,
                 copies,
+                metadata,
             }
         }
     })

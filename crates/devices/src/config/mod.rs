@@ -41,6 +41,9 @@ use crate::spec::LeafSpec;
 use crate::stack::{AnyLayout, Linear, Mirror, Raid10, StackDevice, Stripe};
 use crate::wrap::{Delays, FaultRule, Faults, WrapDevice};
 
+/// The member name of an absent member of an array with metadata (as mdadm's `missing`).
+pub const MISSING: &str = "missing";
+
 /// Default chunk of stripe and raid10.
 pub const DEFAULT_CHUNK_BYTES: u64 = 64 << 10;
 
@@ -119,6 +122,8 @@ pub enum DeviceSpec {
     Linear {
         /// Member names.
         members: Vec<String>,
+        /// Keeps superblocks on its members (`metadata = "1"`).
+        metadata: bool,
     },
     /// RAID0.
     Stripe {
@@ -126,20 +131,26 @@ pub enum DeviceSpec {
         members: Vec<String>,
         /// Chunk size in bytes.
         chunk: u64,
+        /// Keeps superblocks on its members.
+        metadata: bool,
     },
     /// RAID1.
     Mirror {
-        /// Member names.
+        /// Member names ([`MISSING`] for an absent one, with metadata).
         members: Vec<String>,
+        /// Keeps superblocks on its members.
+        metadata: bool,
     },
     /// RAID10, md's near layout.
     Raid10 {
-        /// Member names.
+        /// Member names ([`MISSING`] for an absent one, with metadata).
         members: Vec<String>,
         /// Chunk size in bytes.
         chunk: u64,
         /// Copies of each chunk.
         copies: usize,
+        /// Keeps superblocks on its members.
+        metadata: bool,
     },
     /// Fails requests to `base` per a rule.
     Fault {
@@ -169,9 +180,9 @@ impl DeviceSpec {
     pub fn members(&self) -> &[String] {
         match self {
             DeviceSpec::Leaf(_) => &[],
-            DeviceSpec::Linear { members }
+            DeviceSpec::Linear { members, .. }
             | DeviceSpec::Stripe { members, .. }
-            | DeviceSpec::Mirror { members }
+            | DeviceSpec::Mirror { members, .. }
             | DeviceSpec::Raid10 { members, .. } => members,
             DeviceSpec::Fault { base, .. }
             | DeviceSpec::Delay { base, .. }
@@ -661,19 +672,16 @@ impl StackFile {
             .devices
             .get(name)
             .ok_or_else(|| err(format!("no device '{name}'")))?;
-        let members = spec
-            .members()
-            .iter()
-            .map(|m| self.open_rec(m, opened, budget, switches, depth + 1))
-            .collect::<Result<Vec<_>, _>>()?;
-        let sizes: Vec<u64> = members.iter().map(|m| m.geometry().size_bytes).collect();
-        let smallest = sizes.iter().copied().min().unwrap_or(0);
-        let block = members
-            .iter()
-            .map(|m| u64::from(m.geometry().block_bytes))
-            .max()
-            .unwrap_or(512);
+        let mut present = Vec::with_capacity(spec.members().len());
+        for m in spec.members() {
+            present.push(if m == MISSING {
+                None
+            } else {
+                Some(self.open_rec(m, opened, budget, switches, depth + 1)?)
+            });
+        }
         let named = |e: Error| match e {
+            Error::Invalid(m) if m.starts_with("device '") => Error::Invalid(m),
             Error::Invalid(m) => err(format!("device '{name}': {m}")),
             Error::Os { context, source } => Error::Os {
                 context: format!("device '{name}': {context}"),
@@ -681,6 +689,20 @@ impl StackFile {
             },
             other => other,
         };
+        if let Some(expect) = array_expect(name, spec) {
+            let device = open_array(name, spec, expect, present).map_err(named)?;
+            opened.insert(name.to_string(), device.clone());
+            return Ok(device);
+        }
+        // Only arrays with metadata have missing members (parse makes sure).
+        let members: Vec<Arc<dyn Device>> = present.into_iter().flatten().collect();
+        let sizes: Vec<u64> = members.iter().map(|m| m.geometry().size_bytes).collect();
+        let smallest = sizes.iter().copied().min().unwrap_or(0);
+        let block = members
+            .iter()
+            .map(|m| u64::from(m.geometry().block_bytes))
+            .max()
+            .unwrap_or(512);
         let device: Arc<dyn Device> = match spec {
             DeviceSpec::Leaf(leaf) => crate::open(leaf, name).map_err(named)?,
             DeviceSpec::Linear { .. } => stacked(
@@ -731,6 +753,89 @@ impl StackFile {
         opened.insert(name.to_string(), device.clone());
         Ok(device)
     }
+}
+
+/// What the stack file says an array with metadata is; `None` for any other device.
+fn array_expect(name: &str, spec: &DeviceSpec) -> Option<crate::array::assemble::Expect> {
+    use crate::array::superblock::Level;
+    let (level, members, chunk, copies) = match spec {
+        DeviceSpec::Linear {
+            members,
+            metadata: true,
+        } => (Level::Linear, members, 0, 1),
+        DeviceSpec::Stripe {
+            members,
+            chunk,
+            metadata: true,
+        } => (Level::Stripe, members, *chunk, 1),
+        DeviceSpec::Mirror {
+            members,
+            metadata: true,
+        } => (Level::Mirror, members, 0, members.len() as u32),
+        DeviceSpec::Raid10 {
+            members,
+            chunk,
+            copies,
+            metadata: true,
+        } => (Level::Raid10, members, *chunk, *copies as u32),
+        _ => return None,
+    };
+    Some(crate::array::assemble::Expect {
+        name: name.to_string(),
+        level,
+        chunk_bytes: chunk,
+        copies,
+        members: members.clone(),
+    })
+}
+
+/// Opens an array that keeps superblocks on its members: reads them, decides the array
+/// (create, assemble or refuse), builds the layout on the members' data areas, and starts
+/// it (superblocks rewritten, dirty). Missing members get a stand-in that is never used.
+fn open_array(
+    name: &str,
+    spec: &DeviceSpec,
+    expect: crate::array::assemble::Expect,
+    present: Vec<Option<Arc<dyn Device>>>,
+) -> Result<Arc<dyn Device>, Error> {
+    let examined = crate::array::examine(&expect, &present)?;
+    let block = present
+        .iter()
+        .flatten()
+        .map(|m| u64::from(m.geometry().block_bytes))
+        .max()
+        .unwrap_or(512);
+    let smallest = examined
+        .member_data
+        .iter()
+        .zip(&present)
+        .filter(|(_, m)| m.is_some())
+        .map(|(d, _)| *d)
+        .min()
+        .unwrap_or(0);
+    let n = present.len();
+    let layout: AnyLayout = match spec {
+        DeviceSpec::Linear { .. } => AnyLayout::Linear(Linear::new(&examined.member_data, block)),
+        DeviceSpec::Stripe { chunk, .. } => Stripe::new(n, *chunk, smallest, block)?.into(),
+        DeviceSpec::Mirror { .. } => Mirror::new(n, smallest)?.into(),
+        DeviceSpec::Raid10 { chunk, copies, .. } => {
+            Raid10::new(n, *copies, *chunk, smallest, block)?.into()
+        }
+        _ => return Err(err(format!("device '{name}' is not an array"))),
+    };
+    let data_offset = examined.data_offset;
+    let members = present
+        .iter()
+        .map(|m| match m {
+            Some(d) => Ok(d.clone()),
+            None => crate::null::NullDevice::new(MISSING, data_offset + smallest, block as u32)
+                .map(|d| Arc::new(d) as Arc<dyn Device>),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let device = StackDevice::new(name, Arc::new(layout), members)?;
+    let array_bytes = device.geometry().size_bytes;
+    let meta = crate::array::Metadata::start(expect, present, examined, array_bytes)?;
+    Ok(Arc::new(device.with_metadata(meta)))
 }
 
 /// A TOML syntax error as one line, with the line number where the parser stopped.

@@ -49,20 +49,30 @@ pub trait Layout: Send + Sync {
     fn describe(&self) -> String;
 }
 
-/// Which members have failed; shared by every queue of the device.
+/// Which members have failed, and which may be read; shared by every queue of the device.
 struct Health {
     device: String,
     names: Vec<String>,
     failed: Vec<AtomicBool>,
+    /// Holds current data (a member being rebuilt, stale or new is written, not read).
+    readable: Vec<AtomicBool>,
 }
 
 impl Health {
+    /// Takes writes and flushes.
     #[inline]
     fn ok(&self, member: usize) -> bool {
         !self.failed[member].load(Relaxed)
     }
 
+    /// May be read.
+    #[inline]
+    fn readable(&self, member: usize) -> bool {
+        self.readable[member].load(Relaxed)
+    }
+
     fn fail(&self, member: usize, status: IoStatus) {
+        self.readable[member].store(false, Relaxed);
         if !self.failed[member].swap(true, Relaxed) {
             eprintln!(
                 "cairn: {}: member {} failed ({status}); running degraded",
@@ -79,6 +89,10 @@ pub struct StackDevice {
     members: Vec<Arc<dyn Device>>,
     health: Arc<Health>,
     geometry: Geometry,
+    /// Where data starts on every member (after the metadata area, if any).
+    data_offset: u64,
+    /// The superblocks, for an array that keeps them.
+    metadata: Option<crate::array::Metadata>,
 }
 
 impl StackDevice {
@@ -118,6 +132,7 @@ impl StackDevice {
             device: name.into(),
             names: members.iter().map(|m| m.name().to_string()).collect(),
             failed: members.iter().map(|_| AtomicBool::new(false)).collect(),
+            readable: members.iter().map(|_| AtomicBool::new(true)).collect(),
         });
         Ok(StackDevice {
             name: name.into(),
@@ -129,7 +144,42 @@ impl StackDevice {
             layout,
             members,
             health,
+            data_offset: 0,
+            metadata: None,
         })
+    }
+
+    /// Runs the array on its superblocks: data starts after the metadata area; members
+    /// that are missing are neither written nor read, and members that are not current
+    /// (rebuilding, stale, new) are written but not read.
+    pub fn with_metadata(mut self, metadata: crate::array::Metadata) -> StackDevice {
+        use crate::array::superblock::MemberState;
+        for (m, state) in metadata.states().into_iter().enumerate() {
+            let (ok, readable) = match state {
+                MemberState::Active => (true, true),
+                MemberState::Rebuilding => (true, false),
+                MemberState::Failed | MemberState::Missing => (false, false),
+            };
+            self.health.failed[m].store(!ok, Relaxed);
+            self.health.readable[m].store(readable, Relaxed);
+        }
+        self.data_offset = metadata.data_offset();
+        self.metadata = Some(metadata);
+        self
+    }
+}
+
+impl Drop for StackDevice {
+    fn drop(&mut self) {
+        // Every queue is gone (they hold the device's members, not the device), so no
+        // write is in flight: the array stops clean, with the members that failed
+        // recorded as failed.
+        if let Some(meta) = &self.metadata {
+            let failed: Vec<bool> = (0..self.members.len())
+                .map(|m| !self.health.ok(m))
+                .collect();
+            meta.stop(&failed);
+        }
     }
 }
 
@@ -175,6 +225,7 @@ impl Device for StackDevice {
             next_copy: Cell::new(0),
             flushes: FlushBatcher::new(core.switches().flush),
             copies: self.layout.copies(),
+            data_offset: self.data_offset,
         });
         queue.sink.set(core.register_sink(queue.clone()));
         Ok(queue)
@@ -199,11 +250,11 @@ impl Device for StackDevice {
         while at < end && out.len() < MAX_EXTENTS {
             let n = self.layout.piece_len(at, end - at);
             let copy = (0..self.layout.copies())
-                .find(|&k| self.health.ok(self.layout.locate(at, k).0))
+                .find(|&k| self.health.readable(self.layout.locate(at, k).0))
                 .unwrap_or(0);
             let (member, member_offset) = self.layout.locate(at, copy);
             piece.clear();
-            self.members[member].extents(member_offset, n, &mut piece)?;
+            self.members[member].extents(member_offset + self.data_offset, n, &mut piece)?;
             let mut got = 0;
             for e in &piece {
                 let l = e.len.min(n - got);
@@ -296,6 +347,8 @@ pub struct StackQueue {
     flushes: FlushBatcher,
     /// The layout's copies, kept here to spare the hot path a pointer chase.
     copies: usize,
+    /// Where data starts on every member.
+    data_offset: u64,
 }
 
 /// Token of the batched flush fanning out to the members (never a child index).
@@ -333,7 +386,7 @@ impl StackQueue {
     fn send_direct(&self, parent: u32, io: &Io, at: (usize, u64)) {
         let (member, member_offset) = at;
         self.member(member).submit(Io {
-            offset: member_offset,
+            offset: member_offset + self.data_offset,
             sink: self.sink.get(),
             token: DIRECT | u64::from(parent),
             ..*io
@@ -389,7 +442,8 @@ impl StackQueue {
         let (member, member_offset) = if op == Op::Flush {
             (copy, 0)
         } else {
-            self.layout.locate(logical, copy)
+            let (m, at) = self.layout.locate(logical, copy);
+            (m, at + self.data_offset)
         };
         let token = {
             let mut st = self.state.borrow_mut();
@@ -419,9 +473,9 @@ impl StackQueue {
     /// The first healthy copy of `logical` at or after `start`, skipping `tried`.
     fn healthy_copy(&self, logical: u64, start: usize, tried: u32) -> Option<usize> {
         let copies = self.copies;
-        (0..copies)
-            .map(|i| (start + i) % copies)
-            .find(|&k| tried & (1 << k) == 0 && self.health.ok(self.layout.locate(logical, k).0))
+        (0..copies).map(|i| (start + i) % copies).find(|&k| {
+            tried & (1 << k) == 0 && self.health.readable(self.layout.locate(logical, k).0)
+        })
     }
 
     /// Whether some data has lost every copy (checked over one stripe of pieces).
@@ -498,7 +552,7 @@ impl Queue for StackQueue {
                     start_ns,
                 });
                 self.member(member).submit(Io {
-                    offset: member_offset,
+                    offset: member_offset + self.data_offset,
                     sink: self.sink.get(),
                     token: LONE | u64::from(index),
                     ..io
@@ -659,7 +713,7 @@ impl StackQueue {
                     self.member(member).submit(Io {
                         op: Op::Read,
                         flags: child.flags,
-                        offset: member_offset,
+                        offset: member_offset + self.data_offset,
                         len: child.len,
                         buf: child.buf,
                         sink: self.sink.get(),
