@@ -711,6 +711,22 @@ enum Take {
 /// flushes it covered. Returns whether any write failed.
 fn round(shared: &Shared, q: &BlockingQueue, take: Take) -> bool {
     let _writing = shared.writing.lock().unwrap_or_else(|p| p.into_inner());
+    round_locked(shared, q, take)
+}
+
+/// Takes the cache's write-back lock if no other thread holds it: a pool thread never
+/// waits for another one (the other may be waiting for a lower cache that needs a free
+/// pool thread to write back: with caches over caches, waiting deadlocked the pool).
+fn try_writing(shared: &Shared) -> Option<std::sync::MutexGuard<'_, ()>> {
+    match shared.writing.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}
+
+/// [`round`], with the cache's write-back lock held by the caller.
+fn round_locked(shared: &Shared, q: &BlockingQueue, take: Take) -> bool {
     let b = &shared.budget;
     let mut runs: Vec<Run> = Vec::new();
     let (waiters_gen, serve_waiters) = {
@@ -1090,8 +1106,11 @@ fn pool_thread(pool: Arc<Pool>, budget: std::sync::Weak<Budget>) {
         let mut worked = false;
         for (i, s, d) in &caches {
             if !s.lock().waiters.is_empty() && open_queue(&mut queues, *i, d, pool.switches) {
-                round(s, &queues[i], Take::All);
-                worked = true;
+                // Another pool thread writing this cache back serves its flushes too.
+                if let Some(_writing) = try_writing(s) {
+                    round_locked(s, &queues[i], Take::All);
+                    worked = true;
+                }
             }
         }
         // Then pages in the order they were dirtied, while over the background level or
@@ -1140,7 +1159,14 @@ fn pool_thread(pool: Arc<Pool>, budget: std::sync::Weak<Budget>) {
         let Some((_, s, d)) = caches.iter().find(|c| c.0 == i) else {
             continue;
         };
-        let _writing = s.writing.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(_writing) = try_writing(s) else {
+            // Being written back by another pool thread: the page waits its turn again.
+            pool.order
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push_back((i, p));
+            continue;
+        };
         let run = {
             let st = s.lock();
             st.pages.get(&p).filter(|e| e.dirty).map(|e| {

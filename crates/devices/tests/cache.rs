@@ -353,3 +353,40 @@ fn shared_pool_closes_a_cache_over_a_cache_completely() {
         "pages not on the bottom device after the drop: {missing:?}"
     );
 }
+
+/// Caches over caches in shared mode: a flush of the top one needs pool threads for the
+/// ones below. Pool threads used to wait for a cache another pool thread was writing back,
+/// so with every thread waiting, the flush never completed (found by the stack-file
+/// property test). Bounded by a watchdog: a hang fails the test instead of stalling it.
+#[test]
+fn shared_pool_flushes_through_caches_over_caches() {
+    let text = "[writeback]\nexpire = \"1h\"\ninterval = \"1h\"\n\
+                [device.m]\ntype = \"mem\"\nsize = \"4M\"\nblock = 4096\nvolatile = true\n\
+                [device.c3]\ntype = \"cache\"\nbase = \"m\"\nmemory = \"64K\"\n\
+                [device.c2]\ntype = \"cache\"\nbase = \"c3\"\nmemory = \"64K\"\n\
+                [device.c1]\ntype = \"cache\"\nbase = \"c2\"\nmemory = \"64K\"\n";
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let top = StackFile::parse(text)
+            .unwrap()
+            .open_with("c1", shared_switches())
+            .unwrap();
+        let q = BlockingQueue::open(&top, shared_switches()).unwrap();
+        for round in 0..5u32 {
+            for p in 0..8u64 {
+                q.write(
+                    p * PAGE as u64,
+                    &page_of(round * 8 + p as u32),
+                    IoFlags::NONE,
+                )
+                .unwrap();
+            }
+            q.flush().unwrap();
+        }
+        drop(q);
+        drop(top);
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(Duration::from_secs(120))
+        .expect("every flush completes (a hang in the shared pool otherwise)");
+}

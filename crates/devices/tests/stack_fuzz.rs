@@ -20,7 +20,10 @@ const HANG: Duration = Duration::from_secs(60);
 
 /// Drives `text` on a thread of its own and fails on a panic or a hang.
 fn drive_bounded(text: String) -> Outcome {
-    let dir = tempfile::tempdir().expect("a scratch directory");
+    // In memory where it can be: arrays with metadata flush their superblocks.
+    let dir = tempfile::tempdir_in("/dev/shm")
+        .or_else(|_| tempfile::tempdir())
+        .expect("a scratch directory");
     let path = dir.path().to_path_buf();
     let (tx, rx) = mpsc::channel();
     let shown = text.clone();
@@ -74,9 +77,14 @@ proptest! {
 #[test]
 fn the_generator_reaches_every_check() {
     let (mut checked, mut toml, mut keys, mut graph, mut deep, mut opened) = (0, 0, 0, 0, 0, 0);
+    let mut arrays = 0;
     for seed in 0..1000 {
         match drive_bounded(stackfile::generate(seed)) {
-            Outcome::Checked(_) => checked += 1,
+            Outcome::Checked(report) => {
+                checked += 1;
+                // An array with superblocks was created or assembled and opened.
+                arrays += usize::from(report.contains("metadata"));
+            }
             Outcome::Refused(m) if m.contains("not valid TOML") => toml += 1,
             Outcome::Refused(m) if m.contains("levels down") => deep += 1,
             Outcome::Refused(m)
@@ -92,12 +100,21 @@ fn the_generator_reaches_every_check() {
         }
     }
     let counts = format!(
-        "checked {checked}, TOML {toml}, keys {keys}, graph {graph}, too deep {deep}, other {opened}"
+        "checked {checked} (arrays with metadata {arrays}), TOML {toml}, keys {keys}, graph {graph}, too deep {deep}, other {opened}"
     );
+    assert!(arrays >= 1, "{counts}");
     assert!(checked >= 50, "{counts}");
     assert!(toml >= 20, "{counts}");
     assert!(keys >= 100, "{counts}");
     assert!(graph >= 20, "{counts}");
     assert!(deep >= 5, "{counts}");
     eprintln!("{counts}");
+    // And an array with metadata, missing member and all, goes through the driver.
+    let text = "[device.a]\ntype = \"mem\"\nsize = \"4M\"\n\
+                [device.b]\ntype = \"file\"\npath = \"b\"\nsize = \"4M\"\n\
+                [device.m]\ntype = \"raid10\"\nmembers = [\"a\", \"missing\", \"b\"]\nmetadata = \"1\"\n";
+    match drive_bounded(text.to_string()) {
+        Outcome::Checked(report) => assert!(report.contains("metadata 1"), "{report}"),
+        Outcome::Refused(m) => panic!("refused: {m}"),
+    }
 }

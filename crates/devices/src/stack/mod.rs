@@ -189,13 +189,34 @@ impl Device for StackDevice {
     }
 
     fn describe(&self) -> String {
-        format!(
+        let mut out = format!(
             "{} of {} members, {} ({} bytes)",
             self.layout.kind(),
             self.members.len(),
             self.layout.describe(),
             self.geometry.size_bytes
-        )
+        );
+        if let Some(meta) = &self.metadata {
+            use crate::array::superblock::MemberState;
+            out += &format!(", metadata 1, data at {}", self.data_offset);
+            let not_read: Vec<String> = meta
+                .states()
+                .iter()
+                .enumerate()
+                .filter(|(m, _)| !self.health.readable(*m))
+                .map(|(m, s)| {
+                    let state = match s {
+                        MemberState::Active if !self.health.ok(m) => "failed",
+                        s => s.name(),
+                    };
+                    format!("{} {state}", self.health.names[m])
+                })
+                .collect();
+            if !not_read.is_empty() {
+                out += &format!(", degraded: {}", not_read.join(", "));
+            }
+        }
+        out
     }
 
     fn geometry(&self) -> Geometry {

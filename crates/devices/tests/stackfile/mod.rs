@@ -197,7 +197,10 @@ const BANDWIDTH: Pool = Pool {
     bad: &["\"0\"", "0", "\"1\"", "\"1023K\"", "\"fast\""],
 };
 const DURATIONS: Pool = Pool {
-    good: &["\"1ms\"", "\"0\"", "\"10s\"", "\"250us\"", "\"2.5ms\""],
+    // Short: arrays with metadata read and write their superblocks through these when
+    // they open, and a chain of 10 s latencies would make a check take minutes (the
+    // edge of the range is tested in stack_bounds.rs).
+    good: &["\"1ms\"", "\"0\"", "\"250us\"", "\"2.5ms\""],
     bad: &[
         "\"1h\"",
         "\"-1s\"",
@@ -262,6 +265,10 @@ const ERRNO: Pool = Pool {
 const ENGINES: Pool = Pool {
     good: &["\"io_uring\"", "\"aio\"", "\"sync\""],
     bad: &["\"spdk\"", "1"],
+};
+const METADATA: Pool = Pool {
+    good: &["\"1\"", "\"none\""],
+    bad: &["\"2\"", "1", "true"],
 };
 const TUNING: [(&str, Pool); 6] = [
     (
@@ -483,6 +490,13 @@ pub fn generate(seed: u64) -> String {
                 };
                 let list = members(&mut d, count);
                 let mut shown: Vec<String> = list.iter().map(|m| quoted(m)).collect();
+                // Superblocks on the members (arrays are created on the blank mems and
+                // files), sometimes with an absent member.
+                let metadata = d.rng.chance(40);
+                let redundant = matches!(kind, "mirror" | "raid10");
+                if metadata && ((redundant && d.rng.chance(20)) || d.mistake(5)) {
+                    shown[0] = quoted("missing");
+                }
                 if d.mistake(3) {
                     shown.push(shown[0].clone());
                 }
@@ -495,6 +509,9 @@ pub fn generate(seed: u64) -> String {
                 }
                 if kind == "raid10" && count >= 3 {
                     out += &d.maybe(50, "copies", &COPIES);
+                }
+                if metadata {
+                    out += &d.maybe(100, "metadata", &METADATA);
                 }
             }
             "fault" | "delay" | "cache" => {
