@@ -184,3 +184,27 @@ fn a_missing_member_starts_degraded_on_purpose() {
         .to_string();
     assert!(e.contains("'m'") && e.contains("missing"), "{e}");
 }
+
+/// `cairn check` examines arrays and writes nothing: blank members stay blank, and an
+/// array's superblocks keep their bytes.
+#[test]
+fn check_writes_no_superblock() {
+    let dir = tempfile::tempdir().expect("a directory");
+    let (a, b) = (dir.path().join("a.img"), dir.path().join("b.img"));
+    let text = format!(
+        "{}{}[device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"b\"]\nmetadata = \"1\"\n",
+        file("a", &a),
+        file("b", &b)
+    );
+    let head = |p: &Path| std::fs::read(p).expect("read")[..16384].to_vec();
+    let stack = StackFile::parse(&text).expect("parse");
+    let report = stack
+        .check(None, Switches::default())
+        .expect("check on blank members");
+    assert!(report.contains("metadata 1"), "{report}");
+    assert!(head(&a).iter().all(|&x| x == 0), "check created the array");
+    drop(open(&text, "m").expect("create"));
+    let before = (head(&a), head(&b));
+    stack.check(None, Switches::default()).expect("check");
+    assert_eq!((head(&a), head(&b)), before, "check rewrote a superblock");
+}

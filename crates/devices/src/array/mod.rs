@@ -170,6 +170,8 @@ pub struct Metadata {
     array_uuid: [u8; 16],
     created_secs: u64,
     name: String,
+    /// Examined only (`cairn check`): no superblock is written.
+    dry: bool,
     state: Mutex<MetaState>,
 }
 
@@ -181,20 +183,23 @@ struct MetaState {
 
 impl Metadata {
     /// Starts the array: every present member gets a superblock with the event count
-    /// bumped and the clean flag off. Logs the members not read.
+    /// bumped and the clean flag off. Logs the members not read. With `dry`, nothing is
+    /// written, now or at [`Metadata::stop`].
     pub fn start(
         expect: Expect,
         members: Vec<Option<Arc<dyn Device>>>,
         examined: Examined,
         array_bytes: u64,
+        dry: bool,
     ) -> Result<Metadata, Error> {
         for note in &examined.plan.notes {
             eprintln!("cairn: {}: {note}", expect.name);
         }
         if examined.plan.created {
             eprintln!(
-                "cairn: {}: created a {} of {} members ({})",
+                "cairn: {}: {} a {} of {} members ({})",
                 expect.name,
+                if dry { "would create" } else { "created" },
                 expect.level.name(),
                 expect.members.len(),
                 superblock::uuid_text(&examined.plan.array_uuid)
@@ -207,6 +212,7 @@ impl Metadata {
             array_uuid: examined.plan.array_uuid,
             created_secs: examined.plan.created_secs,
             name: examined.name,
+            dry,
             state: Mutex::new(MetaState {
                 events: examined.plan.events,
                 parts: examined.plan.parts,
@@ -215,7 +221,9 @@ impl Metadata {
             expect,
             members,
         };
-        meta.write(false)?;
+        if !dry {
+            meta.write(false)?;
+        }
         Ok(meta)
     }
 
@@ -233,6 +241,9 @@ impl Metadata {
     /// Stops the array: members that failed while it ran are recorded as failed, and
     /// every member still in use gets a superblock with the clean flag on.
     pub fn stop(&self, failed: &[bool]) {
+        if self.dry {
+            return;
+        }
         {
             let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
             for (p, &f) in st.parts.iter_mut().zip(failed) {

@@ -570,9 +570,10 @@ impl StackFile {
             Some(n) => vec![self.pick(Some(n))?],
             None => self.roots(),
         };
+        // Arrays are examined, not started: `check` writes no superblock.
         let devices = names
             .iter()
-            .map(|name| self.open_with(name, switches))
+            .map(|name| self.open_inner(name, switches, true))
             .collect::<Result<Vec<_>, _>>()?;
         let mut out = String::new();
         for device in devices {
@@ -637,6 +638,17 @@ impl StackFile {
     /// write-back mode of caches). Two devices of the file backed by the same file are
     /// refused first, whichever of them `name` uses.
     pub fn open_with(&self, name: &str, switches: Switches) -> Result<Arc<dyn Device>, Error> {
+        self.open_inner(name, switches, false)
+    }
+
+    /// [`StackFile::open_with`]; with `dry`, arrays with metadata are examined and not
+    /// started (no superblock is written, at open or at close).
+    fn open_inner(
+        &self,
+        name: &str,
+        switches: Switches,
+        dry: bool,
+    ) -> Result<Arc<dyn Device>, Error> {
         graph::check_paths(&self.devices)?;
         let mut opened = HashMap::new();
         // Every cache of the file shares one dirty budget, sized on their memory together.
@@ -647,7 +659,7 @@ impl StackFile {
         } else {
             None
         };
-        self.open_rec(name, &mut opened, &budget, switches, 1)
+        self.open_rec(name, &mut opened, &budget, (switches, dry), 1)
     }
 
     fn open_rec(
@@ -655,7 +667,7 @@ impl StackFile {
         name: &str,
         opened: &mut HashMap<String, Arc<dyn Device>>,
         budget: &Option<Arc<crate::writeback::Budget>>,
-        switches: Switches,
+        (switches, dry): (Switches, bool),
         depth: usize,
     ) -> Result<Arc<dyn Device>, Error> {
         if let Some(d) = opened.get(name) {
@@ -677,7 +689,7 @@ impl StackFile {
             present.push(if m == MISSING {
                 None
             } else {
-                Some(self.open_rec(m, opened, budget, switches, depth + 1)?)
+                Some(self.open_rec(m, opened, budget, (switches, dry), depth + 1)?)
             });
         }
         let named = |e: Error| match e {
@@ -690,7 +702,7 @@ impl StackFile {
             other => other,
         };
         if let Some(expect) = array_expect(name, spec) {
-            let device = open_array(name, spec, expect, present).map_err(named)?;
+            let device = open_array(name, spec, expect, present, dry).map_err(named)?;
             opened.insert(name.to_string(), device.clone());
             return Ok(device);
         }
@@ -797,6 +809,7 @@ fn open_array(
     spec: &DeviceSpec,
     expect: crate::array::assemble::Expect,
     present: Vec<Option<Arc<dyn Device>>>,
+    dry: bool,
 ) -> Result<Arc<dyn Device>, Error> {
     let examined = crate::array::examine(&expect, &present)?;
     let block = present
@@ -834,7 +847,7 @@ fn open_array(
         .collect::<Result<Vec<_>, _>>()?;
     let device = StackDevice::new(name, Arc::new(layout), members)?;
     let array_bytes = device.geometry().size_bytes;
-    let meta = crate::array::Metadata::start(expect, present, examined, array_bytes)?;
+    let meta = crate::array::Metadata::start(expect, present, examined, array_bytes, dry)?;
     Ok(Arc::new(device.with_metadata(meta)))
 }
 
