@@ -172,6 +172,12 @@ pub struct Metadata {
     name: String,
     /// Examined only (`cairn check`): no superblock is written.
     dry: bool,
+    /// Held while a failure is being recorded: a second queue that finds the same member
+    /// failed waits until the first has written the superblocks, so that neither answers
+    /// its request before the failure is on disk.
+    recording: Mutex<()>,
+    /// The array was not stopped cleanly: its copies may differ until resynced.
+    resync_pending: bool,
     state: Mutex<MetaState>,
 }
 
@@ -195,6 +201,17 @@ impl Metadata {
         for note in &examined.plan.notes {
             eprintln!("cairn: {}: {note}", expect.name);
         }
+        let redundant = matches!(
+            expect.level,
+            superblock::Level::Mirror | superblock::Level::Raid10
+        );
+        let resync_pending = redundant && !examined.plan.created && !examined.plan.clean;
+        if resync_pending {
+            eprintln!(
+                "cairn: {}: was not stopped cleanly: its copies may differ, so every read goes to one copy until it is resynced",
+                expect.name
+            );
+        }
         if examined.plan.created {
             eprintln!(
                 "cairn: {}: {} a {} of {} members ({})",
@@ -213,6 +230,8 @@ impl Metadata {
             created_secs: examined.plan.created_secs,
             name: examined.name,
             dry,
+            recording: Mutex::new(()),
+            resync_pending,
             state: Mutex::new(MetaState {
                 events: examined.plan.events,
                 parts: examined.plan.parts,
@@ -227,6 +246,12 @@ impl Metadata {
         Ok(meta)
     }
 
+    /// Whether the copies may differ (an unclean stop, not resynced yet): reads must go to
+    /// one copy.
+    pub fn resync_pending(&self) -> bool {
+        self.resync_pending
+    }
+
     /// Where data starts on every member.
     pub fn data_offset(&self) -> u64 {
         self.data_offset
@@ -236,6 +261,28 @@ impl Metadata {
     pub fn states(&self) -> Vec<MemberState> {
         let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         st.parts.iter().map(|p| p.state).collect()
+    }
+
+    /// Records that member `m` failed: every other member in use gets a superblock that
+    /// says so (events bumped) before this returns. A member already failed is left as
+    /// it is.
+    pub fn fail_member(&self, m: usize) {
+        if self.dry {
+            return;
+        }
+        let _recording = self.recording.lock().unwrap_or_else(|p| p.into_inner());
+        {
+            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            match st.parts.get(m).map(|p| p.state) {
+                Some(MemberState::Active | MemberState::Rebuilding) => {
+                    st.parts[m].state = MemberState::Failed
+                }
+                _ => return,
+            }
+        }
+        if let Err(e) = self.write(false) {
+            eprintln!("cairn: {}: {e}", self.expect.name);
+        }
     }
 
     /// Stops the array: members that failed while it ran are recorded as failed, and
@@ -252,7 +299,8 @@ impl Metadata {
                 }
             }
         }
-        if let Err(e) = self.write(true) {
+        // Copies that may differ stay marked so until a resync makes them agree.
+        if let Err(e) = self.write(!self.resync_pending) {
             eprintln!("cairn: {}: {e}", self.expect.name);
         }
     }

@@ -56,6 +56,9 @@ struct Health {
     failed: Vec<AtomicBool>,
     /// Holds current data (a member being rebuilt, stale or new is written, not read).
     readable: Vec<AtomicBool>,
+    /// The copies may differ (the array was not stopped cleanly and is not resynced):
+    /// every read goes to the first readable copy, so a block never reads two ways.
+    one_copy: AtomicBool,
 }
 
 impl Health {
@@ -91,8 +94,9 @@ pub struct StackDevice {
     geometry: Geometry,
     /// Where data starts on every member (after the metadata area, if any).
     data_offset: u64,
-    /// The superblocks, for an array that keeps them.
-    metadata: Option<crate::array::Metadata>,
+    /// The superblocks, for an array that keeps them (its queues record failures in
+    /// them).
+    metadata: Option<Arc<crate::array::Metadata>>,
 }
 
 impl StackDevice {
@@ -133,6 +137,7 @@ impl StackDevice {
             names: members.iter().map(|m| m.name().to_string()).collect(),
             failed: members.iter().map(|_| AtomicBool::new(false)).collect(),
             readable: members.iter().map(|_| AtomicBool::new(true)).collect(),
+            one_copy: AtomicBool::new(false),
         });
         Ok(StackDevice {
             name: name.into(),
@@ -163,8 +168,11 @@ impl StackDevice {
             self.health.failed[m].store(!ok, Relaxed);
             self.health.readable[m].store(readable, Relaxed);
         }
+        self.health
+            .one_copy
+            .store(metadata.resync_pending(), Relaxed);
         self.data_offset = metadata.data_offset();
-        self.metadata = Some(metadata);
+        self.metadata = Some(Arc::new(metadata));
         self
     }
 }
@@ -247,6 +255,7 @@ impl Device for StackDevice {
             flushes: FlushBatcher::new(core.switches().flush),
             copies: self.layout.copies(),
             data_offset: self.data_offset,
+            metadata: self.metadata.clone(),
         });
         queue.sink.set(core.register_sink(queue.clone()));
         Ok(queue)
@@ -370,6 +379,8 @@ pub struct StackQueue {
     copies: usize,
     /// Where data starts on every member.
     data_offset: u64,
+    /// The array's superblocks, if it keeps them.
+    metadata: Option<Arc<crate::array::Metadata>>,
 }
 
 /// Token of the batched flush fanning out to the members (never a child index).
@@ -494,6 +505,11 @@ impl StackQueue {
     /// The first healthy copy of `logical` at or after `start`, skipping `tried`.
     fn healthy_copy(&self, logical: u64, start: usize, tried: u32) -> Option<usize> {
         let copies = self.copies;
+        let start = if self.health.one_copy.load(Relaxed) {
+            0
+        } else {
+            start
+        };
         (0..copies).map(|i| (start + i) % copies).find(|&k| {
             tried & (1 << k) == 0 && self.health.readable(self.layout.locate(logical, k).0)
         })
@@ -749,6 +765,13 @@ impl StackQueue {
                 // The member lost a write (or a flush): it no longer holds good data.
                 drop(st);
                 self.health.fail(child.member as usize, status);
+                if let Some(meta) = &self.metadata {
+                    // Recorded in the other members' superblocks before this request is
+                    // answered: acknowledged data is never only on members that a restart
+                    // would take for current alongside this one. Synchronous, on this
+                    // thread: once per member failure, a control-plane event.
+                    meta.fail_member(child.member as usize);
+                }
                 self.state
                     .borrow_mut()
                     .parents
