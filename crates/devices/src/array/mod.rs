@@ -177,7 +177,7 @@ pub struct Metadata {
     /// its request before the failure is on disk.
     recording: Mutex<()>,
     /// The array was not stopped cleanly: its copies may differ until resynced.
-    resync_pending: bool,
+    resync_pending: std::sync::atomic::AtomicBool,
     state: Mutex<MetaState>,
 }
 
@@ -231,7 +231,7 @@ impl Metadata {
             name: examined.name,
             dry,
             recording: Mutex::new(()),
-            resync_pending,
+            resync_pending: std::sync::atomic::AtomicBool::new(resync_pending),
             state: Mutex::new(MetaState {
                 events: examined.plan.events,
                 parts: examined.plan.parts,
@@ -250,6 +250,61 @@ impl Metadata {
     /// one copy.
     pub fn resync_pending(&self) -> bool {
         self.resync_pending
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Whether this array was examined only (`cairn check`): nothing is written, nothing
+    /// rebuilt.
+    pub fn dry(&self) -> bool {
+        self.dry
+    }
+
+    /// Member `m`'s rebuild checkpoint: bytes of its data area in sync from the start.
+    pub fn recovery_offset(&self, m: usize) -> u64 {
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.parts.get(m).map_or(0, |p| p.recovery_offset)
+    }
+
+    /// Records the rebuild's progress: `members` are in sync below `member_offset`.
+    pub fn checkpoint(&self, members: &[usize], member_offset: u64) {
+        if self.dry {
+            return;
+        }
+        {
+            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            for &m in members {
+                if st.parts[m].state == MemberState::Rebuilding {
+                    st.parts[m].recovery_offset = member_offset.min(self.member_data[m]);
+                }
+            }
+        }
+        if let Err(e) = self.write(false) {
+            eprintln!("cairn: {}: {e}", self.expect.name);
+        }
+    }
+
+    /// The rebuild is done: `members` are active (current), and after a resync the
+    /// copies agree again.
+    pub fn rebuilt(&self, members: &[usize], resync: bool) {
+        if self.dry {
+            return;
+        }
+        {
+            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            for &m in members {
+                if st.parts[m].state == MemberState::Rebuilding {
+                    st.parts[m].state = MemberState::Active;
+                    st.parts[m].recovery_offset = self.member_data[m];
+                }
+            }
+        }
+        if resync {
+            self.resync_pending
+                .store(false, std::sync::atomic::Ordering::SeqCst);
+        }
+        if let Err(e) = self.write(false) {
+            eprintln!("cairn: {}: {e}", self.expect.name);
+        }
     }
 
     /// Where data starts on every member.
@@ -300,7 +355,7 @@ impl Metadata {
             }
         }
         // Copies that may differ stay marked so until a resync makes them agree.
-        if let Err(e) = self.write(!self.resync_pending) {
+        if let Err(e) = self.write(!self.resync_pending()) {
             eprintln!("cairn: {}: {e}", self.expect.name);
         }
     }

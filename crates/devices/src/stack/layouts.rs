@@ -218,6 +218,20 @@ pub struct Raid10 {
 }
 
 impl Raid10 {
+    /// Bytes at the start of every member that hold only copies of logical bytes below
+    /// `at` (whole chunk rows), for a rebuild that has copied everything below `at`.
+    pub fn member_rows_below(&self, at: u64) -> u64 {
+        let chunks_done = at / self.chunk;
+        chunks_done * self.copies / self.members.n * self.chunk
+    }
+
+    /// The logical offset below which every copy lies in the first `member_offset` bytes
+    /// of the members (where a rebuild checkpointed there resumes).
+    pub fn logical_below_rows(&self, member_offset: u64) -> u64 {
+        let rows = member_offset / self.chunk;
+        rows * self.members.n / self.copies * self.chunk
+    }
+
     /// `members` devices of at least `member_size` bytes, `copies` copies, `chunk` bytes.
     pub fn new(
         members: usize,

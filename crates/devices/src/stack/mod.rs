@@ -12,6 +12,7 @@
 //! only when some of its data has no healthy copy left.
 
 mod layouts;
+mod rebuild;
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -59,6 +60,8 @@ struct Health {
     /// The copies may differ (the array was not stopped cleanly and is not resynced):
     /// every read goes to the first readable copy, so a block never reads two ways.
     one_copy: AtomicBool,
+    /// Writes are counted per region while a rebuild runs (see [`rebuild`]).
+    sync: rebuild::WriteCounts,
 }
 
 impl Health {
@@ -97,6 +100,8 @@ pub struct StackDevice {
     /// The superblocks, for an array that keeps them (its queues record failures in
     /// them).
     metadata: Option<Arc<crate::array::Metadata>>,
+    /// The rebuild thread, while one runs: its stop flag and handle.
+    rebuild: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
 }
 
 impl StackDevice {
@@ -138,6 +143,7 @@ impl StackDevice {
             failed: members.iter().map(|_| AtomicBool::new(false)).collect(),
             readable: members.iter().map(|_| AtomicBool::new(true)).collect(),
             one_copy: AtomicBool::new(false),
+            sync: rebuild::WriteCounts::new(),
         });
         Ok(StackDevice {
             name: name.into(),
@@ -151,6 +157,7 @@ impl StackDevice {
             health,
             data_offset: 0,
             metadata: None,
+            rebuild: None,
         })
     }
 
@@ -172,7 +179,29 @@ impl StackDevice {
             .one_copy
             .store(metadata.resync_pending(), Relaxed);
         self.data_offset = metadata.data_offset();
-        self.metadata = Some(Arc::new(metadata));
+        let metadata = Arc::new(metadata);
+        if !metadata.dry() && rebuild::needed(&self.health, &metadata.states()) {
+            // Counting starts before any queue exists, so every client write is counted.
+            self.health.sync.on_now();
+            let stop = Arc::new(AtomicBool::new(false));
+            let job = rebuild::Job {
+                name: self.name.clone(),
+                layout: self.layout.clone(),
+                members: self.members.clone(),
+                health: self.health.clone(),
+                metadata: metadata.clone(),
+                data_offset: self.data_offset,
+                stop: stop.clone(),
+            };
+            match std::thread::Builder::new()
+                .name(format!("cairn-sync-{}", self.name))
+                .spawn(move || rebuild::run(job))
+            {
+                Ok(handle) => self.rebuild = Some((stop, handle)),
+                Err(e) => eprintln!("cairn: {}: cannot start the rebuild: {e}", self.name),
+            }
+        }
+        self.metadata = Some(metadata);
         self
     }
 }
@@ -182,6 +211,10 @@ impl Drop for StackDevice {
         // Every queue is gone (they hold the device's members, not the device), so no
         // write is in flight: the array stops clean, with the members that failed
         // recorded as failed.
+        if let Some((stop, handle)) = self.rebuild.take() {
+            stop.store(true, Relaxed);
+            let _ = handle.join();
+        }
         if let Some(meta) = &self.metadata {
             let failed: Vec<bool> = (0..self.members.len())
                 .map(|m| !self.health.ok(m))
@@ -327,6 +360,8 @@ struct Parent {
     degraded: bool,
     /// Copies tried so far by a request sent whole to one member (bit per copy).
     tried: u32,
+    /// Counted as a write in flight for a rebuild (its completion is counted too).
+    counted: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -409,6 +444,7 @@ impl StackQueue {
             start_ns,
             degraded: false,
             tried: 1 << copy,
+            counted: false,
         });
         self.send_direct(parent, &io, at);
     }
@@ -435,6 +471,7 @@ impl StackQueue {
             start_ns: 0,
             degraded: false,
             tried: 0,
+            counted: false,
         });
         for m in 0..self.members.len() {
             if self.health.ok(m) {
@@ -549,6 +586,9 @@ impl StackQueue {
         if status.is_ok() && p.degraded && !self.all_pieces_covered(&p.io) {
             status = IoStatus::errno(libc::EIO);
         }
+        if p.counted {
+            self.health.sync.done(&p.io);
+        }
         self.answer(&p, status);
     }
 
@@ -640,6 +680,9 @@ impl StackQueue {
             start_ns,
             degraded: false,
             tried: 0,
+            // A change of data while a rebuild runs is counted, so the rebuild can tell
+            // whether a region it copied was written meanwhile.
+            counted: io.op != Op::Read && self.health.sync.start(&io),
         });
         let copies = self.copies;
         let mut missing = false;
@@ -692,6 +735,9 @@ impl StackQueue {
             // from inside submit.
             let p = st.parents.remove(parent);
             drop(st);
+            if p.counted {
+                self.health.sync.done(&p.io);
+            }
             if self.stats.enabled() {
                 self.stats
                     .done(p.io.op, p.io.len, p.start_ns, self.core.now_ns(), false);

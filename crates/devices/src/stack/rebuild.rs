@@ -1,0 +1,350 @@
+//! Rebuild and resync of a mirror or raid10 with metadata, online, on a thread of its own.
+//!
+//! A member that is not current (rebuilding, stale, new) is written to by every client
+//! write and read by none; the rebuild copies the rest of its data from a current copy,
+//! in logical order, in batches of large requests, and then the member is read like the
+//! others. After an unclean stop, the resync copies every block from the copy reads come
+//! from (the first readable one) to the others, so that the copies agree again.
+//!
+//! Client writes go on meanwhile. A copy must never put older data over a client's newer
+//! write, so writes are counted per region while a rebuild runs ([`WriteCounts`]): the
+//! rebuild copies a batch only when no write to its regions is in flight, and copies it
+//! again if one started before it finished. Counting costs two atomic additions per
+//! write, and only while a rebuild runs.
+//!
+//! Progress (bytes done, rate, time left) is logged; each member's checkpoint goes to the
+//! superblocks every [`CHECKPOINT_BYTES`], so a rebuild interrupted by a stop resumes
+//! from there.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cairn_core::blocking::{BlockingQueue, Request};
+use cairn_core::{Device, Io, IoFlags, Op, Switches};
+
+use super::{AnyLayout, Health, Layout};
+use crate::array::superblock::MemberState;
+use crate::array::Metadata;
+
+/// Bytes of the array one write counter covers.
+const REGION_BYTES: u64 = 1 << 20;
+/// Counters (regions share them modulo this: a shared counter only costs a retry).
+const SLOTS: usize = 4096;
+/// Most bytes copied in one batch (all in flight together).
+const BATCH_BYTES: u64 = 8 << 20;
+/// How often the checkpoint goes to the superblocks.
+const CHECKPOINT_BYTES: u64 = 256 << 20;
+
+/// Writes started and finished per region, while a rebuild runs.
+pub(super) struct WriteCounts {
+    on: AtomicBool,
+    started: Box<[AtomicU64]>,
+    finished: Box<[AtomicU64]>,
+}
+
+impl WriteCounts {
+    pub(super) fn new() -> WriteCounts {
+        WriteCounts {
+            on: AtomicBool::new(false),
+            started: (0..SLOTS).map(|_| AtomicU64::new(0)).collect(),
+            finished: (0..SLOTS).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    /// Starts counting (before the rebuild starts and before any queue exists).
+    pub(super) fn on_now(&self) {
+        self.on.store(true, SeqCst);
+    }
+
+    /// Counts a write that starts, if a rebuild runs; whether it was counted (its end
+    /// must then be counted with [`WriteCounts::done`]).
+    #[inline]
+    pub(super) fn start(&self, io: &Io) -> bool {
+        if !self.on.load(Relaxed) {
+            return false;
+        }
+        for s in slots(io.offset, io.len) {
+            self.started[s].fetch_add(1, SeqCst);
+        }
+        true
+    }
+
+    /// Counts the end of a write [`WriteCounts::start`] counted.
+    pub(super) fn done(&self, io: &Io) {
+        for s in slots(io.offset, io.len) {
+            self.finished[s].fetch_add(1, SeqCst);
+        }
+    }
+
+    /// The finished counts of the slots of `[offset, offset + len)` if no write to them is
+    /// in flight.
+    fn quiet(&self, offset: u64, len: u64) -> Option<Vec<(usize, u64)>> {
+        let mut snap = Vec::new();
+        for s in slots(offset, len) {
+            let f = self.finished[s].load(SeqCst);
+            if self.started[s].load(SeqCst) != f {
+                return None;
+            }
+            snap.push((s, f));
+        }
+        Some(snap)
+    }
+
+    /// Whether no write started on the slots since `snap` was taken.
+    fn unchanged(&self, snap: &[(usize, u64)]) -> bool {
+        snap.iter().all(|&(s, f)| self.started[s].load(SeqCst) == f)
+    }
+}
+
+/// The counter slots of `[offset, offset + len)`: every slot when the range spans more
+/// regions than there are slots.
+fn slots(offset: u64, len: u64) -> impl Iterator<Item = usize> {
+    let first = offset / REGION_BYTES;
+    let last = (offset + len.max(1) - 1) / REGION_BYTES;
+    let n = (last - first + 1).min(SLOTS as u64);
+    (0..n).map(move |i| ((first + i) % SLOTS as u64) as usize)
+}
+
+/// What a rebuild thread needs of its array.
+pub(super) struct Job {
+    pub name: String,
+    pub layout: Arc<AnyLayout>,
+    pub members: Vec<Arc<dyn Device>>,
+    pub health: Arc<Health>,
+    pub metadata: Arc<Metadata>,
+    pub data_offset: u64,
+    pub stop: Arc<AtomicBool>,
+}
+
+/// Whether the array has anything to rebuild or resync.
+pub(super) fn needed(health: &Health, states: &[MemberState]) -> bool {
+    health.one_copy.load(Relaxed)
+        || states
+            .iter()
+            .enumerate()
+            .any(|(m, s)| *s == MemberState::Rebuilding && health.ok(m))
+}
+
+/// Runs the rebuild to its end (or until `stop`).
+pub(super) fn run(job: Job) {
+    cairn_core::reactor::block_signals_in_this_thread();
+    let queues: Vec<Option<BlockingQueue>> = job
+        .members
+        .iter()
+        .map(|m| BlockingQueue::open(m, Switches::default()).ok())
+        .collect();
+    let size = job.layout.size_bytes();
+    let copies = job.layout.copies();
+    let resync = job.health.one_copy.load(Relaxed);
+    let targets_now = |health: &Health| -> Vec<usize> {
+        (0..job.members.len())
+            .filter(|&m| health.ok(m) && (resync || !health.readable(m)))
+            .collect()
+    };
+    let rebuilding = targets_now(&job.health);
+    // Resume from the smallest checkpoint of the members being rebuilt.
+    let start = if resync {
+        0
+    } else {
+        rebuilding
+            .iter()
+            .map(|&m| logical_from_member(&job.layout, job.metadata.recovery_offset(m)))
+            .min()
+            .unwrap_or(0)
+    };
+    let what = if resync { "resync" } else { "rebuild" };
+    eprintln!(
+        "cairn: {}: {what} of {} started at {start} of {size} bytes",
+        job.name,
+        names(&job, &rebuilding)
+    );
+    let began = Instant::now();
+    let mut at = start;
+    let mut last_log = Instant::now();
+    let mut last_checkpoint = start;
+    while at < size {
+        if job.stop.load(SeqCst) {
+            job.metadata
+                .checkpoint(&rebuilding, member_from_logical(&job.layout, at));
+            eprintln!(
+                "cairn: {}: {what} stopped at {at} of {size} bytes",
+                job.name
+            );
+            return;
+        }
+        let batch_end = (at + BATCH_BYTES).min(size);
+        // Pieces of the batch: (logical, len, source copy, target copies).
+        let mut pieces: Vec<(u64, u64, usize, Vec<usize>)> = Vec::new();
+        let mut p = at;
+        while p < batch_end {
+            let len = job.layout.piece_len(p, batch_end - p);
+            let source = (0..copies).find(|&k| job.health.readable(job.layout.locate(p, k).0));
+            let Some(source) = source else {
+                eprintln!(
+                    "cairn: {}: {what} stopped at {p}: no current copy to read",
+                    job.name
+                );
+                return;
+            };
+            let targets: Vec<usize> = (0..copies)
+                .filter(|&k| {
+                    let m = job.layout.locate(p, k).0;
+                    k != source && job.health.ok(m) && (resync || !job.health.readable(m))
+                })
+                .collect();
+            if !targets.is_empty() {
+                pieces.push((p, len, source, targets));
+            }
+            p += len;
+        }
+        if !pieces.is_empty() && !copy_batch(&job, &queues, &pieces, at, batch_end - at) {
+            return;
+        }
+        at = batch_end;
+        if at - last_checkpoint >= CHECKPOINT_BYTES {
+            job.metadata
+                .checkpoint(&rebuilding, member_from_logical(&job.layout, at));
+            last_checkpoint = at;
+        }
+        if last_log.elapsed() >= Duration::from_secs(5) {
+            let secs = began.elapsed().as_secs_f64();
+            let rate = (at - start) as f64 / secs.max(1e-9);
+            eprintln!(
+                "cairn: {}: {what} {:.1}% ({at} of {size} bytes, {:.0} MB/s, {:.0} s left)",
+                job.name,
+                at as f64 * 100.0 / size as f64,
+                rate / 1e6,
+                (size - at) as f64 / rate.max(1.0)
+            );
+            last_log = Instant::now();
+        }
+    }
+    let done: Vec<usize> = targets_now(&job.health);
+    job.metadata.rebuilt(&done, resync);
+    for &m in &done {
+        job.health.readable[m].store(true, Relaxed);
+    }
+    job.health.one_copy.store(false, Relaxed);
+    job.health.sync.on.store(false, Relaxed);
+    let secs = began.elapsed().as_secs_f64();
+    eprintln!(
+        "cairn: {}: {what} of {} done: {} bytes in {secs:.1} s ({:.0} MB/s)",
+        job.name,
+        names(&job, &done),
+        size - start,
+        (size - start) as f64 / secs.max(1e-9) / 1e6
+    );
+}
+
+/// Copies one batch; retries while client writes touch it. False if the rebuild must end.
+fn copy_batch(
+    job: &Job,
+    queues: &[Option<BlockingQueue>],
+    pieces: &[(u64, u64, usize, Vec<usize>)],
+    offset: u64,
+    len: u64,
+) -> bool {
+    let mut bufs: Vec<Vec<u8>> = pieces.iter().map(|p| vec![0u8; p.1 as usize]).collect();
+    loop {
+        if job.stop.load(SeqCst) {
+            return true;
+        }
+        let Some(snap) = job.health.sync.quiet(offset, len) else {
+            std::thread::sleep(Duration::from_millis(1));
+            continue;
+        };
+        // Read every piece from its source, each member's pieces in flight together.
+        for (m, q) in queues.iter().enumerate() {
+            let Some(q) = q else { continue };
+            let mut reqs: Vec<Request<'_>> = Vec::new();
+            for (piece, buf) in pieces.iter().zip(bufs.iter_mut()) {
+                let (member, at) = job.layout.locate(piece.0, piece.2);
+                if member == m {
+                    reqs.push(Request {
+                        op: Op::Read,
+                        flags: IoFlags::NONE,
+                        offset: at + job.data_offset,
+                        len: 0,
+                        buf: Some(buf.as_mut_slice()),
+                    });
+                }
+            }
+            if reqs.is_empty() {
+                continue;
+            }
+            if q.run(&mut reqs).iter().any(|r| r.is_err()) {
+                eprintln!(
+                    "cairn: {}: rebuild: reading member '{}' failed; stopped",
+                    job.name,
+                    job.members[m].name()
+                );
+                return false;
+            }
+        }
+        for (m, q) in queues.iter().enumerate() {
+            let Some(q) = q else { continue };
+            if !job.health.ok(m) {
+                continue;
+            }
+            let mut reqs: Vec<Request<'_>> = Vec::new();
+            for (piece, buf) in pieces.iter().zip(bufs.iter_mut()) {
+                // The copies of a piece are on distinct members: one target here at most.
+                let target = piece
+                    .3
+                    .iter()
+                    .map(|&k| job.layout.locate(piece.0, k))
+                    .find(|&(member, _)| member == m);
+                if let Some((_, at)) = target {
+                    reqs.push(Request {
+                        op: Op::Write,
+                        flags: IoFlags::NONE,
+                        offset: at + job.data_offset,
+                        len: 0,
+                        buf: Some(buf.as_mut_slice()),
+                    });
+                }
+            }
+            if reqs.is_empty() {
+                continue;
+            }
+            if q.run(&mut reqs).iter().any(|r| r.is_err()) {
+                job.health.fail(m, cairn_core::IoStatus::errno(libc::EIO));
+                job.metadata.fail_member(m);
+            }
+        }
+        if job.health.sync.unchanged(&snap) {
+            return true;
+        }
+        // A client wrote to the batch meanwhile: copy it again.
+    }
+}
+
+/// The rebuild checkpoint in a member's data area for logical progress `at`: every
+/// member byte below it holds data of logical bytes below `at` (conservative for raid10).
+fn member_from_logical(layout: &AnyLayout, at: u64) -> u64 {
+    match layout {
+        AnyLayout::Raid10(r) => r.member_rows_below(at),
+        _ => at,
+    }
+}
+
+/// The logical offset to resume from for a member checkpoint (never past it).
+fn logical_from_member(layout: &AnyLayout, member_offset: u64) -> u64 {
+    match layout {
+        AnyLayout::Raid10(r) => r.logical_below_rows(member_offset),
+        _ => member_offset,
+    }
+}
+
+fn names(job: &Job, members: &[usize]) -> String {
+    let n: Vec<String> = members
+        .iter()
+        .map(|&m| format!("'{}'", job.members[m].name()))
+        .collect();
+    if n.is_empty() {
+        "no member".into()
+    } else {
+        n.join(", ")
+    }
+}
