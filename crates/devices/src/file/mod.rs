@@ -161,17 +161,34 @@ impl FileDevice {
 /// Takes an exclusive `flock` on `fd` without waiting; when another open file holds it,
 /// the error names the file and, where `/proc/locks` tells, the holder.
 fn lock_exclusive(fd: std::os::fd::RawFd, path: &Path) -> Result<(), Error> {
-    // SAFETY: flock on a descriptor this function's caller owns and keeps open.
-    if unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-        return Ok(());
-    }
-    let e = std::io::Error::last_os_error();
-    if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
-        return Err(Error::os(format!("file {}: lock", path.display()), e));
-    }
-    let holder = std::fs::metadata(path)
-        .ok()
-        .and_then(|m| lock_holder(m.dev(), m.ino()))
+    // A process that was killed can hold its locks a little longer than it lives: the
+    // kernel closes the files of its io_uring rings after it is gone. So a lock whose
+    // holder is dead (or unknown) is tried again for a while, one held by a live process
+    // is refused at once.
+    const DEAD_HOLDER_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+    let deadline = std::time::Instant::now() + DEAD_HOLDER_WAIT;
+    let holder = loop {
+        // SAFETY: flock on a descriptor this function's caller owns and keeps open.
+        if unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(Error::os(format!("file {}: lock", path.display()), e));
+        }
+        let holder = std::fs::metadata(path)
+            .ok()
+            .and_then(|m| lock_holder(m.dev(), m.ino()));
+        // SAFETY: kill with signal 0 sends nothing; it asks whether the process exists.
+        let alive = holder
+            .as_ref()
+            .is_some_and(|(pid, _)| unsafe { libc::kill(*pid as libc::pid_t, 0) } == 0);
+        if alive || std::time::Instant::now() >= deadline {
+            break holder;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    let holder = holder
         .map(|(pid, comm)| {
             if pid == std::process::id() {
                 format!(" by this cairn (pid {pid}; another device of the stack uses it)")
