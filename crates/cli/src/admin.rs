@@ -4,6 +4,8 @@
 //! command line (at most 1 KiB) and gets one reply, then is closed:
 //!
 //!   devices                 every device served, with its members, one per line
+//!   status                  every array with metadata, as /proc/mdstat shows md's:
+//!                           members and their state, degraded or not, rebuild progress
 //!   power-cut [DEVICE...]   cut the power of these devices (default: every export's):
 //!                           what their volatile layers and caches hold and no flush has
 //!                           made durable is lost, as in a real power cut
@@ -26,6 +28,7 @@ const MAX_LINE: u64 = 1024;
 
 const HELP: &str = "ok: commands:
   devices                 every device served, with its members
+  status                  arrays with metadata: members, states, rebuild progress
   power-cut [DEVICE...]   lose what these devices (default: every export's) hold that no
                           flush has made durable, as in a power cut
   help                    this list
@@ -154,6 +157,17 @@ fn command(line: &str, roots: &[Arc<dyn Device>]) -> String {
             }
             out
         }
+        Some("status") => {
+            let arrays: Vec<String> = all_devices(roots)
+                .iter()
+                .filter_map(|(_, d)| d.array_status())
+                .collect();
+            if arrays.is_empty() {
+                "ok: no array keeps metadata (add metadata = \"1\" to a mirror or raid10)\n".into()
+            } else {
+                format!("ok\n{}", arrays.concat())
+            }
+        }
         Some("power-cut") => {
             let names: Vec<&str> = words.collect();
             let all = all_devices(roots);
@@ -185,7 +199,7 @@ fn command(line: &str, roots: &[Arc<dyn Device>]) -> String {
             format!("ok: power cut: {}\n", done.join(", "))
         }
         Some(other) => {
-            format!("error: unknown command '{other}' (known: devices, power-cut, help)\n")
+            format!("error: unknown command '{other}' (known: devices, status, power-cut, help)\n")
         }
     }
 }

@@ -113,6 +113,12 @@ pub trait Device: Send + Sync {
         Vec::new()
     }
 
+    /// For an array that keeps state on its members: its status as the admin `status`
+    /// command prints it (like `/proc/mdstat`), several lines. `None` for other devices.
+    fn array_status(&self) -> Option<String> {
+        None
+    }
+
     /// How `[offset, offset + len)` is allocated, as consecutive extents from `offset`
     /// (NBD's `base:allocation`). The extents may stop early (callers ask again) but never
     /// claim a hole or zeroes that are not there. The default: all data.

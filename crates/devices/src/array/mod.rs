@@ -307,6 +307,11 @@ impl Metadata {
         }
     }
 
+    /// The array's UUID as people read it.
+    pub fn uuid_text(&self) -> String {
+        superblock::uuid_text(&self.array_uuid)
+    }
+
     /// Where data starts on every member.
     pub fn data_offset(&self) -> u64 {
         self.data_offset

@@ -336,6 +336,61 @@ impl Device for StackDevice {
         Ok(())
     }
 
+    fn array_status(&self) -> Option<String> {
+        use crate::array::superblock::MemberState;
+        use cairn_core::size::format_bytes;
+        let meta = self.metadata.as_ref()?;
+        let states = meta.states();
+        let mut flags = String::new();
+        let mut members = Vec::new();
+        for (m, s) in states.iter().enumerate() {
+            let state = match s {
+                _ if !self.health.ok(m) && *s != MemberState::Missing => "failed",
+                MemberState::Rebuilding if self.health.readable(m) => "active",
+                s => s.name(),
+            };
+            flags.push(if self.health.readable(m) { 'U' } else { '_' });
+            members.push(format!("{} {state}", self.health.names[m]));
+        }
+        let sync = &self.health.sync;
+        let degraded = flags.contains('_');
+        let mut out = format!(
+            "{}: {} of {} members, {}, metadata 1 {}{}\n    [{flags}] {}\n",
+            self.name,
+            self.layout.kind(),
+            self.members.len(),
+            format_bytes(self.geometry.size_bytes),
+            meta.uuid_text(),
+            if degraded { ", degraded" } else { "" },
+            members.join(", ")
+        );
+        if sync.running() {
+            let (done, total) = (
+                sync.done_bytes.load(Relaxed),
+                sync.total_bytes.load(Relaxed).max(1),
+            );
+            let rate = sync.rate.load(Relaxed);
+            out += &format!(
+                "    {} {:.1}% ({} of {}, {}/s, {} s left)\n",
+                if sync.resync.load(Relaxed) {
+                    "resync"
+                } else {
+                    "rebuild"
+                },
+                done as f64 * 100.0 / total as f64,
+                format_bytes(done),
+                format_bytes(total),
+                format_bytes(rate),
+                (total - done)
+                    .checked_div(rate)
+                    .map_or_else(|| "?".to_string(), |s| s.to_string())
+            );
+        } else if self.health.one_copy.load(Relaxed) {
+            out += "    not stopped cleanly: reads from one copy until resynced\n";
+        }
+        Some(out)
+    }
+
     fn failed_members(&self) -> Vec<String> {
         (0..self.members.len())
             .filter(|&m| !self.health.ok(m))

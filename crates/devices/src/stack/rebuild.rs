@@ -36,9 +36,15 @@ const BATCH_BYTES: u64 = 8 << 20;
 /// How often the checkpoint goes to the superblocks.
 const CHECKPOINT_BYTES: u64 = 256 << 20;
 
-/// Writes started and finished per region, while a rebuild runs.
+/// Writes started and finished per region, while a rebuild runs; and its progress.
 pub(super) struct WriteCounts {
     on: AtomicBool,
+    /// Logical bytes done, of `total`, at `rate` bytes a second (for `status`).
+    pub(super) done_bytes: AtomicU64,
+    pub(super) total_bytes: AtomicU64,
+    pub(super) rate: AtomicU64,
+    /// Whether it is a resync (else a rebuild).
+    pub(super) resync: AtomicBool,
     started: Box<[AtomicU64]>,
     finished: Box<[AtomicU64]>,
 }
@@ -47,6 +53,10 @@ impl WriteCounts {
     pub(super) fn new() -> WriteCounts {
         WriteCounts {
             on: AtomicBool::new(false),
+            done_bytes: AtomicU64::new(0),
+            total_bytes: AtomicU64::new(0),
+            rate: AtomicU64::new(0),
+            resync: AtomicBool::new(false),
             started: (0..SLOTS).map(|_| AtomicU64::new(0)).collect(),
             finished: (0..SLOTS).map(|_| AtomicU64::new(0)).collect(),
         }
@@ -91,6 +101,11 @@ impl WriteCounts {
         Some(snap)
     }
 
+    /// Whether a rebuild or resync runs.
+    pub(super) fn running(&self) -> bool {
+        self.on.load(Relaxed)
+    }
+
     /// Whether no write started on the slots since `snap` was taken.
     fn unchanged(&self, snap: &[(usize, u64)]) -> bool {
         snap.iter().all(|&(s, f)| self.started[s].load(SeqCst) == f)
@@ -126,8 +141,14 @@ pub(super) fn needed(health: &Health, states: &[MemberState]) -> bool {
             .any(|(m, s)| *s == MemberState::Rebuilding && health.ok(m))
 }
 
-/// Runs the rebuild to its end (or until `stop`).
+/// Runs the rebuild to its end (or until `stop`, or an error that ends it).
 pub(super) fn run(job: Job) {
+    let health = job.health.clone();
+    run_to_end(job);
+    health.sync.on.store(false, Relaxed);
+}
+
+fn run_to_end(job: Job) {
     cairn_core::reactor::block_signals_in_this_thread();
     let queues: Vec<Option<BlockingQueue>> = job
         .members
@@ -154,6 +175,10 @@ pub(super) fn run(job: Job) {
             .unwrap_or(0)
     };
     let what = if resync { "resync" } else { "rebuild" };
+    let sync = &job.health.sync;
+    sync.resync.store(resync, Relaxed);
+    sync.total_bytes.store(size, Relaxed);
+    sync.done_bytes.store(start, Relaxed);
     eprintln!(
         "cairn: {}: {what} of {} started at {start} of {size} bytes",
         job.name,
@@ -202,6 +227,10 @@ pub(super) fn run(job: Job) {
             return;
         }
         at = batch_end;
+        sync.done_bytes.store(at, Relaxed);
+        let secs = began.elapsed().as_secs_f64();
+        sync.rate
+            .store(((at - start) as f64 / secs.max(1e-9)) as u64, Relaxed);
         if at - last_checkpoint >= CHECKPOINT_BYTES {
             job.metadata
                 .checkpoint(&rebuilding, member_from_logical(&job.layout, at));
@@ -226,7 +255,6 @@ pub(super) fn run(job: Job) {
         job.health.readable[m].store(true, Relaxed);
     }
     job.health.one_copy.store(false, Relaxed);
-    job.health.sync.on.store(false, Relaxed);
     let secs = began.elapsed().as_secs_f64();
     eprintln!(
         "cairn: {}: {what} of {} done: {} bytes in {secs:.1} s ({:.0} MB/s)",
