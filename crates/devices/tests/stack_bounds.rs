@@ -293,3 +293,28 @@ fn a_stack_file_longer_than_allowed() {
     let text = format!("{MEM}#{}\n", "x".repeat(limits::FILE_BYTES_MAX as usize));
     bad(&text, &["the stack file", "at most 1048576"]);
 }
+
+#[test]
+fn rebuild_rates_need_metadata_and_a_sane_range() {
+    let mirror = |extra: &str| {
+        format!(
+            "{MEM}[device.n]\ntype = \"mem\"\nsize = \"64M\"\n\n\
+             [device.r]\ntype = \"mirror\"\nmembers = [\"m\", \"n\"]\n{extra}\n"
+        )
+    };
+    good(&mirror(
+        "metadata = \"1\"\nrebuild_min = \"1M\"\nrebuild_max = \"1G\"",
+    ));
+    bad(
+        &mirror("rebuild_max = \"1G\""),
+        &["'r'", "'rebuild_max'", "metadata"],
+    );
+    bad(
+        &mirror("metadata = \"1\"\nrebuild_min = \"0\""),
+        &["'r'", "'rebuild_min'", "at least 1MiB"],
+    );
+    bad(
+        &mirror("metadata = \"1\"\nrebuild_min = \"64M\"\nrebuild_max = \"32M\""),
+        &["'r'", "'rebuild_max'", "below rebuild_min"],
+    );
+}

@@ -97,6 +97,7 @@ mod parses {
                 chunk: DEFAULT_CHUNK_BYTES,
                 copies: 2,
                 metadata: false,
+                rebuild: cairn_devices::config::RebuildRate::default(),
             }
         );
         assert_eq!(

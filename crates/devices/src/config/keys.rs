@@ -381,6 +381,33 @@ impl Keys<'_> {
         Ok(on)
     }
 
+    /// `rebuild_min` and `rebuild_max` (bytes a second; only with metadata).
+    fn rebuild_rate(&self, metadata: bool) -> Result<super::RebuildRate, Error> {
+        let mut rate = super::RebuildRate::default();
+        for key in ["rebuild_min", "rebuild_max"] {
+            if self.table.contains_key(key) && !metadata {
+                return Err(self.bad(key, "needs metadata = \"1\" (only such arrays rebuild)"));
+            }
+        }
+        if let Some(min) = self.size_in("rebuild_min", limits::BANDWIDTH_MIN..=u64::MAX, "")? {
+            rate.min_bytes = min;
+        }
+        if let Some(max) = self.size_in("rebuild_max", limits::BANDWIDTH_MIN..=u64::MAX, "")? {
+            if max < rate.min_bytes {
+                return Err(self.bad(
+                    "rebuild_max",
+                    &format!(
+                        "= {} is below rebuild_min ({} a second)",
+                        self.written("rebuild_max"),
+                        format_bytes(rate.min_bytes)
+                    ),
+                ));
+            }
+            rate.max_bytes = max;
+        }
+        Ok(rate)
+    }
+
     fn chunk(&self) -> Result<u64, Error> {
         let chunk = self
             .size_in("chunk", limits::CHUNK, "")?
@@ -408,9 +435,17 @@ pub(super) fn parse_device(
         "null" => &["size", "block"],
         "mem" => &["size", "block", "volatile"],
         "file" => &["path", "size", "engine", "direct"],
-        "linear" | "mirror" => &["members", "metadata"],
+        "linear" => &["members", "metadata"],
+        "mirror" => &["members", "metadata", "rebuild_min", "rebuild_max"],
         "stripe" => &["members", "chunk", "metadata"],
-        "raid10" => &["members", "chunk", "copies", "metadata"],
+        "raid10" => &[
+            "members",
+            "chunk",
+            "copies",
+            "metadata",
+            "rebuild_min",
+            "rebuild_max",
+        ],
         "fault" => &[
             "base",
             "fail",
@@ -488,6 +523,7 @@ pub(super) fn parse_device(
             DeviceSpec::Mirror {
                 members: keys.members(2, crate::stack::COPIES_MAX)?,
                 metadata,
+                rebuild: keys.rebuild_rate(metadata)?,
             }
         }
         "stripe" => DeviceSpec::Stripe {
@@ -554,6 +590,7 @@ pub(super) fn parse_device(
                 chunk: keys.chunk()?,
                 copies,
                 metadata,
+                rebuild: keys.rebuild_rate(metadata)?,
             }
         }
     })

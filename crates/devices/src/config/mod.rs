@@ -41,6 +41,26 @@ use crate::spec::LeafSpec;
 use crate::stack::{AnyLayout, Linear, Mirror, Raid10, StackDevice, Stripe};
 use crate::wrap::{Delays, FaultRule, Faults, WrapDevice};
 
+/// How fast a rebuild or resync of a mirror or raid10 goes (md's `sync_speed_min` and
+/// `sync_speed_max`): at most `max_bytes` a second, and at `min_bytes` a second while
+/// clients use the array.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RebuildRate {
+    /// Bytes a second while clients use the array (`rebuild_min`, default 16M).
+    pub min_bytes: u64,
+    /// Bytes a second at most (`rebuild_max`; 0, the default: as fast as it goes).
+    pub max_bytes: u64,
+}
+
+impl Default for RebuildRate {
+    fn default() -> RebuildRate {
+        RebuildRate {
+            min_bytes: 16 << 20,
+            max_bytes: 0,
+        }
+    }
+}
+
 /// The member name of an absent member of an array with metadata (as mdadm's `missing`).
 pub const MISSING: &str = "missing";
 
@@ -140,6 +160,8 @@ pub enum DeviceSpec {
         members: Vec<String>,
         /// Keeps superblocks on its members.
         metadata: bool,
+        /// How fast a rebuild or resync goes.
+        rebuild: RebuildRate,
     },
     /// RAID10, md's near layout.
     Raid10 {
@@ -151,6 +173,8 @@ pub enum DeviceSpec {
         copies: usize,
         /// Keeps superblocks on its members.
         metadata: bool,
+        /// How fast a rebuild or resync goes.
+        rebuild: RebuildRate,
     },
     /// Fails requests to `base` per a rule.
     Fault {
@@ -783,12 +807,14 @@ fn array_expect(name: &str, spec: &DeviceSpec) -> Option<crate::array::assemble:
         DeviceSpec::Mirror {
             members,
             metadata: true,
+            ..
         } => (Level::Mirror, members, 0, members.len() as u32),
         DeviceSpec::Raid10 {
             members,
             chunk,
             copies,
             metadata: true,
+            ..
         } => (Level::Raid10, members, *chunk, *copies as u32),
         _ => return None,
     };
@@ -848,7 +874,11 @@ fn open_array(
     let device = StackDevice::new(name, Arc::new(layout), members)?;
     let array_bytes = device.geometry().size_bytes;
     let meta = crate::array::Metadata::start(expect, present, examined, array_bytes, dry)?;
-    Ok(Arc::new(device.with_metadata(meta)))
+    let rate = match spec {
+        DeviceSpec::Mirror { rebuild, .. } | DeviceSpec::Raid10 { rebuild, .. } => *rebuild,
+        _ => RebuildRate::default(),
+    };
+    Ok(Arc::new(device.with_metadata(meta, rate)))
 }
 
 /// A TOML syntax error as one line, with the line number where the parser stopped.

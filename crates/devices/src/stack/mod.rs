@@ -164,7 +164,11 @@ impl StackDevice {
     /// Runs the array on its superblocks: data starts after the metadata area; members
     /// that are missing are neither written nor read, and members that are not current
     /// (rebuilding, stale, new) are written but not read.
-    pub fn with_metadata(mut self, metadata: crate::array::Metadata) -> StackDevice {
+    pub fn with_metadata(
+        mut self,
+        metadata: crate::array::Metadata,
+        rate: crate::config::RebuildRate,
+    ) -> StackDevice {
         use crate::array::superblock::MemberState;
         for (m, state) in metadata.states().into_iter().enumerate() {
             let (ok, readable) = match state {
@@ -192,6 +196,7 @@ impl StackDevice {
                 metadata: metadata.clone(),
                 data_offset: self.data_offset,
                 stop: stop.clone(),
+                rate,
             };
             match std::thread::Builder::new()
                 .name(format!("cairn-sync-{}", self.name))
@@ -709,6 +714,8 @@ impl StackQueue {
     /// and requests split into pieces.
     #[inline(never)]
     fn submit_other(&self, io: Io, start_ns: u64) {
+        // While a rebuild runs it yields to clients: it counts their requests.
+        self.health.sync.client(&io);
         if io.op == Op::Flush {
             if self.flushes.arrive(io, start_ns) {
                 self.start_flush();

@@ -45,6 +45,8 @@ pub(super) struct WriteCounts {
     pub(super) rate: AtomicU64,
     /// Whether it is a resync (else a rebuild).
     pub(super) resync: AtomicBool,
+    /// Client requests seen while it runs (it slows down to its minimum rate for them).
+    clients: AtomicU64,
     started: Box<[AtomicU64]>,
     finished: Box<[AtomicU64]>,
 }
@@ -57,8 +59,17 @@ impl WriteCounts {
             total_bytes: AtomicU64::new(0),
             rate: AtomicU64::new(0),
             resync: AtomicBool::new(false),
+            clients: AtomicU64::new(0),
             started: (0..SLOTS).map(|_| AtomicU64::new(0)).collect(),
             finished: (0..SLOTS).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    /// Counts a client request, if a rebuild runs.
+    #[inline]
+    pub(super) fn client(&self, _io: &Io) {
+        if self.on.load(Relaxed) {
+            self.clients.fetch_add(1, Relaxed);
         }
     }
 
@@ -130,6 +141,7 @@ pub(super) struct Job {
     pub metadata: Arc<Metadata>,
     pub data_offset: u64,
     pub stop: Arc<AtomicBool>,
+    pub rate: crate::config::RebuildRate,
 }
 
 /// Whether the array has anything to rebuild or resync.
@@ -186,6 +198,7 @@ fn run_to_end(job: Job) {
     );
     let began = Instant::now();
     let mut at = start;
+    let mut clients_seen = sync.clients.load(Relaxed);
     let mut last_log = Instant::now();
     let mut last_checkpoint = start;
     while at < size {
@@ -223,8 +236,26 @@ fn run_to_end(job: Job) {
             }
             p += len;
         }
+        let batch_began = Instant::now();
         if !pieces.is_empty() && !copy_batch(&job, &queues, &pieces, at, batch_end - at) {
             return;
+        }
+        // The rate limit, as md's sync_speed_min/max: at most `max`, and `min` while
+        // clients use the array (their requests since the last batch).
+        let clients = sync.clients.load(Relaxed);
+        let busy = clients != clients_seen;
+        clients_seen = clients;
+        let limit = if busy {
+            job.rate.min_bytes
+        } else {
+            job.rate.max_bytes
+        };
+        if limit > 0 {
+            let want = Duration::from_secs_f64((batch_end - at) as f64 / limit as f64);
+            let took = batch_began.elapsed();
+            if want > took {
+                pause(&job.stop, want - took);
+            }
         }
         at = batch_end;
         sync.done_bytes.store(at, Relaxed);
@@ -345,6 +376,18 @@ fn copy_batch(
             return true;
         }
         // A client wrote to the batch meanwhile: copy it again.
+    }
+}
+
+/// Sleeps `d`, waking early when `stop` is set.
+fn pause(stop: &AtomicBool, d: Duration) {
+    let end = Instant::now() + d;
+    while !stop.load(SeqCst) {
+        let now = Instant::now();
+        if now >= end {
+            return;
+        }
+        std::thread::sleep((end - now).min(Duration::from_millis(20)));
     }
 }
 
