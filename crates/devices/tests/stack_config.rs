@@ -97,7 +97,7 @@ mod parses {
                 chunk: DEFAULT_CHUNK_BYTES,
                 copies: 2,
                 metadata: false,
-                rebuild: cairn_devices::config::RebuildRate::default(),
+                rebuild: cairn_devices::config::ArrayOptions::default(),
             }
         );
         assert_eq!(

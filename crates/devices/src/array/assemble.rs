@@ -13,6 +13,9 @@
 //!   behind, marked failed or missing, or blank (a replacement) is written to but not
 //!   read until it is rebuilt. The array runs degraded, and says so, while every piece of
 //!   data still has a current copy; otherwise it does not start.
+//! - A member that is behind, or marked failed or missing, but left the array when the
+//!   write-intent bitmap was last cleared or later, and was current then, is recovered
+//!   from the bitmap: only the regions written while it was away are copied to it.
 
 use super::superblock::{Level, MemberState, Superblock};
 
@@ -29,6 +32,8 @@ pub struct Expect {
     pub copies: u32,
     /// Member names, in order (`missing` for an absent one).
     pub members: Vec<String>,
+    /// The write-intent bitmap's region the stack file asks for (0: no bitmap).
+    pub bitmap_region: u64,
 }
 
 /// What one member position holds.
@@ -53,6 +58,8 @@ pub struct Part {
     pub recovery_offset: u64,
     /// Its identity (new for a blank member).
     pub member_uuid: [u8; 16],
+    /// Rebuilding from the bitmap: only the regions dirty in it are copied.
+    pub partial: bool,
 }
 
 /// The array to run.
@@ -161,32 +168,55 @@ pub fn plan(
     }
     let mut notes = Vec::new();
     let mut parts = Vec::with_capacity(seen.len());
+    // Whether the record's bitmap can bring members back (this run keeps one too).
+    let bitmap = record.region_bytes != 0 && expect.bitmap_region != 0;
     for (i, s) in seen.iter().enumerate() {
         let member = &expect.members[i];
         let role = record.roles[i];
-        let (state, recovery_offset, member_uuid) = match s {
-            Seen::Missing => (MemberState::Missing, 0, [0; 16]),
+        let (state, recovery_offset, member_uuid, partial) = match s {
+            Seen::Missing => (MemberState::Missing, 0, [0; 16], false),
             Seen::Blank => {
                 notes.push(format!(
                     "member '{member}' is blank: it is written to, and not read until rebuilt"
                 ));
-                (MemberState::Rebuilding, 0, uuid())
+                (MemberState::Rebuilding, 0, uuid(), false)
             }
             Seen::Valid(sb) if sb.events == record.events && role.state == MemberState::Active => {
-                (MemberState::Active, role.recovery_offset, sb.member_uuid)
+                (MemberState::Active, role.recovery_offset, sb.member_uuid, false)
             }
             Seen::Valid(sb)
                 if sb.events == record.events && role.state == MemberState::Rebuilding =>
             {
-                notes.push(format!(
-                    "member '{member}' is being rebuilt ({} bytes done): not read beyond that",
+                let partial = role.partial && bitmap;
+                let offset = if role.partial && !partial {
+                    // Recovered from a bitmap this run does not keep: from the start.
+                    0
+                } else {
                     role.recovery_offset
+                };
+                notes.push(format!(
+                    "member '{member}' is being rebuilt{} ({offset} bytes done): not read beyond that",
+                    if partial { " from the bitmap" } else { "" }
                 ));
-                (
-                    MemberState::Rebuilding,
-                    role.recovery_offset,
-                    sb.member_uuid,
-                )
+                (MemberState::Rebuilding, offset, sb.member_uuid, partial)
+            }
+            Seen::Valid(sb) if bitmap && sb.events >= record.events_cleared && {
+                // Current when it left: active, or being recovered from the bitmap (then
+                // its regions are still dirty, since no bit is cleared while a member
+                // is away).
+                let own = sb.roles[i];
+                own.state == MemberState::Active || (own.state == MemberState::Rebuilding && own.partial)
+            } =>
+            {
+                let why = if sb.events < record.events {
+                    format!("events {} behind the array's {}", sb.events, record.events)
+                } else {
+                    format!("marked {} by the array", role.state.name())
+                };
+                notes.push(format!(
+                    "member '{member}' is back ({why}): the regions the bitmap marks are copied to it; it is read elsewhere"
+                ));
+                (MemberState::Rebuilding, 0, sb.member_uuid, true)
             }
             Seen::Valid(sb) => {
                 let why = if sb.events < record.events {
@@ -200,7 +230,7 @@ pub fn plan(
                 notes.push(format!(
                     "member '{member}' is {why}: it is written to, and not read until rebuilt"
                 ));
-                (MemberState::Rebuilding, 0, sb.member_uuid)
+                (MemberState::Rebuilding, 0, sb.member_uuid, false)
             }
             Seen::Foreign(_) => unreachable!("refused above"),
         };
@@ -208,6 +238,7 @@ pub fn plan(
             state,
             recovery_offset,
             member_uuid,
+            partial,
         });
     }
     let plan = Plan {
@@ -237,11 +268,13 @@ fn create(
                 state: MemberState::Missing,
                 recovery_offset: 0,
                 member_uuid: [0; 16],
+                partial: false,
             },
             _ => Part {
                 state: MemberState::Active,
                 recovery_offset: 0,
                 member_uuid: uuid(),
+                partial: false,
             },
         })
         .collect();
@@ -323,6 +356,7 @@ mod tests {
                 _ => 1,
             },
             members: members.iter().map(|s| s.to_string()).collect(),
+            bitmap_region: 0,
         }
     }
 
@@ -350,8 +384,8 @@ mod tests {
             events,
             flags: FLAG_CLEAN,
             region_bytes: 0,
-            bitmap_offset: 0,
-            bitmap_bytes: 0,
+            bitmap: Vec::new(),
+            events_cleared: 0,
             created_secs: 1,
             updated_secs: 2,
             name: "r".into(),
@@ -361,6 +395,7 @@ mod tests {
                 .map(|p| Role {
                     state: p.state,
                     recovery_offset: p.recovery_offset,
+                    partial: p.partial,
                 })
                 .collect(),
         }

@@ -15,11 +15,13 @@
 //! Superblock I/O is synchronous on the calling thread (a [`BlockingQueue`] per member),
 //! never on a reactor: it happens at open and close, not per request.
 //!
-//! Not yet: recording a failure in the superblocks before the write that found it is
-//! acknowledged (until then, a crash after a member fails can leave both copies looking
-//! current), the write-intent bitmap, rebuild, and the admin actions.
+//! - [`bitmap`]: the write-intent bitmap in memory; its bits travel in the superblocks.
+//!
+//! Every superblock write holds one lock ([`Metadata`]'s `writing`), so the bits one
+//! write carries are never undone on disk by an older image another write carries.
 
 pub mod assemble;
+pub mod bitmap;
 pub mod superblock;
 
 use std::sync::{Arc, Mutex};
@@ -28,6 +30,7 @@ use cairn_core::blocking::BlockingQueue;
 use cairn_core::{Device, Error, IoFlags, Switches};
 
 use assemble::{Expect, Part, Plan, Seen};
+use bitmap::Bitmap;
 use superblock::{Found, MemberState, Role, Superblock, DATA_OFFSET_MIN, SLOTS, SLOT_BYTES};
 
 /// What the members hold, read when the array opens: the plan, where data starts and how
@@ -45,6 +48,9 @@ pub struct Examined {
     generations: Vec<u64>,
     /// The array's name as recorded (the stack file's name when created).
     name: String,
+    /// The record's bitmap: its region (0: none), the union of the bits of the members
+    /// as new as the record, the array size it covers, and when bits were last cleared.
+    recorded_bitmap: (u64, Vec<u8>, u64, u64),
 }
 
 /// Reads every present member's superblock slots and decides the array.
@@ -103,6 +109,20 @@ pub fn examine(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Result<E
             _ => None,
         })
         .max_by_key(|sb| sb.events);
+    let mut recorded_bitmap = (0, Vec::new(), 0, 0);
+    if let Some(r) = record {
+        let mut bits = r.bitmap.clone();
+        for s in &seen {
+            if let Seen::Valid(sb) = s {
+                if sb.events == r.events && sb.region_bytes == r.region_bytes {
+                    for (b, x) in bits.iter_mut().zip(&sb.bitmap) {
+                        *b |= x;
+                    }
+                }
+            }
+        }
+        recorded_bitmap = (r.region_bytes, bits, r.array_bytes, r.events_cleared);
+    }
     let (data_offset, member_data, recorded_name) = match record {
         None => {
             // A new array: data after the metadata area. Linear members each give what
@@ -157,7 +177,30 @@ pub fn examine(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Result<E
         member_data,
         generations,
         name: recorded_name,
+        recorded_bitmap,
     })
+}
+
+/// The bits for regions of `region` over `array_bytes`, from bits recorded for regions of
+/// `old` over `old_bytes`: a region is dirty if any old region it overlaps was.
+fn convert_bits(old: u64, bits: &[u8], old_bytes: u64, region: u64, array_bytes: u64) -> Vec<u8> {
+    let mut out = vec![0u8; superblock::bitmap_bytes(array_bytes, region)];
+    let old_regions = old_bytes.div_ceil(old);
+    for r in 0..old_regions {
+        if bits.get((r / 8) as usize).is_some_and(|b| b & (1 << (r % 8)) != 0) {
+            let (start, end) = (r * old, ((r + 1) * old).min(array_bytes.max(1)));
+            if start >= array_bytes {
+                // Past the end of a smaller array now: the last region covers it.
+                let last = array_bytes.div_ceil(region).saturating_sub(1);
+                out[(last / 8) as usize] |= 1 << (last % 8);
+                continue;
+            }
+            for n in start / region..=(end - 1) / region {
+                out[(n / 8) as usize] |= 1 << (n % 8);
+            }
+        }
+    }
+    out
 }
 
 /// An open array's metadata: writes the superblocks when the array starts and stops.
@@ -172,10 +215,12 @@ pub struct Metadata {
     name: String,
     /// Examined only (`cairn check`): no superblock is written.
     dry: bool,
-    /// Held while a failure is being recorded: a second queue that finds the same member
-    /// failed waits until the first has written the superblocks, so that neither answers
-    /// its request before the failure is on disk.
-    recording: Mutex<()>,
+    /// Held by every superblock write and the bitmap changes around it. A second queue
+    /// that finds the same member failed waits until the first has written the
+    /// superblocks, so that neither answers its request before the failure is on disk.
+    writing: Mutex<()>,
+    /// The write-intent bitmap, if the array keeps one.
+    bitmap: Option<Arc<Bitmap>>,
     /// The array was not stopped cleanly: its copies may differ until resynced.
     resync_pending: std::sync::atomic::AtomicBool,
     state: Mutex<MetaState>,
@@ -183,6 +228,7 @@ pub struct Metadata {
 
 struct MetaState {
     events: u64,
+    events_cleared: u64,
     parts: Vec<Part>,
     generations: Vec<u64>,
 }
@@ -222,7 +268,47 @@ impl Metadata {
                 superblock::uuid_text(&examined.plan.array_uuid)
             );
         }
+        // The bitmap: the stack file's region (grown to fit), with the recorded bits
+        // carried over (converted if the region changed). An array that had none starts
+        // with every bit clear if it stopped cleanly, every bit set if not.
+        let (old_region, old_bits, old_bytes, old_cleared) = &examined.recorded_bitmap;
+        let region = if redundant && expect.bitmap_region != 0 {
+            superblock::region_for(array_bytes, expect.bitmap_region)
+        } else {
+            0
+        };
+        let (bitmap, events_cleared) = if region == 0 {
+            (None, 0)
+        } else {
+            let (bits, cleared) = if *old_region == region && *old_bytes == array_bytes {
+                (old_bits.clone(), *old_cleared)
+            } else if *old_region != 0 {
+                let bits = convert_bits(*old_region, old_bits, *old_bytes, region, array_bytes);
+                (bits, *old_cleared)
+            } else {
+                let fill = if examined.plan.created || examined.plan.clean {
+                    0
+                } else {
+                    0xff
+                };
+                let bits = vec![fill; superblock::bitmap_bytes(array_bytes, region)];
+                // Members that left before now cannot use it.
+                (bits, examined.plan.events + 1)
+            };
+            let bm = Bitmap::new(region, array_bytes, &bits);
+            if !examined.plan.created && bm.dirty_at_start_count() > 0 {
+                eprintln!(
+                    "cairn: {}: write-intent bitmap: {} of {} regions of {} dirty",
+                    expect.name,
+                    bm.dirty_at_start_count(),
+                    bm.regions(),
+                    cairn_core::size::format_bytes(region)
+                );
+            }
+            (Some(Arc::new(bm)), cleared)
+        };
         let meta = Metadata {
+            bitmap,
             data_offset: examined.data_offset,
             member_data: examined.member_data,
             array_bytes,
@@ -230,10 +316,11 @@ impl Metadata {
             created_secs: examined.plan.created_secs,
             name: examined.name,
             dry,
-            recording: Mutex::new(()),
+            writing: Mutex::new(()),
             resync_pending: std::sync::atomic::AtomicBool::new(resync_pending),
             state: Mutex::new(MetaState {
                 events: examined.plan.events,
+                events_cleared,
                 parts: examined.plan.parts,
                 generations: examined.generations,
             }),
@@ -241,9 +328,85 @@ impl Metadata {
             members,
         };
         if !dry {
+            let _writing = meta.writing();
             meta.write(false)?;
         }
         Ok(meta)
+    }
+
+    fn writing(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.writing.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The write-intent bitmap, if the array keeps one.
+    pub fn bitmap(&self) -> Option<&Arc<Bitmap>> {
+        self.bitmap.as_ref()
+    }
+
+    /// Whether member `m` is recovered from the bitmap (only the regions dirty at start).
+    pub fn partial(&self, m: usize) -> bool {
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.parts.get(m).is_some_and(|p| p.partial)
+    }
+
+    /// Sets the bits of the regions `[offset, offset + len)` touches on disk, on every
+    /// member in use, before a write to them is submitted. Synchronous on the calling
+    /// thread: it runs once per region each time the region goes from clean to dirty,
+    /// not per request. Fails if no member took the superblock.
+    pub fn mark(&self, offset: u64, len: u64) -> Result<(), Error> {
+        let Some(bm) = &self.bitmap else {
+            return Ok(());
+        };
+        if self.dry {
+            return Ok(());
+        }
+        let _writing = self.writing();
+        let need: Vec<usize> = bm
+            .regions_of(offset, len)
+            .filter(|&r| !bm.durable(r))
+            .collect();
+        if need.is_empty() {
+            // Another queue set them meanwhile.
+            return Ok(());
+        }
+        self.write_with(false, false, &need)?;
+        for r in need {
+            bm.set_durable(r);
+        }
+        Ok(())
+    }
+
+    /// Clears the bits of the regions in `idle` that are still idle since `before` (see
+    /// [`Bitmap::idle`]). The caller has checked that every member is current, then
+    /// flushed every member after taking `before`. Returns how many bits it cleared.
+    pub fn clear_idle(&self, idle: &[usize], before: &[u64]) -> usize {
+        let Some(bm) = &self.bitmap else { return 0 };
+        if self.dry || idle.is_empty() {
+            return 0;
+        }
+        let _writing = self.writing();
+        let mut cleared = Vec::with_capacity(idle.len());
+        for &r in idle {
+            // Cleared in memory first, then checked: a write that starts after the check
+            // sees the bit clear and waits for `mark`, which needs this lock.
+            bm.clear_durable(r);
+            if bm.written_since(r, before) {
+                bm.set_durable(r);
+            } else {
+                cleared.push(r);
+            }
+        }
+        if cleared.is_empty() {
+            return 0;
+        }
+        {
+            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            st.events_cleared = st.events;
+        }
+        if let Err(e) = self.write_with(false, false, &[]) {
+            eprintln!("cairn: {}: {e}", self.expect.name);
+        }
+        cleared.len()
     }
 
     /// Whether the copies may differ (an unclean stop, not resynced yet): reads must go to
@@ -270,6 +433,7 @@ impl Metadata {
         if self.dry {
             return;
         }
+        let _writing = self.writing();
         {
             let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
             for &m in members {
@@ -289,12 +453,14 @@ impl Metadata {
         if self.dry {
             return;
         }
+        let _writing = self.writing();
         {
             let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
             for &m in members {
                 if st.parts[m].state == MemberState::Rebuilding {
                     st.parts[m].state = MemberState::Active;
                     st.parts[m].recovery_offset = self.member_data[m];
+                    st.parts[m].partial = false;
                 }
             }
         }
@@ -330,7 +496,7 @@ impl Metadata {
         if self.dry {
             return;
         }
-        let _recording = self.recording.lock().unwrap_or_else(|p| p.into_inner());
+        let _writing = self.writing();
         {
             let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
             match st.parts.get(m).map(|p| p.state) {
@@ -351,6 +517,7 @@ impl Metadata {
         if self.dry {
             return;
         }
+        let _writing = self.writing();
         {
             let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
             for (p, &f) in st.parts.iter_mut().zip(failed) {
@@ -367,14 +534,23 @@ impl Metadata {
 
     /// Writes the next superblock to every member in use, event count bumped, `clean` as
     /// given. A member that does not take it is failed, and the others are written again
-    /// so that they record it. Fails if no member took it.
+    /// so that they record it. Fails if no member took it. The caller holds `writing`.
     fn write(&self, clean: bool) -> Result<(), Error> {
+        self.write_with(clean, true, &[])
+    }
+
+    /// [`Metadata::write`], with the event count bumped only if `bump` (a state change;
+    /// bitmap changes are not), and the bits of the regions in `extra` set.
+    fn write_with(&self, clean: bool, bump: bool, extra: &[usize]) -> Result<(), Error> {
+        let mut bump = bump;
         // Each round fails at least one more member or ends: at most one per member.
         for _ in 0..=self.members.len() {
-            let failed = self.write_once(clean)?;
+            let failed = self.write_once(clean, bump, extra)?;
             if failed.is_empty() {
                 return Ok(());
             }
+            // A member failed: a state change.
+            bump = true;
             let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
             for i in failed {
                 st.parts[i].state = MemberState::Failed;
@@ -388,9 +564,15 @@ impl Metadata {
     }
 
     /// One round of [`Metadata::write`]: the members that did not take it.
-    fn write_once(&self, clean: bool) -> Result<Vec<usize>, Error> {
+    fn write_once(&self, clean: bool, bump: bool, extra: &[usize]) -> Result<Vec<usize>, Error> {
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        st.events += 1;
+        if bump {
+            st.events += 1;
+        }
+        let (region_bytes, bitmap) = match &self.bitmap {
+            Some(bm) => (bm.region_bytes(), bm.image(extra)),
+            None => (0, Vec::new()),
+        };
         let roles: Vec<Role> = st
             .parts
             .iter()
@@ -402,6 +584,7 @@ impl Metadata {
                 } else {
                     p.recovery_offset
                 },
+                partial: p.state == MemberState::Rebuilding && p.partial,
             })
             .collect();
         let mut written = 0;
@@ -427,9 +610,9 @@ impl Metadata {
                 array_bytes: self.array_bytes,
                 events: st.events,
                 flags: if clean { superblock::FLAG_CLEAN } else { 0 },
-                region_bytes: 0,
-                bitmap_offset: 0,
-                bitmap_bytes: 0,
+                region_bytes,
+                bitmap: bitmap.clone(),
+                events_cleared: st.events_cleared.min(st.events),
                 created_secs: self.created_secs,
                 updated_secs: now_secs(),
                 name: truncated(&self.name, 64),

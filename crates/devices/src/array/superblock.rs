@@ -19,8 +19,17 @@ use std::fmt;
 pub const SLOT_BYTES: usize = 8192;
 /// Slots per member (a generation pair).
 pub const SLOTS: usize = 2;
-/// The smallest metadata area (two slots, then the write-intent bitmap).
+/// The smallest metadata area (the two slots, then room to grow).
 pub const DATA_OFFSET_MIN: u64 = 1 << 20;
+/// Where the write-intent bitmap's bits start in a slot (after a role table of
+/// [`MEMBERS_MAX`] entries).
+pub const BITMAP_AT: usize = at::ROLES + MEMBERS_MAX * at::ROLE_BYTES;
+/// Most bytes of bitmap a slot holds (up to the checksum).
+pub const BITMAP_BYTES_MAX: usize = at::CRC - BITMAP_AT;
+/// Most regions a bitmap covers: a larger array gets larger regions.
+pub const REGIONS_MAX: u64 = BITMAP_BYTES_MAX as u64 * 8;
+/// The smallest bitmap region.
+pub const REGION_MIN: u64 = 64 << 10;
 /// Most members an array records (as many as a stripe or linear may have).
 pub const MEMBERS_MAX: usize = 256;
 /// The format's magic: the first 8 bytes of a slot.
@@ -53,9 +62,10 @@ mod at {
     pub const UPDATED: usize = 152;
     pub const NAME: usize = 160;
     pub const NAME_BYTES: usize = 64;
-    /// 32 reserved bytes (zero) follow the name.
+    pub const EVENTS_CLEARED: usize = 224;
+    /// 24 reserved bytes (zero) follow.
     pub const ROLES: usize = 256;
-    /// Per member: state (1 byte), 7 reserved, recovery offset (8).
+    /// Per member: state (1 byte), flags (1 byte), 6 reserved, recovery offset (8).
     pub const ROLE_BYTES: usize = 16;
     pub const CRC: usize = super::SLOT_BYTES - 4;
 }
@@ -138,7 +148,13 @@ pub struct Role {
     /// For a rebuilding member: bytes of its data area in sync, from the start (the
     /// rebuild's checkpoint). Equal to the member data size for an active member.
     pub recovery_offset: u64,
+    /// For a rebuilding member: only the regions the bitmap marks dirty need copying (it
+    /// was away briefly, and holds current data everywhere else).
+    pub partial: bool,
 }
+
+/// Role flag bit: [`Role::partial`].
+pub const ROLE_PARTIAL: u8 = 1;
 
 /// Flag bit: no write was in flight when the array last stopped.
 pub const FLAG_CLEAN: u32 = 1;
@@ -172,10 +188,12 @@ pub struct Superblock {
     pub flags: u32,
     /// Bytes of array data one bitmap bit covers (0: no bitmap).
     pub region_bytes: u64,
-    /// Where the bitmap area starts on each member.
-    pub bitmap_offset: u64,
-    /// Bytes of the bitmap area.
-    pub bitmap_bytes: u64,
+    /// The write-intent bitmap, bit `r % 8` of byte `r / 8` for region `r` (set: the
+    /// copies of the region may differ); [`bitmap_bytes`] long, empty without a bitmap.
+    pub bitmap: Vec<u8>,
+    /// The event count when bits were last cleared: a member that left the array at or
+    /// after it missed only the writes the bitmap marks.
+    pub events_cleared: u64,
     /// Unix seconds when the array was created.
     pub created_secs: u64,
     /// Unix seconds of this write.
@@ -254,15 +272,25 @@ impl Superblock {
         put64(&mut b, at::ARRAY_BYTES, self.array_bytes);
         put64(&mut b, at::EVENTS, self.events);
         put32(&mut b, at::FLAGS, self.flags);
+        assert_eq!(
+            self.bitmap.len(),
+            bitmap_bytes(self.array_bytes, self.region_bytes),
+            "a bitmap as long as the array's regions need"
+        );
         put64(&mut b, at::REGION, self.region_bytes);
-        put64(&mut b, at::BITMAP_OFFSET, self.bitmap_offset);
-        put64(&mut b, at::BITMAP_BYTES, self.bitmap_bytes);
+        if self.region_bytes != 0 {
+            put64(&mut b, at::BITMAP_OFFSET, BITMAP_AT as u64);
+            put64(&mut b, at::BITMAP_BYTES, self.bitmap.len() as u64);
+            b[BITMAP_AT..BITMAP_AT + self.bitmap.len()].copy_from_slice(&self.bitmap);
+        }
+        put64(&mut b, at::EVENTS_CLEARED, self.events_cleared);
         put64(&mut b, at::CREATED, self.created_secs);
         put64(&mut b, at::UPDATED, self.updated_secs);
         b[at::NAME..at::NAME + self.name.len()].copy_from_slice(self.name.as_bytes());
         for (i, r) in self.roles.iter().enumerate() {
             let o = at::ROLES + i * at::ROLE_BYTES;
             b[o] = r.state as u8;
+            b[o + 1] = if r.partial { ROLE_PARTIAL } else { 0 };
             put64(&mut b, o + 8, r.recovery_offset);
         }
         let crc = crc32c::crc32c(&b[..at::CRC]);
@@ -333,15 +361,27 @@ impl Superblock {
         }
         let region_bytes = get64(b, at::REGION);
         let bitmap_offset = get64(b, at::BITMAP_OFFSET);
-        let bitmap_bytes = get64(b, at::BITMAP_BYTES);
-        if region_bytes != 0 {
-            let bitmap_end = bitmap_offset.checked_add(bitmap_bytes);
+        let bitmap_len = get64(b, at::BITMAP_BYTES);
+        let bitmap = if region_bytes == 0 {
+            if bitmap_offset != 0 || bitmap_len != 0 {
+                return Err(Invalid::Field("bitmap"));
+            }
+            Vec::new()
+        } else {
             if !region_bytes.is_power_of_two()
-                || bitmap_offset < (SLOTS * SLOT_BYTES) as u64
-                || bitmap_end.is_none_or(|end| end > data_offset)
+                || region_bytes < REGION_MIN
+                || bitmap_offset != BITMAP_AT as u64
+                || array_bytes.div_ceil(region_bytes) > REGIONS_MAX
+                || bitmap_len != bitmap_bytes(array_bytes, region_bytes) as u64
             {
                 return Err(Invalid::Field("bitmap"));
             }
+            b[BITMAP_AT..BITMAP_AT + bitmap_len as usize].to_vec()
+        };
+        let events = get64(b, at::EVENTS);
+        let events_cleared = get64(b, at::EVENTS_CLEARED);
+        if events_cleared > events {
+            return Err(Invalid::Field("events_cleared"));
         }
         let name_field = &b[at::NAME..at::NAME + at::NAME_BYTES];
         let name_len = name_field
@@ -355,6 +395,9 @@ impl Superblock {
         for i in 0..members {
             let o = at::ROLES + i * at::ROLE_BYTES;
             let state = MemberState::from_u8(b[o]).ok_or(Invalid::Field("roles"))?;
+            if b[o + 1] & !ROLE_PARTIAL != 0 {
+                return Err(Invalid::Field("roles"));
+            }
             let recovery_offset = get64(b, o + 8);
             if recovery_offset > member_data_bytes {
                 return Err(Invalid::Field("recovery_offset"));
@@ -362,6 +405,7 @@ impl Superblock {
             roles.push(Role {
                 state,
                 recovery_offset,
+                partial: b[o + 1] & ROLE_PARTIAL != 0,
             });
         }
         Ok(Superblock {
@@ -379,11 +423,11 @@ impl Superblock {
             data_offset,
             member_data_bytes,
             array_bytes,
-            events: get64(b, at::EVENTS),
+            events,
             flags: get32(b, at::FLAGS),
             region_bytes,
-            bitmap_offset,
-            bitmap_bytes,
+            bitmap,
+            events_cleared,
             created_secs: get64(b, at::CREATED),
             updated_secs: get64(b, at::UPDATED),
             name,
@@ -436,6 +480,26 @@ pub fn pick(area: &[u8]) -> Found {
     }
 }
 
+/// Bytes of bitmap an array of `array_bytes` needs with regions of `region_bytes` (0
+/// without a bitmap).
+pub fn bitmap_bytes(array_bytes: u64, region_bytes: u64) -> usize {
+    if region_bytes == 0 {
+        0
+    } else {
+        array_bytes.div_ceil(region_bytes).div_ceil(8) as usize
+    }
+}
+
+/// The region an array of `array_bytes` gets when `wanted` is asked: `wanted` (a power of
+/// two, at least [`REGION_MIN`]), doubled until the bitmap fits in a slot.
+pub fn region_for(array_bytes: u64, wanted: u64) -> u64 {
+    let mut r = wanted.max(REGION_MIN).next_power_of_two();
+    while array_bytes.div_ceil(r) > REGIONS_MAX {
+        r *= 2;
+    }
+    r
+}
+
 /// A UUID as people read it: `8-4-4-4-12` hex digits.
 pub fn uuid_text(u: &[u8; 16]) -> String {
     let h: String = u.iter().map(|b| format!("{b:02x}")).collect();
@@ -484,8 +548,8 @@ mod tests {
             events: 42,
             flags: FLAG_CLEAN,
             region_bytes: 64 << 20,
-            bitmap_offset: (SLOTS * SLOT_BYTES) as u64,
-            bitmap_bytes: 4096,
+            bitmap: vec![0b1010_0001, 0x80, 0, 0],
+            events_cleared: 40,
             created_secs: 1_700_000_000,
             updated_secs: 1_700_000_100,
             name: "r10 диск".into(),
@@ -497,6 +561,7 @@ mod tests {
                         MemberState::Active
                     },
                     recovery_offset: if i == 2 { 12345 } else { 1 << 30 },
+                    partial: i == 2,
                 })
                 .collect(),
         }
@@ -521,6 +586,12 @@ mod tests {
         assert_eq!(get32(&b, 60), 4);
         assert_eq!(get64(&b, 104), 42);
         assert_eq!(b[256 + 2 * 16], MemberState::Rebuilding as u8);
+        assert_eq!(b[256 + 2 * 16 + 1], ROLE_PARTIAL);
+        assert_eq!(get64(&b, 120), 64 << 20);
+        assert_eq!(get64(&b, 128), 4352);
+        assert_eq!(get64(&b, 136), 4);
+        assert_eq!(&b[4352..4356], &[0b1010_0001, 0x80, 0, 0]);
+        assert_eq!(get64(&b, 224), 40);
         assert_eq!(get64(&b, 256 + 2 * 16 + 8), 12345);
         assert_eq!(get32(&b, 8188), crc32c::crc32c(&b[..8188]));
     }
@@ -594,6 +665,57 @@ mod tests {
                 "field at {field} = {value}"
             );
         }
+    }
+
+    #[test]
+    fn bitmap_fields_are_checked() {
+        let reseal = |b: &mut Vec<u8>| {
+            let crc = crc32c::crc32c(&b[..at::CRC]);
+            put32(b, at::CRC, crc);
+        };
+        for (field, value) in [
+            (at::REGION, 3 << 20),
+            (at::REGION, 4096),
+            (at::REGION, 1 << 20),
+            (at::BITMAP_OFFSET, 4096),
+            (at::BITMAP_BYTES, 5),
+            (at::EVENTS_CLEARED, 43),
+        ] {
+            let mut b = sample(1).encode();
+            put64(&mut b, field, value);
+            reseal(&mut b);
+            assert!(
+                matches!(Superblock::decode(&b), Err(Invalid::Field(_))),
+                "field at {field} = {value}"
+            );
+        }
+        let mut b = sample(1).encode();
+        b[at::ROLES + 1] = 2;
+        reseal(&mut b);
+        assert_eq!(Superblock::decode(&b), Err(Invalid::Field("roles")));
+        // No bitmap: no offset, no bytes.
+        let none = Superblock {
+            region_bytes: 0,
+            bitmap: Vec::new(),
+            ..sample(1)
+        };
+        let mut b = none.encode();
+        assert_eq!(Superblock::decode(&b), Ok(none));
+        put64(&mut b, at::BITMAP_BYTES, 4);
+        reseal(&mut b);
+        assert_eq!(Superblock::decode(&b), Err(Invalid::Field("bitmap")));
+    }
+
+    #[test]
+    fn regions_grow_until_the_bitmap_fits() {
+        assert_eq!(region_for(1 << 30, 64 << 20), 64 << 20);
+        assert_eq!(region_for(1 << 30, 1000), REGION_MIN);
+        let huge = 1u64 << 50;
+        let r = region_for(huge, 64 << 20);
+        assert!(huge.div_ceil(r) <= REGIONS_MAX && huge.div_ceil(r / 2) > REGIONS_MAX);
+        assert!(bitmap_bytes(huge, r) <= BITMAP_BYTES_MAX);
+        assert_eq!(bitmap_bytes(1 << 30, 64 << 20), 2);
+        assert_eq!(bitmap_bytes(1 << 30, 0), 0);
     }
 
     proptest::proptest! {

@@ -381,13 +381,39 @@ impl Keys<'_> {
         Ok(on)
     }
 
-    /// `rebuild_min` and `rebuild_max` (bytes a second; only with metadata).
-    fn rebuild_rate(&self, metadata: bool) -> Result<super::RebuildRate, Error> {
-        let mut rate = super::RebuildRate::default();
-        for key in ["rebuild_min", "rebuild_max"] {
+    /// `rebuild_min` and `rebuild_max` (bytes a second), `bitmap` (a region size or
+    /// "none") and `bitmap_delay`; only with metadata.
+    fn rebuild_rate(&self, metadata: bool) -> Result<super::ArrayOptions, Error> {
+        let mut rate = super::ArrayOptions::default();
+        for key in ["rebuild_min", "rebuild_max", "bitmap", "bitmap_delay"] {
             if self.table.contains_key(key) && !metadata {
-                return Err(self.bad(key, "needs metadata = \"1\" (only such arrays rebuild)"));
+                let why = if key.starts_with("bitmap") {
+                    "needs metadata = \"1\" (the bitmap is kept in the superblocks)"
+                } else {
+                    "needs metadata = \"1\" (only such arrays rebuild)"
+                };
+                return Err(self.bad(key, why));
             }
+        }
+        if matches!(self.table.get("bitmap"), Some(Value::String(s)) if s == "none") {
+            rate.bitmap_region = 0;
+        } else if let Some(r) = self.size_in("bitmap", limits::BITMAP_REGION, "")? {
+            if !r.is_power_of_two() {
+                return Err(self.bad(
+                    "bitmap",
+                    &format!(
+                        "= {} must be a power of two (a region size such as \"64M\"), or \"none\"",
+                        self.written("bitmap")
+                    ),
+                ));
+            }
+            rate.bitmap_region = r;
+        }
+        if let Some(d) = self.duration_in("bitmap_delay", limits::BITMAP_DELAY, false)? {
+            if rate.bitmap_region == 0 {
+                return Err(self.bad("bitmap_delay", "is set, but bitmap = \"none\""));
+            }
+            rate.bitmap_delay = d;
         }
         if let Some(min) = self.size_in("rebuild_min", limits::BANDWIDTH_MIN..=u64::MAX, "")? {
             rate.min_bytes = min;
@@ -436,7 +462,14 @@ pub(super) fn parse_device(
         "mem" => &["size", "block", "volatile"],
         "file" => &["path", "size", "engine", "direct"],
         "linear" => &["members", "metadata"],
-        "mirror" => &["members", "metadata", "rebuild_min", "rebuild_max"],
+        "mirror" => &[
+            "members",
+            "metadata",
+            "rebuild_min",
+            "rebuild_max",
+            "bitmap",
+            "bitmap_delay",
+        ],
         "stripe" => &["members", "chunk", "metadata"],
         "raid10" => &[
             "members",
@@ -445,6 +478,8 @@ pub(super) fn parse_device(
             "metadata",
             "rebuild_min",
             "rebuild_max",
+            "bitmap",
+            "bitmap_delay",
         ],
         "fault" => &[
             "base",

@@ -41,25 +41,35 @@ use crate::spec::LeafSpec;
 use crate::stack::{AnyLayout, Linear, Mirror, Raid10, StackDevice, Stripe};
 use crate::wrap::{Delays, FaultRule, Faults, WrapDevice};
 
-/// How fast a rebuild or resync of a mirror or raid10 goes (md's `sync_speed_min` and
-/// `sync_speed_max`): at most `max_bytes` a second, and at `min_bytes` a second while
-/// clients use the array.
+/// A mirror's or raid10's options with metadata: how fast a rebuild or resync goes (md's
+/// `sync_speed_min` and `sync_speed_max`: at most `max_bytes` a second, and `min_bytes`
+/// a second while clients use the array), and its write-intent bitmap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RebuildRate {
+pub struct ArrayOptions {
     /// Bytes a second while clients use the array (`rebuild_min`, default 16M).
     pub min_bytes: u64,
     /// Bytes a second at most (`rebuild_max`; 0, the default: as fast as it goes).
     pub max_bytes: u64,
+    /// Bytes of array one bitmap bit covers (`bitmap`, default 64M; 0: no bitmap).
+    pub bitmap_region: u64,
+    /// How long a region stays idle before its bit is cleared, and how often that is
+    /// looked at (`bitmap_delay`, default 5 s, md's `--delay`).
+    pub bitmap_delay: std::time::Duration,
 }
 
-impl Default for RebuildRate {
-    fn default() -> RebuildRate {
-        RebuildRate {
+impl Default for ArrayOptions {
+    fn default() -> ArrayOptions {
+        ArrayOptions {
             min_bytes: 16 << 20,
             max_bytes: 0,
+            bitmap_region: DEFAULT_BITMAP_REGION,
+            bitmap_delay: std::time::Duration::from_secs(5),
         }
     }
 }
+
+/// The write-intent bitmap's default region.
+pub const DEFAULT_BITMAP_REGION: u64 = 64 << 20;
 
 /// The member name of an absent member of an array with metadata (as mdadm's `missing`).
 pub const MISSING: &str = "missing";
@@ -112,6 +122,12 @@ pub mod limits {
     /// `[writeback]` `interval`.
     pub const INTERVAL: RangeInclusive<Duration> =
         Duration::from_millis(1)..=Duration::from_secs(3600);
+    /// `bitmap` of mirror and raid10 (a power of two; it grows if the array needs more
+    /// regions than a superblock holds).
+    pub const BITMAP_REGION: RangeInclusive<u64> = (64 << 10)..=(1 << 40);
+    /// `bitmap_delay` of mirror and raid10.
+    pub const BITMAP_DELAY: RangeInclusive<Duration> =
+        Duration::from_millis(100)..=Duration::from_secs(3600);
     /// `[writeback]` `expire`.
     pub const EXPIRE: RangeInclusive<Duration> =
         Duration::from_millis(1)..=Duration::from_secs(24 * 3600);
@@ -160,8 +176,8 @@ pub enum DeviceSpec {
         members: Vec<String>,
         /// Keeps superblocks on its members.
         metadata: bool,
-        /// How fast a rebuild or resync goes.
-        rebuild: RebuildRate,
+        /// How fast a rebuild or resync goes, and the bitmap.
+        rebuild: ArrayOptions,
     },
     /// RAID10, md's near layout.
     Raid10 {
@@ -173,8 +189,8 @@ pub enum DeviceSpec {
         copies: usize,
         /// Keeps superblocks on its members.
         metadata: bool,
-        /// How fast a rebuild or resync goes.
-        rebuild: RebuildRate,
+        /// How fast a rebuild or resync goes, and the bitmap.
+        rebuild: ArrayOptions,
     },
     /// Fails requests to `base` per a rule.
     Fault {
@@ -794,28 +810,40 @@ impl StackFile {
 /// What the stack file says an array with metadata is; `None` for any other device.
 fn array_expect(name: &str, spec: &DeviceSpec) -> Option<crate::array::assemble::Expect> {
     use crate::array::superblock::Level;
-    let (level, members, chunk, copies) = match spec {
+    let (level, members, chunk, copies, bitmap_region) = match spec {
         DeviceSpec::Linear {
             members,
             metadata: true,
-        } => (Level::Linear, members, 0, 1),
+        } => (Level::Linear, members, 0, 1, 0),
         DeviceSpec::Stripe {
             members,
             chunk,
             metadata: true,
-        } => (Level::Stripe, members, *chunk, 1),
+        } => (Level::Stripe, members, *chunk, 1, 0),
         DeviceSpec::Mirror {
             members,
             metadata: true,
-            ..
-        } => (Level::Mirror, members, 0, members.len() as u32),
+            rebuild,
+        } => (
+            Level::Mirror,
+            members,
+            0,
+            members.len() as u32,
+            rebuild.bitmap_region,
+        ),
         DeviceSpec::Raid10 {
             members,
             chunk,
             copies,
             metadata: true,
-            ..
-        } => (Level::Raid10, members, *chunk, *copies as u32),
+            rebuild,
+        } => (
+            Level::Raid10,
+            members,
+            *chunk,
+            *copies as u32,
+            rebuild.bitmap_region,
+        ),
         _ => return None,
     };
     Some(crate::array::assemble::Expect {
@@ -824,6 +852,7 @@ fn array_expect(name: &str, spec: &DeviceSpec) -> Option<crate::array::assemble:
         chunk_bytes: chunk,
         copies,
         members: members.clone(),
+        bitmap_region,
     })
 }
 
@@ -876,7 +905,7 @@ fn open_array(
     let meta = crate::array::Metadata::start(expect, present, examined, array_bytes, dry)?;
     let rate = match spec {
         DeviceSpec::Mirror { rebuild, .. } | DeviceSpec::Raid10 { rebuild, .. } => *rebuild,
-        _ => RebuildRate::default(),
+        _ => ArrayOptions::default(),
     };
     Ok(Arc::new(device.with_metadata(meta, rate)))
 }

@@ -16,7 +16,7 @@ mod rebuild;
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use cairn_core::slab::Slab;
@@ -62,6 +62,13 @@ struct Health {
     one_copy: AtomicBool,
     /// Writes are counted per region while a rebuild runs (see [`rebuild`]).
     sync: rebuild::WriteCounts,
+    /// Per member not readable: member offsets below this are current (rebuilt so far).
+    below: Vec<AtomicU64>,
+    /// Per member: recovered from the bitmap, so current outside the regions dirty at
+    /// start.
+    partial: Vec<AtomicBool>,
+    /// The write-intent bitmap, if the array keeps one.
+    bitmap: Option<Arc<crate::array::bitmap::Bitmap>>,
 }
 
 impl Health {
@@ -75,6 +82,37 @@ impl Health {
     #[inline]
     fn readable(&self, member: usize) -> bool {
         self.readable[member].load(Relaxed)
+    }
+
+    /// May be read for `len` bytes at member offset `at` (data area), which hold array
+    /// offset `logical` on (one piece): a member being rebuilt is current below its
+    /// progress, and one recovered from the bitmap outside the regions that were dirty.
+    #[inline]
+    fn readable_at(&self, member: usize, logical: u64, at: u64, len: u64) -> bool {
+        self.readable(member) || (self.ok(member) && self.current_at(member, logical, at, len))
+    }
+
+    #[cold]
+    fn current_at(&self, member: usize, logical: u64, at: u64, len: u64) -> bool {
+        at + len <= self.below[member].load(Relaxed)
+            || (self.partial[member].load(Relaxed)
+                && self.bitmap.as_ref().is_some_and(|b| {
+                    b.regions_of(logical, len)
+                        .all(|r| !b.dirty_at_start(r))
+                }))
+    }
+
+    /// Whether a read of `len` bytes at `logical` must go to the first readable copy: the
+    /// array was not stopped cleanly, the resync has not passed the read's end yet, and
+    /// (with a bitmap) a region it touches was dirty.
+    #[inline]
+    fn one_copy_at(&self, logical: u64, len: u64) -> bool {
+        self.one_copy.load(Relaxed)
+            && logical + len > self.sync.synced_below.load(Relaxed)
+            && self.bitmap.as_ref().is_none_or(|b| {
+                b.regions_of(logical, len)
+                    .any(|r| b.dirty_at_start(r))
+            })
     }
 
     fn fail(&self, member: usize, status: IoStatus) {
@@ -102,6 +140,8 @@ pub struct StackDevice {
     metadata: Option<Arc<crate::array::Metadata>>,
     /// The rebuild thread, while one runs: its stop flag and handle.
     rebuild: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
+    /// The thread that clears idle bitmap bits: its stop flag and handle.
+    bitmap_daemon: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
 }
 
 impl StackDevice {
@@ -144,6 +184,9 @@ impl StackDevice {
             readable: members.iter().map(|_| AtomicBool::new(true)).collect(),
             one_copy: AtomicBool::new(false),
             sync: rebuild::WriteCounts::new(),
+            below: members.iter().map(|_| AtomicU64::new(0)).collect(),
+            partial: members.iter().map(|_| AtomicBool::new(false)).collect(),
+            bitmap: None,
         });
         Ok(StackDevice {
             name: name.into(),
@@ -158,6 +201,7 @@ impl StackDevice {
             data_offset: 0,
             metadata: None,
             rebuild: None,
+            bitmap_daemon: None,
         })
     }
 
@@ -167,9 +211,13 @@ impl StackDevice {
     pub fn with_metadata(
         mut self,
         metadata: crate::array::Metadata,
-        rate: crate::config::RebuildRate,
+        rate: crate::config::ArrayOptions,
     ) -> StackDevice {
         use crate::array::superblock::MemberState;
+        if let Some(health) = Arc::get_mut(&mut self.health) {
+            // No queue exists yet: the health is this device's alone.
+            health.bitmap = metadata.bitmap().cloned();
+        }
         for (m, state) in metadata.states().into_iter().enumerate() {
             let (ok, readable) = match state {
                 MemberState::Active => (true, true),
@@ -178,6 +226,15 @@ impl StackDevice {
             };
             self.health.failed[m].store(!ok, Relaxed);
             self.health.readable[m].store(readable, Relaxed);
+            if state == MemberState::Rebuilding {
+                let partial = metadata.partial(m) && self.health.bitmap.is_some();
+                self.health.partial[m].store(partial, Relaxed);
+                // Current below its checkpoint (for a partial recovery, below it every
+                // dirty region was copied).
+                if !partial {
+                    self.health.below[m].store(metadata.recovery_offset(m), Relaxed);
+                }
+            }
         }
         self.health
             .one_copy
@@ -206,6 +263,26 @@ impl StackDevice {
                 Err(e) => eprintln!("cairn: {}: cannot start the rebuild: {e}", self.name),
             }
         }
+        if !metadata.dry() && self.health.bitmap.is_some() {
+            let stop = Arc::new(AtomicBool::new(false));
+            let job = rebuild::Clearing {
+                members: self.members.clone(),
+                health: self.health.clone(),
+                metadata: metadata.clone(),
+                stop: stop.clone(),
+                delay: rate.bitmap_delay,
+            };
+            match std::thread::Builder::new()
+                .name(format!("cairn-bitmap-{}", self.name))
+                .spawn(move || rebuild::clear_bits(job))
+            {
+                Ok(handle) => self.bitmap_daemon = Some((stop, handle)),
+                Err(e) => eprintln!(
+                    "cairn: {}: cannot start the bitmap's thread (its bits stay set): {e}",
+                    self.name
+                ),
+            }
+        }
         self.metadata = Some(metadata);
         self
     }
@@ -216,7 +293,10 @@ impl Drop for StackDevice {
         // Every queue is gone (they hold the device's members, not the device), so no
         // write is in flight: the array stops clean, with the members that failed
         // recorded as failed.
-        if let Some((stop, handle)) = self.rebuild.take() {
+        for (stop, handle) in [self.rebuild.take(), self.bitmap_daemon.take()]
+            .into_iter()
+            .flatten()
+        {
             stop.store(true, Relaxed);
             let _ = handle.join();
         }
@@ -294,6 +374,7 @@ impl Device for StackDevice {
             copies: self.layout.copies(),
             data_offset: self.data_offset,
             metadata: self.metadata.clone(),
+            bitmap: self.health.bitmap.clone(),
         });
         queue.sink.set(core.register_sink(queue.clone()));
         Ok(queue)
@@ -392,6 +473,25 @@ impl Device for StackDevice {
             );
         } else if self.health.one_copy.load(Relaxed) {
             out += "    not stopped cleanly: reads from one copy until resynced\n";
+        } else if sync.read_bytes.load(Relaxed) > 0 {
+            out += &format!(
+                "    last {}: read {}, wrote {}\n",
+                if sync.resync.load(Relaxed) {
+                    "resync"
+                } else {
+                    "rebuild"
+                },
+                format_bytes(sync.read_bytes.load(Relaxed)),
+                format_bytes(sync.written_bytes.load(Relaxed))
+            );
+        }
+        if let Some(bm) = &self.health.bitmap {
+            out += &format!(
+                "    bitmap: {} of {} regions of {} dirty\n",
+                bm.dirty_count(),
+                bm.regions(),
+                format_bytes(bm.region_bytes())
+            );
         }
         Some(out)
     }
@@ -422,6 +522,8 @@ struct Parent {
     tried: u32,
     /// Counted as a write in flight for a rebuild (its completion is counted too).
     counted: bool,
+    /// Counted as a write in flight by the bitmap (its completion is counted too).
+    marked: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -476,6 +578,8 @@ pub struct StackQueue {
     data_offset: u64,
     /// The array's superblocks, if it keeps them.
     metadata: Option<Arc<crate::array::Metadata>>,
+    /// The write-intent bitmap, if the array keeps one.
+    bitmap: Option<Arc<crate::array::bitmap::Bitmap>>,
 }
 
 /// Token of the batched flush fanning out to the members (never a child index).
@@ -505,6 +609,7 @@ impl StackQueue {
             degraded: false,
             tried: 1 << copy,
             counted: false,
+            marked: false,
         });
         self.send_direct(parent, &io, at);
     }
@@ -532,6 +637,7 @@ impl StackQueue {
             degraded: false,
             tried: 0,
             counted: false,
+            marked: false,
         });
         for m in 0..self.members.len() {
             if self.health.ok(m) {
@@ -600,15 +706,20 @@ impl StackQueue {
     }
 
     /// The first healthy copy of `logical` at or after `start`, skipping `tried`.
-    fn healthy_copy(&self, logical: u64, start: usize, tried: u32) -> Option<usize> {
+    fn healthy_copy(&self, logical: u64, len: u64, start: usize, tried: u32) -> Option<usize> {
         let copies = self.copies;
-        let start = if self.health.one_copy.load(Relaxed) {
-            0
-        } else {
-            start
-        };
+        if self.health.one_copy_at(logical, len) {
+            // The copies may differ here: the one the resync copies from, or another
+            // only if that one fails.
+            return (0..copies).find(|&k| {
+                tried & (1 << k) == 0 && self.health.readable(self.layout.locate(logical, k).0)
+            });
+        }
         (0..copies).map(|i| (start + i) % copies).find(|&k| {
-            tried & (1 << k) == 0 && self.health.readable(self.layout.locate(logical, k).0)
+            tried & (1 << k) == 0 && {
+                let (m, at) = self.layout.locate(logical, k);
+                self.health.readable_at(m, logical, at, len)
+            }
         })
     }
 
@@ -624,7 +735,10 @@ impl StackQueue {
     fn all_pieces_covered(&self, io: &Io) -> bool {
         let mut at = io.offset;
         while at < io.end() {
-            if self.healthy_copy(at, 0, 0).is_none() {
+            if self
+                .healthy_copy(at, self.layout.piece_len(at, io.end() - at), 0, 0)
+                .is_none()
+            {
                 return false;
             }
             at += self.layout.piece_len(at, io.end() - at);
@@ -648,6 +762,11 @@ impl StackQueue {
         }
         if p.counted {
             self.health.sync.done(&p.io);
+        }
+        if p.marked {
+            if let Some(bm) = &self.bitmap {
+                bm.end_write(&p.io);
+            }
         }
         self.answer(&p, status);
     }
@@ -727,9 +846,21 @@ impl StackQueue {
         if copies > 1 && io.op == Op::Read && self.layout.piece_len(io.offset, io.len) == io.len {
             let n = self.next_copy.get();
             self.next_copy.set(n.wrapping_add(1));
-            if let Some(copy) = self.healthy_copy(io.offset, n % copies, 0) {
+            if let Some(copy) = self.healthy_copy(io.offset, io.len, n % copies, 0) {
                 self.direct(io, start_ns, copy, self.layout.locate(io.offset, copy));
                 return;
+            }
+        }
+        // A change of data is counted by the bitmap, and waits for its regions' bits to
+        // be on disk first (rarely: once per region going from clean to dirty).
+        let mut marked = false;
+        let mut unmarked = false;
+        if let Some(bm) = &self.bitmap {
+            if io.op != Op::Read {
+                marked = true;
+                if !bm.start_write(&io) {
+                    unmarked = self.mark(&io);
+                }
             }
         }
         let parent = self.state.borrow_mut().parents.insert(Parent {
@@ -745,11 +876,13 @@ impl StackQueue {
             // A change of data while a rebuild runs is counted, so the rebuild can tell
             // whether a region it copied was written meanwhile.
             counted: io.op != Op::Read && self.health.sync.start(&io),
+            marked,
         });
         let copies = self.copies;
-        let mut missing = false;
+        let mut missing = unmarked;
         match io.op {
             Op::Flush => unreachable!("flushes go through the batcher"),
+            _ if unmarked => {}
             op => {
                 let mut at = io.offset;
                 while at < io.end() {
@@ -768,7 +901,7 @@ impl StackQueue {
                         } else {
                             0
                         };
-                        match self.healthy_copy(at, start, 0) {
+                        match self.healthy_copy(at, len, start, 0) {
                             Some(k) => self.child(parent, op, &io, (at, len, buf), k),
                             None => missing = true,
                         }
@@ -800,6 +933,11 @@ impl StackQueue {
             if p.counted {
                 self.health.sync.done(&p.io);
             }
+            if p.marked {
+                if let Some(bm) = &self.bitmap {
+                    bm.end_write(&p.io);
+                }
+            }
             if self.stats.enabled() {
                 self.stats
                     .done(p.io.op, p.io.len, p.start_ns, self.core.now_ns(), false);
@@ -810,6 +948,22 @@ impl StackQueue {
                 p.status
             };
             self.core.complete(p.io.sink, p.io.token, status);
+        }
+    }
+
+    /// Sets the bitmap bits of `io`'s regions on disk before it is submitted; true if
+    /// that failed (no member took the superblock: the request fails, unsubmitted).
+    #[cold]
+    fn mark(&self, io: &Io) -> bool {
+        let Some(meta) = &self.metadata else {
+            return false;
+        };
+        match meta.mark(io.offset, io.len) {
+            Ok(()) => false,
+            Err(e) => {
+                eprintln!("cairn: {}: {e}", self.health.device);
+                true
+            }
         }
     }
 
@@ -830,7 +984,7 @@ impl StackQueue {
                     let p = st.parents.get(index);
                     (p.io, p.tried)
                 };
-                if let Some(k) = self.healthy_copy(io.offset, 0, tried) {
+                if let Some(k) = self.healthy_copy(io.offset, io.len, 0, tried) {
                     self.state.borrow_mut().parents.get_mut(index).tried |= 1 << k;
                     self.send_direct(index, &io, self.layout.locate(io.offset, k));
                     return;
@@ -847,7 +1001,7 @@ impl StackQueue {
             if child.op == Op::Read && redundant {
                 // Retry another copy; the client never sees the failed read.
                 let start = self.layout.copies();
-                if let Some(k) = self.healthy_copy(child.logical, start, child.tried) {
+                if let Some(k) = self.healthy_copy(child.logical, child.len, start, child.tried) {
                     let (member, member_offset) = self.layout.locate(child.logical, k);
                     {
                         let mut st = self.state.borrow_mut();

@@ -45,6 +45,11 @@ pub(super) struct WriteCounts {
     pub(super) rate: AtomicU64,
     /// Whether it is a resync (else a rebuild).
     pub(super) resync: AtomicBool,
+    /// Array offset below which the resync is done (reads there may use any copy).
+    pub(super) synced_below: AtomicU64,
+    /// Bytes it read and wrote so far.
+    pub(super) read_bytes: AtomicU64,
+    pub(super) written_bytes: AtomicU64,
     /// Client requests seen while it runs (it slows down to its minimum rate for them).
     clients: AtomicU64,
     started: Box<[AtomicU64]>,
@@ -59,6 +64,9 @@ impl WriteCounts {
             total_bytes: AtomicU64::new(0),
             rate: AtomicU64::new(0),
             resync: AtomicBool::new(false),
+            synced_below: AtomicU64::new(0),
+            read_bytes: AtomicU64::new(0),
+            written_bytes: AtomicU64::new(0),
             clients: AtomicU64::new(0),
             started: (0..SLOTS).map(|_| AtomicU64::new(0)).collect(),
             finished: (0..SLOTS).map(|_| AtomicU64::new(0)).collect(),
@@ -141,7 +149,7 @@ pub(super) struct Job {
     pub metadata: Arc<Metadata>,
     pub data_offset: u64,
     pub stop: Arc<AtomicBool>,
-    pub rate: crate::config::RebuildRate,
+    pub rate: crate::config::ArrayOptions,
 }
 
 /// Whether the array has anything to rebuild or resync.
@@ -169,14 +177,31 @@ fn run_to_end(job: Job) {
         .collect();
     let size = job.layout.size_bytes();
     let copies = job.layout.copies();
-    let resync = job.health.one_copy.load(Relaxed);
-    let targets_now = |health: &Health| -> Vec<usize> {
-        (0..job.members.len())
-            .filter(|&m| health.ok(m) && (resync || !health.readable(m)))
-            .collect()
+    let n = job.members.len();
+    let health = &job.health;
+    let bitmap = health.bitmap.clone();
+    let resync = health.one_copy.load(Relaxed);
+    // What each member needs: everything (a full rebuild), or only the regions dirty at
+    // start (recovered from the bitmap); and, in a resync, every member in use gets the
+    // dirty regions (all of them without a bitmap) from the copy reads come from.
+    let full: Vec<bool> = (0..n)
+        .map(|m| health.ok(m) && !health.readable(m) && !health.partial[m].load(Relaxed))
+        .collect();
+    let partial: Vec<bool> = (0..n)
+        .map(|m| health.ok(m) && !health.readable(m) && health.partial[m].load(Relaxed))
+        .collect();
+    let dirty = |logical: u64| {
+        bitmap
+            .as_ref()
+            .is_none_or(|b| b.dirty_at_start(b.region(logical)))
     };
-    let rebuilding = targets_now(&job.health);
-    // Resume from the smallest checkpoint of the members being rebuilt.
+    let needs = |m: usize, logical: u64| {
+        health.ok(m) && (full[m] || ((partial[m] || resync) && dirty(logical)))
+    };
+    let rebuilding: Vec<usize> = (0..n).filter(|&m| full[m] || partial[m]).collect();
+    let any_full = full.iter().any(|&f| f);
+    // Resume from the smallest checkpoint of the members being rebuilt (a resync starts
+    // over: its progress is not recorded).
     let start = if resync {
         0
     } else {
@@ -187,37 +212,73 @@ fn run_to_end(job: Job) {
             .unwrap_or(0)
     };
     let what = if resync { "resync" } else { "rebuild" };
-    let sync = &job.health.sync;
+    let sync = &health.sync;
     sync.resync.store(resync, Relaxed);
-    sync.total_bytes.store(size, Relaxed);
-    sync.done_bytes.store(start, Relaxed);
+    sync.synced_below.store(start, Relaxed);
+    // Progress counts the bytes to visit: all of them, or the dirty regions.
+    let visit = |from: u64| -> u64 {
+        match &bitmap {
+            Some(b) if !any_full => (b.region(from)..b.regions())
+                .filter(|&r| b.dirty_at_start(r))
+                .map(|r| {
+                    let (lo, hi) = (r as u64 * b.region_bytes(), (r as u64 + 1) * b.region_bytes());
+                    hi.min(size) - lo.max(from).min(hi.min(size))
+                })
+                .sum(),
+            _ => size - from,
+        }
+    };
+    let total = visit(start);
+    sync.total_bytes.store(total, Relaxed);
+    sync.done_bytes.store(0, Relaxed);
+    let targets: Vec<usize> = (0..n).filter(|&m| health.ok(m) && (resync || full[m] || partial[m])).collect();
     eprintln!(
-        "cairn: {}: {what} of {} started at {start} of {size} bytes",
+        "cairn: {}: {what} of {} started at {start} of {size} bytes{}",
         job.name,
-        names(&job, &rebuilding)
+        names(&job, &targets),
+        match &bitmap {
+            Some(b) if !any_full => format!(
+                " ({} of {} regions dirty in the bitmap: {total} bytes)",
+                b.dirty_at_start_count(),
+                b.regions()
+            ),
+            _ => String::new(),
+        }
     );
     let began = Instant::now();
     let mut at = start;
+    let mut done = 0u64;
     let mut clients_seen = sync.clients.load(Relaxed);
     let mut last_log = Instant::now();
     let mut last_checkpoint = start;
+    let checkpoint = |at: u64| {
+        job.metadata
+            .checkpoint(&rebuilding, member_from_logical(&job.layout, at));
+    };
     while at < size {
         if job.stop.load(SeqCst) {
-            job.metadata
-                .checkpoint(&rebuilding, member_from_logical(&job.layout, at));
-            eprintln!(
-                "cairn: {}: {what} stopped at {at} of {size} bytes",
-                job.name
-            );
+            checkpoint(at);
+            eprintln!("cairn: {}: {what} stopped at {at} of {size} bytes", job.name);
             return;
         }
-        let batch_end = (at + BATCH_BYTES).min(size);
+        // With only the bitmap's regions to copy, skip to the next dirty one.
+        let mut batch_end = (at + BATCH_BYTES).min(size);
+        if let (Some(b), false) = (&bitmap, any_full) {
+            match b.next_dirty_at_start(b.region(at)) {
+                None => break,
+                Some(r) => {
+                    at = at.max(r as u64 * b.region_bytes());
+                    let region_end = (r as u64 + 1) * b.region_bytes();
+                    batch_end = (at + BATCH_BYTES).min(region_end).min(size);
+                }
+            }
+        }
         // Pieces of the batch: (logical, len, source copy, target copies).
         let mut pieces: Vec<(u64, u64, usize, Vec<usize>)> = Vec::new();
         let mut p = at;
         while p < batch_end {
             let len = job.layout.piece_len(p, batch_end - p);
-            let source = (0..copies).find(|&k| job.health.readable(job.layout.locate(p, k).0));
+            let source = (0..copies).find(|&k| health.readable(job.layout.locate(p, k).0));
             let Some(source) = source else {
                 eprintln!(
                     "cairn: {}: {what} stopped at {p}: no current copy to read",
@@ -226,10 +287,7 @@ fn run_to_end(job: Job) {
                 return;
             };
             let targets: Vec<usize> = (0..copies)
-                .filter(|&k| {
-                    let m = job.layout.locate(p, k).0;
-                    k != source && job.health.ok(m) && (resync || !job.health.readable(m))
-                })
+                .filter(|&k| k != source && needs(job.layout.locate(p, k).0, p))
                 .collect();
             if !targets.is_empty() {
                 pieces.push((p, len, source, targets));
@@ -257,42 +315,50 @@ fn run_to_end(job: Job) {
                 pause(&job.stop, want - took);
             }
         }
+        done += batch_end - at;
         at = batch_end;
-        sync.done_bytes.store(at, Relaxed);
+        sync.done_bytes.store(done.min(total), Relaxed);
+        sync.synced_below.store(at, Relaxed);
+        // The members being rebuilt are current below here: reads may use them.
+        let below = member_from_logical(&job.layout, at);
+        for &m in &rebuilding {
+            health.below[m].fetch_max(below, Relaxed);
+        }
         let secs = began.elapsed().as_secs_f64();
-        sync.rate
-            .store(((at - start) as f64 / secs.max(1e-9)) as u64, Relaxed);
+        sync.rate.store((done as f64 / secs.max(1e-9)) as u64, Relaxed);
         if at - last_checkpoint >= CHECKPOINT_BYTES {
-            job.metadata
-                .checkpoint(&rebuilding, member_from_logical(&job.layout, at));
+            checkpoint(at);
             last_checkpoint = at;
         }
         if last_log.elapsed() >= Duration::from_secs(5) {
-            let secs = began.elapsed().as_secs_f64();
-            let rate = (at - start) as f64 / secs.max(1e-9);
+            let rate = done as f64 / secs.max(1e-9);
             eprintln!(
-                "cairn: {}: {what} {:.1}% ({at} of {size} bytes, {:.0} MB/s, {:.0} s left)",
+                "cairn: {}: {what} {:.1}% ({done} of {total} bytes, {:.0} MB/s, {:.0} s left)",
                 job.name,
-                at as f64 * 100.0 / size as f64,
+                done as f64 * 100.0 / total.max(1) as f64,
                 rate / 1e6,
-                (size - at) as f64 / rate.max(1.0)
+                (total - done.min(total)) as f64 / rate.max(1.0)
             );
             last_log = Instant::now();
         }
     }
-    let done: Vec<usize> = targets_now(&job.health);
-    job.metadata.rebuilt(&done, resync);
-    for &m in &done {
-        job.health.readable[m].store(true, Relaxed);
+    sync.synced_below.store(size, Relaxed);
+    let finished: Vec<usize> = (0..n)
+        .filter(|&m| health.ok(m) && (resync || full[m] || partial[m]))
+        .collect();
+    job.metadata.rebuilt(&finished, resync);
+    for &m in &finished {
+        health.readable[m].store(true, Relaxed);
     }
-    job.health.one_copy.store(false, Relaxed);
+    health.one_copy.store(false, Relaxed);
     let secs = began.elapsed().as_secs_f64();
     eprintln!(
-        "cairn: {}: {what} of {} done: {} bytes in {secs:.1} s ({:.0} MB/s)",
+        "cairn: {}: {what} of {} done: {total} bytes in {secs:.1} s ({:.0} MB/s); read {} bytes, wrote {} bytes",
         job.name,
-        names(&job, &done),
-        size - start,
-        (size - start) as f64 / secs.max(1e-9) / 1e6
+        names(&job, &finished),
+        total as f64 / secs.max(1e-9) / 1e6,
+        sync.read_bytes.load(Relaxed),
+        sync.written_bytes.load(Relaxed),
     );
 }
 
@@ -332,6 +398,11 @@ fn copy_batch(
             if reqs.is_empty() {
                 continue;
             }
+            let bytes: u64 = reqs
+                .iter()
+                .map(|r| r.buf.as_ref().map_or(0, |b| b.len() as u64))
+                .sum();
+            job.health.sync.read_bytes.fetch_add(bytes, Relaxed);
             if q.run(&mut reqs).iter().any(|r| r.is_err()) {
                 eprintln!(
                     "cairn: {}: rebuild: reading member '{}' failed; stopped",
@@ -367,6 +438,11 @@ fn copy_batch(
             if reqs.is_empty() {
                 continue;
             }
+            let bytes: u64 = reqs
+                .iter()
+                .map(|r| r.buf.as_ref().map_or(0, |b| b.len() as u64))
+                .sum();
+            job.health.sync.written_bytes.fetch_add(bytes, Relaxed);
             if q.run(&mut reqs).iter().any(|r| r.is_err()) {
                 job.health.fail(m, cairn_core::IoStatus::errno(libc::EIO));
                 job.metadata.fail_member(m);
@@ -417,5 +493,62 @@ fn names(job: &Job, members: &[usize]) -> String {
         "no member".into()
     } else {
         n.join(", ")
+    }
+}
+
+/// What the bitmap's clearing thread needs of its array.
+pub(super) struct Clearing {
+    pub members: Vec<Arc<dyn Device>>,
+    pub health: Arc<Health>,
+    pub metadata: Arc<Metadata>,
+    pub stop: Arc<AtomicBool>,
+    /// How often it looks, and how long a region must stay idle.
+    pub delay: Duration,
+}
+
+/// Clears the bits of regions idle for a whole `delay`, every `delay`, while every member
+/// is current; until `stop`. Their writes are made durable first (every member flushed).
+pub(super) fn clear_bits(job: Clearing) {
+    cairn_core::reactor::block_signals_in_this_thread();
+    let Some(bm) = job.health.bitmap.clone() else {
+        return;
+    };
+    let health = &job.health;
+    let n = job.members.len();
+    let queues: Vec<Option<BlockingQueue>> = job
+        .members
+        .iter()
+        .map(|m| BlockingQueue::open(m, Switches::default()).ok())
+        .collect();
+    let mut before: Option<Vec<u64>> = None;
+    loop {
+        pause(&job.stop, job.delay);
+        if job.stop.load(SeqCst) {
+            return;
+        }
+        // No bit is cleared while a member is away, failed or not yet current: the bits
+        // are then what it will need.
+        let healthy = (0..n).all(|m| health.ok(m) && health.readable(m))
+            && !health.one_copy.load(Relaxed)
+            && !health.sync.running();
+        if !healthy {
+            before = None;
+            continue;
+        }
+        let Some(prev) = before.replace(bm.started_now()) else {
+            continue;
+        };
+        let idle: Vec<usize> = (0..bm.regions()).filter(|&r| bm.idle(r, &prev)).collect();
+        if idle.is_empty() {
+            continue;
+        }
+        let flushed = queues
+            .iter()
+            .all(|q| q.as_ref().is_some_and(|q| q.flush().is_ok()));
+        if !flushed {
+            // A member that cannot flush fails through a client's flush; the bits stay.
+            continue;
+        }
+        job.metadata.clear_idle(&idle, &prev);
     }
 }
