@@ -2974,7 +2974,11 @@ mod arrays {
 
     #[test]
     fn kill_9_under_writes_then_resync_keeps_every_flushed_write_and_the_copies_agree() {
+        // Pages spread over the whole array, so that the write-intent bitmap (64 KiB
+        // regions, bits cleared after 100 ms idle) sees regions set and cleared while
+        // the server runs, and the kill lands with writes in flight to some of them.
         const PAGES: u64 = 256;
+        const STRIDE: u64 = 32 << 10;
         let images = tmpdir();
         let (a, b) = (images.path().join("a.img"), images.path().join("b.img"));
         let stack = write_stack(
@@ -2982,7 +2986,8 @@ mod arrays {
             &format!(
                 "[device.a]\ntype = \"file\"\npath = \"{}\"\nsize = \"9M\"\n\
                  [device.b]\ntype = \"file\"\npath = \"{}\"\nsize = \"9M\"\n\
-                 [device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"b\"]\nmetadata = \"1\"\n",
+                 [device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"b\"]\nmetadata = \"1\"\n\
+                 bitmap = \"64K\"\nbitmap_delay = \"100ms\"\n",
                 a.display(),
                 b.display()
             ),
@@ -3011,7 +3016,8 @@ mod arrays {
             let (mut c, _, _) = Raw::go(&srv.sock, "");
             let mut cookie = 1u64;
             for p in 0..PAGES {
-                c.request(0, CMD_READ, cookie, p * 4096, 4096, &[]).unwrap();
+                c.request(0, CMD_READ, cookie, p * STRIDE, 4096, &[])
+                    .unwrap();
                 c.expect(cookie, 0);
                 cookie += 1;
                 let data = c.read_exact(4096).unwrap();
@@ -3046,7 +3052,7 @@ mod arrays {
                 }
                 for &p in &pages {
                     version += 1;
-                    c.request(0, CMD_WRITE, cookie, p * 4096, 4096, &block(p, version))
+                    c.request(0, CMD_WRITE, cookie, p * STRIDE, 4096, &block(p, version))
                         .unwrap();
                     since[p as usize].push(version);
                     cookie += 1;
@@ -3058,6 +3064,10 @@ mod arrays {
                 for _ in 0..pages.len() {
                     let (err, _) = c.reply().unwrap();
                     assert_eq!(err, 0, "a write failed");
+                }
+                if next(4) == 0 {
+                    // Idle long enough for bits to be cleared.
+                    std::thread::sleep(Duration::from_millis(250));
                 }
                 if next(3) == 0 {
                     c.request(0, CMD_FLUSH, cookie, 0, 0, &[]).unwrap();

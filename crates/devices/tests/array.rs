@@ -436,3 +436,240 @@ fn raid10_checkpoints_are_conservative() {
         }
     }
 }
+
+/// A mirror of two 65 MiB files in a scratch directory (on /dev/shm when there is one),
+/// with 1 MiB bitmap regions: 64 of them.
+struct Bitmapped {
+    _dir: tempfile::TempDir,
+    a: std::path::PathBuf,
+    b: std::path::PathBuf,
+    c: std::path::PathBuf,
+}
+
+impl Bitmapped {
+    fn new() -> Bitmapped {
+        let dir = tempfile::tempdir_in("/dev/shm")
+            .or_else(|_| tempfile::tempdir())
+            .expect("a directory");
+        Bitmapped {
+            a: dir.path().join("a.img"),
+            b: dir.path().join("b.img"),
+            c: dir.path().join("c.img"),
+            _dir: dir,
+        }
+    }
+
+    /// The stack file with `members` (of `a`, `b`, `c`, `missing`), the bitmap's region
+    /// and its delay.
+    fn text(&self, members: &[&str], bitmap: &str, delay: &str) -> String {
+        let mut t = String::new();
+        for (name, path) in [("a", &self.a), ("b", &self.b), ("c", &self.c)] {
+            t += &format!(
+                "[device.{name}]\ntype = \"file\"\npath = \"{}\"\nsize = \"65M\"\n\n",
+                path.display()
+            );
+        }
+        let list: Vec<String> = members.iter().map(|m| format!("\"{m}\"")).collect();
+        t += &format!(
+            "[device.m]\ntype = \"mirror\"\nmembers = [{}]\nmetadata = \"1\"\nbitmap = \"{bitmap}\"\n",
+            list.join(", ")
+        );
+        if bitmap != "none" {
+            t += &format!("bitmap_delay = \"{delay}\"\n");
+        }
+        t
+    }
+}
+
+/// Waits (bounded) until `status` holds `what`.
+fn wait_status(m: &Arc<dyn Device>, what: &str) -> String {
+    for _ in 0..2400 {
+        let s = m.array_status().expect("an array's status");
+        if s.contains(what) {
+            return s;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    panic!(
+        "no '{what}' within 120 s: {}",
+        m.array_status().unwrap_or_default()
+    );
+}
+
+/// Writes 4 KiB at the start of each region in `regions` (1 MiB regions) into the array
+/// and the model.
+fn touch(m: &Arc<dyn Device>, model: &mut [u8], regions: &[u64], pass: u8) {
+    let q = queue(m);
+    for &r in regions {
+        let at = (r * MIB) as usize + 8192;
+        let data = pattern(pass.wrapping_add(r as u8), 4096);
+        q.write(at as u64, &data, IoFlags::NONE).expect("write");
+        model[at..at + 4096].copy_from_slice(&data);
+    }
+    q.flush().expect("flush");
+}
+
+/// The data areas of two member files are equal, and equal to `model`.
+fn members_hold(x: &Path, y: &Path, model: &[u8]) {
+    let (dx, dy) = (
+        std::fs::read(x).expect("read"),
+        std::fs::read(y).expect("read"),
+    );
+    let data = (MIB as usize)..(MIB as usize + model.len());
+    assert!(dx[data.clone()] == dy[data.clone()], "the copies differ");
+    assert!(
+        dx[data] == model[..],
+        "a member does not hold what was written"
+    );
+}
+
+/// Fills a new bitmapped mirror on `members` and waits until its bits are all clear;
+/// returns what it holds.
+fn filled_and_clean(t: &Bitmapped, members: &[&str]) -> Vec<u8> {
+    let m = open(&t.text(members, "1M", "100ms"), "m").expect("create");
+    let size = m.geometry().size_bytes as usize;
+    let model = pattern(21, size);
+    queue(&m).write(0, &model, IoFlags::NONE).expect("fill");
+    let s = wait_status(&m, "bitmap: 0 of 64 regions");
+    assert!(s.contains("of 1MiB"), "{s}");
+    model
+}
+
+/// After an unclean stop only the regions whose bits were set are resynced: the resync
+/// reads and writes those bytes and no others, and then the copies agree.
+#[test]
+fn the_bitmap_resyncs_only_dirty_regions() {
+    let t = Bitmapped::new();
+    let mut model = filled_and_clean(&t, &["a", "b"]);
+    // Writes to 3 regions; then the array stops (bits still set: the delay is an hour).
+    let m = open(&t.text(&["a", "b"], "1M", "1h"), "m").expect("assemble");
+    touch(&m, &mut model, &[5, 6, 40], 1);
+    assert!(m.array_status().unwrap().contains("bitmap: 3 of 64"));
+    drop(m);
+    // As after kill -9: not stopped cleanly, and one copy of region 40 did not get
+    // its last write.
+    let mut other = std::fs::read(&t.b).expect("read b");
+    let at = (MIB + 40 * MIB + 8192) as usize;
+    other[at..at + 4096].fill(0xee);
+    std::fs::write(&t.b, &other).expect("write b");
+    mark_unclean(&[&t.a, &t.b]);
+    let m = open(&t.text(&["a", "b"], "1M", "1h"), "m").expect("assemble unclean");
+    let s = wait_status(&m, "last resync");
+    let three = 3 * MIB;
+    assert!(
+        s.contains(&format!("read {three} bytes, wrote {three} bytes")),
+        "{s}"
+    );
+    assert!(read_all(&m) == model, "the array reads what was written");
+    drop(m);
+    members_hold(&t.a, &t.b, &model);
+}
+
+/// A member away for a while is brought back by copying only the regions written while
+/// it was away; without a bitmap all of it is copied. Either way it then holds what was
+/// written.
+#[test]
+fn a_member_away_comes_back_by_the_bitmap() {
+    for bitmap in ["1M", "none"] {
+        let t = Bitmapped::new();
+        let mut model = filled_and_clean(&t, &["a", "b"]);
+        let away = open(&t.text(&["a", "missing"], bitmap, "100ms"), "m").expect("degraded");
+        let size = away.geometry().size_bytes;
+        touch(&away, &mut model, &[1, 2, 30, 63], 2);
+        // Degraded: no bit is cleared however long the regions stay idle.
+        std::thread::sleep(std::time::Duration::from_millis(400));
+        if bitmap != "none" {
+            assert!(away.array_status().unwrap().contains("bitmap: 4 of 64"));
+        }
+        drop(away);
+        let back = open(&t.text(&["a", "b"], bitmap, "1h"), "m").expect("b is back");
+        let s = wait_status(&back, "last rebuild");
+        let moved = if bitmap == "none" { size } else { 4 * MIB };
+        assert!(
+            s.contains(&format!("read {moved} bytes, wrote {moved} bytes")),
+            "bitmap {bitmap}: {s}"
+        );
+        assert!(read_all(&back) == model, "the array reads what was written");
+        drop(back);
+        members_hold(&t.a, &t.b, &model);
+    }
+}
+
+/// A member that left before the bitmap was last cleared missed writes the bitmap no
+/// longer shows: it is rebuilt whole, never from the bitmap.
+#[test]
+fn a_member_away_across_a_clearing_is_rebuilt_whole() {
+    let t = Bitmapped::new();
+    let mut model = filled_and_clean(&t, &["a", "b"]);
+    // b leaves; c takes its place, is rebuilt, and the array writes and clears its bits.
+    let m = open(&t.text(&["a", "c"], "1M", "100ms"), "m").expect("with c");
+    let size = m.geometry().size_bytes;
+    wait_rebuilt(&m);
+    touch(&m, &mut model, &[7, 50], 3);
+    wait_status(&m, "bitmap: 0 of 64");
+    drop(m);
+    // b comes back in c's place: region 7 and 50 are news to it, and no bit says so.
+    let m = open(&t.text(&["a", "b"], "1M", "1h"), "m").expect("b again");
+    let s = wait_status(&m, "last rebuild");
+    assert!(
+        s.contains(&format!("read {size} bytes, wrote {size} bytes")),
+        "{s}"
+    );
+    assert!(read_all(&m) == model, "the array reads what was written");
+    drop(m);
+    members_hold(&t.a, &t.b, &model);
+}
+
+/// A write reaches a member only after its region's bit is on disk: while a write to a
+/// clean region is on its way (each member delays writes by 200 ms), whenever a member
+/// file holds the new data, its superblock (read afterwards) has the bit set.
+#[test]
+fn a_write_reaches_a_member_only_after_its_bit() {
+    use cairn_devices::array::superblock::{pick, Found, SLOT_BYTES};
+    let t = Bitmapped::new();
+    let mut text = t.text(&["da", "db"], "1M", "1h");
+    for (name, base) in [("da", "a"), ("db", "b")] {
+        text +=
+            &format!("[device.{name}]\ntype = \"delay\"\nbase = \"{base}\"\nwrite = \"200ms\"\n\n");
+    }
+    let m = open(&text, "m").expect("create");
+    let region = 10u64;
+    let at = region * MIB + 4096;
+    let data = pattern(77, 4096);
+    let writer = {
+        let (m, data) = (m.clone(), data.clone());
+        std::thread::spawn(move || queue(&m).write(at, &data, IoFlags::NONE))
+    };
+    let bit_on_disk = |path: &Path| {
+        let area = std::fs::read(path).expect("read")[..2 * SLOT_BYTES].to_vec();
+        let Found::Valid { sb, .. } = pick(&area) else {
+            panic!("no superblock on {}", path.display())
+        };
+        sb.bitmap[(region / 8) as usize] & (1 << (region % 8)) != 0
+    };
+    let data_on_disk = |path: &Path| {
+        let f = std::fs::read(path).expect("read");
+        let o = (MIB + at) as usize;
+        f[o..o + 4096] == data[..]
+    };
+    let mut seen_data = false;
+    loop {
+        let finished = writer.is_finished();
+        for p in [&t.a, &t.b] {
+            if data_on_disk(p) {
+                seen_data = true;
+                assert!(
+                    bit_on_disk(&t.a) && bit_on_disk(&t.b),
+                    "{} holds the write, and a superblock has no bit for its region",
+                    p.display()
+                );
+            }
+        }
+        if finished {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    writer.join().expect("the writer").expect("the write");
+    assert!(seen_data, "the write reached the members");
+}

@@ -181,9 +181,12 @@ pub fn plan(
                 ));
                 (MemberState::Rebuilding, 0, uuid(), false)
             }
-            Seen::Valid(sb) if sb.events == record.events && role.state == MemberState::Active => {
-                (MemberState::Active, role.recovery_offset, sb.member_uuid, false)
-            }
+            Seen::Valid(sb) if sb.events == record.events && role.state == MemberState::Active => (
+                MemberState::Active,
+                role.recovery_offset,
+                sb.member_uuid,
+                false,
+            ),
             Seen::Valid(sb)
                 if sb.events == record.events && role.state == MemberState::Rebuilding =>
             {
@@ -200,13 +203,15 @@ pub fn plan(
                 ));
                 (MemberState::Rebuilding, offset, sb.member_uuid, partial)
             }
-            Seen::Valid(sb) if bitmap && sb.events >= record.events_cleared && {
-                // Current when it left: active, or being recovered from the bitmap (then
-                // its regions are still dirty, since no bit is cleared while a member
-                // is away).
-                let own = sb.roles[i];
-                own.state == MemberState::Active || (own.state == MemberState::Rebuilding && own.partial)
-            } =>
+            Seen::Valid(sb)
+                if bitmap && sb.events >= record.events_cleared && {
+                    // Current when it left: active, or being recovered from the bitmap (then
+                    // its regions are still dirty, since no bit is cleared while a member
+                    // is away).
+                    let own = sb.roles[i];
+                    own.state == MemberState::Active
+                        || (own.state == MemberState::Rebuilding && own.partial)
+                } =>
             {
                 let why = if sb.events < record.events {
                     format!("events {} behind the array's {}", sb.events, record.events)

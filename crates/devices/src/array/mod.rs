@@ -187,7 +187,10 @@ fn convert_bits(old: u64, bits: &[u8], old_bytes: u64, region: u64, array_bytes:
     let mut out = vec![0u8; superblock::bitmap_bytes(array_bytes, region)];
     let old_regions = old_bytes.div_ceil(old);
     for r in 0..old_regions {
-        if bits.get((r / 8) as usize).is_some_and(|b| b & (1 << (r % 8)) != 0) {
+        if bits
+            .get((r / 8) as usize)
+            .is_some_and(|b| b & (1 << (r % 8)) != 0)
+        {
             let (start, end) = (r * old, ((r + 1) * old).min(array_bytes.max(1)));
             if start >= array_bytes {
                 // Past the end of a smaller array now: the last region covers it.

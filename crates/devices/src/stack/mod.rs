@@ -96,10 +96,10 @@ impl Health {
     fn current_at(&self, member: usize, logical: u64, at: u64, len: u64) -> bool {
         at + len <= self.below[member].load(Relaxed)
             || (self.partial[member].load(Relaxed)
-                && self.bitmap.as_ref().is_some_and(|b| {
-                    b.regions_of(logical, len)
-                        .all(|r| !b.dirty_at_start(r))
-                }))
+                && self
+                    .bitmap
+                    .as_ref()
+                    .is_some_and(|b| b.regions_of(logical, len).all(|r| !b.dirty_at_start(r))))
     }
 
     /// Whether a read of `len` bytes at `logical` must go to the first readable copy: the
@@ -109,10 +109,10 @@ impl Health {
     fn one_copy_at(&self, logical: u64, len: u64) -> bool {
         self.one_copy.load(Relaxed)
             && logical + len > self.sync.synced_below.load(Relaxed)
-            && self.bitmap.as_ref().is_none_or(|b| {
-                b.regions_of(logical, len)
-                    .any(|r| b.dirty_at_start(r))
-            })
+            && self
+                .bitmap
+                .as_ref()
+                .is_none_or(|b| b.regions_of(logical, len).any(|r| b.dirty_at_start(r)))
     }
 
     fn fail(&self, member: usize, status: IoStatus) {
@@ -475,14 +475,14 @@ impl Device for StackDevice {
             out += "    not stopped cleanly: reads from one copy until resynced\n";
         } else if sync.read_bytes.load(Relaxed) > 0 {
             out += &format!(
-                "    last {}: read {}, wrote {}\n",
+                "    last {}: read {} bytes, wrote {} bytes\n",
                 if sync.resync.load(Relaxed) {
                     "resync"
                 } else {
                     "rebuild"
                 },
-                format_bytes(sync.read_bytes.load(Relaxed)),
-                format_bytes(sync.written_bytes.load(Relaxed))
+                sync.read_bytes.load(Relaxed),
+                sync.written_bytes.load(Relaxed)
             );
         }
         if let Some(bm) = &self.health.bitmap {

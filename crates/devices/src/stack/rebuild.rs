@@ -221,7 +221,10 @@ fn run_to_end(job: Job) {
             Some(b) if !any_full => (b.region(from)..b.regions())
                 .filter(|&r| b.dirty_at_start(r))
                 .map(|r| {
-                    let (lo, hi) = (r as u64 * b.region_bytes(), (r as u64 + 1) * b.region_bytes());
+                    let (lo, hi) = (
+                        r as u64 * b.region_bytes(),
+                        (r as u64 + 1) * b.region_bytes(),
+                    );
                     hi.min(size) - lo.max(from).min(hi.min(size))
                 })
                 .sum(),
@@ -231,7 +234,9 @@ fn run_to_end(job: Job) {
     let total = visit(start);
     sync.total_bytes.store(total, Relaxed);
     sync.done_bytes.store(0, Relaxed);
-    let targets: Vec<usize> = (0..n).filter(|&m| health.ok(m) && (resync || full[m] || partial[m])).collect();
+    let targets: Vec<usize> = (0..n)
+        .filter(|&m| health.ok(m) && (resync || full[m] || partial[m]))
+        .collect();
     eprintln!(
         "cairn: {}: {what} of {} started at {start} of {size} bytes{}",
         job.name,
@@ -258,7 +263,10 @@ fn run_to_end(job: Job) {
     while at < size {
         if job.stop.load(SeqCst) {
             checkpoint(at);
-            eprintln!("cairn: {}: {what} stopped at {at} of {size} bytes", job.name);
+            eprintln!(
+                "cairn: {}: {what} stopped at {at} of {size} bytes",
+                job.name
+            );
             return;
         }
         // With only the bitmap's regions to copy, skip to the next dirty one.
@@ -325,7 +333,8 @@ fn run_to_end(job: Job) {
             health.below[m].fetch_max(below, Relaxed);
         }
         let secs = began.elapsed().as_secs_f64();
-        sync.rate.store((done as f64 / secs.max(1e-9)) as u64, Relaxed);
+        sync.rate
+            .store((done as f64 / secs.max(1e-9)) as u64, Relaxed);
         if at - last_checkpoint >= CHECKPOINT_BYTES {
             checkpoint(at);
             last_checkpoint = at;
