@@ -13,8 +13,7 @@ filled once with written blocks. Comparisons, in interleaved rounds, medians rep
             array, against the same array while member b is rebuilt at the default rate
             limit (target: >= 0.7x)
 
-Not measured yet: the bitmap's resync after kill -9 and its cost on writes (the bitmap
-does not exist yet).
+The bitmap's resync after kill -9 and its cost on writes: bench/bitmap.py.
 """
 import argparse
 import json

@@ -362,7 +362,7 @@ fn run_to_end(job: Job) {
     health.one_copy.store(false, Relaxed);
     let secs = began.elapsed().as_secs_f64();
     eprintln!(
-        "cairn: {}: {what} of {} done: {total} bytes in {secs:.1} s ({:.0} MB/s); read {} bytes, wrote {} bytes",
+        "cairn: {}: {what} of {} done: {total} bytes in {secs:.3} s ({:.0} MB/s); read {} bytes, wrote {} bytes",
         job.name,
         names(&job, &finished),
         total as f64 / secs.max(1e-9) / 1e6,
