@@ -318,3 +318,38 @@ fn rebuild_rates_need_metadata_and_a_sane_range() {
         &["'r'", "'rebuild_max'", "below rebuild_min"],
     );
 }
+
+#[test]
+fn bitmap_keys_need_metadata_a_power_of_two_and_a_sane_range() {
+    let mirror = |extra: &str| {
+        format!(
+            "{MEM}[device.n]\ntype = \"mem\"\nsize = \"64M\"\n\n\
+             [device.r]\ntype = \"mirror\"\nmembers = [\"m\", \"n\"]\n{extra}\n"
+        )
+    };
+    good(&mirror(
+        "metadata = \"1\"\nbitmap = \"1M\"\nbitmap_delay = \"1s\"",
+    ));
+    good(&mirror("metadata = \"1\"\nbitmap = \"none\""));
+    bad(&mirror("bitmap = \"1M\""), &["'r'", "'bitmap'", "metadata"]);
+    bad(
+        &mirror("metadata = \"1\"\nbitmap = \"3M\""),
+        &["'r'", "'bitmap'", "power of two"],
+    );
+    bad(
+        &mirror("metadata = \"1\"\nbitmap = \"32K\""),
+        &["'r'", "'bitmap'", "from 64KiB"],
+    );
+    bad(
+        &mirror("metadata = \"1\"\nbitmap = \"lots\""),
+        &["'r'", "'bitmap'"],
+    );
+    bad(
+        &mirror("metadata = \"1\"\nbitmap_delay = \"10ms\""),
+        &["'r'", "'bitmap_delay'", "out of range"],
+    );
+    bad(
+        &mirror("metadata = \"1\"\nbitmap = \"none\"\nbitmap_delay = \"1s\""),
+        &["'r'", "'bitmap_delay'", "none"],
+    );
+}

@@ -525,6 +525,50 @@ mod tests {
         );
     }
 
+    /// With a bitmap on both sides, a member behind the record but current when the bits
+    /// were last cleared is recovered from the bitmap; one that left earlier, or was
+    /// itself only part way through a full rebuild, is rebuilt whole.
+    #[test]
+    fn a_member_back_after_the_last_clearing_is_recovered_from_the_bitmap() {
+        let mut e = expect(Level::Mirror, &["a", "b"]);
+        e.bitmap_region = 1 << 20;
+        let p = plan(&e, &[Seen::Blank, Seen::Blank], 5, counter()).unwrap();
+        let with_bitmap = |role: usize, events: u64, cleared: u64| {
+            let mut s = sb(&e, &p, role, events);
+            s.region_bytes = 1 << 20;
+            s.bitmap = vec![0];
+            s.events_cleared = cleared;
+            s
+        };
+        let seen = [
+            Seen::Valid(with_bitmap(0, 12, 8)),
+            Seen::Valid(with_bitmap(1, 9, 8)),
+        ];
+        let q = plan(&e, &seen, 6, counter()).unwrap();
+        assert_eq!(q.parts[1].state, MemberState::Rebuilding);
+        assert!(q.parts[1].partial, "{:?}", q.notes);
+        assert!(q.notes[0].contains("bitmap"), "{:?}", q.notes);
+        // Left before the last clearing: whole.
+        let seen = [
+            Seen::Valid(with_bitmap(0, 12, 10)),
+            Seen::Valid(with_bitmap(1, 9, 8)),
+        ];
+        assert!(!plan(&e, &seen, 6, counter()).unwrap().parts[1].partial);
+        // Was part way through a full rebuild when it left: whole.
+        let mut mid = with_bitmap(1, 9, 8);
+        mid.roles[1].state = MemberState::Rebuilding;
+        let seen = [Seen::Valid(with_bitmap(0, 12, 8)), Seen::Valid(mid)];
+        assert!(!plan(&e, &seen, 6, counter()).unwrap().parts[1].partial);
+        // This run keeps no bitmap: whole.
+        let mut none = e.clone();
+        none.bitmap_region = 0;
+        let seen = [
+            Seen::Valid(with_bitmap(0, 12, 8)),
+            Seen::Valid(with_bitmap(1, 9, 8)),
+        ];
+        assert!(!plan(&none, &seen, 6, counter()).unwrap().parts[1].partial);
+    }
+
     #[test]
     fn raid10_copy_sets() {
         // 4 members, 2 copies: sets {0,1} and {2,3}.

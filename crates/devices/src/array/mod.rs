@@ -689,3 +689,24 @@ fn truncated(s: &str, max: usize) -> String {
     }
     s[..end].to_string()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bits_carried_to_another_region_size_cover_every_old_dirty_region() {
+        const M: u64 = 1 << 20;
+        // 10 regions of 1 MiB, 1 and 9 dirty.
+        let old = [0b10u8, 0b10];
+        // Larger regions: 0 (0-4M) holds old 1, 2 (8-12M) holds old 9.
+        assert_eq!(convert_bits(M, &old, 10 * M, 4 * M, 10 * M), vec![0b101]);
+        // Smaller: old 1 is new 2 and 3; old 9 is new 18 and 19.
+        assert_eq!(
+            convert_bits(M, &old, 10 * M, M / 2, 10 * M),
+            vec![0b1100, 0, 0b1100]
+        );
+        // The array shrank below old region 9: the last region takes it.
+        assert_eq!(convert_bits(M, &old, 10 * M, M, 8 * M), vec![0b1000_0010]);
+    }
+}
