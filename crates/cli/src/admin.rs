@@ -6,6 +6,9 @@
 //!   devices                 every device served, with its members, one per line
 //!   status                  every array with metadata, as /proc/mdstat shows md's:
 //!                           members and their state, degraded or not, rebuild progress
+//!   fail ARRAY MEMBER       mark a member of a mirror or raid10 with metadata failed
+//!                           (refused if some data would have no current copy left)
+//!   remove ARRAY MEMBER     record a failed member as missing
 //!   power-cut [DEVICE...]   cut the power of these devices (default: every export's):
 //!                           what their volatile layers and caches hold and no flush has
 //!                           made durable is lost, as in a real power cut
@@ -29,6 +32,8 @@ const MAX_LINE: u64 = 1024;
 const HELP: &str = "ok: commands:
   devices                 every device served, with its members
   status                  arrays with metadata: members, states, rebuild progress
+  fail ARRAY MEMBER       mark a member failed (never the last current copy of any data)
+  remove ARRAY MEMBER     record a failed member as missing
   power-cut [DEVICE...]   lose what these devices (default: every export's) hold that no
                           flush has made durable, as in a power cut
   help                    this list
@@ -168,6 +173,22 @@ fn command(line: &str, roots: &[Arc<dyn Device>]) -> String {
                 format!("ok\n{}", arrays.concat())
             }
         }
+        Some(action @ ("fail" | "remove")) => {
+            let (Some(array), Some(member), None) = (words.next(), words.next(), words.next())
+            else {
+                return format!("error: usage: {action} ARRAY MEMBER\n");
+            };
+            let all = all_devices(roots);
+            let Some((_, d)) = all.iter().find(|(_, d)| d.name() == array) else {
+                return format!(
+                    "error: no device '{array}' is served (see the 'devices' command)\n"
+                );
+            };
+            match d.array_action(action, member) {
+                Ok(done) => format!("ok: {done}\n"),
+                Err(why) => format!("error: {why}\n"),
+            }
+        }
         Some("power-cut") => {
             let names: Vec<&str> = words.collect();
             let all = all_devices(roots);
@@ -199,7 +220,7 @@ fn command(line: &str, roots: &[Arc<dyn Device>]) -> String {
             format!("ok: power cut: {}\n", done.join(", "))
         }
         Some(other) => {
-            format!("error: unknown command '{other}' (known: devices, status, power-cut, help)\n")
+            format!("error: unknown command '{other}' (known: devices, status, fail, remove, power-cut, help)\n")
         }
     }
 }

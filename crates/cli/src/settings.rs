@@ -199,6 +199,10 @@ pub enum Command {
 
 const ADMIN_HELP: &str = "Commands:
   devices                 every device served, with its members
+  status                  arrays with metadata, as /proc/mdstat: members, states, rebuild
+  fail ARRAY MEMBER       mark a member of a mirror or raid10 failed (never the last
+                          current copy of any data)
+  remove ARRAY MEMBER     record a failed member as missing
   power-cut [DEVICE...]   lose what these devices (default: every export's) hold that no
                           flush has made durable: cache memory, volatile mem layers
   help                    this list

@@ -2972,6 +2972,121 @@ mod arrays {
         assert!(log.contains("rebuild stopped at"), "{log}");
     }
 
+    /// `fail` and `remove` on a running mirror: the array goes on degraded with every
+    /// write reading back, never gives up its last current copy, and at the next start
+    /// the member comes back by copying only the regions written while it was out.
+    #[test]
+    fn admin_fail_and_remove_a_member_then_it_comes_back_by_the_bitmap() {
+        const PAGES: u64 = 64;
+        let dir = tmpdir();
+        let ctl = dir.path().join("admin.sock");
+        let (a, b) = (dir.path().join("a.img"), dir.path().join("b.img"));
+        let stack = write_stack(
+            &dir,
+            &format!(
+                "[device.a]\ntype = \"file\"\npath = \"{}\"\nsize = \"9M\"\n\
+                 [device.b]\ntype = \"file\"\npath = \"{}\"\nsize = \"9M\"\n\
+                 [device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"b\"]\nmetadata = \"1\"\n\
+                 bitmap = \"64K\"\nbitmap_delay = \"100ms\"\n",
+                a.display(),
+                b.display()
+            ),
+        );
+        let stride = 128u64 << 10;
+        let write_all = |srv: &Server, version: u64| {
+            let (mut c, _, _) = Raw::go(&srv.sock, "");
+            for p in 0..PAGES {
+                c.request(0, CMD_WRITE, p + 1, p * stride, 4096, &block(p, version))
+                    .unwrap();
+                c.expect(p + 1, 0);
+            }
+            c.request(0, CMD_FLUSH, 999, 0, 0, &[]).unwrap();
+            c.expect(999, 0);
+            for p in 0..PAGES {
+                c.request(0, CMD_READ, p + 1000, p * stride, 4096, &[])
+                    .unwrap();
+                c.expect(p + 1000, 0);
+                let data = c.read_exact(4096).unwrap();
+                assert_eq!(version_of(p, &data, "read back"), version);
+            }
+            c.disconnect();
+        };
+        let srv_args = [path_str(&stack), "--admin", path_str(&ctl)];
+        let mut srv = Server::start_in(tmpdir(), &srv_args);
+        write_all(&srv, 1);
+        // Bits clear once the regions stay idle.
+        let clean = || {
+            let out = success("status", &admin(&ctl, &["status"]));
+            out.contains("bitmap: 0 of")
+        };
+        let t = std::time::Instant::now();
+        while !clean() {
+            assert!(t.elapsed() < Duration::from_secs(60), "bits never cleared");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let out = success("fail a", &admin(&ctl, &["fail", "m", "a"]));
+        assert!(out.contains("member 'a' failed"), "{out}");
+        let out = success("status", &admin(&ctl, &["status"]));
+        assert!(out.contains("[_U] a failed, b active"), "{out}");
+        // The last current copy is kept, and bad requests change nothing.
+        for (words, why) in [
+            (&["fail", "m", "b"][..], "no current copy"),
+            (&["fail", "m", "a"][..], "failed already"),
+            (&["remove", "m", "b"][..], "in use"),
+            (&["fail", "m", "zz"][..], "no member 'zz'"),
+            (&["fail", "a", "x"][..], "not an array"),
+            (&["fail", "nope", "a"][..], "no device 'nope'"),
+            (&["fail", "m"][..], "usage"),
+        ] {
+            let out = admin(&ctl, words);
+            assert!(!out.status.success(), "{words:?} succeeded");
+            let text = text(&out.stdout) + &text(&out.stderr);
+            assert!(text.contains(why), "{words:?}: {text}");
+        }
+        // Degraded writes, to 4 of the 64 pages' regions.
+        {
+            let (mut c, _, _) = Raw::go(&srv.sock, "");
+            for p in [3u64, 20, 21, 40] {
+                c.request(0, CMD_WRITE, p + 1, p * stride, 4096, &block(p, 2))
+                    .unwrap();
+                c.expect(p + 1, 0);
+            }
+            c.disconnect();
+        }
+        let out = success("remove a", &admin(&ctl, &["remove", "m", "a"]));
+        assert!(out.contains("removed"), "{out}");
+        let out = success("status", &admin(&ctl, &["status"]));
+        assert!(out.contains("a missing, b active"), "{out}");
+        assert!(out.contains("bitmap: 4 of"), "{out}");
+        let (status, log) = srv.stop();
+        assert!(status.success(), "{log}");
+        assert!(log.contains("failed by the admin"), "{log}");
+        // The next start takes a back and copies the 4 regions it missed.
+        let mut srv = Server::start_in(tmpdir(), &srv_args);
+        assert!(
+            srv.wait_for_stderr(" done: ", Duration::from_secs(60)),
+            "{}",
+            srv.stderr()
+        );
+        let regions = 4 * (64u64 << 10);
+        assert!(
+            srv.stderr()
+                .contains(&format!("read {regions} bytes, wrote {regions} bytes")),
+            "{}",
+            srv.stderr()
+        );
+        let (status, log) = srv.stop();
+        assert!(status.success(), "{log}");
+        let (da, db) = (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+        let data = (1 << 20)..(9 << 20);
+        assert!(da[data.clone()] == db[data], "the members differ");
+        for p in 0..PAGES {
+            let at = (1 << 20) + (p * stride) as usize;
+            let v = if [3, 20, 21, 40].contains(&p) { 2 } else { 1 };
+            assert_eq!(version_of(p, &da[at..at + 4096], "member a"), v);
+        }
+    }
+
     #[test]
     fn kill_9_under_writes_then_resync_keeps_every_flushed_write_and_the_copies_agree() {
         // Pages spread over the whole array, so that the write-intent bitmap (64 KiB

@@ -119,6 +119,16 @@ pub trait Device: Send + Sync {
         None
     }
 
+    /// An admin action on an array that keeps state on its members (`fail MEMBER`,
+    /// `remove MEMBER`): one line saying what was done, or why not (then nothing was).
+    fn array_action(&self, action: &str, member: &str) -> Result<String, String> {
+        let _ = member;
+        Err(format!(
+            "'{}' is not an array with metadata: it has no '{action}'",
+            self.name()
+        ))
+    }
+
     /// How `[offset, offset + len)` is allocated, as consecutive extents from `offset`
     /// (NBD's `base:allocation`). The extents may stop early (callers ask again) but never
     /// claim a hole or zeroes that are not there. The default: all data.

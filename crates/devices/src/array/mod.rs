@@ -514,6 +514,24 @@ impl Metadata {
         }
     }
 
+    /// Records that failed member `m` is removed: the array runs without it (`missing`).
+    pub fn remove_member(&self, m: usize) -> Result<(), String> {
+        if self.dry {
+            return Err("examined only".into());
+        }
+        let _writing = self.writing();
+        {
+            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            match st.parts.get(m).map(|p| p.state) {
+                Some(MemberState::Failed) => st.parts[m].state = MemberState::Missing,
+                Some(MemberState::Missing) => return Err("it is missing already".into()),
+                Some(_) => return Err("it is in use: fail it first".into()),
+                None => return Err("no such member".into()),
+            }
+        }
+        self.write(false).map_err(|e| e.to_string())
+    }
+
     /// Stops the array: members that failed while it ran are recorded as failed, and
     /// every member still in use gets a superblock with the clean flag on.
     pub fn stop(&self, failed: &[bool]) {

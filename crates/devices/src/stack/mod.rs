@@ -496,6 +496,76 @@ impl Device for StackDevice {
         Some(out)
     }
 
+    fn array_action(&self, action: &str, member: &str) -> Result<String, String> {
+        use crate::array::assemble::uncovered;
+        use crate::array::superblock::{Level, MemberState};
+        let name = &self.name;
+        let Some(meta) = self.metadata.as_ref().filter(|m| !m.dry()) else {
+            return Err(format!(
+                "'{name}' keeps no metadata (metadata = \"1\"): it has no '{action}'"
+            ));
+        };
+        let Some(m) = self.health.names.iter().position(|n| n == member) else {
+            return Err(format!(
+                "'{name}' has no member '{member}' (its members: {})",
+                self.health.names.join(", ")
+            ));
+        };
+        let level = match self.layout.kind() {
+            "mirror" => Level::Mirror,
+            "raid10" => Level::Raid10,
+            kind => {
+                return Err(format!(
+                    "'{name}' is a {kind}: it has no redundancy to run without a member"
+                ))
+            }
+        };
+        match action {
+            "fail" => {
+                if !self.health.ok(m) {
+                    return Err(format!(
+                        "member '{member}' of '{name}' has failed already or is missing"
+                    ));
+                }
+                // Never below what the array can run on: every piece keeps a current copy.
+                let current: Vec<bool> = (0..self.members.len())
+                    .map(|i| i != m && self.health.readable(i))
+                    .collect();
+                if let Some(set) = uncovered(level, self.layout.copies(), &current) {
+                    let names: Vec<String> = set
+                        .iter()
+                        .map(|&i| format!("'{}'", self.health.names[i]))
+                        .collect();
+                    return Err(format!(
+                        "failing '{member}' would leave data of '{name}' with no current copy                          (it lives on {}); let a rebuild finish first",
+                        names.join(", ")
+                    ));
+                }
+                self.health.readable[m].store(false, Relaxed);
+                self.health.failed[m].store(true, Relaxed);
+                eprintln!("cairn: {name}: member {member} failed by the admin; running degraded");
+                meta.fail_member(m);
+                Ok(format!(
+                    "{name}: member '{member}' failed; running degraded"
+                ))
+            }
+            "remove" => {
+                if meta.states()[m] == MemberState::Active && self.health.ok(m) {
+                    return Err(format!(
+                        "member '{member}' of '{name}' is in use: fail it first"
+                    ));
+                }
+                meta.remove_member(m)
+                    .map_err(|e| format!("cannot remove member '{member}' of '{name}': {e}"))?;
+                eprintln!("cairn: {name}: member {member} removed by the admin");
+                Ok(format!(
+                    "{name}: member '{member}' removed: recorded as missing; its file stays open until the server stops"
+                ))
+            }
+            other => Err(format!("no array action '{other}' (known: fail, remove)")),
+        }
+    }
+
     fn failed_members(&self) -> Vec<String> {
         (0..self.members.len())
             .filter(|&m| !self.health.ok(m))
