@@ -673,3 +673,90 @@ fn a_write_reaches_a_member_only_after_its_bit() {
     writer.join().expect("the writer").expect("the write");
     assert!(seen_data, "the write reached the members");
 }
+
+/// Damaged superblocks on a real member: a torn newest slot falls back on the other; both
+/// slots corrupted, a truncated member, or another array's superblock are refused with
+/// one line naming the member, and nothing is written to any member.
+#[test]
+fn damaged_superblocks_fall_back_or_are_refused_cleanly() {
+    use cairn_devices::array::superblock::SLOT_BYTES;
+    let dir = tempfile::tempdir().expect("a directory");
+    let (a, b) = (dir.path().join("a.img"), dir.path().join("b.img"));
+    let text = format!(
+        "{}{}[device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"b\"]\nmetadata = \"1\"\n",
+        file("a", &a),
+        file("b", &b)
+    );
+    let m = open(&text, "m").expect("create");
+    let size = m.geometry().size_bytes as usize;
+    queue(&m)
+        .write(0, &pattern(9, size), IoFlags::NONE)
+        .expect("write");
+    drop(m);
+    let good_b = std::fs::read(&b).expect("b");
+    let newest = |img: &[u8]| {
+        use cairn_devices::array::superblock::{pick, Found};
+        match pick(&img[..2 * SLOT_BYTES]) {
+            Found::Valid { slot, .. } => slot,
+            other => panic!("{other:?}"),
+        }
+    };
+    // Torn: the newest slot's second half never reached the disk.
+    let mut torn = good_b.clone();
+    let s = newest(&torn) * SLOT_BYTES;
+    torn[s + SLOT_BYTES / 2..s + SLOT_BYTES].fill(0);
+    std::fs::write(&b, &torn).expect("write b");
+    let m = open(&text, "m").expect("a torn slot falls back on the other");
+    assert!(read_all(&m) == pattern(9, size));
+    drop(m);
+    // Each damage below is refused, and leaves both members as they were (b is opened
+    // as it is, without a size that would extend a truncated file).
+    let as_is = format!(
+        "{}[device.b]\ntype = \"file\"\npath = \"{}\"\n\n\
+         [device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"b\"]\nmetadata = \"1\"\n",
+        file("a", &a),
+        b.display()
+    );
+    let damages: Vec<(&str, Box<dyn Fn(&mut Vec<u8>)>)> = vec![
+        (
+            "not blank and holds no cairn superblock",
+            Box::new(|img: &mut Vec<u8>| {
+                img[100] ^= 0x40;
+                img[SLOT_BYTES + 100] ^= 0x40;
+            }),
+        ),
+        (
+            "smaller than",
+            Box::new(|img: &mut Vec<u8>| img.truncate(10 << 10)),
+        ),
+        (
+            "different arrays",
+            Box::new(|img: &mut Vec<u8>| {
+                use cairn_devices::array::superblock::{pick, Found};
+                let Found::Valid { mut sb, slot } = pick(&img[..2 * SLOT_BYTES]) else {
+                    panic!("no superblock")
+                };
+                sb.array_uuid = [0x5a; 16];
+                img[slot * SLOT_BYTES..(slot + 1) * SLOT_BYTES].copy_from_slice(&sb.encode());
+            }),
+        ),
+    ];
+    for (why, damage) in damages {
+        let good_b = std::fs::read(&b).expect("b");
+        let mut bad = good_b.clone();
+        damage(&mut bad);
+        std::fs::write(&b, &bad).expect("write b");
+        let before_a = std::fs::read(&a).expect("a");
+        let e = open(&as_is, "m")
+            .err()
+            .unwrap_or_else(|| panic!("{why}: accepted"));
+        assert!(e.contains(why) && e.contains("'b'"), "{why}: {e}");
+        assert!(!e.contains('\n'), "one line: {e}");
+        assert!(
+            std::fs::read(&a).expect("a") == before_a,
+            "{why}: a was written"
+        );
+        assert!(std::fs::read(&b).expect("b") == bad, "{why}: b was written");
+        std::fs::write(&b, &good_b).expect("restore b");
+    }
+}
