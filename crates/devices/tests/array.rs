@@ -717,7 +717,8 @@ fn damaged_superblocks_fall_back_or_are_refused_cleanly() {
         file("a", &a),
         b.display()
     );
-    let damages: Vec<(&str, Box<dyn Fn(&mut Vec<u8>)>)> = vec![
+    type Damage = Box<dyn Fn(&mut Vec<u8>)>;
+    let damages: Vec<(&str, Damage)> = vec![
         (
             "not blank and holds no cairn superblock",
             Box::new(|img: &mut Vec<u8>| {
