@@ -407,11 +407,10 @@ fn copy_batch(
             if reqs.is_empty() {
                 continue;
             }
-            let bytes: u64 = reqs
-                .iter()
-                .map(|r| r.buf.as_ref().map_or(0, |b| b.len() as u64))
-                .sum();
-            job.health.sync.read_bytes.fetch_add(bytes, Relaxed);
+            job.health
+                .sync
+                .read_bytes
+                .fetch_add(data_bytes(&reqs), Relaxed);
             if q.run(&mut reqs).iter().any(|r| r.is_err()) {
                 eprintln!(
                     "cairn: {}: rebuild: reading member '{}' failed; stopped",
@@ -447,11 +446,10 @@ fn copy_batch(
             if reqs.is_empty() {
                 continue;
             }
-            let bytes: u64 = reqs
-                .iter()
-                .map(|r| r.buf.as_ref().map_or(0, |b| b.len() as u64))
-                .sum();
-            job.health.sync.written_bytes.fetch_add(bytes, Relaxed);
+            job.health
+                .sync
+                .written_bytes
+                .fetch_add(data_bytes(&reqs), Relaxed);
             if q.run(&mut reqs).iter().any(|r| r.is_err()) {
                 job.health.fail(m, cairn_core::IoStatus::errno(libc::EIO));
                 job.metadata.fail_member(m);
@@ -462,6 +460,13 @@ fn copy_batch(
         }
         // A client wrote to the batch meanwhile: copy it again.
     }
+}
+
+/// Bytes the requests carry.
+fn data_bytes(reqs: &[Request<'_>]) -> u64 {
+    reqs.iter()
+        .map(|r| r.buf.as_ref().map_or(0, |b| b.len() as u64))
+        .sum()
 }
 
 /// Sleeps `d`, waking early when `stop` is set.
