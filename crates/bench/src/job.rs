@@ -317,7 +317,10 @@ impl Job {
         if st.stopping || st.failure.is_some() {
             return None;
         }
-        if now >= st.deadline_ns || (!self.spec.time_based && st.issued_bytes >= self.io_size) {
+        if now >= st.deadline_ns
+            || (!self.spec.time_based && st.issued_bytes >= self.io_size)
+            || crate::INTERRUPTED.load(std::sync::atomic::Ordering::Relaxed)
+        {
             st.stopping = true;
             return None;
         }

@@ -325,6 +325,10 @@ impl std::fmt::Display for Failure {
     }
 }
 
+/// Set (by SIGINT or SIGTERM, say) to end every running job early, as fio does on
+/// Ctrl-C: requests in flight complete, and the report covers what ran.
+pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
 /// Live counters a job publishes for the progress line.
 #[derive(Debug, Default)]
 pub struct Progress {

@@ -8,7 +8,11 @@
 //!                           members and their state, degraded or not, rebuild progress
 //!   fail ARRAY MEMBER       mark a member of a mirror or raid10 with metadata failed
 //!                           (refused if some data would have no current copy left)
-//!   remove ARRAY MEMBER     record a failed member as missing
+//!   remove ARRAY MEMBER     record a failed member as missing, and close it
+//!   add ARRAY SPEC          a new device (`file:PATH[,size=N]`) in place of a missing or
+//!                           failed member, rebuilt online
+//!   replace ARRAY OLD SPEC  copy OLD's data to a new device, written with every write,
+//!                           then swap it in and close OLD (redundancy never drops)
 //!   power-cut [DEVICE...]   cut the power of these devices (default: every export's):
 //!                           what their volatile layers and caches hold and no flush has
 //!                           made durable is lost, as in a real power cut
@@ -33,7 +37,11 @@ const HELP: &str = "ok: commands:
   devices                 every device served, with its members
   status                  arrays with metadata: members, states, rebuild progress
   fail ARRAY MEMBER       mark a member failed (never the last current copy of any data)
-  remove ARRAY MEMBER     record a failed member as missing
+  remove ARRAY MEMBER     record a failed member as missing, and close it
+  add ARRAY SPEC          a new device (file:PATH[,size=N]) in place of a missing or
+                          failed member, rebuilt online
+  replace ARRAY OLD SPEC  build a new device from OLD's copies while it works, then
+                          swap it in and close OLD (redundancy never drops)
   power-cut [DEVICE...]   lose what these devices (default: every export's) hold that no
                           flush has made durable, as in a power cut
   help                    this list
@@ -173,18 +181,27 @@ fn command(line: &str, roots: &[Arc<dyn Device>]) -> String {
                 format!("ok\n{}", arrays.concat())
             }
         }
-        Some(action @ ("fail" | "remove")) => {
-            let (Some(array), Some(member), None) = (words.next(), words.next(), words.next())
-            else {
-                return format!("error: usage: {action} ARRAY MEMBER\n");
-            };
+        Some(action @ ("fail" | "remove" | "add" | "replace")) => {
+            let args: Vec<&str> = words.collect();
+            let want = if action == "replace" { 3 } else { 2 };
+            if args.len() != want {
+                return format!(
+                    "error: usage: {}\n",
+                    match action {
+                        "add" => "add ARRAY SPEC",
+                        "replace" => "replace ARRAY OLD SPEC",
+                        _ => "fail|remove ARRAY MEMBER",
+                    }
+                );
+            }
+            let array = args[0];
             let all = all_devices(roots);
             let Some((_, d)) = all.iter().find(|(_, d)| d.name() == array) else {
                 return format!(
                     "error: no device '{array}' is served (see the 'devices' command)\n"
                 );
             };
-            match d.array_action(action, member) {
+            match d.array_action(action, &args[1..]) {
                 Ok(done) => format!("ok: {done}\n"),
                 Err(why) => format!("error: {why}\n"),
             }
@@ -220,7 +237,7 @@ fn command(line: &str, roots: &[Arc<dyn Device>]) -> String {
             format!("ok: power cut: {}\n", done.join(", "))
         }
         Some(other) => {
-            format!("error: unknown command '{other}' (known: devices, status, fail, remove, power-cut, help)\n")
+            format!("error: unknown command '{other}' (known: devices, status, fail, remove, add, replace, power-cut, help)\n")
         }
     }
 }

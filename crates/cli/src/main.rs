@@ -85,7 +85,15 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                 }
             };
             let progress = std::io::stderr().is_terminal() && format == OutputFormat::Normal;
-            let report = cairn_bench::run(&spec, device, switches, progress)?;
+            // SIGINT and SIGTERM end the job early, with its report (as fio's Ctrl-C).
+            interrupt_ends_bench();
+            let admin = match &args.admin {
+                Some(path) => Some(admin::start(path, std::slice::from_ref(&device))?),
+                None => None,
+            };
+            let report = cairn_bench::run(&spec, device, switches, progress);
+            drop(admin);
+            let report = report?;
             match format {
                 OutputFormat::Normal => out(&report.to_text()),
                 OutputFormat::Json => {
@@ -127,6 +135,35 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// Blocks SIGINT and SIGTERM in this thread (and so in every thread it starts) and
+/// waits for them on one of its own, which ends the bench's jobs when one comes.
+fn interrupt_ends_bench() {
+    // SAFETY: plain libc signal-set calls on a local set; the mask changes this thread's
+    // only (threads started after inherit it).
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    unsafe {
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        if libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) != 0 {
+            return;
+        }
+    }
+    let _ = std::thread::Builder::new()
+        .name("cairn-signals".into())
+        .spawn(move || loop {
+            let mut sig = 0;
+            // SAFETY: waits for a signal of `set`, which every thread blocks.
+            if unsafe { libc::sigwait(&set, &mut sig) } == 0 {
+                if cairn_bench::INTERRUPTED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    // A second one: give up at once.
+                    std::process::exit(130);
+                }
+                eprintln!("cairn: interrupted: ending the job (again to quit at once)");
+            }
+        });
 }
 
 /// `cairn serve`: builds the exports, then serves until SIGTERM or SIGINT.

@@ -202,7 +202,11 @@ const ADMIN_HELP: &str = "Commands:
   status                  arrays with metadata, as /proc/mdstat: members, states, rebuild
   fail ARRAY MEMBER       mark a member of a mirror or raid10 failed (never the last
                           current copy of any data)
-  remove ARRAY MEMBER     record a failed member as missing
+  remove ARRAY MEMBER     record a failed member as missing, and close it
+  add ARRAY SPEC          a new device (file:PATH[,size=N]) in place of a missing or
+                          failed member, rebuilt online while the array serves
+  replace ARRAY OLD SPEC  build a new device from the array while OLD keeps working,
+                          then swap it in and close OLD (redundancy never drops)
   power-cut [DEVICE...]   lose what these devices (default: every export's) hold that no
                           flush has made durable: cache memory, volatile mem layers
   help                    this list
@@ -470,6 +474,10 @@ pub struct BenchArgs {
     /// Report format.
     #[arg(long = "output-format", value_enum, default_value_t = OutputFormat::Normal)]
     pub output_format: OutputFormat,
+    /// Listen for admin commands on this Unix socket while the job runs, as `cairn serve
+    /// --admin` does (e.g. fail, add or replace array members under a --verify load).
+    #[arg(long, value_name = "PATH")]
+    pub admin: Option<PathBuf>,
 }
 
 impl BenchArgs {

@@ -120,9 +120,10 @@ pub trait Device: Send + Sync {
     }
 
     /// An admin action on an array that keeps state on its members (`fail MEMBER`,
-    /// `remove MEMBER`): one line saying what was done, or why not (then nothing was).
-    fn array_action(&self, action: &str, member: &str) -> Result<String, String> {
-        let _ = member;
+    /// `remove MEMBER`, `add SPEC`, `replace OLD NEW`): what was done, or why not (then
+    /// nothing was).
+    fn array_action(&self, action: &str, args: &[&str]) -> Result<String, String> {
+        let _ = args;
         Err(format!(
             "'{}' is not an array with metadata: it has no '{action}'",
             self.name()

@@ -209,7 +209,6 @@ fn convert_bits(old: u64, bits: &[u8], old_bytes: u64, region: u64, array_bytes:
 /// An open array's metadata: writes the superblocks when the array starts and stops.
 pub struct Metadata {
     expect: Expect,
-    members: Vec<Option<Arc<dyn Device>>>,
     data_offset: u64,
     member_data: Vec<u64>,
     array_bytes: u64,
@@ -234,6 +233,9 @@ struct MetaState {
     events_cleared: u64,
     parts: Vec<Part>,
     generations: Vec<u64>,
+    /// The member devices (`None`: missing or removed) and their names.
+    members: Vec<Option<Arc<dyn Device>>>,
+    names: Vec<String>,
 }
 
 impl Metadata {
@@ -326,9 +328,10 @@ impl Metadata {
                 events_cleared,
                 parts: examined.plan.parts,
                 generations: examined.generations,
+                names: expect.members.clone(),
+                members,
             }),
             expect,
-            members,
         };
         if !dry {
             let _writing = meta.writing();
@@ -523,13 +526,80 @@ impl Metadata {
         {
             let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
             match st.parts.get(m).map(|p| p.state) {
-                Some(MemberState::Failed) => st.parts[m].state = MemberState::Missing,
+                Some(MemberState::Failed) => {
+                    st.parts[m].state = MemberState::Missing;
+                    st.members[m] = None;
+                }
                 Some(MemberState::Missing) => return Err("it is missing already".into()),
                 Some(_) => return Err("it is in use: fail it first".into()),
                 None => return Err("no such member".into()),
             }
         }
         self.write(false).map_err(|e| e.to_string())
+    }
+
+    /// Whether `device` may become a member: blank, or carrying a superblock of this
+    /// array (a member that left, added back). Anything else could be someone's data.
+    pub fn may_join(&self, device: &Arc<dyn Device>, name: &str) -> Result<(), String> {
+        let mut area = vec![0u8; SLOTS * SLOT_BYTES];
+        let q = queue(device, &self.expect.name, name).map_err(|e| e.to_string())?;
+        q.read(0, &mut area)
+            .map_err(|e| format!("reading its first {} bytes failed: {e}", area.len()))?;
+        let wipe = "clear its first 16 KiB (dd if=/dev/zero of=FILE bs=16K count=1 conv=notrunc) to use it";
+        match superblock::pick(&area) {
+            Found::Blank => Ok(()),
+            Found::Valid { sb, .. } if sb.array_uuid == self.array_uuid => Ok(()),
+            Found::Valid { sb, .. } => Err(format!(
+                "'{name}' is a member of another array ('{}', {}): {wipe}",
+                sb.name,
+                superblock::uuid_text(&sb.array_uuid)
+            )),
+            Found::Foreign { .. } => Err(format!(
+                "'{name}' is not blank and holds no superblock of this array (it may hold someone's data): {wipe}"
+            )),
+        }
+    }
+
+    /// Makes `device` member `m` (`state`: rebuilding for a member added, active for a
+    /// replacement fully copied): its old superblocks are cleared, then every member in
+    /// use gets a superblock that says so (events bumped).
+    pub fn set_member(
+        &self,
+        m: usize,
+        device: Arc<dyn Device>,
+        name: &str,
+        state: MemberState,
+    ) -> Result<(), String> {
+        if self.dry {
+            return Err("examined only".into());
+        }
+        let q = queue(&device, &self.expect.name, name).map_err(|e| e.to_string())?;
+        q.write(0, &vec![0u8; SLOTS * SLOT_BYTES], IoFlags::FUA)
+            .and_then(|()| q.flush())
+            .map_err(|e| format!("clearing its superblocks failed: {e}"))?;
+        let _writing = self.writing();
+        {
+            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            if m >= st.parts.len() {
+                return Err("no such member".into());
+            }
+            st.parts[m] = Part {
+                state,
+                recovery_offset: 0,
+                member_uuid: new_uuid(),
+                partial: false,
+            };
+            st.generations[m] = 0;
+            st.members[m] = Some(device);
+            st.names[m] = name.to_string();
+        }
+        self.write(false).map_err(|e| e.to_string())
+    }
+
+    /// Data bytes member `m` holds (a new member needs at least this after the metadata
+    /// area).
+    pub fn member_data(&self, m: usize) -> u64 {
+        self.member_data.get(m).copied().unwrap_or(0)
     }
 
     /// Stops the array: members that failed while it ran are recorded as failed, and
@@ -565,7 +635,7 @@ impl Metadata {
     fn write_with(&self, clean: bool, bump: bool, extra: &[usize]) -> Result<(), Error> {
         let mut bump = bump;
         // Each round fails at least one more member or ends: at most one per member.
-        for _ in 0..=self.members.len() {
+        for _ in 0..=self.expect.members.len() {
             let failed = self.write_once(clean, bump, extra)?;
             if failed.is_empty() {
                 return Ok(());
@@ -577,7 +647,7 @@ impl Metadata {
                 st.parts[i].state = MemberState::Failed;
                 eprintln!(
                     "cairn: {}: member '{}' failed (its superblock could not be written); running degraded",
-                    self.expect.name, self.expect.members[i]
+                    self.expect.name, st.names[i]
                 );
             }
         }
@@ -611,9 +681,11 @@ impl Metadata {
         let mut written = 0;
         let mut errors = Vec::new();
         let mut failed = Vec::new();
-        for (i, m) in self.members.iter().enumerate() {
+        for i in 0..st.parts.len() {
             let part = st.parts[i];
-            let Some(device) = m else { continue };
+            let Some(device) = st.members[i].clone() else {
+                continue;
+            };
             if !matches!(part.state, MemberState::Active | MemberState::Rebuilding) {
                 continue;
             }
@@ -639,8 +711,8 @@ impl Metadata {
                 name: truncated(&self.name, 64),
                 roles: roles.clone(),
             };
-            let member = &self.expect.members[i];
-            let result = queue(device, &self.expect.name, member).and_then(|q| {
+            let member = st.names[i].clone();
+            let result = queue(&device, &self.expect.name, &member).and_then(|q| {
                 let at = (sb.slot() * SLOT_BYTES) as u64;
                 q.write(at, &sb.encode(), IoFlags::FUA)
                     .and_then(|()| q.flush())

@@ -16,7 +16,7 @@ mod rebuild;
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::Arc;
 
 use cairn_core::slab::Slab;
@@ -51,9 +51,15 @@ pub trait Layout: Send + Sync {
 }
 
 /// Which members have failed, and which may be read; shared by every queue of the device.
+///
+/// Members are indexed `0..n` as the layout places them; index `n + m` is the replacement
+/// being built for member `m` (`replace`), written with every write to `m` and never read.
+/// Per-member vectors have `2 * n` entries.
 struct Health {
     device: String,
-    names: Vec<String>,
+    /// The layout's members.
+    n: usize,
+    names: std::sync::Mutex<Vec<String>>,
     failed: Vec<AtomicBool>,
     /// Holds current data (a member being rebuilt, stale or new is written, not read).
     readable: Vec<AtomicBool>,
@@ -69,6 +75,21 @@ struct Health {
     partial: Vec<AtomicBool>,
     /// The write-intent bitmap, if the array keeps one.
     bitmap: Option<Arc<crate::array::bitmap::Bitmap>>,
+    /// The member devices (`None`: missing, removed, or no replacement), changed only by
+    /// [`Health::switch`]; queues follow at their next request.
+    devices: std::sync::Mutex<Vec<Option<Arc<dyn Device>>>>,
+    /// Bumped by every change of `devices`.
+    epoch: AtomicU64,
+    /// Every queue's count of requests in flight, by epoch parity.
+    gates: std::sync::Mutex<Vec<std::sync::Weak<Gate>>>,
+}
+
+/// A queue's requests in flight, counted by the parity of the epoch they were sent under:
+/// once a switch sees the old parity's count at zero, every request any queue sends goes
+/// to the new set of members, and no reply from an old one can come any more.
+#[derive(Default)]
+struct Gate {
+    writes: [AtomicU64; 2],
 }
 
 impl Health {
@@ -118,10 +139,81 @@ impl Health {
     fn fail(&self, member: usize, status: IoStatus) {
         self.readable[member].store(false, Relaxed);
         if !self.failed[member].swap(true, Relaxed) {
-            eprintln!(
-                "cairn: {}: member {} failed ({status}); running degraded",
-                self.device, self.names[member]
-            );
+            if member >= self.n {
+                eprintln!(
+                    "cairn: {}: replacement {} for {} failed ({status}); the replace is abandoned",
+                    self.device,
+                    self.name(member),
+                    self.name(member - self.n)
+                );
+            } else {
+                eprintln!(
+                    "cairn: {}: member {} failed ({status}); running degraded",
+                    self.device,
+                    self.name(member)
+                );
+            }
+        }
+    }
+
+    /// Member `m`'s name.
+    fn name(&self, m: usize) -> String {
+        let names = self.names.lock().unwrap_or_else(|p| p.into_inner());
+        names.get(m).cloned().unwrap_or_default()
+    }
+
+    /// The member devices now (`0..n`, then the replacements).
+    fn devices(&self) -> Vec<Option<Arc<dyn Device>>> {
+        self.devices
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Whether a replacement is being built for member `m`.
+    fn replacing(&self, m: usize) -> bool {
+        self.devices
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(self.n + m)
+            .is_some_and(Option::is_some)
+    }
+
+    /// Changes the member devices: `change` edits them and their names; queues follow at
+    /// their next request. Returns once no change of data sent to the old set is in
+    /// flight, so that from then on every write reaches the new set (a write never
+    /// misses a member being rebuilt). Callers serialize changes, and never hold the
+    /// metadata's lock (a write waiting for its bitmap bit would wait for it).
+    fn switch(&self, change: impl FnOnce(&mut Vec<Option<Arc<dyn Device>>>, &mut Vec<String>)) {
+        let old = {
+            let mut devices = self.devices.lock().unwrap_or_else(|p| p.into_inner());
+            let mut names = self.names.lock().unwrap_or_else(|p| p.into_inner());
+            change(&mut devices, &mut names);
+            self.epoch.fetch_add(1, SeqCst)
+        };
+        let parity = (old & 1) as usize;
+        let began = std::time::Instant::now();
+        let mut told = false;
+        loop {
+            let busy = {
+                let mut gates = self.gates.lock().unwrap_or_else(|p| p.into_inner());
+                gates.retain(|g| g.strong_count() > 0);
+                gates
+                    .iter()
+                    .filter_map(std::sync::Weak::upgrade)
+                    .any(|g| g.writes[parity].load(SeqCst) != 0)
+            };
+            if !busy {
+                return;
+            }
+            if !told && began.elapsed() > std::time::Duration::from_secs(5) {
+                eprintln!(
+                    "cairn: {}: waiting for writes sent before a change of members",
+                    self.device
+                );
+                told = true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
         }
     }
 }
@@ -130,7 +222,6 @@ impl Health {
 pub struct StackDevice {
     name: String,
     layout: Arc<AnyLayout>,
-    members: Vec<Arc<dyn Device>>,
     health: Arc<Health>,
     geometry: Geometry,
     /// Where data starts on every member (after the metadata area, if any).
@@ -138,10 +229,34 @@ pub struct StackDevice {
     /// The superblocks, for an array that keeps them (its queues record failures in
     /// them).
     metadata: Option<Arc<crate::array::Metadata>>,
-    /// The rebuild thread, while one runs: its stop flag and handle.
-    rebuild: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
-    /// The thread that clears idle bitmap bits: its stop flag and handle.
-    bitmap_daemon: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
+    /// The array's rebuild rate and bitmap settings.
+    options: crate::config::ArrayOptions,
+    /// The rebuild thread and the thread that clears idle bitmap bits, while they run.
+    threads: std::sync::Mutex<Threads>,
+    /// Held by every change of members (admin actions, the end of a replace).
+    changing: std::sync::Mutex<()>,
+}
+
+/// A control thread's stop flag and handle.
+type Thread = (Arc<AtomicBool>, std::thread::JoinHandle<()>);
+
+#[derive(Default)]
+struct Threads {
+    rebuild: Option<Thread>,
+    bitmap: Option<Thread>,
+}
+
+impl Threads {
+    /// Stops and joins both.
+    fn stop(&mut self) {
+        for (stop, handle) in [self.rebuild.take(), self.bitmap.take()]
+            .into_iter()
+            .flatten()
+        {
+            stop.store(true, SeqCst);
+            let _ = handle.join();
+        }
+    }
 }
 
 impl StackDevice {
@@ -177,16 +292,27 @@ impl StackDevice {
                 layout.kind()
             )));
         }
+        let n = members.len();
+        let slots = 2 * n;
+        let mut names: Vec<String> = members.iter().map(|m| m.name().to_string()).collect();
+        names.resize(slots, String::new());
+        let mut devices: Vec<Option<Arc<dyn Device>>> = members.into_iter().map(Some).collect();
+        devices.resize(slots, None);
         let health = Arc::new(Health {
             device: name.into(),
-            names: members.iter().map(|m| m.name().to_string()).collect(),
-            failed: members.iter().map(|_| AtomicBool::new(false)).collect(),
-            readable: members.iter().map(|_| AtomicBool::new(true)).collect(),
+            n,
+            names: std::sync::Mutex::new(names),
+            // No replacement is being built: those indices are failed.
+            failed: (0..slots).map(|i| AtomicBool::new(i >= n)).collect(),
+            readable: (0..slots).map(|i| AtomicBool::new(i < n)).collect(),
             one_copy: AtomicBool::new(false),
             sync: rebuild::WriteCounts::new(),
-            below: members.iter().map(|_| AtomicU64::new(0)).collect(),
-            partial: members.iter().map(|_| AtomicBool::new(false)).collect(),
+            below: (0..slots).map(|_| AtomicU64::new(0)).collect(),
+            partial: (0..slots).map(|_| AtomicBool::new(false)).collect(),
             bitmap: None,
+            devices: std::sync::Mutex::new(devices),
+            epoch: AtomicU64::new(0),
+            gates: std::sync::Mutex::new(Vec::new()),
         });
         Ok(StackDevice {
             name: name.into(),
@@ -196,13 +322,23 @@ impl StackDevice {
                 caps,
             },
             layout,
-            members,
             health,
             data_offset: 0,
             metadata: None,
-            rebuild: None,
-            bitmap_daemon: None,
+            options: crate::config::ArrayOptions::default(),
+            threads: std::sync::Mutex::new(Threads::default()),
+            changing: std::sync::Mutex::new(()),
         })
+    }
+
+    /// The layout's member devices now.
+    fn members(&self) -> Vec<Arc<dyn Device>> {
+        self.health
+            .devices()
+            .into_iter()
+            .take(self.health.n)
+            .flatten()
+            .collect()
     }
 
     /// Runs the array on its superblocks: data starts after the metadata area; members
@@ -211,7 +347,7 @@ impl StackDevice {
     pub fn with_metadata(
         mut self,
         metadata: crate::array::Metadata,
-        rate: crate::config::ArrayOptions,
+        options: crate::config::ArrayOptions,
     ) -> StackDevice {
         use crate::array::superblock::MemberState;
         if let Some(health) = Arc::get_mut(&mut self.health) {
@@ -240,51 +376,80 @@ impl StackDevice {
             .one_copy
             .store(metadata.resync_pending(), Relaxed);
         self.data_offset = metadata.data_offset();
+        self.options = options;
         let metadata = Arc::new(metadata);
-        if !metadata.dry() && rebuild::needed(&self.health, &metadata.states()) {
-            // Counting starts before any queue exists, so every client write is counted.
+        self.metadata = Some(metadata.clone());
+        if !metadata.dry() {
+            let threads = self.start_threads();
+            *self.threads.lock().unwrap_or_else(|p| p.into_inner()) = threads;
+        }
+        self
+    }
+
+    /// Starts the rebuild thread if there is anything to rebuild, resync or replace, and
+    /// the thread that clears idle bitmap bits if the array keeps a bitmap.
+    fn start_threads(&self) -> Threads {
+        let mut threads = Threads::default();
+        let Some(metadata) = &self.metadata else {
+            return threads;
+        };
+        if rebuild::needed(&self.health, &metadata.states()) {
+            // Counting starts before the rebuild copies anything, and every write sent
+            // before it started has ended (a switch that changes nothing), so the rebuild
+            // sees every write that could overlap a copy.
             self.health.sync.on_now();
+            self.health.switch(|_, _| {});
             let stop = Arc::new(AtomicBool::new(false));
             let job = rebuild::Job {
                 name: self.name.clone(),
                 layout: self.layout.clone(),
-                members: self.members.clone(),
                 health: self.health.clone(),
                 metadata: metadata.clone(),
                 data_offset: self.data_offset,
                 stop: stop.clone(),
-                rate,
+                rate: self.options,
             };
             match std::thread::Builder::new()
                 .name(format!("cairn-sync-{}", self.name))
                 .spawn(move || rebuild::run(job))
             {
-                Ok(handle) => self.rebuild = Some((stop, handle)),
-                Err(e) => eprintln!("cairn: {}: cannot start the rebuild: {e}", self.name),
+                Ok(handle) => threads.rebuild = Some((stop, handle)),
+                Err(e) => {
+                    self.health.sync.off();
+                    eprintln!("cairn: {}: cannot start the rebuild: {e}", self.name)
+                }
             }
         }
-        if !metadata.dry() && self.health.bitmap.is_some() {
+        if self.health.bitmap.is_some() {
             let stop = Arc::new(AtomicBool::new(false));
             let job = rebuild::Clearing {
-                members: self.members.clone(),
                 health: self.health.clone(),
                 metadata: metadata.clone(),
                 stop: stop.clone(),
-                delay: rate.bitmap_delay,
+                delay: self.options.bitmap_delay,
             };
             match std::thread::Builder::new()
                 .name(format!("cairn-bitmap-{}", self.name))
                 .spawn(move || rebuild::clear_bits(job))
             {
-                Ok(handle) => self.bitmap_daemon = Some((stop, handle)),
+                Ok(handle) => threads.bitmap = Some((stop, handle)),
                 Err(e) => eprintln!(
                     "cairn: {}: cannot start the bitmap's thread (its bits stay set): {e}",
                     self.name
                 ),
             }
         }
-        self.metadata = Some(metadata);
-        self
+        threads
+    }
+
+    /// Stops the control threads, runs `change`, and starts them again on the members
+    /// as they are then (a rebuild resumes from its checkpoint).
+    fn with_threads_stopped<T>(&self, change: impl FnOnce() -> T) -> T {
+        let mut threads = self.threads.lock().unwrap_or_else(|p| p.into_inner());
+        threads.stop();
+        let out = change();
+        *threads = self.start_threads();
+        out
     }
 }
 
@@ -293,17 +458,12 @@ impl Drop for StackDevice {
         // Every queue is gone (they hold the device's members, not the device), so no
         // write is in flight: the array stops clean, with the members that failed
         // recorded as failed.
-        for (stop, handle) in [self.rebuild.take(), self.bitmap_daemon.take()]
-            .into_iter()
-            .flatten()
-        {
-            stop.store(true, Relaxed);
-            let _ = handle.join();
-        }
+        self.threads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .stop();
         if let Some(meta) = &self.metadata {
-            let failed: Vec<bool> = (0..self.members.len())
-                .map(|m| !self.health.ok(m))
-                .collect();
+            let failed: Vec<bool> = (0..self.health.n).map(|m| !self.health.ok(m)).collect();
             meta.stop(&failed);
         }
     }
@@ -318,7 +478,7 @@ impl Device for StackDevice {
         let mut out = format!(
             "{} of {} members, {} ({} bytes)",
             self.layout.kind(),
-            self.members.len(),
+            self.health.n,
             self.layout.describe(),
             self.geometry.size_bytes
         );
@@ -335,7 +495,7 @@ impl Device for StackDevice {
                         MemberState::Active if !self.health.ok(m) => "failed",
                         s => s.name(),
                     };
-                    format!("{} {state}", self.health.names[m])
+                    format!("{} {state}", self.health.name(m))
                 })
                 .collect();
             if !not_read.is_empty() {
@@ -350,18 +510,21 @@ impl Device for StackDevice {
     }
 
     fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
-        let members = self
-            .members
-            .iter()
-            .map(|m| cairn_core::handoff::open_member(core, m))
-            .collect::<Result<Vec<_>, _>>()?;
-        let targets = members.iter().map(Rc::as_ptr).collect();
+        let slots = 2 * self.health.n;
         let queue = Rc::new(StackQueue {
             core: core.clone(),
-            targets,
+            targets: std::cell::UnsafeCell::new(Vec::new()),
             stats: QueueStats::new(core.switches().stats),
             layout: self.layout.clone(),
-            members,
+            n: self.health.n,
+            opened: RefCell::new((0..slots).map(|_| None).collect()),
+            retired: RefCell::new(Vec::new()),
+            fallback: RefCell::new(None),
+            shadows: RefCell::new(vec![false; self.health.n]),
+            replacing: Cell::new(false),
+            gated: self.layout.copies() > 1 && self.metadata.as_ref().is_some_and(|m| !m.dry()),
+            epoch: Cell::new(u64::MAX),
+            gate: Arc::new(Gate::default()),
             health: self.health.clone(),
             sink: Cell::new(SinkId(u32::MAX)),
             state: RefCell::new(State {
@@ -376,12 +539,18 @@ impl Device for StackDevice {
             metadata: self.metadata.clone(),
             bitmap: self.health.bitmap.clone(),
         });
+        queue.refresh(self.health.epoch.load(SeqCst), true)?;
+        self.health
+            .gates
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Arc::downgrade(&queue.gate));
         queue.sink.set(core.register_sink(queue.clone()));
         Ok(queue)
     }
 
     fn children(&self) -> Vec<Arc<dyn Device>> {
-        self.members.clone()
+        self.members()
     }
 
     fn extents(
@@ -396,6 +565,7 @@ impl Device for StackDevice {
         let end = offset + len;
         let mut at = offset;
         let mut piece = Vec::new();
+        let members = self.members();
         while at < end && out.len() < MAX_EXTENTS {
             let n = self.layout.piece_len(at, end - at);
             let copy = (0..self.layout.copies())
@@ -403,7 +573,7 @@ impl Device for StackDevice {
                 .unwrap_or(0);
             let (member, member_offset) = self.layout.locate(at, copy);
             piece.clear();
-            self.members[member].extents(member_offset + self.data_offset, n, &mut piece)?;
+            members[member].extents(member_offset + self.data_offset, n, &mut piece)?;
             let mut got = 0;
             for e in &piece {
                 let l = e.len.min(n - got);
@@ -436,7 +606,14 @@ impl Device for StackDevice {
                 s => s.name(),
             };
             flags.push(if self.health.readable(m) { 'U' } else { '_' });
-            members.push(format!("{} {state}", self.health.names[m]));
+            members.push(format!("{} {state}", self.health.name(m)));
+            if self.health.replacing(m) && self.health.ok(self.health.n + m) {
+                members.push(format!(
+                    "{} replacing {}",
+                    self.health.name(self.health.n + m),
+                    self.health.name(m)
+                ));
+            }
         }
         let sync = &self.health.sync;
         let degraded = flags.contains('_');
@@ -444,7 +621,7 @@ impl Device for StackDevice {
             "{}: {} of {} members, {}, metadata 1 {}{}\n    [{flags}] {}\n",
             self.name,
             self.layout.kind(),
-            self.members.len(),
+            self.health.n,
             format_bytes(self.geometry.size_bytes),
             meta.uuid_text(),
             if degraded { ", degraded" } else { "" },
@@ -496,81 +673,279 @@ impl Device for StackDevice {
         Some(out)
     }
 
-    fn array_action(&self, action: &str, member: &str) -> Result<String, String> {
-        use crate::array::assemble::uncovered;
-        use crate::array::superblock::{Level, MemberState};
+    fn array_action(&self, action: &str, args: &[&str]) -> Result<String, String> {
         let name = &self.name;
         let Some(meta) = self.metadata.as_ref().filter(|m| !m.dry()) else {
             return Err(format!(
                 "'{name}' keeps no metadata (metadata = \"1\"): it has no '{action}'"
             ));
         };
-        let Some(m) = self.health.names.iter().position(|n| n == member) else {
+        if self.layout.copies() < 2 {
             return Err(format!(
-                "'{name}' has no member '{member}' (its members: {})",
-                self.health.names.join(", ")
+                "'{name}' is a {}: it has no redundancy to run without a member",
+                self.layout.kind()
             ));
-        };
-        let level = match self.layout.kind() {
-            "mirror" => Level::Mirror,
-            "raid10" => Level::Raid10,
-            kind => {
-                return Err(format!(
-                    "'{name}' is a {kind}: it has no redundancy to run without a member"
-                ))
-            }
-        };
-        match action {
-            "fail" => {
-                if !self.health.ok(m) {
-                    return Err(format!(
-                        "member '{member}' of '{name}' has failed already or is missing"
-                    ));
-                }
-                // Never below what the array can run on: every piece keeps a current copy.
-                let current: Vec<bool> = (0..self.members.len())
-                    .map(|i| i != m && self.health.readable(i))
-                    .collect();
-                if let Some(set) = uncovered(level, self.layout.copies(), &current) {
-                    let names: Vec<String> = set
-                        .iter()
-                        .map(|&i| format!("'{}'", self.health.names[i]))
-                        .collect();
-                    return Err(format!(
-                        "failing '{member}' would leave data of '{name}' with no current copy                          (it lives on {}); let a rebuild finish first",
-                        names.join(", ")
-                    ));
-                }
-                self.health.readable[m].store(false, Relaxed);
-                self.health.failed[m].store(true, Relaxed);
-                eprintln!("cairn: {name}: member {member} failed by the admin; running degraded");
-                meta.fail_member(m);
-                Ok(format!(
-                    "{name}: member '{member}' failed; running degraded"
-                ))
-            }
-            "remove" => {
-                if meta.states()[m] == MemberState::Active && self.health.ok(m) {
-                    return Err(format!(
-                        "member '{member}' of '{name}' is in use: fail it first"
-                    ));
-                }
-                meta.remove_member(m)
-                    .map_err(|e| format!("cannot remove member '{member}' of '{name}': {e}"))?;
-                eprintln!("cairn: {name}: member {member} removed by the admin");
-                Ok(format!(
-                    "{name}: member '{member}' removed: recorded as missing; its file stays open until the server stops"
-                ))
-            }
-            other => Err(format!("no array action '{other}' (known: fail, remove)")),
+        }
+        // One change of members at a time.
+        let _changing = self.changing.lock().unwrap_or_else(|p| p.into_inner());
+        match (action, args) {
+            ("fail", [member]) => self.fail(meta, member),
+            ("remove", [member]) => self.remove(meta, member),
+            ("add", [spec]) => self.add(meta, spec),
+            ("replace", [old, spec]) => self.replace(meta, old, spec),
+            ("fail" | "remove", _) => Err(format!("usage: {action} ARRAY MEMBER")),
+            ("add", _) => Err("usage: add ARRAY SPEC (e.g. file:/path/to/new.img)".into()),
+            ("replace", _) => Err("usage: replace ARRAY OLD SPEC".into()),
+            (other, _) => Err(format!(
+                "no array action '{other}' (known: fail, remove, add, replace)"
+            )),
         }
     }
 
     fn failed_members(&self) -> Vec<String> {
-        (0..self.members.len())
+        (0..self.health.n)
             .filter(|&m| !self.health.ok(m))
-            .map(|m| self.health.names[m].clone())
+            .map(|m| self.health.name(m))
             .collect()
+    }
+}
+
+impl StackDevice {
+    /// Member `member`'s index, or an error naming the members.
+    fn member_index(&self, member: &str) -> Result<usize, String> {
+        let names: Vec<String> = (0..self.health.n).map(|m| self.health.name(m)).collect();
+        names.iter().position(|n| n == member).ok_or_else(|| {
+            format!(
+                "'{}' has no member '{member}' (its members: {})",
+                self.name,
+                names.join(", ")
+            )
+        })
+    }
+
+    /// The level, for the coverage rules.
+    fn level(&self) -> crate::array::superblock::Level {
+        use crate::array::superblock::Level;
+        match self.layout.kind() {
+            "mirror" => Level::Mirror,
+            _ => Level::Raid10,
+        }
+    }
+
+    /// `fail MEMBER`: never below what the array can run on.
+    fn fail(&self, meta: &crate::array::Metadata, member: &str) -> Result<String, String> {
+        let name = &self.name;
+        let m = self.member_index(member)?;
+        if !self.health.ok(m) {
+            return Err(format!(
+                "member '{member}' of '{name}' has failed already or is missing"
+            ));
+        }
+        // Every piece keeps a current copy.
+        let current: Vec<bool> = (0..self.health.n)
+            .map(|i| i != m && self.health.readable(i))
+            .collect();
+        if let Some(set) =
+            crate::array::assemble::uncovered(self.level(), self.layout.copies(), &current)
+        {
+            let names: Vec<String> = set
+                .iter()
+                .map(|&i| format!("'{}'", self.health.name(i)))
+                .collect();
+            return Err(format!(
+                "failing '{member}' would leave data of '{name}' with no current copy (it lives on {}); let a rebuild finish first",
+                names.join(", ")
+            ));
+        }
+        self.health.readable[m].store(false, Relaxed);
+        self.health.failed[m].store(true, Relaxed);
+        eprintln!("cairn: {name}: member {member} failed by the admin; running degraded");
+        meta.fail_member(m);
+        Ok(format!(
+            "{name}: member '{member}' failed; running degraded"
+        ))
+    }
+
+    /// `remove MEMBER`: a failed member recorded as missing, and its file closed.
+    fn remove(&self, meta: &crate::array::Metadata, member: &str) -> Result<String, String> {
+        use crate::array::superblock::MemberState;
+        let name = &self.name;
+        let m = self.member_index(member)?;
+        if meta.states()[m] == MemberState::Active && self.health.ok(m) {
+            return Err(format!(
+                "member '{member}' of '{name}' is in use: fail it first"
+            ));
+        }
+        if self.health.replacing(m) {
+            return Err(format!(
+                "member '{member}' of '{name}' is being replaced: wait for the replace to end"
+            ));
+        }
+        meta.remove_member(m)
+            .map_err(|e| format!("cannot remove member '{member}' of '{name}': {e}"))?;
+        // A stand-in that is never used takes its place, so its file closes.
+        let stand_in = self.stand_in()?;
+        self.with_threads_stopped(|| self.health.switch(|devices, _| devices[m] = Some(stand_in)));
+        eprintln!("cairn: {name}: member {member} removed by the admin");
+        Ok(format!(
+            "{name}: member '{member}' removed: recorded as missing, and closed"
+        ))
+    }
+
+    /// A device that stands in for a missing member (never written nor read).
+    fn stand_in(&self) -> Result<Arc<dyn Device>, String> {
+        let size = self.data_offset + self.metadata.as_ref().map_or(0, |m| m.member_data(0));
+        crate::null::NullDevice::new(
+            crate::config::MISSING,
+            size.max(u64::from(self.geometry.block_bytes)),
+            self.geometry.block_bytes,
+        )
+        .map(|d| Arc::new(d) as Arc<dyn Device>)
+        .map_err(|e| e.to_string())
+    }
+
+    /// Opens the device `spec` names as a new member of this array, checking it fits.
+    fn open_new(
+        &self,
+        meta: &crate::array::Metadata,
+        spec: &str,
+        slot: usize,
+    ) -> Result<(Arc<dyn Device>, String), String> {
+        let leaf = crate::LeafSpec::parse(spec).map_err(|e| format!("'{spec}': {e}"))?;
+        let new_name = leaf.default_name();
+        let taken = (0..2 * self.health.n)
+            .any(|i| self.health.name(i) == new_name && self.health.devices()[i].is_some());
+        if taken || new_name == crate::config::MISSING {
+            return Err(format!(
+                "'{name}' already has a member named '{new_name}': give the new one another file name",
+                name = self.name
+            ));
+        }
+        let device = crate::open(&leaf, &new_name).map_err(|e| e.to_string())?;
+        let g = device.geometry();
+        let need = self.data_offset + meta.member_data(slot);
+        if g.size_bytes < need {
+            return Err(format!(
+                "'{new_name}' has {} bytes; a member of '{}' needs at least {need} (add size= to create or grow a file)",
+                g.size_bytes, self.name
+            ));
+        }
+        if g.block_bytes > self.geometry.block_bytes {
+            return Err(format!(
+                "'{new_name}' has {}-byte blocks; '{}' uses {}-byte blocks",
+                g.block_bytes, self.name, self.geometry.block_bytes
+            ));
+        }
+        let caps = self.geometry.caps;
+        let lacks: Vec<&str> = [
+            ("flush", caps.flush && !g.caps.flush),
+            ("fua", caps.fua && !g.caps.fua),
+            ("discard", caps.discard && !g.caps.discard),
+            ("write-zeroes", caps.write_zeroes && !g.caps.write_zeroes),
+        ]
+        .iter()
+        .filter(|(_, l)| *l)
+        .map(|(n, _)| *n)
+        .collect();
+        if !lacks.is_empty() {
+            return Err(format!(
+                "'{new_name}' cannot {}, which '{}' offers its clients",
+                lacks.join(" or "),
+                self.name
+            ));
+        }
+        meta.may_join(&device, &new_name)?;
+        Ok((device, new_name))
+    }
+
+    /// `add SPEC`: the device takes the place of a missing (removed) or failed member and
+    /// is rebuilt online; reads use it once it is current.
+    fn add(&self, meta: &crate::array::Metadata, spec: &str) -> Result<String, String> {
+        use crate::array::superblock::MemberState;
+        let name = &self.name;
+        let states = meta.states();
+        let slot = (0..self.health.n)
+            .find(|&m| states[m] == MemberState::Missing)
+            .or_else(|| (0..self.health.n).find(|&m| !self.health.ok(m)))
+            .filter(|&m| !self.health.replacing(m));
+        let Some(m) = slot else {
+            return Err(format!(
+                "'{name}' has no missing or failed member to take the place of (to swap a working member for a new device: replace {name} OLD SPEC)"
+            ));
+        };
+        let old = self.health.name(m);
+        let (device, new_name) = self.open_new(meta, spec, m)?;
+        // Recorded first: the new member is known as rebuilding before it gets a write.
+        meta.set_member(m, device.clone(), &new_name, MemberState::Rebuilding)
+            .map_err(|e| format!("cannot add '{new_name}' to '{name}': {e}"))?;
+        self.with_threads_stopped(|| {
+            // Nothing sent to the old device is in flight once the switch returns; from
+            // then on writes go to the new one, which is read only below its rebuild's
+            // progress.
+            self.health.switch(|devices, names| {
+                devices[m] = Some(device);
+                names[m] = new_name.clone();
+            });
+            self.health.readable[m].store(false, Relaxed);
+            self.health.partial[m].store(false, Relaxed);
+            self.health.below[m].store(0, Relaxed);
+            self.health.failed[m].store(false, Relaxed);
+        });
+        eprintln!("cairn: {name}: '{new_name}' added in place of '{old}'; rebuilding it");
+        Ok(format!(
+            "{name}: '{new_name}' added in place of '{old}', rebuilding (see status)\n{}",
+            self.members_line()
+        ))
+    }
+
+    /// `replace OLD SPEC`: the device is written with every write to OLD and filled by a
+    /// rebuild; once it is current it takes OLD's place and OLD is closed. The array
+    /// never has fewer current copies than before.
+    fn replace(
+        &self,
+        meta: &crate::array::Metadata,
+        old: &str,
+        spec: &str,
+    ) -> Result<String, String> {
+        let name = &self.name;
+        let m = self.member_index(old)?;
+        if self.health.replacing(m) {
+            return Err(format!(
+                "member '{old}' of '{name}' is being replaced already"
+            ));
+        }
+        if !self.health.ok(m) {
+            return Err(format!(
+                "member '{old}' of '{name}' has failed or is missing: add a new device in its place instead (add {name} SPEC)"
+            ));
+        }
+        let (device, new_name) = self.open_new(meta, spec, m)?;
+        let r = self.health.n + m;
+        self.with_threads_stopped(|| {
+            self.health.readable[r].store(false, Relaxed);
+            self.health.below[r].store(0, Relaxed);
+            self.health.partial[r].store(false, Relaxed);
+            self.health.failed[r].store(false, Relaxed);
+            self.health.switch(|devices, names| {
+                devices[r] = Some(device);
+                names[r] = new_name.clone();
+            });
+        });
+        eprintln!("cairn: {name}: replacing '{old}' by '{new_name}'");
+        Ok(format!(
+            "{name}: replacing '{old}' by '{new_name}': it is written with every write to '{old}' and filled by a rebuild, then takes its place (see status)"
+        ))
+    }
+
+    /// The stack file line for the members as they are now.
+    fn members_line(&self) -> String {
+        let names: Vec<String> = (0..self.health.n)
+            .map(|m| format!("\"{}\"", self.health.name(m)))
+            .collect();
+        format!(
+            "stack file: members = [{}] (define new members as devices of the stack file before the next start)",
+            names.join(", ")
+        )
     }
 }
 
@@ -594,6 +969,8 @@ struct Parent {
     counted: bool,
     /// Counted as a write in flight by the bitmap (its completion is counted too).
     marked: bool,
+    /// Counted in the gate: 0 not, else 1 + the epoch's parity.
+    gate: u8,
 }
 
 #[derive(Clone, Copy)]
@@ -628,15 +1005,38 @@ struct Lone {
     start_ns: u64,
 }
 
+/// A member device and its queue on one reactor.
+type Opened = (Arc<dyn Device>, Rc<dyn Queue>);
+
 /// A stacked device's queue on one reactor.
 pub struct StackQueue {
     core: Rc<Core>,
-    /// The members' queues as plain pointers, so that a submit needs no look-up of where
-    /// the value sits inside its `Rc` (`members` keeps them alive and never changes).
-    targets: Vec<*const dyn Queue>,
+    /// The members' queues as plain pointers (`0..n` the layout's members, `n + m` the
+    /// replacement of `m`), so that a submit needs no look-up of where the value sits
+    /// inside its `Rc`. `opened` keeps them alive; changed only by
+    /// [`StackQueue::refresh`], never while a pointer from it is in use.
+    targets: std::cell::UnsafeCell<Vec<*const dyn Queue>>,
     stats: QueueStats,
     layout: Arc<AnyLayout>,
-    members: Vec<Rc<dyn Queue>>,
+    /// The layout's members.
+    n: usize,
+    /// Each member device and its queue here, as of `epoch`.
+    opened: RefCell<Vec<Option<Opened>>>,
+    /// Queues of members no longer in use, kept until no request of this queue is in
+    /// flight (one may still be in flight on them).
+    retired: RefCell<Vec<Rc<dyn Queue>>>,
+    /// What `targets` without a queue point at (never sent anything), kept alive here.
+    fallback: RefCell<Option<Rc<dyn Queue>>>,
+    /// Per member: a replacement is being built (every write to it goes there too).
+    shadows: RefCell<Vec<bool>>,
+    /// Some member has a replacement.
+    replacing: Cell<bool>,
+    /// Requests are counted in `gate` (the array's members can change).
+    gated: bool,
+    /// The health's epoch `opened` follows.
+    epoch: Cell<u64>,
+    /// Changes of data in flight, for a change of members to wait for.
+    gate: Arc<Gate>,
     health: Arc<Health>,
     sink: Cell<SinkId>,
     state: RefCell<State>,
@@ -664,13 +1064,93 @@ impl StackQueue {
     /// The queue of member `m`.
     #[inline]
     fn member(&self, m: usize) -> &dyn Queue {
-        // SAFETY: `targets` points into `members`, which this queue owns and never changes.
-        unsafe { &*self.targets[m] }
+        // SAFETY: `targets` points into `opened`, which this queue owns; `refresh`, the
+        // only change to either, never runs while a reference from here is held (it runs
+        // at the start of a submit, and no submit runs inside another).
+        unsafe { &*(&*self.targets.get())[m] }
+    }
+
+    /// Follows the health's member devices as of `epoch`: opens queues for new member
+    /// devices, retires those no longer used. A member whose queue cannot be opened is
+    /// failed (at open time: an error).
+    #[cold]
+    fn refresh(&self, epoch: u64, first: bool) -> Result<(), Error> {
+        let devices = self.health.devices();
+        let same = |a: &Arc<dyn Device>, b: &Arc<dyn Device>| {
+            std::ptr::addr_eq(Arc::as_ptr(a), Arc::as_ptr(b))
+        };
+        let mut opened = self.opened.borrow_mut();
+        let mut next: Vec<Option<Opened>> = Vec::with_capacity(devices.len());
+        for (i, d) in devices.iter().enumerate() {
+            let Some(d) = d else {
+                next.push(None);
+                continue;
+            };
+            if let Some(found) = opened.iter().flatten().find(|(o, _)| same(o, d)) {
+                next.push(Some(found.clone()));
+                continue;
+            }
+            match cairn_core::handoff::open_member(&self.core, d) {
+                Ok(q) => next.push(Some((d.clone(), q))),
+                Err(e) if first => return Err(e),
+                Err(e) => {
+                    self.health.fail(i, IoStatus::errno(libc::EIO));
+                    eprintln!(
+                        "cairn: {}: cannot open member '{}' here: {e}",
+                        self.health.device,
+                        d.name()
+                    );
+                    if let (Some(meta), true) = (&self.metadata, i < self.n) {
+                        meta.fail_member(i);
+                    }
+                    next.push(None);
+                }
+            }
+        }
+        let mut retired = self.retired.borrow_mut();
+        for (o, q) in opened.iter().flatten() {
+            if !next.iter().flatten().any(|(d, _)| same(d, o)) {
+                retired.push(q.clone());
+            }
+        }
+        // Every index points at a live queue; one without a device here (no replacement,
+        // or a member that could not be opened) is never sent anything: it is failed.
+        let Some(fallback) = next
+            .iter()
+            .flatten()
+            .map(|(_, q)| q.clone())
+            .chain(retired.iter().cloned())
+            .next()
+        else {
+            return Err(Error::Invalid(format!(
+                "{}: no member could be opened",
+                self.health.device
+            )));
+        };
+        let targets: Vec<*const dyn Queue> = next
+            .iter()
+            .map(|o| {
+                o.as_ref()
+                    .map_or(Rc::as_ptr(&fallback), |(_, q)| Rc::as_ptr(q))
+            })
+            .collect();
+        let shadows: Vec<bool> = (0..self.n)
+            .map(|m| next.get(self.n + m).is_some_and(Option::is_some))
+            .collect();
+        self.replacing.set(shadows.iter().any(|&s| s));
+        *self.shadows.borrow_mut() = shadows;
+        *opened = next;
+        drop(opened);
+        *self.fallback.borrow_mut() = Some(fallback);
+        // SAFETY: see `member`: no reference from `targets` is held here.
+        unsafe { *self.targets.get() = targets };
+        self.epoch.set(epoch);
+        Ok(())
     }
 
     /// Starts `io` as a parent sent whole to copy `copy`, which lives at `at`.
     #[inline(always)]
-    fn direct(&self, io: Io, start_ns: u64, copy: usize, at: (usize, u64)) {
+    fn direct(&self, io: Io, start_ns: u64, copy: usize, at: (usize, u64), gate: u8) {
         let parent = self.state.borrow_mut().parents.insert(Parent {
             io,
             pending: 1,
@@ -680,6 +1160,7 @@ impl StackQueue {
             tried: 1 << copy,
             counted: false,
             marked: false,
+            gate,
         });
         self.send_direct(parent, &io, at);
     }
@@ -699,6 +1180,7 @@ impl StackQueue {
     /// Fans one flush out to every healthy member, on behalf of the batch.
     fn start_flush(&self) {
         let io = Io::nodata(Op::Flush, 0, 0, self.sink.get(), FLUSH_BATCH);
+        let gate = if self.gated { self.enter_gate() } else { 0 };
         let parent = self.state.borrow_mut().parents.insert(Parent {
             io,
             pending: 1,
@@ -708,9 +1190,11 @@ impl StackQueue {
             tried: 0,
             counted: false,
             marked: false,
+            gate,
         });
-        for m in 0..self.members.len() {
-            if self.health.ok(m) {
+        let present: Vec<bool> = self.opened.borrow().iter().map(Option::is_some).collect();
+        for (m, here) in present.into_iter().enumerate() {
+            if here && self.health.ok(m) {
                 self.child(parent, Op::Flush, &io, (0, 0, std::ptr::null_mut()), m);
             }
         }
@@ -719,8 +1203,9 @@ impl StackQueue {
         p.pending -= 1;
         if p.pending == 0 {
             // No healthy member left: the batch fails through the FIFO.
-            st.parents.remove(parent);
+            let p = st.parents.remove(parent);
             drop(st);
+            self.leave_gate(&p);
             self.core
                 .complete(self.sink.get(), FLUSH_BATCH, IoStatus::errno(libc::EIO));
         }
@@ -740,16 +1225,33 @@ impl StackQueue {
         }
     }
 
-    /// Records a child of `parent` and submits it to `member`.
+    /// Records a child of `parent` and submits it to the member copy `copy` lives on
+    /// (for a flush: to member `copy`).
     #[inline]
     fn child(&self, parent: u32, op: Op, io: &Io, piece: (u64, u64, *mut u8), copy: usize) {
-        let (logical, len, buf) = piece;
-        let (member, member_offset) = if op == Op::Flush {
+        let to = if op == Op::Flush {
             (copy, 0)
         } else {
-            let (m, at) = self.layout.locate(logical, copy);
+            let (m, at) = self.layout.locate(piece.0, copy);
             (m, at + self.data_offset)
         };
+        self.child_to(parent, op, io, piece, copy, to);
+    }
+
+    /// Records a child of `parent` for copy `copy` and submits it to `to` (member, offset
+    /// on the member).
+    #[inline]
+    fn child_to(
+        &self,
+        parent: u32,
+        op: Op,
+        io: &Io,
+        piece: (u64, u64, *mut u8),
+        copy: usize,
+        to: (usize, u64),
+    ) {
+        let (logical, len, buf) = piece;
+        let (member, member_offset) = to;
         let token = {
             let mut st = self.state.borrow_mut();
             st.parents.get_mut(parent).pending += 1;
@@ -796,7 +1298,7 @@ impl StackQueue {
     /// Whether some data has lost every copy (checked over one stripe of pieces).
     fn healthy_copy_sets_missing(&self) -> bool {
         let size = self.layout.size_bytes();
-        let span = (self.members.len() as u64 * (64 << 10)).min(size);
+        let span = (self.n as u64 * (64 << 10)).min(size);
         let probe = Io::nodata(Op::Write, 0, span, self.sink.get(), 0);
         !self.all_pieces_covered(&probe)
     }
@@ -818,6 +1320,7 @@ impl StackQueue {
 
     fn finish_parent(&self, parent: u32) {
         let p = self.state.borrow_mut().parents.remove(parent);
+        self.leave_gate(&p);
         let mut status = p.status;
         if p.io.token == FLUSH_BATCH && p.io.sink == self.sink.get() {
             // A flush is good if at least one member of every copy set took it.
@@ -839,6 +1342,14 @@ impl StackQueue {
             }
         }
         self.answer(&p, status);
+    }
+
+    /// Counts the end of a request in the gate, if it was counted there.
+    #[inline]
+    fn leave_gate(&self, p: &Parent) {
+        if p.gate != 0 {
+            self.gate.writes[usize::from(p.gate - 1)].fetch_sub(1, SeqCst);
+        }
     }
 
     /// Accounts a finished parent request and hands its completion to its submitter.
@@ -894,7 +1405,13 @@ impl Queue for StackQueue {
     }
 
     fn children(&self) -> Vec<Rc<dyn Queue>> {
-        self.members.clone()
+        self.opened
+            .borrow()
+            .iter()
+            .take(self.n)
+            .flatten()
+            .map(|(_, q)| q.clone())
+            .collect()
     }
 }
 
@@ -903,6 +1420,15 @@ impl StackQueue {
     /// and requests split into pieces.
     #[inline(never)]
     fn submit_other(&self, io: Io, start_ns: u64) {
+        // The members changed (an admin action, the end of a replace): follow.
+        let epoch = self.health.epoch.load(SeqCst);
+        if epoch != self.epoch.get() {
+            let _ = self.refresh(epoch, false);
+        }
+        if !self.retired.borrow().is_empty() && self.state.borrow().parents.is_empty() {
+            // Nothing is in flight on the old members' queues any more.
+            self.retired.borrow_mut().clear();
+        }
         // While a rebuild runs it yields to clients: it counts their requests.
         self.health.sync.client(&io);
         if io.op == Op::Flush {
@@ -912,12 +1438,22 @@ impl StackQueue {
             return;
         }
         let copies = self.copies;
+        // A request to an array whose members can change is counted in the gate, under
+        // the epoch whose members it is sent to: a change of members waits until none
+        // sent under the old epoch is in flight.
+        let gate = if self.gated { self.enter_gate() } else { 0 };
         // A read of a redundant layout that lands whole on one member goes to one copy.
         if copies > 1 && io.op == Op::Read && self.layout.piece_len(io.offset, io.len) == io.len {
             let n = self.next_copy.get();
             self.next_copy.set(n.wrapping_add(1));
             if let Some(copy) = self.healthy_copy(io.offset, io.len, n % copies, 0) {
-                self.direct(io, start_ns, copy, self.layout.locate(io.offset, copy));
+                self.direct(
+                    io,
+                    start_ns,
+                    copy,
+                    self.layout.locate(io.offset, copy),
+                    gate,
+                );
                 return;
             }
         }
@@ -947,6 +1483,7 @@ impl StackQueue {
             // whether a region it copied was written meanwhile.
             counted: io.op != Op::Read && self.health.sync.start(&io),
             marked,
+            gate,
         });
         let copies = self.copies;
         let mut missing = unmarked;
@@ -978,9 +1515,18 @@ impl StackQueue {
                     } else {
                         let mut any = false;
                         for k in 0..copies {
-                            if self.health.ok(self.layout.locate(at, k).0) {
-                                self.child(parent, op, &io, (at, len, buf), k);
+                            let (m, member_offset) = self.layout.locate(at, k);
+                            let to = (m, member_offset + self.data_offset);
+                            if self.health.ok(m) {
+                                self.child_to(parent, op, &io, (at, len, buf), k, to);
                                 any = true;
+                            }
+                            if self.replacing.get() && self.shadows.borrow()[m] {
+                                // Its replacement gets every write too.
+                                let r = self.n + m;
+                                if self.health.ok(r) {
+                                    self.child_to(parent, op, &io, (at, len, buf), k, (r, to.1));
+                                }
                             }
                         }
                         missing |= !any;
@@ -1008,6 +1554,7 @@ impl StackQueue {
                     bm.end_write(&p.io);
                 }
             }
+            self.leave_gate(&p);
             if self.stats.enabled() {
                 self.stats
                     .done(p.io.op, p.io.len, p.start_ns, self.core.now_ns(), false);
@@ -1018,6 +1565,25 @@ impl StackQueue {
                 p.status
             };
             self.core.complete(p.io.sink, p.io.token, status);
+        }
+    }
+
+    /// Counts a change of data in the gate under the epoch now (following it first if it
+    /// moved): 1 + the epoch's parity.
+    #[inline]
+    fn enter_gate(&self) -> u8 {
+        loop {
+            let epoch = self.health.epoch.load(SeqCst);
+            if epoch != self.epoch.get() {
+                let _ = self.refresh(epoch, false);
+            }
+            let parity = (epoch & 1) as usize;
+            self.gate.writes[parity].fetch_add(1, SeqCst);
+            if self.health.epoch.load(SeqCst) == epoch {
+                return 1 + parity as u8;
+            }
+            // Changed meanwhile: count under the new one.
+            self.gate.writes[parity].fetch_sub(1, SeqCst);
         }
     }
 
@@ -1061,6 +1627,7 @@ impl StackQueue {
                 }
             }
             let p = self.state.borrow_mut().parents.remove(index);
+            self.leave_gate(&p);
             self.answer(&p, status);
             return;
         }
@@ -1097,7 +1664,7 @@ impl StackQueue {
                 // The member lost a write (or a flush): it no longer holds good data.
                 drop(st);
                 self.health.fail(child.member as usize, status);
-                if let Some(meta) = &self.metadata {
+                if let (Some(meta), true) = (&self.metadata, (child.member as usize) < self.n) {
                     // Recorded in the other members' superblocks before this request is
                     // answered: acknowledged data is never only on members that a restart
                     // would take for current alongside this one. Synchronous, on this
@@ -1146,6 +1713,7 @@ impl Sink for StackQueue {
                 .borrow_mut()
                 .parents
                 .remove((token & !DIRECT) as u32);
+            self.leave_gate(&p);
             self.answer(&p, status);
             return;
         }

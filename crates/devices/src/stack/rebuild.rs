@@ -86,6 +86,11 @@ impl WriteCounts {
         self.on.store(true, SeqCst);
     }
 
+    /// Stops counting (no rebuild runs).
+    pub(super) fn off(&self) {
+        self.on.store(false, SeqCst);
+    }
+
     /// Counts a write that starts, if a rebuild runs; whether it was counted (its end
     /// must then be counted with [`WriteCounts::done`]).
     #[inline]
@@ -144,7 +149,6 @@ fn slots(offset: u64, len: u64) -> impl Iterator<Item = usize> {
 pub(super) struct Job {
     pub name: String,
     pub layout: Arc<AnyLayout>,
-    pub members: Vec<Arc<dyn Device>>,
     pub health: Arc<Health>,
     pub metadata: Arc<Metadata>,
     pub data_offset: u64,
@@ -152,13 +156,14 @@ pub(super) struct Job {
     pub rate: crate::config::ArrayOptions,
 }
 
-/// Whether the array has anything to rebuild or resync.
+/// Whether the array has anything to rebuild, resync or replace.
 pub(super) fn needed(health: &Health, states: &[MemberState]) -> bool {
     health.one_copy.load(Relaxed)
         || states
             .iter()
             .enumerate()
             .any(|(m, s)| *s == MemberState::Rebuilding && health.ok(m))
+        || (0..health.n).any(|m| health.replacing(m) && health.ok(health.n + m))
 }
 
 /// Runs the rebuild to its end (or until `stop`, or an error that ends it).
@@ -170,25 +175,38 @@ pub(super) fn run(job: Job) {
 
 fn run_to_end(job: Job) {
     cairn_core::reactor::block_signals_in_this_thread();
-    let queues: Vec<Option<BlockingQueue>> = job
-        .members
+    let health = &job.health;
+    // The layout's members, then the replacements being built (`n + m` for member `m`).
+    let devices = health.devices();
+    let queues: Vec<Option<BlockingQueue>> = devices
         .iter()
-        .map(|m| BlockingQueue::open(m, Switches::default()).ok())
+        .map(|d| {
+            d.as_ref()
+                .and_then(|d| BlockingQueue::open(d, Switches::default()).ok())
+        })
         .collect();
     let size = job.layout.size_bytes();
     let copies = job.layout.copies();
-    let n = job.members.len();
-    let health = &job.health;
+    let n = health.n;
+    let replacing: Vec<bool> = (0..n)
+        .map(|m| devices[n + m].is_some() && health.ok(n + m))
+        .collect();
     let bitmap = health.bitmap.clone();
     let resync = health.one_copy.load(Relaxed);
     // What each member needs: everything (a full rebuild), or only the regions dirty at
     // start (recovered from the bitmap); and, in a resync, every member in use gets the
     // dirty regions (all of them without a bitmap) from the copy reads come from.
-    let full: Vec<bool> = (0..n)
-        .map(|m| health.ok(m) && !health.readable(m) && !health.partial[m].load(Relaxed))
+    let full: Vec<bool> = (0..2 * n)
+        .map(|m| {
+            if m >= n {
+                replacing[m - n]
+            } else {
+                health.ok(m) && !health.readable(m) && !health.partial[m].load(Relaxed)
+            }
+        })
         .collect();
-    let partial: Vec<bool> = (0..n)
-        .map(|m| health.ok(m) && !health.readable(m) && health.partial[m].load(Relaxed))
+    let partial: Vec<bool> = (0..2 * n)
+        .map(|m| m < n && health.ok(m) && !health.readable(m) && health.partial[m].load(Relaxed))
         .collect();
     let dirty = |logical: u64| {
         bitmap
@@ -196,9 +214,11 @@ fn run_to_end(job: Job) {
             .is_none_or(|b| b.dirty_at_start(b.region(logical)))
     };
     let needs = |m: usize, logical: u64| {
-        health.ok(m) && (full[m] || ((partial[m] || resync) && dirty(logical)))
+        health.ok(m) && (full[m] || ((partial[m] || resync) && m < n && dirty(logical)))
     };
-    let rebuilding: Vec<usize> = (0..n).filter(|&m| full[m] || partial[m]).collect();
+    let rebuilding: Vec<usize> = (0..2 * n).filter(|&m| full[m] || partial[m]).collect();
+    // Checkpoints are for the layout's members (a replace starts over).
+    let recorded: Vec<usize> = rebuilding.iter().copied().filter(|&m| m < n).collect();
     let any_full = full.iter().any(|&f| f);
     // Resume from the smallest checkpoint of the members being rebuilt (a resync starts
     // over: its progress is not recorded).
@@ -207,7 +227,13 @@ fn run_to_end(job: Job) {
     } else {
         rebuilding
             .iter()
-            .map(|&m| logical_from_member(&job.layout, job.metadata.recovery_offset(m)))
+            .map(|&m| {
+                if m < n {
+                    logical_from_member(&job.layout, job.metadata.recovery_offset(m))
+                } else {
+                    0
+                }
+            })
             .min()
             .unwrap_or(0)
     };
@@ -234,8 +260,8 @@ fn run_to_end(job: Job) {
     let total = visit(start);
     sync.total_bytes.store(total, Relaxed);
     sync.done_bytes.store(0, Relaxed);
-    let targets: Vec<usize> = (0..n)
-        .filter(|&m| health.ok(m) && (resync || full[m] || partial[m]))
+    let targets: Vec<usize> = (0..2 * n)
+        .filter(|&m| health.ok(m) && (resync && m < n || full[m] || partial[m]))
         .collect();
     eprintln!(
         "cairn: {}: {what} of {} started at {start} of {size} bytes{}",
@@ -258,7 +284,7 @@ fn run_to_end(job: Job) {
     let mut last_checkpoint = start;
     let checkpoint = |at: u64| {
         job.metadata
-            .checkpoint(&rebuilding, member_from_logical(&job.layout, at));
+            .checkpoint(&recorded, member_from_logical(&job.layout, at));
     };
     while at < size {
         if job.stop.load(SeqCst) {
@@ -281,8 +307,8 @@ fn run_to_end(job: Job) {
                 }
             }
         }
-        // Pieces of the batch: (logical, len, source copy, target copies).
-        let mut pieces: Vec<(u64, u64, usize, Vec<usize>)> = Vec::new();
+        // Pieces of the batch: (logical, len, source copy, targets as (member, offset)).
+        let mut pieces: Vec<Piece> = Vec::new();
         let mut p = at;
         while p < batch_end {
             let len = job.layout.piece_len(p, batch_end - p);
@@ -294,17 +320,34 @@ fn run_to_end(job: Job) {
                 );
                 return;
             };
-            let targets: Vec<usize> = (0..copies)
-                .filter(|&k| k != source && needs(job.layout.locate(p, k).0, p))
-                .collect();
+            let mut targets: Vec<(usize, u64)> = Vec::new();
+            for k in 0..copies {
+                let (m, member_offset) = job.layout.locate(p, k);
+                // Never over what is current already (a rebuild restarted below its
+                // progress): reads may use it, and a copy racing a client write would
+                // put older data there until copied again.
+                let current = member_offset + len <= health.below[m].load(Relaxed);
+                if k != source && needs(m, p) && !current {
+                    targets.push((m, member_offset));
+                }
+                if needs(n + m, p) {
+                    // The replacement of `m` (of the source too).
+                    targets.push((n + m, member_offset));
+                }
+            }
             if !targets.is_empty() {
                 pieces.push((p, len, source, targets));
             }
             p += len;
         }
         let batch_began = Instant::now();
-        if !pieces.is_empty() && !copy_batch(&job, &queues, &pieces, at, batch_end - at) {
-            return;
+        if !pieces.is_empty() {
+            match copy_batch(&job, &queues, &pieces, at, batch_end - at) {
+                Copy::Done => {}
+                // Not copied: the checkpoint stays at this batch's start.
+                Copy::Stopped => continue,
+                Copy::Failed => return,
+            }
         }
         // The rate limit, as md's sync_speed_min/max: at most `max`, and `min` while
         // clients use the array (their requests since the last batch).
@@ -360,6 +403,9 @@ fn run_to_end(job: Job) {
         health.readable[m].store(true, Relaxed);
     }
     health.one_copy.store(false, Relaxed);
+    let replaced: Vec<usize> = (0..n)
+        .filter(|&m| full[n + m] && health.ok(n + m))
+        .collect();
     let secs = began.elapsed().as_secs_f64();
     eprintln!(
         "cairn: {}: {what} of {} done: {total} bytes in {secs:.3} s ({:.0} MB/s); read {} bytes, wrote {} bytes",
@@ -369,20 +415,73 @@ fn run_to_end(job: Job) {
         sync.read_bytes.load(Relaxed),
         sync.written_bytes.load(Relaxed),
     );
+    for m in replaced {
+        promote(&job, m, &devices);
+    }
 }
 
-/// Copies one batch; retries while client writes touch it. False if the rebuild must end.
+/// The replacement of member `m` is current: it takes `m`'s place (recorded first), and
+/// the old member is closed. Writes reach the replacement throughout.
+fn promote(job: &Job, m: usize, devices: &[Option<Arc<dyn Device>>]) {
+    let health = &job.health;
+    let r = health.n + m;
+    let Some(device) = devices[r].clone() else {
+        return;
+    };
+    let (old, new) = (health.name(m), health.name(r));
+    if let Err(e) = job
+        .metadata
+        .set_member(m, device.clone(), &new, MemberState::Active)
+    {
+        eprintln!(
+            "cairn: {}: replace of '{old}' by '{new}': recording it failed ({e}); '{old}' stays",
+            job.name
+        );
+        return;
+    }
+    // First the new device is both member `m` and its replacement: requests sent before
+    // this reach it as the replacement, those sent after as `m`; once the switch returns
+    // nothing sent to the old device is in flight, and `m` may be marked current.
+    health.switch(|devices, names| {
+        devices[m] = Some(device);
+        names[m] = new.clone();
+    });
+    health.below[m].store(0, Relaxed);
+    health.partial[m].store(false, Relaxed);
+    health.failed[m].store(false, Relaxed);
+    health.readable[m].store(true, Relaxed);
+    health.switch(|devices, _| devices[r] = None);
+    health.failed[r].store(true, Relaxed);
+    eprintln!(
+        "cairn: {}: replace done: '{new}' took the place of '{old}', which is closed",
+        job.name
+    );
+}
+
+/// A piece to copy: logical offset, length, source copy, targets as (member, offset).
+type Piece = (u64, u64, usize, Vec<(usize, u64)>);
+
+/// How a batch's copy ended.
+enum Copy {
+    Done,
+    /// Told to stop before it was copied.
+    Stopped,
+    /// A read failed: the rebuild must end.
+    Failed,
+}
+
+/// Copies one batch; retries while client writes touch it.
 fn copy_batch(
     job: &Job,
     queues: &[Option<BlockingQueue>],
-    pieces: &[(u64, u64, usize, Vec<usize>)],
+    pieces: &[Piece],
     offset: u64,
     len: u64,
-) -> bool {
+) -> Copy {
     let mut bufs: Vec<Vec<u8>> = pieces.iter().map(|p| vec![0u8; p.1 as usize]).collect();
     loop {
         if job.stop.load(SeqCst) {
-            return true;
+            return Copy::Stopped;
         }
         let Some(snap) = job.health.sync.quiet(offset, len) else {
             std::thread::sleep(Duration::from_millis(1));
@@ -415,9 +514,9 @@ fn copy_batch(
                 eprintln!(
                     "cairn: {}: rebuild: reading member '{}' failed; stopped",
                     job.name,
-                    job.members[m].name()
+                    job.health.name(m)
                 );
-                return false;
+                return Copy::Failed;
             }
         }
         for (m, q) in queues.iter().enumerate() {
@@ -428,12 +527,8 @@ fn copy_batch(
             let mut reqs: Vec<Request<'_>> = Vec::new();
             for (piece, buf) in pieces.iter().zip(bufs.iter_mut()) {
                 // The copies of a piece are on distinct members: one target here at most.
-                let target = piece
-                    .3
-                    .iter()
-                    .map(|&k| job.layout.locate(piece.0, k))
-                    .find(|&(member, _)| member == m);
-                if let Some((_, at)) = target {
+                let target = piece.3.iter().find(|&&(member, _)| member == m);
+                if let Some(&(_, at)) = target {
                     reqs.push(Request {
                         op: Op::Write,
                         flags: IoFlags::NONE,
@@ -452,11 +547,13 @@ fn copy_batch(
                 .fetch_add(data_bytes(&reqs), Relaxed);
             if q.run(&mut reqs).iter().any(|r| r.is_err()) {
                 job.health.fail(m, cairn_core::IoStatus::errno(libc::EIO));
-                job.metadata.fail_member(m);
+                if m < job.health.n {
+                    job.metadata.fail_member(m);
+                }
             }
         }
         if job.health.sync.unchanged(&snap) {
-            return true;
+            return Copy::Done;
         }
         // A client wrote to the batch meanwhile: copy it again.
     }
@@ -501,7 +598,7 @@ fn logical_from_member(layout: &AnyLayout, member_offset: u64) -> u64 {
 fn names(job: &Job, members: &[usize]) -> String {
     let n: Vec<String> = members
         .iter()
-        .map(|&m| format!("'{}'", job.members[m].name()))
+        .map(|&m| format!("'{}'", job.health.name(m)))
         .collect();
     if n.is_empty() {
         "no member".into()
@@ -512,7 +609,6 @@ fn names(job: &Job, members: &[usize]) -> String {
 
 /// What the bitmap's clearing thread needs of its array.
 pub(super) struct Clearing {
-    pub members: Vec<Arc<dyn Device>>,
     pub health: Arc<Health>,
     pub metadata: Arc<Metadata>,
     pub stop: Arc<AtomicBool>,
@@ -528,12 +624,10 @@ pub(super) fn clear_bits(job: Clearing) {
         return;
     };
     let health = &job.health;
-    let n = job.members.len();
-    let queues: Vec<Option<BlockingQueue>> = job
-        .members
-        .iter()
-        .map(|m| BlockingQueue::open(m, Switches::default()).ok())
-        .collect();
+    let n = health.n;
+    // The members' queues, opened again when the members change.
+    let mut queues: Vec<Option<BlockingQueue>> = Vec::new();
+    let mut epoch = u64::MAX;
     let mut before: Option<Vec<u64>> = None;
     loop {
         pause(&job.stop, job.delay);
@@ -555,6 +649,19 @@ pub(super) fn clear_bits(job: Clearing) {
         let idle: Vec<usize> = (0..bm.regions()).filter(|&r| bm.idle(r, &prev)).collect();
         if idle.is_empty() {
             continue;
+        }
+        let now = health.epoch.load(SeqCst);
+        if now != epoch {
+            queues = health
+                .devices()
+                .iter()
+                .take(n)
+                .map(|d| {
+                    d.as_ref()
+                        .and_then(|d| BlockingQueue::open(d, Switches::default()).ok())
+                })
+                .collect();
+            epoch = now;
         }
         let flushed = queues
             .iter()
