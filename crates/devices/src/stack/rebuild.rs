@@ -28,9 +28,9 @@ use crate::array::superblock::MemberState;
 use crate::array::Metadata;
 
 /// Bytes of the array one write counter covers.
-const REGION_BYTES: u64 = 1 << 20;
+const REGION_BYTES: u64 = 64 << 10;
 /// Counters (regions share them modulo this: a shared counter only costs a retry).
-const SLOTS: usize = 4096;
+const SLOTS: usize = 16384;
 /// Most bytes copied in one batch (all in flight together).
 const BATCH_BYTES: u64 = 8 << 20;
 /// How often the checkpoint goes to the superblocks.
@@ -260,6 +260,8 @@ fn run_to_end(job: Job) {
     let total = visit(start);
     sync.total_bytes.store(total, Relaxed);
     sync.done_bytes.store(0, Relaxed);
+    sync.read_bytes.store(0, Relaxed);
+    sync.written_bytes.store(0, Relaxed);
     let targets: Vec<usize> = (0..2 * n)
         .filter(|&m| health.ok(m) && (resync && m < n || full[m] || partial[m]))
         .collect();
@@ -342,7 +344,7 @@ fn run_to_end(job: Job) {
         }
         let batch_began = Instant::now();
         if !pieces.is_empty() {
-            match copy_batch(&job, &queues, &pieces, at, batch_end - at) {
+            match copy_batch(&job, &queues, &pieces) {
                 Copy::Done => {}
                 // Not copied: the checkpoint stays at this batch's start.
                 Copy::Stopped => continue,
@@ -406,11 +408,16 @@ fn run_to_end(job: Job) {
     let replaced: Vec<usize> = (0..n)
         .filter(|&m| full[n + m] && health.ok(n + m))
         .collect();
+    let copied: Vec<usize> = finished
+        .iter()
+        .copied()
+        .chain(replaced.iter().map(|&m| n + m))
+        .collect();
     let secs = began.elapsed().as_secs_f64();
     eprintln!(
         "cairn: {}: {what} of {} done: {total} bytes in {secs:.3} s ({:.0} MB/s); read {} bytes, wrote {} bytes",
         job.name,
-        names(&job, &finished),
+        names(&job, &copied),
         total as f64 / secs.max(1e-9) / 1e6,
         sync.read_bytes.load(Relaxed),
         sync.written_bytes.load(Relaxed),
@@ -470,93 +477,153 @@ enum Copy {
     Failed,
 }
 
-/// Copies one batch; retries while client writes touch it.
-fn copy_batch(
-    job: &Job,
-    queues: &[Option<BlockingQueue>],
-    pieces: &[Piece],
-    offset: u64,
-    len: u64,
-) -> Copy {
-    let mut bufs: Vec<Vec<u8>> = pieces.iter().map(|p| vec![0u8; p.1 as usize]).collect();
-    loop {
+/// Copies one batch; copies again what client writes touch meanwhile.
+///
+/// A piece is copied only while no write to its regions is in flight, and again if one
+/// started before its copy ended. Pieces start at most [`PIECE_BYTES`] long; one a write
+/// touches is split into regions of [`REGION_BYTES`], so that under a busy random write
+/// load the copy converges instead of starting the whole batch over.
+fn copy_batch(job: &Job, queues: &[Option<BlockingQueue>], pieces: &[Piece]) -> Copy {
+    let sync = &job.health.sync;
+    let mut pending: Vec<Piece> = pieces
+        .iter()
+        .flat_map(|p| split(p, PIECE_BYTES, |_| true))
+        .collect();
+    while !pending.is_empty() {
         if job.stop.load(SeqCst) {
             return Copy::Stopped;
         }
-        let Some(snap) = job.health.sync.quiet(offset, len) else {
-            std::thread::sleep(Duration::from_millis(1));
+        let mut ready = Vec::new();
+        let mut snaps = Vec::new();
+        let mut later = Vec::new();
+        for p in pending.drain(..) {
+            match sync.quiet(p.0, p.1) {
+                Some(snap) => {
+                    ready.push(p);
+                    snaps.push(snap);
+                }
+                // A write to it is in flight: its regions wait, the rest go on.
+                None if p.1 > REGION_BYTES => later.extend(split(&p, REGION_BYTES, |_| true)),
+                None => later.push(p),
+            }
+        }
+        if ready.is_empty() {
+            std::thread::sleep(Duration::from_micros(200));
+            pending = later;
             continue;
-        };
-        // Read every piece from its source, each member's pieces in flight together.
-        for (m, q) in queues.iter().enumerate() {
-            let Some(q) = q else { continue };
-            let mut reqs: Vec<Request<'_>> = Vec::new();
-            for (piece, buf) in pieces.iter().zip(bufs.iter_mut()) {
-                let (member, at) = job.layout.locate(piece.0, piece.2);
-                if member == m {
-                    reqs.push(Request {
-                        op: Op::Read,
-                        flags: IoFlags::NONE,
-                        offset: at + job.data_offset,
-                        len: 0,
-                        buf: Some(buf.as_mut_slice()),
-                    });
-                }
-            }
-            if reqs.is_empty() {
-                continue;
-            }
-            job.health
-                .sync
-                .read_bytes
-                .fetch_add(data_bytes(&reqs), Relaxed);
-            if q.run(&mut reqs).iter().any(|r| r.is_err()) {
-                eprintln!(
-                    "cairn: {}: rebuild: reading member '{}' failed; stopped",
-                    job.name,
-                    job.health.name(m)
-                );
-                return Copy::Failed;
+        }
+        if let Copy::Failed = copy_pieces(job, queues, &ready) {
+            return Copy::Failed;
+        }
+        for (p, snap) in ready.iter().zip(&snaps) {
+            if !sync.unchanged(snap) {
+                // Written meanwhile: copy again the regions that were.
+                later.extend(split(p, REGION_BYTES, |r| {
+                    !sync.unchanged(&snap_of(snap, r))
+                }));
             }
         }
-        for (m, q) in queues.iter().enumerate() {
-            let Some(q) = q else { continue };
-            if !job.health.ok(m) {
-                continue;
-            }
-            let mut reqs: Vec<Request<'_>> = Vec::new();
-            for (piece, buf) in pieces.iter().zip(bufs.iter_mut()) {
-                // The copies of a piece are on distinct members: one target here at most.
-                let target = piece.3.iter().find(|&&(member, _)| member == m);
-                if let Some(&(_, at)) = target {
-                    reqs.push(Request {
-                        op: Op::Write,
-                        flags: IoFlags::NONE,
-                        offset: at + job.data_offset,
-                        len: 0,
-                        buf: Some(buf.as_mut_slice()),
-                    });
-                }
-            }
-            if reqs.is_empty() {
-                continue;
-            }
-            job.health
-                .sync
-                .written_bytes
-                .fetch_add(data_bytes(&reqs), Relaxed);
-            if q.run(&mut reqs).iter().any(|r| r.is_err()) {
-                job.health.fail(m, cairn_core::IoStatus::errno(libc::EIO));
-                if m < job.health.n {
-                    job.metadata.fail_member(m);
-                }
-            }
-        }
-        if job.health.sync.unchanged(&snap) {
-            return Copy::Done;
-        }
-        // A client wrote to the batch meanwhile: copy it again.
+        pending = later;
     }
+    Copy::Done
+}
+
+/// Longest piece copied in one request.
+const PIECE_BYTES: u64 = 1 << 20;
+
+/// `p` cut at multiples of `size` (logical), keeping the parts `keep` says (by their
+/// region's counter slot).
+fn split(p: &Piece, size: u64, keep: impl Fn(usize) -> bool) -> Vec<Piece> {
+    let mut out = Vec::new();
+    let (start, end) = (p.0, p.0 + p.1);
+    let mut at = start;
+    while at < end {
+        let next = ((at / size + 1) * size).min(end);
+        let slot = slots(at, 1).next().unwrap_or(0);
+        if keep(slot) || size > REGION_BYTES {
+            let shift = at - start;
+            let targets = p.3.iter().map(|&(m, o)| (m, o + shift)).collect();
+            out.push((at, next - at, p.2, targets));
+        }
+        at = next;
+    }
+    out
+}
+
+/// The part of `snap` for counter slot `slot`.
+fn snap_of(snap: &[(usize, u64)], slot: usize) -> Vec<(usize, u64)> {
+    snap.iter().copied().filter(|&(s, _)| s == slot).collect()
+}
+
+/// Reads `pieces` from their sources and writes them to their targets, each member's
+/// requests in flight together. A target that fails a write is failed.
+fn copy_pieces(job: &Job, queues: &[Option<BlockingQueue>], pieces: &[Piece]) -> Copy {
+    let mut bufs: Vec<Vec<u8>> = pieces.iter().map(|p| vec![0u8; p.1 as usize]).collect();
+    for (m, q) in queues.iter().enumerate() {
+        let Some(q) = q else { continue };
+        let mut reqs: Vec<Request<'_>> = Vec::new();
+        for (piece, buf) in pieces.iter().zip(bufs.iter_mut()) {
+            let (member, at) = job.layout.locate(piece.0, piece.2);
+            if member == m {
+                reqs.push(Request {
+                    op: Op::Read,
+                    flags: IoFlags::NONE,
+                    offset: at + job.data_offset,
+                    len: 0,
+                    buf: Some(buf.as_mut_slice()),
+                });
+            }
+        }
+        if reqs.is_empty() {
+            continue;
+        }
+        job.health
+            .sync
+            .read_bytes
+            .fetch_add(data_bytes(&reqs), Relaxed);
+        if q.run(&mut reqs).iter().any(|r| r.is_err()) {
+            eprintln!(
+                "cairn: {}: rebuild: reading member '{}' failed; stopped",
+                job.name,
+                job.health.name(m)
+            );
+            return Copy::Failed;
+        }
+    }
+    for (m, q) in queues.iter().enumerate() {
+        let Some(q) = q else { continue };
+        if !job.health.ok(m) {
+            continue;
+        }
+        let mut reqs: Vec<Request<'_>> = Vec::new();
+        for (piece, buf) in pieces.iter().zip(bufs.iter_mut()) {
+            // The copies of a piece are on distinct members: one target here at most.
+            let target = piece.3.iter().find(|&&(member, _)| member == m);
+            if let Some(&(_, at)) = target {
+                reqs.push(Request {
+                    op: Op::Write,
+                    flags: IoFlags::NONE,
+                    offset: at + job.data_offset,
+                    len: 0,
+                    buf: Some(buf.as_mut_slice()),
+                });
+            }
+        }
+        if reqs.is_empty() {
+            continue;
+        }
+        job.health
+            .sync
+            .written_bytes
+            .fetch_add(data_bytes(&reqs), Relaxed);
+        if q.run(&mut reqs).iter().any(|r| r.is_err()) {
+            job.health.fail(m, cairn_core::IoStatus::errno(libc::EIO));
+            if m < job.health.n {
+                job.metadata.fail_member(m);
+            }
+        }
+    }
+    Copy::Done
 }
 
 /// Bytes the requests carry.

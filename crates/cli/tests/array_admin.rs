@@ -1,0 +1,368 @@
+//! Members of a running array changed by the admin socket under a verifying load: a
+//! member failed, removed, a new device added in its place and rebuilt, another member
+//! replaced by a new device (copied while the old one keeps working, then swapped in).
+//! The load never sees an error or a mismatch, the members end up identical, and the
+//! array assembles from the new members at the next start.
+//!
+//! Two loads: `cairn bench --verify crc32c --admin` (the array in the same process) and
+//! fio's nbd engine with crc32c verify through `cairn serve --admin`.
+//!
+//! Nothing asserts on timing: each step waits (with a generous bound) for `status` to
+//! show the state the next step needs, and the loads run until told to stop.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+/// Longest any one step may take.
+const STEP: Duration = Duration::from_secs(120);
+/// Where data starts on a member (after the metadata area).
+const DATA_OFFSET: usize = 1 << 20;
+
+fn cairn() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_cairn"));
+    c.env_remove("RUST_BACKTRACE")
+        .env_remove("RUST_LIB_BACKTRACE");
+    c
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn tmpdir() -> TempDir {
+    tempfile::tempdir_in("/dev/shm")
+        .or_else(|_| tempfile::tempdir())
+        .expect("create a temporary directory")
+}
+
+/// Records that `test` could not run: one line on stderr and in `$CAIRN_SKIP_LOG`.
+fn skip(test: &str, reason: &str) {
+    let line = format!("SKIP {test}: {reason}");
+    eprintln!("{line}");
+    if let Some(path) = std::env::var_os("CAIRN_SKIP_LOG") {
+        let _ = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .and_then(|mut f| f.write_all(format!("{line}\n").as_bytes()));
+    }
+}
+
+fn tool(name: &str) -> Option<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect())
+        .unwrap_or_default();
+    dirs.extend(["/usr/bin", "/bin"].map(PathBuf::from));
+    dirs.into_iter().map(|d| d.join(name)).find(|p| p.is_file())
+}
+
+/// `cairn admin SOCK WORDS...`: the reply, or a panic naming the command.
+fn admin(sock: &Path, words: &[&str]) -> String {
+    let out = cairn().arg("admin").arg(sock).args(words).output().unwrap();
+    assert!(
+        out.status.success(),
+        "admin {words:?} failed: {}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    text(&out.stdout)
+}
+
+/// Waits until `status` satisfies `done` (or the process `alive` says it ended).
+fn wait_status(sock: &Path, what: &str, done: impl Fn(&str) -> bool, child: &mut Child) -> String {
+    let began = Instant::now();
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("the process ended ({status}) while waiting for: {what}");
+        }
+        let out = cairn()
+            .arg("admin")
+            .arg(sock)
+            .arg("status")
+            .output()
+            .unwrap();
+        let s = text(&out.stdout);
+        if out.status.success() && done(&s) {
+            return s;
+        }
+        assert!(
+            began.elapsed() < STEP,
+            "no '{what}' in {STEP:?}; status:\n{s}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn wait_socket(path: &Path, child: &mut Child) {
+    let began = Instant::now();
+    while !path.exists() {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!(
+                "the process ended ({status}) before listening on {}",
+                path.display()
+            );
+        }
+        assert!(began.elapsed() < STEP, "{} never appeared", path.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn interrupt(child: &Child) {
+    // SAFETY: sends SIGINT to our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+}
+
+/// The array's layout in a stack file: a mirror of a and b, or a raid10 of a, b, e, f.
+struct Array {
+    kind: &'static str,
+    members: &'static [&'static str],
+}
+
+const MIRROR: Array = Array {
+    kind: "mirror",
+    members: &["a", "b"],
+};
+const RAID10: Array = Array {
+    kind: "raid10",
+    members: &["a", "b", "e", "f"],
+};
+
+fn stack_text(dir: &Path, array: &Array, members: &[&str]) -> String {
+    let mut t = String::new();
+    for m in members {
+        t += &format!(
+            "[device.{m}]\ntype = \"file\"\npath = \"{}\"\nsize = \"33M\"\n",
+            dir.join(format!("{m}.img")).display()
+        );
+    }
+    let list: Vec<String> = members.iter().map(|m| format!("\"{m}\"")).collect();
+    t += &format!(
+        "[device.m]\ntype = \"{}\"\nmembers = [{}]\nmetadata = \"1\"\n\
+         bitmap = \"1M\"\nbitmap_delay = \"100ms\"\nrebuild_min = \"16M\"\nrebuild_max = \"32M\"\n",
+        array.kind,
+        list.join(", ")
+    );
+    if array.kind == "raid10" {
+        t += "chunk = \"64K\"\ncopies = 2\n";
+    }
+    t += "[export.m]\ndevice = \"m\"\n";
+    t
+}
+
+/// Fails, removes, adds and replaces members of the array behind `sock`, each step once
+/// the previous one shows in `status`. The member names the array ends with.
+fn change_members(sock: &Path, dir: &Path, array: &Array, child: &mut Child) -> Vec<String> {
+    let spec = |n: &str| format!("file:{},size=33M", dir.join(format!("{n}.img")).display());
+    wait_status(sock, "the array", |s| s.contains("m: "), child);
+    let out = admin(sock, &["fail", "m", "a"]);
+    assert!(out.contains("failed; running degraded"), "{out}");
+    let out = admin(sock, &["remove", "m", "a"]);
+    assert!(out.contains("removed"), "{out}");
+    wait_status(sock, "a missing", |s| s.contains("a missing"), child);
+    let out = admin(sock, &["add", "m", &spec("c")]);
+    assert!(out.contains("'c.img' added in place of 'a'"), "{out}");
+    assert!(out.contains("stack file: members = [\"c.img\""), "{out}");
+    wait_status(
+        sock,
+        "c rebuilt",
+        |s| s.contains("c.img active") && !s.contains("rebuild ") && !s.contains("degraded"),
+        child,
+    );
+    let out = admin(sock, &["replace", "m", "b", &spec("d")]);
+    assert!(out.contains("replacing 'b' by 'd.img'"), "{out}");
+    // Replacing b never makes the array degraded; it ends with d in b's place.
+    let s = wait_status(
+        sock,
+        "b replaced by d",
+        |s| {
+            assert!(!s.contains("degraded"), "degraded during a replace:\n{s}");
+            s.contains("d.img active") && !s.contains("replacing")
+        },
+        child,
+    );
+    assert!(!s.contains(" b "), "{s}");
+    let mut names: Vec<String> = array.members.iter().map(|m| format!("{m}.img")).collect();
+    names[0] = "c.img".into();
+    names[1] = "d.img".into();
+    names
+}
+
+/// Every pair of copies holds the same data: for a mirror every member, for raid10 (two
+/// copies, four members) members 0-1 and 2-3.
+fn copies_agree(dir: &Path, names: &[String]) {
+    let data = |n: &str| {
+        let b = std::fs::read(dir.join(n)).unwrap();
+        b[DATA_OFFSET..].to_vec()
+    };
+    for pair in names.chunks(2) {
+        let (x, y) = (data(&pair[0]), data(&pair[1]));
+        let at = x.iter().zip(&y).position(|(p, q)| p != q);
+        assert!(
+            at.is_none(),
+            "{} and {} differ at data byte {at:?}",
+            pair[0],
+            pair[1]
+        );
+    }
+}
+
+/// The next start, from a stack file naming the new members: assembled clean, every
+/// member active.
+fn assembles_from_new_members(dir: &Path, array: &Array, names: &[String]) {
+    let members: Vec<&str> = names.iter().map(|n| n.trim_end_matches(".img")).collect();
+    let path = dir.join("after.toml");
+    std::fs::write(&path, stack_text(dir, array, &members)).unwrap();
+    let out = cairn().arg("check").arg(&path).output().unwrap();
+    let all = text(&out.stdout) + &text(&out.stderr);
+    assert!(out.status.success(), "{all}");
+    assert!(
+        !all.contains("degraded") && !all.contains("not stopped cleanly"),
+        "{all}"
+    );
+    assert!(all.contains("metadata 1"), "{all}");
+}
+
+fn bench_verify_under_member_changes(array: &Array) {
+    let dir = tmpdir();
+    let stack = dir.path().join("stack.toml");
+    std::fs::write(&stack, stack_text(dir.path(), array, array.members)).unwrap();
+    let sock = dir.path().join("admin.sock");
+    let mut bench = cairn()
+        .args([
+            "bench", "--rw", "randrw", "--verify", "crc32c", "--bs", "4k",
+        ])
+        .args([
+            "--iodepth",
+            "16",
+            "--time_based",
+            "--runtime",
+            "1h",
+            "--admin",
+        ])
+        .arg(&sock)
+        .arg(&stack)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_socket(&sock, &mut bench);
+    let names = change_members(&sock, dir.path(), array, &mut bench);
+    interrupt(&bench);
+    let out: Output = bench.wait_with_output().unwrap();
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(!stdout.contains("error"), "{stdout}");
+    let checked: u64 = stdout
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("verify       : "))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(checked > 0, "no block was read back and checked:\n{stdout}");
+    assert!(stderr.contains("replace done"), "{stderr}");
+    copies_agree(dir.path(), &names);
+    assembles_from_new_members(dir.path(), array, &names);
+}
+
+/// `cairn bench --verify` on a mirror keeps checking every block it reads back while a
+/// member is failed, removed, replaced by a new device that is rebuilt, and another is
+/// replaced while it works: zero errors, zero mismatches.
+#[test]
+fn bench_verify_on_a_mirror_while_members_are_failed_removed_added_and_replaced() {
+    bench_verify_under_member_changes(&MIRROR);
+}
+
+/// The same on a raid10 of four members with two copies.
+#[test]
+fn bench_verify_on_raid10_while_members_are_failed_removed_added_and_replaced() {
+    bench_verify_under_member_changes(&RAID10);
+}
+
+/// fio's nbd engine with crc32c verify through `cairn serve`, rerun until the member
+/// changes are done: every run ends with zero errors and zero verify failures.
+#[test]
+fn fio_nbd_verify_on_a_mirror_while_members_are_failed_removed_added_and_replaced() {
+    const NAME: &str = "fio_nbd_verify_on_a_mirror_while_members_are_changed";
+    let Some(fio) = tool("fio") else {
+        skip(NAME, "fio is not installed");
+        return;
+    };
+    let dir = tmpdir();
+    let stack = dir.path().join("stack.toml");
+    std::fs::write(&stack, stack_text(dir.path(), &MIRROR, MIRROR.members)).unwrap();
+    let (sock, nbd) = (dir.path().join("admin.sock"), dir.path().join("nbd.sock"));
+    let mut srv = cairn()
+        .arg("serve")
+        .arg("--listen")
+        .arg(format!("unix:{}", nbd.display()))
+        .arg("--admin")
+        .arg(&sock)
+        .arg(&stack)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_socket(&sock, &mut srv);
+    wait_socket(&nbd, &mut srv);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = {
+        let (stop, uri, dir) = (
+            stop.clone(),
+            format!("nbd+unix:///m?socket={}", nbd.display()),
+            dir.path().to_path_buf(),
+        );
+        std::thread::spawn(move || {
+            let mut runs = 0u32;
+            // At least one whole run after the changes are done.
+            loop {
+                let last = stop.load(std::sync::atomic::Ordering::SeqCst);
+                let out = Command::new(&fio)
+                    .current_dir(&dir)
+                    .args([
+                        "--name=verify",
+                        "--ioengine=nbd",
+                        &format!("--uri={uri}"),
+                        "--rw=randwrite",
+                        "--bs=4k",
+                        "--size=16M",
+                        &format!("--offset={}M", (runs % 2) * 16),
+                        "--iodepth=16",
+                        "--verify=crc32c",
+                        "--do_verify=1",
+                        "--verify_fatal=1",
+                        "--verify_state_save=0",
+                        "--output-format=terse",
+                    ])
+                    .output()
+                    .unwrap();
+                runs += 1;
+                if !out.status.success() {
+                    return Err(format!(
+                        "fio run {runs} failed: {}{}",
+                        text(&out.stdout),
+                        text(&out.stderr)
+                    ));
+                }
+                if last {
+                    return Ok(runs);
+                }
+            }
+        })
+    };
+    let names = change_members(&sock, dir.path(), &MIRROR, &mut srv);
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let runs = load.join().unwrap().unwrap();
+    assert!(runs >= 2, "fio ran {runs} times");
+    // SAFETY: sends SIGTERM to our own child.
+    unsafe { libc::kill(srv.id() as i32, libc::SIGTERM) };
+    let out = srv.wait_with_output().unwrap();
+    let log = text(&out.stderr);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("replace done"), "{log}");
+    copies_agree(dir.path(), &names);
+    assembles_from_new_members(dir.path(), &MIRROR, &names);
+}
