@@ -366,3 +366,81 @@ fn fio_nbd_verify_on_a_mirror_while_members_are_failed_removed_added_and_replace
     copies_agree(dir.path(), &names);
     assembles_from_new_members(dir.path(), &MIRROR, &names);
 }
+
+/// `add` and `replace` refuse what cannot be a member, each with its reason, and change
+/// nothing: the array stays as it was under its verifying load, and a file that holds
+/// data keeps it.
+#[test]
+fn add_and_replace_refuse_bad_devices_and_change_nothing() {
+    let dir = tmpdir();
+    let d = dir.path();
+    // Another array's member: made by a short run on its own stack file.
+    let other = d.join("other.toml");
+    std::fs::write(
+        &other,
+        format!(
+            "[device.x]\ntype = \"file\"\npath = \"{0}/x.img\"\nsize = \"33M\"\n\
+             [device.y]\ntype = \"file\"\npath = \"{0}/y.img\"\nsize = \"33M\"\n\
+             [device.o]\ntype = \"mirror\"\nmembers = [\"x\", \"y\"]\nmetadata = \"1\"\n",
+            d.display()
+        ),
+    )
+    .unwrap();
+    let out = cairn()
+        .args(["bench", "--rw", "write", "--size", "1M"])
+        .arg(&other)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    // A file that holds someone's data.
+    let mut junk = b"precious data".to_vec();
+    junk.resize(40 << 20, 7);
+    std::fs::write(d.join("junk.img"), &junk).unwrap();
+    let stack = d.join("stack.toml");
+    std::fs::write(&stack, stack_text(d, &MIRROR, MIRROR.members)).unwrap();
+    let sock = d.join("admin.sock");
+    let mut bench = cairn()
+        .args(["bench", "--rw", "randrw", "--verify", "crc32c", "--iodepth", "8"])
+        .args(["--time_based", "--runtime", "1h", "--admin"])
+        .arg(&sock)
+        .arg(&stack)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_socket(&sock, &mut bench);
+    let before = wait_status(&sock, "the array", |s| s.contains("[UU]"), &mut bench);
+    let file = |n: &str| format!("file:{}", d.join(n).display());
+    let big = |n: &str| format!("file:{},size=33M", d.join(n).display());
+    for (words, why) in [
+        (vec!["add", "m", &big("c.img")], "no missing or failed member"),
+        (vec!["replace", "m", "zz", &big("c.img")], "has no member 'zz'"),
+        (vec!["replace", "m", "a", &file("b.img")], "in use by this cairn"),
+        (vec!["replace", "m", "a", &file("nothing.img")], "no such file"),
+        (vec!["replace", "m", "a", "mem:8M"], "needs at least"),
+        (vec!["replace", "m", "a", &file("junk.img")], "not blank"),
+        (vec!["replace", "m", "a", &file("x.img")], "member of another array ('o'"),
+        (vec!["replace", "m", "a", "null:64M"], "does not keep what is written"),
+        (vec!["replace", "m", "a", "bogus:1"], "'bogus:1'"),
+        (vec!["replace", "m", "a"], "usage: replace ARRAY OLD SPEC"),
+        (vec!["add", "nope", "mem:64M"], "no device 'nope'"),
+    ] {
+        let out = cairn().arg("admin").arg(&sock).args(&words).output().unwrap();
+        let all = text(&out.stdout) + &text(&out.stderr);
+        assert!(!out.status.success(), "{words:?} succeeded: {all}");
+        assert!(all.contains(why), "{words:?}: {all}");
+    }
+    let after = admin(&sock, &["status"]);
+    assert_eq!(
+        before.lines().take(2).collect::<Vec<_>>(),
+        after.lines().take(2).collect::<Vec<_>>()
+    );
+    assert!(!after.contains("rebuild "), "{after}");
+    assert_eq!(std::fs::read(d.join("junk.img")).unwrap(), junk);
+    assert!(!d.join("nothing.img").exists());
+    interrupt(&bench);
+    let out = bench.wait_with_output().unwrap();
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    assert!(!stdout.contains("error"), "{stdout}");
+}

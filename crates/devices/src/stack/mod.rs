@@ -776,7 +776,7 @@ impl StackDevice {
                 "member '{member}' of '{name}' is in use: fail it first"
             ));
         }
-        if self.health.replacing(m) {
+        if self.health.replacing(m) && self.health.ok(self.health.n + m) {
             return Err(format!(
                 "member '{member}' of '{name}' is being replaced: wait for the replace to end"
             ));
@@ -785,7 +785,14 @@ impl StackDevice {
             .map_err(|e| format!("cannot remove member '{member}' of '{name}': {e}"))?;
         // A stand-in that is never used takes its place, so its file closes.
         let stand_in = self.stand_in()?;
-        self.with_threads_stopped(|| self.health.switch(|devices, _| devices[m] = Some(stand_in)));
+        let n = self.health.n;
+        self.with_threads_stopped(|| {
+            self.health.switch(|devices, _| {
+                devices[m] = Some(stand_in);
+                // A replacement of it that failed goes too.
+                devices[n + m] = None;
+            })
+        });
         eprintln!("cairn: {name}: member {member} removed by the admin");
         Ok(format!(
             "{name}: member '{member}' removed: recorded as missing, and closed"
@@ -867,7 +874,7 @@ impl StackDevice {
         let slot = (0..self.health.n)
             .find(|&m| states[m] == MemberState::Missing)
             .or_else(|| (0..self.health.n).find(|&m| !self.health.ok(m)))
-            .filter(|&m| !self.health.replacing(m));
+            .filter(|&m| !(self.health.replacing(m) && self.health.ok(self.health.n + m)));
         let Some(m) = slot else {
             return Err(format!(
                 "'{name}' has no missing or failed member to take the place of (to swap a working member for a new device: replace {name} OLD SPEC)"
@@ -882,9 +889,12 @@ impl StackDevice {
             // Nothing sent to the old device is in flight once the switch returns; from
             // then on writes go to the new one, which is read only below its rebuild's
             // progress.
+            let n = self.health.n;
             self.health.switch(|devices, names| {
                 devices[m] = Some(device);
                 names[m] = new_name.clone();
+                // A replacement of the old member that failed goes too.
+                devices[n + m] = None;
             });
             self.health.readable[m].store(false, Relaxed);
             self.health.partial[m].store(false, Relaxed);
@@ -909,7 +919,8 @@ impl StackDevice {
     ) -> Result<String, String> {
         let name = &self.name;
         let m = self.member_index(old)?;
-        if self.health.replacing(m) {
+        // A replacement that failed is given up: a new one may take its place.
+        if self.health.replacing(m) && self.health.ok(self.health.n + m) {
             return Err(format!(
                 "member '{old}' of '{name}' is being replaced already"
             ));
