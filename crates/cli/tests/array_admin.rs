@@ -367,9 +367,9 @@ fn fio_nbd_verify_on_a_mirror_while_members_are_failed_removed_added_and_replace
     assembles_from_new_members(dir.path(), &MIRROR, &names);
 }
 
-/// `add` and `replace` refuse what cannot be a member, each with its reason, and change
-/// nothing: the array stays as it was under its verifying load, and a file that holds
-/// data keeps it.
+/// `add` (as a spare here: the array is whole) and `replace` refuse what cannot be a
+/// member, each with its reason, and change nothing: the array stays as it was under its
+/// verifying load, and a file that holds data keeps it.
 #[test]
 fn add_and_replace_refuse_bad_devices_and_change_nothing() {
     let dir = tmpdir();
@@ -400,7 +400,15 @@ fn add_and_replace_refuse_bad_devices_and_change_nothing() {
     std::fs::write(&stack, stack_text(d, &MIRROR, MIRROR.members)).unwrap();
     let sock = d.join("admin.sock");
     let mut bench = cairn()
-        .args(["bench", "--rw", "randrw", "--verify", "crc32c", "--iodepth", "8"])
+        .args([
+            "bench",
+            "--rw",
+            "randrw",
+            "--verify",
+            "crc32c",
+            "--iodepth",
+            "8",
+        ])
         .args(["--time_based", "--runtime", "1h", "--admin"])
         .arg(&sock)
         .arg(&stack)
@@ -413,19 +421,43 @@ fn add_and_replace_refuse_bad_devices_and_change_nothing() {
     let file = |n: &str| format!("file:{}", d.join(n).display());
     let big = |n: &str| format!("file:{},size=33M", d.join(n).display());
     for (words, why) in [
-        (vec!["add", "m", &big("c.img")], "no missing or failed member"),
-        (vec!["replace", "m", "zz", &big("c.img")], "has no member 'zz'"),
-        (vec!["replace", "m", "a", &file("b.img")], "in use by this cairn"),
-        (vec!["replace", "m", "a", &file("nothing.img")], "no such file"),
+        (
+            vec!["add", "m", "null:64M"],
+            "does not keep what is written",
+        ),
+        (vec!["add", "m", &file("junk.img")], "not blank"),
+        (
+            vec!["replace", "m", "zz", &big("c.img")],
+            "has no member 'zz'",
+        ),
+        (
+            vec!["replace", "m", "a", &file("b.img")],
+            "in use by this cairn",
+        ),
+        (
+            vec!["replace", "m", "a", &file("nothing.img")],
+            "no such file",
+        ),
         (vec!["replace", "m", "a", "mem:8M"], "needs at least"),
         (vec!["replace", "m", "a", &file("junk.img")], "not blank"),
-        (vec!["replace", "m", "a", &file("x.img")], "member of another array ('o'"),
-        (vec!["replace", "m", "a", "null:64M"], "does not keep what is written"),
+        (
+            vec!["replace", "m", "a", &file("x.img")],
+            "member of another array ('o'",
+        ),
+        (
+            vec!["replace", "m", "a", "null:64M"],
+            "does not keep what is written",
+        ),
         (vec!["replace", "m", "a", "bogus:1"], "'bogus:1'"),
         (vec!["replace", "m", "a"], "usage: replace ARRAY OLD SPEC"),
         (vec!["add", "nope", "mem:64M"], "no device 'nope'"),
     ] {
-        let out = cairn().arg("admin").arg(&sock).args(&words).output().unwrap();
+        let out = cairn()
+            .arg("admin")
+            .arg(&sock)
+            .args(&words)
+            .output()
+            .unwrap();
         let all = text(&out.stdout) + &text(&out.stderr);
         assert!(!out.status.success(), "{words:?} succeeded: {all}");
         assert!(all.contains(why), "{words:?}: {all}");
@@ -443,4 +475,86 @@ fn add_and_replace_refuse_bad_devices_and_change_nothing() {
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
     assert!(!stdout.contains("error"), "{stdout}");
+}
+
+/// A spare added to a whole array waits; when a member fails under the load (a `fault`
+/// device failing its writes), the spare takes its place and is rebuilt online, and the
+/// verifying load never sees an error. A second spare waits for the next failure.
+#[test]
+fn a_spare_takes_the_place_of_a_member_that_fails_under_load() {
+    let dir = tmpdir();
+    let d = dir.path();
+    let file = |n: &str| {
+        format!(
+            "[device.{n}]\ntype = \"file\"\npath = \"{}\"\nsize = \"33M\"\n",
+            d.join(format!("{n}.img")).display()
+        )
+    };
+    let stack = d.join("stack.toml");
+    std::fs::write(
+        &stack,
+        file("a")
+            + &file("b")
+            + "[device.fa]\ntype = \"fault\"\nbase = \"a\"\nfail = [\"write\"]\nafter_ios = 40000\n\
+               [device.m]\ntype = \"mirror\"\nmembers = [\"fa\", \"b\"]\nmetadata = \"1\"\n\
+               bitmap = \"1M\"\nrebuild_min = \"16M\"\n",
+    )
+    .unwrap();
+    let sock = d.join("admin.sock");
+    let mut bench = cairn()
+        .args([
+            "bench",
+            "--rw",
+            "randrw",
+            "--verify",
+            "crc32c",
+            "--iodepth",
+            "8",
+        ])
+        .args(["--time_based", "--runtime", "1h", "--admin"])
+        .arg(&sock)
+        .arg(&stack)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_socket(&sock, &mut bench);
+    let spec = |n: &str| format!("file:{},size=33M", d.join(n).display());
+    // Whether fa has failed yet or not, s1 ends up in its place.
+    let out = admin(&sock, &["add", "m", &spec("s1.img")]);
+    assert!(
+        out.contains("added as a spare") || out.contains("added in place of 'fa'"),
+        "{out}"
+    );
+    let s = wait_status(
+        &sock,
+        "s1 in fa's place, rebuilt",
+        |s| s.contains("[UU] s1.img active, b active"),
+        &mut bench,
+    );
+    assert!(!s.contains("spares:"), "{s}");
+    let out = admin(&sock, &["add", "m", &spec("s2.img")]);
+    assert!(out.contains("added as a spare"), "{out}");
+    let s = admin(&sock, &["status"]);
+    assert!(s.contains("spares: s2.img"), "{s}");
+    // The next failure takes it.
+    let out = admin(&sock, &["fail", "m", "b"]);
+    assert!(out.contains("failed"), "{out}");
+    wait_status(
+        &sock,
+        "s2 in b's place, rebuilt",
+        |s| s.contains("[UU] s1.img active, s2.img active"),
+        &mut bench,
+    );
+    interrupt(&bench);
+    let out = bench.wait_with_output().unwrap();
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(!stdout.contains("error"), "{stdout}");
+    assert!(stderr.contains("member fa failed"), "{stderr}");
+    assert!(
+        stderr.contains("'s1.img' added in place of 'fa'"),
+        "{stderr}"
+    );
+    copies_agree(d, &["s1.img".into(), "s2.img".into()]);
 }

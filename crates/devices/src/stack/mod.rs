@@ -80,6 +80,9 @@ struct Health {
     devices: std::sync::Mutex<Vec<Option<Arc<dyn Device>>>>,
     /// Bumped by every change of `devices`.
     epoch: AtomicU64,
+    /// Members failed so far, and a wake-up for the spares' thread at each.
+    failures: std::sync::Mutex<u64>,
+    failed_now: std::sync::Condvar,
     /// Every queue's count of requests in flight, by epoch parity.
     gates: std::sync::Mutex<Vec<std::sync::Weak<Gate>>>,
 }
@@ -139,6 +142,7 @@ impl Health {
     fn fail(&self, member: usize, status: IoStatus) {
         self.readable[member].store(false, Relaxed);
         if !self.failed[member].swap(true, Relaxed) {
+            self.failed_event();
             if member >= self.n {
                 eprintln!(
                     "cairn: {}: replacement {} for {} failed ({status}); the replace is abandoned",
@@ -154,6 +158,13 @@ impl Health {
                 );
             }
         }
+    }
+
+    /// Wakes the spares' thread: a member failed.
+    #[cold]
+    fn failed_event(&self) {
+        *self.failures.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        self.failed_now.notify_all();
     }
 
     /// Member `m`'s name.
@@ -220,6 +231,18 @@ impl Health {
 
 /// A device made of other devices.
 pub struct StackDevice {
+    shared: Arc<Shared>,
+}
+
+impl std::ops::Deref for StackDevice {
+    type Target = Shared;
+    fn deref(&self) -> &Shared {
+        &self.shared
+    }
+}
+
+/// A stacked device's state, shared with its control threads (rebuild, bitmap, spares).
+pub struct Shared {
     name: String,
     layout: Arc<AnyLayout>,
     health: Arc<Health>,
@@ -235,6 +258,10 @@ pub struct StackDevice {
     threads: std::sync::Mutex<Threads>,
     /// Held by every change of members (admin actions, the end of a replace).
     changing: std::sync::Mutex<()>,
+    /// Devices waiting to take the place of a member that fails, and their names.
+    spares: std::sync::Mutex<Vec<(Arc<dyn Device>, String)>>,
+    /// The thread that puts them there, while there are spares.
+    watcher: std::sync::Mutex<Option<Thread>>,
 }
 
 /// A control thread's stop flag and handle.
@@ -312,33 +339,29 @@ impl StackDevice {
             bitmap: None,
             devices: std::sync::Mutex::new(devices),
             epoch: AtomicU64::new(0),
+            failures: std::sync::Mutex::new(0),
+            failed_now: std::sync::Condvar::new(),
             gates: std::sync::Mutex::new(Vec::new()),
         });
         Ok(StackDevice {
-            name: name.into(),
-            geometry: Geometry {
-                size_bytes,
-                block_bytes,
-                caps,
-            },
-            layout,
-            health,
-            data_offset: 0,
-            metadata: None,
-            options: crate::config::ArrayOptions::default(),
-            threads: std::sync::Mutex::new(Threads::default()),
-            changing: std::sync::Mutex::new(()),
+            shared: Arc::new(Shared {
+                name: name.into(),
+                geometry: Geometry {
+                    size_bytes,
+                    block_bytes,
+                    caps,
+                },
+                layout,
+                health,
+                data_offset: 0,
+                metadata: None,
+                options: crate::config::ArrayOptions::default(),
+                threads: std::sync::Mutex::new(Threads::default()),
+                changing: std::sync::Mutex::new(()),
+                spares: std::sync::Mutex::new(Vec::new()),
+                watcher: std::sync::Mutex::new(None),
+            }),
         })
-    }
-
-    /// The layout's member devices now.
-    fn members(&self) -> Vec<Arc<dyn Device>> {
-        self.health
-            .devices()
-            .into_iter()
-            .take(self.health.n)
-            .flatten()
-            .collect()
     }
 
     /// Runs the array on its superblocks: data starts after the metadata area; members
@@ -350,7 +373,10 @@ impl StackDevice {
         options: crate::config::ArrayOptions,
     ) -> StackDevice {
         use crate::array::superblock::MemberState;
-        if let Some(health) = Arc::get_mut(&mut self.health) {
+        let Some(shared) = Arc::get_mut(&mut self.shared) else {
+            unreachable!("a stacked device is shared only once it runs");
+        };
+        if let Some(health) = Arc::get_mut(&mut shared.health) {
             // No queue exists yet: the health is this device's alone.
             health.bitmap = metadata.bitmap().cloned();
         }
@@ -360,35 +386,48 @@ impl StackDevice {
                 MemberState::Rebuilding => (true, false),
                 MemberState::Failed | MemberState::Missing => (false, false),
             };
-            self.health.failed[m].store(!ok, Relaxed);
-            self.health.readable[m].store(readable, Relaxed);
+            shared.health.failed[m].store(!ok, Relaxed);
+            shared.health.readable[m].store(readable, Relaxed);
             if state == MemberState::Rebuilding {
-                let partial = metadata.partial(m) && self.health.bitmap.is_some();
-                self.health.partial[m].store(partial, Relaxed);
+                let partial = metadata.partial(m) && shared.health.bitmap.is_some();
+                shared.health.partial[m].store(partial, Relaxed);
                 // Current below its checkpoint (for a partial recovery, below it every
                 // dirty region was copied).
                 if !partial {
-                    self.health.below[m].store(metadata.recovery_offset(m), Relaxed);
+                    shared.health.below[m].store(metadata.recovery_offset(m), Relaxed);
                 }
             }
         }
-        self.health
+        shared
+            .health
             .one_copy
             .store(metadata.resync_pending(), Relaxed);
-        self.data_offset = metadata.data_offset();
-        self.options = options;
+        shared.data_offset = metadata.data_offset();
+        shared.options = options;
         let metadata = Arc::new(metadata);
-        self.metadata = Some(metadata.clone());
+        shared.metadata = Some(metadata.clone());
         if !metadata.dry() {
-            let threads = self.start_threads();
+            let threads = self.shared.start_threads();
             *self.threads.lock().unwrap_or_else(|p| p.into_inner()) = threads;
         }
         self
     }
+}
+
+impl Shared {
+    /// The layout's member devices now.
+    fn members(&self) -> Vec<Arc<dyn Device>> {
+        self.health
+            .devices()
+            .into_iter()
+            .take(self.health.n)
+            .flatten()
+            .collect()
+    }
 
     /// Starts the rebuild thread if there is anything to rebuild, resync or replace, and
     /// the thread that clears idle bitmap bits if the array keeps a bitmap.
-    fn start_threads(&self) -> Threads {
+    fn start_threads(self: &Arc<Self>) -> Threads {
         let mut threads = Threads::default();
         let Some(metadata) = &self.metadata else {
             return threads;
@@ -444,7 +483,7 @@ impl StackDevice {
 
     /// Stops the control threads, runs `change`, and starts them again on the members
     /// as they are then (a rebuild resumes from its checkpoint).
-    fn with_threads_stopped<T>(&self, change: impl FnOnce() -> T) -> T {
+    fn with_threads_stopped<T>(self: &Arc<Self>, change: impl FnOnce() -> T) -> T {
         let mut threads = self.threads.lock().unwrap_or_else(|p| p.into_inner());
         threads.stop();
         let out = change();
@@ -458,6 +497,16 @@ impl Drop for StackDevice {
         // Every queue is gone (they hold the device's members, not the device), so no
         // write is in flight: the array stops clean, with the members that failed
         // recorded as failed.
+        if let Some((stop, handle)) = self
+            .watcher
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            stop.store(true, SeqCst);
+            self.health.failed_event();
+            let _ = handle.join();
+        }
         self.threads
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -662,6 +711,16 @@ impl Device for StackDevice {
                 sync.written_bytes.load(Relaxed)
             );
         }
+        let spares: Vec<String> = self
+            .spares
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(_, n)| n.clone())
+            .collect();
+        if !spares.is_empty() {
+            out += &format!("    spares: {}\n", spares.join(", "));
+        }
         if let Some(bm) = &self.health.bitmap {
             out += &format!(
                 "    bitmap: {} of {} regions of {} dirty\n",
@@ -690,9 +749,9 @@ impl Device for StackDevice {
         let _changing = self.changing.lock().unwrap_or_else(|p| p.into_inner());
         match (action, args) {
             ("fail", [member]) => self.fail(meta, member),
-            ("remove", [member]) => self.remove(meta, member),
-            ("add", [spec]) => self.add(meta, spec),
-            ("replace", [old, spec]) => self.replace(meta, old, spec),
+            ("remove", [member]) => self.shared.remove(meta, member),
+            ("add", [spec]) => self.shared.add(meta, spec),
+            ("replace", [old, spec]) => self.shared.replace(meta, old, spec),
             ("fail" | "remove", _) => Err(format!("usage: {action} ARRAY MEMBER")),
             ("add", _) => Err("usage: add ARRAY SPEC (e.g. file:/path/to/new.img)".into()),
             ("replace", _) => Err("usage: replace ARRAY OLD SPEC".into()),
@@ -710,7 +769,7 @@ impl Device for StackDevice {
     }
 }
 
-impl StackDevice {
+impl Shared {
     /// Member `member`'s index, or an error naming the members.
     fn member_index(&self, member: &str) -> Result<usize, String> {
         let names: Vec<String> = (0..self.health.n).map(|m| self.health.name(m)).collect();
@@ -761,13 +820,18 @@ impl StackDevice {
         self.health.failed[m].store(true, Relaxed);
         eprintln!("cairn: {name}: member {member} failed by the admin; running degraded");
         meta.fail_member(m);
+        self.health.failed_event();
         Ok(format!(
             "{name}: member '{member}' failed; running degraded"
         ))
     }
 
     /// `remove MEMBER`: a failed member recorded as missing, and its file closed.
-    fn remove(&self, meta: &crate::array::Metadata, member: &str) -> Result<String, String> {
+    fn remove(
+        self: &Arc<Self>,
+        meta: &crate::array::Metadata,
+        member: &str,
+    ) -> Result<String, String> {
         use crate::array::superblock::MemberState;
         let name = &self.name;
         let m = self.member_index(member)?;
@@ -867,23 +931,56 @@ impl StackDevice {
 
     /// `add SPEC`: the device takes the place of a missing (removed) or failed member and
     /// is rebuilt online; reads use it once it is current.
-    fn add(&self, meta: &crate::array::Metadata, spec: &str) -> Result<String, String> {
-        use crate::array::superblock::MemberState;
+    fn add(self: &Arc<Self>, meta: &crate::array::Metadata, spec: &str) -> Result<String, String> {
         let name = &self.name;
-        let states = meta.states();
-        let slot = (0..self.health.n)
-            .find(|&m| states[m] == MemberState::Missing)
-            .or_else(|| (0..self.health.n).find(|&m| !self.health.ok(m)))
-            .filter(|&m| !(self.health.replacing(m) && self.health.ok(self.health.n + m)));
-        let Some(m) = slot else {
-            return Err(format!(
-                "'{name}' has no missing or failed member to take the place of (to swap a working member for a new device: replace {name} OLD SPEC)"
+        let Some(m) = self.free_slot(meta) else {
+            // A spare: it takes the place of the next member that fails.
+            let (device, new_name) = self.open_new(meta, spec, 0)?;
+            self.spares
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((device, new_name.clone()));
+            self.watch_spares();
+            eprintln!("cairn: {name}: '{new_name}' added as a spare");
+            return Ok(format!(
+                "{name}: '{new_name}' added as a spare: it takes the place of the next member that fails (to swap a working member for a new device: replace {name} OLD SPEC)"
             ));
         };
-        let old = self.health.name(m);
         let (device, new_name) = self.open_new(meta, spec, m)?;
+        let old = self.add_device(meta, m, device, &new_name)?;
+        Ok(format!(
+            "{name}: '{new_name}' added in place of '{old}', rebuilding (see status)\n{}",
+            self.members_line()
+        ))
+    }
+
+    /// A member a new device may take the place of: missing (removed), or failed and
+    /// recorded so (never one being replaced by a working replacement).
+    fn free_slot(&self, meta: &crate::array::Metadata) -> Option<usize> {
+        use crate::array::superblock::MemberState;
+        let states = meta.states();
+        let n = self.health.n;
+        let free = |m: usize| !(self.health.replacing(m) && self.health.ok(n + m));
+        (0..n)
+            .find(|&m| states[m] == MemberState::Missing && free(m))
+            .or_else(|| {
+                (0..n).find(|&m| !self.health.ok(m) && states[m] == MemberState::Failed && free(m))
+            })
+    }
+
+    /// Makes `device` member `m` (missing or failed), rebuilt online. The old name.
+    fn add_device(
+        self: &Arc<Self>,
+        meta: &crate::array::Metadata,
+        m: usize,
+        device: Arc<dyn Device>,
+        new_name: &str,
+    ) -> Result<String, String> {
+        use crate::array::superblock::MemberState;
+        let name = &self.name;
+        let old = self.health.name(m);
         // Recorded first: the new member is known as rebuilding before it gets a write.
-        meta.set_member(m, device.clone(), &new_name, MemberState::Rebuilding)
+        meta.set_member(m, device.clone(), new_name, MemberState::Rebuilding)
             .map_err(|e| format!("cannot add '{new_name}' to '{name}': {e}"))?;
         self.with_threads_stopped(|| {
             // Nothing sent to the old device is in flight once the switch returns; from
@@ -892,7 +989,7 @@ impl StackDevice {
             let n = self.health.n;
             self.health.switch(|devices, names| {
                 devices[m] = Some(device);
-                names[m] = new_name.clone();
+                names[m] = new_name.to_string();
                 // A replacement of the old member that failed goes too.
                 devices[n + m] = None;
             });
@@ -902,17 +999,78 @@ impl StackDevice {
             self.health.failed[m].store(false, Relaxed);
         });
         eprintln!("cairn: {name}: '{new_name}' added in place of '{old}'; rebuilding it");
-        Ok(format!(
-            "{name}: '{new_name}' added in place of '{old}', rebuilding (see status)\n{}",
-            self.members_line()
-        ))
+        Ok(old)
+    }
+
+    /// Starts the thread that puts spares in the place of failed members, unless it
+    /// runs.
+    fn watch_spares(self: &Arc<Self>) {
+        let mut watcher = self.watcher.lock().unwrap_or_else(|p| p.into_inner());
+        if watcher.is_some() {
+            return;
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let (me, halt) = (self.clone(), stop.clone());
+        match std::thread::Builder::new()
+            .name(format!("cairn-spares-{}", self.name))
+            .spawn(move || me.use_spares_until(&halt))
+        {
+            Ok(handle) => *watcher = Some((stop, handle)),
+            Err(e) => eprintln!(
+                "cairn: {}: cannot start the spares' thread (spares stay unused): {e}",
+                self.name
+            ),
+        }
+    }
+
+    /// Puts a spare in the place of each member that fails (and of each missing one),
+    /// until `stop`.
+    fn use_spares_until(self: Arc<Self>, stop: &AtomicBool) {
+        cairn_core::reactor::block_signals_in_this_thread();
+        let mut seen = u64::MAX;
+        while !stop.load(SeqCst) {
+            {
+                let count = self
+                    .health
+                    .failures
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                let (count, _) = self
+                    .health
+                    .failed_now
+                    .wait_timeout_while(count, std::time::Duration::from_millis(200), |c| {
+                        *c == seen && !stop.load(SeqCst)
+                    })
+                    .unwrap_or_else(|p| p.into_inner());
+                seen = *count;
+            }
+            let Some(meta) = self.metadata.as_ref().filter(|m| !m.dry()) else {
+                return;
+            };
+            let _changing = self.changing.lock().unwrap_or_else(|p| p.into_inner());
+            while !stop.load(SeqCst) {
+                let Some(m) = self.free_slot(meta) else { break };
+                let spare = {
+                    let mut spares = self.spares.lock().unwrap_or_else(|p| p.into_inner());
+                    if spares.is_empty() {
+                        break;
+                    }
+                    spares.remove(0)
+                };
+                if let Err(e) = self.add_device(meta, m, spare.0, &spare.1) {
+                    eprintln!("cairn: {}: spare '{}' not used: {e}", self.name, spare.1);
+                } else {
+                    eprintln!("cairn: {}: {}", self.name, self.members_line());
+                }
+            }
+        }
     }
 
     /// `replace OLD SPEC`: the device is written with every write to OLD and filled by a
     /// rebuild; once it is current it takes OLD's place and OLD is closed. The array
     /// never has fewer current copies than before.
     fn replace(
-        &self,
+        self: &Arc<Self>,
         meta: &crate::array::Metadata,
         old: &str,
         spec: &str,
