@@ -10,7 +10,7 @@
 //!                           (refused if some data would have no current copy left)
 //!   remove ARRAY MEMBER     record a failed member as missing, and close it
 //!   add ARRAY SPEC          a new device (`file:PATH[,size=N]`) in place of a missing or
-//!                           failed member, rebuilt online
+//!                           failed member, rebuilt online; else a spare
 //!   replace ARRAY OLD SPEC  copy OLD's data to a new device, written with every write,
 //!                           then swap it in and close OLD (redundancy never drops)
 //!   power-cut [DEVICE...]   cut the power of these devices (default: every export's):
@@ -39,7 +39,7 @@ const HELP: &str = "ok: commands:
   fail ARRAY MEMBER       mark a member failed (never the last current copy of any data)
   remove ARRAY MEMBER     record a failed member as missing, and close it
   add ARRAY SPEC          a new device (file:PATH[,size=N]) in place of a missing or
-                          failed member, rebuilt online
+                          failed member, rebuilt online; else a spare
   replace ARRAY OLD SPEC  build a new device from OLD's copies while it works, then
                           swap it in and close OLD (redundancy never drops)
   power-cut [DEVICE...]   lose what these devices (default: every export's) hold that no

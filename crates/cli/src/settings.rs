@@ -204,7 +204,8 @@ const ADMIN_HELP: &str = "Commands:
                           current copy of any data)
   remove ARRAY MEMBER     record a failed member as missing, and close it
   add ARRAY SPEC          a new device (file:PATH[,size=N]) in place of a missing or
-                          failed member, rebuilt online while the array serves
+                          failed member, rebuilt online while the array serves;
+                          a spare when no member is missing or failed
   replace ARRAY OLD SPEC  build a new device from the array while OLD keeps working,
                           then swap it in and close OLD (redundancy never drops)
   power-cut [DEVICE...]   lose what these devices (default: every export's) hold that no
