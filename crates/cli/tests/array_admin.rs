@@ -111,9 +111,34 @@ fn wait_socket(path: &Path, child: &mut Child) {
     }
 }
 
-fn interrupt(child: &Child) {
-    // SAFETY: sends SIGINT to our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+/// A child process, killed if the test ends (or panics) before it is stopped.
+struct Proc(Option<Child>);
+
+impl Proc {
+    fn spawn(cmd: &mut Command) -> Proc {
+        Proc(Some(cmd.spawn().expect("start cairn")))
+    }
+
+    fn child(&mut self) -> &mut Child {
+        self.0.as_mut().expect("running")
+    }
+
+    /// Sends `signal` and waits for the output.
+    fn stop(mut self, signal: i32) -> Output {
+        let child = self.0.take().expect("running");
+        // SAFETY: signals our own child, which has not been waited for.
+        unsafe { libc::kill(child.id() as i32, signal) };
+        child.wait_with_output().unwrap()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
 }
 
 /// The array's layout in a stack file: a mirror of a and b, or a raid10 of a, b, e, f.
@@ -231,28 +256,27 @@ fn bench_verify_under_member_changes(array: &Array) {
     let stack = dir.path().join("stack.toml");
     std::fs::write(&stack, stack_text(dir.path(), array, array.members)).unwrap();
     let sock = dir.path().join("admin.sock");
-    let mut bench = cairn()
-        .args([
-            "bench", "--rw", "randrw", "--verify", "crc32c", "--bs", "4k",
-        ])
-        .args([
-            "--iodepth",
-            "16",
-            "--time_based",
-            "--runtime",
-            "1h",
-            "--admin",
-        ])
-        .arg(&sock)
-        .arg(&stack)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_socket(&sock, &mut bench);
-    let names = change_members(&sock, dir.path(), array, &mut bench);
-    interrupt(&bench);
-    let out: Output = bench.wait_with_output().unwrap();
+    let mut bench = Proc::spawn(
+        cairn()
+            .args([
+                "bench", "--rw", "randrw", "--verify", "crc32c", "--bs", "4k",
+            ])
+            .args([
+                "--iodepth",
+                "16",
+                "--time_based",
+                "--runtime",
+                "1h",
+                "--admin",
+            ])
+            .arg(&sock)
+            .arg(&stack)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
+    wait_socket(&sock, bench.child());
+    let names = change_members(&sock, dir.path(), array, bench.child());
+    let out = bench.stop(libc::SIGINT);
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert!(out.status.success(), "{stdout}{stderr}");
     assert!(!stdout.contains("error"), "{stdout}");
@@ -295,19 +319,19 @@ fn fio_nbd_verify_on_a_mirror_while_members_are_failed_removed_added_and_replace
     let stack = dir.path().join("stack.toml");
     std::fs::write(&stack, stack_text(dir.path(), &MIRROR, MIRROR.members)).unwrap();
     let (sock, nbd) = (dir.path().join("admin.sock"), dir.path().join("nbd.sock"));
-    let mut srv = cairn()
-        .arg("serve")
-        .arg("--listen")
-        .arg(format!("unix:{}", nbd.display()))
-        .arg("--admin")
-        .arg(&sock)
-        .arg(&stack)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_socket(&sock, &mut srv);
-    wait_socket(&nbd, &mut srv);
+    let mut srv = Proc::spawn(
+        cairn()
+            .arg("serve")
+            .arg("--listen")
+            .arg(format!("unix:{}", nbd.display()))
+            .arg("--admin")
+            .arg(&sock)
+            .arg(&stack)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped()),
+    );
+    wait_socket(&sock, srv.child());
+    wait_socket(&nbd, srv.child());
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let load = {
         let (stop, uri, dir) = (
@@ -353,13 +377,11 @@ fn fio_nbd_verify_on_a_mirror_while_members_are_failed_removed_added_and_replace
             }
         })
     };
-    let names = change_members(&sock, dir.path(), &MIRROR, &mut srv);
+    let names = change_members(&sock, dir.path(), &MIRROR, srv.child());
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let runs = load.join().unwrap().unwrap();
     assert!(runs >= 2, "fio ran {runs} times");
-    // SAFETY: sends SIGTERM to our own child.
-    unsafe { libc::kill(srv.id() as i32, libc::SIGTERM) };
-    let out = srv.wait_with_output().unwrap();
+    let out = srv.stop(libc::SIGTERM);
     let log = text(&out.stderr);
     assert!(out.status.success(), "{log}");
     assert!(log.contains("replace done"), "{log}");
@@ -399,25 +421,25 @@ fn add_and_replace_refuse_bad_devices_and_change_nothing() {
     let stack = d.join("stack.toml");
     std::fs::write(&stack, stack_text(d, &MIRROR, MIRROR.members)).unwrap();
     let sock = d.join("admin.sock");
-    let mut bench = cairn()
-        .args([
-            "bench",
-            "--rw",
-            "randrw",
-            "--verify",
-            "crc32c",
-            "--iodepth",
-            "8",
-        ])
-        .args(["--time_based", "--runtime", "1h", "--admin"])
-        .arg(&sock)
-        .arg(&stack)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_socket(&sock, &mut bench);
-    let before = wait_status(&sock, "the array", |s| s.contains("[UU]"), &mut bench);
+    let mut bench = Proc::spawn(
+        cairn()
+            .args([
+                "bench",
+                "--rw",
+                "randrw",
+                "--verify",
+                "crc32c",
+                "--iodepth",
+                "8",
+            ])
+            .args(["--time_based", "--runtime", "1h", "--admin"])
+            .arg(&sock)
+            .arg(&stack)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
+    wait_socket(&sock, bench.child());
+    let before = wait_status(&sock, "the array", |s| s.contains("[UU]"), bench.child());
     let file = |n: &str| format!("file:{}", d.join(n).display());
     let big = |n: &str| format!("file:{},size=33M", d.join(n).display());
     for (words, why) in [
@@ -470,8 +492,7 @@ fn add_and_replace_refuse_bad_devices_and_change_nothing() {
     assert!(!after.contains("rebuild "), "{after}");
     assert_eq!(std::fs::read(d.join("junk.img")).unwrap(), junk);
     assert!(!d.join("nothing.img").exists());
-    interrupt(&bench);
-    let out = bench.wait_with_output().unwrap();
+    let out = bench.stop(libc::SIGINT);
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
     assert!(!stdout.contains("error"), "{stdout}");
@@ -501,24 +522,24 @@ fn a_spare_takes_the_place_of_a_member_that_fails_under_load() {
     )
     .unwrap();
     let sock = d.join("admin.sock");
-    let mut bench = cairn()
-        .args([
-            "bench",
-            "--rw",
-            "randrw",
-            "--verify",
-            "crc32c",
-            "--iodepth",
-            "8",
-        ])
-        .args(["--time_based", "--runtime", "1h", "--admin"])
-        .arg(&sock)
-        .arg(&stack)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_socket(&sock, &mut bench);
+    let mut bench = Proc::spawn(
+        cairn()
+            .args([
+                "bench",
+                "--rw",
+                "randrw",
+                "--verify",
+                "crc32c",
+                "--iodepth",
+                "8",
+            ])
+            .args(["--time_based", "--runtime", "1h", "--admin"])
+            .arg(&sock)
+            .arg(&stack)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
+    wait_socket(&sock, bench.child());
     let spec = |n: &str| format!("file:{},size=33M", d.join(n).display());
     // Whether fa has failed yet or not, s1 ends up in its place.
     let out = admin(&sock, &["add", "m", &spec("s1.img")]);
@@ -530,7 +551,7 @@ fn a_spare_takes_the_place_of_a_member_that_fails_under_load() {
         &sock,
         "s1 in fa's place, rebuilt",
         |s| s.contains("[UU] s1.img active, b active"),
-        &mut bench,
+        bench.child(),
     );
     assert!(!s.contains("spares:"), "{s}");
     let out = admin(&sock, &["add", "m", &spec("s2.img")]);
@@ -544,10 +565,9 @@ fn a_spare_takes_the_place_of_a_member_that_fails_under_load() {
         &sock,
         "s2 in b's place, rebuilt",
         |s| s.contains("[UU] s1.img active, s2.img active"),
-        &mut bench,
+        bench.child(),
     );
-    interrupt(&bench);
-    let out = bench.wait_with_output().unwrap();
+    let out = bench.stop(libc::SIGINT);
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert!(out.status.success(), "{stdout}{stderr}");
     assert!(!stdout.contains("error"), "{stdout}");
