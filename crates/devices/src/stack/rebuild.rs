@@ -327,8 +327,12 @@ fn run_to_end(job: Job) {
                 let (m, member_offset) = job.layout.locate(p, k);
                 // Never over what is current already (a rebuild restarted below its
                 // progress): reads may use it, and a copy racing a client write would
-                // put older data there until copied again.
-                let current = member_offset + len <= health.below[m].load(Relaxed);
+                // put older data there until copied again. After an unclean stop,
+                // though, a region a write was in flight to (dirty) may differ below
+                // the checkpoint too: the resync copies it (reads of it go to the
+                // source until then).
+                let current =
+                    member_offset + len <= health.below[m].load(Relaxed) && !(resync && dirty(p));
                 if k != source && needs(m, p) && !current {
                     targets.push((m, member_offset));
                 }
