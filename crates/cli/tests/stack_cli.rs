@@ -889,3 +889,27 @@ mod crashes_and_hangs {
         assert!(line.contains("not UTF-8"), "{line}");
     }
 }
+
+/// `cairn check` validates and changes nothing: a file that `size=` would create is not
+/// created (nor one that it would extend extended); the tree says what serve or bench
+/// will do.
+#[test]
+fn check_creates_and_extends_no_file() {
+    let dir = tempfile::tempdir().expect("a directory");
+    let (a, b) = (dir.path().join("a.img"), dir.path().join("b.img"));
+    std::fs::write(&b, vec![0u8; 1 << 20]).unwrap();
+    let stack = StackFile::new(&format!(
+        "[device.a]\ntype = \"file\"\npath = \"{}\"\nsize = \"8M\"\n\
+         [device.b]\ntype = \"file\"\npath = \"{}\"\nsize = \"8M\"\n\
+         [device.s]\ntype = \"stripe\"\nmembers = [\"a\", \"b\"]\n",
+        a.display(),
+        b.display()
+    ));
+    let out = cairn(&["check", stack.arg()]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    assert!(stdout.contains("to be created by serve or bench"), "{stdout}");
+    assert!(stdout.contains("to be extended by serve or bench"), "{stdout}");
+    assert!(!a.exists(), "check created {}", a.display());
+    assert_eq!(std::fs::metadata(&b).unwrap().len(), 1 << 20, "check extended b");
+}

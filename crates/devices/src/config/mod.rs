@@ -610,7 +610,8 @@ impl StackFile {
             Some(n) => vec![self.pick(Some(n))?],
             None => self.roots(),
         };
-        // Arrays are examined, not started: `check` writes no superblock.
+        // Arrays are examined, not started: `check` writes no superblock, and creates or
+        // extends no file.
         let devices = names
             .iter()
             .map(|name| self.open_inner(name, switches, true))
@@ -681,8 +682,10 @@ impl StackFile {
         self.open_inner(name, switches, false)
     }
 
-    /// [`StackFile::open_with`]; with `dry`, arrays with metadata are examined and not
-    /// started (no superblock is written, at open or at close).
+    /// [`StackFile::open_with`]; with `dry` (`cairn check`), nothing is changed: arrays
+    /// with metadata are examined and not started (no superblock is written, at open or
+    /// at close), and a file that `size=` would create or extend gets a stand-in of that
+    /// size.
     fn open_inner(
         &self,
         name: &str,
@@ -756,6 +759,7 @@ impl StackFile {
             .max()
             .unwrap_or(512);
         let device: Arc<dyn Device> = match spec {
+            DeviceSpec::Leaf(leaf) if dry => open_dry(leaf, name).map_err(named)?,
             DeviceSpec::Leaf(leaf) => crate::open(leaf, name).map_err(named)?,
             DeviceSpec::Linear { .. } => stacked(
                 name,
@@ -804,6 +808,65 @@ impl StackFile {
         };
         opened.insert(name.to_string(), device.clone());
         Ok(device)
+    }
+}
+
+/// A leaf for `cairn check`: the device itself, or, for a file that `size=` would create
+/// or extend, a stand-in of the size it would have (nothing on disk changes).
+fn open_dry(leaf: &crate::LeafSpec, name: &str) -> Result<Arc<dyn Device>, Error> {
+    use crate::LeafSpec;
+    if let LeafSpec::File {
+        path,
+        size_bytes: Some(want),
+        ..
+    } = leaf
+    {
+        let now = std::fs::metadata(path).ok();
+        let plain = now.as_ref().is_none_or(|m| m.file_type().is_file());
+        let short = now.as_ref().map(|m| m.len());
+        if plain && short.is_none_or(|len| len < *want) {
+            let stand_in = crate::null::NullDevice::new(name, *want, 512)?;
+            return Ok(Arc::new(Planned {
+                stand_in,
+                what: format!(
+                    "file {}, {} by serve or bench",
+                    path.display(),
+                    if short.is_none() {
+                        "to be created"
+                    } else {
+                        "to be extended"
+                    }
+                ),
+            }));
+        }
+    }
+    crate::open(leaf, name)
+}
+
+/// A file `cairn check` leaves as it is: a stand-in of the size it will have.
+struct Planned {
+    stand_in: crate::null::NullDevice,
+    what: String,
+}
+
+impl Device for Planned {
+    fn name(&self) -> &str {
+        self.stand_in.name()
+    }
+
+    fn describe(&self) -> String {
+        self.what.clone()
+    }
+
+    fn geometry(&self) -> cairn_core::Geometry {
+        self.stand_in.geometry()
+    }
+
+    fn open_queue(
+        &self,
+        core: &std::rc::Rc<cairn_core::Core>,
+    ) -> Result<std::rc::Rc<dyn cairn_core::Queue>, Error> {
+        self.stand_in.open_queue(core)
     }
 }
 
