@@ -615,9 +615,32 @@ pub fn clap_exit(e: clap::Error) -> ExitCode {
         }
         _ => {
             let rendered = e.render().to_string();
-            let first = rendered.lines().next().unwrap_or("invalid arguments");
+            let mut lines = rendered.lines();
+            let first = lines.next().unwrap_or("invalid arguments");
             let first = first.strip_prefix("error: ").unwrap_or(first);
-            eprintln!("cairn: {first} (see cairn --help)");
+            // What a message ending in ':' lists (the missing arguments), on its line.
+            let listed: Vec<&str> = lines
+                .clone()
+                .take_while(|l| !l.trim().is_empty())
+                .map(str::trim)
+                .collect();
+            let message = if first.ends_with(':') && !listed.is_empty() {
+                format!("{first} {}", listed.join(", "))
+            } else {
+                first.to_string()
+            };
+            // The command whose help to see: from the usage line.
+            let command = lines
+                .find_map(|l| l.trim().strip_prefix("Usage: "))
+                .map(|u| {
+                    u.split_whitespace()
+                        .take_while(|w| !w.starts_with(['[', '<']))
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                })
+                .filter(|c| !c.is_empty())
+                .unwrap_or_else(|| "cairn".into());
+            eprintln!("cairn: {message} (see {command} --help)");
             ExitCode::from(2)
         }
     }

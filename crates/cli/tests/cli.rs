@@ -83,6 +83,26 @@ fn json_of(out: &Output) -> Value {
 mod bad_input {
     use super::*;
 
+    /// A missing argument's error names the argument and the command whose help to see.
+    #[test]
+    fn missing_arguments_are_named() {
+        let line = bad_input(&["check"]);
+        assert!(line.contains("<STACK.toml>"), "{line}");
+        assert!(line.contains("see cairn check --help"), "{line}");
+        let line = bad_input(&["admin"]);
+        assert!(
+            line.contains("<SOCKET>") && line.contains("<COMMAND>"),
+            "{line}"
+        );
+        let line = bad_input(&["admin", "/tmp/sock"]);
+        assert!(
+            line.contains("<COMMAND>") && !line.contains("<SOCKET>"),
+            "{line}"
+        );
+        let line = bad_input(&["bench", "--bs"]);
+        assert!(line.contains("--bs"), "{line}");
+    }
+
     #[test]
     fn missing_file() {
         let line = bad_input(&["bench", "--device", "file:/nonexistent/x"]);

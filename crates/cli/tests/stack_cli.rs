@@ -908,8 +908,18 @@ fn check_creates_and_extends_no_file() {
     let out = cairn(&["check", stack.arg()]);
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
-    assert!(stdout.contains("to be created by serve or bench"), "{stdout}");
-    assert!(stdout.contains("to be extended by serve or bench"), "{stdout}");
+    assert!(
+        stdout.contains("to be created by serve or bench"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("to be extended by serve or bench"),
+        "{stdout}"
+    );
     assert!(!a.exists(), "check created {}", a.display());
-    assert_eq!(std::fs::metadata(&b).unwrap().len(), 1 << 20, "check extended b");
+    assert_eq!(
+        std::fs::metadata(&b).unwrap().len(),
+        1 << 20,
+        "check extended b"
+    );
 }
