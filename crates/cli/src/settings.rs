@@ -24,7 +24,9 @@ const ABOUT: &str = "cairn: a userspace block-storage stack.
 Devices (null, mem, files through io_uring, linux-aio or plain syscalls), each I/O
 carried end to end by one reactor thread. `cairn bench` measures them the way fio does.";
 
-const GLOBAL_HELP: &str = "Switches (each restores a technique's \"before\", to measure its gain):
+const GLOBAL_HELP: &str =
+    "Switches, before or after the command (each restores a technique's \"before\",
+to measure its gain; a stack file's [tuning] sets them too, under these flags):
   --clock cached|precise   technique 2: one clock read per batch, or one per timestamp
   --reap eager|lazy        technique 5: reap completions right after submitting, or only
                            when the reactor would otherwise block
@@ -42,7 +44,11 @@ Examples:
   cairn bench --device null:1G --iodepth 32     the engine's own overhead
   cairn --clock precise bench --device null:1G  technique 2's \"before\"";
 
-const BENCH_HELP: &str = "A stack file (see `cairn check --help`) names devices and how they stack:
+const BENCH_HELP: &str =
+    "The technique switches (--clock, --reap, --stats, --flush, --dispatch, --writeback)
+apply here too: see cairn --help.
+
+A stack file (see `cairn check --help`) names devices and how they stack:
   cairn bench raid10.toml                       the one top-level device in the file
   cairn bench raid10.toml --device d0           one device of the file
 
@@ -81,26 +87,26 @@ pub struct Cli {
 #[derive(Args, Debug)]
 pub struct GlobalArgs {
     /// Technique 2: read the clock once per reactor batch (cached, default) or per timestamp.
-    #[arg(long, global = true, value_enum)]
+    #[arg(long, global = true, value_enum, hide = true)]
     pub clock: Option<ClockArg>,
     /// Technique 5: reap completions right after submitting (eager, default) or only when idle.
-    #[arg(long, global = true, value_enum)]
+    #[arg(long, global = true, value_enum, hide = true)]
     pub reap: Option<ReapArg>,
     /// Keep per-device statistics and latency histograms (on, default).
-    #[arg(long, global = true, value_enum)]
+    #[arg(long, global = true, value_enum, hide = true)]
     pub stats: Option<OnOff>,
     /// Technique 1: one flush covers every flush that arrived before it started (batched,
     /// default), or one flush per request, one at a time (serial).
-    #[arg(long, global = true, value_enum)]
+    #[arg(long, global = true, value_enum, hide = true)]
     pub flush: Option<FlushArg>,
     /// Technique 4: stacked devices submit to their members on the caller's thread
     /// (inline, default) or through a worker thread per hop (handoff).
-    #[arg(long, global = true, value_enum)]
+    #[arg(long, global = true, value_enum, hide = true)]
     pub dispatch: Option<DispatchArg>,
     /// Technique 3: each cache device has its own flusher writing back in offset order
     /// (per-device, default), or one shared pool takes pages from every cache in the
     /// order they were dirtied (shared).
-    #[arg(long, global = true, value_enum)]
+    #[arg(long, global = true, value_enum, hide = true)]
     pub writeback: Option<WritebackArg>,
 }
 
@@ -232,7 +238,11 @@ pub const DEFAULT_SERVE_DEVICE: &str = "mem:1G";
 /// Where `cairn serve` listens by default: loopback only.
 pub const DEFAULT_LISTEN: &str = "tcp:127.0.0.1:10809";
 
-const SERVE_HELP: &str = "Exports:
+const SERVE_HELP: &str =
+    "The technique switches (--clock, --reap, --stats, --flush, --dispatch, --writeback)
+apply here too: see cairn --help.
+
+Exports:
   cairn serve                                   mem:1G as export \"\" on 127.0.0.1:10809
   cairn serve --device file:/srv/disk.img       one leaf device as export \"\"
   cairn serve stack.toml                        the file's [export.NAME] tables, or its

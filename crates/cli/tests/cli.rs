@@ -403,6 +403,38 @@ mod help {
         assert_no_panic(&["--help"], &out);
     }
 
+    /// The technique switches are listed once, in the top-level help; check and admin,
+    /// which they do not shape, do not list them.
+    #[test]
+    fn switches_are_listed_once_at_the_top() {
+        let top = text(&cairn(&["--help"]).stdout);
+        for flag in ["--reap", "--stats", "--flush", "--dispatch", "--writeback"] {
+            assert_eq!(
+                top.matches(flag).count(),
+                1,
+                "{flag} in cairn --help:\n{top}"
+            );
+        }
+        for cmd in ["check", "admin"] {
+            let help = text(&cairn(&[cmd, "--help"]).stdout);
+            for flag in ["--clock", "--reap", "--stats", "--flush", "--dispatch"] {
+                assert!(
+                    !help.contains(flag),
+                    "{flag} in cairn {cmd} --help:\n{help}"
+                );
+            }
+        }
+        // Still taken before or after the command.
+        let out = cairn(&[
+            "bench", "--clock", "precise", "--device", "null:1M", "--size", "1M",
+        ]);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        let out = cairn(&[
+            "--clock", "precise", "bench", "--device", "null:1M", "--size", "1M",
+        ]);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    }
+
     #[test]
     fn bench_help_lists_every_option() {
         for args in [["bench", "--help"], ["help", "bench"]] {
