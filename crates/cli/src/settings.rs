@@ -605,7 +605,9 @@ pub fn read_stack(path: &std::path::Path) -> Result<StackFile, String> {
             e.utf8_error().valid_up_to()
         )
     })?;
-    StackFile::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
+    let stack = StackFile::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    // Relative paths in it are relative to it.
+    Ok(stack.relative_to(path.parent().unwrap_or(std::path::Path::new(""))))
 }
 
 /// Ends the process for a clap error: help and version go to stdout with status 0;

@@ -923,3 +923,30 @@ fn check_creates_and_extends_no_file() {
         "check extended b"
     );
 }
+
+/// A relative `path` in a stack file is relative to the stack file, wherever cairn runs.
+#[test]
+fn relative_paths_are_relative_to_the_stack_file() {
+    let stack = StackFile::new(
+        "[device.a]\ntype = \"file\"\npath = \"a.img\"\nsize = \"1M\"\n\
+         [device.b]\ntype = \"file\"\npath = \"sub/../b.img\"\nsize = \"1M\"\n\
+         [device.s]\ntype = \"stripe\"\nmembers = [\"a\", \"b\"]\nchunk = \"64K\"\n",
+    );
+    std::fs::create_dir(stack.dir().join("sub")).unwrap();
+    let elsewhere = tempfile::tempdir().expect("a directory");
+    let out = Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .current_dir(elsewhere.path())
+        .args(["bench", "--rw", "write", "--size", "1M", stack.arg()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(stack.dir().join("a.img").exists() && stack.dir().join("b.img").exists());
+    assert!(!elsewhere.path().join("a.img").exists());
+    // check names the files where they are.
+    let out = Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .current_dir(elsewhere.path())
+        .args(["check", stack.arg()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}

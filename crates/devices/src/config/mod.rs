@@ -398,6 +398,22 @@ pub struct StackFile {
 }
 
 impl StackFile {
+    /// Makes every relative `path` of a file device relative to `dir` (the stack file's
+    /// directory), as a reader of the file expects, rather than to wherever cairn runs.
+    pub fn relative_to(mut self, dir: &std::path::Path) -> StackFile {
+        if dir.as_os_str().is_empty() {
+            return self;
+        }
+        for spec in self.devices.values_mut() {
+            if let DeviceSpec::Leaf(crate::LeafSpec::File { path, .. }) = spec {
+                if path.is_relative() {
+                    *path = dir.join(&*path);
+                }
+            }
+        }
+        self
+    }
+
     /// Parses and checks a stack file's text.
     pub fn parse(text: &str) -> Result<StackFile, Error> {
         StackFile::parse_on(text, machine_memory_bytes())
