@@ -1855,6 +1855,37 @@ mod raw {
 mod shutdown {
     use super::*;
 
+    /// SIGUSR1 and SIGUSR2 log a status and never stop the server; SIGHUP stops it as
+    /// SIGTERM does, with the socket file removed.
+    #[test]
+    fn sigusr1_and_sigusr2_log_a_status_and_serving_goes_on() {
+        let mut srv = Server::start(&["--device", "mem:8M"]);
+        let (mut c, _, _) = Raw::go(&srv.sock, "");
+        for (sig, n) in [(libc::SIGUSR1, 1), (libc::SIGUSR2, 2)] {
+            srv.signal(sig);
+            let deadline = Instant::now() + IO_TIMEOUT;
+            while srv.stderr().matches("serve: status: ").count() < n {
+                assert!(
+                    Instant::now() < deadline,
+                    "no status after signal {sig}:\n{}",
+                    srv.stderr()
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        let log = srv.stderr();
+        assert!(log.contains("1 connection(s)"), "{log}");
+        assert!(log.contains("export '': mem"), "{log}");
+        // Still serving, the connected client and a new one.
+        c.write_ok(1, 0, 0, &[7u8; 4096]);
+        let (mut d, _, _) = Raw::go(&srv.sock, "");
+        d.write_ok(2, 0, 4096, &[8u8; 4096]);
+        srv.signal(libc::SIGHUP);
+        let (status, log) = srv.wait_exit();
+        assert!(status.success(), "exit status {status}; stderr:\n{log}");
+        assert!(!srv.sock.exists(), "the socket file is removed at exit");
+    }
+
     #[test]
     fn sigterm_flushes_acknowledged_writes_and_exits_0() {
         let dir = tmpdir();

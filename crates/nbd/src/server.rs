@@ -214,8 +214,8 @@ fn activated() -> Vec<(Listener, String)> {
         .collect()
 }
 
-/// Blocks SIGTERM, SIGINT and SIGHUP in this thread (and the threads it starts), and
-/// returns a signalfd that reads them.
+/// Blocks SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 in this thread (and the threads it
+/// starts), and returns a signalfd that reads them.
 fn signal_fd() -> Result<OwnedFd, Error> {
     // SAFETY: sigset manipulation on a local, then a mask change for this thread.
     unsafe {
@@ -224,6 +224,8 @@ fn signal_fd() -> Result<OwnedFd, Error> {
         libc::sigaddset(&mut set, libc::SIGTERM);
         libc::sigaddset(&mut set, libc::SIGINT);
         libc::sigaddset(&mut set, libc::SIGHUP);
+        libc::sigaddset(&mut set, libc::SIGUSR1);
+        libc::sigaddset(&mut set, libc::SIGUSR2);
         if libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) != 0 {
             return Err(Error::last_os("serve: block signals"));
         }
@@ -232,6 +234,41 @@ fn signal_fd() -> Result<OwnedFd, Error> {
             return Err(Error::last_os("serve: signalfd"));
         }
         Ok(OwnedFd::from_raw_fd(fd))
+    }
+}
+
+/// Logs what SIGUSR1 and SIGUSR2 ask for: connections, and each export's device with its
+/// failed members and, for arrays with metadata, their status.
+fn log_status(exports: &[Export], connections: usize) {
+    eprintln!("cairn: serve: status: {connections} connection(s)");
+    let mut seen: Vec<String> = Vec::new();
+    for e in exports {
+        let d = &e.device;
+        let failed = d.failed_members();
+        eprintln!(
+            "cairn: serve: export '{}': {} ({} bytes){}",
+            e.info.name,
+            d.name(),
+            e.info.size,
+            if failed.is_empty() {
+                String::new()
+            } else {
+                format!(", degraded: failed {}", failed.join(", "))
+            }
+        );
+        let mut stack = vec![d.clone()];
+        while let Some(d) = stack.pop() {
+            if seen.iter().any(|n| n == d.name()) {
+                continue;
+            }
+            seen.push(d.name().to_string());
+            if let Some(status) = d.array_status() {
+                for line in status.lines() {
+                    eprintln!("cairn: serve: {line}");
+                }
+            }
+            stack.extend(d.children());
+        }
     }
 }
 
@@ -355,6 +392,11 @@ pub fn serve(
             // SAFETY: reads one signalfd_siginfo (128 bytes) into `info`.
             unsafe { libc::read(signals.as_raw_fd(), info.as_mut_ptr().cast(), info.len()) };
             let signo = u32::from_ne_bytes([info[0], info[1], info[2], info[3]]);
+            if signo == libc::SIGUSR1 as u32 || signo == libc::SIGUSR2 as u32 {
+                // A status report in the log; serving goes on.
+                log_status(&exports, live.load(Ordering::Relaxed));
+                continue;
+            }
             eprintln!(
                 "cairn: serve: signal {signo} received: finishing requests in flight, flushing, closing"
             );
