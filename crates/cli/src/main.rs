@@ -317,6 +317,13 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
         tls_config,
         switches,
         idle_poll_ns: limits.idle_poll_ns,
+        shutdown_timeout: limits.shutdown_timeout,
+        // The admin socket's file goes too when a stuck shutdown is abandoned.
+        on_abandon: args.admin.clone().map(|path| {
+            std::sync::Arc::new(move || {
+                let _ = std::fs::remove_file(&path);
+            }) as std::sync::Arc<dyn Fn() + Send + Sync>
+        }),
     };
     let summary: Vec<String> = exports
         .iter()

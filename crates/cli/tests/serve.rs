@@ -1855,6 +1855,45 @@ mod raw {
 mod shutdown {
     use super::*;
 
+    /// A device that does not complete a request within the shutdown timeout: SIGTERM
+    /// still ends the server, with status 1, a line saying what it abandons, and its
+    /// socket files removed.
+    #[test]
+    fn a_stuck_device_ends_with_status_1_after_the_shutdown_timeout() {
+        let dir = tmpdir();
+        let ctl = dir.path().join("admin.sock");
+        let stack = write_stack(
+            &dir,
+            "[device.a]\ntype = \"mem\"\nsize = \"8M\"\n\
+             [device.d]\ntype = \"delay\"\nbase = \"a\"\nwrite = \"10s\"\n\
+             [export.d]\ndevice = \"d\"\n",
+        );
+        let mut srv = Server::start_in(
+            dir,
+            &[
+                path_str(&stack),
+                "--shutdown-timeout",
+                "1s",
+                "--admin",
+                path_str(&ctl),
+            ],
+        );
+        let (mut c, _, _) = Raw::go(&srv.sock, "d");
+        // In flight for 10 s: never answered before the deadline.
+        c.request(0, CMD_WRITE, 1, 0, 4096, &[5u8; 4096]).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        srv.signal(libc::SIGTERM);
+        let (status, log) = srv.wait_exit();
+        assert_eq!(status.code(), Some(1), "{log}");
+        assert!(log.contains("shutdown did not end within 1s"), "{log}");
+        assert!(
+            log.contains("requests in flight on d are abandoned"),
+            "{log}"
+        );
+        assert!(!srv.sock.exists(), "the NBD socket file is left behind");
+        assert!(!ctl.exists(), "the admin socket file is left behind");
+    }
+
     /// SIGUSR1 and SIGUSR2 log a status and never stop the server; SIGHUP stops it as
     /// SIGTERM does, with the socket file removed.
     #[test]

@@ -68,7 +68,7 @@ impl std::fmt::Display for Listen {
 }
 
 /// Everything `serve` needs besides the exports.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Config {
     /// Listeners to open (socket-activated ones are added).
     pub listen: Vec<Listen>,
@@ -90,6 +90,11 @@ pub struct Config {
     pub switches: Switches,
     /// Idle polling of the reactors before they sleep, in nanoseconds (0: off).
     pub idle_poll_ns: u64,
+    /// Longest the shutdown after SIGTERM may take (requests in flight finishing, caches
+    /// written back); after it the process exits with status 1, saying what it abandons.
+    pub shutdown_timeout: Duration,
+    /// Run just before such an exit (e.g. to remove other socket files).
+    pub on_abandon: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
 /// Largest option payload read; bigger ones are skipped (up to `OPTION_SKIP_MAX`) and
@@ -235,6 +240,45 @@ fn signal_fd() -> Result<OwnedFd, Error> {
         }
         Ok(OwnedFd::from_raw_fd(fd))
     }
+}
+
+/// Ends the process with status 1 if the shutdown has not ended `config.shutdown_timeout`
+/// from now (a device that never completes a request, say), saying what it abandons: the
+/// requests in flight (never acknowledged) and, at most, the acknowledged writes the caches
+/// had not written back when last seen.
+fn watchdog(config: &Config, exports: &[Export]) {
+    let devices: Vec<std::sync::Weak<dyn cairn_core::Device>> =
+        exports.iter().map(|e| Arc::downgrade(&e.device)).collect();
+    let (timeout, abandon) = (config.shutdown_timeout, config.on_abandon.clone());
+    let _ = std::thread::Builder::new()
+        .name("cairn-shutdown".into())
+        .spawn(move || {
+            let end = Instant::now() + timeout;
+            let mut dirty = 0u64;
+            let mut open: Vec<String> = Vec::new();
+            while Instant::now() < end {
+                // Devices being closed can no longer be asked: the last figure stands.
+                let alive: Vec<_> = devices.iter().filter_map(std::sync::Weak::upgrade).collect();
+                if !alive.is_empty() {
+                    dirty = alive.iter().map(|d| d.writeback_counters().0).sum();
+                    open = alive.iter().map(|d| d.name().to_string()).collect();
+                }
+                drop(alive);
+                std::thread::sleep(Duration::from_millis(50).min(timeout));
+            }
+            let stage = if devices.iter().any(|d| d.strong_count() > 0) {
+                format!("requests in flight on {} are abandoned", open.join(", "))
+            } else {
+                format!("closing {} did not end", open.join(", "))
+            };
+            eprintln!(
+                "cairn: serve: shutdown did not end within {timeout:?}: {stage}; up to {dirty} bytes of acknowledged writes the caches had not written back may be lost; exiting with status 1"
+            );
+            if let Some(f) = abandon {
+                f();
+            }
+            std::process::exit(1);
+        });
 }
 
 /// Logs what SIGUSR1 and SIGUSR2 ask for: connections, and each export's device with its
@@ -398,8 +442,10 @@ pub fn serve(
                 continue;
             }
             eprintln!(
-                "cairn: serve: signal {signo} received: finishing requests in flight, flushing, closing"
+                "cairn: serve: signal {signo} received: finishing requests in flight, flushing, closing (at most {:?})",
+                config.shutdown_timeout
             );
+            watchdog(&config, &exports);
             break 'accept;
         }
         for (i, (l, _)) in listeners.iter().enumerate() {
