@@ -197,7 +197,7 @@ pub enum Command {
     Check(CheckArgs),
     /// Serve devices over NBD (a 1 GiB memory device when no stack file is given).
     #[command(after_help = SERVE_HELP)]
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Send a command to a running `cairn serve --admin PATH` (try: help).
     #[command(after_help = ADMIN_HELP)]
     Admin(AdminArgs),
