@@ -101,7 +101,7 @@ pub fn start(path: &Path, roots: &[Arc<dyn Device>]) -> Result<Admin, String> {
                     Ok(c) => c,
                     Err(e) => {
                         // Out of descriptors, say: not a reason to spin.
-                        eprintln!("cairn: admin: accept: {e}");
+                        log::warn!("cairn: admin: accept: {e}");
                         std::thread::sleep(Duration::from_millis(100));
                         continue;
                     }
@@ -229,7 +229,7 @@ fn command(line: &str, roots: &[Arc<dyn Device>]) -> String {
             let mut done: Vec<String> = Vec::new();
             for d in chosen {
                 if !done.iter().any(|n| n == d.name()) {
-                    eprintln!("cairn: admin: power cut of {}", d.name());
+                    log::info!("cairn: admin: power cut of {}", d.name());
                     d.power_cut();
                     done.push(d.name().to_string());
                 }

@@ -22,6 +22,7 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return settings::clap_exit(e),
     };
+    init_logs(cli.global.log_level.filter());
     let code = match run(cli) {
         Ok(code) => code,
         Err(message) => {
@@ -33,13 +34,33 @@ fn main() -> ExitCode {
     // back are lost, and the exit status says so.
     let lost = cairn_devices::cache::unwritten_at_close();
     if lost > 0 {
-        eprintln!(
+        log::error!(
             "cairn: {lost} cached pages ({} bytes) of acknowledged writes could not be written back and are lost",
             lost * cairn_devices::cache::PAGE
         );
         return ExitCode::from(1);
     }
     code
+}
+
+/// Events go to stderr one line each: an RFC 3339 time (UTC, milliseconds), the level,
+/// the message. Errors in the command line or the stack file are not events: they stay
+/// one plain line.
+fn init_logs(level: log::LevelFilter) {
+    use std::io::Write;
+    env_logger::Builder::new()
+        .filter_level(level)
+        .target(env_logger::Target::Stderr)
+        .format(|buf, r| {
+            writeln!(
+                buf,
+                "{} {:<5} {}",
+                buf.timestamp_millis(),
+                r.level(),
+                r.args()
+            )
+        })
+        .init();
 }
 
 /// Writes to stdout; a reader that went away (`| head`) is not an error, and nothing is
@@ -161,7 +182,7 @@ fn interrupt_ends_bench() {
                     // A second one: give up at once.
                     std::process::exit(130);
                 }
-                eprintln!("cairn: interrupted: ending the job (again to quit at once)");
+                log::warn!("cairn: interrupted: ending the job (again to quit at once)");
             }
         });
 }
@@ -349,7 +370,7 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
     };
     drop(devices);
     cairn_nbd::serve(config, exports, |addrs| {
-        eprintln!(
+        log::info!(
             "cairn: serving {} on {}",
             summary.join(", "),
             addrs.join(", ")

@@ -86,6 +86,10 @@ pub struct Cli {
 /// Switches that apply to every command.
 #[derive(Args, Debug)]
 pub struct GlobalArgs {
+    /// Events logged on stderr (one line each, with an RFC 3339 time and the level): error,
+    /// warn, info (default) or debug; off for none.
+    #[arg(long, global = true, value_enum, default_value_t = LogLevel::Info)]
+    pub log_level: LogLevel,
     /// Technique 2: read the clock once per reactor batch (cached, default) or per timestamp.
     #[arg(long, global = true, value_enum, hide = true)]
     pub clock: Option<ClockArg>,
@@ -108,6 +112,27 @@ pub struct GlobalArgs {
     /// order they were dirtied (shared).
     #[arg(long, global = true, value_enum, hide = true)]
     pub writeback: Option<WritebackArg>,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogLevel {
+    Off,
+    Error,
+    Warn,
+    Info,
+    Debug,
+}
+
+impl LogLevel {
+    pub fn filter(self) -> log::LevelFilter {
+        match self {
+            LogLevel::Off => log::LevelFilter::Off,
+            LogLevel::Error => log::LevelFilter::Error,
+            LogLevel::Warn => log::LevelFilter::Warn,
+            LogLevel::Info => log::LevelFilter::Info,
+            LogLevel::Debug => log::LevelFilter::Debug,
+        }
+    }
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]

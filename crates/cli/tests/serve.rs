@@ -264,7 +264,7 @@ impl Server {
         let deadline = Instant::now() + READY_TIMEOUT;
         loop {
             match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                Ok(line) if line.starts_with("cairn: serving ") => {
+                Ok(line) if line.contains(" cairn: serving ") => {
                     let (_, addrs) = line
                         .rsplit_once(" on ")
                         .unwrap_or_else(|| panic!("ready line without ' on ': {line}"));
@@ -1892,6 +1892,56 @@ mod shutdown {
         );
         assert!(!srv.sock.exists(), "the NBD socket file is left behind");
         assert!(!ctl.exists(), "the admin socket file is left behind");
+    }
+
+    /// Every event is one line with an RFC 3339 time and a level; each client's connect
+    /// and disconnect are logged with its export, duration, requests, bytes and why it
+    /// ended.
+    #[test]
+    fn logs_have_times_levels_and_a_line_per_connect_and_disconnect() {
+        let mut srv = Server::start(&["--device", "mem:8M"]);
+        let (mut c, _, _) = Raw::go(&srv.sock, "");
+        c.write_ok(1, 0, 0, &[3u8; 4096]);
+        c.write_ok(2, 0, 4096, &[4u8; 4096]);
+        c.disconnect();
+        let deadline = Instant::now() + IO_TIMEOUT;
+        while !srv.stderr().contains("disconnected from export") {
+            assert!(Instant::now() < deadline, "{}", srv.stderr());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let (status, log) = srv.stop();
+        assert!(status.success(), "{log}");
+        for line in log.lines() {
+            let (time, rest) = line.split_once(' ').unwrap_or(("", ""));
+            let b = time.as_bytes();
+            let rfc3339 = b.len() == 24
+                && b[4] == b'-'
+                && b[7] == b'-'
+                && b[10] == b'T'
+                && b[13] == b':'
+                && b[16] == b':'
+                && b[19] == b'.'
+                && b[23] == b'Z'
+                && time
+                    .chars()
+                    .enumerate()
+                    .all(|(i, ch)| [4, 7, 10, 13, 16, 19, 23].contains(&i) || ch.is_ascii_digit());
+            assert!(rfc3339, "no RFC 3339 time: {line}");
+            let level = rest.split_whitespace().next().unwrap_or("");
+            assert!(
+                ["ERROR", "WARN", "INFO", "DEBUG"].contains(&level),
+                "no level: {line}"
+            );
+        }
+        let connect = log.lines().find(|l| l.contains("connected to export ''"));
+        assert!(connect.is_some_and(|l| l.contains(" INFO ")), "{log}");
+        let gone = log
+            .lines()
+            .find(|l| l.contains("disconnected from export ''"))
+            .unwrap_or_else(|| panic!("{log}"));
+        assert!(gone.contains(" 3 requests"), "{gone}");
+        assert!(gone.contains("(the client disconnected)"), "{gone}");
+        assert!(gone.contains(" after "), "{gone}");
     }
 
     /// SIGUSR1 and SIGUSR2 log a status and never stop the server; SIGHUP stops it as

@@ -950,3 +950,25 @@ fn relative_paths_are_relative_to_the_stack_file() {
         .unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
 }
+
+/// `--log-level` chooses which events reach stderr: an array's creation is logged at info,
+/// and nothing at all with `off` or `warn`.
+#[test]
+fn log_level_chooses_the_events_logged() {
+    let stack = StackFile::new(&format!(
+        "{}[device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"b\"]\nmetadata = \"1\"\n",
+        mems(&["a", "b"], "8M")
+    ));
+    let run = |level: &str| {
+        let out = cairn(&["--log-level", level, "bench", "--size", "1M", stack.arg()]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stderr)
+    };
+    let info = run("info");
+    assert!(
+        info.contains(" INFO ") && info.contains("created a mirror"),
+        "{info}"
+    );
+    assert_eq!(run("warn"), "");
+    assert_eq!(run("off"), "");
+}

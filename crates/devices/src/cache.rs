@@ -275,7 +275,7 @@ impl Drop for CacheDevice {
                         Err(e) => {
                             let lost = self.shared.lock().dirty.len() as u64;
                             UNWRITTEN.fetch_add(lost, Ordering::SeqCst);
-                            eprintln!("cairn: {}: cannot write back at exit: {e}", self.name)
+                            log::warn!("cairn: {}: cannot write back at exit: {e}", self.name)
                         }
                     }
                     break;
@@ -345,7 +345,7 @@ impl Device for CacheDevice {
         st.dirty.clear();
         st.clean.clear();
         drop(st);
-        eprintln!(
+        log::warn!(
             "cairn: {}: power cut: {lost} dirty cache pages are lost",
             self.name
         );
@@ -836,13 +836,13 @@ fn write_runs(
         shared.budget.tick();
     }
     if failed {
-        eprintln!(
+        log::warn!(
             "cairn: {}: write-back to the base failed; pages stay dirty",
             shared.name
         );
     }
     if waiters.is_some() && !failed && q.flush().is_err() {
-        eprintln!("cairn: {}: flushing the base failed", shared.name);
+        log::warn!("cairn: {}: flushing the base failed", shared.name);
         failed = true;
     }
     if let Some(upto) = waiters {
@@ -870,7 +870,7 @@ fn drain(shared: &Shared, q: &BlockingQueue) {
         if round(shared, q, Take::All) {
             let lost = shared.lock().dirty.len() as u64;
             UNWRITTEN.fetch_add(lost, Ordering::SeqCst);
-            eprintln!(
+            log::error!(
                 "cairn: {}: {lost} dirty pages could not be written back at exit",
                 shared.name
             );
@@ -1208,7 +1208,7 @@ fn open_queue(
                 slot.insert(q);
             }
             Err(e) => {
-                eprintln!("cairn: write-back pool: cannot open the base: {e}");
+                log::warn!("cairn: write-back pool: cannot open the base: {e}");
                 return false;
             }
         }

@@ -451,7 +451,7 @@ impl Device for MemDevice {
     fn power_cut(&self) {
         if let Some(v) = &self.volatile {
             let lost = v.power_cut();
-            eprintln!(
+            log::warn!(
                 "cairn: {}: power cut: {lost} pages written since the last flush are lost",
                 self.name
             );

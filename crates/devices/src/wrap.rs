@@ -365,7 +365,7 @@ impl Queue for WrapQueue {
         self.stats.start(now);
         match self.policy.decide(&io, now, self.random()) {
             Decision::PowerCut(errno) => {
-                eprintln!("cairn: fault: cutting the power below this device");
+                log::info!("cairn: fault: cutting the power below this device");
                 self.base_device.power_cut();
                 self.stats.done(io.op, io.len, now, now, false);
                 self.core

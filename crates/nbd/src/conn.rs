@@ -169,9 +169,22 @@ struct ConnState {
     shutdown_flush: ShutdownFlush,
     tls: Option<Box<TlsIo>>,
     counts: Counts,
+    /// When the connection came to this reactor.
+    since: std::time::Instant,
+    /// Why it ended, once it does (the first reason wins).
+    ended: &'static str,
 }
 
-/// What a connection did, logged when it closes if `CAIRN_DEBUG` is set.
+impl ConnState {
+    /// Records why the connection ends, unless a reason is known already.
+    fn end(&mut self, why: &'static str) {
+        if self.ended.is_empty() {
+            self.ended = why;
+        }
+    }
+}
+
+/// What a connection did, logged when it closes.
 #[derive(Default, Debug)]
 struct Counts {
     requests: u64,
@@ -230,7 +243,7 @@ impl ConnState {
                     .map_err(|e| e.to_string())
             });
             if let Err(e) = processed {
-                eprintln!("cairn: serve: {peer}: TLS: {e}");
+                log::warn!("cairn: serve: {peer}: TLS: {e}");
                 *dead = true;
                 return;
             }
@@ -341,9 +354,10 @@ impl ServerLoop {
         let queue = match self.queue_for(export) {
             Ok(q) => q,
             Err(e) => {
-                eprintln!(
+                log::warn!(
                     "cairn: serve: {}: cannot open export '{}': {e}",
-                    nc.peer, self.exports[export].info.name
+                    nc.peer,
+                    self.exports[export].info.name
                 );
                 self.live.fetch_sub(1, Ordering::Relaxed);
                 return;
@@ -391,6 +405,8 @@ impl ServerLoop {
                 blocked: false,
                 shutdown_flush: ShutdownFlush::NotYet,
                 counts: Counts::default(),
+                since: std::time::Instant::now(),
+                ended: "",
 
                 tls: nc.tls.map(|mut c| {
                     // Replies are bounded by the connection's own limits.
@@ -408,7 +424,14 @@ impl ServerLoop {
         });
         self.conns.borrow_mut()[index as usize] = Some(conn.clone());
         let mut st = conn.st.borrow_mut();
+        log::info!(
+            "cairn: serve: {}: connected to export '{}'{}",
+            conn.peer,
+            self.exports[export].info.name,
+            if st.tls.is_some() { " over TLS" } else { "" }
+        );
         if self.shutting.get() {
+            st.end("the server is shutting down");
             st.eof = true;
         }
         self.mark_dirty(&conn, &mut st);
@@ -592,10 +615,11 @@ impl ServerLoop {
         let r = match proto::parse_request(&st.inbuf[st.rs..st.re]) {
             proto::Decoded::Incomplete => return Next::Stop,
             proto::Decoded::BadMagic(m) => {
-                eprintln!(
+                log::warn!(
                     "cairn: serve: {}: bad request magic {m:#010x}; disconnecting",
                     conn.peer
                 );
+                st.end("a protocol error (bad request magic)");
                 st.dead = true;
                 return Next::Stop;
             }
@@ -619,10 +643,11 @@ impl ServerLoop {
             st.rs += proto::REQUEST_HEADER;
             if payload > 0 {
                 if payload > SKIP_MAX {
-                    eprintln!(
+                    log::warn!(
                         "cairn: serve: {}: write payload of {payload} bytes is over any limit; disconnecting",
                         conn.peer
                     );
+                    st.end("a protocol error (write payload over any limit)");
                     st.dead = true;
                     return Next::Stop;
                 }
@@ -639,6 +664,7 @@ impl ServerLoop {
         if self.shutting.get() {
             if r.command == cmd::DISC {
                 st.rs += proto::REQUEST_HEADER;
+                st.end("the client disconnected");
                 st.eof = true;
                 return Next::Stop;
             }
@@ -674,6 +700,7 @@ impl ServerLoop {
         let op = match r.command {
             cmd::DISC => {
                 st.rs += proto::REQUEST_HEADER;
+                st.end("the client disconnected");
                 st.eof = true;
                 return Next::Stop;
             }
@@ -839,7 +866,7 @@ impl ServerLoop {
         let mut extents = Vec::new();
         let len = u64::from(r.len);
         if let Err(e) = device.extents(r.offset, len, &mut extents) {
-            eprintln!("cairn: serve: {}: block status: {e}", conn.peer);
+            log::warn!("cairn: serve: {}: block status: {e}", conn.peer);
             self.reply_error(conn, st, r.command, r.cookie, errno::EIO);
             return Next::Again;
         }
@@ -899,12 +926,17 @@ impl ServerLoop {
             st.counts.recv_bytes += res.max(0) as u64;
             if res <= 0 {
                 if res < 0 && res != -libc::ECONNRESET && !st.eof {
-                    eprintln!(
+                    log::warn!(
                         "cairn: serve: {}: receive failed: {}",
                         conn.peer,
                         std::io::Error::from_raw_os_error(-res)
                     );
                 }
+                st.end(if res == 0 {
+                    "the client closed the connection"
+                } else {
+                    "receive failed"
+                });
                 st.eof = true;
                 if let Rx::Payload { req, .. } = st.rx {
                     // The client went away in the middle of a write: drop it.
@@ -962,12 +994,13 @@ impl ServerLoop {
         st.counts.send_bytes += res.max(0) as u64;
         if res < 0 {
             if res != -libc::EPIPE && res != -libc::ECONNRESET {
-                eprintln!(
+                log::warn!(
                     "cairn: serve: {}: send failed: {}",
                     conn.peer,
                     std::io::Error::from_raw_os_error(-res)
                 );
             }
+            st.end("send failed");
             st.dead = true;
         } else if let Some(t) = st.tls.as_mut() {
             t.raw_sent += res as usize;
@@ -1098,6 +1131,7 @@ impl ServerLoop {
                     pool.put(b);
                 }
                 if !ok {
+                    st.end("a TLS error");
                     st.dead = true;
                     return;
                 }
@@ -1197,9 +1231,20 @@ impl ServerLoop {
 
     fn close(&self, conn: &Rc<Conn>) {
         let mut st = conn.st.borrow_mut();
-        if std::env::var_os("CAIRN_DEBUG").is_some() {
-            eprintln!("cairn: serve: {}: closed: {:?}", conn.peer, st.counts);
+        if st.ended.is_empty() && st.dead {
+            st.ended = "a TLS or connection error";
         }
+        let c = &st.counts;
+        log::info!(
+            "cairn: serve: {}: disconnected from export '{}' after {:.3} s: {} requests, {} bytes received, {} bytes sent ({})",
+            conn.peer,
+            self.exports[conn.export].info.name,
+            st.since.elapsed().as_secs_f64(),
+            c.requests,
+            c.recv_bytes,
+            c.send_bytes,
+            if st.ended.is_empty() { "closed" } else { st.ended }
+        );
         st.out.clear();
         drop(st);
         self.conns.borrow_mut()[conn.index as usize] = None;
@@ -1240,11 +1285,12 @@ impl Sink for ServerLoop {
             if index == SHUTDOWN_FLUSH {
                 st.shutdown_flush = ShutdownFlush::Done;
                 if !status.is_ok() {
-                    eprintln!(
+                    log::warn!(
                         "cairn: serve: {}: flush on shutdown failed: {status}",
                         conn.peer
                     );
                 }
+                st.end("the server is shutting down");
                 st.eof = true;
                 self.mark_dirty(&conn, &mut st);
                 return;

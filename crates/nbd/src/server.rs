@@ -271,7 +271,7 @@ fn watchdog(config: &Config, exports: &[Export]) {
             } else {
                 format!("closing {} did not end", open.join(", "))
             };
-            eprintln!(
+            log::warn!(
                 "cairn: serve: shutdown did not end within {timeout:?}: {stage}; up to {dirty} bytes of acknowledged writes the caches had not written back may be lost; exiting with status 1"
             );
             if let Some(f) = abandon {
@@ -284,12 +284,12 @@ fn watchdog(config: &Config, exports: &[Export]) {
 /// Logs what SIGUSR1 and SIGUSR2 ask for: connections, and each export's device with its
 /// failed members and, for arrays with metadata, their status.
 fn log_status(exports: &[Export], connections: usize) {
-    eprintln!("cairn: serve: status: {connections} connection(s)");
+    log::info!("cairn: serve: status: {connections} connection(s)");
     let mut seen: Vec<String> = Vec::new();
     for e in exports {
         let d = &e.device;
         let failed = d.failed_members();
-        eprintln!(
+        log::warn!(
             "cairn: serve: export '{}': {} ({} bytes){}",
             e.info.name,
             d.name(),
@@ -308,7 +308,7 @@ fn log_status(exports: &[Export], connections: usize) {
             seen.push(d.name().to_string());
             if let Some(status) = d.array_status() {
                 for line in status.lines() {
-                    eprintln!("cairn: serve: {line}");
+                    log::info!("cairn: serve: {line}");
                 }
             }
             stack.extend(d.children());
@@ -441,7 +441,7 @@ pub fn serve(
                 log_status(&exports, live.load(Ordering::Relaxed));
                 continue;
             }
-            eprintln!(
+            log::info!(
                 "cairn: serve: signal {signo} received: finishing requests in flight, flushing, closing (at most {:?})",
                 config.shutdown_timeout
             );
@@ -465,7 +465,7 @@ pub fn serve(
                     Ok((fd, peer, tcp)) => {
                         if live.fetch_add(1, Ordering::Relaxed) >= config.max_connections {
                             live.fetch_sub(1, Ordering::Relaxed);
-                            eprintln!(
+                            log::warn!(
                                 "cairn: serve: {peer}: refused, {} connections already (--max-connections)",
                                 config.max_connections
                             );
@@ -487,7 +487,7 @@ pub fn serve(
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                     Err(e) => {
                         // Out of descriptors and the like: log, keep serving.
-                        eprintln!("cairn: serve: accept: {e}");
+                        log::warn!("cairn: serve: accept: {e}");
                         std::thread::sleep(Duration::from_millis(10));
                         break;
                     }
@@ -557,7 +557,7 @@ fn handshake(fd: OwnedFd, peer: &str, tcp: bool, shared: &Shared) -> bool {
         Ok(None) => false,
         Err(e) => {
             if e.kind() != std::io::ErrorKind::UnexpectedEof {
-                eprintln!("cairn: serve: {peer}: handshake: {e}");
+                log::warn!("cairn: serve: {peer}: handshake: {e}");
             }
             false
         }

@@ -250,7 +250,7 @@ impl Metadata {
         dry: bool,
     ) -> Result<Metadata, Error> {
         for note in &examined.plan.notes {
-            eprintln!("cairn: {}: {note}", expect.name);
+            log::info!("cairn: {}: {note}", expect.name);
         }
         let redundant = matches!(
             expect.level,
@@ -258,13 +258,13 @@ impl Metadata {
         );
         let resync_pending = redundant && !examined.plan.created && !examined.plan.clean;
         if resync_pending {
-            eprintln!(
+            log::warn!(
                 "cairn: {}: was not stopped cleanly: its copies may differ, so every read goes to one copy until it is resynced",
                 expect.name
             );
         }
         if examined.plan.created {
-            eprintln!(
+            log::info!(
                 "cairn: {}: {} a {} of {} members ({})",
                 expect.name,
                 if dry { "would create" } else { "created" },
@@ -302,7 +302,7 @@ impl Metadata {
             };
             let bm = Bitmap::new(region, array_bytes, &bits);
             if !examined.plan.created && bm.dirty_at_start_count() > 0 {
-                eprintln!(
+                log::info!(
                     "cairn: {}: write-intent bitmap: {} of {} regions of {} dirty",
                     expect.name,
                     bm.dirty_at_start_count(),
@@ -410,7 +410,7 @@ impl Metadata {
             st.events_cleared = st.events;
         }
         if let Err(e) = self.write_with(false, false, &[]) {
-            eprintln!("cairn: {}: {e}", self.expect.name);
+            log::error!("cairn: {}: {e}", self.expect.name);
         }
         cleared.len()
     }
@@ -449,7 +449,7 @@ impl Metadata {
             }
         }
         if let Err(e) = self.write(false) {
-            eprintln!("cairn: {}: {e}", self.expect.name);
+            log::error!("cairn: {}: {e}", self.expect.name);
         }
     }
 
@@ -475,7 +475,7 @@ impl Metadata {
                 .store(false, std::sync::atomic::Ordering::SeqCst);
         }
         if let Err(e) = self.write(false) {
-            eprintln!("cairn: {}: {e}", self.expect.name);
+            log::error!("cairn: {}: {e}", self.expect.name);
         }
     }
 
@@ -513,7 +513,7 @@ impl Metadata {
             }
         }
         if let Err(e) = self.write(false) {
-            eprintln!("cairn: {}: {e}", self.expect.name);
+            log::error!("cairn: {}: {e}", self.expect.name);
         }
     }
 
@@ -642,7 +642,7 @@ impl Metadata {
         }
         // Copies that may differ stay marked so until a resync makes them agree.
         if let Err(e) = self.write(!self.resync_pending()) {
-            eprintln!("cairn: {}: {e}", self.expect.name);
+            log::error!("cairn: {}: {e}", self.expect.name);
         }
     }
 
@@ -668,7 +668,7 @@ impl Metadata {
             let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
             for i in failed {
                 st.parts[i].state = MemberState::Failed;
-                eprintln!(
+                log::error!(
                     "cairn: {}: member '{}' failed (its superblock could not be written); running degraded",
                     self.expect.name, st.names[i]
                 );

@@ -144,14 +144,14 @@ impl Health {
         if !self.failed[member].swap(true, Relaxed) {
             self.failed_event();
             if member >= self.n {
-                eprintln!(
+                log::warn!(
                     "cairn: {}: replacement {} for {} failed ({status}); the replace is abandoned",
                     self.device,
                     self.name(member),
                     self.name(member - self.n)
                 );
             } else {
-                eprintln!(
+                log::warn!(
                     "cairn: {}: member {} failed ({status}); running degraded",
                     self.device,
                     self.name(member)
@@ -218,7 +218,7 @@ impl Health {
                 return;
             }
             if !told && began.elapsed() > std::time::Duration::from_secs(5) {
-                eprintln!(
+                log::warn!(
                     "cairn: {}: waiting for writes sent before a change of members",
                     self.device
                 );
@@ -455,7 +455,7 @@ impl Shared {
                 Ok(handle) => threads.rebuild = Some((stop, handle)),
                 Err(e) => {
                     self.health.sync.off();
-                    eprintln!("cairn: {}: cannot start the rebuild: {e}", self.name)
+                    log::error!("cairn: {}: cannot start the rebuild: {e}", self.name)
                 }
             }
         }
@@ -472,7 +472,7 @@ impl Shared {
                 .spawn(move || rebuild::clear_bits(job))
             {
                 Ok(handle) => threads.bitmap = Some((stop, handle)),
-                Err(e) => eprintln!(
+                Err(e) => log::error!(
                     "cairn: {}: cannot start the bitmap's thread (its bits stay set): {e}",
                     self.name
                 ),
@@ -818,7 +818,7 @@ impl Shared {
         }
         self.health.readable[m].store(false, Relaxed);
         self.health.failed[m].store(true, Relaxed);
-        eprintln!("cairn: {name}: member {member} failed by the admin; running degraded");
+        log::warn!("cairn: {name}: member {member} failed by the admin; running degraded");
         meta.fail_member(m);
         self.health.failed_event();
         Ok(format!(
@@ -857,7 +857,7 @@ impl Shared {
                 devices[n + m] = None;
             })
         });
-        eprintln!("cairn: {name}: member {member} removed by the admin");
+        log::info!("cairn: {name}: member {member} removed by the admin");
         Ok(format!(
             "{name}: member '{member}' removed: recorded as missing, and closed"
         ))
@@ -941,7 +941,7 @@ impl Shared {
                 .unwrap_or_else(|p| p.into_inner())
                 .push((device, new_name.clone()));
             self.watch_spares();
-            eprintln!("cairn: {name}: '{new_name}' added as a spare");
+            log::info!("cairn: {name}: '{new_name}' added as a spare");
             return Ok(format!(
                 "{name}: '{new_name}' added as a spare: it takes the place of the next member that fails (to swap a working member for a new device: replace {name} OLD SPEC)"
             ));
@@ -998,7 +998,7 @@ impl Shared {
             self.health.below[m].store(0, Relaxed);
             self.health.failed[m].store(false, Relaxed);
         });
-        eprintln!("cairn: {name}: '{new_name}' added in place of '{old}'; rebuilding it");
+        log::info!("cairn: {name}: '{new_name}' added in place of '{old}'; rebuilding it");
         Ok(old)
     }
 
@@ -1016,7 +1016,7 @@ impl Shared {
             .spawn(move || me.use_spares_until(&halt))
         {
             Ok(handle) => *watcher = Some((stop, handle)),
-            Err(e) => eprintln!(
+            Err(e) => log::error!(
                 "cairn: {}: cannot start the spares' thread (spares stay unused): {e}",
                 self.name
             ),
@@ -1058,9 +1058,9 @@ impl Shared {
                     spares.remove(0)
                 };
                 if let Err(e) = self.add_device(meta, m, spare.0, &spare.1) {
-                    eprintln!("cairn: {}: spare '{}' not used: {e}", self.name, spare.1);
+                    log::warn!("cairn: {}: spare '{}' not used: {e}", self.name, spare.1);
                 } else {
-                    eprintln!("cairn: {}: {}", self.name, self.members_line());
+                    log::info!("cairn: {}: {}", self.name, self.members_line());
                 }
             }
         }
@@ -1100,7 +1100,7 @@ impl Shared {
                 names[r] = new_name.clone();
             });
         });
-        eprintln!("cairn: {name}: replacing '{old}' by '{new_name}'");
+        log::info!("cairn: {name}: replacing '{old}' by '{new_name}'");
         Ok(format!(
             "{name}: replacing '{old}' by '{new_name}': it is written with every write to '{old}' and filled by a rebuild, then takes its place (see status)"
         ))
@@ -1264,7 +1264,7 @@ impl StackQueue {
                 Err(e) if first => return Err(e),
                 Err(e) => {
                     self.health.fail(i, IoStatus::errno(libc::EIO));
-                    eprintln!(
+                    log::warn!(
                         "cairn: {}: cannot open member '{}' here: {e}",
                         self.health.device,
                         d.name()
@@ -1766,7 +1766,7 @@ impl StackQueue {
         match meta.mark(io.offset, io.len) {
             Ok(()) => false,
             Err(e) => {
-                eprintln!("cairn: {}: {e}", self.health.device);
+                log::error!("cairn: {}: {e}", self.health.device);
                 true
             }
         }

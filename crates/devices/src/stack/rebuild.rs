@@ -265,7 +265,7 @@ fn run_to_end(job: Job) {
     let targets: Vec<usize> = (0..2 * n)
         .filter(|&m| health.ok(m) && (resync && m < n || full[m] || partial[m]))
         .collect();
-    eprintln!(
+    log::info!(
         "cairn: {}: {what} of {} started at {start} of {size} bytes{}",
         job.name,
         names(&job, &targets),
@@ -291,7 +291,7 @@ fn run_to_end(job: Job) {
     while at < size {
         if job.stop.load(SeqCst) {
             checkpoint(at);
-            eprintln!(
+            log::warn!(
                 "cairn: {}: {what} stopped at {at} of {size} bytes",
                 job.name
             );
@@ -316,7 +316,7 @@ fn run_to_end(job: Job) {
             let len = job.layout.piece_len(p, batch_end - p);
             let source = (0..copies).find(|&k| health.readable(job.layout.locate(p, k).0));
             let Some(source) = source else {
-                eprintln!(
+                log::warn!(
                     "cairn: {}: {what} stopped at {p}: no current copy to read",
                     job.name
                 );
@@ -390,7 +390,7 @@ fn run_to_end(job: Job) {
         }
         if last_log.elapsed() >= Duration::from_secs(5) {
             let rate = done as f64 / secs.max(1e-9);
-            eprintln!(
+            log::info!(
                 "cairn: {}: {what} {:.1}% ({done} of {total} bytes, {:.0} MB/s, {:.0} s left)",
                 job.name,
                 done as f64 * 100.0 / total.max(1) as f64,
@@ -418,7 +418,7 @@ fn run_to_end(job: Job) {
         .chain(replaced.iter().map(|&m| n + m))
         .collect();
     let secs = began.elapsed().as_secs_f64();
-    eprintln!(
+    log::info!(
         "cairn: {}: {what} of {} done: {total} bytes in {secs:.3} s ({:.0} MB/s); read {} bytes, wrote {} bytes",
         job.name,
         names(&job, &copied),
@@ -444,7 +444,7 @@ fn promote(job: &Job, m: usize, devices: &[Option<Arc<dyn Device>>]) {
         .metadata
         .set_member(m, device.clone(), &new, MemberState::Active)
     {
-        eprintln!(
+        log::warn!(
             "cairn: {}: replace of '{old}' by '{new}': recording it failed ({e}); '{old}' stays",
             job.name
         );
@@ -463,7 +463,7 @@ fn promote(job: &Job, m: usize, devices: &[Option<Arc<dyn Device>>]) {
     health.readable[m].store(true, Relaxed);
     health.switch(|devices, _| devices[r] = None);
     health.failed[r].store(true, Relaxed);
-    eprintln!(
+    log::info!(
         "cairn: {}: replace done: '{new}' took the place of '{old}', which is closed",
         job.name
     );
@@ -586,7 +586,7 @@ fn copy_pieces(job: &Job, queues: &[Option<BlockingQueue>], pieces: &[Piece]) ->
             .read_bytes
             .fetch_add(data_bytes(&reqs), Relaxed);
         if q.run(&mut reqs).iter().any(|r| r.is_err()) {
-            eprintln!(
+            log::warn!(
                 "cairn: {}: rebuild: reading member '{}' failed; stopped",
                 job.name,
                 job.health.name(m)
