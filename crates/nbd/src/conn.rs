@@ -173,6 +173,8 @@ struct ConnState {
     since: std::time::Instant,
     /// Why it ended, once it does (the first reason wins).
     ended: &'static str,
+    /// A request error was logged already (one per connection).
+    warned: bool,
 }
 
 impl ConnState {
@@ -407,6 +409,7 @@ impl ServerLoop {
                 counts: Counts::default(),
                 since: std::time::Instant::now(),
                 ended: "",
+                warned: false,
 
                 tls: nc.tls.map(|mut c| {
                     // Replies are bounded by the connection's own limits.
@@ -866,7 +869,11 @@ impl ServerLoop {
         let mut extents = Vec::new();
         let len = u64::from(r.len);
         if let Err(e) = device.extents(r.offset, len, &mut extents) {
-            log::warn!("cairn: serve: {}: block status: {e}", conn.peer);
+            if !st.warned {
+                // Once per connection: a client asking again does not flood the log.
+                st.warned = true;
+                log::warn!("cairn: serve: {}: block status: {e}", conn.peer);
+            }
             self.reply_error(conn, st, r.command, r.cookie, errno::EIO);
             return Next::Again;
         }
