@@ -4,7 +4,9 @@
 //! command line (at most 1 KiB) and gets one reply, then is closed:
 //!
 //!   devices                 every device served, with its members, one per line
-//!   status                  every array with metadata, as /proc/mdstat shows md's:
+//!   status [--json]         the device tree with sizes, failed members and what caches
+//!                           wrote back; then every array with metadata, as /proc/mdstat
+//!                           shows md's:
 //!                           members and their state, degraded or not, rebuild progress
 //!   fail ARRAY MEMBER       mark a member of a mirror or raid10 with metadata failed
 //!                           (refused if some data would have no current copy left)
@@ -35,7 +37,8 @@ const MAX_LINE: u64 = 1024;
 
 const HELP: &str = "ok: commands:
   devices                 every device served, with its members
-  status                  arrays with metadata: members, states, rebuild progress
+  status [--json]         the device tree with sizes, failed members and caches' dirty
+                          bytes, then arrays with metadata: members, states, rebuild
   fail ARRAY MEMBER       mark a member failed (never the last current copy of any data)
   remove ARRAY MEMBER     record a failed member as missing, and close it
   add ARRAY SPEC          a new device (file:PATH[,size=N]) in place of a missing or
@@ -158,6 +161,81 @@ fn all_devices(roots: &[Arc<dyn Device>]) -> Vec<(usize, Arc<dyn Device>)> {
     out
 }
 
+/// One device's line of the tree: size, what it is, and its health.
+fn device_line(depth: usize, d: &Arc<dyn Device>) -> String {
+    use cairn_core::size::format_bytes;
+    let failed = d.failed_members();
+    let own = d.writeback_counters();
+    let below = d
+        .children()
+        .iter()
+        .map(|c| c.writeback_counters())
+        .fold((0, 0), |(a, b), (x, y)| (a + x, b + y));
+    let cache = if own != below {
+        // This device's own write-back (a cache), not only its children's.
+        format!(
+            ", {} written back",
+            format_bytes(own.1 - below.1.min(own.1))
+        )
+    } else {
+        String::new()
+    };
+    format!(
+        "{}{} ({}) {}{}{}\n",
+        "  ".repeat(depth),
+        d.name(),
+        format_bytes(d.geometry().size_bytes),
+        d.describe(),
+        if failed.is_empty() {
+            String::new()
+        } else {
+            format!(" [DEGRADED: failed {}]", failed.join(", "))
+        },
+        cache
+    )
+}
+
+/// `status`: the device tree with sizes and health, then every array with metadata as
+/// /proc/mdstat shows md's.
+fn status_text(roots: &[Arc<dyn Device>]) -> String {
+    let all = all_devices(roots);
+    let mut out = String::from("ok\n");
+    for (depth, d) in &all {
+        out += &device_line(*depth, d);
+    }
+    let arrays: Vec<String> = all.iter().filter_map(|(_, d)| d.array_status()).collect();
+    if arrays.is_empty() {
+        out += "no array keeps metadata (add metadata = \"1\" to a mirror or raid10)\n";
+    } else {
+        out += &arrays.concat();
+    }
+    out
+}
+
+/// `status --json`: the same for scripts.
+fn status_json(roots: &[Arc<dyn Device>]) -> String {
+    let devices: Vec<serde_json::Value> = all_devices(roots)
+        .iter()
+        .map(|(depth, d)| {
+            let (dirty, written) = d.writeback_counters();
+            serde_json::json!({
+                "name": d.name(),
+                "depth": depth,
+                "size_bytes": d.geometry().size_bytes,
+                "block_bytes": d.geometry().block_bytes,
+                "describe": d.describe(),
+                "children": d.children().iter().map(|c| c.name().to_string()).collect::<Vec<_>>(),
+                "failed_members": d.failed_members(),
+                "dirty_bytes": dirty,
+                "written_back_bytes": written,
+                "array_status": d.array_status(),
+            })
+        })
+        .collect();
+    let doc = serde_json::json!({ "devices": devices });
+    format!("ok\n{doc}\n")
+}
+
 /// Runs one command line; the reply.
 fn command(line: &str, roots: &[Arc<dyn Device>]) -> String {
     let mut words = line.split_whitespace();
@@ -170,17 +248,11 @@ fn command(line: &str, roots: &[Arc<dyn Device>]) -> String {
             }
             out
         }
-        Some("status") => {
-            let arrays: Vec<String> = all_devices(roots)
-                .iter()
-                .filter_map(|(_, d)| d.array_status())
-                .collect();
-            if arrays.is_empty() {
-                "ok: no array keeps metadata (add metadata = \"1\" to a mirror or raid10)\n".into()
-            } else {
-                format!("ok\n{}", arrays.concat())
-            }
-        }
+        Some("status") => match words.next() {
+            None => status_text(roots),
+            Some("--json") => status_json(roots),
+            Some(other) => format!("error: status takes --json or nothing, not '{other}'\n"),
+        },
         Some(action @ ("fail" | "remove" | "add" | "replace")) => {
             let args: Vec<&str> = words.collect();
             let want = if action == "replace" { 3 } else { 2 };

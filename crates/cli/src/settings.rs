@@ -230,7 +230,8 @@ pub enum Command {
 
 const ADMIN_HELP: &str = "Commands:
   devices                 every device served, with its members
-  status                  arrays with metadata, as /proc/mdstat: members, states, rebuild
+  status [--json]         the device tree with sizes, failed members and caches' write-back,
+                          then arrays with metadata, as /proc/mdstat: members, states, rebuild
   fail ARRAY MEMBER       mark a member of a mirror or raid10 failed (never the last
                           current copy of any data)
   remove ARRAY MEMBER     record a failed member as missing, and close it
@@ -254,7 +255,7 @@ pub struct AdminArgs {
     #[arg(value_name = "SOCKET")]
     pub socket: PathBuf,
     /// The command and its arguments.
-    #[arg(value_name = "COMMAND", required = true, num_args = 1..)]
+    #[arg(value_name = "COMMAND", required = true, num_args = 1.., trailing_var_arg = true, allow_hyphen_values = true)]
     pub command: Vec<String>,
 }
 

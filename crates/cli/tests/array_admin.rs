@@ -485,10 +485,14 @@ fn add_and_replace_refuse_bad_devices_and_change_nothing() {
         assert!(all.contains(why), "{words:?}: {all}");
     }
     let after = admin(&sock, &["status"]);
-    assert_eq!(
-        before.lines().take(2).collect::<Vec<_>>(),
-        after.lines().take(2).collect::<Vec<_>>()
-    );
+    // The tree and the array are as they were (the bitmap's count may move with the load).
+    let same = |s: &str| -> Vec<String> {
+        s.lines()
+            .filter(|l| !l.trim_start().starts_with("bitmap:"))
+            .map(str::to_string)
+            .collect()
+    };
+    assert_eq!(same(&before), same(&after));
     assert!(!after.contains("rebuild "), "{after}");
     assert_eq!(std::fs::read(d.join("junk.img")).unwrap(), junk);
     assert!(!d.join("nothing.img").exists());

@@ -2753,6 +2753,64 @@ mod admin {
             .args(words))
     }
 
+    /// `status` prints the device tree with sizes, health and what caches wrote back,
+    /// then the arrays; `status --json` gives the same for scripts; a raid10 member that
+    /// fails shows as degraded in both.
+    #[test]
+    fn status_shows_the_tree_health_and_caches_and_json_for_scripts() {
+        let dir = tmpdir();
+        let ctl = dir.path().join("admin.sock");
+        let mut t = String::new();
+        for d in ["d0", "d1", "d2", "d3"] {
+            t += &format!("[device.{d}]\ntype = \"mem\"\nsize = \"8M\"\n");
+        }
+        t += "[device.f3]\ntype = \"fault\"\nbase = \"d3\"\nfail = [\"write\"]\nafter_ios = 3\n\
+              [device.r]\ntype = \"raid10\"\nmembers = [\"d0\", \"d1\", \"d2\", \"f3\"]\nchunk = \"64K\"\n\
+              [device.c]\ntype = \"cache\"\nbase = \"r\"\nmemory = \"4M\"\n\
+              [export.c]\ndevice = \"c\"\n";
+        let stack = write_stack(&dir, &t);
+        let srv = Server::start_in(dir, &[path_str(&stack), "--admin", path_str(&ctl)]);
+        let (mut c, _, _) = Raw::go(&srv.sock, "c");
+        for i in 0..64u64 {
+            c.write_ok(i + 1, 0, i * 65536, &[i as u8; 65536]);
+        }
+        c.request(0, CMD_FLUSH, 999, 0, 0, &[]).unwrap();
+        c.expect(999, 0);
+        let out = success("status", &admin(&ctl, &["status"]));
+        let lines: Vec<&str> = out.lines().collect();
+        assert!(lines[0].starts_with("c (16MiB) write-back cache"), "{out}");
+        assert!(lines[0].contains("written back"), "{out}");
+        assert!(
+            lines[1].starts_with("  r (16MiB) raid10 of 4 members"),
+            "{out}"
+        );
+        assert!(lines[1].contains("[DEGRADED: failed f3]"), "{out}");
+        assert!(
+            lines.iter().any(|l| l.starts_with("    d0 (8MiB) mem")),
+            "{out}"
+        );
+        assert!(
+            lines.iter().any(|l| l.starts_with("      d3 (8MiB) mem")),
+            "{out}"
+        );
+        let out = success("status --json", &admin(&ctl, &["status", "--json"]));
+        let doc: serde_json::Value = serde_json::from_str(out.trim()).expect("JSON");
+        let devices = doc["devices"].as_array().expect("devices");
+        let r = devices.iter().find(|d| d["name"] == "r").expect("r");
+        assert_eq!(r["size_bytes"], 16 << 20);
+        assert_eq!(r["depth"], 1);
+        assert_eq!(r["failed_members"], serde_json::json!(["f3"]));
+        assert_eq!(r["children"], serde_json::json!(["d0", "d1", "d2", "f3"]));
+        let cache = devices.iter().find(|d| d["name"] == "c").expect("c");
+        assert!(
+            cache["written_back_bytes"].as_u64().unwrap() >= 4 << 20,
+            "{cache}"
+        );
+        let out = admin(&ctl, &["status", "x"]);
+        assert!(!out.status.success());
+        c.disconnect();
+    }
+
     /// `power-cut` through the admin socket loses exactly what no flush made durable:
     /// through a cache over a volatile mem, flushed and FUA writes survive, the rest is
     /// gone. A bad command changes nothing.
