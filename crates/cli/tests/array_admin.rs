@@ -10,12 +10,12 @@
 //! Nothing asserts on timing: each step waits (with a generous bound) for `status` to
 //! show the state the next step needs, and the loads run until told to stop.
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use tempfile::TempDir;
+mod common;
+use common::{skip, text, tmpdir, tool};
 
 /// Longest any one step may take.
 const STEP: Duration = Duration::from_secs(120);
@@ -27,37 +27,6 @@ fn cairn() -> Command {
     c.env_remove("RUST_BACKTRACE")
         .env_remove("RUST_LIB_BACKTRACE");
     c
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
-fn tmpdir() -> TempDir {
-    tempfile::tempdir_in("/dev/shm")
-        .or_else(|_| tempfile::tempdir())
-        .expect("create a temporary directory")
-}
-
-/// Records that `test` could not run: one line on stderr and in `$CAIRN_SKIP_LOG`.
-fn skip(test: &str, reason: &str) {
-    let line = format!("SKIP {test}: {reason}");
-    eprintln!("{line}");
-    if let Some(path) = std::env::var_os("CAIRN_SKIP_LOG") {
-        let _ = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .and_then(|mut f| f.write_all(format!("{line}\n").as_bytes()));
-    }
-}
-
-fn tool(name: &str) -> Option<PathBuf> {
-    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).collect())
-        .unwrap_or_default();
-    dirs.extend(["/usr/bin", "/bin"].map(PathBuf::from));
-    dirs.into_iter().map(|d| d.join(name)).find(|p| p.is_file())
 }
 
 /// `cairn admin SOCK WORDS...`: the reply, or a panic naming the command.
@@ -139,6 +108,25 @@ impl Drop for Proc {
             let _ = c.wait();
         }
     }
+}
+
+/// `cairn bench --verify crc32c` of 4 KiB random reads and writes on `stack` at `iodepth`,
+/// running until stopped, with its admin socket at `sock` (waited for).
+fn verifying_bench(stack: &Path, sock: &Path, iodepth: u32) -> Proc {
+    let mut bench = Proc::spawn(
+        cairn()
+            .args([
+                "bench", "--rw", "randrw", "--verify", "crc32c", "--bs", "4k",
+            ])
+            .args(["--iodepth", &iodepth.to_string()])
+            .args(["--time_based", "--runtime", "1h", "--admin"])
+            .arg(sock)
+            .arg(stack)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
+    wait_socket(sock, bench.child());
+    bench
 }
 
 /// The array's layout in a stack file: a mirror of a and b, or a raid10 of a, b, e, f.
@@ -256,25 +244,7 @@ fn bench_verify_under_member_changes(array: &Array) {
     let stack = dir.path().join("stack.toml");
     std::fs::write(&stack, stack_text(dir.path(), array, array.members)).unwrap();
     let sock = dir.path().join("admin.sock");
-    let mut bench = Proc::spawn(
-        cairn()
-            .args([
-                "bench", "--rw", "randrw", "--verify", "crc32c", "--bs", "4k",
-            ])
-            .args([
-                "--iodepth",
-                "16",
-                "--time_based",
-                "--runtime",
-                "1h",
-                "--admin",
-            ])
-            .arg(&sock)
-            .arg(&stack)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped()),
-    );
-    wait_socket(&sock, bench.child());
+    let mut bench = verifying_bench(&stack, &sock, 16);
     let names = change_members(&sock, dir.path(), array, bench.child());
     let out = bench.stop(libc::SIGINT);
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
@@ -421,24 +391,7 @@ fn add_and_replace_refuse_bad_devices_and_change_nothing() {
     let stack = d.join("stack.toml");
     std::fs::write(&stack, stack_text(d, &MIRROR, MIRROR.members)).unwrap();
     let sock = d.join("admin.sock");
-    let mut bench = Proc::spawn(
-        cairn()
-            .args([
-                "bench",
-                "--rw",
-                "randrw",
-                "--verify",
-                "crc32c",
-                "--iodepth",
-                "8",
-            ])
-            .args(["--time_based", "--runtime", "1h", "--admin"])
-            .arg(&sock)
-            .arg(&stack)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped()),
-    );
-    wait_socket(&sock, bench.child());
+    let mut bench = verifying_bench(&stack, &sock, 8);
     let before = wait_status(&sock, "the array", |s| s.contains("[UU]"), bench.child());
     let file = |n: &str| format!("file:{}", d.join(n).display());
     let big = |n: &str| format!("file:{},size=33M", d.join(n).display());
@@ -526,24 +479,7 @@ fn a_spare_takes_the_place_of_a_member_that_fails_under_load() {
     )
     .unwrap();
     let sock = d.join("admin.sock");
-    let mut bench = Proc::spawn(
-        cairn()
-            .args([
-                "bench",
-                "--rw",
-                "randrw",
-                "--verify",
-                "crc32c",
-                "--iodepth",
-                "8",
-            ])
-            .args(["--time_based", "--runtime", "1h", "--admin"])
-            .arg(&sock)
-            .arg(&stack)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped()),
-    );
-    wait_socket(&sock, bench.child());
+    let mut bench = verifying_bench(&stack, &sock, 8);
     let spec = |n: &str| format!("file:{},size=33M", d.join(n).display());
     // Whether fa has failed yet or not, s1 ends up in its place.
     let out = admin(&sock, &["add", "m", &spec("s1.img")]);

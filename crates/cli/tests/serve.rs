@@ -13,7 +13,6 @@
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
-use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
@@ -25,6 +24,9 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use tempfile::TempDir;
 
+mod common;
+use common::{skip, text, tmpdir, tool, tools};
+
 /// Longest a server may take to print its ready line.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest a server may take to exit after SIGTERM.
@@ -35,50 +37,7 @@ const IO_TIMEOUT: Duration = Duration::from_secs(10);
 const TOOL_TIMEOUT: Duration = Duration::from_secs(120);
 
 // ---------------------------------------------------------------------------------------
-// Skipping
-
-/// Records that `test` could not run: one line on stderr and in `$CAIRN_SKIP_LOG`.
-fn skip(test: &str, reason: &str) {
-    let line = format!("SKIP {test}: {reason}");
-    eprintln!("{line}");
-    if let Some(path) = std::env::var_os("CAIRN_SKIP_LOG") {
-        let appended = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .and_then(|mut f| f.write_all(format!("{line}\n").as_bytes()));
-        if let Err(e) = appended {
-            eprintln!("cannot append to CAIRN_SKIP_LOG {}: {e}", path.display());
-        }
-    }
-}
-
-/// The executable `name` on PATH (or in the sbin directories, which a non-root PATH may
-/// lack).
-fn tool(name: &str) -> Option<PathBuf> {
-    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).collect())
-        .unwrap_or_default();
-    dirs.extend(["/usr/sbin", "/sbin", "/usr/bin", "/bin"].map(PathBuf::from));
-    dirs.into_iter().map(|d| d.join(name)).find(|p| {
-        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-    })
-}
-
-/// Every tool's path, or `None` after recording a skip for `test`.
-fn tools<const N: usize>(test: &str, names: [&str; N]) -> Option<[PathBuf; N]> {
-    let mut found = Vec::with_capacity(N);
-    for name in names {
-        match tool(name) {
-            Some(p) => found.push(p),
-            None => {
-                skip(test, &format!("{name} is not installed"));
-                return None;
-            }
-        }
-    }
-    found.try_into().ok()
-}
+// Skipping (`skip`, `tool`, `tools` are in `common`)
 
 /// A Python interpreter that can `import nbd` (python3-libnbd), or `None` after recording
 /// a skip. Debian's module lives in /usr/bin/python3's path, which another python3 first
@@ -107,17 +66,6 @@ fn python_with_libnbd(test: &str) -> Option<PathBuf> {
 
 // ---------------------------------------------------------------------------------------
 // Running things
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
-/// A fresh temporary directory, in /dev/shm when possible (the root disk is slow).
-fn tmpdir() -> TempDir {
-    tempfile::tempdir_in("/dev/shm")
-        .or_else(|_| tempfile::tempdir())
-        .expect("create a temporary directory")
-}
 
 fn path_str(p: &Path) -> &str {
     p.to_str().expect("a UTF-8 path")
@@ -3386,6 +3334,150 @@ mod arrays {
         );
     }
 
+    /// Pages (4 KiB, 64 KiB apart) of a 16 MiB mirror through crashes during a rebuild.
+    const PAGES: u64 = 256;
+    const STRIDE: u64 = 64 << 10;
+    const DATA_BYTES: usize = 16 << 20;
+
+    /// A pseudo-random `next(n)` in `0..n` (xorshift), from `seed`.
+    fn xorshift(seed: u64) -> impl FnMut(u64) -> u64 {
+        let mut rng = seed;
+        move |n| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % n
+        }
+    }
+
+    /// What each page may read: the version a flush (or an acknowledged FUA write) made
+    /// durable, or one written since.
+    struct Pages {
+        durable: Vec<u64>,
+        since: Vec<Vec<u64>>,
+        version: u64,
+    }
+
+    impl Pages {
+        fn new() -> Pages {
+            Pages {
+                durable: vec![0; PAGES as usize],
+                since: vec![Vec::new(); PAGES as usize],
+                version: 0,
+            }
+        }
+
+        /// Writes every page once through a server of `stack`, flushes, stops it.
+        fn fill(&mut self, stack: &Path) {
+            let mut srv = Server::start(&[path_str(stack)]);
+            let (mut c, _, _) = Raw::go(&srv.sock, "");
+            self.version += 1;
+            for p in 0..PAGES {
+                c.request(
+                    0,
+                    CMD_WRITE,
+                    p + 1,
+                    p * STRIDE,
+                    4096,
+                    &block(p, self.version),
+                )
+                .unwrap();
+                c.expect(p + 1, 0);
+                self.durable[p as usize] = self.version;
+            }
+            c.request(0, CMD_FLUSH, 9999, 0, 0, &[]).unwrap();
+            c.expect(9999, 0);
+            c.disconnect();
+            let (status, log) = srv.stop();
+            assert!(status.success(), "exit status {status}; stderr:\n{log}");
+        }
+
+        /// Reads every page, checks it, and takes what it read as durable (what reads
+        /// back now is what the array holds from here on).
+        fn check(&mut self, c: &mut Raw, cookie: &mut u64, what: &str, logs: &str) {
+            for p in 0..PAGES {
+                c.request(0, CMD_READ, *cookie, p * STRIDE, 4096, &[])
+                    .unwrap();
+                c.expect(*cookie, 0);
+                *cookie += 1;
+                let data = c.read_exact(4096).unwrap();
+                let v = version_of(p, &data, what);
+                let (d, s) = (&mut self.durable[p as usize], &mut self.since[p as usize]);
+                assert!(
+                    v == *d || s.contains(&v),
+                    "{what}: page {p} reads version {v}; durable {d}, written since {s:?}\n{logs}"
+                );
+                *d = v;
+                s.clear();
+            }
+        }
+
+        /// 16 distinct pages picked at random.
+        fn batch(&self, next: &mut impl FnMut(u64) -> u64) -> Vec<u64> {
+            let mut pages = Vec::new();
+            while pages.len() < 16 {
+                let p = next(PAGES);
+                if !pages.contains(&p) {
+                    pages.push(p);
+                }
+            }
+            pages
+        }
+
+        /// A new version of page `p` is being written: which.
+        fn written(&mut self, p: u64) -> u64 {
+            self.version += 1;
+            self.since[p as usize].push(self.version);
+            self.version
+        }
+
+        /// Version `v` of page `p` is durable (an acknowledged FUA write).
+        fn durable_now(&mut self, p: u64, v: u64) {
+            self.durable[p as usize] = v;
+            self.since[p as usize].retain(|&x| x > v);
+        }
+
+        /// A flush completed: the last version written of every page is durable.
+        fn flushed(&mut self) {
+            for p in 0..PAGES as usize {
+                if let Some(&v) = self.since[p].last() {
+                    self.durable[p] = v;
+                }
+                self.since[p].clear();
+            }
+        }
+
+        /// Rebuilt and stopped cleanly: both member files hold every page as last read,
+        /// and the same data.
+        fn members_hold(&self, a: &Path, b: &Path, logs: &str) {
+            let (da, db) = (std::fs::read(a).unwrap(), std::fs::read(b).unwrap());
+            let mut wrong = Vec::new();
+            for p in 0..PAGES {
+                let at = (1 << 20) + (p * STRIDE) as usize;
+                let va = version_of(p, &da[at..at + 4096], "member a");
+                let vb = version_of(p, &db[at..at + 4096], "member b");
+                let d = self.durable[p as usize];
+                if va != d || vb != d {
+                    wrong.push(format!(
+                        "page {p} (offset {}): a holds {va}, b {vb}, the array read {d}",
+                        p * STRIDE
+                    ));
+                }
+            }
+            assert!(
+                wrong.is_empty(),
+                "after the rebuild, {} pages are not as the array read them:\n{}\n{logs}",
+                wrong.len(),
+                wrong.join("\n")
+            );
+            let data = (1 << 20)..(1 << 20) + DATA_BYTES;
+            assert!(
+                da[data.clone()] == db[data],
+                "the members differ after the rebuild:\n{logs}"
+            );
+        }
+    }
+
     /// Kills the server (SIGKILL) while a mirror rebuilds a blank member, writes in
     /// flight, several times; once, stops it cleanly instead. After each start every page
     /// reads the version a flush made durable or one written since; a rebuild stopped
@@ -3397,9 +3489,6 @@ mod arrays {
     /// hold; they only test less).
     #[test]
     fn kill_9_during_a_rebuild_then_it_resumes_and_every_flushed_write_survives() {
-        const PAGES: u64 = 256;
-        const STRIDE: u64 = 64 << 10;
-        const DATA_BYTES: usize = 16 << 20;
         const ROUNDS: usize = 4;
         /// The round that ends with SIGTERM (the others with SIGKILL): the first, while
         /// the rebuild runs (a resync, after a kill, starts over at the next start).
@@ -3420,60 +3509,12 @@ mod arrays {
                 b.display()
             ),
         );
-        let mut rng = 0x2eb1_u64;
-        let mut next = move |n: u64| {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng % n
-        };
-        // Per page: the version a flush made durable, and versions written since.
-        let mut durable = vec![0u64; PAGES as usize];
-        let mut since: Vec<Vec<u64>> = vec![Vec::new(); PAGES as usize];
-        let mut version = 0u64;
-        // Reads every page, checks it against `durable` and `since`, and takes what it
-        // read as durable (what reads back now is what the array holds from here on).
-        let check = |c: &mut Raw,
-                     cookie: &mut u64,
-                     durable: &mut [u64],
-                     since: &mut [Vec<u64>],
-                     what: &str,
-                     logs: &str| {
-            for p in 0..PAGES {
-                c.request(0, CMD_READ, *cookie, p * STRIDE, 4096, &[])
-                    .unwrap();
-                c.expect(*cookie, 0);
-                *cookie += 1;
-                let data = c.read_exact(4096).unwrap();
-                let v = version_of(p, &data, what);
-                let (d, s) = (&mut durable[p as usize], &mut since[p as usize]);
-                assert!(
-                    v == *d || s.contains(&v),
-                    "{what}: page {p} reads version {v}; durable {d}, written since {s:?}\n{logs}"
-                );
-                *d = v;
-                s.clear();
-            }
-        };
+        let mut next = xorshift(0x2eb1);
+        let mut pages = Pages::new();
 
         // Made with both members and written once, then b is replaced by a blank file
         // (the stack's `size` makes it again): the next start rebuilds it.
-        {
-            let mut srv = Server::start(&[path_str(&stack)]);
-            let (mut c, _, _) = Raw::go(&srv.sock, "");
-            version += 1;
-            for p in 0..PAGES {
-                c.request(0, CMD_WRITE, p + 1, p * STRIDE, 4096, &block(p, version))
-                    .unwrap();
-                c.expect(p + 1, 0);
-                durable[p as usize] = version;
-            }
-            c.request(0, CMD_FLUSH, 9999, 0, 0, &[]).unwrap();
-            c.expect(9999, 0);
-            c.disconnect();
-            let (status, log) = srv.stop();
-            assert!(status.success(), "exit status {status}; stderr:\n{log}");
-        }
+        pages.fill(&stack);
         std::fs::remove_file(&b).unwrap();
 
         // Where the next start must resume the rebuild (after a clean stop part way).
@@ -3503,14 +3544,7 @@ mod arrays {
             let (mut c, _, _) = Raw::go(&srv.sock, "");
             let mut cookie = 1u64;
             let so_far = |srv: &Server| format!("{logs}--- {what} (running)\n{}", srv.stderr());
-            check(
-                &mut c,
-                &mut cookie,
-                &mut durable,
-                &mut since,
-                &what,
-                &so_far(&srv),
-            );
+            pages.check(&mut c, &mut cookie, &what, &so_far(&srv));
             if round == ROUNDS {
                 // The last start: the rebuild runs to its end, and then reads (which
                 // may now use either copy) still find every page as it was.
@@ -3520,14 +3554,7 @@ mod arrays {
                     srv.stderr()
                 );
                 let after = format!("{what}, after the rebuild");
-                check(
-                    &mut c,
-                    &mut cookie,
-                    &mut durable,
-                    &mut since,
-                    &after,
-                    &so_far(&srv),
-                );
+                pages.check(&mut c, &mut cookie, &after, &so_far(&srv));
                 c.disconnect();
                 let (status, log) = srv.stop();
                 assert!(status.success(), "exit status {status}; stderr:\n{log}");
@@ -3538,18 +3565,11 @@ mod arrays {
             // random; then the kill with a batch in flight (or, once, a clean stop).
             let end = Instant::now() + Duration::from_millis(200 + next(2300));
             loop {
-                let mut pages = Vec::new();
-                while pages.len() < 16 {
-                    let p = next(PAGES);
-                    if !pages.contains(&p) {
-                        pages.push(p);
-                    }
-                }
-                for &p in &pages {
-                    version += 1;
-                    c.request(0, CMD_WRITE, cookie, p * STRIDE, 4096, &block(p, version))
+                let batch = pages.batch(&mut next);
+                for &p in &batch {
+                    let v = pages.written(p);
+                    c.request(0, CMD_WRITE, cookie, p * STRIDE, 4096, &block(p, v))
                         .unwrap();
-                    since[p as usize].push(version);
                     cookie += 1;
                 }
                 let last = Instant::now() >= end;
@@ -3559,7 +3579,7 @@ mod arrays {
                     srv.signal(libc::SIGKILL);
                     break;
                 }
-                for _ in 0..pages.len() {
+                for _ in 0..batch.len() {
                     let (err, _) = c.reply().unwrap();
                     assert_eq!(err, 0, "{what}: a write failed");
                 }
@@ -3567,12 +3587,7 @@ mod arrays {
                     c.request(0, CMD_FLUSH, cookie, 0, 0, &[]).unwrap();
                     c.expect(cookie, 0);
                     cookie += 1;
-                    for p in 0..PAGES as usize {
-                        if let Some(&v) = since[p].last() {
-                            durable[p] = v;
-                        }
-                        since[p].clear();
-                    }
+                    pages.flushed();
                 }
                 if last {
                     break;
@@ -3607,31 +3622,7 @@ mod arrays {
         }
         // Rebuilt and stopped cleanly: both members hold every page as last read, and the
         // same data.
-        let (da, db) = (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
-        let mut wrong = Vec::new();
-        for p in 0..PAGES {
-            let at = (1 << 20) + (p * STRIDE) as usize;
-            let va = version_of(p, &da[at..at + 4096], "member a");
-            let vb = version_of(p, &db[at..at + 4096], "member b");
-            if va != durable[p as usize] || vb != durable[p as usize] {
-                wrong.push(format!(
-                    "page {p} (offset {}): a holds {va}, b {vb}, the array read {}",
-                    p * STRIDE,
-                    durable[p as usize]
-                ));
-            }
-        }
-        assert!(
-            wrong.is_empty(),
-            "after the rebuild, {} pages are not as the array read them:\n{}\n{logs}",
-            wrong.len(),
-            wrong.join("\n")
-        );
-        let data = (1 << 20)..(1 << 20) + DATA_BYTES;
-        assert!(
-            da[data.clone()] == db[data],
-            "the members differ after the rebuild:\n{logs}"
-        );
+        pages.members_hold(&a, &b, &logs);
     }
 
     /// Cuts the power of a mirror whose members are write-back caches (`cache` over
@@ -3655,9 +3646,6 @@ mod arrays {
     /// last flush and not yet written back (a batch, typically, on both members).
     #[test]
     fn power_cut_during_a_rebuild_then_every_flushed_write_survives() {
-        const PAGES: u64 = 256;
-        const STRIDE: u64 = 64 << 10;
-        const DATA_BYTES: usize = 16 << 20;
         /// Rounds that end with a power cut; one more runs the rebuild to its end.
         const ROUNDS: usize = 4;
         let images = tmpdir();
@@ -3678,62 +3666,14 @@ mod arrays {
                 b.display()
             ),
         );
-        let mut rng = 0x9c07_u64;
-        let mut next = move |n: u64| {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng % n
-        };
-        // Per page: the version a flush or FUA write made durable, and versions written
-        // since.
-        let mut durable = vec![0u64; PAGES as usize];
-        let mut since: Vec<Vec<u64>> = vec![Vec::new(); PAGES as usize];
-        let mut version = 0u64;
-        // Reads every page, checks it against `durable` and `since`, and takes what it
-        // read as durable (after a start the caches are empty: what reads back is on a
-        // member's file, and is what the array holds from here on).
-        let check = |c: &mut Raw,
-                     cookie: &mut u64,
-                     durable: &mut [u64],
-                     since: &mut [Vec<u64>],
-                     what: &str,
-                     logs: &str| {
-            for p in 0..PAGES {
-                c.request(0, CMD_READ, *cookie, p * STRIDE, 4096, &[])
-                    .unwrap();
-                c.expect(*cookie, 0);
-                *cookie += 1;
-                let data = c.read_exact(4096).unwrap();
-                let v = version_of(p, &data, what);
-                let (d, s) = (&mut durable[p as usize], &mut since[p as usize]);
-                assert!(
-                    v == *d || s.contains(&v),
-                    "{what}: page {p} reads version {v}; durable {d}, written since {s:?}\n{logs}"
-                );
-                *d = v;
-                s.clear();
-            }
-        };
+        // (A flush or an acknowledged FUA write makes a version durable; after a start
+        // the caches are empty: what reads back is on a member's file.)
+        let mut next = xorshift(0x9c07);
+        let mut pages = Pages::new();
 
         // Made with both members and written once, then b is replaced by a blank file
         // (the stack's `size` makes it again): the next start rebuilds it.
-        {
-            let mut srv = Server::start(&[path_str(&stack)]);
-            let (mut c, _, _) = Raw::go(&srv.sock, "");
-            version += 1;
-            for p in 0..PAGES {
-                c.request(0, CMD_WRITE, p + 1, p * STRIDE, 4096, &block(p, version))
-                    .unwrap();
-                c.expect(p + 1, 0);
-                durable[p as usize] = version;
-            }
-            c.request(0, CMD_FLUSH, 9999, 0, 0, &[]).unwrap();
-            c.expect(9999, 0);
-            c.disconnect();
-            let (status, log) = srv.stop();
-            assert!(status.success(), "exit status {status}; stderr:\n{log}");
-        }
+        pages.fill(&stack);
         std::fs::remove_file(&b).unwrap();
 
         // Every round's stderr, for the messages of the last checks.
@@ -3755,14 +3695,7 @@ mod arrays {
             let (mut c, _, _) = Raw::go(&srv.sock, "");
             let mut cookie = 1u64;
             let so_far = |srv: &Server| format!("{logs}--- {what} (running)\n{}", srv.stderr());
-            check(
-                &mut c,
-                &mut cookie,
-                &mut durable,
-                &mut since,
-                &what,
-                &so_far(&srv),
-            );
+            pages.check(&mut c, &mut cookie, &what, &so_far(&srv));
             if round == ROUNDS {
                 // The last start: the rebuild runs to its end, and then reads (which
                 // may now use either copy) still find every page as it was.
@@ -3772,14 +3705,7 @@ mod arrays {
                     srv.stderr()
                 );
                 let after = format!("{what}, after the rebuild");
-                check(
-                    &mut c,
-                    &mut cookie,
-                    &mut durable,
-                    &mut since,
-                    &after,
-                    &so_far(&srv),
-                );
+                pages.check(&mut c, &mut cookie, &after, &so_far(&srv));
                 c.disconnect();
                 let (status, log) = srv.stop();
                 assert!(status.success(), "exit status {status}; stderr:\n{log}");
@@ -3791,29 +3717,15 @@ mod arrays {
             // or acknowledged and not flushed, and the kill.
             let end = Instant::now() + Duration::from_millis(200 + next(2300));
             loop {
-                let mut pages = Vec::new();
-                while pages.len() < 16 {
-                    let p = next(PAGES);
-                    if !pages.contains(&p) {
-                        pages.push(p);
-                    }
-                }
+                let batch = pages.batch(&mut next);
                 // (cookie, page, version, FUA) of each write of the batch.
                 let mut sent = Vec::new();
-                for &p in &pages {
-                    version += 1;
+                for &p in &batch {
+                    let v = pages.written(p);
                     let flags = if next(32) == 0 { FLAG_FUA } else { 0 };
-                    c.request(
-                        flags,
-                        CMD_WRITE,
-                        cookie,
-                        p * STRIDE,
-                        4096,
-                        &block(p, version),
-                    )
-                    .unwrap();
-                    since[p as usize].push(version);
-                    sent.push((cookie, p, version, flags != 0));
+                    c.request(flags, CMD_WRITE, cookie, p * STRIDE, 4096, &block(p, v))
+                        .unwrap();
+                    sent.push((cookie, p, v, flags != 0));
                     cookie += 1;
                 }
                 // The last batch: the cut lands with it in flight, or once it is
@@ -3823,15 +3735,14 @@ mod arrays {
                 if in_flight {
                     std::thread::sleep(Duration::from_millis(next(4)));
                 } else {
-                    for _ in 0..pages.len() {
+                    for _ in 0..batch.len() {
                         let (err, ck) = c.reply().unwrap();
                         assert_eq!(err, 0, "{what}: write {ck} failed");
                         let &(_, p, v, fua) =
                             sent.iter().find(|w| w.0 == ck).expect("a known cookie");
                         if fua {
                             // Acknowledged FUA: durable (on every member it reached).
-                            durable[p as usize] = v;
-                            since[p as usize].retain(|&x| x > v);
+                            pages.durable_now(p, v);
                         }
                     }
                 }
@@ -3847,12 +3758,7 @@ mod arrays {
                     c.request(0, CMD_FLUSH, cookie, 0, 0, &[]).unwrap();
                     c.expect(cookie, 0);
                     cookie += 1;
-                    for p in 0..PAGES as usize {
-                        if let Some(&v) = since[p].last() {
-                            durable[p] = v;
-                        }
-                        since[p].clear();
-                    }
+                    pages.flushed();
                 }
                 // Quiet moments, in which the rebuild may copy what the writes touch.
                 std::thread::sleep(Duration::from_millis(next(20)));
@@ -3867,30 +3773,6 @@ mod arrays {
         }
         // Rebuilt and stopped cleanly (the caches wrote everything back): both members
         // hold every page as last read, and the same data.
-        let (da, db) = (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
-        let mut wrong = Vec::new();
-        for p in 0..PAGES {
-            let at = (1 << 20) + (p * STRIDE) as usize;
-            let va = version_of(p, &da[at..at + 4096], "member a");
-            let vb = version_of(p, &db[at..at + 4096], "member b");
-            if va != durable[p as usize] || vb != durable[p as usize] {
-                wrong.push(format!(
-                    "page {p} (offset {}): a holds {va}, b {vb}, the array read {}",
-                    p * STRIDE,
-                    durable[p as usize]
-                ));
-            }
-        }
-        assert!(
-            wrong.is_empty(),
-            "after the rebuild, {} pages are not as the array read them:\n{}\n{logs}",
-            wrong.len(),
-            wrong.join("\n")
-        );
-        let data = (1 << 20)..(1 << 20) + DATA_BYTES;
-        assert!(
-            da[data.clone()] == db[data],
-            "the members differ after the rebuild:\n{logs}"
-        );
+        pages.members_hold(&a, &b, &logs);
     }
 }

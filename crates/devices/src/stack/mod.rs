@@ -1589,12 +1589,11 @@ impl StackQueue {
     /// and requests split into pieces.
     #[inline(never)]
     fn submit_other(&self, io: Io, start_ns: u64) {
-        // The members changed (an admin action, the end of a replace): follow.
-        let epoch = self.health.epoch.load(SeqCst);
-        if epoch != self.epoch.get() {
-            let _ = self.refresh(epoch, false);
-        }
-        if !self.retired.borrow().is_empty() && self.state.borrow().parents.is_empty() {
+        // Only an array whose members can change (gated) follows a change of members: in
+        // `enter_gate`, below. Queues of members it no longer uses go once nothing is in
+        // flight.
+        if self.gated && !self.retired.borrow().is_empty() && self.state.borrow().parents.is_empty()
+        {
             // Nothing is in flight on the old members' queues any more.
             self.retired.borrow_mut().clear();
         }

@@ -544,7 +544,7 @@ fn split(p: &Piece, size: u64, keep: impl Fn(usize) -> bool) -> Vec<Piece> {
     while at < end {
         let next = ((at / size + 1) * size).min(end);
         let slot = slots(at, 1).next().unwrap_or(0);
-        if keep(slot) || size > REGION_BYTES {
+        if keep(slot) {
             let shift = at - start;
             let targets = p.3.iter().map(|&(m, o)| (m, o + shift)).collect();
             out.push((at, next - at, p.2, targets));
@@ -563,28 +563,18 @@ fn snap_of(snap: &[(usize, u64)], slot: usize) -> Vec<(usize, u64)> {
 /// requests in flight together. A target that fails a write is failed.
 fn copy_pieces(job: &Job, queues: &[Option<BlockingQueue>], pieces: &[Piece]) -> Copy {
     let mut bufs: Vec<Vec<u8>> = pieces.iter().map(|p| vec![0u8; p.1 as usize]).collect();
+    let sync = &job.health.sync;
     for (m, q) in queues.iter().enumerate() {
         let Some(q) = q else { continue };
-        let mut reqs: Vec<Request<'_>> = Vec::new();
-        for (piece, buf) in pieces.iter().zip(bufs.iter_mut()) {
-            let (member, at) = job.layout.locate(piece.0, piece.2);
-            if member == m {
-                reqs.push(Request {
-                    op: Op::Read,
-                    flags: IoFlags::NONE,
-                    offset: at + job.data_offset,
-                    len: 0,
-                    buf: Some(buf.as_mut_slice()),
-                });
-            }
-        }
+        let source_on_m = |p: &Piece| {
+            let (member, at) = job.layout.locate(p.0, p.2);
+            (member == m).then_some(at)
+        };
+        let mut reqs = requests(Op::Read, pieces, &mut bufs, job.data_offset, source_on_m);
         if reqs.is_empty() {
             continue;
         }
-        job.health
-            .sync
-            .read_bytes
-            .fetch_add(data_bytes(&reqs), Relaxed);
+        sync.read_bytes.fetch_add(data_bytes(&reqs), Relaxed);
         if q.run(&mut reqs).iter().any(|r| r.is_err()) {
             log::warn!(
                 "cairn: {}: rebuild: reading member '{}' failed; stopped",
@@ -599,27 +589,13 @@ fn copy_pieces(job: &Job, queues: &[Option<BlockingQueue>], pieces: &[Piece]) ->
         if !job.health.ok(m) {
             continue;
         }
-        let mut reqs: Vec<Request<'_>> = Vec::new();
-        for (piece, buf) in pieces.iter().zip(bufs.iter_mut()) {
-            // The copies of a piece are on distinct members: one target here at most.
-            let target = piece.3.iter().find(|&&(member, _)| member == m);
-            if let Some(&(_, at)) = target {
-                reqs.push(Request {
-                    op: Op::Write,
-                    flags: IoFlags::NONE,
-                    offset: at + job.data_offset,
-                    len: 0,
-                    buf: Some(buf.as_mut_slice()),
-                });
-            }
-        }
+        // The copies of a piece are on distinct members: one target here at most.
+        let target_on_m = |p: &Piece| p.3.iter().find(|t| t.0 == m).map(|t| t.1);
+        let mut reqs = requests(Op::Write, pieces, &mut bufs, job.data_offset, target_on_m);
         if reqs.is_empty() {
             continue;
         }
-        job.health
-            .sync
-            .written_bytes
-            .fetch_add(data_bytes(&reqs), Relaxed);
+        sync.written_bytes.fetch_add(data_bytes(&reqs), Relaxed);
         if q.run(&mut reqs).iter().any(|r| r.is_err()) {
             job.health.fail(m, cairn_core::IoStatus::errno(libc::EIO));
             if m < job.health.n {
@@ -628,6 +604,30 @@ fn copy_pieces(job: &Job, queues: &[Option<BlockingQueue>], pieces: &[Piece]) ->
         }
     }
     Copy::Done
+}
+
+/// One member's requests of `op` for `pieces`: for each piece `on_member` places there
+/// (at a data-area offset), its buffer at that offset.
+fn requests<'a>(
+    op: Op,
+    pieces: &[Piece],
+    bufs: &'a mut [Vec<u8>],
+    data_offset: u64,
+    on_member: impl Fn(&Piece) -> Option<u64>,
+) -> Vec<Request<'a>> {
+    pieces
+        .iter()
+        .zip(bufs.iter_mut())
+        .filter_map(|(piece, buf)| {
+            on_member(piece).map(|at| Request {
+                op,
+                flags: IoFlags::NONE,
+                offset: at + data_offset,
+                len: 0,
+                buf: Some(buf.as_mut_slice()),
+            })
+        })
+        .collect()
 }
 
 /// Bytes the requests carry.
