@@ -388,6 +388,7 @@ fn add_and_replace_refuse_bad_devices_and_change_nothing() {
     let mut junk = b"precious data".to_vec();
     junk.resize(40 << 20, 7);
     std::fs::write(d.join("junk.img"), &junk).unwrap();
+    let other_member = std::fs::read(d.join("x.img")).unwrap();
     let stack = d.join("stack.toml");
     std::fs::write(&stack, stack_text(d, &MIRROR, MIRROR.members)).unwrap();
     let sock = d.join("admin.sock");
@@ -448,6 +449,8 @@ fn add_and_replace_refuse_bad_devices_and_change_nothing() {
     assert_eq!(same(&before), same(&after));
     assert!(!after.contains("rebuild "), "{after}");
     assert_eq!(std::fs::read(d.join("junk.img")).unwrap(), junk);
+    // Not even for a moment: another array's member is refused before any write.
+    assert!(std::fs::read(d.join("x.img")).unwrap() == other_member);
     assert!(!d.join("nothing.img").exists());
     let out = bench.stop(libc::SIGINT);
     let stdout = text(&out.stdout);

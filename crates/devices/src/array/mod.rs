@@ -546,41 +546,37 @@ impl Metadata {
         q.read(0, &mut area)
             .map_err(|e| format!("reading its first {} bytes failed: {e}", area.len()))?;
         let wipe = "clear its first 16 KiB (dd if=/dev/zero of=FILE bs=16K count=1 conv=notrunc) to use it";
+        match superblock::pick(&area) {
+            Found::Blank => {}
+            Found::Valid { sb, .. } if sb.array_uuid == self.array_uuid => {}
+            // Refused before anything is written to it.
+            Found::Valid { sb, .. } => {
+                return Err(format!(
+                    "'{name}' is a member of another array ('{}', {}): {wipe}",
+                    sb.name,
+                    superblock::uuid_text(&sb.array_uuid)
+                ))
+            }
+            Found::Foreign { .. } => {
+                return Err(format!(
+                    "'{name}' is not blank and holds no superblock of this array (it may hold someone's data): {wipe}"
+                ))
+            }
+        }
         // It must keep what is written (a null device does not): a pattern over its
-        // metadata area, read back, then the area as it was.
-        let keeps = || -> Result<bool, String> {
-            let pattern: Vec<u8> = (0..area.len()).map(|i| (i % 251) as u8 ^ 0x5a).collect();
-            let mut back = vec![0u8; area.len()];
-            q.write(0, &pattern, IoFlags::FUA)
-                .and_then(|()| q.read(0, &mut back))
-                .and_then(|()| q.write(0, &area, IoFlags::FUA))
-                .map_err(|e| e.to_string())?;
-            Ok(back == pattern)
-        };
-        match superblock::pick(&area) {
-            Found::Blank | Found::Valid { .. } => match keeps() {
-                Ok(true) => {}
-                Ok(false) => {
-                    return Err(format!(
-                        "'{name}' does not keep what is written to it (a null device?)"
-                    ))
-                }
-                Err(e) => return Err(format!("'{name}': writing its metadata area failed: {e}")),
-            },
-            Found::Foreign { .. } => {}
+        // metadata area (blank, or this array's), read back, then the area as it was.
+        let pattern: Vec<u8> = (0..area.len()).map(|i| (i % 251) as u8 ^ 0x5a).collect();
+        let mut back = vec![0u8; area.len()];
+        q.write(0, &pattern, IoFlags::FUA)
+            .and_then(|()| q.read(0, &mut back))
+            .and_then(|()| q.write(0, &area, IoFlags::FUA))
+            .map_err(|e| format!("'{name}': writing its metadata area failed: {e}"))?;
+        if back != pattern {
+            return Err(format!(
+                "'{name}' does not keep what is written to it (a null device?)"
+            ));
         }
-        match superblock::pick(&area) {
-            Found::Blank => Ok(()),
-            Found::Valid { sb, .. } if sb.array_uuid == self.array_uuid => Ok(()),
-            Found::Valid { sb, .. } => Err(format!(
-                "'{name}' is a member of another array ('{}', {}): {wipe}",
-                sb.name,
-                superblock::uuid_text(&sb.array_uuid)
-            )),
-            Found::Foreign { .. } => Err(format!(
-                "'{name}' is not blank and holds no superblock of this array (it may hold someone's data): {wipe}"
-            )),
-        }
+        Ok(())
     }
 
     /// Makes `device` member `m` (`state`: rebuilding for a member added, active for a
