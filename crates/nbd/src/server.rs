@@ -246,30 +246,43 @@ fn signal_fd() -> Result<OwnedFd, Error> {
 /// from now (a device that never completes a request, say), saying what it abandons: the
 /// requests in flight (never acknowledged) and, at most, the acknowledged writes the caches
 /// had not written back when last seen.
-fn watchdog(config: &Config, exports: &[Export]) {
+///
+/// Once [`Closing::now`] returns, it never holds a device again: the devices are then
+/// closed by whoever drops them last (this thread is never joined, and a device whose last
+/// reference it held would be closed here, or not at all when the process exits first:
+/// an array would miss its clean superblock).
+fn watchdog(config: &Config, exports: &[Export]) -> Closing {
     let devices: Vec<std::sync::Weak<dyn cairn_core::Device>> =
         exports.iter().map(|e| Arc::downgrade(&e.device)).collect();
+    let mut open: Vec<String> = Vec::new();
+    for e in exports {
+        if !open.iter().any(|n| n == e.device.name()) {
+            open.push(e.device.name().to_string());
+        }
+    }
     let (timeout, abandon) = (config.shutdown_timeout, config.on_abandon.clone());
+    let closing = Closing(Arc::new(std::sync::Mutex::new(false)));
+    let asked = closing.0.clone();
     let _ = std::thread::Builder::new()
         .name("cairn-shutdown".into())
         .spawn(move || {
             let end = Instant::now() + timeout;
             let mut dirty = 0u64;
-            let mut open: Vec<String> = Vec::new();
             while Instant::now() < end {
-                // Devices being closed can no longer be asked: the last figure stands.
-                let alive: Vec<_> = devices.iter().filter_map(std::sync::Weak::upgrade).collect();
-                if !alive.is_empty() {
-                    dirty = alive.iter().map(|d| d.writeback_counters().0).sum();
-                    open = alive.iter().map(|d| d.name().to_string()).collect();
+                {
+                    let closing = asked.lock().unwrap_or_else(|p| p.into_inner());
+                    if !*closing {
+                        let alive: Vec<_> =
+                            devices.iter().filter_map(std::sync::Weak::upgrade).collect();
+                        dirty = alive.iter().map(|d| d.writeback_counters().0).sum();
+                    }
                 }
-                drop(alive);
                 std::thread::sleep(Duration::from_millis(50).min(timeout));
             }
-            let stage = if devices.iter().any(|d| d.strong_count() > 0) {
-                format!("requests in flight on {} are abandoned", open.join(", "))
-            } else {
+            let stage = if *asked.lock().unwrap_or_else(|p| p.into_inner()) {
                 format!("closing {} did not end", open.join(", "))
+            } else {
+                format!("requests in flight on {} are abandoned", open.join(", "))
             };
             log::warn!(
                 "cairn: serve: shutdown did not end within {timeout:?}: {stage}; up to {dirty} bytes of acknowledged writes the caches had not written back may be lost; exiting with status 1"
@@ -279,6 +292,7 @@ fn watchdog(config: &Config, exports: &[Export]) {
             }
             std::process::exit(1);
         });
+    closing
 }
 
 /// Logs what SIGUSR1 and SIGUSR2 ask for: connections, and each export's device with its
@@ -422,6 +436,7 @@ pub fn serve(
         events: libc::POLLIN,
         revents: 0,
     });
+    let closing;
     'accept: loop {
         // SAFETY: polls our own descriptors, described by `fds`.
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
@@ -445,7 +460,7 @@ pub fn serve(
                 "cairn: serve: signal {signo} received: finishing requests in flight, flushing, closing (at most {:?})",
                 config.shutdown_timeout
             );
-            watchdog(&config, &exports);
+            closing = watchdog(&config, &exports);
             break 'accept;
         }
         for (i, (l, _)) in listeners.iter().enumerate() {
@@ -505,7 +520,19 @@ pub fn serve(
     for t in threads {
         let _ = t.join();
     }
+    // The devices are closed when `exports` is dropped, here, on this thread.
+    closing.now();
     Ok(())
+}
+
+/// Tells the shutdown watchdog that the devices are being closed.
+struct Closing(Arc<std::sync::Mutex<bool>>);
+
+impl Closing {
+    /// Returns once the watchdog holds no device and never will again.
+    fn now(&self) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = true;
+    }
 }
 
 fn set_nodelay(fd: RawFd) {
