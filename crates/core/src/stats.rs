@@ -1,11 +1,12 @@
 //! Per-queue statistics in the shape of `/proc/diskstats`, plus latency histograms.
 //!
-//! Each queue has one writer: its reactor thread. Counters are atomics written with plain
-//! relaxed load-and-store (no read-modify-write, so no locked instruction on the hot path)
-//! and can be read from any thread for progress displays. Latency histograms belong to the
-//! owning thread and are copied out with [`QueueStats::snapshot`].
+//! Each queue has one writer: its reactor thread. Counters and histogram buckets are
+//! atomics written with plain relaxed load-and-store (no read-modify-write, so no locked
+//! instruction on the hot path: on x86 they compile to the same moves as plain integers),
+//! and any thread can read them without stopping I/O: the admin socket, the metrics
+//! endpoint and progress displays do. A reader may see one request counted in one field
+//! and not yet in another; every field only grows.
 
-use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
@@ -150,8 +151,56 @@ impl LatencyHistogram {
     }
 }
 
-/// Counters readable from any thread.
-#[derive(Debug, Default)]
+/// A [`LatencyHistogram`] with one writer and readers on any thread.
+struct SharedHistogram {
+    counts: Box<[AtomicU64; BUCKETS]>,
+    count: AtomicU64,
+    sum: AtomicU64,
+    max: AtomicU64,
+}
+
+impl Default for SharedHistogram {
+    fn default() -> SharedHistogram {
+        SharedHistogram {
+            counts: Box::new(std::array::from_fn(|_| AtomicU64::new(0))),
+            count: AtomicU64::new(0),
+            sum: AtomicU64::new(0),
+            max: AtomicU64::new(0),
+        }
+    }
+}
+
+impl SharedHistogram {
+    /// Counts one value; only the owning thread calls it.
+    #[inline(always)]
+    fn record(&self, v: u64) {
+        bump(&self.counts[LatencyHistogram::index(v)], 1);
+        bump(&self.count, 1);
+        bump(&self.sum, v);
+        if v > self.max.load(Relaxed) {
+            self.max.store(v, Relaxed);
+        }
+    }
+
+    /// A copy; its count is the sum of the buckets read, so the two agree.
+    fn load(&self) -> LatencyHistogram {
+        let mut counts = Box::new([0u64; BUCKETS]);
+        let mut count = 0;
+        for (c, a) in counts.iter_mut().zip(self.counts.iter()) {
+            *c = a.load(Relaxed);
+            count += *c;
+        }
+        LatencyHistogram {
+            counts,
+            count,
+            sum: self.sum.load(Relaxed),
+            max: self.max.load(Relaxed),
+        }
+    }
+}
+
+/// Everything one queue counts, readable from any thread.
+#[derive(Default)]
 pub struct Counters {
     ios: [AtomicU64; Op::COUNT],
     sectors: [AtomicU64; Op::COUNT],
@@ -159,9 +208,43 @@ pub struct Counters {
     in_flight: AtomicU64,
     busy_ns: AtomicU64,
     busy_since_ns: AtomicU64,
+    latency: [SharedHistogram; Op::COUNT],
+}
+
+impl std::fmt::Debug for Counters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Counters")
+            .field("ios", &self.ios)
+            .field("errors", &self.errors)
+            .field("in_flight", &self.in_flight)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Counters {
+    /// A copy of everything counted so far, at `now_ns` (on the queue's clock: the
+    /// monotonic clock), from any thread.
+    pub fn snapshot(&self, now_ns: u64, enabled: bool) -> DeviceStatsSnapshot {
+        let latency: [LatencyHistogram; Op::COUNT] =
+            std::array::from_fn(|i| self.latency[i].load());
+        let load = |a: &[AtomicU64; Op::COUNT]| std::array::from_fn(|i| a[i].load(Relaxed));
+        let in_flight = self.in_flight.load(Relaxed);
+        let mut busy_ns = self.busy_ns.load(Relaxed);
+        if in_flight > 0 {
+            busy_ns += now_ns.saturating_sub(self.busy_since_ns.load(Relaxed));
+        }
+        DeviceStatsSnapshot {
+            enabled,
+            ios: load(&self.ios),
+            sectors: load(&self.sectors),
+            ticks_ns: std::array::from_fn(|i| latency[i].sum),
+            errors: self.errors.load(Relaxed),
+            in_flight,
+            busy_ns,
+            latency,
+        }
+    }
+
     /// Completed requests of `op` so far.
     pub fn ios(&self, op: Op) -> u64 {
         self.ios[op.index()].load(Relaxed)
@@ -183,9 +266,6 @@ fn bump(counter: &AtomicU64, by: u64) {
 pub struct QueueStats {
     enabled: bool,
     counters: Arc<Counters>,
-    /// Touched only by the owning thread, by `done` and `snapshot`, neither of which calls
-    /// out while holding it (and `UnsafeCell` keeps the type from being shared).
-    latency: UnsafeCell<[LatencyHistogram; Op::COUNT]>,
 }
 
 impl QueueStats {
@@ -194,7 +274,6 @@ impl QueueStats {
         QueueStats {
             enabled: mode == StatsMode::On,
             counters: Arc::new(Counters::default()),
-            latency: UnsafeCell::new(std::array::from_fn(|_| LatencyHistogram::default())),
         }
     }
 
@@ -244,31 +323,12 @@ impl QueueStats {
             let since = c.busy_since_ns.load(Relaxed);
             bump(&c.busy_ns, now_ns.saturating_sub(since));
         }
-        // SAFETY: see `latency`; no other reference to it is live during this call.
-        unsafe { (*self.latency.get())[i].record(latency_ns) };
+        c.latency[i].record(latency_ns);
     }
 
-    /// A copy of everything counted so far, taken on the owning thread at `now_ns`.
+    /// A copy of everything counted so far, at `now_ns`.
     pub fn snapshot(&self, now_ns: u64) -> DeviceStatsSnapshot {
-        let c = &*self.counters;
-        // SAFETY: see `latency`.
-        let latency = unsafe { (*self.latency.get()).clone() };
-        let load = |a: &[AtomicU64; Op::COUNT]| std::array::from_fn(|i| a[i].load(Relaxed));
-        let in_flight = c.in_flight.load(Relaxed);
-        let mut busy_ns = c.busy_ns.load(Relaxed);
-        if in_flight > 0 {
-            busy_ns += now_ns.saturating_sub(c.busy_since_ns.load(Relaxed));
-        }
-        DeviceStatsSnapshot {
-            enabled: self.enabled,
-            ios: load(&c.ios),
-            sectors: load(&c.sectors),
-            ticks_ns: std::array::from_fn(|i| latency[i].sum),
-            errors: c.errors.load(Relaxed),
-            in_flight,
-            busy_ns,
-            latency,
-        }
+        self.counters.snapshot(now_ns, self.enabled)
     }
 }
 
