@@ -5,9 +5,12 @@
 //!
 //!   devices                 every device served, with its members, one per line
 //!   status [--json]         the device tree with sizes, failed members and what caches
-//!                           wrote back; then every array with metadata, as /proc/mdstat
-//!                           shows md's:
-//!                           members and their state, degraded or not, rebuild progress
+//!                           wrote back; the exports with their connections (peer, since,
+//!                           requests, bytes); then every array with metadata, as
+//!                           /proc/mdstat shows md's: members and their state, degraded
+//!                           or not, rebuild progress
+//!   stats [--json]          every device's /proc/diskstats-shaped counters and latency
+//!                           percentiles, summed over reactors, read while I/O runs
 //!   fail ARRAY MEMBER       mark a member of a mirror or raid10 with metadata failed
 //!                           (refused if some data would have no current copy left)
 //!   remove ARRAY MEMBER     record a failed member as missing, and close it
@@ -27,10 +30,12 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use cairn_core::Device;
+
+use crate::view::{self, all_devices, View};
 
 /// Longest command line read.
 const MAX_LINE: u64 = 1024;
@@ -38,7 +43,10 @@ const MAX_LINE: u64 = 1024;
 const HELP: &str = "ok: commands:
   devices                 every device served, with its members
   status [--json]         the device tree with sizes, failed members and caches' dirty
-                          bytes, then arrays with metadata: members, states, rebuild
+                          bytes; exports and their connections; then arrays with
+                          metadata: members, states, rebuild
+  stats [--json]          every device's /proc/diskstats-shaped counters and latency
+                          percentiles, summed over reactors
   fail ARRAY MEMBER       mark a member failed (never the last current copy of any data)
   remove ARRAY MEMBER     record a failed member as missing, and close it
   add ARRAY SPEC          a new device (file:PATH[,size=N]) in place of a missing or
@@ -78,7 +86,7 @@ impl Drop for Admin {
 
 /// Listens on `path` (which must not exist) for commands about `roots` and their
 /// members, on a thread of its own.
-pub fn start(path: &Path, roots: &[Arc<dyn Device>]) -> Result<Admin, String> {
+pub fn start(path: &Path, view: Arc<View>) -> Result<Admin, String> {
     // Owner only from the start (no moment when others could connect).
     // SAFETY: umask only changes this process's file creation mask.
     let old = unsafe { libc::umask(0o177) };
@@ -90,7 +98,6 @@ pub fn start(path: &Path, roots: &[Arc<dyn Device>]) -> Result<Admin, String> {
         .map_err(|e| format!("--admin {}: {e}", path.display()))?;
     let fd = std::os::fd::AsRawFd::as_raw_fd(&listener);
     let stop = Arc::new(AtomicBool::new(false));
-    let roots: Vec<Weak<dyn Device>> = roots.iter().map(Arc::downgrade).collect();
     let s = stop.clone();
     let thread = std::thread::Builder::new()
         .name("cairn-admin".into())
@@ -112,8 +119,7 @@ pub fn start(path: &Path, roots: &[Arc<dyn Device>]) -> Result<Admin, String> {
                 // One command at a time: a slow client is cut off, not waited for.
                 let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
                 let _ = conn.set_write_timeout(Some(Duration::from_secs(5)));
-                let live: Vec<Arc<dyn Device>> = roots.iter().filter_map(Weak::upgrade).collect();
-                serve_one(conn, &live);
+                serve_one(conn, &view);
             }
         })
         .map_err(|e| format!("--admin: cannot start its thread: {e}"))?;
@@ -125,7 +131,7 @@ pub fn start(path: &Path, roots: &[Arc<dyn Device>]) -> Result<Admin, String> {
     })
 }
 
-fn serve_one(mut conn: UnixStream, roots: &[Arc<dyn Device>]) {
+fn serve_one(mut conn: UnixStream, view: &View) {
     let mut line = String::new();
     let read = BufReader::new((&conn).take(MAX_LINE)).read_line(&mut line);
     let reply = match read {
@@ -133,32 +139,12 @@ fn serve_one(mut conn: UnixStream, roots: &[Arc<dyn Device>]) {
             "error: command longer than 1 KiB\n".to_string()
         }
         Ok(_) => match std::str::from_utf8(line.as_bytes()) {
-            Ok(text) => command(text.trim(), roots),
+            Ok(text) => command(text.trim(), view),
             Err(_) => "error: not UTF-8\n".into(),
         },
         Err(e) => format!("error: {e}\n"),
     };
     let _ = conn.write_all(reply.as_bytes());
-}
-
-/// Every device under `roots`, depth first, each once.
-fn all_devices(roots: &[Arc<dyn Device>]) -> Vec<(usize, Arc<dyn Device>)> {
-    fn walk(d: &Arc<dyn Device>, depth: usize, out: &mut Vec<(usize, Arc<dyn Device>)>) {
-        out.push((depth, d.clone()));
-        for c in d.children() {
-            walk(&c, depth + 1, out);
-        }
-    }
-    let mut out = Vec::new();
-    for r in roots {
-        if !out
-            .iter()
-            .any(|(_, d): &(usize, Arc<dyn Device>)| d.name() == r.name())
-        {
-            walk(r, 0, &mut out);
-        }
-    }
-    out
 }
 
 /// One device's line of the tree: size, what it is, and its health.
@@ -197,12 +183,13 @@ fn device_line(depth: usize, d: &Arc<dyn Device>) -> String {
 
 /// `status`: the device tree with sizes and health, then every array with metadata as
 /// /proc/mdstat shows md's.
-fn status_text(roots: &[Arc<dyn Device>]) -> String {
-    let all = all_devices(roots);
+fn status_text(view: &View) -> String {
+    let all = all_devices(&view.roots());
     let mut out = String::from("ok\n");
     for (depth, d) in &all {
         out += &device_line(*depth, d);
     }
+    out += &view::exports_text(view);
     let arrays: Vec<String> = all.iter().filter_map(|(_, d)| d.array_status()).collect();
     if arrays.is_empty() {
         out += "no array keeps metadata (add metadata = \"1\" to a mirror or raid10)\n";
@@ -213,8 +200,8 @@ fn status_text(roots: &[Arc<dyn Device>]) -> String {
 }
 
 /// `status --json`: the same for scripts.
-fn status_json(roots: &[Arc<dyn Device>]) -> String {
-    let devices: Vec<serde_json::Value> = all_devices(roots)
+fn status_json(view: &View) -> String {
+    let devices: Vec<serde_json::Value> = all_devices(&view.roots())
         .iter()
         .map(|(depth, d)| {
             let (dirty, written) = d.writeback_counters();
@@ -232,12 +219,14 @@ fn status_json(roots: &[Arc<dyn Device>]) -> String {
             })
         })
         .collect();
-    let doc = serde_json::json!({ "devices": devices });
+    let mut doc = view::exports_json(view);
+    doc["devices"] = devices.into();
     format!("ok\n{doc}\n")
 }
 
 /// Runs one command line; the reply.
-fn command(line: &str, roots: &[Arc<dyn Device>]) -> String {
+fn command(line: &str, view: &View) -> String {
+    let roots = &view.roots();
     let mut words = line.split_whitespace();
     match words.next() {
         Some("help") | None => HELP.into(),
@@ -249,9 +238,14 @@ fn command(line: &str, roots: &[Arc<dyn Device>]) -> String {
             out
         }
         Some("status") => match words.next() {
-            None => status_text(roots),
-            Some("--json") => status_json(roots),
+            None => status_text(view),
+            Some("--json") => status_json(view),
             Some(other) => format!("error: status takes --json or nothing, not '{other}'\n"),
+        },
+        Some("stats") => match words.next() {
+            None => format!("ok\n{}", view::stats_text(view)),
+            Some("--json") => format!("ok\n{}\n", view::stats_json(view)),
+            Some(other) => format!("error: stats takes --json or nothing, not '{other}'\n"),
         },
         Some(action @ ("fail" | "remove" | "add" | "replace")) => {
             let args: Vec<&str> = words.collect();
@@ -309,7 +303,7 @@ fn command(line: &str, roots: &[Arc<dyn Device>]) -> String {
             format!("ok: power cut: {}\n", done.join(", "))
         }
         Some(other) => {
-            format!("error: unknown command '{other}' (known: devices, status, fail, remove, add, replace, power-cut, help)\n")
+            format!("error: unknown command '{other}' (known: devices, status, stats, fail, remove, add, replace, power-cut, help)\n")
         }
     }
 }
@@ -317,10 +311,16 @@ fn command(line: &str, roots: &[Arc<dyn Device>]) -> String {
 /// `cairn admin PATH COMMAND...`: sends the command and prints the reply; an error reply
 /// is an `Err`.
 pub fn client(path: &Path, words: &[String]) -> Result<(), String> {
+    crate::out(&request(path, &words.join(" "))?);
+    Ok(())
+}
+
+/// Sends one command line; the reply's body (after `ok`), or the error it gives.
+pub fn request(path: &Path, line: &str) -> Result<String, String> {
     let mut conn =
         UnixStream::connect(path).map_err(|e| format!("admin {}: {e}", path.display()))?;
     let _ = conn.set_read_timeout(Some(Duration::from_secs(60)));
-    conn.write_all(format!("{}\n", words.join(" ")).as_bytes())
+    conn.write_all(format!("{line}\n").as_bytes())
         .map_err(|e| format!("admin {}: {e}", path.display()))?;
     let mut reply = String::new();
     conn.read_to_string(&mut reply)
@@ -333,6 +333,5 @@ pub fn client(path: &Path, words: &[String]) -> Result<(), String> {
         .strip_prefix(": ")
         .or_else(|| body.strip_prefix('\n'))
         .unwrap_or(body);
-    crate::out(body);
-    Ok(())
+    Ok(body.to_string())
 }

@@ -7,6 +7,8 @@
 
 mod admin;
 mod settings;
+mod stat;
+mod view;
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -109,7 +111,14 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             // SIGINT and SIGTERM end the job early, with its report (as fio's Ctrl-C).
             interrupt_ends_bench();
             let admin = match &args.admin {
-                Some(path) => Some(admin::start(path, std::slice::from_ref(&device))?),
+                Some(path) => Some(admin::start(
+                    path,
+                    std::sync::Arc::new(view::View::new(
+                        std::slice::from_ref(&device),
+                        Vec::new(),
+                        None,
+                    )),
+                )?),
                 None => None,
             };
             let report = cairn_bench::run(&spec, device, switches, progress);
@@ -135,6 +144,10 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
         Command::Serve(args) => serve(&cli.global, &args),
         Command::Admin(args) => {
             admin::client(&args.socket, &args.command)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Stat(args) => {
+            stat::run(&args.socket, args.interval.as_deref(), args.count)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Check(args) => {
@@ -324,7 +337,9 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
     if listen.is_empty() && std::env::var_os("LISTEN_FDS").is_none() {
         listen.push(cairn_nbd::Listen::parse(settings::DEFAULT_LISTEN)?);
     }
+    let observer = Arc::new(cairn_nbd::Observer::default());
     let config = cairn_nbd::Config {
+        observer: observer.clone(),
         listen,
         threads: limits.threads,
         limits: cairn_nbd::Limits {
@@ -364,11 +379,23 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
         .collect();
     let devices: Vec<Arc<dyn cairn_core::Device>> =
         exports.iter().map(|e| e.device.clone()).collect();
+    let view = Arc::new(view::View::new(
+        &devices,
+        exports
+            .iter()
+            .map(|e| view::ExportView {
+                name: e.info.name.clone(),
+                device: e.device.name().to_string(),
+                read_only: e.info.flags & tflags::READ_ONLY != 0,
+            })
+            .collect(),
+        Some(observer.clone()),
+    ));
+    drop(devices);
     let _admin = match &args.admin {
-        Some(path) => Some(admin::start(path, &devices)?),
+        Some(path) => Some(admin::start(path, view.clone())?),
         None => None,
     };
-    drop(devices);
     cairn_nbd::serve(config, exports, |addrs| {
         log::info!(
             "cairn: serving {} on {}",

@@ -226,6 +226,37 @@ pub enum Command {
     /// Send a command to a running `cairn serve --admin PATH` (try: help).
     #[command(after_help = ADMIN_HELP)]
     Admin(AdminArgs),
+    /// Watch a running server's devices, like `iostat -x`: rates per device each interval.
+    #[command(after_help = STAT_HELP)]
+    Stat(StatArgs),
+}
+
+const STAT_HELP: &str = "Columns, per device, over each interval (write-zeroes count as writes):
+  r/s w/s      reads and writes completed a second
+  rMB/s wMB/s  megabytes (10^6) read and written a second
+  r_await      mean read latency, milliseconds (w_await: writes)
+  aqu-sz       mean requests in flight (the sum of latencies over the interval)
+  %util        share of the interval with at least one request in flight (a lower
+               bound for devices served by several reactors)
+On a terminal the table is redrawn each interval; piped, each interval prints one line
+per device, prefixed with the time.
+
+Example:
+  cairn serve stack.toml --admin /run/cairn.sock &
+  cairn stat /run/cairn.sock 1";
+
+/// `cairn stat SOCKET [INTERVAL]`.
+#[derive(Debug, Args)]
+pub struct StatArgs {
+    /// The socket given to `cairn serve --admin` (or `cairn bench --admin`).
+    #[arg(value_name = "SOCKET")]
+    pub socket: PathBuf,
+    /// Time between reports (1, 1s, 500ms) [default: 1s].
+    #[arg(value_name = "INTERVAL")]
+    pub interval: Option<String>,
+    /// Stop after this many reports (default: until interrupted, or the server stops).
+    #[arg(long, value_name = "N")]
+    pub count: Option<u64>,
 }
 
 const ADMIN_HELP: &str = "Commands:

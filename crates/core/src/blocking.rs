@@ -138,6 +138,9 @@ impl BlockingQueue {
         if ios.is_empty() {
             return out;
         }
+        // A batch starts: the cached clock may be as old as this queue's last use, and
+        // every request's latency is measured from it.
+        self.reactor.core().clock().refresh();
         *self.collector.results.borrow_mut() = vec![None; requests.len()];
         self.collector.pending.set(ios.len());
         for io in ios {

@@ -277,6 +277,14 @@ impl QueueStats {
         }
     }
 
+    /// [`QueueStats::new`], added to the [`registry`] under the device's `name` (every
+    /// queue a device opens is, so that operators see all of its I/O).
+    pub fn named(mode: StatsMode, name: &str) -> QueueStats {
+        let stats = QueueStats::new(mode);
+        registry().add(name, &stats);
+        stats
+    }
+
     /// Whether this queue counts at all; callers skip clock reads when it does not.
     #[inline]
     pub fn enabled(&self) -> bool {
@@ -382,6 +390,85 @@ impl DeviceStatsSnapshot {
         out.errors -= earlier.errors.min(out.errors);
         out.busy_ns -= earlier.busy_ns.min(out.busy_ns);
         out
+    }
+}
+
+/// Every queue's statistics in this process, by device, for readers on other threads (the
+/// admin socket, the metrics endpoint). Queues are added when they open, not per request;
+/// a queue that closed is folded into its device's total at the next read, so totals never
+/// go back.
+pub struct Registry {
+    devices: std::sync::Mutex<Vec<Entry>>,
+}
+
+struct Entry {
+    name: String,
+    live: Vec<(Arc<Counters>, bool)>,
+    retired: Option<DeviceStatsSnapshot>,
+}
+
+static REGISTRY: Registry = Registry {
+    devices: std::sync::Mutex::new(Vec::new()),
+};
+
+/// This process's [`Registry`].
+pub fn registry() -> &'static Registry {
+    &REGISTRY
+}
+
+impl Registry {
+    /// Adds the statistics of one queue of the device `name`.
+    pub fn add(&self, name: &str, stats: &QueueStats) {
+        let mut devices = self.devices.lock().unwrap_or_else(|p| p.into_inner());
+        let entry = match devices.iter().position(|e| e.name == name) {
+            Some(i) => &mut devices[i],
+            None => {
+                devices.push(Entry {
+                    name: name.to_string(),
+                    live: Vec::new(),
+                    retired: None,
+                });
+                devices.last_mut().expect("just pushed")
+            }
+        };
+        // Queues that closed since the last read are folded in now, so that opening and
+        // closing queues (superblock writes open one each) never piles them up.
+        Self::fold_closed(entry, crate::clock::monotonic_ns());
+        entry.live.push((stats.counters(), stats.enabled()));
+    }
+
+    /// Moves the queues of `entry` that closed into its retired total.
+    fn fold_closed(entry: &mut Entry, now_ns: u64) {
+        let mut i = 0;
+        while i < entry.live.len() {
+            if Arc::strong_count(&entry.live[i].0) == 1 {
+                let (c, enabled) = entry.live.swap_remove(i);
+                let snap = c.snapshot(now_ns, enabled);
+                match &mut entry.retired {
+                    Some(r) => r.merge(&snap),
+                    None => entry.retired = Some(snap),
+                }
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// The statistics of the device `name`, summed over its queues, open and closed, at
+    /// `now_ns` on the monotonic clock; `None` if no queue of it ever opened.
+    pub fn device(&self, name: &str, now_ns: u64) -> Option<DeviceStatsSnapshot> {
+        let mut devices = self.devices.lock().unwrap_or_else(|p| p.into_inner());
+        let entry = devices.iter_mut().find(|e| e.name == name)?;
+        Self::fold_closed(entry, now_ns);
+        let mut total = entry.retired.clone();
+        for (c, enabled) in &entry.live {
+            let snap = c.snapshot(now_ns, *enabled);
+            match &mut total {
+                Some(t) => t.merge(&snap),
+                None => total = Some(snap),
+            }
+        }
+        total
     }
 }
 

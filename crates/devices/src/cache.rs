@@ -357,7 +357,7 @@ impl Device for CacheDevice {
         let (tx, rx) = mpsc::channel();
         let q = Rc::new(CacheQueue {
             core: core.clone(),
-            stats: QueueStats::new(core.switches().stats),
+            stats: QueueStats::named(core.switches().stats, self.name()),
             base,
             base_caps: self.base.geometry().caps,
             shared: self.shared.clone(),

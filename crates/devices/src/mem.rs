@@ -480,7 +480,7 @@ impl Device for MemDevice {
     fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
         Ok(Rc::new(MemQueue {
             core: core.clone(),
-            stats: QueueStats::new(core.switches().stats),
+            stats: QueueStats::named(core.switches().stats, self.name()),
             store: self.store.clone(),
             volatile: self.volatile.clone(),
         }))

@@ -57,7 +57,7 @@ impl Device for NullDevice {
     fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
         Ok(Rc::new(NullQueue {
             core: core.clone(),
-            stats: QueueStats::new(core.switches().stats),
+            stats: QueueStats::named(core.switches().stats, self.name()),
         }))
     }
 }

@@ -300,7 +300,7 @@ impl Device for WrapDevice {
         let base = cairn_core::handoff::open_member(core, &self.base)?;
         let queue = Rc::new(WrapQueue {
             core: core.clone(),
-            stats: QueueStats::new(core.switches().stats),
+            stats: QueueStats::named(core.switches().stats, self.name()),
             base,
             base_device: self.base.clone(),
             policy: self.policy.clone(),

@@ -28,6 +28,7 @@ use cairn_core::{
 };
 
 use crate::handshake::{ExportInfo, Session};
+use crate::observe::{ConnInfo, Observer};
 use crate::pool::BufPool;
 use crate::proto::{self, cflags, chunk, cmd, errno, tflags};
 
@@ -268,6 +269,8 @@ struct Conn {
     geometry: Geometry,
     session: Session,
     peer: String,
+    /// What operators see of it.
+    info: Arc<ConnInfo>,
     st: RefCell<ConnState>,
 }
 
@@ -295,6 +298,7 @@ pub struct ServerLoop {
     shutting: Cell<bool>,
     live: Arc<AtomicUsize>,
     limits: Limits,
+    observer: Arc<Observer>,
 }
 
 impl ServerLoop {
@@ -307,6 +311,7 @@ impl ServerLoop {
         wake: Arc<OwnedFd>,
         live: Arc<AtomicUsize>,
         limits: Limits,
+        observer: Arc<Observer>,
     ) -> Result<Rc<ServerLoop>, cairn_core::Error> {
         let n = exports.len();
         let lp = Rc::new(ServerLoop {
@@ -324,6 +329,7 @@ impl ServerLoop {
             shutting: Cell::new(false),
             live,
             limits,
+            observer,
         });
         lp.user.set(core.register_ring_user(lp.clone())?);
         lp.sink.set(core.register_sink(lp.clone()));
@@ -377,8 +383,12 @@ impl ServerLoop {
         out.reserve_exact(MAX_PENDING + 1);
         // SAFETY: msghdr is plain data; all-zero is a valid empty header.
         let msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        let info = self
+            .observer
+            .open(&nc.peer, &self.exports[export].info.name, nc.tls.is_some());
         let conn = Rc::new(Conn {
             index,
+            info,
             fd: nc.fd,
             export,
             queue,
@@ -500,6 +510,8 @@ impl ServerLoop {
     /// An error reply in the form the command needs (structured for reads when
     /// structured replies are on).
     fn reply_error(&self, conn: &Conn, st: &mut ConnState, command: u16, cookie: u64, e: u32) {
+        conn.info.error();
+        self.observer.error(e);
         if conn.session.structured && (command == cmd::READ || command == cmd::BLOCK_STATUS) {
             let mut head = [0u8; 32];
             head[..20].copy_from_slice(&proto::chunk_header(
@@ -603,7 +615,7 @@ impl ServerLoop {
                     return Next::Stop;
                 }
                 st.rx = Rx::Header;
-                self.reply_simple(st, cookie, error);
+                self.reply_error(conn, st, cmd::WRITE, cookie, error);
                 return Next::Again;
             }
             Rx::Header => {}
@@ -629,6 +641,7 @@ impl ServerLoop {
             proto::Decoded::Request(r) => r,
         };
         st.counts.requests += 1;
+        conn.info.request(r.command, u64::from(r.len));
         let info = &self.exports[conn.export].info;
         let payload = if r.command == cmd::WRITE {
             u64::from(r.len)
@@ -1254,6 +1267,7 @@ impl ServerLoop {
         );
         st.out.clear();
         drop(st);
+        self.observer.close(&conn.info);
         self.conns.borrow_mut()[conn.index as usize] = None;
         self.free_conns.borrow_mut().push(conn.index);
         self.live.fetch_sub(1, Ordering::Relaxed);

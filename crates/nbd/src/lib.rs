@@ -5,6 +5,7 @@
 
 pub mod conn;
 pub mod handshake;
+pub mod observe;
 pub mod pool;
 pub mod proto;
 pub mod server;
@@ -12,4 +13,5 @@ pub mod tls;
 
 pub use conn::{Export, Limits};
 pub use handshake::{Catalog, ExportInfo, TlsMode};
+pub use observe::Observer;
 pub use server::{serve, Config, Listen};

@@ -95,6 +95,8 @@ pub struct Config {
     pub shutdown_timeout: Duration,
     /// Run just before such an exit (e.g. to remove other socket files).
     pub on_abandon: Option<Arc<dyn Fn() + Send + Sync>>,
+    /// Where connections and error replies are recorded for operators.
+    pub observer: Arc<crate::Observer>,
 }
 
 /// Largest option payload read; bigger ones are skipped (up to `OPTION_SKIP_MAX`) and
@@ -370,6 +372,7 @@ pub fn serve(
         let (tx, rx) = mpsc::channel::<Msg>();
         let wake_fd = cairn_core::event::eventfd("serve")?;
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), Error>>();
+        let observer = config.observer.clone();
         let (exports, live, w, switches, limits, idle_poll_ns) = (
             exports.clone(),
             live.clone(),
@@ -388,13 +391,15 @@ pub fn serve(
                         return;
                     }
                 };
-                let lp = match ServerLoop::start(reactor.core(), exports, rx, w, live, limits) {
-                    Ok(lp) => lp,
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e));
-                        return;
-                    }
-                };
+                let lp =
+                    match ServerLoop::start(reactor.core(), exports, rx, w, live, limits, observer)
+                    {
+                        Ok(lp) => lp,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                    };
                 reactor.set_idle_poll(idle_poll_ns);
                 let _ = ready_tx.send(Ok(()));
                 reactor.run();

@@ -305,7 +305,9 @@ impl Device for FileDevice {
             Engine::Aio => aio::AioQueue::open(core, self.shared.clone())?,
             Engine::Sync => sync::SyncQueue::open(core, self.shared.clone()),
         };
-        Ok(FlushBatchQueue::wrap(core, inner))
+        let queue = FlushBatchQueue::wrap(core, inner);
+        cairn_core::stats::registry().add(self.name(), queue.stats());
+        Ok(queue)
     }
 }
 

@@ -563,7 +563,7 @@ impl Device for StackDevice {
         let queue = Rc::new(StackQueue {
             core: core.clone(),
             targets: std::cell::UnsafeCell::new(Vec::new()),
-            stats: QueueStats::new(core.switches().stats),
+            stats: QueueStats::named(core.switches().stats, self.name()),
             layout: self.layout.clone(),
             n: self.health.n,
             opened: RefCell::new((0..slots).map(|_| None).collect()),
