@@ -6,6 +6,7 @@
 //! during a run ends in exit status 1.
 
 mod admin;
+mod metrics;
 mod settings;
 mod stat;
 mod view;
@@ -110,19 +111,26 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             let progress = std::io::stderr().is_terminal() && format == OutputFormat::Normal;
             // SIGINT and SIGTERM end the job early, with its report (as fio's Ctrl-C).
             interrupt_ends_bench();
+            let view = std::sync::Arc::new(view::View::new(
+                std::slice::from_ref(&device),
+                Vec::new(),
+                None,
+            ));
             let admin = match &args.admin {
-                Some(path) => Some(admin::start(
-                    path,
-                    std::sync::Arc::new(view::View::new(
-                        std::slice::from_ref(&device),
-                        Vec::new(),
-                        None,
-                    )),
-                )?),
+                Some(path) => Some(admin::start(path, view.clone())?),
+                None => None,
+            };
+            let metrics = match &args.metrics {
+                Some(spec) => {
+                    let m = metrics::start(spec, view)?;
+                    log::info!("cairn: bench: metrics at {}", m.url);
+                    Some(m)
+                }
                 None => None,
             };
             let report = cairn_bench::run(&spec, device, switches, progress);
             drop(admin);
+            drop(metrics);
             let report = report?;
             match format {
                 OutputFormat::Normal => out(&report.to_text()),
@@ -354,12 +362,23 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
         switches,
         idle_poll_ns: limits.idle_poll_ns,
         shutdown_timeout: limits.shutdown_timeout,
-        // The admin socket's file goes too when a stuck shutdown is abandoned.
-        on_abandon: args.admin.clone().map(|path| {
-            std::sync::Arc::new(move || {
-                let _ = std::fs::remove_file(&path);
-            }) as std::sync::Arc<dyn Fn() + Send + Sync>
-        }),
+        on_abandon: {
+            // Socket files go too when a stuck shutdown is abandoned.
+            let mut files: Vec<std::path::PathBuf> = args.admin.iter().cloned().collect();
+            files.extend(
+                args.metrics
+                    .as_deref()
+                    .and_then(|m| m.strip_prefix("unix:"))
+                    .map(std::path::PathBuf::from),
+            );
+            (!files.is_empty()).then(|| {
+                std::sync::Arc::new(move || {
+                    for f in &files {
+                        let _ = std::fs::remove_file(f);
+                    }
+                }) as std::sync::Arc<dyn Fn() + Send + Sync>
+            })
+        },
     };
     let summary: Vec<String> = exports
         .iter()
@@ -394,6 +413,14 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
     drop(devices);
     let _admin = match &args.admin {
         Some(path) => Some(admin::start(path, view.clone())?),
+        None => None,
+    };
+    let _metrics = match &args.metrics {
+        Some(spec) => {
+            let m = metrics::start(spec, view.clone())?;
+            log::info!("cairn: serve: metrics at {}", m.url);
+            Some(m)
+        }
         None => None,
     };
     cairn_nbd::serve(config, exports, |addrs| {

@@ -385,6 +385,10 @@ pub struct ServeArgs {
     /// only its owner may use.
     #[arg(long, value_name = "PATH")]
     pub admin: Option<PathBuf>,
+    /// Serve Prometheus metrics (GET /metrics) at tcp:HOST:PORT or unix:PATH, e.g.
+    /// tcp:127.0.0.1:9187 (port 0: any free port, named in the log).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<String>,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -557,6 +561,10 @@ pub struct BenchArgs {
     /// --admin` does (e.g. fail, add or replace array members under a --verify load).
     #[arg(long, value_name = "PATH")]
     pub admin: Option<PathBuf>,
+    /// Serve Prometheus metrics (GET /metrics) at tcp:HOST:PORT or unix:PATH, e.g.
+    /// tcp:127.0.0.1:9187 (port 0: any free port, named in the log).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<String>,
 }
 
 impl BenchArgs {

@@ -119,6 +119,17 @@ pub trait Device: Send + Sync {
         None
     }
 
+    /// Whether it keeps more than one copy of its data (a mirror or raid10).
+    fn redundant(&self) -> bool {
+        false
+    }
+
+    /// For an array that keeps state on its members, while a rebuild or resync runs: the
+    /// bytes it visited and the bytes it has to visit. `None` otherwise.
+    fn sync_progress(&self) -> Option<(u64, u64)> {
+        None
+    }
+
     /// An admin action on an array that keeps state on its members (`fail MEMBER`,
     /// `remove MEMBER`, `add SPEC`, `replace OLD NEW`): what was done, or why not (then
     /// nothing was).

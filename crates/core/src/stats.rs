@@ -129,6 +129,22 @@ impl LatencyHistogram {
         self.max
     }
 
+    /// For each bound (ascending), how many values were at most it; a value in the bucket
+    /// that holds the bound counts as under it (so within the bucket's 3%).
+    pub fn cumulative(&self, bounds: &[u64]) -> Vec<u64> {
+        let mut out = Vec::with_capacity(bounds.len());
+        let (mut i, mut seen) = (0, 0);
+        for &b in bounds {
+            let last = Self::index(b);
+            while i <= last && i < BUCKETS {
+                seen += self.counts[i];
+                i += 1;
+            }
+            out.push(seen);
+        }
+        out
+    }
+
     /// Adds another histogram.
     pub fn merge(&mut self, other: &LatencyHistogram) {
         for (a, b) in self.counts.iter_mut().zip(other.counts.iter()) {
@@ -539,6 +555,18 @@ mod tests {
         let p50 = h.quantile(0.5) as f64;
         assert!((p50 - 500_000.0).abs() / 500_000.0 < 0.035, "{p50}");
         assert_eq!(h.quantile(1.0), 1_000_000);
+    }
+
+    #[test]
+    fn cumulative_counts_by_bound() {
+        let mut h = LatencyHistogram::default();
+        for v in [5, 10, 1_000, 1_000, 50_000, 2_000_000] {
+            h.record(v);
+        }
+        assert_eq!(
+            h.cumulative(&[1, 10, 900, 1_000, 100_000, 1_000_000, u64::MAX]),
+            [0, 2, 2, 4, 5, 5, 6]
+        );
     }
 
     #[test]

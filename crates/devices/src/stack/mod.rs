@@ -641,6 +641,21 @@ impl Device for StackDevice {
         Ok(())
     }
 
+    fn redundant(&self) -> bool {
+        self.layout.copies() > 1
+    }
+
+    fn sync_progress(&self) -> Option<(u64, u64)> {
+        self.metadata.as_ref()?;
+        let sync = &self.health.sync;
+        sync.running().then(|| {
+            (
+                sync.done_bytes.load(Relaxed),
+                sync.total_bytes.load(Relaxed),
+            )
+        })
+    }
+
     fn array_status(&self) -> Option<String> {
         use crate::array::superblock::MemberState;
         use cairn_core::size::format_bytes;

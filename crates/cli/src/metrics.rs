@@ -1,0 +1,338 @@
+//! `--metrics tcp:HOST:PORT|unix:PATH`: Prometheus metrics over HTTP (`GET /metrics`, the
+//! text exposition format 0.0.4, encoded by the `prometheus` crate).
+//!
+//! Every scrape reads the queues' counters as they run (see `cairn_core::stats`): nothing
+//! is collected on the I/O path for it, and a scrape never waits for a reactor. The HTTP
+//! server has a thread of its own.
+
+use std::sync::Arc;
+
+use prometheus::proto::{
+    Bucket, Counter, Gauge, Histogram, LabelPair, Metric, MetricFamily, MetricType,
+};
+
+use crate::view::{self, all_devices, View, OP_NAMES};
+
+/// Upper bounds of the latency histograms' buckets, in seconds (10 us to 10 s).
+const BUCKETS_S: [f64; 19] = [
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// The running endpoint; dropping it stops its thread.
+pub struct Metrics {
+    server: Arc<tiny_http::Server>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    /// Where it listens, as a URL.
+    pub url: String,
+}
+
+impl Drop for Metrics {
+    fn drop(&mut self) {
+        self.server.unblock();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        if let Some(path) = self.url.strip_prefix("unix:") {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// Starts serving metrics of `view` at `spec` (`tcp:HOST:PORT`, port 0 for any, or
+/// `unix:PATH`).
+pub fn start(spec: &str, view: Arc<View>) -> Result<Metrics, String> {
+    let err = |e: &dyn std::fmt::Display| format!("--metrics {spec}: {e}");
+    let (server, url) = if let Some(addr) = spec.strip_prefix("tcp:") {
+        let server = tiny_http::Server::http(addr).map_err(|e| err(&e))?;
+        let url = match server.server_addr() {
+            tiny_http::ListenAddr::IP(a) => format!("http://{a}/metrics"),
+            other => format!("{other:?}"),
+        };
+        (server, url)
+    } else if let Some(path) = spec.strip_prefix("unix:") {
+        if path.is_empty() {
+            return Err(err(&"a path is needed after unix:"));
+        }
+        let server =
+            tiny_http::Server::http_unix(std::path::Path::new(path)).map_err(|e| err(&e))?;
+        (server, format!("unix:{path}"))
+    } else {
+        return Err(err(&"expected tcp:HOST:PORT or unix:PATH"));
+    };
+    let server = Arc::new(server);
+    let s = server.clone();
+    let thread = std::thread::Builder::new()
+        .name("cairn-metrics".into())
+        .spawn(move || {
+            cairn_core::reactor::block_signals_in_this_thread();
+            for request in s.incoming_requests() {
+                let (code, body, kind) = match (request.method(), request.url()) {
+                    (tiny_http::Method::Get, "/metrics") => (
+                        200,
+                        render(&view),
+                        "text/plain; version=0.0.4; charset=utf-8",
+                    ),
+                    (tiny_http::Method::Get, "/") => (
+                        200,
+                        "cairn: metrics are at /metrics\n".to_string(),
+                        "text/plain; charset=utf-8",
+                    ),
+                    _ => (
+                        404,
+                        "not found: GET /metrics\n".to_string(),
+                        "text/plain; charset=utf-8",
+                    ),
+                };
+                let header = tiny_http::Header::from_bytes(&b"Content-Type"[..], kind.as_bytes())
+                    .expect("a valid header");
+                let _ = request.respond(
+                    tiny_http::Response::from_string(body)
+                        .with_status_code(code)
+                        .with_header(header),
+                );
+            }
+        })
+        .map_err(|e| err(&e))?;
+    Ok(Metrics {
+        server,
+        thread: Some(thread),
+        url,
+    })
+}
+
+fn label(name: &str, value: &str) -> LabelPair {
+    let mut l = LabelPair::default();
+    l.set_name(name.to_string());
+    l.set_value(value.to_string());
+    l
+}
+
+fn family(name: &str, help: &str, kind: MetricType) -> MetricFamily {
+    let mut f = MetricFamily::default();
+    f.set_name(name.to_string());
+    f.set_help(help.to_string());
+    f.set_field_type(kind);
+    f
+}
+
+fn counter(labels: &[(&str, &str)], v: f64) -> Metric {
+    let mut m = Metric::default();
+    m.set_label(labels.iter().map(|(n, v)| label(n, v)).collect());
+    let mut c = Counter::default();
+    c.set_value(v);
+    m.set_counter(c);
+    m
+}
+
+fn gauge(labels: &[(&str, &str)], v: f64) -> Metric {
+    let mut m = Metric::default();
+    m.set_label(labels.iter().map(|(n, v)| label(n, v)).collect());
+    let mut g = Gauge::default();
+    g.set_value(v);
+    m.set_gauge(g);
+    m
+}
+
+/// The families of one scrape.
+fn families(view: &View) -> Vec<MetricFamily> {
+    let now = view::now_ns();
+    let all = all_devices(&view.roots());
+    let mut requests = family(
+        "cairn_device_requests_total",
+        "Requests completed without error, per device and operation.",
+        MetricType::COUNTER,
+    );
+    let mut bytes = family(
+        "cairn_device_bytes_total",
+        "Bytes transferred (or discarded, or zeroed) by completed requests.",
+        MetricType::COUNTER,
+    );
+    let mut errors = family(
+        "cairn_device_errors_total",
+        "Requests that completed with an error.",
+        MetricType::COUNTER,
+    );
+    let mut latency = family(
+        "cairn_device_request_duration_seconds",
+        "Completion latency of requests (errors included); bucket bounds within 3%.",
+        MetricType::HISTOGRAM,
+    );
+    let mut in_flight = family(
+        "cairn_device_in_flight_requests",
+        "Requests in flight now.",
+        MetricType::GAUGE,
+    );
+    let mut busy = family(
+        "cairn_device_busy_seconds_total",
+        "Time with at least one request in flight (the largest over the device's queues).",
+        MetricType::COUNTER,
+    );
+    let mut size = family(
+        "cairn_device_size_bytes",
+        "Size of the device.",
+        MetricType::GAUGE,
+    );
+    let mut dirty = family(
+        "cairn_cache_dirty_bytes",
+        "Bytes a write-back cache holds that its base does not have yet.",
+        MetricType::GAUGE,
+    );
+    let mut written_back = family(
+        "cairn_cache_written_back_bytes_total",
+        "Bytes a write-back cache wrote to its base.",
+        MetricType::COUNTER,
+    );
+    let mut degraded = family(
+        "cairn_array_degraded",
+        "1 if a mirror or raid10 runs with a failed or missing member.",
+        MetricType::GAUGE,
+    );
+    let mut failed = family(
+        "cairn_array_failed_members",
+        "Members of a mirror or raid10 that failed or are missing.",
+        MetricType::GAUGE,
+    );
+    let mut sync_done = family(
+        "cairn_array_sync_done_bytes",
+        "While a rebuild or resync runs: bytes it visited.",
+        MetricType::GAUGE,
+    );
+    let mut sync_total = family(
+        "cairn_array_sync_total_bytes",
+        "While a rebuild or resync runs: bytes it has to visit.",
+        MetricType::GAUGE,
+    );
+    let mut syncing = family(
+        "cairn_array_sync_running",
+        "1 while a rebuild or resync runs.",
+        MetricType::GAUGE,
+    );
+    let bounds_ns: Vec<u64> = BUCKETS_S.iter().map(|s| (s * 1e9) as u64).collect();
+    for (_, d) in &all {
+        let name = d.name();
+        let s = view::device_stats(name, now);
+        for (i, op) in OP_NAMES.iter().enumerate() {
+            let l = [("device", name), ("op", op)];
+            requests.mut_metric().push(counter(&l, s.ios[i] as f64));
+            bytes
+                .mut_metric()
+                .push(counter(&l, (s.sectors[i] * 512) as f64));
+            let h = &s.latency[i];
+            let mut m = Metric::default();
+            m.set_label(l.iter().map(|(n, v)| label(n, v)).collect());
+            let mut hist = Histogram::default();
+            hist.set_sample_count(h.len());
+            hist.set_sample_sum(s.ticks_ns[i] as f64 / 1e9);
+            let buckets: Vec<Bucket> = BUCKETS_S
+                .iter()
+                .zip(h.cumulative(&bounds_ns))
+                .map(|(&le, n)| {
+                    let mut b = Bucket::default();
+                    b.set_upper_bound(le);
+                    b.set_cumulative_count(n);
+                    b
+                })
+                .collect();
+            hist.set_bucket(buckets.into());
+            m.set_histogram(hist);
+            latency.mut_metric().push(m);
+        }
+        let l = [("device", name)];
+        errors.mut_metric().push(counter(&l, s.errors as f64));
+        in_flight.mut_metric().push(gauge(&l, s.in_flight as f64));
+        busy.mut_metric().push(counter(&l, s.busy_ns as f64 / 1e9));
+        size.mut_metric()
+            .push(gauge(&l, d.geometry().size_bytes as f64));
+        // A cache's own figures: its counters less its children's.
+        let own = d.writeback_counters();
+        let below = d
+            .children()
+            .iter()
+            .map(|c| c.writeback_counters())
+            .fold((0, 0), |(a, b), (x, y)| (a + x, b + y));
+        if own != below {
+            dirty
+                .mut_metric()
+                .push(gauge(&l, own.0.saturating_sub(below.0) as f64));
+            written_back
+                .mut_metric()
+                .push(counter(&l, own.1.saturating_sub(below.1) as f64));
+        }
+        if d.redundant() {
+            let f = d.failed_members().len();
+            degraded
+                .mut_metric()
+                .push(gauge(&l, if f > 0 { 1.0 } else { 0.0 }));
+            failed.mut_metric().push(gauge(&l, f as f64));
+            let p = d.sync_progress();
+            syncing
+                .mut_metric()
+                .push(gauge(&l, if p.is_some() { 1.0 } else { 0.0 }));
+            if let Some((done, total)) = p {
+                sync_done.mut_metric().push(gauge(&l, done as f64));
+                sync_total.mut_metric().push(gauge(&l, total as f64));
+            }
+        }
+    }
+    let mut out = vec![
+        requests,
+        bytes,
+        errors,
+        latency,
+        in_flight,
+        busy,
+        size,
+        dirty,
+        written_back,
+        degraded,
+        failed,
+        syncing,
+        sync_done,
+        sync_total,
+    ];
+    if let Some(o) = view.observer() {
+        let conns = o.connections();
+        let mut open = family(
+            "cairn_nbd_connections",
+            "NBD connections open now, per export.",
+            MetricType::GAUGE,
+        );
+        for e in view.exports() {
+            let n = conns.iter().filter(|c| c.export == e.name).count();
+            open.mut_metric()
+                .push(gauge(&[("export", &e.name)], n as f64));
+        }
+        let mut accepted = family(
+            "cairn_nbd_connections_accepted_total",
+            "NBD connections that finished the handshake since the start.",
+            MetricType::COUNTER,
+        );
+        accepted
+            .mut_metric()
+            .push(counter(&[], o.accepted() as f64));
+        let mut replies = family(
+            "cairn_nbd_error_replies_total",
+            "NBD replies that carried an error, per errno.",
+            MetricType::COUNTER,
+        );
+        for (errno, n) in o.errors() {
+            replies
+                .mut_metric()
+                .push(counter(&[("errno", errno)], n as f64));
+        }
+        out.extend([open, accepted, replies]);
+    }
+    out.retain(|f| !f.get_metric().is_empty());
+    out
+}
+
+/// One scrape's text.
+pub fn render(view: &View) -> String {
+    use prometheus::Encoder;
+    let mut buf = Vec::new();
+    match prometheus::TextEncoder::new().encode(&families(view), &mut buf) {
+        Ok(()) => String::from_utf8_lossy(&buf).into_owned(),
+        Err(e) => format!("# cairn: cannot encode the metrics: {e}\n"),
+    }
+}
