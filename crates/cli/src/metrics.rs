@@ -234,7 +234,7 @@ fn families(view: &View) -> Vec<MetricFamily> {
                     b
                 })
                 .collect();
-            hist.set_bucket(buckets.into());
+            hist.set_bucket(buckets);
             m.set_histogram(hist);
             latency.mut_metric().push(m);
         }
