@@ -42,6 +42,20 @@ impl Drop for Metrics {
 /// Starts serving metrics of `view` at `spec` (`tcp:HOST:PORT`, port 0 for any, or
 /// `unix:PATH`).
 pub fn start(spec: &str, view: Arc<View>) -> Result<Metrics, String> {
+    // tiny_http starts threads of its own, which inherit this thread's signal mask: they
+    // must not take the signals the server waits for (SIGTERM's default would kill it).
+    // SAFETY: saves this thread's mask, blocks signals as the reactors do, and puts the
+    // saved mask back below.
+    let mut saved: libc::sigset_t = unsafe { std::mem::zeroed() };
+    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, std::ptr::null(), &mut saved) };
+    cairn_core::reactor::block_signals_in_this_thread();
+    let started = start_masked(spec, view);
+    // SAFETY: as above.
+    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &saved, std::ptr::null_mut()) };
+    started
+}
+
+fn start_masked(spec: &str, view: Arc<View>) -> Result<Metrics, String> {
     let err = |e: &dyn std::fmt::Display| format!("--metrics {spec}: {e}");
     let (server, url) = if let Some(addr) = spec.strip_prefix("tcp:") {
         let server = tiny_http::Server::http(addr).map_err(|e| err(&e))?;
@@ -65,7 +79,6 @@ pub fn start(spec: &str, view: Arc<View>) -> Result<Metrics, String> {
     let thread = std::thread::Builder::new()
         .name("cairn-metrics".into())
         .spawn(move || {
-            cairn_core::reactor::block_signals_in_this_thread();
             for request in s.incoming_requests() {
                 let (code, body, kind) = match (request.method(), request.url()) {
                     (tiny_http::Method::Get, "/metrics") => (

@@ -289,12 +289,22 @@ fn watchdog(config: &Config, exports: &[Export]) -> Closing {
             log::warn!(
                 "cairn: serve: shutdown did not end within {timeout:?}: {stage}; up to {dirty} bytes of acknowledged writes the caches had not written back may be lost; exiting with status 1"
             );
+            notify(&[sd_notify::NotifyState::Status(&format!(
+                "shutdown did not end within {timeout:?}: exiting with status 1"
+            ))]);
             if let Some(f) = abandon {
                 f();
             }
             std::process::exit(1);
         });
     closing
+}
+
+/// Tells the service manager (`NOTIFY_SOCKET`, systemd's Type=notify) how serving goes.
+fn notify(states: &[sd_notify::NotifyState<'_>]) {
+    if let Err(e) = sd_notify::notify(states) {
+        log::warn!("cairn: serve: NOTIFY_SOCKET: {e}");
+    }
 }
 
 /// Logs what SIGUSR1 and SIGUSR2 ask for: connections, and each export's device with its
@@ -426,6 +436,15 @@ pub fn serve(
     });
     let shown: Vec<String> = listeners.iter().map(|(_, s)| s.clone()).collect();
     ready(&shown);
+    // Type=notify services: started (a no-op without NOTIFY_SOCKET).
+    notify(&[
+        sd_notify::NotifyState::Ready,
+        sd_notify::NotifyState::Status(&format!(
+            "serving {} export(s) on {}",
+            exports.len(),
+            shown.join(", ")
+        )),
+    ]);
 
     // Accept until a signal arrives.
     let mut fds: Vec<libc::pollfd> = listeners
@@ -465,6 +484,12 @@ pub fn serve(
                 "cairn: serve: signal {signo} received: finishing requests in flight, flushing, closing (at most {:?})",
                 config.shutdown_timeout
             );
+            notify(&[
+                sd_notify::NotifyState::Stopping,
+                sd_notify::NotifyState::Status(&format!(
+                    "stopping (signal {signo}): finishing requests in flight, flushing, closing"
+                )),
+            ]);
             closing = watchdog(&config, &exports);
             break 'accept;
         }
