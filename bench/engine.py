@@ -18,6 +18,8 @@ Comparisons:
   reaploop  technique 5 where completions arrive asynchronously: a loop device with direct
             I/O over the /dev/shm file, read with O_DIRECT (root only; the script attaches
             and detaches the loop device)
+  metrics   statistics off the hot path: null, and a raid10 of 4 null members, with
+            Prometheus metrics scraped every 100 ms (`--metrics`) vs not served at all
   reapdisk  technique 5 on a file on the root disk with O_DIRECT (not in the default set:
             the disk is slow and drifts; --disk-file sets the 1 GiB file to use)
 
@@ -75,13 +77,50 @@ def fio(engine, runtime, filename=None):
     return json.loads(sh(cmd))
 
 
-def cairn(device, runtime, *switches, pin=False):
+def free_port():
+    import socket
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        return so.getsockname()[1]
+
+
+def scraped(run, every=0.1):
+    """Runs `run(metrics_arg)` while a thread GETs its /metrics every `every` seconds;
+    returns run's result, with the number of successful scrapes under ["scrapes"]."""
+    import threading
+    import time
+    import urllib.request
+    port = free_port()
+    stop = threading.Event()
+    count = [0]
+
+    def scrape():
+        while not stop.is_set():
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1).read()
+                count[0] += 1
+            except OSError:
+                pass
+            time.sleep(every)
+
+    t = threading.Thread(target=scrape)
+    t.start()
+    try:
+        j = run(f"tcp:127.0.0.1:{port}")
+    finally:
+        stop.set()
+        t.join()
+    j["scrapes"] = count[0]
+    return j
+
+
+def cairn(device, runtime, *switches, pin=False, bench_args=()):
     # Pinning the reactor to CPU 0 leaves CPU 1 to the kernel's workers (io-wq, loop),
     # which makes run-to-run drift smaller; used for the reap comparisons.
     prefix = ["taskset", "-c", "0"] if pin and shutil.which("taskset") else []
     cmd = [*prefix, CAIRN, *switches, "bench", "--device", device, "--rw", "randread", "--bs", "4k",
            "--iodepth", "32", "--numjobs", "1", "--runtime", str(runtime), "--time_based",
-           "--output-format", "json"]
+           "--output-format", "json", *bench_args]
     return json.loads(sh(cmd))
 
 
@@ -165,6 +204,35 @@ def main():
         res = compare("stats", [("stats on", lambda: cairn("null:1G", t, "--stats", "on")),
                                 ("stats off", lambda: cairn("null:1G", t, "--stats", "off"))], n)
         ratio_row("statistics cost: null (on/off must be > 0.95)", res, "stats on", "stats off", 0.95)
+    if "metrics" in only:
+        stack = os.path.join(OUT, "metrics-raid10.toml")
+        with open(stack, "w") as f:
+            for i in range(4):
+                f.write(f'[device.n{i}]\ntype = "null"\nsize = "1G"\n')
+            f.write('[device.r]\ntype = "raid10"\nmembers = ["n0", "n1", "n2", "n3"]\n')
+        for label, dev in (("null", "null:1G"), ("raid10 of null", f"{stack}")):
+            target = ["--device", "r"] if dev == stack else []
+
+            def run(metrics=None, dev=dev, target=target):
+                extra = ["--metrics", metrics] if metrics else []
+                if dev.endswith(".toml"):
+                    cmd = [CAIRN, "bench", dev, *target, "--rw", "randread", "--bs", "4k",
+                           "--iodepth", "32", "--numjobs", "1", "--runtime", str(t),
+                           "--time_based", "--output-format", "json", *extra]
+                    return json.loads(sh(cmd))
+                return cairn(dev, t, bench_args=extra)
+
+            scrapes = []
+
+            def with_scrapes(run=run):
+                j = scraped(run)
+                scrapes.append(j["scrapes"])
+                return j
+
+            res = compare(f"metrics-{label.replace(' ', '-')}",
+                          [("scraped", with_scrapes), ("no metrics", run)], n)
+            ratio_row(f"metrics scraped every 100 ms ({min(scrapes)}+ scrapes a run): {label}",
+                      res, "scraped", "no metrics", 0.97)
     reap_rows = []
     reap_sets = []
     if "reap" in only:
