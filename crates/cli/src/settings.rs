@@ -262,7 +262,10 @@ pub struct StatArgs {
 const ADMIN_HELP: &str = "Commands:
   devices                 every device served, with its members
   status [--json]         the device tree with sizes, failed members and caches' write-back,
+                          the exports with their connections (peer, since, requests, bytes),
                           then arrays with metadata, as /proc/mdstat: members, states, rebuild
+  stats [--json]          every device's /proc/diskstats-shaped counters and latency
+                          percentiles, summed over reactors (`cairn stat` shows rates)
   fail ARRAY MEMBER       mark a member of a mirror or raid10 failed (never the last
                           current copy of any data)
   remove ARRAY MEMBER     record a failed member as missing, and close it
