@@ -160,8 +160,9 @@ fn device_line(depth: usize, d: &Arc<dyn Device>) -> String {
     let cache = if own != below {
         // This device's own write-back (a cache), not only its children's.
         format!(
-            ", {} written back",
-            format_bytes(own.1 - below.1.min(own.1))
+            ", {} written back ({}/s now)",
+            format_bytes(own.1 - below.1.min(own.1)),
+            format_bytes(d.writeback_rate())
         )
     } else {
         String::new()
@@ -215,6 +216,7 @@ fn status_json(view: &View) -> String {
                 "failed_members": d.failed_members(),
                 "dirty_bytes": dirty,
                 "written_back_bytes": written,
+                "writeback_bytes_per_s": d.writeback_rate(),
                 "array_status": d.array_status(),
             })
         })

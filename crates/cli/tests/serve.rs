@@ -4118,6 +4118,79 @@ h.shutdown()
         assert!(out.status.success(), "{}", text_of(&out.stderr));
     }
 
+    /// A cache writing back under a write load shows its write-back rate in `status`
+    /// (text and JSON), and its base's statistics count the bytes written back.
+    #[test]
+    fn status_shows_a_caches_write_back_rate() {
+        let dir = tmpdir();
+        let ctl = dir.path().join("admin.sock");
+        let stack = write_stack(
+            &dir,
+            "[device.m]\ntype = \"mem\"\nsize = \"64M\"\n\
+             [device.slow]\ntype = \"delay\"\nbase = \"m\"\nbandwidth = \"20M\"\n\
+             [device.c]\ntype = \"cache\"\nbase = \"slow\"\nmemory = \"4M\"\n",
+        );
+        let mut bench = Command::new(env!("CARGO_BIN_EXE_cairn"))
+            .args([
+                "bench",
+                path_str(&stack),
+                "--device",
+                "c",
+                "--rw",
+                "randwrite",
+            ])
+            .args([
+                "--runtime",
+                "20s",
+                "--time_based",
+                "--admin",
+                path_str(&ctl),
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        // Written back at 20 MB/s, so a rate shows once a second of it has passed.
+        let deadline = Instant::now() + Duration::from_secs(15);
+        let mut seen = Value::Null;
+        while Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(300));
+            let out = admin(&ctl, &["status", "--json"]);
+            if !out.status.success() {
+                continue;
+            }
+            seen = serde_json::from_slice(&out.stdout).unwrap();
+            if seen["devices"][0]["writeback_bytes_per_s"].as_u64() > Some(0) {
+                break;
+            }
+        }
+        let c = &seen["devices"][0];
+        assert_eq!(c["name"], "c", "{seen:#}");
+        let rate = c["writeback_bytes_per_s"].as_u64().unwrap_or(0);
+        assert!(rate > 0 && rate < 100_000_000, "{seen:#}");
+        let text = success("status", &admin(&ctl, &["status"]));
+        assert!(
+            text.contains("written back (") && text.contains("/s now)"),
+            "{text}"
+        );
+        let stats = json("stats --json", &admin(&ctl, &["stats", "--json"]));
+        let slow = stats["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["name"] == "slow")
+            .unwrap()
+            .clone();
+        assert!(
+            slow["ops"]["write"]["bytes"].as_u64() > Some(0),
+            "{stats:#}"
+        );
+        // SAFETY: signals our own child; the bench ends with its report.
+        unsafe { libc::kill(bench.id() as libc::pid_t, libc::SIGINT) };
+        assert!(bench.wait().unwrap().code().is_some());
+    }
+
     fn text_of(b: &[u8]) -> String {
         String::from_utf8_lossy(b).into_owned()
     }

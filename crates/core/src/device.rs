@@ -167,6 +167,12 @@ pub trait Device: Send + Sync {
             .fold((0, 0), |(d, w), (cd, cw)| (d + cd, w + cw))
     }
 
+    /// For a write-back cache: bytes it wrote back a second, over the last second or two
+    /// (0 for other devices).
+    fn writeback_rate(&self) -> u64 {
+        0
+    }
+
     /// Whether writes completed on one queue are seen by every other queue, and a flush
     /// on any queue makes them all durable (NBD's `CAN_MULTI_CONN` promise).
     fn coherent_across_queues(&self) -> bool {

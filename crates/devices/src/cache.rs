@@ -90,6 +90,9 @@ pub(crate) struct Shared {
     pool: std::sync::OnceLock<(Arc<Pool>, usize)>,
     /// Bytes written back so far.
     written: std::sync::atomic::AtomicU64,
+    /// The write-back rate: the window being measured (start, bytes written back then)
+    /// and the last whole window's bytes a second.
+    rate: Mutex<(std::time::Instant, u64, u64)>,
     /// Held for a whole write-back (copy, write, mark clean): writes of one cache reach
     /// its base in the order their data was copied, so an older copy never lands after
     /// a newer one (several pool threads may serve one cache).
@@ -97,6 +100,33 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// Closes the rate's window once it is a second long (called as write-backs end, off
+    /// the clients' path).
+    fn note_written(&self) {
+        let mut r = self.rate.lock().unwrap_or_else(|p| p.into_inner());
+        let elapsed = r.0.elapsed().as_secs_f64();
+        if elapsed >= 1.0 {
+            let now = self.written.load(Ordering::Relaxed);
+            *r = (
+                std::time::Instant::now(),
+                now,
+                (now.saturating_sub(r.1) as f64 / elapsed) as u64,
+            );
+        }
+    }
+
+    /// Bytes written back a second, over the last second or two: the open window once it
+    /// is a second long (so an idle cache falls to 0), else the last whole one.
+    fn writeback_rate(&self) -> u64 {
+        let r = self.rate.lock().unwrap_or_else(|p| p.into_inner());
+        let elapsed = r.0.elapsed().as_secs_f64();
+        if elapsed >= 1.0 {
+            (self.written.load(Ordering::Relaxed).saturating_sub(r.1) as f64 / elapsed) as u64
+        } else {
+            r.2
+        }
+    }
+
     /// Wakes whoever writes this cache back.
     pub(crate) fn kick(&self) {
         match self.pool.get() {
@@ -198,6 +228,7 @@ impl CacheDevice {
             budget,
             pool: std::sync::OnceLock::new(),
             written: std::sync::atomic::AtomicU64::new(0),
+            rate: Mutex::new((std::time::Instant::now(), 0, 0)),
             writing: Mutex::new(()),
         });
         shared
@@ -313,6 +344,9 @@ impl Device for CacheDevice {
     }
     fn children(&self) -> Vec<Arc<dyn Device>> {
         vec![self.base.clone()]
+    }
+    fn writeback_rate(&self) -> u64 {
+        self.shared.writeback_rate()
     }
     fn writeback_counters(&self) -> (u64, u64) {
         let (d, w) = self.base.writeback_counters();
@@ -821,6 +855,7 @@ fn write_runs(
                 continue;
             }
             shared.written.fetch_add(b.len() as u64, Ordering::Relaxed);
+            shared.note_written();
             for &(p, gen) in gens {
                 if let Some(e) = st.pages.get_mut(&p) {
                     if e.dirty && e.gen == gen {
