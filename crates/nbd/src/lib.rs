@@ -10,6 +10,7 @@ pub mod pool;
 pub mod proto;
 pub mod server;
 pub mod tls;
+pub mod uri;
 
 pub use conn::{Export, Limits};
 pub use handshake::{Catalog, ExportInfo, TlsMode};
