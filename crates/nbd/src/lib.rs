@@ -3,6 +3,7 @@
 
 #![warn(missing_docs)]
 
+pub mod client;
 pub mod conn;
 pub mod handshake;
 pub mod observe;

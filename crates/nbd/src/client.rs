@@ -1,0 +1,424 @@
+//! The client side of the NBD handshake (fixed newstyle), for the `nbd` device: connect,
+//! negotiate structured replies and the `base:allocation` context, choose the export with
+//! `NBD_OPT_GO` (asking for block sizes), and hand back the socket ready for transmission
+//! with what was agreed.
+//!
+//! This is blocking code with a deadline: it runs once per connection (and at each
+//! reconnect) on the thread that opens the connection, never on a reactor.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
+
+use crate::proto::{self, info, opt, rep};
+use crate::uri::{Address, NbdUri};
+
+/// Largest option reply read (anything longer is a broken or hostile server).
+const MAX_OPTION_REPLY: u32 = 64 << 10;
+
+/// What the client asks for.
+#[derive(Debug, Clone, Copy)]
+pub struct Want {
+    /// Structured replies (needed for block status and sparse reads).
+    pub structured: bool,
+    /// The `base:allocation` metadata context (needs `structured`).
+    pub allocation: bool,
+}
+
+impl Default for Want {
+    fn default() -> Want {
+        Want {
+            structured: true,
+            allocation: true,
+        }
+    }
+}
+
+/// What the server agreed to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Negotiated {
+    /// Export size in bytes.
+    pub size: u64,
+    /// Transmission flags (`proto::tflags`).
+    pub flags: u16,
+    /// Smallest request the server accepts (1 if it sent no block sizes).
+    pub min_block: u32,
+    /// Request size it prefers.
+    pub preferred_block: u32,
+    /// Largest payload it takes in one request.
+    pub max_payload: u32,
+    /// Structured replies are on.
+    pub structured: bool,
+    /// The id of `base:allocation`, if the server has it.
+    pub allocation_id: Option<u32>,
+}
+
+/// Why a handshake failed.
+#[derive(Debug)]
+pub enum HandshakeError {
+    /// The connection failed or ended (worth retrying later).
+    Io(std::io::Error),
+    /// The server said no, or is not an NBD server (retrying will not help).
+    Refused(String),
+}
+
+impl std::fmt::Display for HandshakeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HandshakeError::Io(e) => write!(f, "{e}"),
+            HandshakeError::Refused(why) => f.write_str(why),
+        }
+    }
+}
+
+impl From<std::io::Error> for HandshakeError {
+    fn from(e: std::io::Error) -> HandshakeError {
+        HandshakeError::Io(e)
+    }
+}
+
+fn refused(why: impl Into<String>) -> HandshakeError {
+    HandshakeError::Refused(why.into())
+}
+
+/// A connected stream of either kind.
+enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Stream {
+    fn set_timeouts(&self, d: Duration) -> std::io::Result<()> {
+        let d = Some(d.max(Duration::from_millis(1)));
+        match self {
+            Stream::Tcp(s) => {
+                s.set_read_timeout(d)?;
+                s.set_write_timeout(d)
+            }
+            Stream::Unix(s) => {
+                s.set_read_timeout(d)?;
+                s.set_write_timeout(d)
+            }
+        }
+    }
+
+    fn into_fd(self) -> std::io::Result<OwnedFd> {
+        match self {
+            Stream::Tcp(s) => {
+                s.set_read_timeout(None)?;
+                s.set_write_timeout(None)?;
+                Ok(s.into())
+            }
+            Stream::Unix(s) => {
+                s.set_read_timeout(None)?;
+                s.set_write_timeout(None)?;
+                Ok(s.into())
+            }
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.read(buf),
+            Stream::Unix(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write(buf),
+            Stream::Unix(s) => s.write(buf),
+        }
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Connects to `uri`'s server and negotiates, all within `timeout`; the socket (blocking
+/// mode, no timeouts) and what was agreed.
+pub fn connect(
+    uri: &NbdUri,
+    want: Want,
+    timeout: Duration,
+) -> Result<(OwnedFd, Negotiated), HandshakeError> {
+    if uri.tls {
+        return Err(refused(
+            "TLS (nbds://) is not supported by cairn's NBD client yet",
+        ));
+    }
+    let deadline = Instant::now() + timeout;
+    let mut stream = match &uri.address {
+        Address::Unix(path) => Stream::Unix(UnixStream::connect(path)?),
+        Address::Tcp { host, port } => {
+            use std::net::ToSocketAddrs;
+            let mut last = None;
+            let mut found = None;
+            for a in (host.as_str(), *port).to_socket_addrs()? {
+                let left = deadline.saturating_duration_since(Instant::now());
+                match TcpStream::connect_timeout(&a, left.max(Duration::from_millis(1))) {
+                    Ok(s) => {
+                        found = Some(s);
+                        break;
+                    }
+                    Err(e) => last = Some(e),
+                }
+            }
+            let s = found.ok_or_else(|| {
+                last.unwrap_or_else(|| {
+                    std::io::Error::new(std::io::ErrorKind::NotFound, "no address")
+                })
+            })?;
+            s.set_nodelay(true)?;
+            Stream::Tcp(s)
+        }
+    };
+    stream.set_timeouts(deadline.saturating_duration_since(Instant::now()))?;
+    let negotiated = negotiate(&mut stream, &uri.export, want)?;
+    Ok((stream.into_fd()?, negotiated))
+}
+
+fn read_u16(s: &mut impl Read) -> std::io::Result<u16> {
+    let mut b = [0u8; 2];
+    s.read_exact(&mut b)?;
+    Ok(u16::from_be_bytes(b))
+}
+
+fn read_u64(s: &mut impl Read) -> std::io::Result<u64> {
+    let mut b = [0u8; 8];
+    s.read_exact(&mut b)?;
+    Ok(u64::from_be_bytes(b))
+}
+
+fn send_option(s: &mut impl Write, option: u32, data: &[u8]) -> std::io::Result<()> {
+    let mut out = Vec::with_capacity(16 + data.len());
+    out.extend_from_slice(&proto::IHAVEOPT.to_be_bytes());
+    out.extend_from_slice(&option.to_be_bytes());
+    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    out.extend_from_slice(data);
+    s.write_all(&out)
+}
+
+/// One option reply: its type and data.
+fn read_reply(s: &mut impl Read, option: u32) -> Result<(u32, Vec<u8>), HandshakeError> {
+    let mut h = [0u8; 20];
+    s.read_exact(&mut h)?;
+    let magic = u64::from_be_bytes(h[0..8].try_into().expect("8 bytes"));
+    let got = u32::from_be_bytes(h[8..12].try_into().expect("4 bytes"));
+    let kind = u32::from_be_bytes(h[12..16].try_into().expect("4 bytes"));
+    let len = u32::from_be_bytes(h[16..20].try_into().expect("4 bytes"));
+    if magic != proto::REPLY_MAGIC {
+        return Err(refused(format!(
+            "bad option reply magic {magic:#x} (not an NBD server?)"
+        )));
+    }
+    if got != option {
+        return Err(refused(format!(
+            "reply to option {} while {} was asked",
+            opt::name(got),
+            opt::name(option)
+        )));
+    }
+    if len > MAX_OPTION_REPLY {
+        return Err(refused(format!(
+            "option reply of {len} bytes (at most {MAX_OPTION_REPLY})"
+        )));
+    }
+    let mut data = vec![0u8; len as usize];
+    s.read_exact(&mut data)?;
+    Ok((kind, data))
+}
+
+/// The text of an error reply.
+fn error_text(option: u32, kind: u32, data: &[u8]) -> String {
+    let what = match kind {
+        rep::ERR_UNSUP => "not supported",
+        rep::ERR_POLICY => "forbidden by policy",
+        rep::ERR_INVALID => "invalid",
+        rep::ERR_PLATFORM => "not available on this server",
+        rep::ERR_TLS_REQD => "TLS is required",
+        rep::ERR_UNKNOWN => "no such export",
+        rep::ERR_SHUTDOWN => "the server is shutting down",
+        rep::ERR_BLOCK_SIZE_REQD => "block sizes must be asked for",
+        rep::ERR_TOO_BIG => "too big",
+        _ => "an error",
+    };
+    let msg = String::from_utf8_lossy(data);
+    if msg.is_empty() {
+        format!("{}: {what}", opt::name(option))
+    } else {
+        format!("{}: {what} ({msg})", opt::name(option))
+    }
+}
+
+/// The handshake on `s`, from the server's greeting to the end of `NBD_OPT_GO` (or
+/// `NBD_OPT_EXPORT_NAME` on a server without GO).
+pub fn negotiate<S: Read + Write>(
+    s: &mut S,
+    export: &str,
+    want: Want,
+) -> Result<Negotiated, HandshakeError> {
+    if export.len() > 4096 {
+        return Err(refused("the export name is longer than 4096 bytes"));
+    }
+    let magic = read_u64(s)?;
+    if magic != proto::NBDMAGIC {
+        return Err(refused("not an NBD server (no NBDMAGIC)"));
+    }
+    let style = read_u64(s)?;
+    if style != proto::IHAVEOPT {
+        return Err(refused(
+            "the server speaks the oldstyle handshake, which cairn does not",
+        ));
+    }
+    let hflags = read_u16(s)?;
+    if hflags & proto::FLAG_FIXED_NEWSTYLE == 0 {
+        return Err(refused(
+            "the server does not speak the fixed newstyle handshake",
+        ));
+    }
+    let no_zeroes = hflags & proto::FLAG_NO_ZEROES != 0;
+    let mut cflags = proto::FLAG_C_FIXED_NEWSTYLE;
+    if no_zeroes {
+        cflags |= proto::FLAG_C_NO_ZEROES;
+    }
+    s.write_all(&cflags.to_be_bytes())?;
+
+    let mut structured = false;
+    if want.structured {
+        send_option(s, opt::STRUCTURED_REPLY, &[])?;
+        let (kind, data) = read_reply(s, opt::STRUCTURED_REPLY)?;
+        match kind {
+            rep::ACK => structured = true,
+            k if k & (1 << 31) != 0 => {
+                log::debug!(
+                    "cairn: nbd client: {}",
+                    error_text(opt::STRUCTURED_REPLY, k, &data)
+                );
+            }
+            k => return Err(refused(format!("unexpected reply {k} to STRUCTURED_REPLY"))),
+        }
+    }
+    let mut name = Vec::with_capacity(4 + export.len());
+    name.extend_from_slice(&(export.len() as u32).to_be_bytes());
+    name.extend_from_slice(export.as_bytes());
+
+    let mut allocation_id = None;
+    if structured && want.allocation {
+        let mut data = name.clone();
+        data.extend_from_slice(&1u32.to_be_bytes());
+        data.extend_from_slice(&(proto::BASE_ALLOCATION.len() as u32).to_be_bytes());
+        data.extend_from_slice(proto::BASE_ALLOCATION.as_bytes());
+        send_option(s, opt::SET_META_CONTEXT, &data)?;
+        loop {
+            let (kind, data) = read_reply(s, opt::SET_META_CONTEXT)?;
+            match kind {
+                rep::META_CONTEXT if data.len() >= 4 => {
+                    let id = u32::from_be_bytes(data[..4].try_into().expect("4 bytes"));
+                    if &data[4..] == proto::BASE_ALLOCATION.as_bytes() {
+                        allocation_id = Some(id);
+                    }
+                }
+                rep::ACK => break,
+                k if k & (1 << 31) != 0 => {
+                    log::debug!(
+                        "cairn: nbd client: {}",
+                        error_text(opt::SET_META_CONTEXT, k, &data)
+                    );
+                    break;
+                }
+                k => return Err(refused(format!("unexpected reply {k} to SET_META_CONTEXT"))),
+            }
+        }
+    }
+
+    // GO, asking for block sizes.
+    let mut data = name.clone();
+    data.extend_from_slice(&1u16.to_be_bytes());
+    data.extend_from_slice(&info::BLOCK_SIZE.to_be_bytes());
+    send_option(s, opt::GO, &data)?;
+    let (mut size, mut flags) = (None, 0u16);
+    let (mut min_block, mut preferred_block, mut max_payload) = (1u32, 4096u32, 32u32 << 20);
+    loop {
+        let (kind, data) = read_reply(s, opt::GO)?;
+        match kind {
+            rep::INFO if data.len() >= 2 => {
+                let t = u16::from_be_bytes([data[0], data[1]]);
+                match t {
+                    info::EXPORT if data.len() == 12 => {
+                        size = Some(u64::from_be_bytes(data[2..10].try_into().expect("8")));
+                        flags = u16::from_be_bytes([data[10], data[11]]);
+                    }
+                    info::BLOCK_SIZE if data.len() == 14 => {
+                        let f =
+                            |i: usize| u32::from_be_bytes(data[i..i + 4].try_into().expect("4"));
+                        (min_block, preferred_block, max_payload) = (f(2), f(6), f(10));
+                    }
+                    _ => {}
+                }
+            }
+            rep::ACK => break,
+            rep::ERR_UNSUP => {
+                // A server without GO: the old way (no error replies, no block sizes).
+                return export_name(s, &name[4..], no_zeroes, structured, allocation_id);
+            }
+            k if k & (1 << 31) != 0 => return Err(refused(error_text(opt::GO, k, &data))),
+            _ => {}
+        }
+    }
+    let size = size.ok_or_else(|| refused("GO ended without the export's size"))?;
+    if flags & proto::tflags::HAS_FLAGS == 0 {
+        return Err(refused("the transmission flags lack HAS_FLAGS"));
+    }
+    if !min_block.is_power_of_two()
+        || min_block > 64 << 10
+        || !preferred_block.is_power_of_two()
+        || preferred_block < min_block
+        || max_payload < preferred_block
+    {
+        return Err(refused(format!(
+            "block sizes make no sense: minimum {min_block}, preferred {preferred_block}, maximum {max_payload}"
+        )));
+    }
+    Ok(Negotiated {
+        size,
+        flags,
+        min_block,
+        preferred_block,
+        max_payload,
+        structured,
+        allocation_id,
+    })
+}
+
+/// `NBD_OPT_EXPORT_NAME`: size and flags, then (unless no-zeroes) 124 zero bytes.
+fn export_name<S: Read + Write>(
+    s: &mut S,
+    export: &[u8],
+    no_zeroes: bool,
+    structured: bool,
+    allocation_id: Option<u32>,
+) -> Result<Negotiated, HandshakeError> {
+    send_option(s, opt::EXPORT_NAME, export)?;
+    let size = read_u64(s)?;
+    let flags = read_u16(s)?;
+    if !no_zeroes {
+        let mut zeroes = [0u8; 124];
+        s.read_exact(&mut zeroes)?;
+    }
+    Ok(Negotiated {
+        size,
+        flags,
+        min_block: 1,
+        preferred_block: 4096,
+        max_payload: 32 << 20,
+        structured,
+        allocation_id,
+    })
+}
