@@ -16,6 +16,12 @@ pub const REQUEST_MAGIC: u32 = 0x2560_9513;
 pub const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
 /// Magic of a structured reply chunk.
 pub const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
+/// Magic of a request with extended headers (64-bit lengths).
+pub const EXTENDED_REQUEST_MAGIC: u32 = 0x21e4_1c71;
+/// Magic of a reply chunk with extended headers.
+pub const EXTENDED_REPLY_MAGIC: u32 = 0x6e8a_278c;
+/// Bytes of an extended request header, and of an extended reply header.
+pub const EXTENDED_HEADER: usize = 32;
 
 /// Handshake flags (server).
 pub const FLAG_FIXED_NEWSTYLE: u16 = 1 << 0;
@@ -183,6 +189,8 @@ pub mod cflags {
     pub const REQ_ONE: u16 = 1 << 3;
     /// Fail write zeroes that would not be fast.
     pub const FAST_ZERO: u16 = 1 << 4;
+    /// (Extended headers) the length is the payload's.
+    pub const PAYLOAD_LEN: u16 = 1 << 5;
 }
 
 /// Structured reply chunk types and flags.
@@ -197,8 +205,12 @@ pub mod chunk {
     pub const OFFSET_HOLE: u16 = 2;
     /// Context id and extents.
     pub const BLOCK_STATUS: u16 = 5;
+    /// (Extended headers) context id and 64-bit extents.
+    pub const BLOCK_STATUS_EXT: u16 = 6;
     /// Error, message.
     pub const ERROR: u16 = (1 << 15) + 1;
+    /// Error at an offset, message.
+    pub const ERROR_OFFSET: u16 = (1 << 15) + 2;
 }
 
 /// Errors of the transmission phase (sent as numbers, independent of the platform).
@@ -435,6 +447,117 @@ pub fn put_request(out: &mut Vec<u8>, r: &Request) {
     out.extend_from_slice(&r.cookie.to_be_bytes());
     out.extend_from_slice(&r.offset.to_be_bytes());
     out.extend_from_slice(&r.len.to_be_bytes());
+}
+
+/// A reply header as a client reads it: a simple reply, or one chunk of a structured
+/// reply (compact or extended).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplyHeader {
+    /// A simple reply: its error (0: success) and cookie; a successful read's data
+    /// follows.
+    Simple {
+        /// `NBD_E*`, 0 for success.
+        error: u32,
+        /// The request's cookie.
+        cookie: u64,
+    },
+    /// A structured reply chunk; `len` payload bytes follow.
+    Chunk {
+        /// `chunk::FLAG_*`.
+        flags: u16,
+        /// `chunk::*` type.
+        kind: u16,
+        /// The request's cookie.
+        cookie: u64,
+        /// (Extended headers) the request's offset; 0 otherwise.
+        offset: u64,
+        /// Payload bytes that follow.
+        len: u64,
+    },
+}
+
+/// What the reply decoder found at the start of a buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodedReply {
+    /// Not enough bytes for a header yet.
+    Incomplete,
+    /// A header of `size` bytes.
+    Header(ReplyHeader, usize),
+    /// Not a reply this connection can carry (bad magic, or a simple reply where extended
+    /// headers forbid them): the stream cannot be trusted any more.
+    Bad(u32),
+}
+
+/// Decodes one reply header from the start of `b`; `extended`: extended headers were
+/// negotiated (then every reply is an extended chunk).
+pub fn parse_reply(b: &[u8], extended: bool) -> DecodedReply {
+    if b.len() < 4 {
+        return DecodedReply::Incomplete;
+    }
+    let magic = be32(&b[0..4]);
+    match magic {
+        SIMPLE_REPLY_MAGIC if !extended => {
+            if b.len() < SIMPLE_REPLY {
+                return DecodedReply::Incomplete;
+            }
+            DecodedReply::Header(
+                ReplyHeader::Simple {
+                    error: be32(&b[4..8]),
+                    cookie: be64(&b[8..16]),
+                },
+                SIMPLE_REPLY,
+            )
+        }
+        STRUCTURED_REPLY_MAGIC if !extended => {
+            if b.len() < CHUNK_HEADER {
+                return DecodedReply::Incomplete;
+            }
+            DecodedReply::Header(
+                ReplyHeader::Chunk {
+                    flags: be16(&b[4..6]),
+                    kind: be16(&b[6..8]),
+                    cookie: be64(&b[8..16]),
+                    offset: 0,
+                    len: u64::from(be32(&b[16..20])),
+                },
+                CHUNK_HEADER,
+            )
+        }
+        EXTENDED_REPLY_MAGIC if extended => {
+            if b.len() < EXTENDED_HEADER {
+                return DecodedReply::Incomplete;
+            }
+            DecodedReply::Header(
+                ReplyHeader::Chunk {
+                    flags: be16(&b[4..6]),
+                    kind: be16(&b[6..8]),
+                    cookie: be64(&b[8..16]),
+                    offset: be64(&b[16..24]),
+                    len: be64(&b[24..32]),
+                },
+                EXTENDED_HEADER,
+            )
+        }
+        m => DecodedReply::Bad(m),
+    }
+}
+
+/// Encodes an extended request header: `len` is the range, or the payload's length for
+/// a write (which then carries `cflags::PAYLOAD_LEN`).
+pub fn put_extended_request(
+    out: &mut Vec<u8>,
+    flags: u16,
+    command: u16,
+    cookie: u64,
+    offset: u64,
+    len: u64,
+) {
+    out.extend_from_slice(&EXTENDED_REQUEST_MAGIC.to_be_bytes());
+    out.extend_from_slice(&flags.to_be_bytes());
+    out.extend_from_slice(&command.to_be_bytes());
+    out.extend_from_slice(&cookie.to_be_bytes());
+    out.extend_from_slice(&offset.to_be_bytes());
+    out.extend_from_slice(&len.to_be_bytes());
 }
 
 /// A simple reply header.

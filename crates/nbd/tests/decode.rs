@@ -784,3 +784,60 @@ fn write_payloads_are_skipped_not_decoded() {
     let r = driver::drive(&input);
     assert_eq!((r.requests, r.writes), (1, 0));
 }
+
+// Replies as a client decodes them: every header the encoders make decodes to what was
+// encoded, at every split point it is incomplete, and any other bytes never panic.
+proptest! {
+    #[test]
+    fn reply_headers_round_trip(
+        error in any::<u32>(),
+        cookie in any::<u64>(),
+        flags in any::<u16>(),
+        kind in any::<u16>(),
+        offset in any::<u64>(),
+        len in any::<u64>(),
+        cut in 0usize..32,
+    ) {
+        use cairn_nbd::proto::{
+            chunk_header, parse_reply, simple_reply, DecodedReply, ReplyHeader,
+            EXTENDED_HEADER, EXTENDED_REPLY_MAGIC,
+        };
+        let simple = simple_reply(error, cookie);
+        prop_assert_eq!(
+            parse_reply(&simple, false),
+            DecodedReply::Header(ReplyHeader::Simple { error, cookie }, 16)
+        );
+        // Extended headers forbid simple replies.
+        prop_assert!(matches!(parse_reply(&simple, true), DecodedReply::Bad(_)));
+        let compact = chunk_header(flags, kind, cookie, len as u32);
+        prop_assert_eq!(
+            parse_reply(&compact, false),
+            DecodedReply::Header(
+                ReplyHeader::Chunk { flags, kind, cookie, offset: 0, len: u64::from(len as u32) },
+                20
+            )
+        );
+        let mut ext = Vec::with_capacity(EXTENDED_HEADER);
+        ext.extend_from_slice(&EXTENDED_REPLY_MAGIC.to_be_bytes());
+        ext.extend_from_slice(&flags.to_be_bytes());
+        ext.extend_from_slice(&kind.to_be_bytes());
+        ext.extend_from_slice(&cookie.to_be_bytes());
+        ext.extend_from_slice(&offset.to_be_bytes());
+        ext.extend_from_slice(&len.to_be_bytes());
+        prop_assert_eq!(
+            parse_reply(&ext, true),
+            DecodedReply::Header(ReplyHeader::Chunk { flags, kind, cookie, offset, len }, 32)
+        );
+        prop_assert!(matches!(parse_reply(&ext, false), DecodedReply::Bad(_)));
+        prop_assert_eq!(parse_reply(&ext[..cut], true), DecodedReply::Incomplete);
+        prop_assert_eq!(parse_reply(&simple[..cut.min(15)], false), DecodedReply::Incomplete);
+    }
+
+    #[test]
+    fn reply_decoder_takes_any_bytes(b in proptest::collection::vec(any::<u8>(), 0..64), ext in any::<bool>()) {
+        match cairn_nbd::proto::parse_reply(&b, ext) {
+            cairn_nbd::proto::DecodedReply::Header(_, n) => prop_assert!(n <= b.len()),
+            _ => {}
+        }
+    }
+}
