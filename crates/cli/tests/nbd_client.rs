@@ -66,7 +66,15 @@ fn handshake_with_cairn_serve() {
     assert_eq!(n.max_payload, 32 << 20);
     assert!(n.structured);
     assert!(n.allocation_id.is_some());
+    // cairn serve does not offer extended headers yet: structured replies it is.
+    let ext = Want {
+        extended: true,
+        ..Want::default()
+    };
+    let (_fd, n) = connect(&uri(&sock, ""), ext, TIMEOUT).unwrap();
+    assert!(n.structured && !n.extended && n.allocation_id.is_some());
     let plain = Want {
+        extended: false,
         structured: false,
         allocation: true,
     };
@@ -111,6 +119,7 @@ fn handshake_with_nbdkit_and_qemu_nbd() {
         let mut child = Command::new(qemu_nbd)
             .args([
                 "--persistent",
+                "--shared=4",
                 "--format=raw",
                 "--export-name=q",
                 "--socket",
@@ -126,7 +135,17 @@ fn handshake_with_nbdkit_and_qemu_nbd() {
         let _srv = Running(child);
         let (_fd, n) = connect(&uri(&sock, "q"), Want::default(), TIMEOUT).unwrap();
         assert_eq!(n.size, 4 << 20);
-        assert!(n.structured && n.allocation_id.is_some());
+        assert!(n.structured && !n.extended && n.allocation_id.is_some());
+        // qemu-nbd (8.2 and later) speaks extended headers.
+        let ext = Want {
+            extended: true,
+            ..Want::default()
+        };
+        let (_fd, n) = connect(&uri(&sock, "q"), ext, TIMEOUT).unwrap();
+        assert!(
+            n.structured && n.extended && n.allocation_id.is_some(),
+            "{n:?}"
+        );
     } else {
         skip(
             "handshake_with_qemu_nbd",

@@ -21,6 +21,8 @@ const MAX_OPTION_REPLY: u32 = 64 << 10;
 /// What the client asks for.
 #[derive(Debug, Clone, Copy)]
 pub struct Want {
+    /// Extended headers (64-bit lengths; they imply structured replies).
+    pub extended: bool,
     /// Structured replies (needed for block status and sparse reads).
     pub structured: bool,
     /// The `base:allocation` metadata context (needs `structured`).
@@ -30,6 +32,7 @@ pub struct Want {
 impl Default for Want {
     fn default() -> Want {
         Want {
+            extended: false,
             structured: true,
             allocation: true,
         }
@@ -51,6 +54,8 @@ pub struct Negotiated {
     pub max_payload: u32,
     /// Structured replies are on.
     pub structured: bool,
+    /// Extended headers are on (every request and reply uses them).
+    pub extended: bool,
     /// The id of `base:allocation`, if the server has it.
     pub allocation_id: Option<u32>,
 }
@@ -290,8 +295,22 @@ pub fn negotiate<S: Read + Write>(
     }
     s.write_all(&cflags.to_be_bytes())?;
 
-    let mut structured = false;
-    if want.structured {
+    let (mut structured, mut extended) = (false, false);
+    if want.extended {
+        send_option(s, opt::EXTENDED_HEADERS, &[])?;
+        let (kind, data) = read_reply(s, opt::EXTENDED_HEADERS)?;
+        match kind {
+            rep::ACK => (structured, extended) = (true, true),
+            k if k & (1 << 31) != 0 => {
+                log::debug!(
+                    "cairn: nbd client: {}",
+                    error_text(opt::EXTENDED_HEADERS, k, &data)
+                );
+            }
+            k => return Err(refused(format!("unexpected reply {k} to EXTENDED_HEADERS"))),
+        }
+    }
+    if want.structured && !structured {
         send_option(s, opt::STRUCTURED_REPLY, &[])?;
         let (kind, data) = read_reply(s, opt::STRUCTURED_REPLY)?;
         match kind {
@@ -364,7 +383,7 @@ pub fn negotiate<S: Read + Write>(
                 }
             }
             rep::ACK => break,
-            rep::ERR_UNSUP => {
+            rep::ERR_UNSUP if !extended => {
                 // A server without GO: the old way (no error replies, no block sizes).
                 return export_name(s, &name[4..], no_zeroes, structured, allocation_id);
             }
@@ -393,6 +412,7 @@ pub fn negotiate<S: Read + Write>(
         preferred_block,
         max_payload,
         structured,
+        extended,
         allocation_id,
     })
 }
@@ -419,6 +439,7 @@ fn export_name<S: Read + Write>(
         preferred_block: 4096,
         max_payload: 32 << 20,
         structured,
+        extended: false,
         allocation_id,
     })
 }
