@@ -151,21 +151,13 @@ fn serve_one(mut conn: UnixStream, view: &View) {
 fn device_line(depth: usize, d: &Arc<dyn Device>) -> String {
     use cairn_core::size::format_bytes;
     let failed = d.failed_members();
-    let own = d.writeback_counters();
-    let below = d
-        .children()
-        .iter()
-        .map(|c| c.writeback_counters())
-        .fold((0, 0), |(a, b), (x, y)| (a + x, b + y));
-    let cache = if own != below {
-        // This device's own write-back (a cache), not only its children's.
-        format!(
+    let cache = match view::cache_counters(&**d) {
+        Some((_, written)) => format!(
             ", {} written back ({}/s now)",
-            format_bytes(own.1 - below.1.min(own.1)),
+            format_bytes(written),
             format_bytes(d.writeback_rate())
-        )
-    } else {
-        String::new()
+        ),
+        None => String::new(),
     };
     format!(
         "{}{} ({}) {}{}{}\n",

@@ -257,20 +257,9 @@ fn families(view: &View) -> Vec<MetricFamily> {
         busy.mut_metric().push(counter(&l, s.busy_ns as f64 / 1e9));
         size.mut_metric()
             .push(gauge(&l, d.geometry().size_bytes as f64));
-        // A cache's own figures: its counters less its children's.
-        let own = d.writeback_counters();
-        let below = d
-            .children()
-            .iter()
-            .map(|c| c.writeback_counters())
-            .fold((0, 0), |(a, b), (x, y)| (a + x, b + y));
-        if own != below {
-            dirty
-                .mut_metric()
-                .push(gauge(&l, own.0.saturating_sub(below.0) as f64));
-            written_back
-                .mut_metric()
-                .push(counter(&l, own.1.saturating_sub(below.1) as f64));
+        if let Some((dirty_now, written)) = view::cache_counters(&**d) {
+            dirty.mut_metric().push(gauge(&l, dirty_now as f64));
+            written_back.mut_metric().push(counter(&l, written as f64));
         }
         if d.redundant() {
             let f = d.failed_members().len();

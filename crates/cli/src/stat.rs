@@ -90,6 +90,15 @@ const COLUMNS: [&str; 8] = [
     "r/s", "w/s", "rMB/s", "wMB/s", "r_await", "w_await", "aqu-sz", "%util",
 ];
 
+/// The column names, aligned over [`cells`].
+fn column_names() -> String {
+    COLUMNS
+        .iter()
+        .map(|c| format!("{c:>9}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 fn cells(r: &[f64; 8]) -> String {
     r.iter()
         .map(|v| format!("{v:>9.2}"))
@@ -126,11 +135,7 @@ pub fn run(socket: &Path, interval: Option<&str>, count: Option<u64>) -> Result<
             "{:<24} {:<w$} {}\n",
             "time",
             "device",
-            COLUMNS
-                .iter()
-                .map(|c| format!("{c:>9}"))
-                .collect::<Vec<_>>()
-                .join(" ")
+            column_names()
         ));
     }
     let mut done = 0;
@@ -156,11 +161,7 @@ pub fn run(socket: &Path, interval: Option<&str>, count: Option<u64>) -> Result<
                 "{time}  every {:?}\n{:<w$} {}\n",
                 interval,
                 "device",
-                COLUMNS
-                    .iter()
-                    .map(|c| format!("{c:>9}"))
-                    .collect::<Vec<_>>()
-                    .join(" ")
+                column_names()
             );
         }
         for d in &now.devices {

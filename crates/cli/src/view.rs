@@ -76,6 +76,18 @@ pub fn all_devices(roots: &[Arc<dyn Device>]) -> Vec<(usize, Arc<dyn Device>)> {
     out
 }
 
+/// A cache's own write-back counters (dirty bytes now, bytes written back): its
+/// counters less its children's; `None` for a device that is not a cache.
+pub fn cache_counters(d: &dyn Device) -> Option<(u64, u64)> {
+    let own = d.writeback_counters();
+    let below = d
+        .children()
+        .iter()
+        .map(|c| c.writeback_counters())
+        .fold((0, 0), |(a, b), (x, y)| (a + x, b + y));
+    (own != below).then(|| (own.0.saturating_sub(below.0), own.1.saturating_sub(below.1)))
+}
+
 /// The monotonic clock the queues use, in nanoseconds.
 pub fn now_ns() -> u64 {
     cairn_core::clock::monotonic_ns()

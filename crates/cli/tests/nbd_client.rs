@@ -21,20 +21,28 @@ impl Drop for Running {
     }
 }
 
-/// Waits until `path` exists (the server listens).
-fn wait_for(path: &std::path::Path, child: &mut Child) {
+/// Starts the server `cmd` (output discarded) and waits until it listens on `sock`.
+fn start(cmd: &mut Command, sock: &std::path::Path) -> Running {
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the server");
+    let mut srv = Running(child);
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !path.exists() {
-        if let Ok(Some(status)) = child.try_wait() {
+    while !sock.exists() {
+        if let Ok(Some(status)) = srv.0.try_wait() {
             panic!("the server exited before listening: {status}");
         }
         assert!(
             Instant::now() < deadline,
             "{} never appeared",
-            path.display()
+            sock.display()
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+    srv
 }
 
 fn uri(sock: &std::path::Path, export: &str) -> NbdUri {
@@ -49,16 +57,12 @@ const TIMEOUT: Duration = Duration::from_secs(10);
 fn handshake_with_cairn_serve() {
     let dir = tmpdir();
     let sock = dir.path().join("nbd.sock");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_cairn"))
-        .args(["serve", "--device", "mem:16M", "--listen"])
-        .arg(format!("unix:{}", sock.display()))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    wait_for(&sock, &mut child);
-    let _srv = Running(child);
+    let _srv = start(
+        Command::new(env!("CARGO_BIN_EXE_cairn"))
+            .args(["serve", "--device", "mem:16M", "--listen"])
+            .arg(format!("unix:{}", sock.display())),
+        &sock,
+    );
     let (_fd, n) = connect(&uri(&sock, ""), Want::default(), TIMEOUT).unwrap();
     assert_eq!(n.size, 16 << 20);
     assert!(n.flags & tflags::HAS_FLAGS != 0 && n.flags & tflags::SEND_FLUSH != 0);
@@ -92,17 +96,13 @@ fn handshake_with_nbdkit_and_qemu_nbd() {
     let dir = tmpdir();
     if let Some(nbdkit) = tool("nbdkit") {
         let sock = dir.path().join("nbdkit.sock");
-        let mut child = Command::new(nbdkit)
-            .args(["--foreground", "--exit-with-parent", "-U"])
-            .arg(&sock)
-            .args(["memory", "size=8M"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        wait_for(&sock, &mut child);
-        let _srv = Running(child);
+        let _srv = start(
+            Command::new(nbdkit)
+                .args(["--foreground", "--exit-with-parent", "-U"])
+                .arg(&sock)
+                .args(["memory", "size=8M"]),
+            &sock,
+        );
         let (_fd, n) = connect(&uri(&sock, ""), Want::default(), TIMEOUT).unwrap();
         assert_eq!(n.size, 8 << 20);
         assert!(n.structured);
@@ -116,23 +116,19 @@ fn handshake_with_nbdkit_and_qemu_nbd() {
             .set_len(4 << 20)
             .unwrap();
         let sock = dir.path().join("qemu.sock");
-        let mut child = Command::new(qemu_nbd)
-            .args([
-                "--persistent",
-                "--shared=4",
-                "--format=raw",
-                "--export-name=q",
-                "--socket",
-            ])
-            .arg(&sock)
-            .arg(&img)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        wait_for(&sock, &mut child);
-        let _srv = Running(child);
+        let _srv = start(
+            Command::new(qemu_nbd)
+                .args([
+                    "--persistent",
+                    "--shared=4",
+                    "--format=raw",
+                    "--export-name=q",
+                    "--socket",
+                ])
+                .arg(&sock)
+                .arg(&img),
+            &sock,
+        );
         let (_fd, n) = connect(&uri(&sock, "q"), Want::default(), TIMEOUT).unwrap();
         assert_eq!(n.size, 4 << 20);
         assert!(n.structured && !n.extended && n.allocation_id.is_some());

@@ -3394,6 +3394,35 @@ mod arrays {
 
         /// Reads every page, checks it, and takes what it read as durable (what reads
         /// back now is what the array holds from here on).
+        /// The last start of a crash test: the rebuild runs to its end, and then reads
+        /// (which may now use either copy) still find every page as it was; the server
+        /// stops cleanly.
+        fn finish_rebuild(
+            &mut self,
+            mut srv: Server,
+            mut c: Raw,
+            cookie: &mut u64,
+            what: &str,
+            logs: &mut String,
+        ) {
+            assert!(
+                srv.wait_for_stderr(" done: ", Duration::from_secs(120)),
+                "{what}: the rebuild never ended:\n{}",
+                srv.stderr()
+            );
+            let so_far = format!("{logs}--- {what} (running)\n{}", srv.stderr());
+            self.check(
+                &mut c,
+                cookie,
+                &format!("{what}, after the rebuild"),
+                &so_far,
+            );
+            c.disconnect();
+            let (status, log) = srv.stop();
+            assert!(status.success(), "exit status {status}; stderr:\n{log}");
+            *logs += &format!("--- {what} (stopped after the rebuild)\n{log}");
+        }
+
         fn check(&mut self, c: &mut Raw, cookie: &mut u64, what: &str, logs: &str) {
             for p in 0..PAGES {
                 c.request(0, CMD_READ, *cookie, p * STRIDE, 4096, &[])
@@ -3546,19 +3575,7 @@ mod arrays {
             let so_far = |srv: &Server| format!("{logs}--- {what} (running)\n{}", srv.stderr());
             pages.check(&mut c, &mut cookie, &what, &so_far(&srv));
             if round == ROUNDS {
-                // The last start: the rebuild runs to its end, and then reads (which
-                // may now use either copy) still find every page as it was.
-                assert!(
-                    srv.wait_for_stderr(" done: ", Duration::from_secs(120)),
-                    "{what}: the rebuild never ended:\n{}",
-                    srv.stderr()
-                );
-                let after = format!("{what}, after the rebuild");
-                pages.check(&mut c, &mut cookie, &after, &so_far(&srv));
-                c.disconnect();
-                let (status, log) = srv.stop();
-                assert!(status.success(), "exit status {status}; stderr:\n{log}");
-                logs += &format!("--- {what} (stopped after the rebuild)\n{log}");
+                pages.finish_rebuild(srv, c, &mut cookie, &what, &mut logs);
                 break;
             }
             // Batches of pipelined writes, a flush now and then, until a moment picked at
@@ -3697,19 +3714,7 @@ mod arrays {
             let so_far = |srv: &Server| format!("{logs}--- {what} (running)\n{}", srv.stderr());
             pages.check(&mut c, &mut cookie, &what, &so_far(&srv));
             if round == ROUNDS {
-                // The last start: the rebuild runs to its end, and then reads (which
-                // may now use either copy) still find every page as it was.
-                assert!(
-                    srv.wait_for_stderr(" done: ", Duration::from_secs(120)),
-                    "{what}: the rebuild never ended:\n{}",
-                    srv.stderr()
-                );
-                let after = format!("{what}, after the rebuild");
-                pages.check(&mut c, &mut cookie, &after, &so_far(&srv));
-                c.disconnect();
-                let (status, log) = srv.stop();
-                assert!(status.success(), "exit status {status}; stderr:\n{log}");
-                logs += &format!("--- {what} (stopped after the rebuild)\n{log}");
+                pages.finish_rebuild(srv, c, &mut cookie, &what, &mut logs);
                 break;
             }
             // Batches of pipelined writes (a few FUA), a flush now and then, until a

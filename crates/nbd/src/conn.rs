@@ -190,7 +190,6 @@ impl ConnState {
 /// What a connection did, logged when it closes.
 #[derive(Default, Debug)]
 struct Counts {
-    requests: u64,
     recvs: u64,
     recv_bytes: u64,
     sends: u64,
@@ -640,7 +639,6 @@ impl ServerLoop {
             }
             proto::Decoded::Request(r) => r,
         };
-        st.counts.requests += 1;
         conn.info.request(r.command, u64::from(r.len));
         let info = &self.exports[conn.export].info;
         let payload = if r.command == cmd::WRITE {
@@ -1260,7 +1258,7 @@ impl ServerLoop {
             conn.peer,
             self.exports[conn.export].info.name,
             st.since.elapsed().as_secs_f64(),
-            c.requests,
+            conn.info.figures().requests,
             c.recv_bytes,
             c.send_bytes,
             if st.ended.is_empty() { "closed" } else { st.ended }
