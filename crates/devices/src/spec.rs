@@ -1,12 +1,15 @@
-//! The command-line form of a leaf device: `null:SIZE`, `mem:SIZE`, `file:PATH[,key=value]`.
+//! The command-line form of a leaf device: `null:SIZE`, `mem:SIZE`, `file:PATH[,key=value]`,
+//! `nbd:URI[,key=value]`.
 //!
 //! Options follow the first comma: `block=` for null and mem; `engine=io_uring|aio|sync`,
-//! `direct=0|1` and `size=` for files. Paths containing commas are not supported.
+//! `direct=0|1` and `size=` for files; `connections=N` and `timeout=` for nbd. Paths and
+//! URIs containing commas are not supported here (a stack file takes them).
 
 use std::fmt;
 use std::path::PathBuf;
+use std::time::Duration;
 
-use cairn_core::size::parse_size;
+use cairn_core::size::{parse_duration, parse_size};
 
 use crate::DEFAULT_BLOCK_BYTES;
 
@@ -81,13 +84,28 @@ pub enum LeafSpec {
         /// Create or extend to this size; without it the file's own size is used.
         size_bytes: Option<u64>,
     },
+    /// `nbd:URI[,connections=N][,timeout=DURATION]`.
+    Nbd {
+        /// The server, as libnbd and qemu write it (`nbd://host/export`,
+        /// `nbd+unix:///export?socket=PATH`).
+        uri: String,
+        /// Connections per queue (several need the server's multi-conn).
+        connections: u32,
+        /// How long a request may wait for its reply or a lost connection.
+        timeout: Duration,
+    },
 }
+
+/// The least an nbd device's `timeout` may be.
+pub const NBD_TIMEOUT_MIN: Duration = Duration::from_millis(100);
+/// The most an nbd device's `timeout` may be.
+pub const NBD_TIMEOUT_MAX: Duration = Duration::from_secs(24 * 3600);
 
 impl LeafSpec {
     /// Parses the command-line form.
     pub fn parse(text: &str) -> Result<LeafSpec, String> {
         let (kind, rest) = text.split_once(':').ok_or_else(|| {
-            format!("invalid device '{text}': expected null:SIZE, mem:SIZE or file:PATH")
+            format!("invalid device '{text}': expected null:SIZE, mem:SIZE, file:PATH or nbd:URI")
         })?;
         let mut parts = rest.split(',');
         let first = parts.next().unwrap_or("");
@@ -189,8 +207,55 @@ impl LeafSpec {
                     size_bytes,
                 })
             }
+            "nbd" => {
+                if first.is_empty() {
+                    return Err(format!(
+                        "invalid device '{text}': nbd needs a URI, such as nbd://HOST/EXPORT or nbd+unix:///?socket=PATH"
+                    ));
+                }
+                cairn_nbd::uri::NbdUri::parse(first)
+                    .map_err(|e| format!("invalid device '{text}': {e}"))?;
+                let mut connections = 1;
+                let mut timeout = cairn_nbd::remote::DEFAULT_TIMEOUT;
+                for (k, v) in options {
+                    match k {
+                        "connections" => {
+                            connections = v
+                                .parse::<u32>()
+                                .ok()
+                                .filter(|n| (1..=cairn_nbd::remote::CONNECTIONS_MAX).contains(n))
+                                .ok_or_else(|| {
+                                    format!(
+                                        "invalid device '{text}': connections must be from 1 to {}",
+                                        cairn_nbd::remote::CONNECTIONS_MAX
+                                    )
+                                })?
+                        }
+                        "timeout" => {
+                            timeout = parse_duration(v)
+                                .ok()
+                                .filter(|d| (NBD_TIMEOUT_MIN..=NBD_TIMEOUT_MAX).contains(d))
+                                .ok_or_else(|| {
+                                    format!(
+                                        "invalid device '{text}': timeout must be a duration from 100ms to 24h, such as 30s"
+                                    )
+                                })?
+                        }
+                        _ => {
+                            return Err(format!(
+                                "invalid device '{text}': unknown option '{k}' for nbd (known: connections, timeout)"
+                            ))
+                        }
+                    }
+                }
+                Ok(LeafSpec::Nbd {
+                    uri: first.to_string(),
+                    connections,
+                    timeout,
+                })
+            }
             _ => Err(format!(
-                "invalid device '{text}': unknown type '{kind}' (use null, mem or file)"
+                "invalid device '{text}': unknown type '{kind}' (use null, mem, file or nbd)"
             )),
         }
     }
@@ -204,6 +269,7 @@ impl LeafSpec {
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_else(|| "file".into()),
+            LeafSpec::Nbd { .. } => "nbd".into(),
         }
     }
 }
@@ -241,6 +307,26 @@ mod tests {
     }
 
     #[test]
+    fn parses_nbd() {
+        assert_eq!(
+            LeafSpec::parse("nbd:nbd+unix:///disk?socket=/tmp/s,connections=4,timeout=2s"),
+            Ok(LeafSpec::Nbd {
+                uri: "nbd+unix:///disk?socket=/tmp/s".into(),
+                connections: 4,
+                timeout: Duration::from_secs(2)
+            })
+        );
+        assert_eq!(
+            LeafSpec::parse("nbd:nbd://127.0.0.1:10809/"),
+            Ok(LeafSpec::Nbd {
+                uri: "nbd://127.0.0.1:10809/".into(),
+                connections: 1,
+                timeout: cairn_nbd::remote::DEFAULT_TIMEOUT
+            })
+        );
+    }
+
+    #[test]
     fn refuses() {
         for bad in [
             "null",
@@ -253,6 +339,13 @@ mod tests {
             "file:/a,engine=spdk",
             "file:/a,direct=2",
             "file:/a,size=1G,size=2G",
+            "nbd:",
+            "nbd:http://x/",
+            "nbd:nbd://h/e,connections=0",
+            "nbd:nbd://h/e,connections=17",
+            "nbd:nbd://h/e,timeout=1ms",
+            "nbd:nbd://h/e,timeout=x",
+            "nbd:nbd://h/e,tls=1",
         ] {
             assert!(LeafSpec::parse(bad).is_err(), "{bad}");
         }

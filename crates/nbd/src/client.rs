@@ -443,3 +443,125 @@ fn export_name<S: Read + Write>(
         allocation_id,
     })
 }
+
+/// Largest block status reply a client reads (a longer one is a broken server).
+const MAX_STATUS_REPLY: u64 = 1 << 20;
+
+/// Asks `base:allocation` (negotiated as `n.allocation_id`) about `[offset, offset + len)`
+/// on a connection in transmission, blocking: the extents as (length, `proto::state`
+/// flags), from `offset`, possibly fewer than asked for. `cookie` tags the request.
+pub fn block_status<S: Read + Write>(
+    s: &mut S,
+    n: &Negotiated,
+    cookie: u64,
+    offset: u64,
+    len: u64,
+) -> std::io::Result<Vec<(u64, u32)>> {
+    use std::io::{Error, ErrorKind};
+    let bad = |why: String| Error::new(ErrorKind::InvalidData, why);
+    let Some(id) = n.allocation_id else {
+        return Err(Error::new(
+            ErrorKind::Unsupported,
+            "the server has no base:allocation",
+        ));
+    };
+    let mut req = Vec::with_capacity(proto::EXTENDED_HEADER);
+    if n.extended {
+        proto::put_extended_request(&mut req, 0, proto::cmd::BLOCK_STATUS, cookie, offset, len);
+    } else {
+        let most = u64::from(u32::MAX) & !(u64::from(n.min_block.max(1)) - 1);
+        proto::put_request(
+            &mut req,
+            &proto::Request {
+                flags: 0,
+                command: proto::cmd::BLOCK_STATUS,
+                cookie,
+                offset,
+                len: len.min(most) as u32,
+            },
+        );
+    }
+    s.write_all(&req)?;
+    let mut extents = Vec::new();
+    let mut head = [0u8; proto::EXTENDED_HEADER];
+    loop {
+        let first = if n.extended {
+            proto::EXTENDED_HEADER
+        } else {
+            proto::SIMPLE_REPLY
+        };
+        s.read_exact(&mut head[..first])?;
+        let mut have = first;
+        let header = loop {
+            match proto::parse_reply(&head[..have], n.extended) {
+                proto::DecodedReply::Header(h, _) => break h,
+                proto::DecodedReply::Bad(m) => return Err(bad(format!("bad reply magic {m:#x}"))),
+                proto::DecodedReply::Incomplete if have < proto::CHUNK_HEADER => {
+                    s.read_exact(&mut head[have..proto::CHUNK_HEADER])?;
+                    have = proto::CHUNK_HEADER;
+                }
+                proto::DecodedReply::Incomplete => return Err(bad("a short reply header".into())),
+            }
+        };
+        let (flags, kind, got, plen) = match header {
+            proto::ReplyHeader::Simple { error, cookie: c } => {
+                if c != cookie {
+                    return Err(bad(format!(
+                        "a reply for cookie {c} while {cookie} was asked"
+                    )));
+                }
+                if error == 0 {
+                    return Err(bad("a simple reply to block status".into()));
+                }
+                return Err(Error::from_raw_os_error(proto::errno::to_local(error)));
+            }
+            proto::ReplyHeader::Chunk {
+                flags,
+                kind,
+                cookie,
+                len,
+                ..
+            } => (flags, kind, cookie, len),
+        };
+        if got != cookie {
+            return Err(bad(format!(
+                "a reply for cookie {got} while {cookie} was asked"
+            )));
+        }
+        if plen > MAX_STATUS_REPLY {
+            return Err(bad(format!("a block status chunk of {plen} bytes")));
+        }
+        let mut p = vec![0u8; plen as usize];
+        s.read_exact(&mut p)?;
+        match kind {
+            proto::chunk::NONE => {}
+            proto::chunk::BLOCK_STATUS if p.len() >= 4 && (p.len() - 4).is_multiple_of(8) => {
+                if proto::be32(&p[0..4]) == id {
+                    for e in p[4..].chunks_exact(8) {
+                        extents.push((u64::from(proto::be32(&e[0..4])), proto::be32(&e[4..8])));
+                    }
+                }
+            }
+            proto::chunk::BLOCK_STATUS_EXT if p.len() >= 8 && (p.len() - 8).is_multiple_of(16) => {
+                if proto::be32(&p[0..4]) == id {
+                    for e in p[8..].chunks_exact(16) {
+                        extents.push((proto::be64(&e[0..8]), proto::be64(&e[8..16]) as u32));
+                    }
+                }
+            }
+            k if k & (1 << 15) != 0 && p.len() >= 4 => {
+                return Err(Error::from_raw_os_error(proto::errno::to_local(
+                    proto::be32(&p[0..4]),
+                )))
+            }
+            k => {
+                return Err(bad(format!(
+                    "an unexpected chunk of type {k} to block status"
+                )))
+            }
+        }
+        if flags & proto::chunk::FLAG_DONE != 0 {
+            return Ok(extents);
+        }
+    }
+}

@@ -9,6 +9,7 @@ pub mod handshake;
 pub mod observe;
 pub mod pool;
 pub mod proto;
+pub mod remote;
 pub mod server;
 pub mod tls;
 pub mod uri;

@@ -245,6 +245,21 @@ pub mod errno {
             _ => EIO,
         }
     }
+
+    /// The local errno for an NBD error a server sent: the ones the protocol names, else
+    /// EIO (a server may send anything).
+    pub fn to_local(e: u32) -> i32 {
+        match e {
+            EPERM => libc::EPERM,
+            ENOMEM => libc::ENOMEM,
+            EINVAL => libc::EINVAL,
+            ENOSPC => libc::ENOSPC,
+            EOVERFLOW => libc::EOVERFLOW,
+            ENOTSUP => libc::EOPNOTSUPP,
+            ESHUTDOWN => libc::ESHUTDOWN,
+            _ => libc::EIO,
+        }
+    }
 }
 
 /// `base:allocation` status flags.
@@ -269,13 +284,13 @@ pub const SIMPLE_REPLY: usize = 16;
 /// Bytes in a structured reply chunk header.
 pub const CHUNK_HEADER: usize = 20;
 
-fn be16(b: &[u8]) -> u16 {
+pub(crate) fn be16(b: &[u8]) -> u16 {
     u16::from_be_bytes([b[0], b[1]])
 }
-fn be32(b: &[u8]) -> u32 {
+pub(crate) fn be32(b: &[u8]) -> u32 {
     u32::from_be_bytes([b[0], b[1], b[2], b[3]])
 }
-fn be64(b: &[u8]) -> u64 {
+pub(crate) fn be64(b: &[u8]) -> u64 {
     u64::from_be_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])
 }
 

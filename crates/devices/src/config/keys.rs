@@ -461,6 +461,7 @@ pub(super) fn parse_device(
         "null" => &["size", "block"],
         "mem" => &["size", "block", "volatile"],
         "file" => &["path", "size", "engine", "direct"],
+        "nbd" => &["uri", "connections", "timeout"],
         "linear" => &["members", "metadata"],
         "mirror" => &[
             "members",
@@ -495,7 +496,7 @@ pub(super) fn parse_device(
         "cache" => &["base", "memory"],
         _ => {
             return Err(err(format!(
-                "device '{name}': unknown type '{}' (known: null, mem, file, linear, stripe, mirror, raid10, fault, delay, cache)",
+                "device '{name}': unknown type '{}' (known: null, mem, file, nbd, linear, stripe, mirror, raid10, fault, delay, cache)",
                 shown(kind)
             )))
         }
@@ -547,6 +548,36 @@ pub(super) fn parse_device(
                 },
                 direct: keys.bool("direct")?.unwrap_or(false),
                 size_bytes: keys.size_in("size", limits::FILE_SIZE, "")?,
+            })
+        }
+        "nbd" => {
+            let uri = keys
+                .string("uri")?
+                .ok_or_else(|| keys.bad("uri", "is missing"))?;
+            cairn_nbd::uri::NbdUri::parse(uri)
+                .map_err(|e| keys.bad("uri", &format!("is wrong: {}", shown(&e))))?;
+            let connections = match keys.integer("connections")? {
+                None => 1,
+                Some(n) if (1..=u64::from(cairn_nbd::remote::CONNECTIONS_MAX)).contains(&n) => {
+                    n as u32
+                }
+                Some(_) => {
+                    return Err(keys.out_of_range(
+                        "connections",
+                        &format!("from 1 to {}", cairn_nbd::remote::CONNECTIONS_MAX),
+                    ))
+                }
+            };
+            DeviceSpec::Leaf(LeafSpec::Nbd {
+                uri: uri.to_string(),
+                connections,
+                timeout: keys
+                    .duration_in(
+                        "timeout",
+                        crate::spec::NBD_TIMEOUT_MIN..=crate::spec::NBD_TIMEOUT_MAX,
+                        true,
+                    )?
+                    .unwrap_or(cairn_nbd::remote::DEFAULT_TIMEOUT),
             })
         }
         "linear" => DeviceSpec::Linear {
