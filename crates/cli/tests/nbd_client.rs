@@ -1,5 +1,7 @@
-//! cairn's NBD client (the `nbd` device's handshake) against real servers: cairn serve,
-//! nbdkit and qemu-nbd. Tools that are missing are skipped with a reason.
+//! cairn's NBD client against real servers (cairn serve, nbdkit and qemu-nbd): the
+//! handshake, and the `nbd` device checked against a model with random batches of
+//! requests in flight together; and against a raw-socket server that breaks the protocol
+//! in each way a client must survive. Tools that are missing are skipped with a reason.
 
 mod common;
 
@@ -167,4 +169,457 @@ fn a_server_that_is_not_nbd_is_refused() {
         other => panic!("{other:?}"),
     }
     t.join().unwrap();
+}
+
+// ---------------------------------------------------------------------------------------
+// The nbd device against a model.
+
+use std::sync::Arc;
+
+use cairn_core::blocking::{BlockingQueue, Request};
+use cairn_core::{Device, IoFlags, Op, Switches};
+use cairn_devices::LeafSpec;
+
+/// xorshift64*: a reproducible sequence without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn open_nbd(spec: &str) -> Arc<dyn Device> {
+    let leaf = LeafSpec::parse(spec).unwrap();
+    cairn_devices::open(&leaf, "remote").unwrap()
+}
+
+/// Random batches of up to 16 requests on disjoint ranges, in flight together: reads are
+/// checked against the model as it was before the batch, writes (with or without FUA),
+/// discards (which must read back as zeroes) and write-zeroes change it; a request now and
+/// then is larger than the server's 32 MiB maximum payload, so it goes in parts. Every
+/// 8 batches, block status must not claim zeroes where the model has data. At the end the
+/// whole device is read back and compared.
+fn model_run(device: &Arc<dyn Device>, seed: u64, batches: usize) {
+    let g = device.geometry();
+    let block = u64::from(g.block_bytes);
+    let size = g.size_bytes;
+    let blocks = size / block;
+    let mut model = vec![0u8; size as usize];
+    let q = BlockingQueue::open(device, Switches::default()).unwrap();
+    // Start from zeroes whatever the server held.
+    q.zero(Op::WriteZeroes, 0, size, IoFlags::NONE).unwrap();
+    let mut rng = Rng(seed | 1);
+    for batch in 0..batches {
+        // Every tenth batch, one request of over 32 MiB (the servers' largest payload):
+        // a write, then a read, in parts.
+        let big = batch % 10 == 5 || batch % 10 == 6;
+        let k = if big { 1 } else { 1 + rng.below(16) as usize };
+        // Disjoint ranges: cut the device into k slices and pick one range inside each.
+        let mut plans = Vec::new();
+        for i in 0..k as u64 {
+            let lo = blocks * i / k as u64;
+            let hi = blocks * (i + 1) / k as u64;
+            if hi <= lo {
+                continue;
+            }
+            let first = if big {
+                rng.below(blocks / 8)
+            } else {
+                lo + rng.below(hi - lo)
+            };
+            let most = if rng.below(40) == 0 {
+                hi - first
+            } else {
+                (hi - first).min(64)
+            };
+            let n = if big {
+                (36 << 20) / block + rng.below(blocks / 4)
+            } else {
+                1 + rng.below(most)
+            };
+            let op = match rng.below(12) {
+                _ if big && batch % 10 == 5 => Op::Write,
+                _ if big => Op::Read,
+                0..=4 => Op::Read,
+                5..=8 => Op::Write,
+                9 => Op::Discard,
+                10 => Op::WriteZeroes,
+                _ => Op::Flush,
+            };
+            let flags = if op.is_write() && rng.below(4) == 0 {
+                IoFlags::FUA
+            } else {
+                IoFlags::NONE
+            };
+            plans.push((op, flags, first * block, n * block));
+        }
+        let mut bufs: Vec<Vec<u8>> = plans
+            .iter()
+            .map(|&(op, _, off, len)| match op {
+                Op::Write => {
+                    // Not periodic: a part sent from the wrong place in the buffer shows.
+                    let mut r = Rng(rng.next() | 1);
+                    let _ = off;
+                    (0..len / 8).flat_map(|_| r.next().to_le_bytes()).collect()
+                }
+                Op::Read => vec![0xA5; len as usize],
+                _ => Vec::new(),
+            })
+            .collect();
+        let mut reqs: Vec<Request<'_>> = plans
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(&(op, flags, offset, len), b)| Request {
+                op,
+                flags,
+                offset,
+                len,
+                buf: if op.has_data() {
+                    Some(b.as_mut_slice())
+                } else {
+                    None
+                },
+            })
+            .collect();
+        let results = q.run(&mut reqs);
+        drop(reqs);
+        for (i, r) in results.iter().enumerate() {
+            let (op, _, off, len) = plans[i];
+            assert!(
+                r.is_ok(),
+                "seed {seed} batch {batch}: {op} {off}+{len}: {r:?}"
+            );
+            let range = off as usize..(off + len) as usize;
+            match op {
+                Op::Read => assert!(
+                    bufs[i] == model[range.clone()],
+                    "seed {seed} batch {batch}: read {off}+{len} differs from the model"
+                ),
+                Op::Write => model[range].copy_from_slice(&bufs[i]),
+                Op::Discard | Op::WriteZeroes => model[range].fill(0),
+                Op::Flush => {}
+            }
+        }
+        if batch % 8 == 7 {
+            let start = rng.below(blocks) * block;
+            let mut ext = Vec::new();
+            device.extents(start, size - start, &mut ext).unwrap();
+            let mut pos = start;
+            for e in &ext {
+                if e.zero {
+                    let r = pos as usize..(pos + e.len) as usize;
+                    assert!(
+                        model[r].iter().all(|&b| b == 0),
+                        "seed {seed}: block status claims zeroes at {pos}+{} over data",
+                        e.len
+                    );
+                }
+                pos += e.len;
+            }
+            assert!(
+                pos > start && pos <= size,
+                "extents from {start} end at {pos}"
+            );
+        }
+    }
+    let mut all = vec![0u8; size as usize];
+    q.read(0, &mut all).unwrap();
+    assert!(
+        all == model,
+        "seed {seed}: the device differs from the model at the end"
+    );
+}
+
+/// The nbd device against cairn serve, with four connections (cairn serve allows
+/// multi-conn on a mem device) and with one.
+#[test]
+fn nbd_device_matches_a_model_against_cairn_serve() {
+    let dir = tmpdir();
+    let sock = dir.path().join("nbd.sock");
+    let _srv = start(
+        Command::new(env!("CARGO_BIN_EXE_cairn"))
+            .args(["serve", "--device", "mem:80M", "--listen"])
+            .arg(format!("unix:{}", sock.display())),
+        &sock,
+    );
+    for (seed, conns) in [(1, 4), (2, 1)] {
+        let d = open_nbd(&format!(
+            "nbd:nbd+unix:///?socket={},connections={conns}",
+            sock.display()
+        ));
+        assert_eq!(d.geometry().size_bytes, 80 << 20);
+        model_run(&d, seed, 60);
+    }
+}
+
+#[test]
+fn nbd_device_matches_a_model_against_nbdkit() {
+    let Some(nbdkit) = tool("nbdkit") else {
+        return skip(
+            "nbd_device_matches_a_model_against_nbdkit",
+            "no nbdkit (Debian: nbdkit)",
+        );
+    };
+    let dir = tmpdir();
+    let sock = dir.path().join("nbdkit.sock");
+    let _srv = start(
+        Command::new(nbdkit)
+            .args(["--foreground", "--exit-with-parent", "-U"])
+            .arg(&sock)
+            .args(["memory", "size=72M"]),
+        &sock,
+    );
+    let d = open_nbd(&format!(
+        "nbd:nbd+unix:///?socket={},connections=2",
+        sock.display()
+    ));
+    model_run(&d, 3, 60);
+}
+
+/// qemu-nbd speaks extended headers: the device's requests and replies use them.
+#[test]
+fn nbd_device_matches_a_model_against_qemu_nbd() {
+    let Some(qemu_nbd) = tool("qemu-nbd") else {
+        return skip(
+            "nbd_device_matches_a_model_against_qemu_nbd",
+            "no qemu-nbd (Debian: qemu-utils)",
+        );
+    };
+    let dir = tmpdir();
+    let img = dir.path().join("q.img");
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(72 << 20)
+        .unwrap();
+    let sock = dir.path().join("qemu.sock");
+    let _srv = start(
+        Command::new(qemu_nbd)
+            .args([
+                "--persistent",
+                "--shared=4",
+                "--format=raw",
+                "--discard=unmap",
+                "--socket",
+            ])
+            .arg(&sock)
+            .arg(&img),
+        &sock,
+    );
+    let d = open_nbd(&format!("nbd:nbd+unix:///?socket={}", sock.display()));
+    assert!(
+        d.describe().contains("extended headers"),
+        "{}",
+        d.describe()
+    );
+    model_run(&d, 4, 60);
+}
+
+// ---------------------------------------------------------------------------------------
+// A server that breaks the protocol.
+
+/// How the fake server answers requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Misbehave {
+    /// Correctly: reads return bytes equal to the offset's low byte.
+    Not,
+    /// A reply with a cookie no request has.
+    WrongCookie,
+    /// Half a reply header, then the connection closes.
+    ShortReply,
+    /// A structured read chunk far longer than the read.
+    OversizedChunk,
+    /// The reply header and half the data, then the connection closes.
+    DisconnectMidReply,
+}
+
+/// A minimal NBD server on `sock` (structured replies, no extended headers), answering
+/// reads per `mode`, on every connection it is given until the test ends.
+fn fake_server(sock: &std::path::Path, mode: Misbehave) -> std::thread::JoinHandle<()> {
+    use std::io::{Read, Write};
+    let listener = std::os::unix::net::UnixListener::bind(sock).unwrap();
+    std::thread::spawn(move || {
+        for c in listener.incoming() {
+            let Ok(mut c) = c else { return };
+            std::thread::spawn(move || {
+                let mut serve = || -> std::io::Result<()> {
+                    c.write_all(&0x4e42_444d_4147_4943u64.to_be_bytes())?;
+                    c.write_all(&0x4948_4156_454f_5054u64.to_be_bytes())?;
+                    c.write_all(&3u16.to_be_bytes())?;
+                    let mut f = [0u8; 4];
+                    c.read_exact(&mut f)?;
+                    let mut structured = false;
+                    loop {
+                        let mut h = [0u8; 16];
+                        c.read_exact(&mut h)?;
+                        let option = u32::from_be_bytes(h[8..12].try_into().unwrap());
+                        let len = u32::from_be_bytes(h[12..16].try_into().unwrap());
+                        let mut data = vec![0u8; len as usize];
+                        c.read_exact(&mut data)?;
+                        let reply = |c: &mut std::os::unix::net::UnixStream,
+                                     kind: u32,
+                                     d: &[u8]|
+                         -> std::io::Result<()> {
+                            c.write_all(&0x0003_e889_0455_65a9u64.to_be_bytes())?;
+                            c.write_all(&option.to_be_bytes())?;
+                            c.write_all(&kind.to_be_bytes())?;
+                            c.write_all(&(d.len() as u32).to_be_bytes())?;
+                            c.write_all(d)
+                        };
+                        match option {
+                            8 => {
+                                structured = true;
+                                reply(&mut c, 1, &[])?
+                            }
+                            7 => {
+                                let mut info = vec![0u8, 0];
+                                info.extend_from_slice(&(1u64 << 20).to_be_bytes());
+                                info.extend_from_slice(&(1u16 | 4).to_be_bytes());
+                                reply(&mut c, 3, &info)?;
+                                reply(&mut c, 1, &[])?;
+                                break;
+                            }
+                            _ => reply(&mut c, (1 << 31) + 1, &[])?,
+                        }
+                    }
+                    assert!(structured, "the client asks for structured replies");
+                    loop {
+                        let mut h = [0u8; 28];
+                        c.read_exact(&mut h)?;
+                        let command = u16::from_be_bytes(h[6..8].try_into().unwrap());
+                        let cookie = u64::from_be_bytes(h[8..16].try_into().unwrap());
+                        let offset = u64::from_be_bytes(h[16..24].try_into().unwrap());
+                        let len = u32::from_be_bytes(h[24..28].try_into().unwrap());
+                        if command == 2 {
+                            return Ok(());
+                        }
+                        if command == 1 {
+                            let mut sink = vec![0u8; len as usize];
+                            c.read_exact(&mut sink)?;
+                        }
+                        let data: Vec<u8> =
+                            (0..u64::from(len)).map(|i| (offset + i) as u8).collect();
+                        let chunk = |flags: u16, kind: u16, cookie: u64, plen: u32| {
+                            let mut v = Vec::new();
+                            v.extend_from_slice(&0x668e_33efu32.to_be_bytes());
+                            v.extend_from_slice(&flags.to_be_bytes());
+                            v.extend_from_slice(&kind.to_be_bytes());
+                            v.extend_from_slice(&cookie.to_be_bytes());
+                            v.extend_from_slice(&plen.to_be_bytes());
+                            v
+                        };
+                        let mut read_reply = chunk(1, 1, cookie, len + 8);
+                        read_reply.extend_from_slice(&offset.to_be_bytes());
+                        read_reply.extend_from_slice(&data);
+                        match (command, mode) {
+                            (0, Misbehave::WrongCookie) => {
+                                let mut r = read_reply.clone();
+                                r[8..16]
+                                    .copy_from_slice(&(cookie ^ 0x5a5a_0000_0000).to_be_bytes());
+                                c.write_all(&r)?;
+                            }
+                            (0, Misbehave::ShortReply) => {
+                                c.write_all(&read_reply[..10])?;
+                                return Ok(());
+                            }
+                            (0, Misbehave::OversizedChunk) => {
+                                c.write_all(&chunk(1, 1, cookie, 1 << 30))?;
+                                c.write_all(&offset.to_be_bytes())?;
+                                c.write_all(&data)?;
+                            }
+                            (0, Misbehave::DisconnectMidReply) => {
+                                c.write_all(&read_reply[..read_reply.len() / 2])?;
+                                return Ok(());
+                            }
+                            (0, Misbehave::Not) => c.write_all(&read_reply)?,
+                            _ => {
+                                // Write, flush: a simple success.
+                                let mut r = Vec::new();
+                                r.extend_from_slice(&0x6744_6698u32.to_be_bytes());
+                                r.extend_from_slice(&0u32.to_be_bytes());
+                                r.extend_from_slice(&cookie.to_be_bytes());
+                                c.write_all(&r)?;
+                            }
+                        }
+                    }
+                };
+                let _ = serve();
+            });
+        }
+    })
+}
+
+/// Runs `f` on its own thread and fails the test if it takes longer than `limit`.
+fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit)
+        .expect("the client hung (or panicked) on a misbehaving server")
+}
+
+/// Each way of breaking the protocol fails the reads it concerns with EIO (within the
+/// device's 1 s timeout, since reconnecting meets the same server), never a panic or a
+/// hang; a write on the same connection beforehand still succeeds, and a correct server
+/// reads back the bytes it serves.
+#[test]
+fn a_misbehaving_server_gives_eio_not_a_panic_or_a_hang() {
+    let dir = tmpdir();
+    for mode in [
+        Misbehave::Not,
+        Misbehave::WrongCookie,
+        Misbehave::ShortReply,
+        Misbehave::OversizedChunk,
+        Misbehave::DisconnectMidReply,
+    ] {
+        let sock = dir.path().join(format!("{mode:?}.sock"));
+        let _server = fake_server(&sock, mode);
+        let spec = format!("nbd:nbd+unix:///?socket={},timeout=1s", sock.display());
+        let results = within(Duration::from_secs(30), move || {
+            let d = open_nbd(&spec);
+            let q = BlockingQueue::open(&d, Switches::default()).unwrap();
+            let w = q.write(0, &[7u8; 4096], IoFlags::NONE);
+            let mut bufs = vec![vec![0u8; 4096]; 4];
+            let mut reqs: Vec<Request<'_>> = bufs
+                .iter_mut()
+                .enumerate()
+                .map(|(i, b)| Request {
+                    op: Op::Read,
+                    flags: IoFlags::NONE,
+                    offset: 8192 * i as u64,
+                    len: 0,
+                    buf: Some(b.as_mut_slice()),
+                })
+                .collect();
+            let r = q.run(&mut reqs);
+            drop(reqs);
+            (w, r, bufs)
+        });
+        let (w, reads, bufs) = results;
+        assert!(w.is_ok(), "{mode:?}: the write: {w:?}");
+        for (i, r) in reads.iter().enumerate() {
+            if mode == Misbehave::Not {
+                assert!(r.is_ok(), "{mode:?}: read {i}: {r:?}");
+                let want: Vec<u8> = (0..4096u64).map(|j| (8192 * i as u64 + j) as u8).collect();
+                assert!(
+                    bufs[i] == want,
+                    "{mode:?}: read {i} returned the wrong bytes"
+                );
+            } else {
+                match r {
+                    Err(cairn_core::blocking::BlockingError::Failed(s)) => {
+                        assert_eq!(s.raw(), libc::EIO, "{mode:?}: read {i}: {s}")
+                    }
+                    other => panic!("{mode:?}: read {i} should fail with EIO: {other:?}"),
+                }
+            }
+        }
+    }
 }
