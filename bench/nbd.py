@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""The NBD benchmark: cairn serve against other NBD servers, with fio's nbd engine.
+"""The NBD benchmark: cairn serve against other NBD servers, with two clients.
 
   bench/nbd.py [--runtime SECS] [--rounds N] [--only WORKLOADS] [--servers NAMES]
+               [--clients fio,cairn]
 
-fio (ioengine=nbd, libnbd) talks to each server over a Unix socket, one connection, one
-job. Variants run in interleaved rounds and the medians are reported, as in
-bench/engine.py. Every run starts its server afresh, waits until it answers (nbdinfo),
+Each server is measured with each client over a Unix socket, one connection, one job:
+  fio     fio's nbd engine (libnbd), the usual way to load an NBD server
+  cairn   cairn bench --device nbd:URI, cairn's own client (the nbd device, driven on
+          an io_uring reactor)
+Variants (server x client) run in interleaved rounds and the medians are reported, as
+in bench/engine.py. Every run starts its server afresh, waits until it answers (nbdinfo),
 fills it if it keeps data in memory, runs fio, and stops it (SIGTERM, wait). Raw JSON
 from every run goes to bench/out/nbd-*.json (fio's, with a "server" record added), server
 logs to bench/out/nbd-SERVER.log, the tables to stdout (Markdown).
@@ -37,13 +41,14 @@ subreaper so the daemon is still its child and can be waited for. nbd-server han
 connection in a forked child; its CPU is counted through the parent's cutime/cstime.
 
 Server CPU: utime+stime (plus reaped children's) of the server process, from
-/proc/PID/stat just before and just after fio, in seconds per 100k I/Os, and as cores
-busy over the run. fio's own CPU (usr+sys from its JSON) is shown alongside: on a
-2-core machine client and server share the cores. Latency is fio's total latency
+/proc/PID/stat just before and just after the client, in seconds per 100k I/Os, and as
+cores busy over the run. The client's own CPU (usr+sys from its JSON; cairn bench writes
+fio's format) is shown alongside: on a 2-core machine client and server share the cores. Latency is fio's total latency
 (submission + completion) mean; p99 is of completion latency.
 
-The target is cairn >= 1.5x the best peer for randread and randwrite; the script just
-reports the ratios.
+The targets: with cairn's client, cairn >= 1.5x the best peer for randread and randwrite;
+cairn's client >= 2x fio's against cairn serve (randread); server CPU per 100k I/Os of
+cairn <= 0.6x the best peer's. The script just reports the ratios.
 """
 import argparse
 import ctypes
@@ -71,6 +76,7 @@ WORKLOADS = {
     "seqread": ("read", "1M", 8, "1 MiB sequential read, iodepth 8"),
 }
 SERVER_NAMES = ["cairn-mem", "cairn-file", "nbdkit-memory", "nbdkit-file", "qemu-nbd", "nbd-server"]
+CLIENT_NAMES = ["fio", "cairn"]
 CAIRN_SERVERS = ("cairn-mem", "cairn-file")
 
 
@@ -270,7 +276,17 @@ def parse_fio(text):
     return json.loads(text[i:])
 
 
-def run(server_name, workload, runtime, cairn_args):
+def client_command(client, uri, rw, bs, depth, runtime):
+    if client == "cairn":
+        return [CAIRN, "bench", "--log-level", "warn", "--device", f"nbd:{uri}", f"--rw={rw}",
+                f"--bs={bs}", f"--iodepth={depth}", "--numjobs=1", f"--runtime={runtime}s",
+                "--time_based", "--output-format=json"]
+    return ["fio", "--name=nbd", "--ioengine=nbd", f"--uri={uri}", f"--rw={rw}", f"--bs={bs}",
+            f"--iodepth={depth}", "--numjobs=1", f"--runtime={runtime}", "--time_based",
+            "--norandommap", "--randrepeat=0", "--group_reporting", "--output-format=json"]
+
+
+def run(server_name, client, workload, runtime, cairn_args):
     rw, bs, depth, _ = WORKLOADS[workload]
     srv = Server(server_name, cairn_args)
     try:
@@ -279,19 +295,18 @@ def run(server_name, workload, runtime, cairn_args):
         if srv.memory:
             srv.fill()
         fill_s = time.monotonic() - t0
-        cmd = ["fio", "--name=nbd", "--ioengine=nbd", f"--uri={srv.uri}", f"--rw={rw}", f"--bs={bs}",
-               f"--iodepth={depth}", "--numjobs=1", f"--runtime={runtime}", "--time_based",
-               "--norandommap", "--randrepeat=0", "--group_reporting", "--output-format=json"]
+        cmd = client_command(client, srv.uri, rw, bs, depth, runtime)
         before = srv.cpu_ticks()
         wall0 = time.monotonic()
         r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         wall = time.monotonic() - wall0
         after = srv.cpu_ticks()
         if r.returncode != 0:
-            sys.exit(f"fio against {server_name} failed ({r.returncode}):\n{r.stderr}\n{r.stdout[-2000:]}")
+            sys.exit(f"{client} against {server_name} failed ({r.returncode}):\n{r.stderr}\n{r.stdout[-2000:]}")
         j = parse_fio(r.stdout)
     finally:
         status = srv.stop()
+    j["client"] = {"name": client, "cmd": cmd}
     j["server"] = {"name": server_name, "cmd": srv.cmd, "cpu_s": (after - before) / CLK_TCK,
                    "fio_wall_s": wall, "fill_s": fill_s, "exit_status": status}
     return j
@@ -342,12 +357,17 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", default=",".join(WORKLOADS), help="workloads, comma-separated")
     ap.add_argument("--servers", default=",".join(SERVER_NAMES), help="servers, comma-separated")
+    ap.add_argument("--clients", default=",".join(CLIENT_NAMES), help="clients, comma-separated")
     ap.add_argument("--cairn-args", default="", help="global switches for cairn (e.g. '--threads 1')")
     ap.add_argument("--no-build", action="store_true", help="skip cargo build --release")
     ap.add_argument("--keep", action="store_true", help=f"keep {IMG} afterwards")
     args = ap.parse_args()
     only = [w for w in args.only.split(",") if w]
     servers = [s for s in args.servers.split(",") if s]
+    clients = [c for c in args.clients.split(",") if c]
+    for c in clients:
+        if c not in CLIENT_NAMES:
+            sys.exit(f"unknown client {c!r}; known: {', '.join(CLIENT_NAMES)}")
     for w in only:
         if w not in WORKLOADS:
             sys.exit(f"unknown workload {w!r}; known: {', '.join(WORKLOADS)}")
@@ -367,19 +387,23 @@ def main():
         out = [f"Median of {n} interleaved rounds of {t} s each (`bench/nbd.py --runtime {t} --rounds {n}"
                + (f" --cairn-args '{args.cairn_args}'" if cairn_args else "") + "`); "
                f"{subprocess.run(['fio', '--version'], stdout=subprocess.PIPE, text=True).stdout.strip()} "
-               "ioengine=nbd over a Unix socket, one connection; "
+               "ioengine=nbd and cairn bench --device nbd:URI, each over a Unix socket, one connection; "
                f"{os.cpu_count()} CPUs.", ""]
         for w in only:
-            res = compare(w, [(s, lambda s=s, w=w: run(s, w, t, cairn_args)) for s in servers], n,
-                          summarize=summary, prefix="nbd")
-            out += table(w, res, servers)
+            variants = [(f"{s} {c}", lambda s=s, c=c, w=w: run(s, c, w, t, cairn_args))
+                        for s in servers for c in clients]
+            res = compare(w, variants, n, summarize=summary, prefix="nbd")
+            for c in clients:
+                out += table(w, {s: res[f"{s} {c}"] for s in servers}, servers, c)
+            if "fio" in clients and "cairn" in clients:
+                out += client_table(w, res, servers)
     finally:
         if not args.keep and os.path.exists(IMG):
             os.unlink(IMG)
     print("\n".join(out))
 
 
-def table(w, res, servers):
+def table(w, res, servers, client):
     rw, bs, depth, title = WORKLOADS[w]
     seq = rw == "read"
     key = "bw" if seq else "iops"
@@ -387,9 +411,9 @@ def table(w, res, servers):
     best = max(peers, key=lambda s: med(res[s], key)) if peers else None
     best_v = med(res[best], key) if best else None
     unit = "MB/s" if seq else "IOPS"
-    lines = [f"{title}:", "",
+    lines = [f"{title}, client {client}:", "",
              f"| server | {unit} | vs best peer | lat mean (µs) | clat p99 (µs) | server CPU (cores) | "
-             "server CPU s / 100k I/Os | fio CPU s / 100k I/Os |",
+             f"server CPU s / 100k I/Os | {client} CPU s / 100k I/Os |",
              "|---|---|---|---|---|---|---|---|"]
     for s in servers:
         rs = res[s]
@@ -402,11 +426,28 @@ def table(w, res, servers):
                      f"{med(rs, 'cpu_per_100k'):.2f} | {med(rs, 'fio_cpu_per_100k'):.2f} |")
     lines.append("")
     if best and w in ("randread", "randwrite"):
+        cpu_best = min(peers, key=lambda s: med(res[s], "cpu_per_100k"))
+        cpu_best_v = med(res[cpu_best], "cpu_per_100k")
         for c in CAIRN_SERVERS:
             if c in res:
                 lines.append(f"{c}: cairn / best peer ({best}) = {med(res[c], key) / best_v:.2f}x "
-                             "(target 1.5x)  ")
+                             f"(target 1.5x); server CPU per 100k I/Os / best peer's ({cpu_best}) = "
+                             f"{med(res[c], 'cpu_per_100k') / max(cpu_best_v, 1e-9):.2f}x (target 0.6x)  ")
         lines.append("")
+    return lines
+
+
+def client_table(w, res, servers):
+    """Each server's figure with cairn's client over fio's."""
+    rw, bs, depth, title = WORKLOADS[w]
+    key = "bw" if rw == "read" else "iops"
+    lines = [f"{title}: cairn's client / fio's, same server, same run:", "",
+             "| server | fio | cairn bench | cairn / fio |", "|---|---|---|---|"]
+    for s in servers:
+        f, c = med(res[f"{s} fio"], key), med(res[f"{s} cairn"], key)
+        cell = (lambda v: f"{v / 1e6:.0f} MB/s") if key == "bw" else fmt_iops
+        lines.append(f"| {s} | {cell(f)} | {cell(c)} | {c / max(f, 1e-9):.2f}x |")
+    lines.append("")
     return lines
 
 
