@@ -623,3 +623,226 @@ fn a_misbehaving_server_gives_eio_not_a_panic_or_a_hang() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Across hosts: two network namespaces joined by a veth pair.
+
+/// Two network namespaces, `a` and `b`, joined by a veth pair with addresses
+/// 10.231.N.1 (in `a`) and 10.231.N.2 (in `b`); removed (with the pair) when dropped.
+struct VethPair {
+    a: String,
+    b: String,
+    dev_a: String,
+    net: u32,
+}
+
+impl VethPair {
+    fn ip(args: &[&str]) -> Result<(), String> {
+        let out = Command::new("ip")
+            .args(args)
+            .output()
+            .map_err(|e| format!("ip: {e}"))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "ip {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))
+        }
+    }
+
+    fn new() -> Result<VethPair, String> {
+        let tag = std::process::id() % 100_000;
+        let net = 1 + tag % 250;
+        let p = VethPair {
+            a: format!("cairn-a-{tag}"),
+            b: format!("cairn-b-{tag}"),
+            dev_a: format!("cva{tag}"),
+            net,
+        };
+        let dev_b = format!("cvb{tag}");
+        Self::ip(&["netns", "add", &p.a])?;
+        Self::ip(&["netns", "add", &p.b])?;
+        Self::ip(&[
+            "link", "add", &p.dev_a, "netns", &p.a, "type", "veth", "peer", "name", &dev_b,
+            "netns", &p.b,
+        ])?;
+        for (ns, dev, host) in [(&p.a, &p.dev_a, 1), (&p.b, &dev_b, 2)] {
+            Self::ip(&[
+                "-n",
+                ns,
+                "addr",
+                "add",
+                &format!("10.231.{net}.{host}/24"),
+                "dev",
+                dev,
+            ])?;
+            Self::ip(&["-n", ns, "link", "set", dev, "up"])?;
+            Self::ip(&["-n", ns, "link", "set", "lo", "up"])?;
+        }
+        Ok(p)
+    }
+
+    fn addr_a(&self) -> String {
+        format!("10.231.{}.1", self.net)
+    }
+
+    /// `cmd` run inside namespace `ns`.
+    fn exec(ns: &str, program: &std::path::Path) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", ns]).arg(program);
+        c
+    }
+
+    fn link_a(&self, up: bool) {
+        Self::ip(&[
+            "-n",
+            &self.a,
+            "link",
+            "set",
+            &self.dev_a,
+            if up { "up" } else { "down" },
+        ])
+        .unwrap();
+    }
+}
+
+impl Drop for VethPair {
+    fn drop(&mut self) {
+        let _ = Self::ip(&["netns", "del", &self.a]);
+        let _ = Self::ip(&["netns", "del", &self.b]);
+    }
+}
+
+/// A mirror of a local mem device and a remote export, across a veth link: under a
+/// verified random read/write load the link is cut for 4 s. Requests to the remote member
+/// time out (2 s), the mirror marks it failed and runs on degraded, the client sees no
+/// error and every read checks out; the link comes back and the remote server answers
+/// again.
+#[test]
+fn a_mirror_across_a_veth_link_survives_the_link_going_down() {
+    const TEST: &str = "a_mirror_across_a_veth_link_survives_the_link_going_down";
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return skip(TEST, "needs root (network namespaces)");
+    }
+    if tool("ip").is_none() {
+        return skip(TEST, "no ip (Debian: iproute2)");
+    }
+    let pair = match VethPair::new() {
+        Ok(p) => p,
+        Err(e) => return skip(TEST, &format!("cannot make network namespaces: {e}")),
+    };
+    let cairn = std::path::PathBuf::from(env!("CARGO_BIN_EXE_cairn"));
+    let dir = tmpdir();
+    let server_log = dir.path().join("server.log");
+    let listen = format!("tcp:{}:10809", pair.addr_a());
+    let _srv = Running(
+        VethPair::exec(&pair.a, &cairn)
+            .args(["serve", "--device", "mem:64M", "--listen", &listen])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&server_log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let uri = format!("nbd://{}/", pair.addr_a());
+    // `cairn check` of a stack file with the remote device connects to it.
+    let probe_file = dir.path().join("probe.toml");
+    std::fs::write(
+        &probe_file,
+        format!("[device.r]\ntype = \"nbd\"\nuri = \"{uri}\"\ntimeout = \"1s\"\n"),
+    )
+    .unwrap();
+    // Wait until the server answers from the other namespace.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let probe = VethPair::exec(&pair.b, &cairn)
+            .arg("check")
+            .arg(&probe_file)
+            .output()
+            .unwrap();
+        if probe.status.success() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the server never answered: {}",
+            common::text(&probe.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let stack = dir.path().join("mirror.toml");
+    std::fs::write(
+        &stack,
+        format!(
+            "[device.local]\ntype = \"mem\"\nsize = \"64M\"\n\n\
+             [device.remote]\ntype = \"nbd\"\nuri = \"{uri}\"\ntimeout = \"2s\"\n\n\
+             [device.m]\ntype = \"mirror\"\nmembers = [\"local\", \"remote\"]\n"
+        ),
+    )
+    .unwrap();
+    let bench_log = dir.path().join("bench.log");
+    let mut bench = Running(
+        VethPair::exec(&pair.b, &cairn)
+            .arg("bench")
+            .arg(&stack)
+            .args([
+                "--rw",
+                "randrw",
+                "--iodepth",
+                "16",
+                "--runtime",
+                "9s",
+                "--time_based",
+                "--verify",
+                "crc32c",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&bench_log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    pair.link_a(false);
+    std::thread::sleep(Duration::from_secs(4));
+    pair.link_a(true);
+    let mut out = String::new();
+    use std::io::Read;
+    bench
+        .0
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    let status = bench.0.wait().unwrap();
+    let log = std::fs::read_to_string(&bench_log).unwrap();
+    assert!(status.success(), "bench failed: {status}\n{out}\n{log}");
+    assert!(
+        log.contains("member remote failed"),
+        "the mirror never marked the remote member failed:\n{log}"
+    );
+    assert!(out.contains("blocks read back and checked"), "{out}");
+    assert!(!out.contains("err="), "{out}");
+    // The link is back: the server answers across it again.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let probe = VethPair::exec(&pair.b, &cairn)
+            .arg("check")
+            .arg(&probe_file)
+            .output()
+            .unwrap();
+        if probe.status.success() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the server is unreachable after the link came back"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

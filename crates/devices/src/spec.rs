@@ -269,7 +269,25 @@ impl LeafSpec {
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_else(|| "file".into()),
-            LeafSpec::Nbd { .. } => "nbd".into(),
+            LeafSpec::Nbd { uri, .. } => {
+                // The server's host or socket, and the export: two remote members of one
+                // array get different names.
+                let Ok(u) = cairn_nbd::uri::NbdUri::parse(uri) else {
+                    return "nbd".into();
+                };
+                let place = match &u.address {
+                    cairn_nbd::uri::Address::Tcp { host, .. } => host.clone(),
+                    cairn_nbd::uri::Address::Unix(p) => p
+                        .file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_default(),
+                };
+                if u.export.is_empty() {
+                    format!("nbd-{place}")
+                } else {
+                    format!("nbd-{place}-{}", u.export)
+                }
+            }
         }
     }
 }
