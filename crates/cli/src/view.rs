@@ -141,10 +141,11 @@ pub fn exports_text(view: &View) -> String {
         for c in mine {
             let f = c.figures();
             out += &format!(
-                "    #{} {}{} since {} ({:.1} s): {} requests: {} reads ({}), {} writes ({}), {} flushes, {} trims, {} write-zeroes, {} block status, {} errors\n",
+                "    #{} {}{} ({} headers) since {} ({:.1} s): {} requests: {} reads ({}), {} writes ({}), {} flushes, {} trims, {} write-zeroes, {} block status, {} errors\n",
                 c.id,
                 c.peer,
                 if c.tls { " TLS" } else { "" },
+                c.headers,
                 rfc3339(c.since),
                 c.age().as_secs_f64(),
                 f.requests,
@@ -199,6 +200,7 @@ pub fn exports_json(view: &View) -> serde_json::Value {
                         "id": c.id,
                         "peer": c.peer,
                         "tls": c.tls,
+                        "headers": c.headers,
                         "since": rfc3339(c.since),
                         "seconds": c.age().as_secs_f64(),
                         "requests": f.requests,
@@ -211,6 +213,7 @@ pub fn exports_json(view: &View) -> serde_json::Value {
                         "write_zeroes": f.write_zeroes,
                         "block_status": f.block_status,
                         "errors": f.errors,
+                        "largest_request_bytes": f.largest,
                     })
                 })
                 .collect();

@@ -25,10 +25,15 @@ impl Drop for Running {
 
 /// Starts the server `cmd` (output discarded) and waits until it listens on `sock`.
 fn start(cmd: &mut Command, sock: &std::path::Path) -> Running {
+    start_logging(cmd, sock, Stdio::null())
+}
+
+/// [`start`], with the server's stderr going to `log`.
+fn start_logging(cmd: &mut Command, sock: &std::path::Path, log: Stdio) -> Running {
     let child = cmd
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(log)
         .spawn()
         .expect("start the server");
     let mut srv = Running(child);
@@ -72,13 +77,13 @@ fn handshake_with_cairn_serve() {
     assert_eq!(n.max_payload, 32 << 20);
     assert!(n.structured);
     assert!(n.allocation_id.is_some());
-    // cairn serve does not offer extended headers yet: structured replies it is.
+    // Extended headers when asked for.
     let ext = Want {
         extended: true,
         ..Want::default()
     };
     let (_fd, n) = connect(&uri(&sock, ""), ext, TIMEOUT).unwrap();
-    assert!(n.structured && !n.extended && n.allocation_id.is_some());
+    assert!(n.structured && n.extended && n.allocation_id.is_some());
     let plain = Want {
         extended: false,
         structured: false,
@@ -845,4 +850,241 @@ fn a_mirror_across_a_veth_link_survives_the_link_going_down() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Extended headers in cairn serve.
+
+/// Starts cairn serve with `args`, its log in `log`, and waits for `sock`.
+fn serve_logged(args: &[&str], sock: &std::path::Path, log: &std::path::Path) -> Running {
+    start_logging(
+        Command::new(env!("CARGO_BIN_EXE_cairn"))
+            .arg("serve")
+            .args(args)
+            .arg("--listen")
+            .arg(format!("unix:{}", sock.display())),
+        sock,
+        std::fs::File::create(log).unwrap().into(),
+    )
+}
+
+/// qemu-io and qemu-img (10.0, which ask for extended headers) against cairn serve: each
+/// connection is logged with extended headers; a write-zeroes of 6 GiB (which may punch
+/// holes) goes as one request (the log's longest request), zeroes what it covers and
+/// nothing else; data past 4 GiB
+/// reads back; qemu-img map sees the allocation of an 8 GiB export.
+#[test]
+fn qemu_tools_use_extended_headers_with_cairn_serve() {
+    let Some([qemu_io, qemu_img]) = common::tools(
+        "qemu_tools_use_extended_headers_with_cairn_serve",
+        ["qemu-io", "qemu-img"],
+    ) else {
+        return;
+    };
+    let dir = tmpdir();
+    let sock = dir.path().join("nbd.sock");
+    let log = dir.path().join("serve.log");
+    let _srv = serve_logged(&["--device", "mem:8G"], &sock, &log);
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    let out = Command::new(&qemu_io)
+        .args(["-f", "raw"])
+        .args([
+            "-c",
+            "write -P 0xab 0 1M",
+            "-c",
+            "write -P 0x11 3G 1M",
+            "-c",
+            "write -P 0xcd 7G 1M",
+            "-c",
+            "write -z -u -n 1G 6G",
+            "-c",
+            "read -P 0xab 0 1M",
+            "-c",
+            "read -P 0 3G 1M",
+            "-c",
+            "read -P 0xcd 7G 1M",
+        ])
+        .arg(&uri)
+        .output()
+        .unwrap();
+    let text = common::text(&out.stdout) + &common::text(&out.stderr);
+    assert!(out.status.success(), "qemu-io: {text}");
+    assert!(!text.contains("failed"), "qemu-io: {text}");
+    assert!(
+        text.contains("wrote 6442450944/6442450944 bytes at offset 1073741824"),
+        "{text}"
+    );
+    let map = Command::new(&qemu_img)
+        .args(["map", "--output=json", "-f", "raw"])
+        .arg(&uri)
+        .output()
+        .unwrap();
+    assert!(
+        map.status.success(),
+        "qemu-img map: {}",
+        common::text(&map.stderr)
+    );
+    let extents: serde_json::Value = serde_json::from_slice(&map.stdout).unwrap();
+    let data: Vec<(u64, u64)> = extents
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["data"] == true)
+        .map(|e| (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap()))
+        .collect();
+    // What was written and not zeroed is data; what was never written is not (the mem
+    // device may keep reporting a zeroed region as data, which is allowed).
+    let covers = |at: u64| data.iter().any(|&(s, l)| s <= at && at < s + l);
+    assert!(covers(0) && covers(7 << 30), "map: {data:?}");
+    assert!(!covers(2 << 30) && !covers(5 << 30), "map: {data:?}");
+    drop(_srv);
+    let log = std::fs::read_to_string(&log).unwrap();
+    let connected = log.matches("(extended headers)").count();
+    assert!(
+        connected >= 2,
+        "qemu-io and qemu-img did not use extended headers:\n{log}"
+    );
+    assert!(
+        log.contains("the longest 6442450944 bytes"),
+        "the 6 GiB write-zeroes did not arrive as one request:\n{log}"
+    );
+}
+
+/// A raw client with extended headers: a trim of 6 GiB in one request, then block status
+/// over the whole 8 GiB export, answered with 64-bit extents (a hole longer than 4 GiB);
+/// a request with a payload it should not have is refused and the connection goes on.
+#[test]
+fn extended_trim_and_block_status_over_4_gib() {
+    use std::io::{Read, Write};
+    let dir = tmpdir();
+    let sock = dir.path().join("nbd.sock");
+    let log = dir.path().join("serve.log");
+    let _srv = serve_logged(&["--device", "mem:8G"], &sock, &log);
+    let want = Want {
+        extended: true,
+        structured: true,
+        allocation: true,
+    };
+    let (fd, n) = connect(&uri(&sock, ""), want, TIMEOUT).unwrap();
+    assert!(n.extended && n.allocation_id.is_some(), "{n:?}");
+    let mut s = std::os::unix::net::UnixStream::from(fd);
+    s.set_read_timeout(Some(TIMEOUT)).unwrap();
+    use cairn_nbd::proto::{self, cflags, chunk, cmd};
+    let send = |s: &mut std::os::unix::net::UnixStream,
+                flags: u16,
+                command: u16,
+                cookie: u64,
+                offset: u64,
+                len: u64,
+                payload: &[u8]| {
+        let mut b = Vec::new();
+        proto::put_extended_request(&mut b, flags, command, cookie, offset, len);
+        b.extend_from_slice(payload);
+        s.write_all(&b).unwrap();
+    };
+    // One chunk: (flags, kind, cookie, offset echoed, payload).
+    let recv = |s: &mut std::os::unix::net::UnixStream| {
+        let mut h = [0u8; proto::EXTENDED_HEADER];
+        s.read_exact(&mut h).unwrap();
+        let proto::DecodedReply::Header(
+            proto::ReplyHeader::Chunk {
+                flags,
+                kind,
+                cookie,
+                offset,
+                len,
+            },
+            _,
+        ) = proto::parse_reply(&h, true)
+        else {
+            panic!("not an extended chunk: {h:?}");
+        };
+        let mut p = vec![0u8; len as usize];
+        s.read_exact(&mut p).unwrap();
+        (flags, kind, cookie, offset, p)
+    };
+    let g = 1u64 << 30;
+    // Data at 0 and at 7 GiB, then a trim of [1 GiB, 7 GiB).
+    send(
+        &mut s,
+        cflags::PAYLOAD_LEN,
+        cmd::WRITE,
+        1,
+        0,
+        4096,
+        &[0xab; 4096],
+    );
+    send(
+        &mut s,
+        cflags::PAYLOAD_LEN,
+        cmd::WRITE,
+        2,
+        7 * g,
+        4096,
+        &[0xcd; 4096],
+    );
+    send(&mut s, 0, cmd::TRIM, 3, g, 6 * g, &[]);
+    for _ in 0..3 {
+        let (flags, kind, cookie, offset, p) = recv(&mut s);
+        assert_eq!(
+            (flags, kind),
+            (chunk::FLAG_DONE, chunk::NONE),
+            "cookie {cookie}"
+        );
+        assert!(p.is_empty());
+        let want_offset = [0, 0, 7 * g, g][cookie as usize];
+        assert_eq!(offset, want_offset, "the request's offset is echoed");
+    }
+    send(&mut s, 0, cmd::BLOCK_STATUS, 4, 0, 8 * g, &[]);
+    let (flags, kind, cookie, _, p) = recv(&mut s);
+    assert_eq!(
+        (flags & chunk::FLAG_DONE, kind, cookie),
+        (chunk::FLAG_DONE, chunk::BLOCK_STATUS_EXT, 4)
+    );
+    let count = u32::from_be_bytes(p[4..8].try_into().unwrap()) as usize;
+    assert_eq!(p.len(), 8 + 16 * count);
+    let extents: Vec<(u64, u64)> = p[8..]
+        .chunks_exact(16)
+        .map(|e| {
+            (
+                u64::from_be_bytes(e[0..8].try_into().unwrap()),
+                u64::from_be_bytes(e[8..16].try_into().unwrap()),
+            )
+        })
+        .collect();
+    assert!(
+        extents
+            .iter()
+            .any(|&(len, st)| len > 4 * g && st & u64::from(proto::state::HOLE) != 0),
+        "no hole of over 4 GiB in one extent: {extents:?}"
+    );
+    assert_eq!(
+        extents.iter().map(|e| e.0).sum::<u64>(),
+        8 * g,
+        "{extents:?}"
+    );
+    // A flush with a payload: skipped and refused, and the connection goes on.
+    send(
+        &mut s,
+        cflags::PAYLOAD_LEN,
+        cmd::FLUSH,
+        5,
+        0,
+        16,
+        &[0x21; 16],
+    );
+    let (_, kind, cookie, _, p) = recv(&mut s);
+    assert_eq!((kind, cookie), (chunk::ERROR, 5));
+    assert_eq!(
+        u32::from_be_bytes(p[0..4].try_into().unwrap()),
+        proto::errno::EINVAL
+    );
+    send(&mut s, 0, cmd::READ, 6, 7 * g, 4096, &[]);
+    let (flags, kind, cookie, offset, p) = recv(&mut s);
+    assert_eq!(
+        (flags, kind, cookie, offset),
+        (chunk::FLAG_DONE, chunk::OFFSET_DATA, 6, 7 * g)
+    );
+    assert_eq!(u64::from_be_bytes(p[0..8].try_into().unwrap()), 7 * g);
+    assert!(p[8..].iter().all(|&b| b == 0xcd) && p.len() == 8 + 4096);
 }

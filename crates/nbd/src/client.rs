@@ -477,7 +477,7 @@ pub fn block_status<S: Read + Write>(
                 command: proto::cmd::BLOCK_STATUS,
                 cookie,
                 offset,
-                len: len.min(most) as u32,
+                len: len.min(most),
             },
         );
     }

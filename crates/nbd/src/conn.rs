@@ -101,7 +101,8 @@ const SHUTDOWN_FLUSH: u32 = u32::MAX;
 
 /// A reply waiting to be sent: a header and, for a read or a block status, a buffer.
 struct Seg {
-    head: [u8; 32],
+    /// Room for an extended chunk header and a read's 8-byte offset.
+    head: [u8; 40],
     head_len: u8,
     buf: Option<AlignedBuf>,
     data_len: u32,
@@ -119,7 +120,7 @@ struct Req {
     command: u16,
     flags: u16,
     offset: u64,
-    len: u32,
+    len: u64,
     buf: Option<AlignedBuf>,
     /// A trim or write-zeroes with FUA: flush before replying.
     then_flush: bool,
@@ -139,8 +140,13 @@ enum Rx {
     Header,
     /// The payload of write request `req`, of which `got` bytes arrived.
     Payload { req: u32, got: u32 },
-    /// A refused write's payload, skipped; then the error reply is sent.
-    Skip { left: u64, cookie: u64, error: u32 },
+    /// A refused request's payload, skipped; then the error reply is sent.
+    Skip {
+        left: u64,
+        cookie: u64,
+        offset: u64,
+        error: u32,
+    },
 }
 
 struct ConnState {
@@ -382,9 +388,19 @@ impl ServerLoop {
         out.reserve_exact(MAX_PENDING + 1);
         // SAFETY: msghdr is plain data; all-zero is a valid empty header.
         let msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        let info = self
-            .observer
-            .open(&nc.peer, &self.exports[export].info.name, nc.tls.is_some());
+        let headers = if nc.session.extended {
+            "extended"
+        } else if nc.session.structured {
+            "structured"
+        } else {
+            "simple"
+        };
+        let info = self.observer.open(
+            &nc.peer,
+            &self.exports[export].info.name,
+            nc.tls.is_some(),
+            headers,
+        );
         let conn = Rc::new(Conn {
             index,
             info,
@@ -437,10 +453,11 @@ impl ServerLoop {
         self.conns.borrow_mut()[index as usize] = Some(conn.clone());
         let mut st = conn.st.borrow_mut();
         log::info!(
-            "cairn: serve: {}: connected to export '{}'{}",
+            "cairn: serve: {}: connected to export '{}'{} ({} headers)",
             conn.peer,
             self.exports[export].info.name,
-            if st.tls.is_some() { " over TLS" } else { "" }
+            if st.tls.is_some() { " over TLS" } else { "" },
+            conn.info.headers
         );
         if self.shutting.get() {
             st.end("the server is shutting down");
@@ -495,24 +512,61 @@ impl ServerLoop {
         }
     }
 
-    fn reply_simple(&self, st: &mut ConnState, cookie: u64, error: u32) {
-        let mut head = [0u8; 32];
-        head[..proto::SIMPLE_REPLY].copy_from_slice(&proto::simple_reply(error, cookie));
+    /// A reply without data: a simple reply, or with extended headers (which forbid
+    /// simple replies) a NONE chunk or an ERROR chunk.
+    fn reply_simple(&self, conn: &Conn, st: &mut ConnState, cookie: u64, offset: u64, error: u32) {
+        let mut head = [0u8; 40];
+        let head_len = if conn.session.extended {
+            if error == 0 {
+                head[..32].copy_from_slice(&proto::extended_chunk_header(
+                    chunk::FLAG_DONE,
+                    chunk::NONE,
+                    cookie,
+                    offset,
+                    0,
+                ));
+                32
+            } else {
+                head[..32].copy_from_slice(&proto::extended_chunk_header(
+                    chunk::FLAG_DONE,
+                    chunk::ERROR,
+                    cookie,
+                    offset,
+                    6,
+                ));
+                head[32..36].copy_from_slice(&error.to_be_bytes());
+                // Message length 0.
+                38
+            }
+        } else {
+            head[..proto::SIMPLE_REPLY].copy_from_slice(&proto::simple_reply(error, cookie));
+            proto::SIMPLE_REPLY as u8
+        };
         st.out.push_back(Seg {
             head,
-            head_len: proto::SIMPLE_REPLY as u8,
+            head_len,
             buf: None,
             data_len: 0,
         });
     }
 
     /// An error reply in the form the command needs (structured for reads when
-    /// structured replies are on).
-    fn reply_error(&self, conn: &Conn, st: &mut ConnState, command: u16, cookie: u64, e: u32) {
+    /// structured replies are on; always a chunk with extended headers).
+    fn reply_error(
+        &self,
+        conn: &Conn,
+        st: &mut ConnState,
+        command: u16,
+        (cookie, offset): (u64, u64),
+        e: u32,
+    ) {
         conn.info.error();
         self.observer.error(e);
-        if conn.session.structured && (command == cmd::READ || command == cmd::BLOCK_STATUS) {
-            let mut head = [0u8; 32];
+        if !conn.session.extended
+            && conn.session.structured
+            && (command == cmd::READ || command == cmd::BLOCK_STATUS)
+        {
+            let mut head = [0u8; 40];
             head[..20].copy_from_slice(&proto::chunk_header(
                 chunk::FLAG_DONE,
                 chunk::ERROR,
@@ -528,14 +582,20 @@ impl ServerLoop {
                 data_len: 0,
             });
         } else {
-            self.reply_simple(st, cookie, e);
+            self.reply_simple(conn, st, cookie, offset, e);
         }
     }
 
     /// Successful reply without data.
-    fn reply_ok(&self, conn: &Conn, st: &mut ConnState, command: u16, cookie: u64) {
-        if conn.session.structured && command == cmd::READ {
-            let mut head = [0u8; 32];
+    fn reply_ok(
+        &self,
+        conn: &Conn,
+        st: &mut ConnState,
+        command: u16,
+        (cookie, offset): (u64, u64),
+    ) {
+        if !conn.session.extended && conn.session.structured && command == cmd::READ {
+            let mut head = [0u8; 40];
             head[..20].copy_from_slice(&proto::chunk_header(
                 chunk::FLAG_DONE,
                 chunk::NONE,
@@ -549,7 +609,7 @@ impl ServerLoop {
                 data_len: 0,
             });
         } else {
-            self.reply_simple(st, cookie, 0);
+            self.reply_simple(conn, st, cookie, offset, 0);
         }
     }
 
@@ -575,8 +635,8 @@ impl ServerLoop {
             Rx::Payload { req, got } => {
                 // Payload bytes that came with the header (or through TLS) are in the
                 // input buffer; the rest is received straight into the request buffer.
-                let want = st.reqs[req as usize].len - got;
-                let n = (st.re - st.rs).min(want as usize);
+                let want = st.reqs[req as usize].len as usize - got as usize;
+                let n = (st.re - st.rs).min(want);
                 if n == 0 {
                     return Next::Stop;
                 }
@@ -586,7 +646,7 @@ impl ServerLoop {
                     b.as_mut_slice()[got_us..got_us + n].copy_from_slice(&inbuf[rs..rs + n]);
                 }
                 st.rs += n;
-                if n < want as usize {
+                if n < want {
                     st.rx = Rx::Payload {
                         req,
                         got: got + n as u32,
@@ -600,6 +660,7 @@ impl ServerLoop {
             Rx::Skip {
                 left,
                 cookie,
+                offset,
                 error,
             } => {
                 let avail = (st.re - st.rs) as u64;
@@ -609,12 +670,13 @@ impl ServerLoop {
                     st.rx = Rx::Skip {
                         left: left - n,
                         cookie,
+                        offset,
                         error,
                     };
                     return Next::Stop;
                 }
                 st.rx = Rx::Header;
-                self.reply_error(conn, st, cmd::WRITE, cookie, error);
+                self.reply_error(conn, st, cmd::WRITE, (cookie, offset), error);
                 return Next::Again;
             }
             Rx::Header => {}
@@ -626,7 +688,19 @@ impl ServerLoop {
             st.blocked = true;
             return Next::Stop;
         }
-        let r = match proto::parse_request(&st.inbuf[st.rs..st.re]) {
+        let extended = conn.session.extended;
+        let hl = if extended {
+            proto::EXTENDED_HEADER
+        } else {
+            proto::REQUEST_HEADER
+        };
+        let input = &st.inbuf[st.rs..st.re];
+        let decoded = if extended {
+            proto::parse_extended_request(input)
+        } else {
+            proto::parse_request(input)
+        };
+        let r = match decoded {
             proto::Decoded::Incomplete => return Next::Stop,
             proto::Decoded::BadMagic(m) => {
                 log::warn!(
@@ -639,22 +713,27 @@ impl ServerLoop {
             }
             proto::Decoded::Request(r) => r,
         };
-        conn.info.request(r.command, u64::from(r.len));
+        conn.info.request(r.command, r.len);
         let info = &self.exports[conn.export].info;
-        let payload = if r.command == cmd::WRITE {
-            u64::from(r.len)
+        // A write's length is its payload's. With extended headers another command has a
+        // payload when it sets PAYLOAD_LEN (and is refused after it is skipped). A write
+        // is taken with or without the flag: the extension's drafts differ, and qemu's
+        // client leaves it out.
+        let payload = if r.command == cmd::WRITE || (extended && r.flags & cflags::PAYLOAD_LEN != 0)
+        {
+            r.len
         } else {
             0
         };
         // Reads are bounded like writes: the advertised maximum is for both directions.
         let data_len = if matches!(r.command, cmd::WRITE | cmd::READ) {
-            u64::from(r.len)
+            r.len
         } else {
             0
         };
         // Refusals: skip a write's payload (never parse it as requests), then reply.
         let refuse = |st: &mut ConnState, this: &ServerLoop, error: u32| {
-            st.rs += proto::REQUEST_HEADER;
+            st.rs += hl;
             if payload > 0 {
                 if payload > SKIP_MAX {
                     log::warn!(
@@ -668,16 +747,17 @@ impl ServerLoop {
                 st.rx = Rx::Skip {
                     left: payload,
                     cookie: r.cookie,
+                    offset: r.offset,
                     error,
                 };
             } else {
-                this.reply_error(conn, st, r.command, r.cookie, error);
+                this.reply_error(conn, st, r.command, (r.cookie, r.offset), error);
             }
             Next::Again
         };
         if self.shutting.get() {
             if r.command == cmd::DISC {
-                st.rs += proto::REQUEST_HEADER;
+                st.rs += hl;
                 st.end("the client disconnected");
                 st.eof = true;
                 return Next::Stop;
@@ -693,6 +773,7 @@ impl ServerLoop {
                         0
                     }
             }
+            cmd::WRITE if extended => cflags::FUA | cflags::PAYLOAD_LEN,
             cmd::WRITE | cmd::FLUSH | cmd::TRIM | cmd::CACHE => cflags::FUA,
             cmd::WRITE_ZEROES => {
                 cflags::FUA
@@ -713,7 +794,7 @@ impl ServerLoop {
         let read_only = conn.session.flags & tflags::READ_ONLY != 0;
         let op = match r.command {
             cmd::DISC => {
-                st.rs += proto::REQUEST_HEADER;
+                st.rs += hl;
                 st.end("the client disconnected");
                 st.eof = true;
                 return Next::Stop;
@@ -736,22 +817,22 @@ impl ServerLoop {
             if r.command == cmd::BLOCK_STATUS {
                 return refuse(st, self, errno::EINVAL);
             }
-            st.rs += proto::REQUEST_HEADER;
-            self.reply_ok(conn, st, r.command, r.cookie);
+            st.rs += hl;
+            self.reply_ok(conn, st, r.command, (r.cookie, r.offset));
             return Next::Again;
         }
         if matches!(r.command, cmd::CACHE | cmd::BLOCK_STATUS) {
             // Like a read, but any length: only the range and the alignment matter.
             let block = u64::from(conn.geometry.block_bytes);
-            let end = r.offset.checked_add(u64::from(r.len));
+            let end = r.offset.checked_add(r.len);
             if end.is_none_or(|e| e > conn.geometry.size_bytes)
                 || r.offset % block != 0
-                || u64::from(r.len) % block != 0
+                || r.len % block != 0
             {
                 return refuse(st, self, errno::EINVAL);
             }
         } else if op != Op::Flush {
-            if let Err(e) = conn.geometry.check(op, r.offset, u64::from(r.len)) {
+            if let Err(e) = conn.geometry.check(op, r.offset, r.len) {
                 let error = match e {
                     cairn_core::IoError::Unsupported(_) => errno::EINVAL,
                     e => errno::from_local(e.errno()),
@@ -762,14 +843,14 @@ impl ServerLoop {
         match r.command {
             cmd::CACHE => {
                 // A hint; every device here reads at memory or page-cache speed.
-                st.rs += proto::REQUEST_HEADER;
-                self.reply_simple(st, r.cookie, 0);
+                st.rs += hl;
+                self.reply_simple(conn, st, r.cookie, r.offset, 0);
                 return Next::Again;
             }
             cmd::BLOCK_STATUS => {
-                st.rs += proto::REQUEST_HEADER;
+                st.rs += hl;
                 if !conn.session.base_allocation {
-                    self.reply_error(conn, st, r.command, r.cookie, errno::EINVAL);
+                    self.reply_error(conn, st, r.command, (r.cookie, r.offset), errno::EINVAL);
                     return Next::Again;
                 }
                 return self.block_status(conn, st, &r);
@@ -791,7 +872,7 @@ impl ServerLoop {
         } else {
             None
         };
-        st.rs += proto::REQUEST_HEADER;
+        st.rs += hl;
         let mut flags = IoFlags::NONE;
         if r.flags & cflags::FUA != 0 && op == Op::Write {
             flags = flags.with(IoFlags::FUA);
@@ -821,7 +902,7 @@ impl ServerLoop {
                 .buf
                 .as_mut()
                 .map_or(std::ptr::null_mut(), |b| b.as_mut_ptr());
-            (p, u64::from(r.len))
+            (p, r.len)
         };
         let io = Io {
             op,
@@ -864,7 +945,7 @@ impl ServerLoop {
             op: Op::Write,
             flags,
             offset: r.offset,
-            len: u64::from(r.len),
+            len: r.len,
             buf: r
                 .buf
                 .as_mut()
@@ -878,14 +959,14 @@ impl ServerLoop {
     fn block_status(&self, conn: &Conn, st: &mut ConnState, r: &proto::Request) -> Next {
         let device = &self.exports[conn.export].device;
         let mut extents = Vec::new();
-        let len = u64::from(r.len);
+        let len = r.len;
         if let Err(e) = device.extents(r.offset, len, &mut extents) {
             if !st.warned {
                 // Once per connection: a client asking again does not flood the log.
                 st.warned = true;
                 log::warn!("cairn: serve: {}: block status: {e}", conn.peer);
             }
-            self.reply_error(conn, st, r.command, r.cookie, errno::EIO);
+            self.reply_error(conn, st, r.command, (r.cookie, r.offset), errno::EIO);
             return Next::Again;
         }
         if extents.is_empty() {
@@ -896,15 +977,28 @@ impl ServerLoop {
         } else {
             MAX_EXTENTS
         };
-        let mut body = Vec::with_capacity(4 + 8 * extents.len().min(max));
+        let extended = conn.session.extended;
+        // Compact descriptors are (u32 length, u32 flags); extended ones (after an id and
+        // a count) are (u64 length, u64 flags).
+        let per = if extended { 16 } else { 8 };
+        let mut body = Vec::with_capacity(8 + per * extents.len().min(max));
         body.extend_from_slice(&proto::BASE_ALLOCATION_ID.to_be_bytes());
+        if extended {
+            body.extend_from_slice(&0u32.to_be_bytes()); // the count, filled in below
+        }
         let mut covered = 0u64;
+        let mut count = 0u32;
+        let most = if extended {
+            u64::MAX
+        } else {
+            u64::from(u32::MAX) & !4095
+        };
         for (n, e) in extents.iter().enumerate() {
             if covered >= len || n == max || e.len == 0 {
                 break;
             }
-            // Descriptors are 32-bit and must not run past the request.
-            let l = e.len.min(len - covered).min(u64::from(u32::MAX) & !4095);
+            // Descriptors must not run past the request, and compact ones are 32-bit.
+            let l = e.len.min(len - covered).min(most);
             let mut flags = 0;
             if e.hole {
                 flags |= proto::state::HOLE;
@@ -912,23 +1006,48 @@ impl ServerLoop {
             if e.zero {
                 flags |= proto::state::ZERO;
             }
-            body.extend_from_slice(&(l as u32).to_be_bytes());
-            body.extend_from_slice(&flags.to_be_bytes());
+            if extended {
+                body.extend_from_slice(&l.to_be_bytes());
+                body.extend_from_slice(&u64::from(flags).to_be_bytes());
+            } else {
+                body.extend_from_slice(&(l as u32).to_be_bytes());
+                body.extend_from_slice(&flags.to_be_bytes());
+            }
             covered += l;
+            count += 1;
+            if l < e.len {
+                // Cut short: the rest of this extent is for the client to ask again.
+                break;
+            }
+        }
+        if extended {
+            body[4..8].copy_from_slice(&count.to_be_bytes());
         }
         // Bounded by MAX_EXTENTS, so it may go over the pool's limit once.
         let mut buf = st.pool.get_always(body.len());
         buf.as_mut_slice()[..body.len()].copy_from_slice(&body);
-        let mut head = [0u8; 32];
-        head[..20].copy_from_slice(&proto::chunk_header(
-            chunk::FLAG_DONE,
-            chunk::BLOCK_STATUS,
-            r.cookie,
-            body.len() as u32,
-        ));
+        let mut head = [0u8; 40];
+        let head_len = if extended {
+            head[..32].copy_from_slice(&proto::extended_chunk_header(
+                chunk::FLAG_DONE,
+                chunk::BLOCK_STATUS_EXT,
+                r.cookie,
+                r.offset,
+                body.len() as u64,
+            ));
+            32
+        } else {
+            head[..20].copy_from_slice(&proto::chunk_header(
+                chunk::FLAG_DONE,
+                chunk::BLOCK_STATUS,
+                r.cookie,
+                body.len() as u32,
+            ));
+            20
+        };
         st.out.push_back(Seg {
             head,
-            head_len: 20,
+            head_len,
             buf: Some(buf),
             data_len: body.len() as u32,
         });
@@ -973,7 +1092,7 @@ impl ServerLoop {
                     RecvTarget::Payload => match st.rx {
                         Rx::Payload { req, got } => {
                             let got = got + n as u32;
-                            if got < st.reqs[req as usize].len {
+                            if u64::from(got) < st.reqs[req as usize].len {
                                 st.rx = Rx::Payload { req, got };
                                 None
                             } else {
@@ -1211,7 +1330,7 @@ impl ServerLoop {
                 // SAFETY: got < r.len <= the buffer's length.
                 (
                     unsafe { b.as_mut_ptr().add(got as usize) },
-                    (r.len - got) as usize,
+                    (r.len - u64::from(got)) as usize,
                 )
             }
             _ => {
@@ -1253,12 +1372,20 @@ impl ServerLoop {
             st.ended = "a TLS or connection error";
         }
         let c = &st.counts;
+        let f = conn.info.figures();
         log::info!(
-            "cairn: serve: {}: disconnected from export '{}' after {:.3} s: {} requests, {} bytes received, {} bytes sent ({})",
+            "cairn: serve: {}: disconnected from export '{}' after {:.3} s: {} requests ({} reads, {} writes, {} flushes, {} trims, {} write-zeroes, {} block status; the longest {} bytes), {} bytes received, {} bytes sent ({})",
             conn.peer,
             self.exports[conn.export].info.name,
             st.since.elapsed().as_secs_f64(),
-            conn.info.figures().requests,
+            f.requests,
+            f.reads,
+            f.writes,
+            f.flushes,
+            f.trims,
+            f.write_zeroes,
+            f.block_status,
+            f.largest,
             c.recv_bytes,
             c.send_bytes,
             if st.ended.is_empty() { "closed" } else { st.ended }
@@ -1327,15 +1454,25 @@ impl Sink for ServerLoop {
                         st.pool.put(b);
                     }
                     let e = errno::from_local(status.raw());
-                    self.reply_error(&conn, &mut st, r.command, r.cookie, e);
+                    self.reply_error(&conn, &mut st, r.command, (r.cookie, r.offset), e);
                 } else if r.command == cmd::READ {
-                    let mut head = [0u8; 32];
-                    let head_len = if conn.session.structured {
+                    let mut head = [0u8; 40];
+                    let head_len = if conn.session.extended {
+                        head[..32].copy_from_slice(&proto::extended_chunk_header(
+                            chunk::FLAG_DONE,
+                            chunk::OFFSET_DATA,
+                            r.cookie,
+                            r.offset,
+                            8 + r.len,
+                        ));
+                        head[32..40].copy_from_slice(&r.offset.to_be_bytes());
+                        40
+                    } else if conn.session.structured {
                         head[..20].copy_from_slice(&proto::chunk_header(
                             chunk::FLAG_DONE,
                             chunk::OFFSET_DATA,
                             r.cookie,
-                            8 + r.len,
+                            8 + r.len as u32,
                         ));
                         head[20..28].copy_from_slice(&r.offset.to_be_bytes());
                         28
@@ -1347,13 +1484,13 @@ impl Sink for ServerLoop {
                         head,
                         head_len,
                         buf: r.buf,
-                        data_len: r.len,
+                        data_len: r.len as u32,
                     });
                 } else {
                     if let Some(b) = r.buf {
                         st.pool.put(b);
                     }
-                    self.reply_simple(&mut st, r.cookie, 0);
+                    self.reply_simple(&conn, &mut st, r.cookie, r.offset, 0);
                 }
                 self.mark_dirty(&conn, &mut st);
                 None

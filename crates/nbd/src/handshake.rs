@@ -85,6 +85,9 @@ pub struct Session {
     pub flags: u16,
     /// Structured replies are in use.
     pub structured: bool,
+    /// Extended headers are in use (32-byte requests with 64-bit lengths; every reply an
+    /// extended chunk). They imply `structured`.
+    pub extended: bool,
     /// `base:allocation` was selected for this export: BLOCK_STATUS is allowed.
     pub base_allocation: bool,
     /// The client promised to honour the block sizes (GO with NBD_INFO_BLOCK_SIZE).
@@ -97,6 +100,7 @@ pub struct Negotiator<'a> {
     tls: TlsMode,
     tls_active: bool,
     structured: bool,
+    extended: bool,
     /// The export name and whether base:allocation was selected, after SET_META_CONTEXT.
     meta: Option<(String, bool)>,
     no_zeroes: bool,
@@ -114,6 +118,7 @@ impl<'a> Negotiator<'a> {
             tls,
             tls_active: false,
             structured: false,
+            extended: false,
             meta: None,
             no_zeroes: client_flags & proto::FLAG_C_NO_ZEROES != 0,
             shutting_down: false,
@@ -129,6 +134,7 @@ impl<'a> Negotiator<'a> {
     pub fn tls_started(&mut self) {
         self.tls_active = true;
         self.structured = false;
+        self.extended = false;
         self.meta = None;
     }
 
@@ -160,6 +166,8 @@ impl<'a> Negotiator<'a> {
             return error(out, rep::ERR_SHUTDOWN, "the server is shutting down");
         }
         match o {
+            // A client with extended headers must finish with GO.
+            opt::EXPORT_NAME if self.extended => Step::Close,
             opt::EXPORT_NAME => self.export_name(data, out),
             opt::LIST => {
                 if !data.is_empty() {
@@ -197,6 +205,22 @@ impl<'a> Negotiator<'a> {
                 if !data.is_empty() {
                     return error(out, rep::ERR_INVALID, "STRUCTURED_REPLY takes no data");
                 }
+                if self.extended {
+                    return error(
+                        out,
+                        rep::ERR_EXT_HEADER_REQD,
+                        "extended headers are already on; they include structured replies",
+                    );
+                }
+                self.structured = true;
+                proto::put_option_reply(out, o, rep::ACK, &[]);
+                Step::Continue
+            }
+            opt::EXTENDED_HEADERS => {
+                if !data.is_empty() {
+                    return error(out, rep::ERR_INVALID, "EXTENDED_HEADERS takes no data");
+                }
+                self.extended = true;
                 self.structured = true;
                 proto::put_option_reply(out, o, rep::ACK, &[]);
                 Step::Continue
@@ -225,6 +249,7 @@ impl<'a> Negotiator<'a> {
             export: i,
             flags: self.flags(i),
             structured: self.structured,
+            extended: self.extended,
             base_allocation: self.structured
                 && matches!(&self.meta, Some((n, true)) if self.catalog.find(n) == Some(i) || n == name),
             block_sizes_agreed,

@@ -46,12 +46,19 @@ impl Default for Observer {
 
 impl Observer {
     /// A connection to `export` from `peer` starts.
-    pub(crate) fn open(&self, peer: &str, export: &str, tls: bool) -> Arc<ConnInfo> {
+    pub(crate) fn open(
+        &self,
+        peer: &str,
+        export: &str,
+        tls: bool,
+        headers: &'static str,
+    ) -> Arc<ConnInfo> {
         let info = Arc::new(ConnInfo {
             id: self.next_id.fetch_add(1, Relaxed),
             peer: peer.to_string(),
             export: export.to_string(),
             tls,
+            headers,
             since: SystemTime::now(),
             started: Instant::now(),
             counts: Default::default(),
@@ -110,6 +117,8 @@ pub struct ConnInfo {
     pub export: String,
     /// Whether it speaks TLS.
     pub tls: bool,
+    /// What its replies are: `simple`, `structured` or `extended` (headers).
+    pub headers: &'static str,
     /// When it connected.
     pub since: SystemTime,
     started: Instant,
@@ -129,6 +138,7 @@ struct ConnCounts {
     zeroes: AtomicU64,
     block_status: AtomicU64,
     errors: AtomicU64,
+    largest: AtomicU64,
 }
 
 /// A copy of a connection's counters.
@@ -154,6 +164,8 @@ pub struct ConnFigures {
     pub block_status: u64,
     /// Replies with an error.
     pub errors: u64,
+    /// The longest range one request asked for, in bytes.
+    pub largest: u64,
 }
 
 /// Adds to a counter only the calling thread writes.
@@ -168,6 +180,9 @@ impl ConnInfo {
     pub(crate) fn request(&self, command: u16, len: u64) {
         let c = &self.counts;
         bump(&c.requests, 1);
+        if len > c.largest.load(Relaxed) {
+            c.largest.store(len, Relaxed);
+        }
         match command {
             cmd::READ => {
                 bump(&c.reads, 1);
@@ -210,6 +225,7 @@ impl ConnInfo {
             write_zeroes: c.zeroes.load(Relaxed),
             block_status: c.block_status.load(Relaxed),
             errors: c.errors.load(Relaxed),
+            largest: c.largest.load(Relaxed),
         }
     }
 }
@@ -221,8 +237,8 @@ mod tests {
     #[test]
     fn counts_by_command_and_forgets_closed_connections() {
         let o = Observer::default();
-        let a = o.open("10.0.0.1:5000", "disk", false);
-        let b = o.open("unix", "disk", true);
+        let a = o.open("10.0.0.1:5000", "disk", false, "simple");
+        let b = o.open("unix", "disk", true, "extended");
         a.request(cmd::WRITE, 4096);
         a.request(cmd::WRITE, 512);
         a.request(cmd::READ, 8192);

@@ -128,6 +128,8 @@ pub mod rep {
     pub const ERR_BLOCK_SIZE_REQD: u32 = ERR + 8;
     /// Too large.
     pub const ERR_TOO_BIG: u32 = ERR + 9;
+    /// Extended headers are on (or required) and the option would go back on them.
+    pub const ERR_EXT_HEADER_REQD: u32 = ERR + 10;
 }
 
 /// `NBD_INFO_*` types.
@@ -421,8 +423,9 @@ pub struct Request {
     pub cookie: u64,
     /// Byte offset.
     pub offset: u64,
-    /// Byte length (of the payload, for a write).
-    pub len: u32,
+    /// Byte length (of the payload, for a write); 32 bits in a compact header, 64 in an
+    /// extended one.
+    pub len: u64,
 }
 
 /// What the request decoder found at the start of a buffer.
@@ -450,8 +453,45 @@ pub fn parse_request(b: &[u8]) -> Decoded {
         command: be16(&b[6..8]),
         cookie: be64(&b[8..16]),
         offset: be64(&b[16..24]),
-        len: be32(&b[24..28]),
+        len: u64::from(be32(&b[24..28])),
     })
+}
+
+/// Decodes one extended request header (32 bytes, 64-bit length) from the start of `b`.
+pub fn parse_extended_request(b: &[u8]) -> Decoded {
+    if b.len() < EXTENDED_HEADER {
+        return Decoded::Incomplete;
+    }
+    let magic = be32(&b[0..4]);
+    if magic != EXTENDED_REQUEST_MAGIC {
+        return Decoded::BadMagic(magic);
+    }
+    Decoded::Request(Request {
+        flags: be16(&b[4..6]),
+        command: be16(&b[6..8]),
+        cookie: be64(&b[8..16]),
+        offset: be64(&b[16..24]),
+        len: be64(&b[24..32]),
+    })
+}
+
+/// An extended reply chunk header: `offset` echoes the request's, `len` payload bytes
+/// follow.
+pub fn extended_chunk_header(
+    flags: u16,
+    kind: u16,
+    cookie: u64,
+    offset: u64,
+    len: u64,
+) -> [u8; EXTENDED_HEADER] {
+    let mut h = [0u8; EXTENDED_HEADER];
+    h[0..4].copy_from_slice(&EXTENDED_REPLY_MAGIC.to_be_bytes());
+    h[4..6].copy_from_slice(&flags.to_be_bytes());
+    h[6..8].copy_from_slice(&kind.to_be_bytes());
+    h[8..16].copy_from_slice(&cookie.to_be_bytes());
+    h[16..24].copy_from_slice(&offset.to_be_bytes());
+    h[24..32].copy_from_slice(&len.to_be_bytes());
+    h
 }
 
 /// Encodes a request header (for tests and clients).
@@ -461,7 +501,7 @@ pub fn put_request(out: &mut Vec<u8>, r: &Request) {
     out.extend_from_slice(&r.command.to_be_bytes());
     out.extend_from_slice(&r.cookie.to_be_bytes());
     out.extend_from_slice(&r.offset.to_be_bytes());
-    out.extend_from_slice(&r.len.to_be_bytes());
+    out.extend_from_slice(&(r.len as u32).to_be_bytes());
 }
 
 /// A reply header as a client reads it: a simple reply, or one chunk of a structured

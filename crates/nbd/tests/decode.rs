@@ -157,6 +157,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (name(), items()).prop_map(|(n, i)| Op::Option(opt::INFO, info_data(&n, &i))),
         1 => garbage().prop_map(|d| Op::Option(opt::LIST, d)),
         3 => garbage().prop_map(|d| Op::Option(opt::STRUCTURED_REPLY, d)),
+        2 => garbage().prop_map(|d| Op::Option(opt::EXTENDED_HEADERS, d)),
         3 => (name(), queries())
             .prop_map(|(n, q)| Op::Option(opt::SET_META_CONTEXT, meta_data(&n, &q))),
         1 => (name(), queries())
@@ -282,7 +283,7 @@ fn any_request() -> impl Strategy<Value = Request> {
             command,
             cookie,
             offset,
-            len,
+            len: u64::from(len),
         })
 }
 
@@ -476,7 +477,7 @@ fn tx_request() -> impl Strategy<Value = Vec<u8>> {
                 command,
                 cookie,
                 offset,
-                len,
+                len: u64::from(len),
             };
             let mut b = Vec::new();
             proto::put_request(&mut b, &r);
@@ -767,7 +768,7 @@ fn write_payloads_are_skipped_not_decoded() {
         command: cmd::WRITE,
         cookie: 1,
         offset: 0,
-        len: 2 * proto::REQUEST_HEADER as u32,
+        len: 2 * proto::REQUEST_HEADER as u64,
     };
     let mut tx = Vec::new();
     proto::put_request(&mut tx, &w);

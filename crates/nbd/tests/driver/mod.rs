@@ -147,8 +147,10 @@ pub struct Checker<'a> {
     no_zeroes: bool,
     tls_active: bool,
     shutting_down: bool,
-    /// STRUCTURED_REPLY was acknowledged (since TLS started).
+    /// STRUCTURED_REPLY or EXTENDED_HEADERS was acknowledged (since TLS started).
     structured: bool,
+    /// EXTENDED_HEADERS was acknowledged (since TLS started).
+    extended: bool,
     /// The export the last SET_META_CONTEXT selected `base:allocation` for.
     meta: Option<usize>,
 }
@@ -163,6 +165,7 @@ impl<'a> Checker<'a> {
             tls_active: false,
             shutting_down: false,
             structured: false,
+            extended: false,
             meta: None,
         }
     }
@@ -178,6 +181,7 @@ impl<'a> Checker<'a> {
         neg.tls_started();
         self.tls_active = true;
         self.structured = false;
+        self.extended = false;
         self.meta = None;
     }
 
@@ -321,8 +325,20 @@ impl<'a> Checker<'a> {
                 self.check_session(s);
             }
         }
-        if o == opt::STRUCTURED_REPLY && acked {
+        if o == opt::STRUCTURED_REPLY {
+            // Never a step back from extended headers.
+            assert!(
+                !(acked && self.extended),
+                "STRUCTURED_REPLY acknowledged after EXTENDED_HEADERS"
+            );
+            if acked {
+                self.structured = true;
+            }
+        }
+        if o == opt::EXTENDED_HEADERS && acked {
+            assert!(data.is_empty(), "EXTENDED_HEADERS acknowledged with data");
             self.structured = true;
+            self.extended = true;
         }
         if o == opt::SET_META_CONTEXT {
             self.meta = None;
@@ -398,6 +414,7 @@ impl<'a> Checker<'a> {
                 self.check_session(s);
             }
             Step::Close => assert!(appended.is_empty(), "EXPORT_NAME refusals send nothing"),
+            _ if self.extended => panic!("EXPORT_NAME went ahead after EXTENDED_HEADERS"),
             other => panic!("EXPORT_NAME gave {other:?}"),
         }
     }
@@ -408,6 +425,7 @@ impl<'a> Checker<'a> {
             "session export in the catalog"
         );
         assert_eq!(s.structured, self.structured, "session.structured");
+        assert_eq!(s.extended, self.extended, "session.extended");
         assert!(
             !s.base_allocation || self.structured,
             "base_allocation without structured replies"
@@ -533,7 +551,7 @@ fn transmission(tx: &[u8], report: &mut Report) {
                 if r.command == cmd::WRITE {
                     // The payload follows the header whether the write is served or
                     // refused; it is never decoded as requests.
-                    let n = u64::from(r.len);
+                    let n = r.len;
                     if n > SKIP_MAX || ((tx.len() - pos) as u64) < n {
                         return;
                     }
