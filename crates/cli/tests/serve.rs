@@ -2500,6 +2500,79 @@ mod tls {
         assert_same("TLS round trip", &got[..data.len()], &data);
     }
 
+    /// cairn's own client over TLS (`nbds+unix://`, the nbd device): a verified random
+    /// read/write load through a server that requires TLS, so every byte went through
+    /// rustls on both sides; a server certificate from another CA is refused unless
+    /// `tls-verify-peer=false`.
+    #[test]
+    fn the_nbd_device_speaks_tls() {
+        let test = "tls::the_nbd_device_speaks_tls";
+        let certs = tmpdir();
+        if !make_certs(test, certs.path()) {
+            return;
+        }
+        let c = path_str(certs.path());
+        let server = Server::start(&[
+            "--device",
+            "mem:64M",
+            "--tls",
+            "require",
+            "--tls-certificates",
+            c,
+        ]);
+        let uri = tls_uri(&server, certs.path());
+        let out = run(Command::new(env!("CARGO_BIN_EXE_cairn")).args([
+            "bench",
+            "--device",
+            &format!("nbd:{uri}"),
+            "--rw",
+            "randrw",
+            "--bs",
+            "64k",
+            "--runtime",
+            "1s",
+            "--time_based",
+            "--verify",
+            "crc32c",
+        ]));
+        let report = success("cairn bench over nbds://", &out);
+        assert!(report.contains("blocks read back and checked"), "{report}");
+        assert!(!report.contains("err="), "{report}");
+        // Another CA: the server's certificate is not trusted.
+        let other = tmpdir();
+        if !make_certs(test, other.path()) {
+            return;
+        }
+        let wrong = format!(
+            "nbd:nbds+unix:///?socket={}&tls-certificates={}",
+            server.sock.display(),
+            other.path().display()
+        );
+        let out = run(Command::new(env!("CARGO_BIN_EXE_cairn")).args([
+            "bench",
+            "--device",
+            &wrong,
+            "--runtime",
+            "100ms",
+        ]));
+        assert!(!out.status.success(), "an untrusted server was accepted");
+        let err = text(&out.stderr);
+        assert!(
+            err.contains("cannot connect") && err.contains("TLS"),
+            "{err}"
+        );
+        let unverified = format!("{wrong}&tls-verify-peer=false");
+        let out = run(Command::new(env!("CARGO_BIN_EXE_cairn")).args([
+            "bench",
+            "--device",
+            &unverified,
+            "--runtime",
+            "200ms",
+            "--time_based",
+        ]));
+        success("cairn bench with tls-verify-peer=false", &out);
+    }
+
     #[test]
     fn tls_is_optional_with_certificates_and_refused_without() {
         let test = "tls::tls_is_optional_with_certificates_and_refused_without";

@@ -146,8 +146,18 @@ impl Write for Stream {
     }
 }
 
-/// Connects to `uri`'s server and negotiates, all within `timeout`; the socket (blocking
-/// mode, no timeouts) and what was agreed.
+/// A connection in the transmission phase.
+pub struct Connected {
+    /// The socket (blocking mode, no timeouts).
+    pub fd: OwnedFd,
+    /// What was agreed.
+    pub neg: Negotiated,
+    /// The TLS session (`nbds://`): every byte on the socket from now on goes through it.
+    pub tls: Option<Box<rustls::ClientConnection>>,
+}
+
+/// Connects to a server that `uri` names without TLS and negotiates, all within
+/// `timeout`; the socket and what was agreed.
 pub fn connect(
     uri: &NbdUri,
     want: Want,
@@ -155,9 +165,25 @@ pub fn connect(
 ) -> Result<(OwnedFd, Negotiated), HandshakeError> {
     if uri.tls {
         return Err(refused(
-            "TLS (nbds://) is not supported by cairn's NBD client yet",
+            "connect() is for plain connections: use connect_any",
         ));
     }
+    let c = connect_any(uri, want, timeout)?;
+    Ok((c.fd, c.neg))
+}
+
+/// Connects to `uri`'s server and negotiates, all within `timeout`: with `nbds://`, TLS
+/// starts (STARTTLS) right after the greeting and the options go over it.
+pub fn connect_any(
+    uri: &NbdUri,
+    want: Want,
+    timeout: Duration,
+) -> Result<Connected, HandshakeError> {
+    let config = if uri.tls {
+        Some(crate::tls::client_config(uri).map_err(HandshakeError::Refused)?)
+    } else {
+        None
+    };
     let deadline = Instant::now() + timeout;
     let mut stream = match &uri.address {
         Address::Unix(path) => Stream::Unix(UnixStream::connect(path)?),
@@ -185,8 +211,40 @@ pub fn connect(
         }
     };
     stream.set_timeouts(deadline.saturating_duration_since(Instant::now()))?;
-    let negotiated = negotiate(&mut stream, &uri.export, want)?;
-    Ok((stream.into_fd()?, negotiated))
+    let no_zeroes = greet(&mut stream)?;
+    let Some(config) = config else {
+        let neg = options(&mut stream, &uri.export, want, no_zeroes)?;
+        return Ok(Connected {
+            fd: stream.into_fd()?,
+            neg,
+            tls: None,
+        });
+    };
+    send_option(&mut stream, opt::STARTTLS, &[])?;
+    let (kind, data) = read_reply(&mut stream, opt::STARTTLS)?;
+    if kind != rep::ACK {
+        return Err(refused(error_text(opt::STARTTLS, kind, &data)));
+    }
+    let name = crate::tls::server_name(uri);
+    let conn =
+        rustls::ClientConnection::new(config, name).map_err(|e| refused(format!("TLS: {e}")))?;
+    let mut tls = rustls::StreamOwned::new(conn, stream);
+    while tls.conn.is_handshaking() {
+        tls.conn.complete_io(&mut tls.sock).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::InvalidData {
+                refused(format!("TLS: {e}"))
+            } else {
+                HandshakeError::Io(e)
+            }
+        })?;
+    }
+    let neg = options(&mut tls, &uri.export, want, no_zeroes)?;
+    let rustls::StreamOwned { conn, sock } = tls;
+    Ok(Connected {
+        fd: sock.into_fd()?,
+        neg,
+        tls: Some(Box::new(conn)),
+    })
 }
 
 fn read_u16(s: &mut impl Read) -> std::io::Result<u16> {
@@ -269,9 +327,13 @@ pub fn negotiate<S: Read + Write>(
     export: &str,
     want: Want,
 ) -> Result<Negotiated, HandshakeError> {
-    if export.len() > 4096 {
-        return Err(refused("the export name is longer than 4096 bytes"));
-    }
+    let no_zeroes = greet(s)?;
+    options(s, export, want, no_zeroes)
+}
+
+/// The server's greeting and the client's flags; whether the server leaves out the
+/// zeroes after EXPORT_NAME.
+fn greet<S: Read + Write>(s: &mut S) -> Result<bool, HandshakeError> {
     let magic = read_u64(s)?;
     if magic != proto::NBDMAGIC {
         return Err(refused("not an NBD server (no NBDMAGIC)"));
@@ -294,7 +356,19 @@ pub fn negotiate<S: Read + Write>(
         cflags |= proto::FLAG_C_NO_ZEROES;
     }
     s.write_all(&cflags.to_be_bytes())?;
+    Ok(no_zeroes)
+}
 
+/// The options, from after the greeting (and TLS) to the end of GO.
+fn options<S: Read + Write>(
+    s: &mut S,
+    export: &str,
+    want: Want,
+    no_zeroes: bool,
+) -> Result<Negotiated, HandshakeError> {
+    if export.len() > 4096 {
+        return Err(refused("the export name is longer than 4096 bytes"));
+    }
     let (mut structured, mut extended) = (false, false);
     if want.extended {
         send_option(s, opt::EXTENDED_HEADERS, &[])?;

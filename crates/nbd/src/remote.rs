@@ -22,6 +22,10 @@
 //! submitted fails with EIO, and while every connection has been down longer than that,
 //! new requests fail at once: a mirror over a remote member then marks it failed.
 //!
+//! With `nbds://` the connection starts TLS (rustls) before any option; requests are
+//! encrypted into a ciphertext buffer and replies decrypted into the input buffer, on the
+//! reactor like everything else.
+//!
 //! Block status (`Device::extents`) goes over a separate control connection, blocking:
 //! it is rare (qemu-img map and convert), and keeping it off the data connections keeps
 //! their replies to reads and writes alone.
@@ -43,7 +47,7 @@ use cairn_core::{
     QueueStats, RingUser, Sink, SinkId,
 };
 
-use crate::client::{self, HandshakeError, Negotiated, Want};
+use crate::client::{self, Connected, HandshakeError, Negotiated, Want};
 use crate::proto::{self, chunk, cmd, tflags};
 use crate::uri::NbdUri;
 
@@ -104,9 +108,9 @@ struct Shared {
     /// FUA asked for but not offered: a flush follows the write.
     emulate_fua: bool,
     /// Negotiated connections not used by any queue (from the open, or a closed queue).
-    idle: Mutex<Vec<(OwnedFd, Negotiated)>>,
+    idle: Mutex<Vec<Connected>>,
     /// The connection block status goes over.
-    control: Mutex<Option<(File, Negotiated)>>,
+    control: Mutex<Option<(Box<dyn Stream>, Negotiated)>>,
     control_cookie: AtomicU64,
     reconnects: AtomicU64,
 }
@@ -152,10 +156,10 @@ impl Shared {
         Ok(())
     }
 
-    fn connect(&self) -> Result<(OwnedFd, Negotiated), HandshakeError> {
-        let (fd, n) = client::connect(&self.uri, Shared::want(), self.handshake_timeout())?;
-        self.compatible(&n).map_err(HandshakeError::Refused)?;
-        Ok((fd, n))
+    fn connect(&self) -> Result<Connected, HandshakeError> {
+        let c = client::connect_any(&self.uri, Shared::want(), self.handshake_timeout())?;
+        self.compatible(&c.neg).map_err(HandshakeError::Refused)?;
+        Ok(c)
     }
 }
 
@@ -182,8 +186,9 @@ impl NbdDevice {
             )));
         }
         let timeout = options.timeout.clamp(Duration::from_secs(1), HANDSHAKE_MAX);
-        let (fd, neg) = client::connect(&uri, Shared::want(), timeout)
+        let first = client::connect_any(&uri, Shared::want(), timeout)
             .map_err(|e| Error::Invalid(format!("cannot connect to {uri_text}: {e}")))?;
+        let neg = first.neg.clone();
         let block = neg.min_block.max(512);
         let size_bytes = neg.size / u64::from(block) * u64::from(block);
         if size_bytes == 0 {
@@ -230,7 +235,7 @@ impl NbdDevice {
                 neg: neg.clone(),
                 connections,
                 timeout_ns: options.timeout.as_nanos() as u64,
-                idle: Mutex::new(vec![(fd, neg)]),
+                idle: Mutex::new(vec![first]),
                 control: Mutex::new(None),
                 control_cookie: AtomicU64::new(1),
                 reconnects: AtomicU64::new(0),
@@ -256,11 +261,15 @@ impl NbdDevice {
                 allocation: true,
                 ..Shared::want()
             };
-            let (fd, n) = client::connect(&s.uri, want, s.handshake_timeout())
+            let c = client::connect_any(&s.uri, want, s.handshake_timeout())
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
-            let file = File::from(fd);
+            let file = File::from(c.fd);
             set_socket_timeout(&file, Duration::from_nanos(s.timeout_ns))?;
-            *control = Some((file, n));
+            let stream: Box<dyn Stream> = match c.tls {
+                Some(tls) => Box::new(rustls::StreamOwned::new(*tls, file)),
+                None => Box::new(file),
+            };
+            *control = Some((stream, c.neg));
         }
         let Some((file, n)) = control.as_mut() else {
             return Err(std::io::Error::other("no control connection"));
@@ -274,6 +283,10 @@ impl NbdDevice {
         r
     }
 }
+
+/// The control connection: a socket, or TLS over one.
+trait Stream: std::io::Read + std::io::Write + Send {}
+impl<T: std::io::Read + std::io::Write + Send> Stream for T {}
 
 /// Read and write timeouts on a blocking socket.
 fn set_socket_timeout(file: &File, d: Duration) -> std::io::Result<()> {
@@ -308,8 +321,9 @@ impl Device for NbdDevice {
         let s = &self.shared;
         let n = &s.neg;
         format!(
-            "nbd {} ({}{}, blocks {}/{}/{}, {} connection{} per queue, timeout {:?})",
+            "nbd {} ({}{}{}, blocks {}/{}/{}, {} connection{} per queue, timeout {:?})",
             s.uri_text,
+            if s.uri.tls { "TLS, " } else { "" },
             if n.extended {
                 "extended headers"
             } else if n.structured {
@@ -525,6 +539,26 @@ struct Conn {
     flushed_writes: u64,
     dirty: bool,
     why: &'static str,
+    /// The TLS session and its ciphertext buffers (`nbds://`).
+    tls: Option<Box<ClientTls>>,
+}
+
+/// Ciphertext received per `recv` on a TLS connection.
+const RAW_IN: usize = 64 << 10;
+/// Requests encrypted for one send on a TLS connection stop once this much is waiting.
+const RAW_OUT_MAX: usize = 4 << 20;
+
+/// A TLS connection's ciphertext around its rustls session: requests are encrypted into
+/// `raw_out` and sent from there; what arrives in `raw_in` is decrypted into the input
+/// buffer (never straight into a read's buffer).
+struct ClientTls {
+    conn: Box<rustls::ClientConnection>,
+    raw_in: Box<[u8]>,
+    /// Received ciphertext not yet given to rustls: `raw_in[raw_pos..raw_len]`.
+    raw_pos: usize,
+    raw_len: usize,
+    raw_out: Vec<u8>,
+    raw_sent: usize,
 }
 
 impl Conn {
@@ -552,6 +586,7 @@ impl Conn {
             flushed_writes: 0,
             dirty: false,
             why: "",
+            tls: None,
         }
     }
 
@@ -586,9 +621,9 @@ struct State {
 }
 
 /// From the connector thread.
-enum Connected {
+enum Made {
     /// A connection, negotiated and checked.
-    Conn(OwnedFd, Negotiated),
+    Conn(Connected),
     /// The thread is done.
     Done,
 }
@@ -601,8 +636,8 @@ pub struct NbdQueue {
     user: Cell<u16>,
     sink: Cell<SinkId>,
     wake: Arc<OwnedFd>,
-    tx: Sender<Connected>,
-    rx: Receiver<Connected>,
+    tx: Sender<Made>,
+    rx: Receiver<Made>,
     stop: Arc<AtomicBool>,
     st: RefCell<State>,
 }
@@ -685,7 +720,7 @@ impl NbdQueue {
                 None => q.shared.connect(),
             };
             match got {
-                Ok((fd, n)) => q.install(&mut st, i, fd, &n, now),
+                Ok(c) => q.install(&mut st, i, c, now),
                 Err(e) => {
                     log::warn!(
                         "cairn: {}: cannot connect to {}: {e}; retrying in the background",
@@ -704,11 +739,23 @@ impl NbdQueue {
         Ok(q)
     }
 
-    fn install(&self, st: &mut State, ci: usize, fd: OwnedFd, n: &Negotiated, now: u64) {
+    fn install(&self, st: &mut State, ci: usize, made: Connected, now: u64) {
         let c = &mut st.conns[ci];
         debug_assert!(c.link == Link::Down);
-        c.fd = Some(fd);
-        c.extended = n.extended;
+        c.fd = Some(made.fd);
+        c.extended = made.neg.extended;
+        c.tls = made.tls.map(|mut conn| {
+            // What is buffered is bounded here (RAW_OUT_MAX a send), not by rustls.
+            conn.set_buffer_limit(None);
+            Box::new(ClientTls {
+                conn,
+                raw_in: vec![0u8; RAW_IN].into_boxed_slice(),
+                raw_pos: 0,
+                raw_len: 0,
+                raw_out: Vec::with_capacity(RAW_IN),
+                raw_sent: 0,
+            })
+        });
         c.link = Link::Up;
         c.rs = 0;
         c.re = 0;
@@ -1029,6 +1076,7 @@ impl NbdQueue {
         let now = self.core.now_ns();
         let c = &mut st.conns[ci];
         c.fd = None;
+        c.tls = None;
         c.link = Link::Down;
         c.out.clear();
         c.out_sent = 0;
@@ -1384,6 +1432,20 @@ impl NbdQueue {
         let Some(fd) = c.fd.as_ref().map(|f| f.as_raw_fd()) else {
             return;
         };
+        if c.tls.is_some() {
+            if !c.send_armed {
+                if let Err(why) = self.push_send_tls(c, ci, fd) {
+                    self.kill(st, ci, why);
+                    return;
+                }
+            }
+            let c = &mut st.conns[ci];
+            let fed = c.tls.as_ref().is_some_and(|t| t.raw_pos == t.raw_len);
+            if !c.recv_armed && c.outstanding > 0 && fed {
+                self.push_recv_tls(c, ci, fd);
+            }
+            return;
+        }
         if !c.send_armed && !c.out.is_empty() {
             self.push_send(c, ci, fd);
         }
@@ -1438,6 +1500,130 @@ impl NbdQueue {
         };
     }
 
+    /// Encrypts every waiting request and sends the ciphertext.
+    fn push_send_tls(&self, c: &mut Conn, ci: usize, fd: RawFd) -> Result<(), &'static str> {
+        use std::io::Write;
+        let Conn { out, tls, .. } = c;
+        let Some(t) = tls.as_mut() else { return Ok(()) };
+        if t.raw_sent == t.raw_out.len() {
+            t.raw_out.clear();
+            t.raw_sent = 0;
+            while t.raw_out.len() < RAW_OUT_MAX {
+                let Some(o) = out.pop_front() else { break };
+                let mut w = t.conn.writer();
+                w.write_all(&o.head[..usize::from(o.head_len)])
+                    .map_err(|_| "a TLS error")?;
+                if o.data_len > 0 {
+                    // SAFETY: the write's payload, kept by its submitter until completion.
+                    let data = unsafe { std::slice::from_raw_parts(o.data, o.data_len as usize) };
+                    w.write_all(data).map_err(|_| "a TLS error")?;
+                }
+                while t.conn.wants_write() {
+                    if t.conn.write_tls(&mut t.raw_out).is_err() {
+                        return Err("a TLS error");
+                    }
+                }
+            }
+            while t.conn.wants_write() {
+                if t.conn.write_tls(&mut t.raw_out).is_err() {
+                    return Err("a TLS error");
+                }
+            }
+        }
+        if t.raw_sent == t.raw_out.len() {
+            return Ok(());
+        }
+        let entry = opcode::Send::new(
+            types::Fd(fd),
+            t.raw_out[t.raw_sent..].as_ptr(),
+            (t.raw_out.len() - t.raw_sent) as u32,
+        )
+        .flags(libc::MSG_NOSIGNAL)
+        .build();
+        c.send_armed = true;
+        // SAFETY: nothing is appended to the ciphertext buffer until this SQE completes,
+        // and the connection is not freed while it is in flight.
+        unsafe {
+            self.core
+                .push_sqe(self.user.get(), ((ci as u64) << 8) | SEND, entry)
+        };
+        Ok(())
+    }
+
+    fn push_recv_tls(&self, c: &mut Conn, ci: usize, fd: RawFd) {
+        let Some(t) = c.tls.as_mut() else { return };
+        let entry = opcode::Recv::new(types::Fd(fd), t.raw_in.as_mut_ptr(), RAW_IN as u32).build();
+        c.recv_armed = true;
+        c.recv_direct = false;
+        // SAFETY: the ciphertext buffer belongs to the connection and is not touched until
+        // this SQE completes.
+        unsafe {
+            self.core
+                .push_sqe(self.user.get(), ((ci as u64) << 8) | RECV, entry)
+        };
+    }
+
+    /// Gives received ciphertext to rustls and parses the plaintext, as much as the input
+    /// buffer takes at a time.
+    fn tls_input(&self, st: &mut State, ci: usize) {
+        use std::io::Read;
+        loop {
+            let Conn {
+                tls, inbuf, rs, re, ..
+            } = &mut st.conns[ci];
+            let Some(t) = tls.as_mut() else { return };
+            while t.raw_pos < t.raw_len {
+                let mut rd = &t.raw_in[t.raw_pos..t.raw_len];
+                match t.conn.read_tls(&mut rd) {
+                    Ok(k) if k > 0 => t.raw_pos += k,
+                    _ => break,
+                }
+                if let Err(e) = t.conn.process_new_packets() {
+                    log::warn!(
+                        "cairn: {}: TLS with {}: {e}",
+                        self.shared.name,
+                        self.shared.uri_text
+                    );
+                    self.kill(st, ci, "a TLS error");
+                    return;
+                }
+            }
+            if *rs == *re {
+                (*rs, *re) = (0, 0);
+            } else if *re == inbuf.len() && *rs > 0 {
+                inbuf.copy_within(*rs..*re, 0);
+                *re -= *rs;
+                *rs = 0;
+            }
+            let mut got = false;
+            if *re < inbuf.len() {
+                match t.conn.reader().read(&mut inbuf[*re..]) {
+                    Ok(0) => {
+                        self.kill(st, ci, "the server closed the TLS session");
+                        return;
+                    }
+                    Ok(k) => {
+                        *re += k;
+                        got = true;
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(_) => {
+                        self.kill(st, ci, "a TLS error");
+                        return;
+                    }
+                }
+            }
+            let wants_write = t.conn.wants_write();
+            if wants_write {
+                self.mark_dirty(st, ci);
+            }
+            self.parse(st, ci);
+            if !got || st.conns[ci].link != Link::Up {
+                return;
+            }
+        }
+    }
+
     fn push_recv(&self, c: &mut Conn, ci: usize, fd: RawFd) {
         let direct = matches!(c.rx, Rx::Data { .. }) && c.rs == c.re;
         let (ptr, len) = match c.rx {
@@ -1489,6 +1675,13 @@ impl NbdQueue {
         }
         c.progress_ns = self.core.now_ns();
         let n = res as usize;
+        if let Some(t) = c.tls.as_mut() {
+            t.raw_pos = 0;
+            t.raw_len = n;
+            self.tls_input(st, ci);
+            self.mark_dirty(st, ci);
+            return;
+        }
         if c.recv_direct {
             if let Rx::Data {
                 req,
@@ -1534,6 +1727,15 @@ impl NbdQueue {
             self.kill(st, ci, "a send failed");
             return;
         }
+        if let Some(t) = c.tls.as_mut() {
+            t.raw_sent += res as usize;
+            if t.raw_sent >= t.raw_out.len() {
+                t.raw_out.clear();
+                t.raw_sent = 0;
+            }
+            self.mark_dirty(st, ci);
+            return;
+        }
         let mut n = res as usize + c.out_sent;
         c.out_sent = 0;
         while let Some(front) = c.out.front() {
@@ -1549,10 +1751,10 @@ impl NbdQueue {
     }
 
     /// A connection from the connector thread.
-    fn connected(&self, st: &mut State, fd: OwnedFd, n: Negotiated) {
+    fn connected(&self, st: &mut State, made: Connected) {
         let Some(ci) = st.conns.iter().position(|c| c.link == Link::Down) else {
             // More than needed: keep it for a later queue.
-            self.keep(fd, n);
+            self.keep(made);
             return;
         };
         log::info!(
@@ -1570,13 +1772,13 @@ impl NbdQueue {
             Duration::ZERO
         };
         st.connected_ns = now;
-        self.install(st, ci, fd, &n, self.core.now_ns());
+        self.install(st, ci, made, now);
     }
 
-    fn keep(&self, fd: OwnedFd, n: Negotiated) {
+    fn keep(&self, made: Connected) {
         let mut idle = self.shared.idle.lock().unwrap_or_else(|e| e.into_inner());
         if idle.len() < 2 * CONNECTIONS_MAX as usize {
-            idle.push((fd, n));
+            idle.push(made);
         }
     }
 }
@@ -1628,7 +1830,7 @@ fn connector(
     shared: &Shared,
     missing: usize,
     first_delay: Duration,
-    tx: &Sender<Connected>,
+    tx: &Sender<Made>,
     wake: &OwnedFd,
     stop: &AtomicBool,
 ) {
@@ -1644,8 +1846,8 @@ fn connector(
             }
         }
         match shared.connect() {
-            Ok((fd, n)) => {
-                if tx.send(Connected::Conn(fd, n)).is_err() {
+            Ok(c) => {
+                if tx.send(Made::Conn(c)).is_err() {
                     return;
                 }
                 cairn_core::event::signal(wake.as_raw_fd());
@@ -1666,7 +1868,7 @@ fn connector(
             }
         }
     }
-    let _ = tx.send(Connected::Done);
+    let _ = tx.send(Made::Done);
     cairn_core::event::signal(wake.as_raw_fd());
 }
 
@@ -1730,11 +1932,11 @@ impl Poller for NbdQueue {
         let mut n = 0;
         loop {
             match self.rx.try_recv() {
-                Ok(Connected::Conn(fd, neg)) => {
-                    self.connected(&mut st, fd, neg);
+                Ok(Made::Conn(c)) => {
+                    self.connected(&mut st, c);
                     n += 1;
                 }
-                Ok(Connected::Done) => {
+                Ok(Made::Done) => {
                     st.connecting = false;
                     // Connections lost while it ran need another run.
                     self.start_connector(&mut st);
@@ -1763,20 +1965,28 @@ impl Drop for NbdQueue {
         self.stop.store(true, Ordering::Relaxed);
         let st = self.st.get_mut();
         for c in st.conns.iter_mut() {
+            let drained = c.tls.as_ref().is_none_or(|t| {
+                t.raw_pos == t.raw_len && t.raw_sent == t.raw_out.len() && !t.conn.wants_write()
+            });
             let idle = c.link == Link::Up
                 && c.quiet()
                 && c.outstanding == 0
                 && c.out.is_empty()
                 && c.rs == c.re
+                && drained
                 && matches!(c.rx, Rx::Header);
             if let (true, Some(fd)) = (idle, c.fd.take()) {
-                let n = Negotiated {
+                let neg = Negotiated {
                     extended: c.extended,
                     ..self.shared.neg.clone()
                 };
                 let mut pool = self.shared.idle.lock().unwrap_or_else(|e| e.into_inner());
                 if pool.len() < 2 * CONNECTIONS_MAX as usize {
-                    pool.push((fd, n));
+                    pool.push(Connected {
+                        fd,
+                        neg,
+                        tls: c.tls.take().map(|t| t.conn),
+                    });
                 }
             }
         }
