@@ -8,6 +8,8 @@ Each server is measured with each client over a Unix socket, one connection, one
   fio     fio's nbd engine (libnbd), the usual way to load an NBD server
   cairn   cairn bench --device nbd:URI, cairn's own client (the nbd device, driven on
           an io_uring reactor)
+  cairn-poll  the same with --idle-poll 50us: the client's reactor keeps collecting
+          replies for 50 us before it sleeps (not in the default set)
 Variants (server x client) run in interleaved rounds and the medians are reported, as
 in bench/engine.py. Every run starts its server afresh, waits until it answers (nbdinfo),
 fills it if it keeps data in memory, runs fio, and stops it (SIGTERM, wait). Raw JSON
@@ -76,7 +78,8 @@ WORKLOADS = {
     "seqread": ("read", "1M", 8, "1 MiB sequential read, iodepth 8"),
 }
 SERVER_NAMES = ["cairn-mem", "cairn-file", "nbdkit-memory", "nbdkit-file", "qemu-nbd", "nbd-server"]
-CLIENT_NAMES = ["fio", "cairn"]
+CLIENT_NAMES = ["fio", "cairn", "cairn-poll"]
+DEFAULT_CLIENTS = ["fio", "cairn"]
 CAIRN_SERVERS = ("cairn-mem", "cairn-file")
 
 
@@ -277,10 +280,11 @@ def parse_fio(text):
 
 
 def client_command(client, uri, rw, bs, depth, runtime):
-    if client == "cairn":
-        return [CAIRN, "bench", "--log-level", "warn", "--device", f"nbd:{uri}", f"--rw={rw}",
-                f"--bs={bs}", f"--iodepth={depth}", "--numjobs=1", f"--runtime={runtime}s",
-                "--time_based", "--output-format=json"]
+    if client in ("cairn", "cairn-poll"):
+        poll = ["--idle-poll", "50us"] if client == "cairn-poll" else []
+        return [CAIRN, "bench", "--log-level", "warn", *poll, "--device", f"nbd:{uri}",
+                f"--rw={rw}", f"--bs={bs}", f"--iodepth={depth}", "--numjobs=1",
+                f"--runtime={runtime}s", "--time_based", "--output-format=json"]
     return ["fio", "--name=nbd", "--ioengine=nbd", f"--uri={uri}", f"--rw={rw}", f"--bs={bs}",
             f"--iodepth={depth}", "--numjobs=1", f"--runtime={runtime}", "--time_based",
             "--norandommap", "--randrepeat=0", "--group_reporting", "--output-format=json"]
@@ -357,7 +361,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", default=",".join(WORKLOADS), help="workloads, comma-separated")
     ap.add_argument("--servers", default=",".join(SERVER_NAMES), help="servers, comma-separated")
-    ap.add_argument("--clients", default=",".join(CLIENT_NAMES), help="clients, comma-separated")
+    ap.add_argument("--clients", default=",".join(DEFAULT_CLIENTS),
+                    help=f"clients, comma-separated (known: {', '.join(CLIENT_NAMES)})")
     ap.add_argument("--cairn-args", default="", help="global switches for cairn (e.g. '--threads 1')")
     ap.add_argument("--no-build", action="store_true", help="skip cargo build --release")
     ap.add_argument("--keep", action="store_true", help=f"keep {IMG} afterwards")
@@ -395,8 +400,8 @@ def main():
             res = compare(w, variants, n, summarize=summary, prefix="nbd")
             for c in clients:
                 out += table(w, {s: res[f"{s} {c}"] for s in servers}, servers, c)
-            if "fio" in clients and "cairn" in clients:
-                out += client_table(w, res, servers)
+            if "fio" in clients and len(clients) > 1:
+                out += client_table(w, res, servers, [c for c in clients if c != "fio"])
     finally:
         if not args.keep and os.path.exists(IMG):
             os.unlink(IMG)
@@ -437,16 +442,19 @@ def table(w, res, servers, client):
     return lines
 
 
-def client_table(w, res, servers):
-    """Each server's figure with cairn's client over fio's."""
+def client_table(w, res, servers, others):
+    """Each server's figure with cairn's client(s) over fio's."""
     rw, bs, depth, title = WORKLOADS[w]
     key = "bw" if rw == "read" else "iops"
+    cell = (lambda v: f"{v / 1e6:.0f} MB/s") if key == "bw" else fmt_iops
     lines = [f"{title}: cairn's client / fio's, same server, same run:", "",
-             "| server | fio | cairn bench | cairn / fio |", "|---|---|---|---|"]
+             "| server | fio | " + " | ".join(f"{c} | {c} / fio" for c in others) + " |",
+             "|---|---|" + "---|---|" * len(others)]
     for s in servers:
-        f, c = med(res[f"{s} fio"], key), med(res[f"{s} cairn"], key)
-        cell = (lambda v: f"{v / 1e6:.0f} MB/s") if key == "bw" else fmt_iops
-        lines.append(f"| {s} | {cell(f)} | {cell(c)} | {c / max(f, 1e-9):.2f}x |")
+        f = med(res[f"{s} fio"], key)
+        cells = [f"{cell(med(res[f'{s} {c}'], key))} | {med(res[f'{s} {c}'], key) / max(f, 1e-9):.2f}x"
+                 for c in others]
+        lines.append(f"| {s} | {cell(f)} | " + " | ".join(cells) + " |")
     lines.append("")
     return lines
 

@@ -188,6 +188,7 @@ pub(crate) fn run_job(
         Ok(r) => r,
         Err(e) => return JobResult::failed(Failure::Setup(format!("job {index}: {e}"))),
     };
+    reactor.set_idle_poll(spec.idle_poll.as_nanos() as u64);
     let core = reactor.core().clone();
     let queue = match device.open_queue(&core) {
         Ok(q) => q,

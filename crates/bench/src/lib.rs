@@ -126,6 +126,9 @@ pub struct JobSpec {
     pub timeline_csv: Option<std::path::PathBuf>,
     /// `--timeline-svg FILE`: the same rows as an SVG chart.
     pub timeline_svg: Option<std::path::PathBuf>,
+    /// `--idle-poll TIME`: before a job's reactor sleeps, it keeps collecting completions
+    /// this long (0: off).
+    pub idle_poll: Duration,
 }
 
 impl Default for JobSpec {
@@ -148,6 +151,7 @@ impl Default for JobSpec {
             timeline: None,
             timeline_csv: None,
             timeline_svg: None,
+            idle_poll: Duration::ZERO,
         }
     }
 }

@@ -557,6 +557,12 @@ pub struct BenchArgs {
     /// Seed for random offsets.
     #[arg(long, value_name = "N")]
     pub randseed: Option<u64>,
+    /// Idle polling, as for `cairn serve`: before a job's reactor sleeps it keeps
+    /// collecting completions this long (e.g. 20us), saving a sleep and a wake-up when
+    /// they come quickly (an NBD server's replies) for up to this much CPU after each
+    /// burst. Off by default.
+    #[arg(long, value_name = "TIME", default_value = "0")]
+    pub idle_poll: String,
     /// Report format.
     #[arg(long = "output-format", value_enum, default_value_t = OutputFormat::Normal)]
     pub output_format: OutputFormat,
@@ -619,8 +625,12 @@ impl BenchArgs {
                 .transpose()?,
             timeline_csv: self.timeline_csv.clone(),
             timeline_svg: self.timeline_svg.clone(),
+            idle_poll: duration("idle-poll", &self.idle_poll)?,
             ..JobSpec::default()
         };
+        if spec.idle_poll > Duration::from_millis(10) {
+            return Err(format!("--idle-poll {}: at most 10ms", self.idle_poll));
+        }
         if spec
             .timeline
             .is_some_and(|t| t < Duration::from_millis(100))

@@ -9,7 +9,8 @@ use std::process::{Command, Output};
 use serde_json::Value;
 
 /// Every `cairn bench` option, as `--help` must list it.
-const BENCH_OPTIONS: [&str; 15] = [
+const BENCH_OPTIONS: [&str; 16] = [
+    "--idle-poll",
     "--rw",
     "--rwmixread",
     "--bs",
@@ -167,6 +168,8 @@ mod bad_input {
             ["--stats", "maybe"],
             ["--randseed", "x"],
             ["--fsync", "-1"],
+            ["--idle-poll", "11ms"],
+            ["--idle-poll", "soon"],
         ] {
             let mut all = vec!["bench", "--device", "null:64M"];
             all.extend(args);
