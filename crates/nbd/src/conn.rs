@@ -27,6 +27,7 @@ use cairn_core::{
     SinkId,
 };
 
+use crate::gather::{self, Segment};
 use crate::handshake::{ExportInfo, Session};
 use crate::observe::{ConnInfo, Observer};
 use crate::pool::BufPool;
@@ -108,9 +109,15 @@ struct Seg {
     data_len: u32,
 }
 
-impl Seg {
-    fn len(&self) -> usize {
-        usize::from(self.head_len) + self.data_len as usize
+impl gather::Segment for Seg {
+    fn head(&self) -> &[u8] {
+        &self.head[..usize::from(self.head_len)]
+    }
+
+    fn data(&self) -> &[u8] {
+        self.buf
+            .as_ref()
+            .map_or(&[], |b| &b.as_slice()[..self.data_len as usize])
     }
 }
 
@@ -1146,19 +1153,17 @@ impl ServerLoop {
                 t.raw_sent = 0;
             }
         } else {
-            let mut n = res as usize + st.out_sent;
-            st.out_sent = 0;
-            while let Some(front) = st.out.front() {
-                let l = front.len();
-                if n < l {
-                    st.out_sent = n;
-                    break;
+            let ConnState {
+                out,
+                out_sent,
+                pool,
+                ..
+            } = &mut *st;
+            gather::consume(out, out_sent, res as usize, |seg| {
+                if let Some(b) = seg.buf {
+                    pool.put(b);
                 }
-                n -= l;
-                if let Some(b) = st.out.pop_front().and_then(|s| s.buf) {
-                    st.pool.put(b);
-                }
-            }
+            });
         }
         let was_blocked = std::mem::replace(&mut st.blocked, false);
         self.mark_dirty(conn, &mut st);
@@ -1210,33 +1215,7 @@ impl ServerLoop {
             msg,
             ..
         } = st;
-        iov.clear();
-        let mut skip = *out_sent;
-        for seg in out.iter() {
-            if iov.len() + 2 > IOV_BATCH {
-                break;
-            }
-            let hl = usize::from(seg.head_len);
-            if skip < hl {
-                iov.push(libc::iovec {
-                    iov_base: seg.head[skip..].as_ptr() as *mut libc::c_void,
-                    iov_len: hl - skip,
-                });
-                skip = 0;
-            } else {
-                skip -= hl;
-            }
-            if let Some(b) = &seg.buf {
-                let dl = seg.data_len as usize;
-                if skip < dl {
-                    iov.push(libc::iovec {
-                        iov_base: b.as_slice()[skip..].as_ptr() as *mut libc::c_void,
-                        iov_len: dl - skip,
-                    });
-                }
-                skip = skip.saturating_sub(dl);
-            }
-        }
+        gather::gather(iov, out, *out_sent, IOV_BATCH);
         msg.msg_iov = iov.as_mut_ptr();
         msg.msg_iovlen = iov.len() as _;
         let entry = opcode::SendMsg::new(types::Fd(fd), msg as *const libc::msghdr)
@@ -1262,9 +1241,8 @@ impl ServerLoop {
             t.raw_sent = 0;
             while let Some(seg) = out.pop_front() {
                 let mut w = t.conn.writer();
-                let mut ok = w.write_all(&seg.head[..usize::from(seg.head_len)]).is_ok();
+                let ok = w.write_all(seg.head()).is_ok() && w.write_all(seg.data()).is_ok();
                 if let Some(b) = seg.buf {
-                    ok &= w.write_all(&b.as_slice()[..seg.data_len as usize]).is_ok();
                     pool.put(b);
                 }
                 if !ok {

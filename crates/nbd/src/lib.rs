@@ -5,6 +5,7 @@
 
 pub mod client;
 pub mod conn;
+mod gather;
 pub mod handshake;
 pub mod observe;
 pub mod pool;

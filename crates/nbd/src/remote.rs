@@ -48,6 +48,7 @@ use cairn_core::{
 };
 
 use crate::client::{self, Connected, HandshakeError, Negotiated, Want};
+use crate::gather::{self, Segment};
 use crate::proto::{self, chunk, cmd, tflags};
 use crate::uri::NbdUri;
 
@@ -109,6 +110,11 @@ struct Shared {
     timeout_ns: u64,
     /// FUA asked for but not offered: a flush follows the write.
     emulate_fua: bool,
+    /// The longest read or write part: the server's maximum payload (at most
+    /// `MAX_PART`) in whole blocks.
+    max_part: u64,
+    /// The longest trim or write-zeroes range in a compact (32-bit) header, in blocks.
+    max_compact_range: u64,
     /// Negotiated connections not used by any queue (from the open, or a closed queue).
     idle: Mutex<Vec<Connected>>,
     /// The connection block status goes over.
@@ -229,6 +235,12 @@ impl NbdDevice {
                 uri,
                 uri_text: uri_text.to_string(),
                 emulate_fua: writable && !caps.fua && caps.flush,
+                max_part: u64::from(neg.max_payload)
+                    .min(MAX_PART)
+                    .max(u64::from(block))
+                    / u64::from(block)
+                    * u64::from(block),
+                max_compact_range: u64::from(u32::MAX) / u64::from(block) * u64::from(block),
                 geometry: Geometry {
                     size_bytes,
                     block_bytes: block,
@@ -356,7 +368,8 @@ impl Device for NbdDevice {
     }
 
     fn extents(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<(), Error> {
-        if self.shared.neg.flags & tflags::READ_ONLY == 0 && !self.shared.neg.structured {
+        if !self.shared.neg.structured {
+            // Without structured replies there is no block status.
             out.push(Extent::data(len));
             return Ok(());
         }
@@ -452,12 +465,7 @@ struct IoSlot {
 
 impl IoSlot {
     fn issued_all(&self) -> bool {
-        let range = if self.io.op == Op::Flush {
-            0
-        } else {
-            self.io.len
-        };
-        self.next >= range && !self.tail_flush
+        self.next >= range_of(&self.io) && !self.tail_flush
     }
 }
 
@@ -485,9 +493,18 @@ struct Out {
     data_len: u32,
 }
 
-impl Out {
-    fn len(&self) -> usize {
-        usize::from(self.head_len) + self.data_len as usize
+impl gather::Segment for Out {
+    fn head(&self) -> &[u8] {
+        &self.head[..usize::from(self.head_len)]
+    }
+
+    fn data(&self) -> &[u8] {
+        if self.data_len == 0 {
+            return &[];
+        }
+        // SAFETY: a write's payload, which its submitter keeps until the completion
+        // (after the reply, so after it is sent).
+        unsafe { std::slice::from_raw_parts(self.data, self.data_len as usize) }
     }
 }
 
@@ -811,13 +828,12 @@ impl NbdQueue {
             return;
         }
         let shared = &*self.shared;
-        let block = u64::from(shared.geometry.block_bytes);
-        let max_part = u64::from(shared.neg.max_payload).min(MAX_PART).max(block) / block * block;
+        let max_part = shared.max_part;
         let extended = st.conns[ci].extended;
         let max_range = if extended {
             u64::MAX
         } else {
-            u64::from(u32::MAX) / block * block
+            shared.max_compact_range
         };
         let now = self.core.now_ns();
         while let Some(&slot) = st.conns[ci].ready.front() {
@@ -922,11 +938,7 @@ impl NbdQueue {
             );
             errno = libc::EIO;
         }
-        let status = if errno == 0 {
-            IoStatus::OK
-        } else {
-            IoStatus::errno(errno)
-        };
+        let status = IoStatus::from_result(-errno);
         self.stats.done(
             s.io.op,
             s.io.len,
@@ -987,6 +999,8 @@ impl NbdQueue {
                 st.ios[slot as usize].conn = ci as u16;
                 st.conns[ci].ready.push_back(slot);
                 self.issue(st, ci);
+                // Its reply is now due: the timeout is watched.
+                self.arm_tick(st);
             }
             None => {
                 let now = self.core.now_ns();
@@ -1202,12 +1216,7 @@ impl NbdQueue {
                 return;
             }
             match c.rx {
-                Rx::Data {
-                    req,
-                    dst,
-                    left,
-                    done,
-                } => {
+                Rx::Data { dst, left, .. } => {
                     let n = left.min(c.re - c.rs);
                     if n > 0 {
                         // SAFETY: dst has `left` bytes of the read's buffer left, which
@@ -1215,19 +1224,8 @@ impl NbdQueue {
                         unsafe { std::ptr::copy_nonoverlapping(c.inbuf[c.rs..].as_ptr(), dst, n) };
                         c.rs += n;
                     }
-                    if n < left {
-                        // SAFETY: n < left, inside the same buffer.
-                        c.rx = Rx::Data {
-                            req,
-                            dst: unsafe { dst.add(n) },
-                            left: left - n,
-                            done,
-                        };
+                    if !self.data_landed(st, ci, n) {
                         return;
-                    }
-                    c.rx = Rx::Header;
-                    if done {
-                        self.part_done(st, req, 0);
                     }
                 }
                 Rx::Header => {
@@ -1237,6 +1235,37 @@ impl NbdQueue {
                 }
             }
         }
+    }
+
+    /// `n` more bytes of the read data being received are in its buffer: move on, and
+    /// finish the part once its reply is complete. Whether all of the data is there.
+    fn data_landed(&self, st: &mut State, ci: usize, n: usize) -> bool {
+        let c = &mut st.conns[ci];
+        let Rx::Data {
+            req,
+            dst,
+            left,
+            done,
+        } = c.rx
+        else {
+            return true;
+        };
+        if n < left {
+            // SAFETY: n < left, inside the same buffer.
+            let dst = unsafe { dst.add(n) };
+            c.rx = Rx::Data {
+                req,
+                dst,
+                left: left - n,
+                done,
+            };
+            return false;
+        }
+        c.rx = Rx::Header;
+        if done {
+            self.part_done(st, req, 0);
+        }
+        true
     }
 
     /// Handles the reply header at the start of the input, if it is all there; whether
@@ -1378,7 +1407,7 @@ impl NbdQueue {
             // Recorded now; the part ends with its last chunk.
             let slot = q.slot as usize;
             if st.ios[slot].error == 0 {
-                st.ios[slot].error = error_errno(error);
+                st.ios[slot].error = proto::errno::to_local(error);
             }
             if error == proto::errno::ESHUTDOWN {
                 self.kill(st, ci, "the server is shutting down");
@@ -1398,7 +1427,7 @@ impl NbdQueue {
             self.kill(st, ci, "the server is shutting down");
             return;
         }
-        self.part_done(st, r, error_errno(error));
+        self.part_done(st, r, proto::errno::to_local(error));
     }
 
     /// The server broke the protocol: the request it concerns (if known) fails with
@@ -1457,34 +1486,7 @@ impl NbdQueue {
     }
 
     fn push_send(&self, c: &mut Conn, ci: usize, fd: RawFd) {
-        c.iov.clear();
-        let mut skip = c.out_sent;
-        for o in c.out.iter() {
-            if c.iov.len() + 2 > IOV_BATCH {
-                break;
-            }
-            let hl = usize::from(o.head_len);
-            if skip < hl {
-                c.iov.push(libc::iovec {
-                    iov_base: o.head[skip..].as_ptr() as *mut libc::c_void,
-                    iov_len: hl - skip,
-                });
-                skip = 0;
-            } else {
-                skip -= hl;
-            }
-            let dl = o.data_len as usize;
-            if dl > 0 {
-                if skip < dl {
-                    c.iov.push(libc::iovec {
-                        // SAFETY: skip < dl, inside the write's buffer.
-                        iov_base: unsafe { o.data.add(skip) } as *mut libc::c_void,
-                        iov_len: dl - skip,
-                    });
-                }
-                skip = skip.saturating_sub(dl);
-            }
-        }
+        gather::gather(&mut c.iov, &c.out, c.out_sent, IOV_BATCH);
         c.msg.msg_iov = c.iov.as_mut_ptr();
         c.msg.msg_iovlen = c.iov.len() as _;
         let entry = opcode::SendMsg::new(types::Fd(fd), &c.msg as *const libc::msghdr)
@@ -1513,13 +1515,8 @@ impl NbdQueue {
             while t.raw_out.len() < RAW_OUT_MAX {
                 let Some(o) = out.pop_front() else { break };
                 let mut w = t.conn.writer();
-                w.write_all(&o.head[..usize::from(o.head_len)])
-                    .map_err(|_| "a TLS error")?;
-                if o.data_len > 0 {
-                    // SAFETY: the write's payload, kept by its submitter until completion.
-                    let data = unsafe { std::slice::from_raw_parts(o.data, o.data_len as usize) };
-                    w.write_all(data).map_err(|_| "a TLS error")?;
-                }
+                w.write_all(o.head()).map_err(|_| "a TLS error")?;
+                w.write_all(o.data()).map_err(|_| "a TLS error")?;
                 while t.conn.wants_write() {
                     if t.conn.write_tls(&mut t.raw_out).is_err() {
                         return Err("a TLS error");
@@ -1688,28 +1685,7 @@ impl NbdQueue {
             return;
         }
         if c.recv_direct {
-            if let Rx::Data {
-                req,
-                dst,
-                left,
-                done,
-            } = c.rx
-            {
-                if n < left {
-                    // SAFETY: n < left, inside the same buffer.
-                    c.rx = Rx::Data {
-                        req,
-                        dst: unsafe { dst.add(n) },
-                        left: left - n,
-                        done,
-                    };
-                } else {
-                    c.rx = Rx::Header;
-                    if done {
-                        self.part_done(st, req, 0);
-                    }
-                }
-            }
+            self.data_landed(st, ci, n);
         } else {
             c.re += n;
         }
@@ -1741,17 +1717,7 @@ impl NbdQueue {
             self.mark_dirty(st, ci);
             return;
         }
-        let mut n = res as usize + c.out_sent;
-        c.out_sent = 0;
-        while let Some(front) = c.out.front() {
-            let l = front.len();
-            if n < l {
-                c.out_sent = n;
-                break;
-            }
-            n -= l;
-            c.out.pop_front();
-        }
+        gather::consume(&mut c.out, &mut c.out_sent, res as usize, drop);
         self.mark_dirty(st, ci);
     }
 
@@ -1825,10 +1791,6 @@ fn range_of(io: &Io) -> u64 {
     }
 }
 
-fn error_errno(e: u32) -> i32 {
-    proto::errno::to_local(e)
-}
-
 /// The reconnecting thread: makes `missing` connections, waiting `delay` (then doubling
 /// up to `BACKOFF_MAX`) between failed attempts, until the queue is gone.
 fn connector(
@@ -1883,9 +1845,6 @@ impl Queue for NbdQueue {
         self.stats.start(start);
         let mut st = self.st.borrow_mut();
         self.start(&mut st, io, start);
-        if st.conns.iter().any(|c| c.outstanding > 0) {
-            self.arm_tick(&mut st);
-        }
     }
 
     fn stats(&self) -> &QueueStats {
