@@ -52,6 +52,49 @@ fn start_logging(cmd: &mut Command, sock: &std::path::Path, log: Stdio) -> Runni
     srv
 }
 
+/// nbdkit's memory plugin of `size` on `dir/nbdkit.sock`.
+fn nbdkit_memory(
+    nbdkit: &std::path::Path,
+    dir: &std::path::Path,
+    size: &str,
+) -> (Running, std::path::PathBuf) {
+    let sock = dir.join("nbdkit.sock");
+    let srv = start(
+        Command::new(nbdkit)
+            .args(["--foreground", "--exit-with-parent", "-U"])
+            .arg(&sock)
+            .args(["memory", &format!("size={size}")]),
+        &sock,
+    );
+    (srv, sock)
+}
+
+/// qemu-nbd serving a new raw image of `size` bytes on `dir/qemu.sock`, with `option`.
+fn qemu_nbd_image(
+    qemu_nbd: &std::path::Path,
+    dir: &std::path::Path,
+    size: u64,
+    option: &str,
+) -> (Running, std::path::PathBuf) {
+    let img = dir.join("q.img");
+    std::fs::File::create(&img).unwrap().set_len(size).unwrap();
+    let sock = dir.join("qemu.sock");
+    let srv = start(
+        Command::new(qemu_nbd)
+            .args([
+                "--persistent",
+                "--shared=4",
+                "--format=raw",
+                option,
+                "--socket",
+            ])
+            .arg(&sock)
+            .arg(&img),
+        &sock,
+    );
+    (srv, sock)
+}
+
 fn uri(sock: &std::path::Path, export: &str) -> NbdUri {
     NbdUri::parse(&format!("nbd+unix:///{export}?socket={}", sock.display())).unwrap()
 }
@@ -102,14 +145,7 @@ fn handshake_with_cairn_serve() {
 fn handshake_with_nbdkit_and_qemu_nbd() {
     let dir = tmpdir();
     if let Some(nbdkit) = tool("nbdkit") {
-        let sock = dir.path().join("nbdkit.sock");
-        let _srv = start(
-            Command::new(nbdkit)
-                .args(["--foreground", "--exit-with-parent", "-U"])
-                .arg(&sock)
-                .args(["memory", "size=8M"]),
-            &sock,
-        );
+        let (_srv, sock) = nbdkit_memory(&nbdkit, dir.path(), "8M");
         let (_fd, n) = connect(&uri(&sock, ""), Want::default(), TIMEOUT).unwrap();
         assert_eq!(n.size, 8 << 20);
         assert!(n.structured);
@@ -117,25 +153,7 @@ fn handshake_with_nbdkit_and_qemu_nbd() {
         skip("handshake_with_nbdkit", "no nbdkit (Debian: nbdkit)");
     }
     if let Some(qemu_nbd) = tool("qemu-nbd") {
-        let img = dir.path().join("q.img");
-        std::fs::File::create(&img)
-            .unwrap()
-            .set_len(4 << 20)
-            .unwrap();
-        let sock = dir.path().join("qemu.sock");
-        let _srv = start(
-            Command::new(qemu_nbd)
-                .args([
-                    "--persistent",
-                    "--shared=4",
-                    "--format=raw",
-                    "--export-name=q",
-                    "--socket",
-                ])
-                .arg(&sock)
-                .arg(&img),
-            &sock,
-        );
+        let (_srv, sock) = qemu_nbd_image(&qemu_nbd, dir.path(), 4 << 20, "--export-name=q");
         let (_fd, n) = connect(&uri(&sock, "q"), Want::default(), TIMEOUT).unwrap();
         assert_eq!(n.size, 4 << 20);
         assert!(n.structured && !n.extended && n.allocation_id.is_some());
@@ -373,14 +391,7 @@ fn nbd_device_matches_a_model_against_nbdkit() {
         );
     };
     let dir = tmpdir();
-    let sock = dir.path().join("nbdkit.sock");
-    let _srv = start(
-        Command::new(nbdkit)
-            .args(["--foreground", "--exit-with-parent", "-U"])
-            .arg(&sock)
-            .args(["memory", "size=72M"]),
-        &sock,
-    );
+    let (_srv, sock) = nbdkit_memory(&nbdkit, dir.path(), "72M");
     let d = open_nbd(&format!(
         "nbd:nbd+unix:///?socket={},connections=2",
         sock.display()
@@ -398,25 +409,7 @@ fn nbd_device_matches_a_model_against_qemu_nbd() {
         );
     };
     let dir = tmpdir();
-    let img = dir.path().join("q.img");
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(72 << 20)
-        .unwrap();
-    let sock = dir.path().join("qemu.sock");
-    let _srv = start(
-        Command::new(qemu_nbd)
-            .args([
-                "--persistent",
-                "--shared=4",
-                "--format=raw",
-                "--discard=unmap",
-                "--socket",
-            ])
-            .arg(&sock)
-            .arg(&img),
-        &sock,
-    );
+    let (_srv, sock) = qemu_nbd_image(&qemu_nbd, dir.path(), 72 << 20, "--discard=unmap");
     let d = open_nbd(&format!("nbd:nbd+unix:///?socket={}", sock.display()));
     assert!(
         d.describe().contains("extended headers"),
