@@ -353,3 +353,36 @@ fn bitmap_keys_need_metadata_a_power_of_two_and_a_sane_range() {
         &["'r'", "'bitmap_delay'", "none"],
     );
 }
+
+/// An nbd device's keys: a URI that parses (checked when the file is read, before any
+/// connection), connections from 1 to 16, a timeout from 100ms to 24h.
+#[test]
+fn nbd_uri_connections_and_timeout() {
+    let nbd = |line: &str| format!("[device.r]\ntype = \"nbd\"\n{line}\n");
+    good(&nbd(
+        "uri = \"nbd://10.0.0.1/disk\"\nconnections = 16\ntimeout = \"100ms\"",
+    ));
+    good(&nbd(
+        "uri = \"nbds+unix:///?socket=/run/s.sock\"\ntimeout = 5",
+    ));
+    bad(&nbd("connections = 2"), &["'r'", "'uri'", "missing"]);
+    bad(
+        &nbd("uri = \"http://x/\""),
+        &["'r'", "'uri'", "unknown scheme"],
+    );
+    bad(&nbd("uri = \"nbd+unix:///\""), &["'r'", "'uri'", "socket"]);
+    bad(&nbd("uri = 7"), &["'r'", "'uri'"]);
+    for n in ["0", "17"] {
+        bad(
+            &nbd(&format!("uri = \"nbd://h/\"\nconnections = {n}")),
+            &["'r'", "'connections'", "out of range"],
+        );
+    }
+    for t in ["\"50ms\"", "\"25h\""] {
+        bad(
+            &nbd(&format!("uri = \"nbd://h/\"\ntimeout = {t}")),
+            &["'r'", "'timeout'", "out of range"],
+        );
+    }
+    bad(&nbd("uri = \"nbd://h/\"\ntls = true"), &["'r'", "'tls'"]);
+}
