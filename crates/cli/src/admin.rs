@@ -14,6 +14,8 @@
 //!   fail ARRAY MEMBER       mark a member of a mirror or raid10 with metadata failed
 //!                           (refused if some data would have no current copy left)
 //!   remove ARRAY MEMBER     record a failed member as missing, and close it
+//!   re-add ARRAY MEMBER     take a failed member back once it answers again: only the
+//!                           regions the bitmap marks are copied (else all of it)
 //!   add ARRAY SPEC          a new device (`file:PATH[,size=N]`) in place of a missing or
 //!                           failed member, rebuilt online; else a spare
 //!   replace ARRAY OLD SPEC  copy OLD's data to a new device, written with every write,
@@ -49,6 +51,9 @@ const HELP: &str = "ok: commands:
                           percentiles, summed over reactors
   fail ARRAY MEMBER       mark a member failed (never the last current copy of any data)
   remove ARRAY MEMBER     record a failed member as missing, and close it
+  re-add ARRAY MEMBER     take a failed member back once it answers again (a remote
+                          one reconnected): only the regions written since it left are
+                          copied, with a bitmap; else all of it
   add ARRAY SPEC          a new device (file:PATH[,size=N]) in place of a missing or
                           failed member, rebuilt online; else a spare
   replace ARRAY OLD SPEC  build a new device from OLD's copies while it works, then
@@ -241,7 +246,7 @@ fn command(line: &str, view: &View) -> String {
             Some("--json") => format!("ok\n{}\n", view::stats_json(view)),
             Some(other) => format!("error: stats takes --json or nothing, not '{other}'\n"),
         },
-        Some(action @ ("fail" | "remove" | "add" | "replace")) => {
+        Some(action @ ("fail" | "remove" | "re-add" | "add" | "replace")) => {
             let args: Vec<&str> = words.collect();
             let want = if action == "replace" { 3 } else { 2 };
             if args.len() != want {
@@ -250,7 +255,7 @@ fn command(line: &str, view: &View) -> String {
                     match action {
                         "add" => "add ARRAY SPEC",
                         "replace" => "replace ARRAY OLD SPEC",
-                        _ => "fail|remove ARRAY MEMBER",
+                        _ => "fail|remove|re-add ARRAY MEMBER",
                     }
                 );
             }

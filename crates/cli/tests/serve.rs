@@ -3286,6 +3286,124 @@ mod arrays {
         }
     }
 
+    /// `re-add` on a running mirror: a member failed while writes went on comes back
+    /// copying only the regions written while it was out (all of it without a bitmap),
+    /// and then holds every write: with the other member failed, every page reads back.
+    #[test]
+    fn admin_re_add_takes_a_failed_member_back_copying_only_what_it_missed() {
+        const PAGES: u64 = 64;
+        let stride = 128u64 << 10;
+        for bitmap in ["64K", "none"] {
+            let dir = tmpdir();
+            let ctl = dir.path().join("admin.sock");
+            let (a, b) = (dir.path().join("a.img"), dir.path().join("b.img"));
+            let stack = write_stack(
+                &dir,
+                &format!(
+                    "[device.a]\ntype = \"file\"\npath = \"{}\"\nsize = \"9M\"\n\
+                     [device.b]\ntype = \"file\"\npath = \"{}\"\nsize = \"9M\"\n\
+                     [device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"b\"]\nmetadata = \"1\"\n\
+                     bitmap = \"{bitmap}\"\n{delay}",
+                    a.display(),
+                    b.display(),
+                    delay = if bitmap == "none" {
+                        ""
+                    } else {
+                        "bitmap_delay = \"100ms\"\n"
+                    }
+                ),
+            );
+            let mut srv =
+                Server::start_in(tmpdir(), &[path_str(&stack), "--admin", path_str(&ctl)]);
+            let write = |pages: &[u64], version: u64| {
+                let (mut c, _, _) = Raw::go(&srv.sock, "");
+                for &p in pages {
+                    c.request(0, CMD_WRITE, p + 1, p * stride, 4096, &block(p, version))
+                        .unwrap();
+                    c.expect(p + 1, 0);
+                }
+                c.request(0, CMD_FLUSH, 999, 0, 0, &[]).unwrap();
+                c.expect(999, 0);
+                c.disconnect();
+            };
+            let read_all = |changed: &[u64], what: &str| {
+                let (mut c, _, _) = Raw::go(&srv.sock, "");
+                for p in 0..PAGES {
+                    c.request(0, CMD_READ, p + 1000, p * stride, 4096, &[])
+                        .unwrap();
+                    c.expect(p + 1000, 0);
+                    let data = c.read_exact(4096).unwrap();
+                    let v = if changed.contains(&p) { 2 } else { 1 };
+                    assert_eq!(version_of(p, &data, what), v, "{what}");
+                }
+                c.disconnect();
+            };
+            let all: Vec<u64> = (0..PAGES).collect();
+            write(&all, 1);
+            let status = || success("status", &admin(&ctl, &["status"]));
+            let t = std::time::Instant::now();
+            while bitmap != "none" && !status().contains("bitmap: 0 of") {
+                assert!(t.elapsed() < Duration::from_secs(60), "bits never cleared");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            // Bad requests change nothing.
+            for (words, why) in [
+                (&["re-add", "m", "a"][..], "has not failed"),
+                (&["re-add", "m", "zz"][..], "no member 'zz'"),
+                (&["re-add", "m"][..], "usage"),
+            ] {
+                let out = admin(&ctl, words);
+                assert!(!out.status.success(), "{words:?} succeeded");
+                let text = text(&out.stdout) + &text(&out.stderr);
+                assert!(text.contains(why), "{words:?}: {text}");
+            }
+            success("fail a", &admin(&ctl, &["fail", "m", "a"]));
+            let changed = [3u64, 20, 21, 40];
+            write(&changed, 2);
+            let out = success("re-add a", &admin(&ctl, &["re-add", "m", "a"]));
+            if bitmap == "none" {
+                assert!(out.contains("rebuilding it whole"), "{out}");
+            } else {
+                assert!(
+                    out.contains("copying the 4 of 128 regions of 64KiB"),
+                    "{out}"
+                );
+            }
+            let t = std::time::Instant::now();
+            while !status().contains("[UU]") {
+                assert!(
+                    t.elapsed() < Duration::from_secs(60),
+                    "never rebuilt: {}",
+                    status()
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let moved = if bitmap == "none" {
+                8u64 << 20
+            } else {
+                4 * (64 << 10)
+            };
+            assert!(
+                status().contains(&format!("read {moved} bytes, wrote {moved} bytes")),
+                "{}",
+                status()
+            );
+            read_all(&changed, "both members");
+            // a alone holds every write: the one it missed came with the re-add.
+            success("fail b", &admin(&ctl, &["fail", "m", "b"]));
+            read_all(&changed, "a alone");
+            let (code, log) = srv.stop();
+            assert!(code.success(), "{log}");
+            assert!(log.contains("member a re-added by the admin"), "{log}");
+            let (da, db) = (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+            let data = (1 << 20)..(9 << 20);
+            assert!(
+                da[data.clone()] == db[data],
+                "the members differ ({bitmap})"
+            );
+        }
+    }
+
     #[test]
     fn kill_9_under_writes_then_resync_keeps_every_flushed_write_and_the_copies_agree() {
         // Pages spread over the whole array, so that the write-intent bitmap (64 KiB

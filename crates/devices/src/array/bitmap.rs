@@ -32,9 +32,10 @@ pub struct Bitmap {
     started: Box<[AtomicU64]>,
     /// Writes finished per region.
     finished: Box<[AtomicU64]>,
-    /// Regions whose bit was set when the array started: what a resync or a partial
-    /// recovery copies. Fixed.
-    at_start: Box<[u64]>,
+    /// Regions to recover: those whose bit was set when the array started, and at each
+    /// re-add of a member ([`Bitmap::recover_dirty`]). What a resync or a partial
+    /// recovery copies, and where a member recovered from the bitmap is not read.
+    recover: Box<[AtomicU64]>,
 }
 
 impl Bitmap {
@@ -56,7 +57,7 @@ impl Bitmap {
             durable: at_start.iter().map(|&w| AtomicU64::new(w)).collect(),
             started: (0..regions).map(|_| AtomicU64::new(0)).collect(),
             finished: (0..regions).map(|_| AtomicU64::new(0)).collect(),
-            at_start: at_start.into_boxed_slice(),
+            recover: at_start.iter().map(|&w| AtomicU64::new(w)).collect(),
         }
     }
 
@@ -119,20 +120,39 @@ impl Bitmap {
         self.durable[r / 64].fetch_and(!(1 << (r % 64)), SeqCst);
     }
 
-    /// Whether region `r` was dirty when the array started.
+    /// Whether region `r` is to be recovered (dirty when the array started or when a
+    /// member was re-added).
     #[inline]
-    pub fn dirty_at_start(&self, r: usize) -> bool {
-        self.at_start[r / 64] & (1 << (r % 64)) != 0
+    pub fn to_recover(&self, r: usize) -> bool {
+        self.recover[r / 64].load(SeqCst) & (1 << (r % 64)) != 0
     }
 
-    /// The first region at or after `r` that was dirty when the array started.
-    pub fn next_dirty_at_start(&self, r: usize) -> Option<usize> {
-        (r..self.regions).find(|&x| self.dirty_at_start(x))
+    /// The first region at or after `r` to be recovered.
+    pub fn next_to_recover(&self, r: usize) -> Option<usize> {
+        (r..self.regions).find(|&x| self.to_recover(x))
     }
 
-    /// Regions dirty when the array started.
-    pub fn dirty_at_start_count(&self) -> usize {
-        self.at_start.iter().map(|w| w.count_ones() as usize).sum()
+    /// Regions to be recovered.
+    pub fn to_recover_count(&self) -> usize {
+        self.recover
+            .iter()
+            .map(|w| w.load(SeqCst).count_ones() as usize)
+            .sum()
+    }
+
+    /// A member is re-added: every region whose bit is on disk now is to be recovered
+    /// (no bit is cleared while a member is away, so these are all it missed). With
+    /// `keep`, the regions to recover already stay so (a resync or another recovery
+    /// still needs them); without, only these are.
+    pub(crate) fn recover_dirty(&self, keep: bool) {
+        for (r, d) in self.recover.iter().zip(self.durable.iter()) {
+            let bits = d.load(SeqCst);
+            if keep {
+                r.fetch_or(bits, SeqCst);
+            } else {
+                r.store(bits, SeqCst);
+            }
+        }
     }
 
     /// Regions whose bit is on disk now.
@@ -192,14 +212,22 @@ mod tests {
         assert_eq!(bm.regions_of(0, 1), 0..1);
         assert_eq!(bm.regions_of((1 << 20) - 512, 1024), 0..2);
         assert_eq!(bm.regions_of(10 << 20, 4096), 9..10);
-        assert!(bm.dirty_at_start(1) && bm.dirty_at_start(9) && !bm.dirty_at_start(2));
-        assert_eq!(bm.next_dirty_at_start(2), Some(9));
-        assert_eq!(bm.dirty_at_start_count(), 2);
+        assert!(bm.to_recover(1) && bm.to_recover(9) && !bm.to_recover(2));
+        assert_eq!(bm.next_to_recover(2), Some(9));
+        assert_eq!(bm.to_recover_count(), 2);
         assert_eq!(bm.image(&[3]), vec![0b1010, 0b10]);
         assert!(!bm.start_write(&write(3 << 20, 4096)));
         assert!(bm.start_write(&write(1 << 20, 4096)));
         bm.set_durable(3);
         assert_eq!(bm.dirty_count(), 3);
+        // A re-add recovers what is dirty now: with the old set kept, or alone.
+        bm.clear_durable(9);
+        bm.recover_dirty(true);
+        assert_eq!(bm.to_recover_count(), 3);
+        assert!(bm.to_recover(3) && bm.to_recover(9));
+        bm.recover_dirty(false);
+        assert_eq!(bm.to_recover_count(), 2);
+        assert!(bm.to_recover(1) && bm.to_recover(3) && !bm.to_recover(9));
     }
 
     #[test]

@@ -301,11 +301,11 @@ impl Metadata {
                 (bits, examined.plan.events + 1)
             };
             let bm = Bitmap::new(region, array_bytes, &bits);
-            if !examined.plan.created && bm.dirty_at_start_count() > 0 {
+            if !examined.plan.created && bm.to_recover_count() > 0 {
                 log::info!(
                     "cairn: {}: write-intent bitmap: {} of {} regions of {} dirty",
                     expect.name,
-                    bm.dirty_at_start_count(),
+                    bm.to_recover_count(),
                     bm.regions(),
                     cairn_core::size::format_bytes(region)
                 );
@@ -349,7 +349,7 @@ impl Metadata {
         self.bitmap.as_ref()
     }
 
-    /// Whether member `m` is recovered from the bitmap (only the regions dirty at start).
+    /// Whether member `m` is recovered from the bitmap (only its regions to recover).
     pub fn partial(&self, m: usize) -> bool {
         let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         st.parts.get(m).is_some_and(|p| p.partial)
@@ -536,6 +536,67 @@ impl Metadata {
             }
         }
         self.write(false).map_err(|e| e.to_string())
+    }
+
+    /// Takes failed member `m` back (its device still open): its superblock is read, and
+    /// must be this member's. Returns whether the bitmap can bring it back (it was
+    /// current when it left and no bit was cleared since; else it is rebuilt whole).
+    /// Then every member in use, `m` too, gets a superblock that marks it rebuilding
+    /// (events bumped). Nothing is written if it is refused.
+    pub fn readd_member(&self, m: usize) -> Result<bool, String> {
+        if self.dry {
+            return Err("examined only".into());
+        }
+        let (device, name, member_uuid) = {
+            let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            match (st.parts.get(m), st.members.get(m)) {
+                (Some(p), Some(Some(d))) if p.state == MemberState::Failed => {
+                    (d.clone(), st.names[m].clone(), p.member_uuid)
+                }
+                (Some(p), _) if p.state == MemberState::Missing => {
+                    return Err("it is missing (removed): add a device in its place".into())
+                }
+                (Some(_), _) => return Err("it has not failed".into()),
+                (None, _) => return Err("no such member".into()),
+            }
+        };
+        let mut area = vec![0u8; SLOTS * SLOT_BYTES];
+        let q = queue(&device, &self.expect.name, &name).map_err(|e| e.to_string())?;
+        q.read(0, &mut area)
+            .map_err(|e| format!("reading its superblock failed ({e}): it stays failed"))?;
+        let sb = match superblock::pick(&area) {
+            Found::Valid { sb, .. }
+                if sb.array_uuid == self.array_uuid && sb.member_uuid == member_uuid =>
+            {
+                sb
+            }
+            _ => {
+                return Err(
+                    "it no longer holds its superblock of this array: it stays failed (add a new device in its place to rebuild it whole)"
+                        .into(),
+                )
+            }
+        };
+        let _writing = self.writing();
+        let partial = {
+            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let own = sb.roles.get(m).copied();
+            // As at assembly: current when it left (active, or recovered from the bitmap,
+            // whose regions are still dirty), and no bit cleared since it left.
+            let partial = self.bitmap.is_some()
+                && sb.events >= st.events_cleared
+                && own.is_some_and(|r| {
+                    r.state == MemberState::Active
+                        || (r.state == MemberState::Rebuilding && r.partial)
+                });
+            st.parts[m].state = MemberState::Rebuilding;
+            st.parts[m].recovery_offset = 0;
+            st.parts[m].partial = partial;
+            st.generations[m] = st.generations[m].max(sb.generation);
+            partial
+        };
+        self.write(false).map_err(|e| e.to_string())?;
+        Ok(partial)
     }
 
     /// Whether `device` may become a member: blank, or carrying a superblock of this

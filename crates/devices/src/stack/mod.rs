@@ -70,8 +70,7 @@ struct Health {
     sync: rebuild::WriteCounts,
     /// Per member not readable: member offsets below this are current (rebuilt so far).
     below: Vec<AtomicU64>,
-    /// Per member: recovered from the bitmap, so current outside the regions dirty at
-    /// start.
+    /// Per member: recovered from the bitmap, so current outside its regions to recover.
     partial: Vec<AtomicBool>,
     /// The write-intent bitmap, if the array keeps one.
     bitmap: Option<Arc<crate::array::bitmap::Bitmap>>,
@@ -123,7 +122,7 @@ impl Health {
                 && self
                     .bitmap
                     .as_ref()
-                    .is_some_and(|b| b.regions_of(logical, len).all(|r| !b.dirty_at_start(r))))
+                    .is_some_and(|b| b.regions_of(logical, len).all(|r| !b.to_recover(r))))
     }
 
     /// Whether a read of `len` bytes at `logical` must go to the first readable copy: the
@@ -136,7 +135,7 @@ impl Health {
             && self
                 .bitmap
                 .as_ref()
-                .is_none_or(|b| b.regions_of(logical, len).any(|r| b.dirty_at_start(r)))
+                .is_none_or(|b| b.regions_of(logical, len).any(|r| b.to_recover(r)))
     }
 
     fn fail(&self, member: usize, status: IoStatus) {
@@ -766,12 +765,13 @@ impl Device for StackDevice {
             ("fail", [member]) => self.fail(meta, member),
             ("remove", [member]) => self.shared.remove(meta, member),
             ("add", [spec]) => self.shared.add(meta, spec),
+            ("re-add", [member]) => self.shared.readd(meta, member),
             ("replace", [old, spec]) => self.shared.replace(meta, old, spec),
-            ("fail" | "remove", _) => Err(format!("usage: {action} ARRAY MEMBER")),
+            ("fail" | "remove" | "re-add", _) => Err(format!("usage: {action} ARRAY MEMBER")),
             ("add", _) => Err("usage: add ARRAY SPEC (e.g. file:/path/to/new.img)".into()),
             ("replace", _) => Err("usage: replace ARRAY OLD SPEC".into()),
             (other, _) => Err(format!(
-                "no array action '{other}' (known: fail, remove, add, replace)"
+                "no array action '{other}' (known: fail, remove, re-add, add, replace)"
             )),
         }
     }
@@ -1015,6 +1015,57 @@ impl Shared {
         });
         log::info!("cairn: {name}: '{new_name}' added in place of '{old}'; rebuilding it");
         Ok(old)
+    }
+
+    /// `re-add MEMBER`: a failed member whose device answers again (a remote one back on
+    /// the network, a disk reconnected) is taken back. It was current when it left, so
+    /// with a bitmap only the regions written since are copied to it; it is read
+    /// elsewhere until then. Without a bitmap, or if bits were cleared since it left, it
+    /// is rebuilt whole.
+    fn readd(
+        self: &Arc<Self>,
+        meta: &crate::array::Metadata,
+        member: &str,
+    ) -> Result<String, String> {
+        let name = &self.name;
+        let m = self.member_index(member)?;
+        if self.health.ok(m) {
+            return Err(format!("member '{member}' of '{name}' has not failed"));
+        }
+        if self.health.replacing(m) && self.health.ok(self.health.n + m) {
+            return Err(format!(
+                "member '{member}' of '{name}' is being replaced: wait for the replace to end"
+            ));
+        }
+        let partial = meta
+            .readd_member(m)
+            .map_err(|e| format!("cannot re-add '{member}' to '{name}': {e}"))?;
+        self.with_threads_stopped(|| {
+            let h = &self.health;
+            h.readable[m].store(false, Relaxed);
+            h.below[m].store(0, Relaxed);
+            h.partial[m].store(partial, Relaxed);
+            h.failed[m].store(false, Relaxed);
+            if let (true, Some(bm)) = (partial, &h.bitmap) {
+                // Every write that could have missed it has ended once this returns, with
+                // its bit on disk: the bits then are all it needs.
+                h.switch(|_, _| {});
+                let others = h.one_copy.load(Relaxed)
+                    || (0..h.n).any(|i| i != m && h.ok(i) && h.partial[i].load(Relaxed));
+                bm.recover_dirty(others);
+            }
+        });
+        let how = match &self.health.bitmap {
+            Some(bm) if partial => format!(
+                "copying the {} of {} regions of {} the bitmap marks",
+                bm.to_recover_count(),
+                bm.regions(),
+                cairn_core::size::format_bytes(bm.region_bytes())
+            ),
+            _ => "rebuilding it whole (no bitmap covers its absence)".to_string(),
+        };
+        log::info!("cairn: {name}: member {member} re-added by the admin; {how}");
+        Ok(format!("{name}: '{member}' re-added: {how} (see status)"))
     }
 
     /// Starts the thread that puts spares in the place of failed members, unless it

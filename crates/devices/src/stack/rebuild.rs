@@ -193,8 +193,8 @@ fn run_to_end(job: Job) {
         .collect();
     let bitmap = health.bitmap.clone();
     let resync = health.one_copy.load(Relaxed);
-    // What each member needs: everything (a full rebuild), or only the regions dirty at
-    // start (recovered from the bitmap); and, in a resync, every member in use gets the
+    // What each member needs: everything (a full rebuild), or only the bitmap's regions to
+    // recover (dirty at start or at a re-add); and, in a resync, every member in use gets the
     // dirty regions (all of them without a bitmap) from the copy reads come from.
     let full: Vec<bool> = (0..2 * n)
         .map(|m| {
@@ -211,7 +211,7 @@ fn run_to_end(job: Job) {
     let dirty = |logical: u64| {
         bitmap
             .as_ref()
-            .is_none_or(|b| b.dirty_at_start(b.region(logical)))
+            .is_none_or(|b| b.to_recover(b.region(logical)))
     };
     let needs = |m: usize, logical: u64| {
         health.ok(m) && (full[m] || ((partial[m] || resync) && m < n && dirty(logical)))
@@ -245,7 +245,7 @@ fn run_to_end(job: Job) {
     let visit = |from: u64| -> u64 {
         match &bitmap {
             Some(b) if !any_full => (b.region(from)..b.regions())
-                .filter(|&r| b.dirty_at_start(r))
+                .filter(|&r| b.to_recover(r))
                 .map(|r| {
                     let (lo, hi) = (
                         r as u64 * b.region_bytes(),
@@ -272,7 +272,7 @@ fn run_to_end(job: Job) {
         match &bitmap {
             Some(b) if !any_full => format!(
                 " ({} of {} regions dirty in the bitmap: {total} bytes)",
-                b.dirty_at_start_count(),
+                b.to_recover_count(),
                 b.regions()
             ),
             _ => String::new(),
@@ -300,7 +300,7 @@ fn run_to_end(job: Job) {
         // With only the bitmap's regions to copy, skip to the next dirty one.
         let mut batch_end = (at + BATCH_BYTES).min(size);
         if let (Some(b), false) = (&bitmap, any_full) {
-            match b.next_dirty_at_start(b.region(at)) {
+            match b.next_to_recover(b.region(at)) {
                 None => break,
                 Some(r) => {
                     at = at.max(r as u64 * b.region_bytes());
