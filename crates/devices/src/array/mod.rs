@@ -544,6 +544,44 @@ impl Metadata {
     /// Then every member in use, `m` too, gets a superblock that marks it rebuilding
     /// (events bumped). Nothing is written if it is refused.
     pub fn readd_member(&self, m: usize) -> Result<bool, String> {
+        let sb = self.probe(m)?;
+        let _writing = self.writing();
+        let partial = {
+            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            if st.parts.get(m).map(|p| p.state) != Some(MemberState::Failed) {
+                return Err("it has not failed".into());
+            }
+            let own = sb.roles.get(m).copied();
+            // As at assembly: current when it left (active, or recovered from the bitmap,
+            // whose regions are still dirty), and no bit cleared since it left.
+            let partial = self.bitmap.is_some()
+                && sb.events >= st.events_cleared
+                && own.is_some_and(|r| {
+                    r.state == MemberState::Active
+                        || (r.state == MemberState::Rebuilding && r.partial)
+                });
+            st.parts[m].state = MemberState::Rebuilding;
+            st.parts[m].recovery_offset = 0;
+            st.parts[m].partial = partial;
+            st.generations[m] = st.generations[m].max(sb.generation);
+            partial
+        };
+        self.write(false).map_err(|e| e.to_string())?;
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if st.parts[m].state != MemberState::Rebuilding {
+            return Err("its superblock could not be written: it stays failed".into());
+        }
+        Ok(partial)
+    }
+
+    /// Whether failed member `m` answers with its superblock (see
+    /// [`Metadata::readd_member`]). Writes nothing.
+    pub fn probe_member(&self, m: usize) -> Result<(), String> {
+        self.probe(m).map(|_| ())
+    }
+
+    /// Reads failed member `m`'s superblock: it must be this member's.
+    fn probe(&self, m: usize) -> Result<Superblock, String> {
         if self.dry {
             return Err("examined only".into());
         }
@@ -564,39 +602,17 @@ impl Metadata {
         let q = queue(&device, &self.expect.name, &name).map_err(|e| e.to_string())?;
         q.read(0, &mut area)
             .map_err(|e| format!("reading its superblock failed ({e}): it stays failed"))?;
-        let sb = match superblock::pick(&area) {
+        match superblock::pick(&area) {
             Found::Valid { sb, .. }
                 if sb.array_uuid == self.array_uuid && sb.member_uuid == member_uuid =>
             {
-                sb
+                Ok(sb)
             }
-            _ => {
-                return Err(
-                    "it no longer holds its superblock of this array: it stays failed (add a new device in its place to rebuild it whole)"
-                        .into(),
-                )
-            }
-        };
-        let _writing = self.writing();
-        let partial = {
-            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-            let own = sb.roles.get(m).copied();
-            // As at assembly: current when it left (active, or recovered from the bitmap,
-            // whose regions are still dirty), and no bit cleared since it left.
-            let partial = self.bitmap.is_some()
-                && sb.events >= st.events_cleared
-                && own.is_some_and(|r| {
-                    r.state == MemberState::Active
-                        || (r.state == MemberState::Rebuilding && r.partial)
-                });
-            st.parts[m].state = MemberState::Rebuilding;
-            st.parts[m].recovery_offset = 0;
-            st.parts[m].partial = partial;
-            st.generations[m] = st.generations[m].max(sb.generation);
-            partial
-        };
-        self.write(false).map_err(|e| e.to_string())?;
-        Ok(partial)
+            _ => Err(
+                "it no longer holds its superblock of this array: it stays failed (add a new device in its place to rebuild it whole)"
+                    .into(),
+            ),
+        }
     }
 
     /// Whether `device` may become a member: blank, or carrying a superblock of this

@@ -385,10 +385,18 @@ impl Keys<'_> {
     /// "none") and `bitmap_delay`; only with metadata.
     fn rebuild_rate(&self, metadata: bool) -> Result<super::ArrayOptions, Error> {
         let mut rate = super::ArrayOptions::default();
-        for key in ["rebuild_min", "rebuild_max", "bitmap", "bitmap_delay"] {
+        for key in [
+            "rebuild_min",
+            "rebuild_max",
+            "bitmap",
+            "bitmap_delay",
+            "readd",
+        ] {
             if self.table.contains_key(key) && !metadata {
                 let why = if key.starts_with("bitmap") {
                     "needs metadata = \"1\" (the bitmap is kept in the superblocks)"
+                } else if key == "readd" {
+                    "needs metadata = \"1\" (a member is known again by its superblock)"
                 } else {
                     "needs metadata = \"1\" (only such arrays rebuild)"
                 };
@@ -414,6 +422,11 @@ impl Keys<'_> {
                 return Err(self.bad("bitmap_delay", "is set, but bitmap = \"none\""));
             }
             rate.bitmap_delay = d;
+        }
+        if matches!(self.table.get("readd"), Some(Value::String(s)) if s == "none") {
+            rate.readd = None;
+        } else if let Some(d) = self.duration_in("readd", limits::READD, false)? {
+            rate.readd = Some(d);
         }
         if let Some(min) = self.size_in("rebuild_min", limits::BANDWIDTH_MIN..=u64::MAX, "")? {
             rate.min_bytes = min;
@@ -470,6 +483,7 @@ pub(super) fn parse_device(
             "rebuild_max",
             "bitmap",
             "bitmap_delay",
+            "readd",
         ],
         "stripe" => &["members", "chunk", "metadata"],
         "raid10" => &[
@@ -481,6 +495,7 @@ pub(super) fn parse_device(
             "rebuild_max",
             "bitmap",
             "bitmap_delay",
+            "readd",
         ],
         "fault" => &[
             "base",

@@ -55,6 +55,10 @@ pub struct ArrayOptions {
     /// How long a region stays idle before its bit is cleared, and how often that is
     /// looked at (`bitmap_delay`, default 5 s, md's `--delay`).
     pub bitmap_delay: std::time::Duration,
+    /// How often a member that failed by an I/O error is tried again, and re-added once
+    /// its device answers with its superblock (`readd`; `None`, the default: only by the
+    /// admin's `re-add`).
+    pub readd: Option<std::time::Duration>,
 }
 
 impl Default for ArrayOptions {
@@ -64,6 +68,7 @@ impl Default for ArrayOptions {
             max_bytes: 0,
             bitmap_region: DEFAULT_BITMAP_REGION,
             bitmap_delay: std::time::Duration::from_secs(5),
+            readd: None,
         }
     }
 }
@@ -127,6 +132,9 @@ pub mod limits {
     pub const BITMAP_REGION: RangeInclusive<u64> = (64 << 10)..=(1 << 40);
     /// `bitmap_delay` of mirror and raid10.
     pub const BITMAP_DELAY: RangeInclusive<Duration> =
+        Duration::from_millis(100)..=Duration::from_secs(3600);
+    /// `readd` of mirror and raid10.
+    pub const READD: RangeInclusive<Duration> =
         Duration::from_millis(100)..=Duration::from_secs(3600);
     /// `[writeback]` `expire`.
     pub const EXPIRE: RangeInclusive<Duration> =

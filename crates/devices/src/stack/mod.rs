@@ -259,8 +259,11 @@ pub struct Shared {
     changing: std::sync::Mutex<()>,
     /// Devices waiting to take the place of a member that fails, and their names.
     spares: std::sync::Mutex<Vec<(Arc<dyn Device>, String)>>,
-    /// The thread that puts them there, while there are spares.
+    /// The thread that puts them there, while there are spares, and re-adds members
+    /// that answer again (`readd`).
     watcher: std::sync::Mutex<Option<Thread>>,
+    /// Per member: failed by the admin (never re-added but by the admin).
+    by_admin: Vec<AtomicBool>,
 }
 
 /// A control thread's stop flag and handle.
@@ -359,6 +362,7 @@ impl StackDevice {
                 changing: std::sync::Mutex::new(()),
                 spares: std::sync::Mutex::new(Vec::new()),
                 watcher: std::sync::Mutex::new(None),
+                by_admin: (0..n).map(|_| AtomicBool::new(false)).collect(),
             }),
         })
     }
@@ -408,6 +412,9 @@ impl StackDevice {
         if !metadata.dry() {
             let threads = self.shared.start_threads();
             *self.threads.lock().unwrap_or_else(|p| p.into_inner()) = threads;
+            if options.readd.is_some() && self.layout.copies() > 1 {
+                self.shared.watch_members();
+            }
         }
         self
     }
@@ -831,6 +838,7 @@ impl Shared {
                 names.join(", ")
             ));
         }
+        self.by_admin[m].store(true, Relaxed);
         self.health.readable[m].store(false, Relaxed);
         self.health.failed[m].store(true, Relaxed);
         log::warn!("cairn: {name}: member {member} failed by the admin; running degraded");
@@ -955,7 +963,7 @@ impl Shared {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .push((device, new_name.clone()));
-            self.watch_spares();
+            self.watch_members();
             log::info!("cairn: {name}: '{new_name}' added as a spare");
             return Ok(format!(
                 "{name}: '{new_name}' added as a spare: it takes the place of the next member that fails (to swap a working member for a new device: replace {name} OLD SPEC)"
@@ -1013,6 +1021,7 @@ impl Shared {
             self.health.below[m].store(0, Relaxed);
             self.health.failed[m].store(false, Relaxed);
         });
+        self.by_admin[m].store(false, Relaxed);
         log::info!("cairn: {name}: '{new_name}' added in place of '{old}'; rebuilding it");
         Ok(old)
     }
@@ -1037,9 +1046,22 @@ impl Shared {
                 "member '{member}' of '{name}' is being replaced: wait for the replace to end"
             ));
         }
-        let partial = meta
-            .readd_member(m)
+        let how = self
+            .take_back(meta, m)
             .map_err(|e| format!("cannot re-add '{member}' to '{name}': {e}"))?;
+        log::info!("cairn: {name}: member {member} re-added by the admin; {how}");
+        Ok(format!("{name}: '{member}' re-added: {how} (see status)"))
+    }
+
+    /// Takes failed member `m` back (see [`Shared::readd`]): how it is brought up to
+    /// date.
+    fn take_back(
+        self: &Arc<Self>,
+        meta: &crate::array::Metadata,
+        m: usize,
+    ) -> Result<String, String> {
+        let partial = meta.readd_member(m)?;
+        self.by_admin[m].store(false, Relaxed);
         self.with_threads_stopped(|| {
             let h = &self.health;
             h.readable[m].store(false, Relaxed);
@@ -1064,13 +1086,12 @@ impl Shared {
             ),
             _ => "rebuilding it whole (no bitmap covers its absence)".to_string(),
         };
-        log::info!("cairn: {name}: member {member} re-added by the admin; {how}");
-        Ok(format!("{name}: '{member}' re-added: {how} (see status)"))
+        Ok(how)
     }
 
-    /// Starts the thread that puts spares in the place of failed members, unless it
-    /// runs.
-    fn watch_spares(self: &Arc<Self>) {
+    /// Starts the thread that puts spares in the place of failed members and re-adds
+    /// members that answer again, unless it runs.
+    fn watch_members(self: &Arc<Self>) {
         let mut watcher = self.watcher.lock().unwrap_or_else(|p| p.into_inner());
         if watcher.is_some() {
             return;
@@ -1078,22 +1099,24 @@ impl Shared {
         let stop = Arc::new(AtomicBool::new(false));
         let (me, halt) = (self.clone(), stop.clone());
         match std::thread::Builder::new()
-            .name(format!("cairn-spares-{}", self.name))
-            .spawn(move || me.use_spares_until(&halt))
+            .name(format!("cairn-members-{}", self.name))
+            .spawn(move || me.watch_until(&halt))
         {
             Ok(handle) => *watcher = Some((stop, handle)),
             Err(e) => log::error!(
-                "cairn: {}: cannot start the spares' thread (spares stay unused): {e}",
+                "cairn: {}: cannot start the members' thread (spares stay unused, no member is re-added but by the admin): {e}",
                 self.name
             ),
         }
     }
 
     /// Puts a spare in the place of each member that fails (and of each missing one),
-    /// until `stop`.
-    fn use_spares_until(self: Arc<Self>, stop: &AtomicBool) {
+    /// and, with `readd`, tries members that failed by an I/O error again, until `stop`.
+    fn watch_until(self: Arc<Self>, stop: &AtomicBool) {
         cairn_core::reactor::block_signals_in_this_thread();
         let mut seen = u64::MAX;
+        // Per member: when to try it next, while it is failed.
+        let mut next_try: Vec<Option<std::time::Instant>> = vec![None; self.health.n];
         while !stop.load(SeqCst) {
             {
                 let count = self
@@ -1113,7 +1136,7 @@ impl Shared {
             let Some(meta) = self.metadata.as_ref().filter(|m| !m.dry()) else {
                 return;
             };
-            let _changing = self.changing.lock().unwrap_or_else(|p| p.into_inner());
+            let changing = self.changing.lock().unwrap_or_else(|p| p.into_inner());
             while !stop.load(SeqCst) {
                 let Some(m) = self.free_slot(meta) else { break };
                 let spare = {
@@ -1128,6 +1151,66 @@ impl Shared {
                 } else {
                     log::info!("cairn: {}: {}", self.name, self.members_line());
                 }
+            }
+            drop(changing);
+            if let Some(every) = self.options.readd {
+                self.readd_due(meta, every, &mut next_try);
+            }
+        }
+    }
+
+    /// Tries again each member that failed by an I/O error (not by the admin) once its
+    /// time has come; re-adds it if its device answers with its superblock.
+    fn readd_due(
+        self: &Arc<Self>,
+        meta: &crate::array::Metadata,
+        every: std::time::Duration,
+        next_try: &mut [Option<std::time::Instant>],
+    ) {
+        use crate::array::superblock::MemberState;
+        let states = meta.states();
+        let n = self.health.n;
+        let now = std::time::Instant::now();
+        for m in 0..n {
+            let candidate = !self.health.ok(m)
+                && states[m] == MemberState::Failed
+                && !self.by_admin[m].load(Relaxed)
+                && !(self.health.replacing(m) && self.health.ok(n + m));
+            if !candidate {
+                next_try[m] = None;
+                continue;
+            }
+            let member = self.health.name(m);
+            match next_try[m] {
+                None => {
+                    log::info!(
+                        "cairn: {}: member {member} will be tried again every {every:?}, and re-added once it answers",
+                        self.name
+                    );
+                    next_try[m] = Some(now + every);
+                }
+                // Its device is read first without holding up admin actions (a remote
+                // one may take its timeout to answer).
+                Some(t) if t <= now => match meta.probe_member(m).and_then(|()| {
+                    let _changing = self.changing.lock().unwrap_or_else(|p| p.into_inner());
+                    if self.health.ok(m) {
+                        return Err("taken back meanwhile".into());
+                    }
+                    self.take_back(meta, m)
+                }) {
+                    Ok(how) => {
+                        log::info!(
+                            "cairn: {}: member {member} answers again: re-added; {how}",
+                            self.name
+                        );
+                        next_try[m] = None;
+                    }
+                    Err(e) => {
+                        log::debug!("cairn: {}: member {member} not re-added: {e}", self.name);
+                        next_try[m] = Some(now + every);
+                    }
+                },
+                Some(_) => {}
             }
         }
     }
