@@ -1172,11 +1172,12 @@ impl Shared {
         let n = self.health.n;
         let now = std::time::Instant::now();
         for m in 0..n {
-            let candidate = !self.health.ok(m)
-                && states[m] == MemberState::Failed
-                && !self.by_admin[m].load(Relaxed)
-                && !(self.health.replacing(m) && self.health.ok(n + m));
-            if !candidate {
+            let being_replaced = self.health.replacing(m) && self.health.ok(n + m);
+            if self.health.ok(m)
+                || states[m] != MemberState::Failed
+                || self.by_admin[m].load(Relaxed)
+                || being_replaced
+            {
                 next_try[m] = None;
                 continue;
             }
