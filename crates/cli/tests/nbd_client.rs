@@ -1173,6 +1173,9 @@ fn a_remote_mirror_member_that_comes_back_is_re_added_by_the_bitmap() {
     let out = m.array_action("fail", &["a"]).unwrap();
     assert!(out.contains("failed"), "{out}");
     read_all("the remote member alone");
+    // A member the admin failed is not taken back by itself (several tries' worth).
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(status().contains("[_U]"), "{}", status());
     drop(q);
     drop(m);
     let (da, dr) = (std::fs::read(&a).unwrap(), std::fs::read(&r).unwrap());

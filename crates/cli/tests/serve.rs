@@ -3404,6 +3404,98 @@ mod arrays {
         }
     }
 
+    /// A member left out of a start (named `missing`) and added back while the array
+    /// runs is known by its superblock: only the regions written without it are copied.
+    /// A device of the same array that ran on without it (events ahead) is refused.
+    #[test]
+    fn a_member_left_out_of_a_start_and_added_back_copies_only_what_it_missed() {
+        const PAGES: u64 = 64;
+        let stride = 128u64 << 10;
+        let dir = tmpdir();
+        let ctl = dir.path().join("admin.sock");
+        let (a, b) = (dir.path().join("a.img"), dir.path().join("b.img"));
+        let text = |members: &str| {
+            format!(
+                "[device.a]\ntype = \"file\"\npath = \"{}\"\nsize = \"9M\"\n\
+                 [device.b]\ntype = \"file\"\npath = \"{}\"\nsize = \"9M\"\n\
+                 [device.m]\ntype = \"mirror\"\nmembers = [{members}]\nmetadata = \"1\"\n\
+                 bitmap = \"64K\"\nbitmap_delay = \"100ms\"\n",
+                a.display(),
+                b.display()
+            )
+        };
+        let both = write_stack(&dir, &text("\"a\", \"b\""));
+        let args = [path_str(&both), "--admin", path_str(&ctl)];
+        let write = |srv: &Server, pages: &[u64], version: u64| {
+            let (mut c, _, _) = Raw::go(&srv.sock, "");
+            for &p in pages {
+                c.request(0, CMD_WRITE, p + 1, p * stride, 4096, &block(p, version))
+                    .unwrap();
+                c.expect(p + 1, 0);
+            }
+            c.request(0, CMD_FLUSH, 999, 0, 0, &[]).unwrap();
+            c.expect(999, 0);
+            c.disconnect();
+        };
+        let all: Vec<u64> = (0..PAGES).collect();
+        let mut srv = Server::start_in(tmpdir(), &args);
+        write(&srv, &all, 1);
+        let status = || success("status", &admin(&ctl, &["status"]));
+        let t = std::time::Instant::now();
+        while !status().contains("bitmap: 0 of") {
+            assert!(t.elapsed() < Duration::from_secs(60), "bits never cleared");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let (code, log) = srv.stop();
+        assert!(code.success(), "{log}");
+        // Started without b, on purpose.
+        let one = dir.path().join("one.toml");
+        let without_b = text("\"a\", \"missing\"");
+        let b_table = format!(
+            "[device.b]\ntype = \"file\"\npath = \"{}\"\nsize = \"9M\"\n",
+            b.display()
+        );
+        std::fs::write(&one, without_b.replace(&b_table, "")).unwrap();
+        let mut srv = Server::start_in(tmpdir(), &[path_str(&one), "--admin", path_str(&ctl)]);
+        let changed = [3u64, 20, 21, 40];
+        write(&srv, &changed, 2);
+        let spec = format!("file:{}", b.display());
+        let out = success("add b", &admin(&ctl, &["add", "m", &spec]));
+        assert!(out.contains("added in place of 'missing'"), "{out}");
+        let t = std::time::Instant::now();
+        while !status().contains("[UU]") {
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "never rebuilt: {}",
+                status()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let moved = 4 * (64u64 << 10);
+        assert!(
+            status().contains(&format!("read {moved} bytes, wrote {moved} bytes")),
+            "{}",
+            status()
+        );
+        // b alone reads back every write.
+        success("fail a", &admin(&ctl, &["fail", "m", "a"]));
+        {
+            let (mut c, _, _) = Raw::go(&srv.sock, "");
+            for p in 0..PAGES {
+                c.request(0, CMD_READ, p + 1000, p * stride, 4096, &[])
+                    .unwrap();
+                c.expect(p + 1000, 0);
+                let data = c.read_exact(4096).unwrap();
+                let v = if changed.contains(&p) { 2 } else { 1 };
+                assert_eq!(version_of(p, &data, "b alone"), v);
+            }
+            c.disconnect();
+        }
+        let (code, log) = srv.stop();
+        assert!(code.success(), "{log}");
+        assert!(log.contains("copying the 4 of 128 regions"), "{log}");
+    }
+
     #[test]
     fn kill_9_under_writes_then_resync_keeps_every_flushed_write_and_the_copies_agree() {
         // Pages spread over the whole array, so that the write-intent bitmap (64 KiB

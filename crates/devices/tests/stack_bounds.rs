@@ -351,6 +351,22 @@ fn bitmap_keys_need_metadata_a_power_of_two_and_a_sane_range() {
     bad(
         &mirror("metadata = \"1\"\nbitmap = \"none\"\nbitmap_delay = \"1s\""),
         &["'r'", "'bitmap_delay'", "none"],
+    ); // readd: a time from 100ms to 1h, or "none"; with metadata only.
+    good(&mirror("metadata = \"1\"\nreadd = \"100ms\""));
+    good(&mirror("metadata = \"1\"\nreadd = \"1h\""));
+    good(&mirror("metadata = \"1\"\nreadd = \"none\""));
+    bad(&mirror("readd = \"5s\""), &["'r'", "'readd'", "metadata"]);
+    bad(
+        &mirror("metadata = \"1\"\nreadd = \"50ms\""),
+        &["'r'", "'readd'", "out of range"],
+    );
+    bad(
+        &mirror("metadata = \"1\"\nreadd = \"2h\""),
+        &["'r'", "'readd'", "out of range"],
+    );
+    bad(
+        &mirror("metadata = \"1\"\nreadd = \"soon\""),
+        &["'r'", "'readd'"],
     );
 }
 

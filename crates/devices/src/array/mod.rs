@@ -551,15 +551,7 @@ impl Metadata {
             if st.parts.get(m).map(|p| p.state) != Some(MemberState::Failed) {
                 return Err("it has not failed".into());
             }
-            let own = sb.roles.get(m).copied();
-            // As at assembly: current when it left (active, or recovered from the bitmap,
-            // whose regions are still dirty), and no bit cleared since it left.
-            let partial = self.bitmap.is_some()
-                && sb.events >= st.events_cleared
-                && own.is_some_and(|r| {
-                    r.state == MemberState::Active
-                        || (r.state == MemberState::Rebuilding && r.partial)
-                });
+            let partial = self.bitmap_covers(&st, m, &sb);
             st.parts[m].state = MemberState::Rebuilding;
             st.parts[m].recovery_offset = 0;
             st.parts[m].partial = partial;
@@ -572,6 +564,17 @@ impl Metadata {
             return Err("its superblock could not be written: it stays failed".into());
         }
         Ok(partial)
+    }
+
+    /// Whether the bitmap holds everything member `m`, whose last superblock is `sb`,
+    /// missed: as at assembly, it was current when it left (active, or recovered from the
+    /// bitmap, whose regions are still dirty) and no bit was cleared since.
+    fn bitmap_covers(&self, st: &MetaState, m: usize, sb: &Superblock) -> bool {
+        self.bitmap.is_some()
+            && sb.events >= st.events_cleared
+            && sb.roles.get(m).is_some_and(|r| {
+                r.state == MemberState::Active || (r.state == MemberState::Rebuilding && r.partial)
+            })
     }
 
     /// Whether failed member `m` answers with its superblock (see
@@ -654,6 +657,68 @@ impl Metadata {
             ));
         }
         Ok(())
+    }
+
+    /// Makes `device` member `m`, rebuilding. A device that was this member (this
+    /// array's superblock, role `m`, an identity no other member has) is taken back as
+    /// [`Metadata::readd_member`] takes one: returns whether the bitmap can bring it
+    /// back. Any other device is made a new member ([`Metadata::set_member`]) and
+    /// rebuilt whole. One that ran on without this array's other members (events ahead
+    /// of the array's) is refused: what it holds is newer than what the array served.
+    pub fn join(&self, m: usize, device: Arc<dyn Device>, name: &str) -> Result<bool, String> {
+        if self.dry {
+            return Err("examined only".into());
+        }
+        let mut area = vec![0u8; SLOTS * SLOT_BYTES];
+        let q = queue(&device, &self.expect.name, name).map_err(|e| e.to_string())?;
+        q.read(0, &mut area)
+            .map_err(|e| format!("reading its superblock failed: {e}"))?;
+        let sb = match superblock::pick(&area) {
+            Found::Valid { sb, .. } if sb.array_uuid == self.array_uuid && sb.role == m as u32 => {
+                sb
+            }
+            _ => {
+                self.set_member(m, device, name, MemberState::Rebuilding)?;
+                return Ok(false);
+            }
+        };
+        let _writing = self.writing();
+        let partial = {
+            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            if sb.events > st.events {
+                return Err(format!(
+                    "it ran on without the array's other members (events {} ahead of the array's {}): it holds writes this array never saw; clear its first 16 KiB to rebuild it from this array, or stop and assemble from it",
+                    sb.events, st.events
+                ));
+            }
+            let taken =
+                st.parts.iter().enumerate().any(|(i, p)| {
+                    i != m && p.member_uuid == sb.member_uuid && st.members[i].is_some()
+                });
+            if taken {
+                drop(st);
+                drop(_writing);
+                self.set_member(m, device, name, MemberState::Rebuilding)?;
+                return Ok(false);
+            }
+            let partial = self.bitmap_covers(&st, m, &sb);
+            st.parts[m] = Part {
+                state: MemberState::Rebuilding,
+                recovery_offset: 0,
+                member_uuid: sb.member_uuid,
+                partial,
+            };
+            st.generations[m] = sb.generation;
+            st.members[m] = Some(device);
+            st.names[m] = name.to_string();
+            partial
+        };
+        self.write(false).map_err(|e| e.to_string())?;
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if st.parts[m].state != MemberState::Rebuilding {
+            return Err("its superblock could not be written".into());
+        }
+        Ok(partial)
     }
 
     /// Makes `device` member `m` (`state`: rebuilding for a member added, active for a

@@ -999,11 +999,11 @@ impl Shared {
         device: Arc<dyn Device>,
         new_name: &str,
     ) -> Result<String, String> {
-        use crate::array::superblock::MemberState;
         let name = &self.name;
         let old = self.health.name(m);
         // Recorded first: the new member is known as rebuilding before it gets a write.
-        meta.set_member(m, device.clone(), new_name, MemberState::Rebuilding)
+        let partial = meta
+            .join(m, device.clone(), new_name)
             .map_err(|e| format!("cannot add '{new_name}' to '{name}': {e}"))?;
         self.with_threads_stopped(|| {
             // Nothing sent to the old device is in flight once the switch returns; from
@@ -1017,12 +1017,18 @@ impl Shared {
                 devices[n + m] = None;
             });
             self.health.readable[m].store(false, Relaxed);
-            self.health.partial[m].store(false, Relaxed);
+            self.health.partial[m].store(partial, Relaxed);
             self.health.below[m].store(0, Relaxed);
             self.health.failed[m].store(false, Relaxed);
+            if partial {
+                self.recover_for(m);
+            }
         });
         self.by_admin[m].store(false, Relaxed);
-        log::info!("cairn: {name}: '{new_name}' added in place of '{old}'; rebuilding it");
+        log::info!(
+            "cairn: {name}: '{new_name}' added in place of '{old}'; {}",
+            self.how(partial)
+        );
         Ok(old)
     }
 
@@ -1068,25 +1074,37 @@ impl Shared {
             h.below[m].store(0, Relaxed);
             h.partial[m].store(partial, Relaxed);
             h.failed[m].store(false, Relaxed);
-            if let (true, Some(bm)) = (partial, &h.bitmap) {
-                // Every write that could have missed it has ended once this returns, with
-                // its bit on disk: the bits then are all it needs.
-                h.switch(|_, _| {});
-                let others = h.one_copy.load(Relaxed)
-                    || (0..h.n).any(|i| i != m && h.ok(i) && h.partial[i].load(Relaxed));
-                bm.recover_dirty(others);
+            if partial {
+                self.recover_for(m);
             }
         });
-        let how = match &self.health.bitmap {
+        Ok(self.how(partial))
+    }
+
+    /// Member `m`, back and taking writes, is to get the regions the bitmap marks now.
+    fn recover_for(&self, m: usize) {
+        let h = &self.health;
+        if let Some(bm) = &h.bitmap {
+            // Every write that could have missed it has ended once this returns, with
+            // its bit on disk: the bits then are all it needs.
+            h.switch(|_, _| {});
+            let others = h.one_copy.load(Relaxed)
+                || (0..h.n).any(|i| i != m && h.ok(i) && h.partial[i].load(Relaxed));
+            bm.recover_dirty(others);
+        }
+    }
+
+    /// How a member taken back is brought up to date, for the log and the reply.
+    fn how(&self, partial: bool) -> String {
+        match &self.health.bitmap {
             Some(bm) if partial => format!(
                 "copying the {} of {} regions of {} the bitmap marks",
                 bm.to_recover_count(),
                 bm.regions(),
                 cairn_core::size::format_bytes(bm.region_bytes())
             ),
-            _ => "rebuilding it whole (no bitmap covers its absence)".to_string(),
-        };
-        Ok(how)
+            _ => "rebuilding it whole".to_string(),
+        }
     }
 
     /// Starts the thread that puts spares in the place of failed members and re-adds
