@@ -766,3 +766,48 @@ fn damaged_superblocks_fall_back_or_are_refused_cleanly() {
         std::fs::write(&b, &good_b).expect("restore b");
     }
 }
+
+/// A member that ran on without the others (the array was started with them named
+/// `missing`) holds writes the others never saw: added back to an array of the others,
+/// it is refused with its events named, and nothing changes.
+#[test]
+fn a_member_that_ran_on_without_the_others_is_refused_when_added() {
+    let dir = tempfile::tempdir().expect("a directory");
+    let (a, b) = (dir.path().join("a.img"), dir.path().join("b.img"));
+    let mirror = |members: &str| {
+        let mut t = String::new();
+        if members.contains("\"a\"") {
+            t += &file("a", &a);
+        }
+        if members.contains("\"b\"") {
+            t += &file("b", &b);
+        }
+        t + &format!(
+            "[device.m]\ntype = \"mirror\"\nmembers = [{members}]\nmetadata = \"1\"\nbitmap = \"64K\"\n"
+        )
+    };
+    let data = pattern(1, 4096);
+    {
+        let m = open(&mirror("\"a\", \"b\""), "m").expect("created");
+        queue(&m).write(0, &data, IoFlags::FUA).expect("write");
+    }
+    // b runs on alone and takes a write a never sees.
+    {
+        let m = open(&mirror("\"missing\", \"b\""), "m").expect("b alone");
+        queue(&m)
+            .write(0, &pattern(2, 4096), IoFlags::FUA)
+            .expect("write");
+    }
+    // a alone (the operator vouched for it by naming b missing), then b is added back.
+    let m = open(&mirror("\"a\", \"missing\""), "m").expect("a alone");
+    let spec = format!("file:{}", b.display());
+    let before = std::fs::read(&b).unwrap();
+    let e = m.array_action("add", &[&spec]).expect_err("b is newer");
+    assert!(e.contains("ran on without") && e.contains("events"), "{e}");
+    assert!(std::fs::read(&b).unwrap() == before, "b was changed");
+    assert!(
+        m.array_status().unwrap().contains("[U_]"),
+        "{}",
+        m.array_status().unwrap()
+    );
+}
