@@ -1,5 +1,4 @@
-//! Arrays that keep their state on their members (in progress: issue "Arrays that
-//! remember").
+//! Arrays that keep their state on their members (issue "Arrays that remember").
 //!
 //! - [`superblock`]: the on-disk superblock, format version 1: identity, role, layout,
 //!   event counter, every member's state and rebuild checkpoint, in two checksummed slots
