@@ -557,12 +557,34 @@ impl Metadata {
             st.generations[m] = st.generations[m].max(sb.generation);
             partial
         };
+        self.write_rebuilding(m)
+            .map_err(|e| format!("{e}: it stays failed"))?;
+        Ok(partial)
+    }
+
+    /// A member's metadata area (both superblock slots), and the queue it was read
+    /// through.
+    fn read_area(
+        &self,
+        device: &Arc<dyn Device>,
+        name: &str,
+    ) -> Result<(BlockingQueue, Vec<u8>), String> {
+        let mut area = vec![0u8; SLOTS * SLOT_BYTES];
+        let q = queue(device, &self.expect.name, name).map_err(|e| e.to_string())?;
+        q.read(0, &mut area)
+            .map_err(|e| format!("reading its superblocks failed: {e}"))?;
+        Ok((q, area))
+    }
+
+    /// Writes the superblocks after member `m` was made rebuilding; fails if it did not
+    /// take its own (then it is failed again).
+    fn write_rebuilding(&self, m: usize) -> Result<(), String> {
         self.write(false).map_err(|e| e.to_string())?;
         let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if st.parts[m].state != MemberState::Rebuilding {
-            return Err("its superblock could not be written: it stays failed".into());
+            return Err("its superblock could not be written".into());
         }
-        Ok(partial)
+        Ok(())
     }
 
     /// Whether the bitmap holds everything member `m`, whose last superblock is `sb`,
@@ -600,10 +622,9 @@ impl Metadata {
                 (None, _) => return Err("no such member".into()),
             }
         };
-        let mut area = vec![0u8; SLOTS * SLOT_BYTES];
-        let q = queue(&device, &self.expect.name, &name).map_err(|e| e.to_string())?;
-        q.read(0, &mut area)
-            .map_err(|e| format!("reading its superblock failed ({e}): it stays failed"))?;
+        let (_, area) = self
+            .read_area(&device, &name)
+            .map_err(|e| format!("{e}: it stays failed"))?;
         match superblock::pick(&area) {
             Found::Valid { sb, .. }
                 if sb.array_uuid == self.array_uuid && sb.member_uuid == member_uuid =>
@@ -620,10 +641,7 @@ impl Metadata {
     /// Whether `device` may become a member: blank, or carrying a superblock of this
     /// array (a member that left, added back). Anything else could be someone's data.
     pub fn may_join(&self, device: &Arc<dyn Device>, name: &str) -> Result<(), String> {
-        let mut area = vec![0u8; SLOTS * SLOT_BYTES];
-        let q = queue(device, &self.expect.name, name).map_err(|e| e.to_string())?;
-        q.read(0, &mut area)
-            .map_err(|e| format!("reading its first {} bytes failed: {e}", area.len()))?;
+        let (q, area) = self.read_area(device, name)?;
         let wipe = "clear its first 16 KiB (dd if=/dev/zero of=FILE bs=16K count=1 conv=notrunc) to use it";
         match superblock::pick(&area) {
             Found::Blank => {}
@@ -668,10 +686,7 @@ impl Metadata {
         if self.dry {
             return Err("examined only".into());
         }
-        let mut area = vec![0u8; SLOTS * SLOT_BYTES];
-        let q = queue(&device, &self.expect.name, name).map_err(|e| e.to_string())?;
-        q.read(0, &mut area)
-            .map_err(|e| format!("reading its superblock failed: {e}"))?;
+        let (_, area) = self.read_area(&device, name)?;
         let sb = match superblock::pick(&area) {
             Found::Valid { sb, .. } if sb.array_uuid == self.array_uuid && sb.role == m as u32 => {
                 sb
@@ -712,11 +727,7 @@ impl Metadata {
             st.names[m] = name.to_string();
             partial
         };
-        self.write(false).map_err(|e| e.to_string())?;
-        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if st.parts[m].state != MemberState::Rebuilding {
-            return Err("its superblock could not be written".into());
-        }
+        self.write_rebuilding(m)?;
         Ok(partial)
     }
 

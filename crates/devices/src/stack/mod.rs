@@ -189,6 +189,11 @@ impl Health {
             .is_some_and(Option::is_some)
     }
 
+    /// Whether a working replacement is being built for member `m`.
+    fn being_replaced(&self, m: usize) -> bool {
+        self.replacing(m) && self.ok(self.n + m)
+    }
+
     /// Changes the member devices: `change` edits them and their names; queues follow at
     /// their next request. Returns once no change of data sent to the old set is in
     /// flight, so that from then on every write reaches the new set (a write never
@@ -677,7 +682,7 @@ impl Device for StackDevice {
             };
             flags.push(if self.health.readable(m) { 'U' } else { '_' });
             members.push(format!("{} {state}", self.health.name(m)));
-            if self.health.replacing(m) && self.health.ok(self.health.n + m) {
+            if self.health.being_replaced(m) {
                 members.push(format!(
                     "{} replacing {}",
                     self.health.name(self.health.n + m),
@@ -863,7 +868,7 @@ impl Shared {
                 "member '{member}' of '{name}' is in use: fail it first"
             ));
         }
-        if self.health.replacing(m) && self.health.ok(self.health.n + m) {
+        if self.health.being_replaced(m) {
             return Err(format!(
                 "member '{member}' of '{name}' is being replaced: wait for the replace to end"
             ));
@@ -983,7 +988,7 @@ impl Shared {
         use crate::array::superblock::MemberState;
         let states = meta.states();
         let n = self.health.n;
-        let free = |m: usize| !(self.health.replacing(m) && self.health.ok(n + m));
+        let free = |m: usize| !self.health.being_replaced(m);
         (0..n)
             .find(|&m| states[m] == MemberState::Missing && free(m))
             .or_else(|| {
@@ -1047,7 +1052,7 @@ impl Shared {
         if self.health.ok(m) {
             return Err(format!("member '{member}' of '{name}' has not failed"));
         }
-        if self.health.replacing(m) && self.health.ok(self.health.n + m) {
+        if self.health.being_replaced(m) {
             return Err(format!(
                 "member '{member}' of '{name}' is being replaced: wait for the replace to end"
             ));
@@ -1190,7 +1195,7 @@ impl Shared {
         let n = self.health.n;
         let now = std::time::Instant::now();
         for m in 0..n {
-            let being_replaced = self.health.replacing(m) && self.health.ok(n + m);
+            let being_replaced = self.health.being_replaced(m);
             if self.health.ok(m)
                 || states[m] != MemberState::Failed
                 || self.by_admin[m].load(Relaxed)
@@ -1246,7 +1251,7 @@ impl Shared {
         let name = &self.name;
         let m = self.member_index(old)?;
         // A replacement that failed is given up: a new one may take its place.
-        if self.health.replacing(m) && self.health.ok(self.health.n + m) {
+        if self.health.being_replaced(m) {
             return Err(format!(
                 "member '{old}' of '{name}' is being replaced already"
             ));

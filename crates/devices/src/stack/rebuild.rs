@@ -163,7 +163,7 @@ pub(super) fn needed(health: &Health, states: &[MemberState]) -> bool {
             .iter()
             .enumerate()
             .any(|(m, s)| *s == MemberState::Rebuilding && health.ok(m))
-        || (0..health.n).any(|m| health.replacing(m) && health.ok(health.n + m))
+        || (0..health.n).any(|m| health.being_replaced(m))
 }
 
 /// Runs the rebuild to its end (or until `stop`, or an error that ends it).
