@@ -208,14 +208,110 @@ fn interrupt_ends_bench() {
         });
 }
 
+/// An export `serve` was asked for: (name, device, read-only, description, default, FUSE
+/// mount point).
+type Chosen = (
+    String,
+    std::sync::Arc<dyn cairn_core::Device>,
+    bool,
+    String,
+    bool,
+    Option<std::path::PathBuf>,
+);
+
+/// Mounts the FUSE exports asked for (`--fuse PATH[:EXPORT]`, `fuse = "PATH"` in an
+/// export's table).
+fn fuse_exports(
+    args: &settings::ServeArgs,
+    chosen: &[Chosen],
+) -> Result<Vec<std::sync::Arc<cairn_fuse::FuseExport>>, String> {
+    if !(1..=1024).contains(&args.fuse_depth) {
+        return Err(format!("--fuse-depth {}: from 1 to 1024", args.fuse_depth));
+    }
+    // (path, index into chosen)
+    let mut wanted: Vec<(std::path::PathBuf, usize)> = Vec::new();
+    for (i, c) in chosen.iter().enumerate() {
+        if let Some(p) = &c.5 {
+            wanted.push((p.clone(), i));
+        }
+    }
+    for text in &args.fuse {
+        // PATH:EXPORT when the text after the last ':' names an export, else PATH.
+        let (path, index) = match text.rsplit_once(':') {
+            Some((p, name)) if !p.is_empty() => match chosen.iter().position(|c| c.0 == name) {
+                Some(i) => (p, i),
+                None if chosen.len() > 1 || !chosen.iter().any(|c| c.0.is_empty()) => {
+                    return Err(format!(
+                        "--fuse {text}: no export named '{name}' (exports: {})",
+                        chosen
+                            .iter()
+                            .map(|c| format!("'{}'", c.0))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ))
+                }
+                None => (text.as_str(), 0),
+            },
+            _ => match chosen.iter().position(|c| c.0.is_empty() || c.4) {
+                Some(i) => (text.as_str(), i),
+                None => {
+                    return Err(format!(
+                        "--fuse {text}: name the export (PATH:EXPORT); none is the default"
+                    ))
+                }
+            },
+        };
+        if path.is_empty() {
+            return Err(format!("--fuse {text}: expected PATH[:EXPORT]"));
+        }
+        wanted.push((std::path::PathBuf::from(path), index));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for (p, _) in &wanted {
+        let abs = std::path::absolute(p).map_err(|e| format!("--fuse {}: {e}", p.display()))?;
+        if !seen.insert(abs.clone()) {
+            return Err(format!(
+                "fuse {}: named twice; each export needs a file of its own",
+                abs.display()
+            ));
+        }
+    }
+    let transport = match args.fuse_io_uring {
+        settings::FuseUringArg::Auto => cairn_fuse::Transport::Auto,
+        settings::FuseUringArg::Off => cairn_fuse::Transport::DevFuse,
+    };
+    if !wanted.is_empty()
+        && transport == cairn_fuse::Transport::Auto
+        && !cairn_fuse::uring_enabled()
+    {
+        log::info!(
+            "cairn: serve: FUSE over io_uring is off in this kernel (echo Y > /sys/module/fuse/parameters/enable_uring to allow it): FUSE requests are read from /dev/fuse"
+        );
+    }
+    let mut out = Vec::new();
+    for (path, i) in wanted {
+        let c = &chosen[i];
+        let export = cairn_fuse::FuseExport::mount(cairn_fuse::FuseConfig {
+            path,
+            name: c.0.clone(),
+            device: c.1.clone(),
+            read_only: c.2,
+            transport,
+            depth: args.fuse_depth,
+        })
+        .map_err(|e| e.to_string())?;
+        log::info!("cairn: serve: {}", cairn_core::Frontend::describe(&export));
+        out.push(std::sync::Arc::new(export));
+    }
+    Ok(out)
+}
+
 /// `cairn serve`: builds the exports, then serves until SIGTERM or SIGINT.
 fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<ExitCode, String> {
     use cairn_nbd::proto::tflags;
     use std::sync::Arc;
 
     let limits = args.limits()?;
-    // (name, device, read-only, description, default)
-    type Chosen = (String, Arc<dyn cairn_core::Device>, bool, String, bool);
     let (chosen, tuning): (Vec<Chosen>, Tuning) = match &args.stack {
         None => {
             let text = args
@@ -232,6 +328,7 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
                     args.read_only,
                     text.to_string(),
                     true,
+                    None,
                 )],
                 Tuning::default(),
             )
@@ -248,7 +345,14 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
                 let name = stack
                     .pick(args.device.as_deref())
                     .map_err(|e| format!("{}: {e}", path.display()))?;
-                vec![(String::new(), open(&name)?, args.read_only, name, true)]
+                vec![(
+                    String::new(),
+                    open(&name)?,
+                    args.read_only,
+                    name,
+                    true,
+                    None,
+                )]
             } else {
                 if args.read_only {
                     return Err(
@@ -274,7 +378,14 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
                     } else {
                         e.description.clone()
                     };
-                    v.push((name.clone(), device, e.read_only, description, e.default));
+                    v.push((
+                        name.clone(),
+                        device,
+                        e.read_only,
+                        description,
+                        e.default,
+                        e.fuse.clone(),
+                    ));
                 }
                 v
             };
@@ -300,9 +411,10 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
         }
         _ => None,
     };
+    let fuse = fuse_exports(args, &chosen)?;
     let exports: Vec<cairn_nbd::Export> = chosen
         .into_iter()
-        .map(|(name, device, read_only, description, default)| {
+        .map(|(name, device, read_only, description, default, _)| {
             let g = device.geometry();
             let mut flags = tflags::HAS_FLAGS | tflags::SEND_FLUSH | tflags::SEND_CACHE;
             if read_only {
@@ -342,7 +454,7 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
         .iter()
         .map(|l| cairn_nbd::Listen::parse(l))
         .collect::<Result<Vec<_>, _>>()?;
-    if listen.is_empty() && std::env::var_os("LISTEN_FDS").is_none() {
+    if listen.is_empty() && std::env::var_os("LISTEN_FDS").is_none() && fuse.is_empty() {
         listen.push(cairn_nbd::Listen::parse(settings::DEFAULT_LISTEN)?);
     }
     let observer = Arc::new(cairn_nbd::Observer::default());
@@ -354,6 +466,10 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
             max_payload: limits.max_payload,
             buffer_bytes: limits.buffer_bytes,
         },
+        frontends: fuse
+            .into_iter()
+            .map(|f| f as Arc<dyn cairn_core::Frontend>)
+            .collect(),
         max_connections: args.max_connections,
         max_options: args.max_options,
         handshake_timeout: limits.handshake_timeout,

@@ -392,6 +392,25 @@ pub struct ServeArgs {
     /// tcp:127.0.0.1:9187 (port 0: any free port, named in the log).
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<String>,
+    /// Also mount export EXPORT (default: the one served without a name) as a regular
+    /// file at PATH, created if missing, for losetup, mkfs, qemu-img and dd; repeatable.
+    /// Needs root. Without --listen, NBD is then not served.
+    #[arg(long, value_name = "PATH[:EXPORT]")]
+    pub fuse: Vec<String>,
+    /// FUSE requests through io_uring when the kernel offers it (auto; the fuse module's
+    /// enable_uring must be Y), or through /dev/fuse reads (off).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub fuse_io_uring: FuseUringArg,
+    /// FUSE requests in flight per reactor (/dev/fuse) or per io_uring queue; each takes a
+    /// buffer of 1 MiB.
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    pub fuse_depth: u32,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FuseUringArg {
+    Auto,
+    Off,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]

@@ -19,6 +19,7 @@ pub mod device;
 pub mod error;
 pub mod event;
 pub mod flush;
+pub mod frontend;
 pub mod handoff;
 pub mod io;
 pub mod reactor;
@@ -31,6 +32,7 @@ pub use clock::{Clock, ClockMode};
 pub use device::{Caps, Device, Extent, Geometry, Queue};
 pub use error::{Error, IoError};
 pub use flush::{FlushBatcher, FlushMode};
+pub use frontend::{Frontend, FrontendPart};
 pub use io::{Io, IoFlags, IoStatus, Op, SinkId};
 pub use reactor::{
     Core, DispatchMode, Poller, Reactor, ReapMode, RingUser, Sink, Switches, WritebackMode,

@@ -1379,6 +1379,11 @@ impl ServerLoop {
         }
     }
 
+    /// Whether shutdown has begun and every connection has closed.
+    pub fn ended(&self) -> bool {
+        self.shutting.get() && self.conns.borrow().iter().all(Option::is_none)
+    }
+
     fn shutdown(&self) {
         if self.shutting.replace(true) {
             return;

@@ -97,6 +97,9 @@ pub struct Config {
     pub on_abandon: Option<Arc<dyn Fn() + Send + Sync>>,
     /// Where connections and error replies are recorded for operators.
     pub observer: Arc<crate::Observer>,
+    /// Other frontends served on the same reactors (FUSE mounts); with one, listening
+    /// for NBD is optional.
+    pub frontends: Vec<Arc<dyn cairn_core::Frontend>>,
 }
 
 /// Largest option payload read; bigger ones are skipped (up to `OPTION_SKIP_MAX`) and
@@ -359,7 +362,7 @@ pub fn serve(
     for l in &config.listen {
         listeners.push(bind(l)?);
     }
-    if listeners.is_empty() {
+    if listeners.is_empty() && config.frontends.is_empty() {
         return Err(Error::Invalid(
             "no --listen address and no socket activation".into(),
         ));
@@ -383,6 +386,8 @@ pub fn serve(
         let wake_fd = cairn_core::event::eventfd("serve")?;
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), Error>>();
         let observer = config.observer.clone();
+        let frontends = config.frontends.clone();
+        let count = config.threads.max(1);
         let (exports, live, w, switches, limits, idle_poll_ns) = (
             exports.clone(),
             live.clone(),
@@ -410,9 +415,25 @@ pub fn serve(
                             return;
                         }
                     };
+                let mut parts = Vec::new();
+                for f in &frontends {
+                    match f.start(reactor.core(), i, count) {
+                        Ok(p) => parts.push(p),
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                    }
+                }
                 reactor.set_idle_poll(idle_poll_ns);
                 let _ = ready_tx.send(Ok(()));
-                reactor.run();
+                // Until the connections and every frontend's part have ended.
+                loop {
+                    reactor.run();
+                    if lp.ended() && parts.iter().all(|p| p.ended()) {
+                        break;
+                    }
+                }
                 reactor.drain(cairn_core::clock::monotonic_ns() + 10_000_000_000);
                 drop(lp);
             })
@@ -546,6 +567,10 @@ pub fn serve(
     for (tx, w) in &shared.reactors {
         let _ = tx.send(Msg::Shutdown);
         cairn_core::event::signal(w.as_raw_fd());
+    }
+    // Frontends flush and let go of the kernel (FUSE unmounts) meanwhile.
+    for f in &config.frontends {
+        f.stop();
     }
     for t in threads {
         let _ = t.join();

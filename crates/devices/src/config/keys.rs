@@ -19,7 +19,7 @@ use crate::spec::{Engine, LeafSpec};
 use crate::wrap::{Delays, FaultRule};
 use crate::DEFAULT_BLOCK_BYTES;
 
-const EXPORT_KEYS: [&str; 4] = ["device", "read_only", "description", "default"];
+const EXPORT_KEYS: [&str; 5] = ["device", "read_only", "description", "default", "fuse"];
 
 /// Parses one `[export.NAME]` table.
 pub(super) fn parse_export(name: &str, table: &Table) -> Result<ExportSpec, Error> {
@@ -54,11 +54,24 @@ pub(super) fn parse_export(name: &str, table: &Table) -> Result<ExportSpec, Erro
         }
         Some(_) => return Err(bad("description", "must be a string")),
     };
+    let fuse = match table.get("fuse") {
+        None => None,
+        Some(Value::String(p)) if !p.is_empty() && !p.contains('\0') => {
+            Some(std::path::PathBuf::from(p))
+        }
+        Some(_) => {
+            return Err(bad(
+                "fuse",
+                "must be the path of a file to mount the export on",
+            ))
+        }
+    };
     Ok(ExportSpec {
         device,
         read_only: flag("read_only")?,
         description,
         default: flag("default")?,
+        fuse,
     })
 }
 

@@ -390,6 +390,8 @@ pub struct ExportSpec {
     pub description: String,
     /// Chosen by clients that ask for the default export (the empty name).
     pub default: bool,
+    /// Also mounted as a file at this path (`cairn serve`'s FUSE export).
+    pub fuse: Option<std::path::PathBuf>,
 }
 
 /// A parsed stack file.
@@ -417,6 +419,11 @@ impl StackFile {
                 if path.is_relative() {
                     *path = dir.join(&*path);
                 }
+            }
+        }
+        for e in self.exports.values_mut() {
+            if let Some(p) = e.fuse.as_mut().filter(|p| p.is_relative()) {
+                *p = dir.join(&*p);
             }
         }
         self
@@ -560,6 +567,17 @@ impl StackFile {
                     "export '{name}': key 'device' names '{}', which is a member of another device; export the device at the top instead",
                     e.device
                 )));
+            }
+        }
+        let mut fuse: BTreeMap<&std::path::Path, &String> = BTreeMap::new();
+        for (name, e) in &self.exports {
+            if let Some(p) = &e.fuse {
+                if let Some(other) = fuse.insert(p, name) {
+                    return Err(err(format!(
+                        "exports '{other}' and '{name}' both set 'fuse = \"{}\"'; each needs a file of its own",
+                        p.display()
+                    )));
+                }
             }
         }
         let defaults: Vec<&String> = self
