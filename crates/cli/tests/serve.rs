@@ -2118,18 +2118,18 @@ mod filesystem {
     use super::*;
 
     /// Undoes a mount, a loop device and a FUSE mount, in that order, even on panic.
-    struct Mounted {
-        umount: PathBuf,
-        losetup: PathBuf,
-        fusermount: PathBuf,
-        mnt: Option<PathBuf>,
-        loop_dev: Option<String>,
-        fuse: Option<(PathBuf, Child)>,
+    pub(super) struct Mounted {
+        pub(super) umount: PathBuf,
+        pub(super) losetup: PathBuf,
+        pub(super) fusermount: PathBuf,
+        pub(super) mnt: Option<PathBuf>,
+        pub(super) loop_dev: Option<String>,
+        pub(super) fuse: Option<(PathBuf, Child)>,
     }
 
     impl Mounted {
         /// Unmounts the file system.
-        fn unmount(&mut self) {
+        pub(super) fn unmount(&mut self) {
             if let Some(m) = self.mnt.clone() {
                 retry_busy("umount", || {
                     let mut c = Command::new(&self.umount);
@@ -2140,7 +2140,7 @@ mod filesystem {
             }
         }
 
-        fn detach(&mut self) {
+        pub(super) fn detach(&mut self) {
             if let Some(l) = self.loop_dev.clone() {
                 retry_busy("losetup -d", || {
                     let mut c = Command::new(&self.losetup);
@@ -2178,7 +2178,7 @@ mod filesystem {
     /// Runs a teardown command until it succeeds. "Busy" can be a passing state (a loop
     /// device is released asynchronously; a process of the parallel test run may hold a
     /// descriptor it inherited across fork for a moment), so it is retried for 20 s.
-    fn retry_busy(what: &str, make: impl Fn() -> Command) {
+    pub(super) fn retry_busy(what: &str, make: impl Fn() -> Command) {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let out = run_for(&mut make(), Duration::from_secs(60));
@@ -4481,5 +4481,503 @@ h.shutdown()
 
     fn text_of(b: &[u8]) -> String {
         String::from_utf8_lossy(b).into_owned()
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The FUSE export (`--fuse PATH[:EXPORT]`): as root, with /dev/fuse
+
+mod fuse_export {
+    use super::*;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::FileExt;
+
+    /// Whether FUSE tests can run here (root, /dev/fuse); records a skip otherwise.
+    fn fuse_here(test: &str) -> bool {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            skip(test, "needs root (mounting FUSE)");
+            return false;
+        }
+        if !Path::new("/dev/fuse").exists() {
+            skip(test, "/dev/fuse is missing");
+            return false;
+        }
+        true
+    }
+
+    /// The transports to run a test with: /dev/fuse reads always, FUSE over io_uring when
+    /// the fuse module allows it (else a skip is recorded for that half).
+    fn transports(test: &str) -> Vec<&'static str> {
+        let mut v = vec!["off"];
+        let on = std::fs::read_to_string("/sys/module/fuse/parameters/enable_uring")
+            .is_ok_and(|s| s.trim() == "Y");
+        if on {
+            v.push("auto");
+        } else {
+            skip(
+                &format!("{test} (io_uring half)"),
+                "the fuse module's enable_uring is not Y (scripts/test.sh sets it as root)",
+            );
+        }
+        v
+    }
+
+    fn mounted(path: &Path) -> Option<String> {
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+        mounts
+            .lines()
+            .find(|l| l.split(' ').nth(1) == Some(path_str(path)))
+            .map(str::to_string)
+    }
+
+    /// Writes `data` at `offset` of `path` with dd (`extra`: oflag=direct and the like).
+    fn dd_write(path: &Path, src: &Path, seek_mib: u64, extra: &[&str]) {
+        let out = run(Command::new("dd")
+            .arg(format!("if={}", src.display()))
+            .arg(format!("of={}", path.display()))
+            .args(["bs=1M", "conv=notrunc,fsync", "status=none"])
+            .arg(format!("seek={seek_mib}"))
+            .args(extra));
+        success("dd", &out);
+    }
+
+    /// dd writes (buffered and O_DIRECT) read back byte for byte with cmp, and qemu-img
+    /// finds the file and the same export over NBD identical; with each transport.
+    #[test]
+    fn dd_and_cmp_through_the_file_and_qemu_img_compare_over_nbd() {
+        const NAME: &str = "fuse_export::dd_and_cmp_through_the_file_and_qemu_img_compare_over_nbd";
+        if !fuse_here(NAME) {
+            return;
+        }
+        let Some([qemu_img, cmp]) = tools(NAME, ["qemu-img", "cmp"]) else {
+            return;
+        };
+        for transport in transports(NAME) {
+            let dir = tmpdir();
+            let disk = dir.path().join("disk");
+            let src = dir.path().join("src");
+            std::fs::write(&src, random_bytes(8 << 20, 7)).unwrap();
+            let srv = Server::start_in(
+                dir,
+                &[
+                    "--device",
+                    "mem:64M",
+                    "--fuse",
+                    path_str(&disk),
+                    "--fuse-io-uring",
+                    transport,
+                ],
+            );
+            let m = std::fs::metadata(&disk).unwrap();
+            assert!(m.is_file(), "{transport}: a regular file");
+            assert_eq!(m.len(), 64 << 20, "{transport}: the device's size");
+            let line = mounted(&disk).expect("mounted");
+            assert!(line.contains("fuse.cairn"), "{line}");
+            dd_write(&disk, &src, 3, &[]);
+            dd_write(&disk, &src, 40, &["oflag=direct"]);
+            for (skip_bytes, what) in [(3u64 << 20, "buffered"), (40 << 20, "O_DIRECT")] {
+                let out = run(Command::new(&cmp)
+                    .args(["-n", &(8u64 << 20).to_string()])
+                    .arg(&src)
+                    .arg(&disk)
+                    .arg("0")
+                    .arg(skip_bytes.to_string()));
+                success(&format!("{transport}: cmp of the {what} write"), &out);
+            }
+            // The rest reads as zeroes.
+            let f = std::fs::File::open(&disk).unwrap();
+            let mut buf = vec![0xffu8; 1 << 20];
+            f.read_exact_at(&mut buf, 20 << 20).unwrap();
+            assert!(buf.iter().all(|&b| b == 0), "{transport}: never written");
+            drop(f);
+            let out = run(Command::new(&qemu_img)
+                .args(["compare", "-f", "raw", "-F", "raw"])
+                .arg(&disk)
+                .arg(srv.uri()));
+            assert!(
+                success(&format!("{transport}: qemu-img compare"), &out).contains("identical"),
+                "{}",
+                text(&out.stdout)
+            );
+        }
+    }
+
+    /// Writes that do not cover whole blocks (read-modify-write) from four threads at
+    /// once, each into its own quarter of every block, then fallocate's punch and zero
+    /// range, SEEK_DATA and SEEK_HOLE, and what a device cannot do (grow, shrink).
+    #[test]
+    fn partial_block_writes_fallocate_and_seek_through_the_file() {
+        const NAME: &str = "fuse_export::partial_block_writes_fallocate_and_seek_through_the_file";
+        if !fuse_here(NAME) {
+            return;
+        }
+        for transport in transports(NAME) {
+            let dir = tmpdir();
+            let disk = dir.path().join("disk");
+            let srv = Server::start_in(
+                dir,
+                &[
+                    "--device",
+                    "mem:16M,block=4096",
+                    "--fuse",
+                    path_str(&disk),
+                    "--fuse-io-uring",
+                    transport,
+                ],
+            );
+            const BLOCKS: u64 = 256;
+            const ROUNDS: u64 = 16;
+            // Four writers, each owning bytes [q*1024, q*1024+1024) of every block,
+            // rewriting them in random order: a read-modify-write that is not alone on
+            // the device would bring back another quarter's old bytes.
+            let writers: Vec<_> = (0..4u64)
+                .map(|q| {
+                    let disk = disk.clone();
+                    std::thread::spawn(move || {
+                        let f = std::fs::OpenOptions::new().write(true).open(&disk).unwrap();
+                        for round in 0..ROUNDS {
+                            for i in 0..BLOCKS {
+                                let blk = (i * 37 + q * 11 + round) % BLOCKS;
+                                let data = random_bytes(1024, blk << 8 | q << 4 | round);
+                                f.write_all_at(&data, blk * 4096 + q * 1024).unwrap();
+                            }
+                        }
+                    })
+                })
+                .collect();
+            for w in writers {
+                w.join().unwrap();
+            }
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&disk)
+                .unwrap();
+            let mut model = vec![0u8; (BLOCKS * 4096) as usize];
+            for blk in 0..BLOCKS {
+                for q in 0..4u64 {
+                    let at = (blk * 4096 + q * 1024) as usize;
+                    model[at..at + 1024]
+                        .copy_from_slice(&random_bytes(1024, blk << 8 | q << 4 | (ROUNDS - 1)));
+                }
+            }
+            let mut got = vec![0u8; model.len()];
+            f.read_exact_at(&mut got, 0).unwrap();
+            assert_same(&format!("{transport}: quarters"), &got, &model);
+
+            // Odd sizes at odd offsets, across block boundaries.
+            for (i, (off, len)) in [(5u64, 3usize), (4095, 2), (8190, 9000), (100_001, 70_000)]
+                .into_iter()
+                .enumerate()
+            {
+                let data = random_bytes(len, 900 + i as u64);
+                f.write_all_at(&data, off).unwrap();
+                model[off as usize..off as usize + len].copy_from_slice(&data);
+            }
+            let fallocate = |mode: i32, off: i64, len: i64| -> std::io::Result<()> {
+                // SAFETY: fallocate on a descriptor we own.
+                if unsafe { libc::fallocate(f.as_raw_fd(), mode, off, len) } == 0 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::last_os_error())
+                }
+            };
+            fallocate(
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                1000,
+                50_000,
+            )
+            .unwrap();
+            model[1000..51_000].fill(0);
+            fallocate(libc::FALLOC_FL_ZERO_RANGE, 123_457, 9_999).unwrap();
+            model[123_457..133_456].fill(0);
+            fallocate(
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                8192,
+                4096,
+            )
+            .unwrap();
+            model[8192..12_288].fill(0);
+            f.read_exact_at(&mut got, 0).unwrap();
+            assert_same(&format!("{transport}: after fallocate"), &got, &model);
+            f.sync_all().unwrap();
+
+            let size = 16i64 << 20;
+            let e = fallocate(0, size - 4096, 8192).unwrap_err();
+            assert_eq!(
+                e.raw_os_error(),
+                Some(libc::EOPNOTSUPP),
+                "{transport}: grow"
+            );
+            let e = f.set_len(0).unwrap_err();
+            assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{transport}: shrink");
+            assert_eq!(std::fs::metadata(&disk).unwrap().len(), size as u64);
+            let e = f.write_at(b"x", size as u64).unwrap_err();
+            assert_eq!(
+                e.raw_os_error(),
+                Some(libc::ENOSPC),
+                "{transport}: past the end"
+            );
+
+            // Data where written, holes where never (the mem device knows both).
+            let seek = |off: i64, whence: i32| {
+                // SAFETY: lseek on a descriptor we own.
+                let r = unsafe { libc::lseek(f.as_raw_fd(), off, whence) };
+                if r < 0 {
+                    Err(std::io::Error::last_os_error())
+                } else {
+                    Ok(r)
+                }
+            };
+            assert_eq!(seek(0, libc::SEEK_DATA).unwrap(), 0, "{transport}");
+            let hole = seek(0, libc::SEEK_HOLE).unwrap();
+            assert!(
+                hole >= (BLOCKS * 4096) as i64 && hole < size,
+                "{transport}: first hole at {hole}"
+            );
+            let e = seek(8 << 20, libc::SEEK_DATA).unwrap_err();
+            assert_eq!(
+                e.raw_os_error(),
+                Some(libc::ENXIO),
+                "{transport}: no data after 8M"
+            );
+            assert_eq!(seek(size - 1, libc::SEEK_HOLE).unwrap(), size - 1);
+            drop(f);
+            drop(srv);
+        }
+    }
+
+    /// fio's io_uring engine with O_DIRECT on the file: random 4 KiB writes at iodepth
+    /// 32, each block with a crc32c, read back and checked.
+    #[test]
+    fn fio_io_uring_direct_verify_on_the_file() {
+        const NAME: &str = "fuse_export::fio_io_uring_direct_verify_on_the_file";
+        if !fuse_here(NAME) {
+            return;
+        }
+        let Some([fio]) = tools(NAME, ["fio"]) else {
+            return;
+        };
+        for transport in transports(NAME) {
+            let dir = tmpdir();
+            let disk = dir.path().join("disk");
+            let srv = Server::start_in(
+                dir,
+                &[
+                    "--device",
+                    "mem:64M",
+                    "--fuse",
+                    path_str(&disk),
+                    "--fuse-io-uring",
+                    transport,
+                ],
+            );
+            let out = run(Command::new(&fio)
+                .current_dir(srv.path(""))
+                .args([
+                    "--name=verify",
+                    "--ioengine=io_uring",
+                    "--direct=1",
+                    "--rw=randwrite",
+                    "--bs=4k",
+                    "--size=48M",
+                    "--iodepth=32",
+                    "--verify=crc32c",
+                    "--do_verify=1",
+                    "--verify_fatal=1",
+                    "--output-format=json",
+                ])
+                .arg(format!("--filename={}", disk.display())));
+            let json = success(&format!("{transport}: fio verify"), &out);
+            let v: Value = serde_json::from_str(&json[json.find('{').unwrap()..]).unwrap();
+            let job = &v["jobs"][0];
+            assert_eq!(job["error"], 0, "{transport}: {json}");
+            assert_eq!(
+                job["write"]["io_bytes"].as_u64(),
+                Some(48 << 20),
+                "{transport}: every block written"
+            );
+            assert!(
+                job["read"]["io_bytes"].as_u64() == Some(48 << 20),
+                "{transport}: every block read back and verified"
+            );
+        }
+    }
+
+    /// A read-only export is mounted read-only: reads work, opening for writing fails.
+    /// Bad --fuse arguments are refused before anything is mounted.
+    #[test]
+    fn a_read_only_export_is_mounted_read_only_and_bad_arguments_are_refused() {
+        const NAME: &str =
+            "fuse_export::a_read_only_export_is_mounted_read_only_and_bad_arguments_are_refused";
+        if !fuse_here(NAME) {
+            return;
+        }
+        let dir = tmpdir();
+        let ro = dir.path().join("ro.img");
+        let rw = dir.path().join("rw.img");
+        let stack = write_stack(
+            &dir,
+            &format!(
+                "[device.m]\ntype = \"mem\"\nsize = \"8M\"\n\
+                 [export.a]\ndevice = \"m\"\nread_only = true\nfuse = \"{}\"\n\
+                 [export.b]\ndevice = \"m\"\n",
+                ro.display()
+            ),
+        );
+        // Mistakes: exit status 2 and nothing mounted.
+        let bad_dir = dir.path().join("adir");
+        std::fs::create_dir(&bad_dir).unwrap();
+        let in_dir = format!("{}:b", bad_dir.display());
+        for (args, needle) in [
+            (vec!["--fuse", &in_dir], "is a directory"),
+            (
+                vec!["--fuse", path_str(&rw)],
+                "name the export (PATH:EXPORT)",
+            ),
+            (vec!["--fuse", "/tmp/x:nosuch"], "no export named 'nosuch'"),
+            (
+                vec![
+                    "--fuse",
+                    &format!("{}:b", rw.display()),
+                    "--fuse",
+                    &format!("{}:b", rw.display()),
+                ],
+                "named twice",
+            ),
+            (
+                vec!["--fuse", path_str(&rw), "--fuse-depth", "0"],
+                "--fuse-depth",
+            ),
+        ] {
+            let out = run(Command::new(env!("CARGO_BIN_EXE_cairn"))
+                .arg("serve")
+                .arg(&stack)
+                .args([
+                    "--listen",
+                    &format!("unix:{}", dir.path().join("x.sock").display()),
+                ])
+                .args(&args));
+            assert_eq!(
+                out.status.code(),
+                Some(2),
+                "{args:?}: {}",
+                text(&out.stderr)
+            );
+            assert!(
+                text(&out.stderr).contains(needle),
+                "{args:?}: {}",
+                text(&out.stderr)
+            );
+            assert!(mounted(&rw).is_none() && mounted(&ro).is_none(), "{args:?}");
+        }
+        let srv = Server::start_in(
+            dir,
+            &[path_str(&stack), "--fuse", &format!("{}:b", rw.display())],
+        );
+        let line = mounted(&ro).expect("ro.img mounted");
+        assert!(
+            line.split(' ')
+                .nth(3)
+                .unwrap()
+                .split(',')
+                .any(|o| o == "ro"),
+            "{line}"
+        );
+        let e = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&ro)
+            .unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EROFS));
+        // The same device, writable through the other export, shows through both.
+        let data = random_bytes(1 << 20, 55);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&rw)
+            .unwrap()
+            .write_all_at(&data, 1 << 20)
+            .unwrap();
+        let mut got = vec![0u8; data.len()];
+        std::fs::File::open(&ro)
+            .unwrap()
+            .read_exact_at(&mut got, 1 << 20)
+            .unwrap();
+        assert_same("through the read-only export", &got, &data);
+        drop(srv);
+        assert!(
+            mounted(&ro).is_none() && mounted(&rw).is_none(),
+            "unmounted at exit"
+        );
+        assert!(
+            !ro.exists() && !rw.exists(),
+            "the files cairn created are gone"
+        );
+    }
+
+    /// SIGTERM flushes and unmounts; a cairn killed with SIGKILL leaves a dead mount,
+    /// which the next run detaches before it mounts again; what was written survives
+    /// both, on a file device.
+    #[test]
+    fn sigterm_unmounts_and_a_stale_mount_is_cleaned_up() {
+        const NAME: &str = "fuse_export::sigterm_unmounts_and_a_stale_mount_is_cleaned_up";
+        if !fuse_here(NAME) {
+            return;
+        }
+        let dir = tmpdir();
+        let img = dir.path().join("back.img");
+        let disk = dir.path().join("disk");
+        std::fs::write(&disk, b"").unwrap(); // an existing mount point stays at exit
+        let device = format!("file:{},size=16M", img.display());
+        let args = ["--device", &device, "--fuse", path_str(&disk)];
+        // Each run in a directory of its own (a killed one leaves its socket behind).
+        let start = || {
+            let inner = tempfile::tempdir_in(dir.path()).unwrap();
+            let sock = inner.path().join("nbd.sock");
+            let listen = format!("unix:{}", sock.display());
+            Server::spawn(inner, sock, &["--listen", &listen], &args)
+        };
+        let first = random_bytes(2 << 20, 61);
+        let mut srv = start();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&disk)
+            .unwrap()
+            .write_all_at(&first, 4 << 20)
+            .unwrap();
+        let (status, log) = srv.stop();
+        assert!(status.success(), "{log}");
+        assert!(log.contains("flushed and unmounted"), "{log}");
+        assert!(mounted(&disk).is_none(), "unmounted");
+        assert!(disk.exists(), "a mount point that was there before stays");
+
+        // Killed: the mount stays behind, dead.
+        let mut srv = start();
+        srv.signal(libc::SIGKILL);
+        let _ = srv.wait_exit();
+        assert!(mounted(&disk).is_some(), "a killed cairn leaves its mount");
+        let e = std::fs::metadata(&disk).unwrap_err();
+        assert!(
+            matches!(
+                e.raw_os_error(),
+                Some(libc::ENOTCONN) | Some(libc::ECONNABORTED)
+            ),
+            "a dead mount: {e}"
+        );
+
+        let srv = start();
+        assert!(
+            srv.stderr().contains("detached the stale mount"),
+            "{}",
+            srv.stderr()
+        );
+        let mut got = vec![0u8; first.len()];
+        std::fs::File::open(&disk)
+            .unwrap()
+            .read_exact_at(&mut got, 4 << 20)
+            .unwrap();
+        assert_same("after SIGTERM and a stale mount", &got, &first);
+        drop(srv);
+        assert!(mounted(&disk).is_none());
     }
 }
