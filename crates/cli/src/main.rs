@@ -543,7 +543,11 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
         log::info!(
             "cairn: serving {} on {}",
             summary.join(", "),
-            addrs.join(", ")
+            if addrs.is_empty() {
+                "no NBD address (FUSE only)".to_string()
+            } else {
+                addrs.join(", ")
+            }
         );
     })
     .map_err(|e| e.to_string())?;

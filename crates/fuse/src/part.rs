@@ -1003,12 +1003,13 @@ impl Part {
                 slot.stage = Stage::Free;
                 drop(slots);
                 self.busy.set(self.busy.get() - 1);
-                if self.gone.get() || self.phase.get() == ENDING {
-                    // The queues are going away; the answer is not needed any more.
+                if self.gone.get() {
+                    // The connection is gone; nobody waits for the answer.
                     self.maybe_end();
                     return;
                 }
                 ring.commit(self.fd(), i, commit);
+                self.maybe_end();
             }
         }
     }
