@@ -15,7 +15,8 @@ The chains, each serving a device of SIZE:
   cairn-uring-shm  cairn serve --fuse of that same kind of /dev/shm file, for a like for
                  like comparison with qsd
 
-For each: ext4 on a loop device over the chain's file, dbench CLIENTS clients for
+For each: ext4 on a loop device over the chain's file (--loop-direct-io: losetup
+--direct-io=on, for every chain), dbench CLIENTS clients for
 DBENCH_TIME seconds (MB/s); then fio 4 KiB randread and randwrite at iodepth 32,
 --ioengine=io_uring --direct=1, on the chain's file itself (IOPS). Chains interleave
 within each round; medians over rounds, with every round's figures.
@@ -122,8 +123,9 @@ class Chain:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def dbench(chain, seconds, clients):
-    dev = run(["losetup", "--find", "--show", chain.file]).stdout.strip()
+def dbench(chain, seconds, clients, loop_direct):
+    dev = run(["losetup", "--find", "--show", f"--direct-io={'on' if loop_direct else 'off'}",
+               chain.file]).stdout.strip()
     mnt = os.path.join(DIR, "ext4")
     os.makedirs(mnt, exist_ok=True)
     try:
@@ -162,6 +164,8 @@ def main():
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--fio-time", type=int, default=5)
     ap.add_argument("--only", nargs="*", default=CHAINS)
+    ap.add_argument("--loop-direct-io", action="store_true",
+                    help="losetup --direct-io=on for every chain (default off)")
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench/fuse.py: needs root (FUSE mounts, loop devices)")
@@ -175,7 +179,7 @@ def main():
         for name in a.only:
             chain = Chain(name, a.size)
             try:
-                d = dbench(chain, a.dbench_time, a.clients)
+                d = dbench(chain, a.dbench_time, a.clients, a.loop_direct_io)
                 rr = fio(chain, "randread", a.fio_time)
                 rw = fio(chain, "randwrite", a.fio_time)
             finally:
