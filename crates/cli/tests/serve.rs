@@ -4524,6 +4524,22 @@ mod fuse_export {
         v
     }
 
+    /// `cairn serve --device DEVICE --fuse DISK --fuse-io-uring TRANSPORT` (and NBD on a
+    /// Unix socket in `dir`).
+    fn fuse_server(dir: TempDir, device: &str, disk: &Path, transport: &str) -> Server {
+        Server::start_in(
+            dir,
+            &[
+                "--device",
+                device,
+                "--fuse",
+                path_str(disk),
+                "--fuse-io-uring",
+                transport,
+            ],
+        )
+    }
+
     fn mounted(path: &Path) -> Option<String> {
         let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
         mounts
@@ -4559,17 +4575,7 @@ mod fuse_export {
             let disk = dir.path().join("disk");
             let src = dir.path().join("src");
             std::fs::write(&src, random_bytes(8 << 20, 7)).unwrap();
-            let srv = Server::start_in(
-                dir,
-                &[
-                    "--device",
-                    "mem:64M",
-                    "--fuse",
-                    path_str(&disk),
-                    "--fuse-io-uring",
-                    transport,
-                ],
-            );
+            let srv = fuse_server(dir, "mem:64M", &disk, transport);
             let m = std::fs::metadata(&disk).unwrap();
             assert!(m.is_file(), "{transport}: a regular file");
             assert_eq!(m.len(), 64 << 20, "{transport}: the device's size");
@@ -4616,17 +4622,7 @@ mod fuse_export {
         for transport in transports(NAME) {
             let dir = tmpdir();
             let disk = dir.path().join("disk");
-            let srv = Server::start_in(
-                dir,
-                &[
-                    "--device",
-                    "mem:16M,block=4096",
-                    "--fuse",
-                    path_str(&disk),
-                    "--fuse-io-uring",
-                    transport,
-                ],
-            );
+            let srv = fuse_server(dir, "mem:16M,block=4096", &disk, transport);
             const BLOCKS: u64 = 256;
             const ROUNDS: u64 = 16;
             // Four writers, each owning bytes [q*1024, q*1024+1024) of every block,
@@ -4763,17 +4759,7 @@ mod fuse_export {
         for transport in transports(NAME) {
             let dir = tmpdir();
             let disk = dir.path().join("disk");
-            let srv = Server::start_in(
-                dir,
-                &[
-                    "--device",
-                    "mem:64M",
-                    "--fuse",
-                    path_str(&disk),
-                    "--fuse-io-uring",
-                    transport,
-                ],
-            );
+            let srv = fuse_server(dir, "mem:64M", &disk, transport);
             let out = run(Command::new(&fio)
                 .current_dir(srv.path(""))
                 .args([

@@ -1186,27 +1186,21 @@ impl Sink for Part {
                 self.gate_timer();
                 return;
             }
-            PHASE_FLUSH => {
+            PHASE_FLUSH | FINAL_FLUSH => {
                 self.in_flight.set(self.in_flight.get() - 1);
+                let last = token == FINAL_FLUSH;
                 if !status.is_ok() {
                     log::warn!(
-                        "cairn: fuse {}: flush before unmount failed: {status}",
-                        self.shared.path.display()
+                        "cairn: fuse {}: {} flush failed: {status}",
+                        self.shared.path.display(),
+                        if last { "final" } else { "before unmount" }
                     );
                 }
-                self.count_flushed();
-                self.maybe_end();
-                return;
-            }
-            FINAL_FLUSH => {
-                self.in_flight.set(self.in_flight.get() - 1);
-                if !status.is_ok() {
-                    log::warn!(
-                        "cairn: fuse {}: final flush failed: {status}",
-                        self.shared.path.display()
-                    );
+                if last {
+                    self.final_flush.set(2);
+                } else {
+                    self.count_flushed();
                 }
-                self.final_flush.set(2);
                 self.maybe_end();
                 return;
             }
