@@ -155,7 +155,8 @@ pub struct FuseExport {
     mount: Mutex<Mount>,
 }
 
-fn now() -> (u64, u32) {
+/// The time of day, as FUSE attributes carry it (seconds, nanoseconds).
+pub(crate) fn now() -> (u64, u32) {
     let d = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();

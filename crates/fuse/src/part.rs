@@ -519,12 +519,7 @@ impl Part {
             self.reply_err(s, -libc::EPERM);
             return;
         }
-        let now = {
-            let d = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap_or_default();
-            (d.as_secs(), d.subsec_nanos())
-        };
+        let now = crate::export::now();
         {
             let mut attr = self.shared.attr.lock().unwrap_or_else(|p| p.into_inner());
             if a.valid & abi::FATTR_MODE != 0 {
@@ -557,23 +552,20 @@ impl Part {
             return;
         }
         let n = len.min(size - off);
-        let b = u64::from(self.shared.geo.block_bytes);
-        let aoff = off - off % b;
-        let aend = (off + n).div_ceil(b) * b;
+        let (aoff, aend) = self.widen(off, n);
         let io = {
             let mut slots = self.slots.borrow_mut();
             let slot = &mut slots[s as usize];
             slot.n = n as usize;
             slot.at = (off - aoff) as usize;
-            Io {
-                op: Op::Read,
-                flags: IoFlags::NONE,
-                offset: aoff,
-                len: aend - aoff,
-                buf: slot.data_ptr(),
-                sink: self.sink.get(),
-                token: token(s, MAIN),
-            }
+            self.io(
+                s,
+                Op::Read,
+                IoFlags::NONE,
+                aoff,
+                aend - aoff,
+                slot.data_ptr(),
+            )
         };
         self.submit(s, io);
     }
@@ -756,19 +748,12 @@ impl Part {
                     let mut slots = self.slots.borrow_mut();
                     let slot = &mut slots[s as usize];
                     slot.stage = Stage::Busy;
-                    Io {
-                        op,
-                        flags,
-                        offset: step.off,
-                        len: step.len,
-                        buf: if op == Op::Write {
-                            slot.data_ptr()
-                        } else {
-                            std::ptr::null_mut()
-                        },
-                        sink: self.sink.get(),
-                        token: token(s, MAIN),
-                    }
+                    let buf = if op == Op::Write {
+                        slot.data_ptr()
+                    } else {
+                        std::ptr::null_mut()
+                    };
+                    self.io(s, op, flags, step.off, step.len, buf)
                 };
                 self.submit(s, io);
             }
@@ -802,9 +787,8 @@ impl Part {
     /// blocks and reads the edge blocks around them.
     fn edges(&self, s: u32, step: Step, zero: bool) {
         let b = u64::from(self.shared.geo.block_bytes);
-        let aoff = step.off - step.off % b;
+        let (aoff, aend) = self.widen(step.off, step.len);
         let end = step.off + step.len;
-        let aend = end.div_ceil(b) * b;
         let head = (step.off - aoff) as usize;
         let mut reads = Vec::with_capacity(2);
         {
@@ -853,9 +837,8 @@ impl Part {
             let mut slots = self.slots.borrow_mut();
             let slot = &mut slots[s as usize];
             let step = slot.steps[slot.step as usize];
-            let aoff = step.off - step.off % b;
+            let (aoff, aend) = self.widen(step.off, step.len);
             let end = step.off + step.len;
-            let aend = end.div_ceil(b) * b;
             let head = (step.off - aoff) as usize;
             let total = (aend - aoff) as usize;
             let bb = b as usize;
@@ -874,15 +857,14 @@ impl Part {
                 data.copy_within(src + t..src + bb, total - bb + t);
             }
             slot.stage = Stage::Merged;
-            Io {
-                op: Op::Write,
-                flags: IoFlags::NONE,
-                offset: aoff,
-                len: aend - aoff,
-                buf: slot.data_ptr(),
-                sink: self.sink.get(),
-                token: token(s, MAIN),
-            }
+            self.io(
+                s,
+                Op::Write,
+                IoFlags::NONE,
+                aoff,
+                aend - aoff,
+                slot.data_ptr(),
+            )
         };
         self.in_flight.set(self.in_flight.get() + 1);
         self.queue.submit(io);
@@ -898,6 +880,25 @@ impl Part {
         } else {
             self.reply(s, &[]);
         }
+    }
+
+    /// A device request of slot `s` (its main request: the reply follows its completion).
+    fn io(&self, s: u32, op: Op, flags: IoFlags, offset: u64, len: u64, buf: *mut u8) -> Io {
+        Io {
+            op,
+            flags,
+            offset,
+            len,
+            buf,
+            sink: self.sink.get(),
+            token: token(s, MAIN),
+        }
+    }
+
+    /// `[off, off + len)` widened to whole device blocks.
+    fn widen(&self, off: u64, len: u64) -> (u64, u64) {
+        let b = u64::from(self.shared.geo.block_bytes);
+        (off - off % b, (off + len).div_ceil(b) * b)
     }
 
     fn submit(&self, s: u32, io: Io) {
