@@ -14,6 +14,8 @@ The chains, each serving a device of SIZE:
                  /dev/shm (memory too; QEMU has no RAM disk of its own)
   cairn-uring-shm  cairn serve --fuse of that same kind of /dev/shm file, for a like for
                  like comparison with qsd
+  kernel         no user-space server at all: the loop device straight on a /dev/shm
+                 file. The ceiling any chain can reach on this machine.
 
 For each: ext4 on a loop device over the chain's file (--loop-direct-io: losetup
 --direct-io=on, for every chain), dbench CLIENTS clients for
@@ -35,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine import CAIRN, build  # noqa: E402
 
 DIR = "/dev/shm/cairn-bench-fuse"
-CHAINS = ["cairn-uring", "cairn-dev", "nbdfuse", "qsd", "cairn-uring-shm"]
+CHAINS = ["cairn-uring", "cairn-dev", "nbdfuse", "qsd", "cairn-uring-shm", "kernel"]
 
 
 def run(cmd, **kw):
@@ -95,6 +97,9 @@ class Chain:
                 ["nbdfuse", mnt, f"nbd+unix:///?socket={sock}"], stdout=log, stderr=log))
             self.file = os.path.join(mnt, "nbd")
             wait_for(lambda: mounted(mnt) and os.path.exists(self.file), "nbdfuse")
+        elif name == "kernel":
+            self.file = os.path.join(d, "img")
+            run(["truncate", "-s", size, self.file])
         elif name == "qsd":
             img = os.path.join(d, "img")
             run(["truncate", "-s", size, img])
@@ -200,7 +205,7 @@ def main():
               f"| {m['randwrite'] / 1e3:.1f}k |")
     if "cairn-uring" in med:
         base = med["cairn-uring"]
-        for other in ("nbdfuse", "qsd", "cairn-dev"):
+        for other in ("nbdfuse", "qsd", "cairn-dev", "kernel"):
             if other in med:
                 o = med[other]
                 print(f"cairn-uring / {other}: dbench {base['dbench'] / o['dbench']:.2f}x, "

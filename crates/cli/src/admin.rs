@@ -6,7 +6,8 @@
 //!   devices                 every device served, with its members, one per line
 //!   status [--json]         the device tree with sizes, failed members and what caches
 //!                           wrote back; the exports with their connections (peer, since,
-//!                           requests, bytes); then every array with metadata, as
+//!                           requests, bytes) and FUSE files; then every array with
+//!                           metadata, as
 //!                           /proc/mdstat shows md's: members and their state, degraded
 //!                           or not, rebuild progress
 //!   stats [--json]          every device's /proc/diskstats-shaped counters and latency

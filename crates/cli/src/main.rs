@@ -457,6 +457,10 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
     if listen.is_empty() && std::env::var_os("LISTEN_FDS").is_none() && fuse.is_empty() {
         listen.push(cairn_nbd::Listen::parse(settings::DEFAULT_LISTEN)?);
     }
+    let fuse_views: Vec<(String, std::sync::Weak<cairn_fuse::FuseExport>)> = fuse
+        .iter()
+        .map(|f| (f.export_name().to_string(), Arc::downgrade(f)))
+        .collect();
     let observer = Arc::new(cairn_nbd::Observer::default());
     let config = cairn_nbd::Config {
         observer: observer.clone(),
@@ -522,6 +526,11 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
                 name: e.info.name.clone(),
                 device: e.device.name().to_string(),
                 read_only: e.info.flags & tflags::READ_ONLY != 0,
+                fuse: fuse_views
+                    .iter()
+                    .filter(|(name, _)| *name == e.info.name)
+                    .map(|(_, f)| f.clone())
+                    .collect(),
             })
             .collect(),
         Some(observer.clone()),

@@ -17,6 +17,8 @@ pub struct ExportView {
     pub device: String,
     /// Whether it refuses writes.
     pub read_only: bool,
+    /// Its FUSE files (held weakly, as the devices are).
+    pub fuse: Vec<Weak<cairn_fuse::FuseExport>>,
 }
 
 /// Everything a status or a scrape reads. Devices are held weakly: when serving ends they
@@ -117,6 +119,15 @@ pub fn rfc3339(t: std::time::SystemTime) -> String {
     }
 }
 
+/// How a FUSE export gets its requests.
+fn fuse_transport(x: &cairn_fuse::FuseExport) -> &'static str {
+    if x.uses_io_uring() {
+        "io_uring"
+    } else {
+        "/dev/fuse"
+    }
+}
+
 /// The exports and their connections, for `status`.
 pub fn exports_text(view: &View) -> String {
     let mut out = String::new();
@@ -138,6 +149,21 @@ pub fn exports_text(view: &View) -> String {
             mine.len(),
             if mine.len() == 1 { "" } else { "s" }
         );
+        for x in e.fuse.iter().filter_map(Weak::upgrade) {
+            let f = x.figures();
+            out += &format!(
+                "    fuse {} ({}): {} requests: {} reads ({}), {} writes ({}), {} flushes, {} errors\n",
+                x.path().display(),
+                fuse_transport(&x),
+                f.requests,
+                f.reads,
+                format_bytes(f.read_bytes),
+                f.writes,
+                format_bytes(f.written_bytes),
+                f.flushes,
+                f.errors
+            );
+        }
         for c in mine {
             let f = c.figures();
             out += &format!(
@@ -217,11 +243,31 @@ pub fn exports_json(view: &View) -> serde_json::Value {
                     })
                 })
                 .collect();
+            let fuse: Vec<serde_json::Value> = e
+                .fuse
+                .iter()
+                .filter_map(Weak::upgrade)
+                .map(|x| {
+                    let f = x.figures();
+                    serde_json::json!({
+                        "path": x.path().display().to_string(),
+                        "transport": fuse_transport(&x),
+                        "requests": f.requests,
+                        "reads": f.reads,
+                        "read_bytes": f.read_bytes,
+                        "writes": f.writes,
+                        "written_bytes": f.written_bytes,
+                        "flushes": f.flushes,
+                        "errors": f.errors,
+                    })
+                })
+                .collect();
             serde_json::json!({
                 "name": e.name,
                 "device": e.device,
                 "read_only": e.read_only,
                 "connections": list,
+                "fuse": fuse,
             })
         })
         .collect();

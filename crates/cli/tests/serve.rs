@@ -4525,8 +4525,9 @@ mod fuse_export {
     }
 
     /// `cairn serve --device DEVICE --fuse DISK --fuse-io-uring TRANSPORT` (and NBD on a
-    /// Unix socket in `dir`).
+    /// Unix socket in `dir`, and the admin socket `dir/admin.sock`).
     fn fuse_server(dir: TempDir, device: &str, disk: &Path, transport: &str) -> Server {
+        let ctl = dir.path().join("admin.sock");
         Server::start_in(
             dir,
             &[
@@ -4536,6 +4537,8 @@ mod fuse_export {
                 path_str(disk),
                 "--fuse-io-uring",
                 transport,
+                "--admin",
+                path_str(&ctl),
             ],
         )
     }
@@ -4606,6 +4609,40 @@ mod fuse_export {
                 success(&format!("{transport}: qemu-img compare"), &out).contains("identical"),
                 "{}",
                 text(&out.stdout)
+            );
+            // The admin socket shows the file under its export, with what it answered.
+            let ctl = srv.dir.path().join("admin.sock");
+            let want = if transport == "off" {
+                "/dev/fuse"
+            } else {
+                "io_uring"
+            };
+            let out = super::admin::admin(&ctl, &["status"]);
+            let status = success(&format!("{transport}: admin status"), &out);
+            let line = status
+                .lines()
+                .find(|l| l.trim_start().starts_with("fuse "))
+                .unwrap_or_else(|| panic!("{transport}: no fuse line in:\n{status}"));
+            assert!(
+                line.contains(&format!("fuse {} ({want})", disk.display())),
+                "{line}"
+            );
+            let out = super::admin::admin(&ctl, &["status", "--json"]);
+            let doc: serde_json::Value =
+                serde_json::from_str(success("status --json", &out).trim()).expect("JSON");
+            let f = &doc["exports"][0]["fuse"][0];
+            assert_eq!(f["path"], path_str(&disk), "{doc}");
+            assert_eq!(f["transport"], want, "{doc}");
+            let n = |k: &str| f[k].as_u64().unwrap_or_else(|| panic!("{k}: {f}"));
+            assert!(n("written_bytes") >= 16 << 20, "{f}");
+            assert!(n("writes") >= 16, "{f}");
+            // cmp read 16 MiB and the zero check 1 MiB (at most 1 MiB per request).
+            assert!(n("read_bytes") >= 17 << 20, "{f}");
+            assert!(n("reads") >= 17, "{f}");
+            assert!(n("flushes") >= 2, "{f}: dd conv=fsync, twice");
+            assert!(
+                n("requests") >= n("reads") + n("writes") + n("flushes") + n("errors"),
+                "{f}"
             );
         }
     }

@@ -4,7 +4,7 @@
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -57,6 +57,9 @@ pub struct FuseConfig {
 }
 
 /// Shutdown phases (in [`Shared::phase`]).
+/// Reactors an export can be served on.
+const MAX_PARTS: usize = 256;
+
 pub(crate) const SERVING: u8 = 0;
 pub(crate) const FLUSHING: u8 = 1;
 pub(crate) const ENDING: u8 = 2;
@@ -85,6 +88,44 @@ pub(crate) struct Gate {
 #[repr(align(64))]
 #[derive(Default)]
 pub(crate) struct Padded(pub AtomicU32);
+
+/// What one reactor's part answered. One writer (that reactor) adds with a relaxed load
+/// and store, no locked instruction; `cairn admin status` reads them from its thread.
+#[repr(align(64))]
+#[derive(Default)]
+pub(crate) struct Counts {
+    pub requests: AtomicU64,
+    pub reads: AtomicU64,
+    pub read_bytes: AtomicU64,
+    pub writes: AtomicU64,
+    pub written_bytes: AtomicU64,
+    pub flushes: AtomicU64,
+    pub errors: AtomicU64,
+}
+
+/// Adds `n` to a counter that only the calling thread writes.
+pub(crate) fn bump(c: &AtomicU64, n: u64) {
+    c.store(c.load(Ordering::Relaxed) + n, Ordering::Relaxed);
+}
+
+/// What a FUSE export answered since it was mounted, summed over reactors.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct FuseFigures {
+    /// Requests answered (every kind, errors included).
+    pub requests: u64,
+    /// Reads answered with data, and their bytes.
+    pub reads: u64,
+    /// Bytes those reads returned.
+    pub read_bytes: u64,
+    /// Writes acknowledged.
+    pub writes: u64,
+    /// Bytes those writes took.
+    pub written_bytes: u64,
+    /// fsync requests (each a device flush).
+    pub flushes: u64,
+    /// Requests answered with an error.
+    pub errors: u64,
+}
 
 impl Gate {
     /// An aligned write wants to start on reactor `me`: false while a read-modify-write
@@ -135,6 +176,8 @@ pub(crate) struct Shared {
     pub uring_queues: u32,
     pub attr: Mutex<Attr>,
     pub gate: Gate,
+    /// Per reactor, indexed like the gate's counters.
+    pub counts: Box<[Counts]>,
     pub phase: AtomicU8,
     /// Parts that finished the flush asked for by [`Frontend::stop`], and the parts' wake
     /// descriptors.
@@ -264,8 +307,9 @@ impl FuseExport {
             }),
             gate: Gate {
                 closed: AtomicBool::new(false),
-                writes: (0..256).map(|_| Padded::default()).collect(),
+                writes: (0..MAX_PARTS).map(|_| Padded::default()).collect(),
             },
+            counts: (0..MAX_PARTS).map(|_| Counts::default()).collect(),
             phase: AtomicU8::new(SERVING),
             flushed: Mutex::new(0),
             flushed_cv: Condvar::new(),
@@ -285,6 +329,27 @@ impl FuseExport {
     /// Whether requests come over io_uring (else through `/dev/fuse` reads).
     pub fn uses_io_uring(&self) -> bool {
         self.shared.uring_queues > 0
+    }
+
+    /// The name of the export it serves (empty: the default export).
+    pub fn export_name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// What it answered since it was mounted, summed over reactors.
+    pub fn figures(&self) -> FuseFigures {
+        let mut f = FuseFigures::default();
+        for c in self.shared.counts.iter() {
+            let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+            f.requests += get(&c.requests);
+            f.reads += get(&c.reads);
+            f.read_bytes += get(&c.read_bytes);
+            f.writes += get(&c.writes);
+            f.written_bytes += get(&c.written_bytes);
+            f.flushes += get(&c.flushes);
+            f.errors += get(&c.errors);
+        }
+        f
     }
 }
 

@@ -14,4 +14,4 @@ pub mod mount;
 mod part;
 mod uring;
 
-pub use export::{uring_enabled, FuseConfig, FuseExport, Transport, MAX_WRITE};
+pub use export::{uring_enabled, FuseConfig, FuseExport, FuseFigures, Transport, MAX_WRITE};

@@ -22,7 +22,7 @@ use io_uring::{opcode, types};
 use zerocopy::IntoBytes;
 
 use crate::abi::{self, fuse_opcode as fo};
-use crate::export::{Shared, ENDING, FLUSHING, HEAD, MAX_WRITE, SCRATCH, SLACK};
+use crate::export::{bump, Counts, Shared, ENDING, FLUSHING, HEAD, MAX_WRITE, SCRATCH, SLACK};
 use crate::uring::{self, Ring};
 
 const IN_HEADER: usize = std::mem::size_of::<abi::fuse_in_header>();
@@ -908,6 +908,7 @@ impl Part {
     }
 
     fn reply_write(&self, s: u32, n: usize) {
+        bump(&self.counts().written_bytes, n as u64);
         let out = abi::fuse_write_out {
             size: n as u32,
             padding: 0,
@@ -922,6 +923,11 @@ impl Part {
     /// Answers with a small struct (copied into place).
     fn reply(&self, s: u32, bytes: &[u8]) {
         self.send(s, 0, Some(bytes), 0);
+    }
+
+    /// This reactor's counters.
+    fn counts(&self) -> &Counts {
+        &self.shared.counts[self.me]
     }
 
     /// Answers a read: `n` bytes at `at` in the slot's data area.
@@ -940,6 +946,18 @@ impl Part {
     fn send(&self, s: u32, error: i32, small: Option<&[u8]>, data: usize) {
         let mut slots = self.slots.borrow_mut();
         let slot = &mut slots[s as usize];
+        let c = self.counts();
+        bump(&c.requests, 1);
+        if error != 0 {
+            bump(&c.errors, 1);
+        } else if slot.opcode == fo::FUSE_READ as u32 {
+            bump(&c.reads, 1);
+            bump(&c.read_bytes, data as u64);
+        } else if slot.opcode == fo::FUSE_WRITE as u32 {
+            bump(&c.writes, 1);
+        } else if slot.opcode == fo::FUSE_FSYNC as u32 {
+            bump(&c.flushes, 1);
+        }
         let body = if error != 0 {
             0
         } else {
