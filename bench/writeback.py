@@ -92,6 +92,7 @@ def run(path, disks, mode, runtime, warmup, rnd):
         "cov_all": statistics.pstdev(per_sec) / statistics.mean(per_sec),
         "writeback": statistics.mean(float(r["writeback_bytes_per_second"]) for r in rows[warmup:runtime]),
         "exit": wall - runtime,
+        "rows": rows[:runtime],
     }
 
 
@@ -126,7 +127,8 @@ def main():
                 r = run(path, disks, mode, args.runtime, args.warmup, rnd)
                 print(f"# {disks} disks, {mode}, round {rnd}: {r}", file=sys.stderr, flush=True)
                 res[mode].append(r)
-        med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in res.items()}
+        med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "rows"}
+               for m, rs in res.items()}
         for mode in ("per-device", "shared"):
             m = med[mode]
             out.append(f"| {disks} | {mode} | {m['iops']:.0f} | {m['steady']:.0f} | {m['cov']:.3f} | "
