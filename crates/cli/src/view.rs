@@ -119,6 +119,15 @@ pub fn rfc3339(t: std::time::SystemTime) -> String {
     }
 }
 
+/// `N requests: R reads (BYTES), W writes (BYTES)`, as a status line shows them.
+fn io_counts(requests: u64, reads: u64, read_bytes: u64, writes: u64, written: u64) -> String {
+    format!(
+        "{requests} requests: {reads} reads ({}), {writes} writes ({})",
+        format_bytes(read_bytes),
+        format_bytes(written)
+    )
+}
+
 /// How a FUSE export gets its requests.
 fn fuse_transport(x: &cairn_fuse::FuseExport) -> &'static str {
     if x.uses_io_uring() {
@@ -152,14 +161,10 @@ pub fn exports_text(view: &View) -> String {
         for x in e.fuse.iter().filter_map(Weak::upgrade) {
             let f = x.figures();
             out += &format!(
-                "    fuse {} ({}): {} requests: {} reads ({}), {} writes ({}), {} flushes, {} errors\n",
+                "    fuse {} ({}): {}, {} flushes, {} errors\n",
                 x.path().display(),
                 fuse_transport(&x),
-                f.requests,
-                f.reads,
-                format_bytes(f.read_bytes),
-                f.writes,
-                format_bytes(f.written_bytes),
+                io_counts(f.requests, f.reads, f.read_bytes, f.writes, f.written_bytes),
                 f.flushes,
                 f.errors
             );
@@ -167,18 +172,14 @@ pub fn exports_text(view: &View) -> String {
         for c in mine {
             let f = c.figures();
             out += &format!(
-                "    #{} {}{} ({} headers) since {} ({:.1} s): {} requests: {} reads ({}), {} writes ({}), {} flushes, {} trims, {} write-zeroes, {} block status, {} errors\n",
+                "    #{} {}{} ({} headers) since {} ({:.1} s): {}, {} flushes, {} trims, {} write-zeroes, {} block status, {} errors\n",
                 c.id,
                 c.peer,
                 if c.tls { " TLS" } else { "" },
                 c.headers,
                 rfc3339(c.since),
                 c.age().as_secs_f64(),
-                f.requests,
-                f.reads,
-                format_bytes(f.read_bytes),
-                f.writes,
-                format_bytes(f.written_bytes),
+                io_counts(f.requests, f.reads, f.read_bytes, f.writes, f.written_bytes),
                 f.flushes,
                 f.trims,
                 f.write_zeroes,
