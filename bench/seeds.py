@@ -87,15 +87,6 @@ def title(n, text):
     print(f"\n{'=' * 78}\n{n}. {text}\n{'=' * 78}")
 
 
-def cairn_bench(device, runtime, *args, switches=(), stack_file=None):
-    cmd = [CAIRN, *switches, "bench"]
-    if stack_file:
-        cmd.append(stack_file)
-    cmd += ["--device", device, "--runtime", str(runtime), "--time_based",
-            "--output-format", "json", *args]
-    return json.loads(sh(cmd))
-
-
 # 1. Flush batching
 
 def wait_socket(path, proc, limit=30):
@@ -136,8 +127,8 @@ def flush_served(mode, runtime, jobs, stack_file):
 
 
 def flush_inproc(mode, runtime, stack_file):
-    j = cairn_bench("r", runtime, "--rw", "randwrite", "--iodepth", "128", "--fsync", "1",
-                    switches=("--flush", mode), stack_file=stack_file)
+    j = stack.bench(stack_file, "r", runtime, "--rw", "randwrite", "--iodepth", "128",
+                    "--fsync", "1", switches=("--flush", mode))
     s = stack.summary(j)
     return {"mbps": s["write_bw"] / 1e6, "iops": s["write_iops"],
             "flush_mean_ms": s["flush_mean"] / 1e6, "flush_max_ms": s["flush_max"] / 1e6,
@@ -178,7 +169,7 @@ DESIGN.md's table):
 # 2. Cached clock
 
 def clock_run(mode, runtime):
-    j = cairn_bench("null:1G", runtime, "--rw", "randread", "--bs", "4k", "--iodepth", "32",
+    j = stack.bench(None, "null:1G", runtime, "--rw", "randread", "--bs", "4k", "--iodepth", "32",
                     switches=("--clock", mode, "--stats", "on"))
     job = j["jobs"][0]
     ios = job["read"]["total_ios"]
@@ -287,8 +278,8 @@ def technique_writeback(a):
 # 4. Inline stacked dispatch
 
 def dispatch_run(device, mode, runtime, stack_file):
-    j = cairn_bench(device, runtime, "--rw", "randread", "--bs", "4k", "--iodepth", "32",
-                    switches=("--dispatch", mode), stack_file=stack_file)
+    j = stack.bench(stack_file, device, runtime, "--rw", "randread", "--bs", "4k", "--iodepth",
+                    "32", switches=("--dispatch", mode))
     job = j["jobs"][0]
     return {"iops": job["read"]["iops"], "ctx": job["ctx"], "usr": job["usr_cpu"],
             "sys": job["sys_cpu"], "ios": job["read"]["total_ios"], "json": j}

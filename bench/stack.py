@@ -87,7 +87,8 @@ def stack_file(name):
 
 
 def bench(stack, device, runtime, *args, switches=()):
-    cmd = [CAIRN, *switches, "bench", stack, "--device", device, "--runtime", str(runtime),
+    cmd = [CAIRN, *switches, "bench", *([stack] if stack else []), "--device", device,
+           "--runtime", str(runtime),
            "--time_based", "--output-format", "json", *args]
     return json.loads(sh(cmd))
 

@@ -128,6 +128,26 @@ fn io_counts(requests: u64, reads: u64, read_bytes: u64, writes: u64, written: u
     )
 }
 
+/// The same counts as [`io_counts`], added to a JSON object.
+fn add_io_counts(
+    v: &mut serde_json::Value,
+    requests: u64,
+    reads: u64,
+    read_bytes: u64,
+    writes: u64,
+    written: u64,
+) {
+    for (key, n) in [
+        ("requests", requests),
+        ("reads", reads),
+        ("read_bytes", read_bytes),
+        ("writes", writes),
+        ("written_bytes", written),
+    ] {
+        v[key] = n.into();
+    }
+}
+
 /// How a FUSE export gets its requests.
 fn fuse_transport(x: &cairn_fuse::FuseExport) -> &'static str {
     if x.uses_io_uring() {
@@ -223,25 +243,29 @@ pub fn exports_json(view: &View) -> serde_json::Value {
                 .filter(|c| c.export == e.name)
                 .map(|c| {
                     let f = c.figures();
-                    serde_json::json!({
+                    let mut v = serde_json::json!({
                         "id": c.id,
                         "peer": c.peer,
                         "tls": c.tls,
                         "headers": c.headers,
                         "since": rfc3339(c.since),
                         "seconds": c.age().as_secs_f64(),
-                        "requests": f.requests,
-                        "reads": f.reads,
-                        "read_bytes": f.read_bytes,
-                        "writes": f.writes,
-                        "written_bytes": f.written_bytes,
                         "flushes": f.flushes,
                         "trims": f.trims,
                         "write_zeroes": f.write_zeroes,
                         "block_status": f.block_status,
                         "errors": f.errors,
                         "largest_request_bytes": f.largest,
-                    })
+                    });
+                    add_io_counts(
+                        &mut v,
+                        f.requests,
+                        f.reads,
+                        f.read_bytes,
+                        f.writes,
+                        f.written_bytes,
+                    );
+                    v
                 })
                 .collect();
             let fuse: Vec<serde_json::Value> = e
@@ -250,17 +274,21 @@ pub fn exports_json(view: &View) -> serde_json::Value {
                 .filter_map(Weak::upgrade)
                 .map(|x| {
                     let f = x.figures();
-                    serde_json::json!({
+                    let mut v = serde_json::json!({
                         "path": x.path().display().to_string(),
                         "transport": fuse_transport(&x),
-                        "requests": f.requests,
-                        "reads": f.reads,
-                        "read_bytes": f.read_bytes,
-                        "writes": f.writes,
-                        "written_bytes": f.written_bytes,
                         "flushes": f.flushes,
                         "errors": f.errors,
-                    })
+                    });
+                    add_io_counts(
+                        &mut v,
+                        f.requests,
+                        f.reads,
+                        f.read_bytes,
+                        f.writes,
+                        f.written_bytes,
+                    );
+                    v
                 })
                 .collect();
             serde_json::json!({
