@@ -243,7 +243,8 @@ impl CacheDevice {
                 .pool
                 .get_or_init(|| Arc::new(Pool::new(switches)))
                 .clone();
-            let index = pool.register(shared.clone(), base.clone())?;
+            let over_cache = holds_cache(&base, &shared.budget);
+            let index = pool.register(shared.clone(), base.clone(), over_cache)?;
             let _ = shared.pool.set((pool, index));
             None
         } else {
@@ -748,15 +749,41 @@ fn round(shared: &Shared, q: &BlockingQueue, take: Take) -> bool {
     round_locked(shared, q, take)
 }
 
-/// Takes the cache's write-back lock if no other thread holds it: a pool thread never
-/// waits for another one (the other may be waiting for a lower cache that needs a free
-/// pool thread to write back: with caches over caches, waiting deadlocked the pool).
-fn try_writing(shared: &Shared) -> Option<std::sync::MutexGuard<'_, ()>> {
+/// A pool thread's turn at writing back a cache: for a cache with no cache of its budget
+/// below it, waits while another pool thread writes it back (the head-of-line blocking
+/// of a shared flusher pool, which is what the "before" models: the other thread is
+/// only writing to a device and will finish). For a cache over another cache, takes the
+/// lock only if it is free: the other thread may be waiting for the lower cache, which
+/// needs a free pool thread to write back (waiting there deadlocked the pool).
+fn writing_turn(shared: &Shared, over_cache: bool) -> Option<std::sync::MutexGuard<'_, ()>> {
+    if !over_cache {
+        return Some(shared.writing.lock().unwrap_or_else(|p| p.into_inner()));
+    }
     match shared.writing.try_lock() {
         Ok(g) => Some(g),
         Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
         Err(std::sync::TryLockError::WouldBlock) => None,
     }
+}
+
+/// Whether a cache sharing `budget` lies anywhere below `base` (by name: the names of a
+/// stack file's devices are unique).
+fn holds_cache(base: &Arc<dyn Device>, budget: &Budget) -> bool {
+    let names: Vec<String> = budget
+        .members
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .filter_map(|m| m.upgrade().map(|s| s.name.clone()))
+        .collect();
+    let mut todo = vec![base.clone()];
+    while let Some(d) = todo.pop() {
+        if names.iter().any(|n| n == d.name()) {
+            return true;
+        }
+        todo.extend(d.children());
+    }
+    false
 }
 
 /// [`round`], with the cache's write-back lock held by the caller.
@@ -988,8 +1015,9 @@ fn flusher(
     }
 }
 
-/// A cache in the pool: its state and its base.
-type Member = (Arc<Shared>, Arc<dyn Device>);
+/// A cache in the pool: its state, its base, and whether a cache of the pool lies below
+/// it (see [`writing_turn`]).
+type Member = (Arc<Shared>, Arc<dyn Device>, bool);
 
 /// `--writeback shared`, the "before" of technique 3: one pool with as many threads as
 /// there are caches, taking dirty pages from every cache in the order they were dirtied
@@ -1039,10 +1067,11 @@ impl Pool {
         self: &Arc<Pool>,
         shared: Arc<Shared>,
         base: Arc<dyn Device>,
+        over_cache: bool,
     ) -> Result<usize, Error> {
         let index = {
             let mut caches = self.caches.lock().unwrap_or_else(|p| p.into_inner());
-            caches.push(Some((shared.clone(), base)));
+            caches.push(Some((shared.clone(), base, over_cache)));
             caches.len() - 1
         };
         let (pool, budget) = (self.clone(), Arc::downgrade(&shared.budget));
@@ -1127,22 +1156,22 @@ fn pool_thread(pool: Arc<Pool>, budget: std::sync::Weak<Budget>) {
         let Some(b) = budget.upgrade() else { return };
         // This iteration's references; the caches gone lose theirs, then it says so.
         let epoch = pool.epoch.load(Ordering::SeqCst);
-        let caches: Vec<(usize, Arc<Shared>, Arc<dyn Device>)> = pool
+        let caches: Vec<(usize, Arc<Shared>, Arc<dyn Device>, bool)> = pool
             .caches
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .iter()
             .enumerate()
-            .filter_map(|(i, c)| c.as_ref().map(|(s, d)| (i, s.clone(), d.clone())))
+            .filter_map(|(i, c)| c.as_ref().map(|(s, d, o)| (i, s.clone(), d.clone(), *o)))
             .collect();
         queues.retain(|i, _| caches.iter().any(|c| c.0 == *i));
         pool.ack(epoch);
         // Flushes first: a waiting flush gets its whole cache written back.
         let mut worked = false;
-        for (i, s, d) in &caches {
+        for (i, s, d, over_cache) in &caches {
             if !s.lock().waiters.is_empty() && open_queue(&mut queues, *i, d, pool.switches) {
                 // Another pool thread writing this cache back serves its flushes too.
-                if let Some(_writing) = try_writing(s) {
+                if let Some(_writing) = writing_turn(s, *over_cache) {
                     round_locked(s, &queues[i], Take::All);
                     worked = true;
                 }
@@ -1191,10 +1220,10 @@ fn pool_thread(pool: Arc<Pool>, budget: std::sync::Weak<Budget>) {
             .unwrap_or_else(|p| p.into_inner())
             .pop_front();
         let Some((i, p)) = next else { continue };
-        let Some((_, s, d)) = caches.iter().find(|c| c.0 == i) else {
+        let Some((_, s, d, over_cache)) = caches.iter().find(|c| c.0 == i) else {
             continue;
         };
-        let Some(_writing) = try_writing(s) else {
+        let Some(_writing) = writing_turn(s, *over_cache) else {
             // Being written back by another pool thread: the page waits its turn again.
             pool.order
                 .lock()
