@@ -15,10 +15,14 @@
 //! must hold the model's bytes where the layout puts it (the placement rules are written
 //! out again here, independently of the code under test; `stack_layout.rs` checks them
 //! against fixed examples).
+//!
+//! Each case runs with statistics on or off at random: off, a request of linear or stripe
+//! that fits one member is only remapped, and the member answers the caller itself.
 
 use std::sync::Arc;
 
 use cairn_core::blocking::{BlockingError, BlockingQueue, Request};
+use cairn_core::stats::StatsMode;
 use cairn_core::{Device, IoError, IoFlags, Op, Switches};
 use cairn_devices::config::StackFile;
 use proptest::prelude::*;
@@ -443,12 +447,25 @@ fn apply(
 }
 
 /// Runs `steps` on a fresh stack and checks it against the model throughout.
-fn run_model(stack: Stack, steps: &[Step]) -> Result<(), TestCaseError> {
+/// The switches of a case: statistics on or off (off, requests of linear and stripe that
+/// fit one member are remapped and answered by the member itself).
+fn switches(stats_off: bool) -> Switches {
+    Switches {
+        stats: if stats_off {
+            StatsMode::Off
+        } else {
+            StatsMode::On
+        },
+        ..Switches::default()
+    }
+}
+
+fn run_model(stack: Stack, steps: &[Step], stats_off: bool) -> Result<(), TestCaseError> {
     let (top, _dir) = stack.open();
     let geometry = top.geometry();
     prop_assert_eq!(geometry.size_bytes, stack.size());
     prop_assert_eq!(u64::from(geometry.block_bytes), BLOCK);
-    let q = BlockingQueue::open(&top, Switches::default()).expect("queue opens");
+    let q = BlockingQueue::open(&top, switches(stats_off)).expect("queue opens");
     let mut model = vec![0u8; stack.size() as usize];
     for step in steps {
         apply(stack, &q, &mut model, step)?;
@@ -627,9 +644,9 @@ fn run_batch(
     check_all(q, model)
 }
 
-fn run_batches(stack: Stack, batches: &[Batch]) -> Result<(), TestCaseError> {
+fn run_batches(stack: Stack, batches: &[Batch], stats_off: bool) -> Result<(), TestCaseError> {
     let (top, _dir) = stack.open();
-    let q = BlockingQueue::open(&top, Switches::default()).expect("queue opens");
+    let q = BlockingQueue::open(&top, switches(stats_off)).expect("queue opens");
     let mut model = vec![0u8; stack.size() as usize];
     // Start from data everywhere, so that discards and reads have something to see.
     let fill = data(99, stack.size());
@@ -656,97 +673,97 @@ proptest! {
     #![proptest_config(config())]
 
     #[test]
-    fn linear_of_unequal_members(steps in steps(LINEAR)) {
-        run_model(LINEAR, &steps)?;
+    fn linear_of_unequal_members(steps in steps(LINEAR), stats_off in any::<bool>()) {
+        run_model(LINEAR, &steps, stats_off)?;
     }
 
     #[test]
-    fn stripe_4k_chunks_2_members(steps in steps(STRIPE_4K_2)) {
-        run_model(STRIPE_4K_2, &steps)?;
+    fn stripe_4k_chunks_2_members(steps in steps(STRIPE_4K_2), stats_off in any::<bool>()) {
+        run_model(STRIPE_4K_2, &steps, stats_off)?;
     }
 
     #[test]
-    fn stripe_4k_chunks_3_members(steps in steps(STRIPE_4K_3)) {
-        run_model(STRIPE_4K_3, &steps)?;
+    fn stripe_4k_chunks_3_members(steps in steps(STRIPE_4K_3), stats_off in any::<bool>()) {
+        run_model(STRIPE_4K_3, &steps, stats_off)?;
     }
 
     #[test]
-    fn stripe_64k_chunks_2_members(steps in steps(STRIPE_64K_2)) {
-        run_model(STRIPE_64K_2, &steps)?;
+    fn stripe_64k_chunks_2_members(steps in steps(STRIPE_64K_2), stats_off in any::<bool>()) {
+        run_model(STRIPE_64K_2, &steps, stats_off)?;
     }
 
     #[test]
-    fn stripe_64k_chunks_3_members(steps in steps(STRIPE_64K_3)) {
-        run_model(STRIPE_64K_3, &steps)?;
+    fn stripe_64k_chunks_3_members(steps in steps(STRIPE_64K_3), stats_off in any::<bool>()) {
+        run_model(STRIPE_64K_3, &steps, stats_off)?;
     }
 
     #[test]
-    fn mirror_2_members(steps in steps(MIRROR_2)) {
-        run_model(MIRROR_2, &steps)?;
+    fn mirror_2_members(steps in steps(MIRROR_2), stats_off in any::<bool>()) {
+        run_model(MIRROR_2, &steps, stats_off)?;
     }
 
     #[test]
-    fn mirror_3_unequal_members(steps in steps(MIRROR_3)) {
-        run_model(MIRROR_3, &steps)?;
+    fn mirror_3_unequal_members(steps in steps(MIRROR_3), stats_off in any::<bool>()) {
+        run_model(MIRROR_3, &steps, stats_off)?;
     }
 
     #[test]
-    fn raid10_4_members_2_copies(steps in steps(RAID10_4X2)) {
-        run_model(RAID10_4X2, &steps)?;
+    fn raid10_4_members_2_copies(steps in steps(RAID10_4X2), stats_off in any::<bool>()) {
+        run_model(RAID10_4X2, &steps, stats_off)?;
     }
 
     #[test]
-    fn raid10_3_members_2_copies(steps in steps(RAID10_3X2)) {
-        run_model(RAID10_3X2, &steps)?;
+    fn raid10_3_members_2_copies(steps in steps(RAID10_3X2), stats_off in any::<bool>()) {
+        run_model(RAID10_3X2, &steps, stats_off)?;
     }
 
     #[test]
-    fn raid10_4_members_3_copies(steps in steps(RAID10_4X3)) {
-        run_model(RAID10_4X3, &steps)?;
+    fn raid10_4_members_3_copies(steps in steps(RAID10_4X3), stats_off in any::<bool>()) {
+        run_model(RAID10_4X3, &steps, stats_off)?;
     }
 
     #[test]
-    fn stripe_of_io_uring_files(steps in steps(STRIPE_URING_FILES)) {
-        run_model(STRIPE_URING_FILES, &steps)?;
+    fn stripe_of_io_uring_files(steps in steps(STRIPE_URING_FILES), stats_off in any::<bool>()) {
+        run_model(STRIPE_URING_FILES, &steps, stats_off)?;
     }
 
     #[test]
-    fn raid10_of_aio_files(steps in steps(RAID10_AIO_FILES)) {
-        run_model(RAID10_AIO_FILES, &steps)?;
+    fn raid10_of_aio_files(steps in steps(RAID10_AIO_FILES), stats_off in any::<bool>()) {
+        run_model(RAID10_AIO_FILES, &steps, stats_off)?;
     }
 
     #[test]
-    fn concurrent_batches_linear(batches in batches(LINEAR)) {
-        run_batches(LINEAR, &batches)?;
+    fn concurrent_batches_linear(batches in batches(LINEAR), stats_off in any::<bool>()) {
+        run_batches(LINEAR, &batches, stats_off)?;
     }
 
     #[test]
-    fn concurrent_batches_stripe(batches in batches(STRIPE_4K_3)) {
-        run_batches(STRIPE_4K_3, &batches)?;
+    fn concurrent_batches_stripe(batches in batches(STRIPE_4K_3), stats_off in any::<bool>()) {
+        run_batches(STRIPE_4K_3, &batches, stats_off)?;
     }
 
     #[test]
-    fn concurrent_batches_mirror(batches in batches(MIRROR_3)) {
-        run_batches(MIRROR_3, &batches)?;
+    fn concurrent_batches_mirror(batches in batches(MIRROR_3), stats_off in any::<bool>()) {
+        run_batches(MIRROR_3, &batches, stats_off)?;
     }
 
     #[test]
-    fn concurrent_batches_raid10(batches in batches(RAID10_3X2)) {
-        run_batches(RAID10_3X2, &batches)?;
+    fn concurrent_batches_raid10(batches in batches(RAID10_3X2), stats_off in any::<bool>()) {
+        run_batches(RAID10_3X2, &batches, stats_off)?;
     }
 
     #[test]
-    fn concurrent_batches_raid10_3_copies(batches in batches(RAID10_4X3)) {
-        run_batches(RAID10_4X3, &batches)?;
+    fn concurrent_batches_raid10_3_copies(batches in batches(RAID10_4X3), stats_off in any::<bool>()) {
+        run_batches(RAID10_4X3, &batches, stats_off)?;
     }
 
     #[test]
-    fn concurrent_batches_on_io_uring_files(batches in batches(STRIPE_URING_FILES)) {
-        run_batches(STRIPE_URING_FILES, &batches)?;
+    fn concurrent_batches_on_io_uring_files(batches in batches(STRIPE_URING_FILES), stats_off in any::<bool>()) {
+        run_batches(STRIPE_URING_FILES, &batches, stats_off)?;
     }
 
     #[test]
-    fn concurrent_batches_on_aio_files(batches in batches(RAID10_AIO_FILES)) {
-        run_batches(RAID10_AIO_FILES, &batches)?;
+    fn concurrent_batches_on_aio_files(batches in batches(RAID10_AIO_FILES), stats_off in any::<bool>()) {
+        run_batches(RAID10_AIO_FILES, &batches, stats_off)?;
     }
 }

@@ -11,7 +11,16 @@ pub const COPIES_MAX: usize = 32;
 pub struct Linear {
     /// Start of each member in the stacked device, plus the total size at the end.
     starts: Vec<u64>,
+    /// The member holding the first byte of each `1 << granule`-byte granule of the
+    /// stacked device: a look-up and at most a step or two forward finds any offset's
+    /// member, where a binary search over `starts` cost a mispredicted branch per level.
+    first: Vec<u32>,
+    granule: u32,
 }
+
+/// Most entries of [`Linear`]'s granule table (members of very different sizes get
+/// coarser granules, and a few more steps forward).
+const GRANULES_MAX: u64 = 1 << 16;
 
 impl Linear {
     /// Members of the given sizes, in order, each used in whole `block`-byte blocks (so a
@@ -24,12 +33,43 @@ impl Linear {
             at += s / block * block;
         }
         starts.push(at);
-        Linear { starts }
+        // Granules no larger than the smallest member hold at most one member's start.
+        let smallest = starts
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .filter(|&s| s > 0)
+            .min();
+        let mut granule = smallest.map_or(63, |s| 63 - s.leading_zeros());
+        while at >> granule >= GRANULES_MAX {
+            granule += 1;
+        }
+        let first = (0..=at >> granule)
+            .map(|k| {
+                let o = k << granule;
+                (starts.partition_point(|&s| s <= o).max(1) - 1).min(sizes.len().saturating_sub(1))
+                    as u32
+            })
+            .collect();
+        Linear {
+            starts,
+            first,
+            granule,
+        }
     }
 
+    /// The member holding `offset` (below the size; the last one otherwise).
+    #[inline(always)]
     fn member(&self, offset: u64) -> usize {
-        // The last start <= offset (starts are sorted; zero-sized members are skipped).
-        self.starts.partition_point(|&s| s <= offset) - 1
+        let last = self.starts.len().saturating_sub(2);
+        let mut m = self
+            .first
+            .get((offset >> self.granule) as usize)
+            .map_or(last, |&m| m as usize);
+        // Forward past members that end at or before it (zero-sized ones too).
+        while m < last && self.starts[m + 1] <= offset {
+            m += 1;
+        }
+        m
     }
 }
 
@@ -363,6 +403,8 @@ impl From<Raid10> for AnyLayout {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::Just;
+    use proptest::strategy::Strategy;
 
     const K: u64 = 64 << 10;
 
@@ -378,6 +420,38 @@ mod tests {
         let l = Linear::new(&[1536, 6144, 8192], 4096);
         assert_eq!(l.size_bytes(), 12288);
         assert_eq!(l.locate(4096, 0), (2, 0));
+    }
+
+    proptest::proptest! {
+        /// The granule table finds the same member as a search of the starts, for members
+        /// of any sizes (zero-sized, tiny beside huge: coarse granules), at every offset
+        /// near a boundary and at random ones.
+        #[test]
+        fn linear_granules_find_the_member_a_search_finds(
+            sizes in proptest::collection::vec(
+                proptest::prop_oneof![
+                    Just(0u64),
+                    1u64..20_000,
+                    (1u64..1 << 20).prop_map(|s| s << 12),
+                    (1u64..1 << 10).prop_map(|s| s << 40),
+                ],
+                1..12,
+            ),
+            block in proptest::prop_oneof![Just(512u64), Just(4096)],
+            picks in proptest::collection::vec(0u64..u64::MAX, 32),
+        ) {
+            let l = Linear::new(&sizes, block);
+            let size = l.size_bytes();
+            let mut offsets: Vec<u64> = picks.iter().filter(|_| size > 0).map(|p| p % size).collect();
+            for &s in &l.starts {
+                offsets.extend([s.saturating_sub(1), s, s + 1].into_iter().filter(|&o| o < size));
+            }
+            for o in offsets {
+                let searched = l.starts.partition_point(|&s| s <= o) - 1;
+                proptest::prop_assert_eq!(l.member(o), searched, "offset {}", o);
+            }
+            proptest::prop_assert!(l.first.len() as u64 <= GRANULES_MAX + 1);
+        }
     }
 
     #[test]
