@@ -1019,6 +1019,9 @@ fn flusher(
 /// it (see [`writing_turn`]).
 type Member = (Arc<Shared>, Arc<dyn Device>, bool);
 
+/// A pool thread's reference to a cache for one iteration: its index and [`Member`].
+type Held = (usize, Arc<Shared>, Arc<dyn Device>, bool);
+
 /// `--writeback shared`, the "before" of technique 3: one pool with as many threads as
 /// there are caches, taking dirty pages from every cache in the order they were dirtied
 /// (one page per write, wherever it lies), as a single shared flusher pool did before
@@ -1156,7 +1159,7 @@ fn pool_thread(pool: Arc<Pool>, budget: std::sync::Weak<Budget>) {
         let Some(b) = budget.upgrade() else { return };
         // This iteration's references; the caches gone lose theirs, then it says so.
         let epoch = pool.epoch.load(Ordering::SeqCst);
-        let caches: Vec<(usize, Arc<Shared>, Arc<dyn Device>, bool)> = pool
+        let caches: Vec<Held> = pool
             .caches
             .lock()
             .unwrap_or_else(|p| p.into_inner())
