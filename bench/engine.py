@@ -169,6 +169,16 @@ def reap_cells(rs):
     return " / ".join(str(int(statistics.median(r["reaps"][k] for r in rs))) for k in keys)
 
 
+def raid10_file(name, leaf, size):
+    """bench/out/NAME: device r, a raid10 over four `leaf` devices m0..m3 of `size`."""
+    path = os.path.join(OUT, name)
+    with open(path, "w") as f:
+        for i in range(4):
+            f.write(f'[device.m{i}]\ntype = "{leaf}"\nsize = "{size}"\n')
+        f.write('[device.r]\ntype = "raid10"\nmembers = ["m0", "m1", "m2", "m3"]\n')
+    return path
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runtime", type=int, default=5)
@@ -206,11 +216,7 @@ def main():
     if "jobs" in only:
         # Two reactors on the two cores against one: each job has its own reactor and its
         # own queues, so nothing is shared on the I/O path.
-        stack_file = os.path.join(OUT, "jobs-raid10.toml")
-        with open(stack_file, "w") as f:
-            for i in range(4):
-                f.write(f'[device.m{i}]\ntype = "mem"\nsize = "256M"\n')
-            f.write('[device.r]\ntype = "raid10"\nmembers = ["m0", "m1", "m2", "m3"]\n')
+        stack_file = raid10_file("jobs-raid10.toml", "mem", "256M")
         for label, target in (("null", ["--device", "null:1G"]),
                               ("raid10 over four mem", [stack_file, "--device", "r"])):
             def jobs(k, target=target):
@@ -230,11 +236,7 @@ def main():
                                 ("stats off", lambda: cairn("null:1G", t, "--stats", "off"))], n)
         ratio_row("statistics cost: null (on/off must be > 0.95)", res, "stats on", "stats off", 0.95)
     if "metrics" in only:
-        stack = os.path.join(OUT, "metrics-raid10.toml")
-        with open(stack, "w") as f:
-            for i in range(4):
-                f.write(f'[device.n{i}]\ntype = "null"\nsize = "1G"\n')
-            f.write('[device.r]\ntype = "raid10"\nmembers = ["n0", "n1", "n2", "n3"]\n')
+        stack = raid10_file("metrics-raid10.toml", "null", "1G")
         for label, dev in (("null", "null:1G"), ("raid10 of null", f"{stack}")):
             target = ["--device", "r"] if dev == stack else []
 
