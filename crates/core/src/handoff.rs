@@ -82,7 +82,7 @@ impl HandoffQueue {
 impl Queue for HandoffQueue {
     fn submit(&self, io: Io) {
         let now = self.core.now_ns();
-        self.stats.start(now);
+        self.stats.start(io.flags, now);
         let index = self.requests.borrow_mut().insert((io, now));
         let sent = self
             .to_worker
@@ -91,7 +91,7 @@ impl Queue for HandoffQueue {
         if !sent {
             // The worker is gone: fail the request through the FIFO.
             self.requests.borrow_mut().remove(index);
-            self.stats.done(io.op, io.len, now, now, false);
+            self.stats.done(io.flags, io.op, io.len, now, now, false);
             self.core
                 .complete(io.sink, io.token, IoStatus::errno(libc::EIO));
             return;
@@ -127,8 +127,14 @@ impl Poller for HandoffQueue {
         while let Ok((index, status)) = self.from_worker.try_recv() {
             let (io, start) = self.requests.borrow_mut().remove(index);
             if self.stats.enabled() {
-                self.stats
-                    .done(io.op, io.len, start, self.core.now_ns(), status.is_ok());
+                self.stats.done(
+                    io.flags,
+                    io.op,
+                    io.len,
+                    start,
+                    self.core.now_ns(),
+                    status.is_ok(),
+                );
             }
             self.core.complete(io.sink, io.token, status);
             n += 1;

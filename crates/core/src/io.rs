@@ -81,6 +81,11 @@ impl IoFlags {
     pub const FUA: IoFlags = IoFlags(1);
     /// Write-zeroes must leave the range allocated (NBD's NO_HOLE).
     pub const NO_HOLE: IoFlags = IoFlags(2);
+    /// Set by a stacked device that only remapped the request to a member which answers
+    /// it itself: the member counts it for the stacked device as well as for itself (see
+    /// [`QueueStats::delegate`](crate::stats::QueueStats::delegate)). Only ever sent to a
+    /// queue that agreed to it; never passed on.
+    pub const DELEGATED: IoFlags = IoFlags(4);
 
     /// Whether every flag in `other` is set.
     #[inline]

@@ -7,10 +7,11 @@
 //! endpoint and progress displays do. A reader may see one request counted in one field
 //! and not yet in another; every field only grows.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
+use std::cell::OnceCell;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
 
-use crate::io::Op;
+use crate::io::{IoFlags, Op};
 
 /// Whether devices keep statistics (`--stats on|off`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -225,6 +226,8 @@ pub struct Counters {
     busy_ns: AtomicU64,
     busy_since_ns: AtomicU64,
     latency: [SharedHistogram; Op::COUNT],
+    /// The queue that writes these closed: the registry folds them into its total.
+    closed: AtomicBool,
 }
 
 impl std::fmt::Debug for Counters {
@@ -279,17 +282,43 @@ fn bump(counter: &AtomicU64, by: u64) {
 }
 
 /// Statistics of one queue (one device on one reactor).
+///
+/// A queue that answers requests itself (a leaf: null, mem, a file, a remote export) can
+/// also count, in a second set of counters, the requests a stacked device above it only
+/// remapped and marked [`IoFlags::DELEGATED`]: the stacked device then takes no
+/// completion of its own, and each such request is still counted once for the member and
+/// once for the stacked device (the member's snapshot adds both sets; the stacked
+/// device's adds the sets it lent out, see [`QueueStats::delegate`]).
 pub struct QueueStats {
     enabled: bool,
     counters: Arc<Counters>,
+    /// Whether this queue answers requests itself (may take delegated ones).
+    leaf: bool,
+    /// Requests a stacked device delegated to this leaf.
+    delegated: OnceCell<Arc<Counters>>,
+    /// Of a stacked device: what its members counted for it.
+    lent: Mutex<Vec<Arc<Counters>>>,
 }
 
 impl QueueStats {
     /// Statistics that count when `mode` is on and do nothing when it is off.
     pub fn new(mode: StatsMode) -> QueueStats {
+        QueueStats::with_leaf(mode, false)
+    }
+
+    /// [`QueueStats::new`] of a queue that answers every request itself and never passes
+    /// one on: it may count requests for the stacked device above it.
+    pub fn leaf(mode: StatsMode) -> QueueStats {
+        QueueStats::with_leaf(mode, true)
+    }
+
+    fn with_leaf(mode: StatsMode, leaf: bool) -> QueueStats {
         QueueStats {
             enabled: mode == StatsMode::On,
             counters: Arc::new(Counters::default()),
+            leaf,
+            delegated: OnceCell::new(),
+            lent: Mutex::new(Vec::new()),
         }
     }
 
@@ -301,24 +330,70 @@ impl QueueStats {
         stats
     }
 
+    /// [`QueueStats::leaf`], added to the [`registry`] under the device's `name`.
+    pub fn named_leaf(mode: StatsMode, name: &str) -> QueueStats {
+        let stats = QueueStats::leaf(mode);
+        registry().add(name, &stats);
+        stats
+    }
+
     /// Whether this queue counts at all; callers skip clock reads when it does not.
     #[inline]
     pub fn enabled(&self) -> bool {
         self.enabled
     }
 
-    /// The counters, shareable with other threads.
+    /// The counters, shareable with other threads (not those of delegated requests).
     pub fn counters(&self) -> Arc<Counters> {
         self.counters.clone()
     }
 
-    /// A request was started at `now_ns`.
+    /// Lets a stacked device delegate its accounting to this queue: returns, the first
+    /// time only, the counters in which this queue will count the requests marked
+    /// [`IoFlags::DELEGATED`]. `None` if this queue is not a leaf, does not count, or
+    /// already delegates (to the one stacked device that opened it). The caller adds
+    /// them to its own statistics ([`QueueStats::lend`]) and to the registry under its
+    /// name and the member's ([`Registry::add_counters`]).
+    pub fn delegate(&self) -> Option<Arc<Counters>> {
+        if !self.leaf || !self.enabled || self.delegated.get().is_some() {
+            return None;
+        }
+        let c = Arc::new(Counters::default());
+        self.delegated.set(c.clone()).ok()?;
+        Some(c)
+    }
+
+    /// Whether requests marked [`IoFlags::DELEGATED`] may be sent to this queue.
+    pub fn delegates(&self) -> bool {
+        self.delegated.get().is_some()
+    }
+
+    /// Adds a member's delegated counters to this (stacked) queue's statistics.
+    pub fn lend(&self, counters: Arc<Counters>) {
+        self.lent
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(counters);
+    }
+
+    /// Where a request with `flags` is counted.
+    #[inline(always)]
+    fn target(&self, flags: IoFlags) -> &Counters {
+        if flags.contains(IoFlags::DELEGATED) {
+            if let Some(c) = self.delegated.get() {
+                return c;
+            }
+        }
+        &self.counters
+    }
+
+    /// A request with `flags` was started at `now_ns`.
     #[inline]
-    pub fn start(&self, now_ns: u64) {
+    pub fn start(&self, flags: IoFlags, now_ns: u64) {
         if !self.enabled {
             return;
         }
-        let c = &*self.counters;
+        let c = self.target(flags);
         let in_flight = c.in_flight.load(Relaxed);
         if in_flight == 0 {
             c.busy_since_ns.store(now_ns, Relaxed);
@@ -326,13 +401,13 @@ impl QueueStats {
         c.in_flight.store(in_flight + 1, Relaxed);
     }
 
-    /// A request started at `start_ns` completed at `now_ns`.
+    /// A request with `flags` started at `start_ns` completed at `now_ns`.
     #[inline(always)]
-    pub fn done(&self, op: Op, bytes: u64, start_ns: u64, now_ns: u64, ok: bool) {
+    pub fn done(&self, flags: IoFlags, op: Op, bytes: u64, start_ns: u64, now_ns: u64, ok: bool) {
         if !self.enabled {
             return;
         }
-        let c = &*self.counters;
+        let c = self.target(flags);
         let i = op.index();
         let latency_ns = now_ns.saturating_sub(start_ns);
         if ok {
@@ -350,9 +425,26 @@ impl QueueStats {
         c.latency[i].record(latency_ns);
     }
 
-    /// A copy of everything counted so far, at `now_ns`.
+    /// A copy of everything counted so far, at `now_ns`: this queue's own requests, those
+    /// it counted for a stacked device above it, and those its members counted for it.
     pub fn snapshot(&self, now_ns: u64) -> DeviceStatsSnapshot {
-        self.counters.snapshot(now_ns, self.enabled)
+        let mut out = self.counters.snapshot(now_ns, self.enabled);
+        if let Some(d) = self.delegated.get() {
+            out.merge(&d.snapshot(now_ns, self.enabled));
+        }
+        for l in self.lent.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            out.merge(&l.snapshot(now_ns, self.enabled));
+        }
+        out
+    }
+}
+
+impl Drop for QueueStats {
+    fn drop(&mut self) {
+        self.counters.closed.store(true, Relaxed);
+        if let Some(d) = self.delegated.get() {
+            d.closed.store(true, Relaxed);
+        }
     }
 }
 
@@ -435,6 +527,13 @@ pub fn registry() -> &'static Registry {
 impl Registry {
     /// Adds the statistics of one queue of the device `name`.
     pub fn add(&self, name: &str, stats: &QueueStats) {
+        self.add_counters(name, stats.counters(), stats.enabled());
+    }
+
+    /// Adds counters of the device `name`: a queue's own, or those a member counts for
+    /// the stacked device that delegated to it ([`QueueStats::delegate`]), added under
+    /// both names.
+    pub fn add_counters(&self, name: &str, counters: Arc<Counters>, enabled: bool) {
         let mut devices = self.devices.lock().unwrap_or_else(|p| p.into_inner());
         let entry = match devices.iter().position(|e| e.name == name) {
             Some(i) => &mut devices[i],
@@ -450,14 +549,14 @@ impl Registry {
         // Queues that closed since the last read are folded in now, so that opening and
         // closing queues (superblock writes open one each) never piles them up.
         Self::fold_closed(entry, crate::clock::monotonic_ns());
-        entry.live.push((stats.counters(), stats.enabled()));
+        entry.live.push((counters, enabled));
     }
 
     /// Moves the queues of `entry` that closed into its retired total.
     fn fold_closed(entry: &mut Entry, now_ns: u64) {
         let mut i = 0;
         while i < entry.live.len() {
-            if Arc::strong_count(&entry.live[i].0) == 1 {
+            if entry.live[i].0.closed.load(Relaxed) {
                 let (c, enabled) = entry.live.swap_remove(i);
                 let snap = c.snapshot(now_ns, enabled);
                 match &mut entry.retired {
@@ -495,12 +594,12 @@ mod tests {
     #[test]
     fn counts_like_diskstats() {
         let s = QueueStats::new(StatsMode::On);
-        s.start(100);
-        s.start(150);
-        s.done(Op::Read, 4096, 100, 300, true);
-        s.done(Op::Write, 8192, 150, 400, true);
-        s.start(1000);
-        s.done(Op::Read, 512, 1000, 1010, false);
+        s.start(IoFlags::NONE, 100);
+        s.start(IoFlags::NONE, 150);
+        s.done(IoFlags::NONE, Op::Read, 4096, 100, 300, true);
+        s.done(IoFlags::NONE, Op::Write, 8192, 150, 400, true);
+        s.start(IoFlags::NONE, 1000);
+        s.done(IoFlags::NONE, Op::Read, 512, 1000, 1010, false);
         let snap = s.snapshot(2000);
         assert_eq!(snap.ios[Op::Read.index()], 1);
         assert_eq!(snap.ios[Op::Write.index()], 1);
@@ -513,9 +612,73 @@ mod tests {
     }
 
     #[test]
+    fn a_leaf_counts_delegated_requests_apart_and_reports_both() {
+        let leaf = QueueStats::leaf(StatsMode::On);
+        let stack = QueueStats::new(StatsMode::On);
+        // Before it agrees, a delegated request counts as the leaf's own.
+        leaf.start(IoFlags::DELEGATED, 0);
+        leaf.done(IoFlags::DELEGATED, Op::Read, 4096, 0, 10, true);
+        let lent = leaf.delegate().expect("a leaf that counts agrees once");
+        assert!(leaf.delegate().is_none(), "and only once");
+        assert!(stack.delegate().is_none(), "a stacked device never agrees");
+        assert!(QueueStats::leaf(StatsMode::Off).delegate().is_none());
+        stack.lend(lent.clone());
+        leaf.start(IoFlags::DELEGATED.with(IoFlags::FUA), 20);
+        leaf.done(
+            IoFlags::DELEGATED.with(IoFlags::FUA),
+            Op::Write,
+            8192,
+            20,
+            50,
+            true,
+        );
+        leaf.start(IoFlags::FUA, 60);
+        leaf.done(IoFlags::FUA, Op::Write, 512, 60, 70, false);
+        assert_eq!(leaf.counters().ios(Op::Read), 1);
+        assert_eq!(leaf.counters().ios(Op::Write), 0);
+        assert_eq!(lent.ios(Op::Write), 1);
+        let l = leaf.snapshot(100);
+        assert_eq!((l.ios[0], l.ios[1], l.errors), (1, 1, 1));
+        assert_eq!(l.sectors[1], 16);
+        let s = stack.snapshot(100);
+        assert_eq!((s.ios[0], s.ios[1], s.errors), (0, 1, 0));
+        assert_eq!(s.ticks_ns[1], 30);
+        assert_eq!(s.busy_ns, 30);
+    }
+
+    #[test]
+    fn the_registry_keeps_what_closed_queues_counted() {
+        let name = "stats-test-registry";
+        let leaf = QueueStats::named_leaf(StatsMode::On, name);
+        let lent = leaf.delegate().expect("delegates");
+        registry().add_counters("stats-test-registry-upper", lent.clone(), true);
+        leaf.start(IoFlags::NONE, 0);
+        leaf.done(IoFlags::NONE, Op::Read, 4096, 0, 10, true);
+        leaf.start(IoFlags::DELEGATED, 10);
+        leaf.done(IoFlags::DELEGATED, Op::Read, 4096, 10, 20, true);
+        let read = |n: &str| registry().device(n, 100).map(|s| s.ios[0]);
+        assert_eq!(
+            read(name),
+            Some(1),
+            "the leaf's own (its delegated set is added by whoever delegates)"
+        );
+        assert_eq!(read("stats-test-registry-upper"), Some(1));
+        drop(leaf);
+        // Closed: folded into the totals at the next read, still counted; and a reader
+        // still holding the counters (a stacked queue) does not keep them open.
+        assert_eq!(read(name), Some(1));
+        assert_eq!(read("stats-test-registry-upper"), Some(1));
+        let again = QueueStats::named(StatsMode::On, name);
+        again.start(IoFlags::NONE, 0);
+        again.done(IoFlags::NONE, Op::Read, 4096, 0, 10, true);
+        assert_eq!(read(name), Some(2));
+        drop(lent);
+    }
+
+    #[test]
     fn busy_includes_open_interval() {
         let s = QueueStats::new(StatsMode::On);
-        s.start(100);
+        s.start(IoFlags::NONE, 100);
         let snap = s.snapshot(600);
         assert_eq!(snap.in_flight, 1);
         assert_eq!(snap.busy_ns, 500);
@@ -524,8 +687,8 @@ mod tests {
     #[test]
     fn off_counts_nothing() {
         let s = QueueStats::new(StatsMode::Off);
-        s.start(1);
-        s.done(Op::Read, 4096, 1, 2, true);
+        s.start(IoFlags::NONE, 1);
+        s.done(IoFlags::NONE, Op::Read, 4096, 1, 2, true);
         let snap = s.snapshot(3);
         assert_eq!(snap.ios, [0; Op::COUNT]);
         assert!(!snap.enabled);
@@ -572,11 +735,11 @@ mod tests {
     #[test]
     fn since_subtracts() {
         let s = QueueStats::new(StatsMode::On);
-        s.start(0);
-        s.done(Op::Read, 4096, 0, 10, true);
+        s.start(IoFlags::NONE, 0);
+        s.done(IoFlags::NONE, Op::Read, 4096, 0, 10, true);
         let a = s.snapshot(10);
-        s.start(20);
-        s.done(Op::Read, 4096, 20, 50, true);
+        s.start(IoFlags::NONE, 20);
+        s.done(IoFlags::NONE, Op::Read, 4096, 20, 50, true);
         let b = s.snapshot(50);
         let d = b.since(&a);
         assert_eq!(d.ios[0], 1);

@@ -459,8 +459,14 @@ impl CacheQueue {
 
     fn finish(&self, io: &Io, start: u64, status: IoStatus) {
         if self.stats.enabled() {
-            self.stats
-                .done(io.op, io.len, start, self.core.now_ns(), status.is_ok());
+            self.stats.done(
+                io.flags,
+                io.op,
+                io.len,
+                start,
+                self.core.now_ns(),
+                status.is_ok(),
+            );
         }
     }
 
@@ -634,7 +640,7 @@ impl CacheQueue {
 impl Queue for CacheQueue {
     fn submit(&self, io: Io) {
         let start = self.core.now_ns();
-        self.stats.start(start);
+        self.stats.start(io.flags, start);
         match io.op {
             Op::Read => self.read(io, start),
             Op::Write | Op::Discard | Op::WriteZeroes => self.write(io, start),

@@ -480,7 +480,7 @@ impl Device for MemDevice {
     fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
         Ok(Rc::new(MemQueue {
             core: core.clone(),
-            stats: QueueStats::named(core.switches().stats, self.name()),
+            stats: QueueStats::named_leaf(core.switches().stats, self.name()),
             store: self.store.clone(),
             volatile: self.volatile.clone(),
         }))
@@ -501,7 +501,7 @@ impl Queue for MemQueue {
         } else {
             0
         };
-        self.stats.start(start);
+        self.stats.start(io.flags, start);
         // SAFETY: the request passed Geometry::check at the edge (so it is in range), and
         // its submitter keeps `buf` valid for `len` bytes until completion.
         unsafe {
@@ -527,7 +527,7 @@ impl Queue for MemQueue {
         }
         if self.stats.enabled() {
             self.stats
-                .done(io.op, io.len, start, self.core.now_ns(), true);
+                .done(io.flags, io.op, io.len, start, self.core.now_ns(), true);
         }
         self.core.complete(io.sink, io.token, IoStatus::OK);
     }

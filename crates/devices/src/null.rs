@@ -57,7 +57,7 @@ impl Device for NullDevice {
     fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
         Ok(Rc::new(NullQueue {
             core: core.clone(),
-            stats: QueueStats::named(core.switches().stats, self.name()),
+            stats: QueueStats::named_leaf(core.switches().stats, self.name()),
         }))
     }
 }
@@ -77,8 +77,8 @@ impl Queue for NullQueue {
         }
         if self.stats.enabled() {
             let now = self.core.now_ns();
-            self.stats.start(now);
-            self.stats.done(io.op, io.len, now, now, true);
+            self.stats.start(io.flags, now);
+            self.stats.done(io.flags, io.op, io.len, now, now, true);
         }
         self.core.complete(io.sink, io.token, IoStatus::OK);
     }

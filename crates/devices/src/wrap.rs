@@ -362,17 +362,17 @@ impl WrapQueue {
 impl Queue for WrapQueue {
     fn submit(&self, io: Io) {
         let now = self.core.now_ns();
-        self.stats.start(now);
+        self.stats.start(io.flags, now);
         match self.policy.decide(&io, now, self.random()) {
             Decision::PowerCut(errno) => {
                 log::info!("cairn: fault: cutting the power below this device");
                 self.base_device.power_cut();
-                self.stats.done(io.op, io.len, now, now, false);
+                self.stats.done(io.flags, io.op, io.len, now, now, false);
                 self.core
                     .complete(io.sink, io.token, IoStatus::errno(errno));
             }
             Decision::Fail(errno) => {
-                self.stats.done(io.op, io.len, now, now, false);
+                self.stats.done(io.flags, io.op, io.len, now, now, false);
                 // Never complete inside submit: through the FIFO.
                 self.core
                     .complete(io.sink, io.token, IoStatus::errno(errno));
@@ -408,8 +408,14 @@ impl Sink for WrapQueue {
         }
         let (io, start) = self.requests.borrow_mut().remove(index);
         if self.stats.enabled() {
-            self.stats
-                .done(io.op, io.len, start, self.core.now_ns(), status.is_ok());
+            self.stats.done(
+                io.flags,
+                io.op,
+                io.len,
+                start,
+                self.core.now_ns(),
+                status.is_ok(),
+            );
         }
         self.core.deliver(io.sink, io.token, status);
     }

@@ -1188,18 +1188,21 @@ mod switches {
                 }
                 read_vec(&q, 0, 2 * block as u64);
                 q.flush().unwrap();
-                let counters = q.queue().stats().counters();
+                // What the queue counted itself and what its members counted for it.
+                let snap = q.queue().stats().snapshot(u64::MAX);
                 let on = stats == StatsMode::On;
                 assert_eq!(q.queue().stats().enabled(), on, "{}", s.label);
                 let (writes, reads) = if on { (5, 1) } else { (0, 0) };
-                assert_eq!(counters.ios(Op::Write), writes, "{} {stats:?}", s.label);
-                assert_eq!(counters.ios(Op::Read), reads, "{} {stats:?}", s.label);
+                let (w, r) = (Op::Write.index(), Op::Read.index());
+                assert_eq!(snap.ios[w], writes, "{} {stats:?}", s.label);
+                assert_eq!(snap.ios[r], reads, "{} {stats:?}", s.label);
                 assert_eq!(
-                    counters.bytes(Op::Write),
+                    snap.sectors[w] * 512,
                     writes * block as u64,
                     "{} {stats:?}",
                     s.label
                 );
+                assert_eq!(snap.in_flight, 0, "{} {stats:?}", s.label);
             }
         }
     }

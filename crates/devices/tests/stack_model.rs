@@ -467,8 +467,36 @@ fn run_model(stack: Stack, steps: &[Step], stats_off: bool) -> Result<(), TestCa
     prop_assert_eq!(u64::from(geometry.block_bytes), BLOCK);
     let q = BlockingQueue::open(&top, switches(stats_off)).expect("queue opens");
     let mut model = vec![0u8; stack.size() as usize];
+    // Bytes of each operation that succeeded (flushes: requests), as the stacked device
+    // must count them however it sends them on (remapped and counted by a member for it,
+    // or answered by itself).
+    let mut done = [0u64; Op::COUNT];
     for step in steps {
         apply(stack, &q, &mut model, step)?;
+        if expected(stack, step).is_ok() {
+            done[step.op().index()] += if step.op() == Op::Flush {
+                1
+            } else {
+                step.range().1
+            };
+        } else {
+            // `apply` read everything back to see that nothing changed.
+            done[Op::Read.index()] += stack.size();
+        }
+    }
+    if !stats_off {
+        let snap = q.queue().stats().snapshot(u64::MAX);
+        for op in Op::ALL {
+            let i = op.index();
+            let counted = if op == Op::Flush {
+                snap.ios[i]
+            } else {
+                snap.sectors[i] * 512
+            };
+            prop_assert_eq!(counted, done[i], "statistics of {}", op);
+        }
+        prop_assert_eq!(snap.in_flight, 0);
+        prop_assert_eq!(snap.errors, 0);
     }
     check_all(&q, &model)?;
     q.flush()

@@ -667,7 +667,7 @@ impl NbdQueue {
         let idle = QUEUE_DEPTH as u32;
         let q = Rc::new(NbdQueue {
             core: core.clone(),
-            stats: QueueStats::named(core.switches().stats, &shared.name),
+            stats: QueueStats::named_leaf(core.switches().stats, &shared.name),
             wake: cairn_core::event::eventfd("nbd reconnect")?,
             user: Cell::new(0),
             sink: Cell::new(SinkId(u32::MAX)),
@@ -940,6 +940,7 @@ impl NbdQueue {
         }
         let status = IoStatus::from_result(-errno);
         self.stats.done(
+            s.io.flags,
             s.io.op,
             s.io.len,
             s.start_ns,
@@ -1842,7 +1843,7 @@ fn connector(
 impl Queue for NbdQueue {
     fn submit(&self, io: Io) {
         let start = self.core.now_ns();
-        self.stats.start(start);
+        self.stats.start(io.flags, start);
         let mut st = self.st.borrow_mut();
         self.start(&mut st, io, start);
     }

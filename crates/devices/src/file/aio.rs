@@ -107,7 +107,7 @@ impl AioQueue {
         };
         let queue = Rc::new(AioQueue {
             core: core.clone(),
-            stats: QueueStats::new(core.switches().stats),
+            stats: QueueStats::leaf(core.switches().stats),
             shared,
             ctx,
             eventfd,
@@ -241,7 +241,7 @@ impl Queue for AioQueue {
         } else {
             0
         };
-        self.stats.start(start);
+        self.stats.start(io.flags, start);
         let slot = self.slots.borrow_mut().take(io, start);
         if let Some(slot) = slot {
             self.prepare(slot, &io, 0);

@@ -638,7 +638,14 @@ impl Slots {
         core: &Core,
     ) -> Option<(u32, Io)> {
         let s = self.entries[slot as usize];
-        stats.done(s.io.op, s.io.len, s.start_ns, core.now_ns(), status.is_ok());
+        stats.done(
+            s.io.flags,
+            s.io.op,
+            s.io.len,
+            s.start_ns,
+            core.now_ns(),
+            status.is_ok(),
+        );
         core.complete(s.io.sink, s.io.token, status);
         self.free.push(slot);
         let (io, start) = self.waiting.pop_front()?;

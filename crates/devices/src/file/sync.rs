@@ -22,7 +22,7 @@ impl SyncQueue {
     pub fn open(core: &Rc<Core>, shared: Arc<FileShared>) -> Rc<dyn Queue> {
         Rc::new(SyncQueue {
             core: core.clone(),
-            stats: QueueStats::new(core.switches().stats),
+            stats: QueueStats::leaf(core.switches().stats),
             shared,
         })
     }
@@ -35,11 +35,17 @@ impl Queue for SyncQueue {
         } else {
             0
         };
-        self.stats.start(start);
+        self.stats.start(io.flags, start);
         let status = do_sync(&self.shared, &io);
         if self.stats.enabled() {
-            self.stats
-                .done(io.op, io.len, start, self.core.now_ns(), status.is_ok());
+            self.stats.done(
+                io.flags,
+                io.op,
+                io.len,
+                start,
+                self.core.now_ns(),
+                status.is_ok(),
+            );
         }
         self.core.complete(io.sink, io.token, status);
     }

@@ -30,7 +30,7 @@ impl UringQueue {
         let fixed = core.register_file(shared.fd());
         let queue = Rc::new(UringQueue {
             core: core.clone(),
-            stats: QueueStats::new(core.switches().stats),
+            stats: QueueStats::leaf(core.switches().stats),
             shared,
             fixed,
             user: Cell::new(0),
@@ -130,7 +130,7 @@ impl Queue for UringQueue {
         } else {
             0
         };
-        self.stats.start(start);
+        self.stats.start(io.flags, start);
         let slot = self.slots.borrow_mut().take(io, start);
         if let Some(slot) = slot {
             self.push(slot, &io, 0);

@@ -595,6 +595,7 @@ impl Device for StackDevice {
             next_copy: Cell::new(0),
             flushes: FlushBatcher::new(core.switches().flush),
             copies: self.layout.copies(),
+            remap: Cell::new(None),
             data_offset: self.data_offset,
             metadata: self.metadata.clone(),
             bitmap: self.health.bitmap.clone(),
@@ -1386,6 +1387,10 @@ pub struct StackQueue {
     flushes: FlushBatcher,
     /// The layout's copies, kept here to spare the hot path a pointer chase.
     copies: usize,
+    /// Of a layout without copies: a request that fits one member is only remapped, with
+    /// these flags added (none without statistics; DELEGATED when every member counts
+    /// for this device); `None`: this device takes each completion itself.
+    remap: Cell<Option<IoFlags>>,
     /// Where data starts on every member.
     data_offset: u64,
     /// The array's superblocks, if it keeps them.
@@ -1433,7 +1438,19 @@ impl StackQueue {
                 continue;
             }
             match cairn_core::handoff::open_member(&self.core, d) {
-                Ok(q) => next.push(Some((d.clone(), q))),
+                Ok(q) => {
+                    if self.copies == 1 {
+                        if let Some(c) = q.stats().delegate() {
+                            // This member counts for this device the requests only
+                            // remapped to it: under both names, as two queues would.
+                            let registry = cairn_core::stats::registry();
+                            registry.add_counters(d.name(), c.clone(), true);
+                            registry.add_counters(&self.health.device, c.clone(), true);
+                            self.stats.lend(c);
+                        }
+                    }
+                    next.push(Some((d.clone(), q)));
+                }
                 Err(e) if first => return Err(e),
                 Err(e) => {
                     self.health.fail(i, IoStatus::errno(libc::EIO));
@@ -1480,6 +1497,20 @@ impl StackQueue {
             .map(|m| next.get(self.n + m).is_some_and(Option::is_some))
             .collect();
         self.replacing.set(shadows.iter().any(|&s| s));
+        let members = next.iter().take(self.n);
+        self.remap.set(if self.copies != 1 {
+            None
+        } else if !self.stats.enabled() {
+            Some(IoFlags::NONE)
+        } else if members.len() == self.n
+            && members
+                .clone()
+                .all(|o| o.as_ref().is_some_and(|(_, q)| q.stats().delegates()))
+        {
+            Some(IoFlags::DELEGATED)
+        } else {
+            None
+        });
         *self.shadows.borrow_mut() = shadows;
         *opened = next;
         drop(opened);
@@ -1557,8 +1588,14 @@ impl StackQueue {
     fn flush_done(&self, status: IoStatus) {
         let again = self.flushes.finish(|io, start| {
             if self.stats.enabled() {
-                self.stats
-                    .done(Op::Flush, 0, start, self.core.now_ns(), status.is_ok());
+                self.stats.done(
+                    IoFlags::NONE,
+                    Op::Flush,
+                    0,
+                    start,
+                    self.core.now_ns(),
+                    status.is_ok(),
+                );
             }
             self.core.deliver(io.sink, io.token, status);
         });
@@ -1694,11 +1731,23 @@ impl StackQueue {
         }
     }
 
+    /// Accounts the start of a request; returns its start time (0 without statistics).
+    #[inline(always)]
+    fn start(&self) -> u64 {
+        if !self.stats.enabled() {
+            return 0;
+        }
+        let now = self.core.now_ns();
+        self.stats.start(IoFlags::NONE, now);
+        now
+    }
+
     /// Accounts a finished parent request and hands its completion to its submitter.
     #[inline(always)]
     fn answer(&self, p: &Parent, status: IoStatus) {
         if self.stats.enabled() {
             self.stats.done(
+                IoFlags::NONE,
                 p.io.op,
                 p.io.len,
                 p.start_ns,
@@ -1711,45 +1760,26 @@ impl StackQueue {
 }
 
 impl Queue for StackQueue {
+    #[inline]
     fn submit(&self, io: Io) {
-        let start_ns = if self.stats.enabled() {
-            self.core.now_ns()
-        } else {
-            0
-        };
-        self.stats.start(start_ns);
-        // The common case, kept small so that it stays cheap: the whole request goes to
-        // one member of a layout without copies. No child state; the parent's slab index
-        // travels as the token.
-        if self.copies == 1 && io.op != Op::Flush {
-            if let Some((member, member_offset)) = self.layout.place(io.offset, io.len, 0) {
-                if !self.stats.enabled() {
-                    // Nothing to count here: the request is only remapped, and the member
-                    // answers the caller itself (as md's raid0 remaps a bio and resubmits
-                    // it), so the completion costs this layer nothing.
+        // The common case, kept small so that it stays cheap: a layout without copies,
+        // and the whole request fits one member. It is only remapped, and the member
+        // answers the caller itself (as md's raid0 remaps a bio and resubmits it), so the
+        // completion costs this layer nothing. With statistics on, the member counts it
+        // for this device too (`mark` is DELEGATED).
+        if let Some(mark) = self.remap.get() {
+            if io.op != Op::Flush {
+                if let Some((member, member_offset)) = self.layout.place(io.offset, io.len, 0) {
                     self.member(member).submit(Io {
                         offset: member_offset + self.data_offset,
+                        flags: io.flags.with(mark),
                         ..io
                     });
                     return;
                 }
-                let index = self.state.borrow_mut().lone.insert(Lone {
-                    sink: io.sink,
-                    op: io.op,
-                    len: io.len,
-                    token: io.token,
-                    start_ns,
-                });
-                self.member(member).submit(Io {
-                    offset: member_offset + self.data_offset,
-                    sink: self.sink.get(),
-                    token: LONE | u64::from(index),
-                    ..io
-                });
-                return;
             }
         }
-        self.submit_other(io, start_ns);
+        self.submit_rest(io);
     }
 
     fn stats(&self) -> &QueueStats {
@@ -1768,6 +1798,34 @@ impl Queue for StackQueue {
 }
 
 impl StackQueue {
+    /// Everything `submit` does not remap.
+    #[inline(never)]
+    fn submit_rest(&self, io: Io) {
+        if self.copies == 1 && io.op != Op::Flush {
+            if let Some((member, member_offset)) = self.layout.place(io.offset, io.len, 0) {
+                // A member that cannot count for this device: no child state; the
+                // request's slab index travels as the token.
+                let start_ns = self.start();
+                let index = self.state.borrow_mut().lone.insert(Lone {
+                    sink: io.sink,
+                    op: io.op,
+                    len: io.len,
+                    token: io.token,
+                    start_ns,
+                });
+                self.member(member).submit(Io {
+                    offset: member_offset + self.data_offset,
+                    sink: self.sink.get(),
+                    token: LONE | u64::from(index),
+                    ..io
+                });
+                return;
+            }
+        }
+        let start_ns = self.start();
+        self.submit_other(io, start_ns);
+    }
+
     /// Everything but the common case of `submit`: flushes, reads of redundant layouts,
     /// and requests split into pieces.
     #[inline(never)]
@@ -1907,8 +1965,14 @@ impl StackQueue {
             }
             self.leave_gate(&p);
             if self.stats.enabled() {
-                self.stats
-                    .done(p.io.op, p.io.len, p.start_ns, self.core.now_ns(), false);
+                self.stats.done(
+                    IoFlags::NONE,
+                    p.io.op,
+                    p.io.len,
+                    p.start_ns,
+                    self.core.now_ns(),
+                    false,
+                );
             }
             let status = if p.status.is_ok() {
                 IoStatus::errno(libc::EIO)
@@ -2050,8 +2114,14 @@ impl Sink for StackQueue {
         if token & (DIRECT | LONE) == LONE {
             let l = self.state.borrow_mut().lone.remove((token & !LONE) as u32);
             if self.stats.enabled() {
-                self.stats
-                    .done(l.op, l.len, l.start_ns, self.core.now_ns(), status.is_ok());
+                self.stats.done(
+                    IoFlags::NONE,
+                    l.op,
+                    l.len,
+                    l.start_ns,
+                    self.core.now_ns(),
+                    status.is_ok(),
+                );
             }
             self.core.deliver(l.sink, l.token, status);
             return;
