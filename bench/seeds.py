@@ -3,6 +3,7 @@
 
   bench/seeds.py [1-5 | all | flush clock writeback dispatch reap ...]
                  [--rounds 5] [--runtime 5] [--wb-runtime 20] [--wb-disks 1,4,10]
+                 [--slices 5] [--no-callgrind]
 
 For each technique cairn's "before" (the switch that turns it off) and "after" (the
 default) run side by side in one run: interleaved rounds (before, after, after, before,
@@ -29,7 +30,8 @@ printed first, in the original's own units and shape, then cairn's in the same s
   4 dispatch   dm "fix excessive dm-mq context switching" (v4.6): linear and stripe over
                null against bare null, 4 KiB randread qd32: IOPS and context switches,
                --dispatch inline against handoff; against bare null with statistics on
-               (the default) and off.
+               (the default) and off, each round `--slices` one-second runs of each,
+               alternating; with valgrind, instructions per I/O of both.
   5 reap       QEMU "linux-aio: process completions from ioq_submit()" (2.7): a 1 GiB file
                in /dev/shm through linux-aio (completions are ready at submit), 4 KiB
                randread at iodepth 128 (the original's ring size), --reap eager against
@@ -286,6 +288,26 @@ def dispatch_run(device, mode, runtime, stack_file, stats="on"):
             "sys": job["sys_cpu"], "ios": job["read"]["total_ios"], "json": j}
 
 
+def instructions_per_io(f, device, stats):
+    """Instructions per 4 KiB read under valgrind: the difference between two runs of
+    different lengths, so that start-up and reports cancel. None without valgrind."""
+    if not shutil.which("valgrind"):
+        return None
+    total = {}
+    for size in (50, 150):
+        with tempfile.NamedTemporaryFile(dir=OUT, suffix=".cg") as out:
+            p = subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=no",
+                                f"--cachegrind-out-file={out.name}", CAIRN, "--stats", stats,
+                                "bench", f, "--device", device, "--rw", "randread", "--bs", "4k",
+                                "--iodepth", "32", "--io_size", f"{size}M", "--output-format", "json"],
+                               capture_output=True, text=True)
+        refs = [l for l in p.stderr.splitlines() if "I refs:" in l or "I   refs:" in l]
+        if p.returncode != 0 or not refs:
+            return None
+        total[size] = int(refs[0].split(":")[1].replace(",", "").split()[0])
+    return (total[150] - total[50]) / ((150 - 50) * 2**20 / 4096)
+
+
 def technique_dispatch(a):
     title(4, 'Inline stacked dispatch: dm "fix excessive dm-mq context switching" (Linux v4.6)')
     print("""The original (dm-mq over null_blk, multithreaded async reads, fio; the patch):
@@ -293,25 +315,41 @@ def technique_dispatch(a):
   After:  cpu          : usr=20.60%, sys=79.35%, ctx=2008, majf=0, minf=472
   read IOPS ~950K -> ~1350K (1.42x); the raw null_blk device ~1950K (after: 0.69x of raw)""")
     f = stack.stack_file("t4")
+    n = a.slices
     for dev in ("linear", "stripe"):
-        # Statistics on (the default: the stacked device and each member count their own
-        # requests, two levels of accounting against the bare device's one) and off (a
-        # request that fits one member is only remapped; the member answers the caller).
-        runs = {k: [] for k in ("null", "handoff", "inline", "null-off", "inline-off")}
+        # Against bare null, statistics on (the default: a request that fits one member
+        # is remapped and the member counts it for the stacked device too) and off
+        # (remapped, counted nowhere). Each round runs the four `n` times, one second
+        # each, alternating, so that a slow second of the machine (the spread between
+        # runs is 10-20% here) falls on both sides of a ratio; handoff runs once per round.
+        runs = {k: [] for k in ("null", "inline", "null-off", "inline-off", "handoff")}
         for r in range(a.rounds):
-            order = list(runs) if r % 2 == 0 else list(reversed(runs))
+            order = ["null", "inline", "null-off", "inline-off"]
+            if r % 2:
+                order.reverse()
+            got = {k: [] for k in order}
+            for _ in range(n):
+                for which in order:
+                    stats = "off" if which.endswith("-off") else "on"
+                    target = "n" if which.startswith("null") else dev
+                    got[which].append(dispatch_run(target, "inline", 1, f, stats))
             for which in order:
-                stats = "off" if which.endswith("-off") else "on"
-                mode = which.removesuffix("-off")
-                target, mode = ("n", "inline") if mode == "null" else (dev, mode)
-                res = dispatch_run(target, mode, a.runtime, f, stats)
-                runs[which].append(res)
+                rs = got[which]
+                runs[which].append({"iops": statistics.mean(x["iops"] for x in rs),
+                                    "ctx": sum(x["ctx"] for x in rs),
+                                    "usr": statistics.mean(x["usr"] for x in rs),
+                                    "sys": statistics.mean(x["sys"] for x in rs),
+                                    "ios": sum(x["ios"] for x in rs),
+                                    "json": [x["json"] for x in rs]})
+            runs["handoff"].append(dispatch_run(dev, "handoff", a.runtime, f))
+            for which, rs in runs.items():
                 with open(os.path.join(OUT, f"seeds-dispatch-{dev}-{which}-{r}.json"), "w") as o:
-                    json.dump(res["json"], o, indent=1)
-                print(f"  dispatch {dev}: {which} round {r + 1}/{a.rounds} done", file=sys.stderr, flush=True)
+                    json.dump(rs[-1]["json"], o, indent=1)
+            print(f"  dispatch {dev}: round {r + 1}/{a.rounds} done", file=sys.stderr, flush=True)
         before, after, bare = runs["handoff"], runs["inline"], runs["null"]
         print(f"\ncairn: {dev} over two null devices against a bare null device; 4 KiB randread "
-              f"qd32, one job; medians of {a.rounds} rounds of {a.runtime} s:")
+              f"qd32, one job; medians of {a.rounds} rounds (handoff: one {a.runtime} s run per "
+              f"round; inline and bare null: {n} one-second runs per round, alternating):")
         for name, rs in (("Before (handoff):", before), ("After (inline): ", after)):
             print(f"  {name} cpu          : usr={med(r['usr'] for r in rs):.2f}%, "
                   f"sys={med(r['sys'] for r in rs):.2f}%, ctx={int(med(r['ctx'] for r in rs))}  "
@@ -323,6 +361,18 @@ def technique_dispatch(a):
         print(f"  inline / bare null = {spread(runs['null-off'], runs['inline-off'], 'iops')}  "
               f"(statistics off: {med(r['iops'] for r in runs['inline-off']) / 1e3:.0f}K against "
               f"{med(r['iops'] for r in runs['null-off']) / 1e3:.0f}K)")
+        if not a.no_callgrind:
+            counts = {(d, st): instructions_per_io(f, d, st) for d in ("n", dev) for st in ("on", "off")}
+            if None in counts.values():
+                print("  instructions per I/O: valgrind not available or failed (skipped)")
+            else:
+                # valgrind counts each byte of the null read's `rep stosb` (its 4 KiB
+                # memset) as one instruction; on the CPU it is one instruction.
+                for st in ("on", "off"):
+                    b, s_ = counts[("n", st)], counts[(dev, st)]
+                    print(f"  instructions per I/O (valgrind), statistics {st}: bare null {b:.0f}, "
+                          f"{dev} {s_:.0f} (+{s_ - b:.0f}; {b / s_:.3f}x; without the memset's "
+                          f"4096 counted bytes {(b - 4096) / (s_ - 4096):.3f}x)")
 
 
 # 5. Eager completion reaping
@@ -397,6 +447,10 @@ def main():
     ap.add_argument("--wb-disks", default="1,4,10")
     ap.add_argument("--flush-jobs", type=int, default=32)
     ap.add_argument("--reap-depth", type=int, default=128)
+    ap.add_argument("--slices", type=int, default=5,
+                    help="technique 4: one-second runs per round of each device against bare null")
+    ap.add_argument("--no-callgrind", action="store_true",
+                    help="technique 4: skip the instruction counts under valgrind")
     a = ap.parse_args()
     chosen = []
     for w in a.which:
