@@ -578,8 +578,9 @@ pub struct BenchArgs {
     pub randseed: Option<u64>,
     /// Idle polling, as for `cairn serve`: before a job's reactor sleeps it keeps
     /// collecting completions this long (e.g. 20us), saving a sleep and a wake-up when
-    /// they come quickly (an NBD server's replies) for up to this much CPU after each
-    /// burst. Off by default.
+    /// they come quickly (an NBD server's replies; reads of a file that io_uring hands
+    /// to its worker threads, as on tmpfs) for up to this much CPU after each burst.
+    /// Off by default.
     #[arg(long, value_name = "TIME", default_value = "0")]
     pub idle_poll: String,
     /// Report format.

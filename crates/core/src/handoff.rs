@@ -126,16 +126,8 @@ impl Poller for HandoffQueue {
         let mut n = 0;
         while let Ok((index, status)) = self.from_worker.try_recv() {
             let (io, start) = self.requests.borrow_mut().remove(index);
-            if self.stats.enabled() {
-                self.stats.done(
-                    io.flags,
-                    io.op,
-                    io.len,
-                    start,
-                    self.core.now_ns(),
-                    status.is_ok(),
-                );
-            }
+            self.stats
+                .finish(&io, start, || self.core.now_ns(), status.is_ok());
             self.core.complete(io.sink, io.token, status);
             n += 1;
         }

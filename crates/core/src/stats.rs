@@ -11,7 +11,7 @@ use std::cell::OnceCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
-use crate::io::{IoFlags, Op};
+use crate::io::{Io, IoFlags, Op};
 
 /// Whether devices keep statistics (`--stats on|off`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -423,6 +423,15 @@ impl QueueStats {
             bump(&c.busy_ns, now_ns.saturating_sub(since));
         }
         c.latency[i].record(latency_ns);
+    }
+
+    /// [`QueueStats::done`] for `io`, started at `start_ns`; reads the clock (`now`)
+    /// only when counting.
+    #[inline(always)]
+    pub fn finish(&self, io: &Io, start_ns: u64, now: impl FnOnce() -> u64, ok: bool) {
+        if self.enabled {
+            self.done(io.flags, io.op, io.len, start_ns, now(), ok);
+        }
     }
 
     /// A copy of everything counted so far, at `now_ns`: this queue's own requests, those

@@ -458,16 +458,8 @@ impl CacheQueue {
     }
 
     fn finish(&self, io: &Io, start: u64, status: IoStatus) {
-        if self.stats.enabled() {
-            self.stats.done(
-                io.flags,
-                io.op,
-                io.len,
-                start,
-                self.core.now_ns(),
-                status.is_ok(),
-            );
-        }
+        self.stats
+            .finish(io, start, || self.core.now_ns(), status.is_ok());
     }
 
     /// Completes from submit context (through the FIFO).

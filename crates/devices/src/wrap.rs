@@ -407,16 +407,8 @@ impl Sink for WrapQueue {
             return;
         }
         let (io, start) = self.requests.borrow_mut().remove(index);
-        if self.stats.enabled() {
-            self.stats.done(
-                io.flags,
-                io.op,
-                io.len,
-                start,
-                self.core.now_ns(),
-                status.is_ok(),
-            );
-        }
+        self.stats
+            .finish(&io, start, || self.core.now_ns(), status.is_ok());
         self.core.deliver(io.sink, io.token, status);
     }
 }

@@ -37,16 +37,8 @@ impl Queue for SyncQueue {
         };
         self.stats.start(io.flags, start);
         let status = do_sync(&self.shared, &io);
-        if self.stats.enabled() {
-            self.stats.done(
-                io.flags,
-                io.op,
-                io.len,
-                start,
-                self.core.now_ns(),
-                status.is_ok(),
-            );
-        }
+        self.stats
+            .finish(&io, start, || self.core.now_ns(), status.is_ok());
         self.core.complete(io.sink, io.token, status);
     }
 

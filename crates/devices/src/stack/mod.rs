@@ -1745,16 +1745,8 @@ impl StackQueue {
     /// Accounts a finished parent request and hands its completion to its submitter.
     #[inline(always)]
     fn answer(&self, p: &Parent, status: IoStatus) {
-        if self.stats.enabled() {
-            self.stats.done(
-                IoFlags::NONE,
-                p.io.op,
-                p.io.len,
-                p.start_ns,
-                self.core.now_ns(),
-                status.is_ok(),
-            );
-        }
+        self.stats
+            .finish(&p.io, p.start_ns, || self.core.now_ns(), status.is_ok());
         self.core.deliver(p.io.sink, p.io.token, status);
     }
 }
@@ -1964,16 +1956,8 @@ impl StackQueue {
                 }
             }
             self.leave_gate(&p);
-            if self.stats.enabled() {
-                self.stats.done(
-                    IoFlags::NONE,
-                    p.io.op,
-                    p.io.len,
-                    p.start_ns,
-                    self.core.now_ns(),
-                    false,
-                );
-            }
+            self.stats
+                .finish(&p.io, p.start_ns, || self.core.now_ns(), false);
             let status = if p.status.is_ok() {
                 IoStatus::errno(libc::EIO)
             } else {
