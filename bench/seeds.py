@@ -465,6 +465,8 @@ def main():
     if a.rounds < 5:
         print(f"note: {a.rounds} rounds; the ratios are meant as medians of at least 5",
               file=sys.stderr)
+    if a.slices < 1:
+        sys.exit("--slices: at least 1")
     if a.wb_runtime < 10:
         sys.exit("--wb-runtime: at least 10 seconds")
     build()
