@@ -208,16 +208,19 @@ fn interrupt_ends_bench() {
         });
 }
 
-/// An export `serve` was asked for: (name, device, read-only, description, default, FUSE
-/// mount point).
-type Chosen = (
-    String,
-    std::sync::Arc<dyn cairn_core::Device>,
-    bool,
-    String,
-    bool,
-    Option<std::path::PathBuf>,
-);
+/// An export `serve` was asked for.
+struct Chosen {
+    name: String,
+    device: std::sync::Arc<dyn cairn_core::Device>,
+    read_only: bool,
+    description: String,
+    /// Chosen by the empty name.
+    default: bool,
+    /// Also mounted here (FUSE).
+    fuse: Option<std::path::PathBuf>,
+    /// Unaligned requests refused even from clients that did not ask for block sizes.
+    strict_alignment: bool,
+}
 
 /// Mounts the FUSE exports asked for (`--fuse PATH[:EXPORT]`, `fuse = "PATH"` in an
 /// export's table).
@@ -231,28 +234,28 @@ fn fuse_exports(
     // (path, index into chosen)
     let mut wanted: Vec<(std::path::PathBuf, usize)> = Vec::new();
     for (i, c) in chosen.iter().enumerate() {
-        if let Some(p) = &c.5 {
+        if let Some(p) = &c.fuse {
             wanted.push((p.clone(), i));
         }
     }
     for text in &args.fuse {
         // PATH:EXPORT when the text after the last ':' names an export, else PATH.
         let (path, index) = match text.rsplit_once(':') {
-            Some((p, name)) if !p.is_empty() => match chosen.iter().position(|c| c.0 == name) {
+            Some((p, name)) if !p.is_empty() => match chosen.iter().position(|c| c.name == name) {
                 Some(i) => (p, i),
-                None if chosen.len() > 1 || !chosen.iter().any(|c| c.0.is_empty()) => {
+                None if chosen.len() > 1 || !chosen.iter().any(|c| c.name.is_empty()) => {
                     return Err(format!(
                         "--fuse {text}: no export named '{name}' (exports: {})",
                         chosen
                             .iter()
-                            .map(|c| format!("'{}'", c.0))
+                            .map(|c| format!("'{}'", c.name))
                             .collect::<Vec<_>>()
                             .join(", ")
                     ))
                 }
                 None => (text.as_str(), 0),
             },
-            _ => match chosen.iter().position(|c| c.0.is_empty() || c.4) {
+            _ => match chosen.iter().position(|c| c.name.is_empty() || c.default) {
                 Some(i) => (text.as_str(), i),
                 None => {
                     return Err(format!(
@@ -293,9 +296,9 @@ fn fuse_exports(
         let c = &chosen[i];
         let export = cairn_fuse::FuseExport::mount(cairn_fuse::FuseConfig {
             path,
-            name: c.0.clone(),
-            device: c.1.clone(),
-            read_only: c.2,
+            name: c.name.clone(),
+            device: c.device.clone(),
+            read_only: c.read_only,
             transport,
             depth: args.fuse_depth,
         })
@@ -322,14 +325,15 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
             let device =
                 cairn_devices::open(&leaf, &leaf.default_name()).map_err(|e| e.to_string())?;
             (
-                vec![(
-                    String::new(),
+                vec![Chosen {
+                    name: String::new(),
                     device,
-                    args.read_only,
-                    text.to_string(),
-                    true,
-                    None,
-                )],
+                    read_only: args.read_only,
+                    description: text.to_string(),
+                    default: true,
+                    fuse: None,
+                    strict_alignment: args.strict_alignment,
+                }],
                 Tuning::default(),
             )
         }
@@ -345,18 +349,25 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
                 let name = stack
                     .pick(args.device.as_deref())
                     .map_err(|e| format!("{}: {e}", path.display()))?;
-                vec![(
-                    String::new(),
-                    open(&name)?,
-                    args.read_only,
-                    name,
-                    true,
-                    None,
-                )]
+                vec![Chosen {
+                    name: String::new(),
+                    device: open(&name)?,
+                    read_only: args.read_only,
+                    description: name,
+                    default: true,
+                    fuse: None,
+                    strict_alignment: args.strict_alignment,
+                }]
             } else {
                 if args.read_only {
                     return Err(
                         "--read-only applies to --device; set read_only in the [export.NAME] tables"
+                            .into(),
+                    );
+                }
+                if args.strict_alignment {
+                    return Err(
+                        "--strict-alignment applies to --device; set strict_alignment in the [export.NAME] tables"
                             .into(),
                     );
                 }
@@ -378,14 +389,15 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
                     } else {
                         e.description.clone()
                     };
-                    v.push((
-                        name.clone(),
+                    v.push(Chosen {
+                        name: name.clone(),
                         device,
-                        e.read_only,
+                        read_only: e.read_only,
                         description,
-                        e.default,
-                        e.fuse.clone(),
-                    ));
+                        default: e.default,
+                        fuse: e.fuse.clone(),
+                        strict_alignment: e.strict_alignment,
+                    });
                 }
                 v
             };
@@ -414,7 +426,16 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
     let fuse = fuse_exports(args, &chosen)?;
     let exports: Vec<cairn_nbd::Export> = chosen
         .into_iter()
-        .map(|(name, device, read_only, description, default, _)| {
+        .map(|c| {
+            let Chosen {
+                name,
+                device,
+                read_only,
+                description,
+                default,
+                strict_alignment,
+                ..
+            } = c;
             let g = device.geometry();
             let mut flags = tflags::HAS_FLAGS | tflags::SEND_FLUSH | tflags::SEND_CACHE;
             if read_only {
@@ -446,6 +467,7 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
                     default,
                 },
                 device,
+                strict_alignment,
             }
         })
         .collect();

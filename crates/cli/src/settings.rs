@@ -314,6 +314,9 @@ An export table names a top-level device:
   read_only = false     # writes, trims and write-zeroes fail with EPERM when true
   description = \"...\"   # shown by nbdinfo --list
   default = true        # chosen by clients that ask for the empty name
+  strict_alignment = false  # true: refuse (EINVAL) requests not aligned to the device's
+                        # blocks even from clients that did not ask for block sizes,
+                        # instead of serving them by read-modify-write
 
 TLS: --tls-certificates DIR offers STARTTLS (server-cert.pem, server-key.pem; clients use
 nbds:// URIs); --tls require refuses every option but STARTTLS before TLS is up.
@@ -341,6 +344,11 @@ pub struct ServeArgs {
     /// With --device: refuse writes.
     #[arg(long)]
     pub read_only: bool,
+    /// With --device: refuse requests not aligned to the device's blocks (EINVAL) even
+    /// from clients that did not ask for block sizes, instead of serving them by
+    /// read-modify-write.
+    #[arg(long)]
+    pub strict_alignment: bool,
     /// tcp:HOST:PORT or unix:PATH; repeatable.
     #[arg(long, value_name = "ADDR")]
     pub listen: Vec<String>,

@@ -32,6 +32,7 @@ use crate::handshake::{ExportInfo, Session};
 use crate::observe::{ConnInfo, Observer};
 use crate::pool::BufPool;
 use crate::proto::{self, cflags, chunk, cmd, errno, tflags};
+use crate::rmw::{Gate, Pass, Wake, Wide};
 
 /// A served export: what clients see, and the device behind it.
 pub struct Export {
@@ -39,6 +40,46 @@ pub struct Export {
     pub info: ExportInfo,
     /// The device requests go to.
     pub device: Arc<dyn Device>,
+    /// Requests not aligned to the device's blocks are refused (EINVAL) even from clients
+    /// that did not ask for block sizes, instead of being served by read-modify-write.
+    pub strict_alignment: bool,
+}
+
+/// The gates of a server's exports: one per device that some export without strict
+/// alignment serves (exports of the same device share it), and the wake-ups they send.
+pub(crate) struct Gates {
+    /// Per export, its device's gate (`None`: strict alignment, no gate).
+    pub of_export: Vec<Option<Arc<Gate>>>,
+    /// How released gates wake reactors.
+    pub wake: Arc<Wake>,
+}
+
+impl Gates {
+    /// Gates for `exports` served on reactors woken through `fds`. A device gets a gate
+    /// when an export without strict alignment can write it; then every export that can
+    /// write it passes that gate, strict or not.
+    pub fn new(exports: &[Export], fds: Vec<Arc<OwnedFd>>) -> Gates {
+        let reactors = fds.len();
+        let wake = Arc::new(Wake::new(fds));
+        let writable = |e: &Export| e.info.flags & tflags::READ_ONLY == 0;
+        let key = |e: &Export| Arc::as_ptr(&e.device).cast::<()>();
+        let mut by_device: Vec<(*const (), Arc<Gate>)> = Vec::new();
+        for e in exports {
+            if writable(e) && !e.strict_alignment && by_device.iter().all(|(k, _)| *k != key(e))
+            {
+                by_device.push((key(e), Arc::new(Gate::new(reactors, wake.clone()))));
+            }
+        }
+        let of_export = exports
+            .iter()
+            .map(|e| {
+                // A read-only export refuses writes before they reach a gate.
+                let (_, g) = by_device.iter().find(|(k, _)| writable(e) && *k == key(e))?;
+                Some(g.clone())
+            })
+            .collect();
+        Gates { of_export, wake }
+    }
 }
 
 /// A connection that finished its handshake, on its way to a reactor.
@@ -106,6 +147,8 @@ struct Seg {
     head: [u8; 40],
     head_len: u8,
     buf: Option<AlignedBuf>,
+    /// Where the data starts in `buf` (not 0 for a read widened to whole blocks).
+    data_off: u32,
     data_len: u32,
 }
 
@@ -117,7 +160,9 @@ impl gather::Segment for Seg {
     fn data(&self) -> &[u8] {
         self.buf
             .as_ref()
-            .map_or(&[], |b| &b.as_slice()[..self.data_len as usize])
+            .map_or(&[], |b| {
+                &b.as_slice()[self.data_off as usize..][..self.data_len as usize]
+            })
     }
 }
 
@@ -129,8 +174,40 @@ struct Req {
     offset: u64,
     len: u64,
     buf: Option<AlignedBuf>,
+    /// Where the client's bytes start in `buf`: 0, except for an unaligned read or write,
+    /// whose buffer holds the whole blocks around them.
+    data_off: u32,
     /// A trim or write-zeroes with FUA: flush before replying.
     then_flush: bool,
+    /// How it passed the export's gate (writes of every kind, on exports with a gate).
+    pass: Pass,
+    /// Plain, waiting at the gate, or a step of a read-modify-write.
+    stage: Stage,
+    /// A read-modify-write's range (an unaligned write or write-zeroes).
+    wide: Option<Wide>,
+    /// A write waiting at the gate: the device request to submit once it may.
+    waiting_io: Option<Io>,
+    /// Device requests of the current step still in flight (read-modify-write).
+    pending: u8,
+    /// The first error of a read-modify-write's step (0: none).
+    error: i32,
+}
+
+/// Where a request is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+enum Stage {
+    /// One device request in flight (and perhaps a flush after it).
+    #[default]
+    Plain,
+    /// Waiting at the gate for an earlier read-modify-write (or, being one, for earlier
+    /// writes) on the same blocks.
+    Waiting,
+    /// A read-modify-write reads its edge blocks.
+    Edges,
+    /// A read-modify-write writes its blocks.
+    Writing,
+    /// A read-modify-write with FUA flushes.
+    Flushing,
 }
 
 /// Where the receive in flight writes.
@@ -203,6 +280,8 @@ impl ConnState {
 /// What a connection did, logged when it closes.
 #[derive(Default, Debug)]
 struct Counts {
+    /// Requests not aligned to the device's blocks, served by widening them.
+    unaligned: u64,
     recvs: u64,
     recv_bytes: u64,
     sends: u64,
@@ -280,6 +359,11 @@ struct Conn {
     queue: Rc<dyn Queue>,
     geometry: Geometry,
     session: Session,
+    /// Requests of any alignment are served: the client did not ask for block sizes and
+    /// the export does not insist on them.
+    relaxed: bool,
+    /// The export's gate, which its writes pass (`None` when it has none).
+    gate: Option<Arc<Gate>>,
     peer: String,
     /// What operators see of it.
     info: Arc<ConnInfo>,
@@ -311,16 +395,27 @@ pub struct ServerLoop {
     live: Arc<AtomicUsize>,
     limits: Limits,
     observer: Arc<Observer>,
+    /// This reactor's index (its slot in the gates' counters).
+    reactor: usize,
+    gates: Arc<Gates>,
+    /// Requests waiting at a gate: (connection, request).
+    waiting: RefCell<Vec<(u32, u32)>>,
+    /// The gates' generation when the waiting requests were last retried.
+    retried_at: Cell<u64>,
+    /// Device requests to submit once the connection's state is no longer borrowed.
+    submits: RefCell<Vec<(u32, Io)>>,
 }
 
 impl ServerLoop {
     /// Registers a server loop on `core`; connections arrive through `inbox`, announced by
     /// a write to the eventfd `wake`. `live` counts open connections across reactors.
-    pub fn start(
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn start(
         core: &Rc<Core>,
         exports: Arc<Vec<Export>>,
         inbox: Receiver<Msg>,
-        wake: Arc<OwnedFd>,
+        (reactor, wake): (usize, Arc<OwnedFd>),
+        gates: Arc<Gates>,
         live: Arc<AtomicUsize>,
         limits: Limits,
         observer: Arc<Observer>,
@@ -342,6 +437,11 @@ impl ServerLoop {
             live,
             limits,
             observer,
+            reactor,
+            gates,
+            waiting: RefCell::new(Vec::new()),
+            retried_at: Cell::new(0),
+            submits: RefCell::new(Vec::new()),
         });
         lp.user.set(core.register_ring_user(lp.clone())?);
         lp.sink.set(core.register_sink(lp.clone()));
@@ -415,6 +515,8 @@ impl ServerLoop {
             export,
             queue,
             geometry: self.exports[export].device.geometry(),
+            relaxed: !self.exports[export].strict_alignment && !nc.session.block_sizes_agreed,
+            gate: self.gates.of_export[export].clone(),
             session: nc.session,
             peer: nc.peer,
             st: RefCell::new(ConnState {
@@ -490,6 +592,9 @@ impl ServerLoop {
                 Next::Stop => break,
             }
         }
+        if !self.submits.borrow().is_empty() {
+            self.drain_submits();
+        }
         let mut st = conn.st.borrow_mut();
         self.maybe_shutdown_flush(conn, &mut st);
         self.mark_dirty(conn, &mut st);
@@ -553,6 +658,7 @@ impl ServerLoop {
             head,
             head_len,
             buf: None,
+            data_off: 0,
             data_len: 0,
         });
     }
@@ -586,6 +692,7 @@ impl ServerLoop {
                 head,
                 head_len: 26,
                 buf: None,
+                data_off: 0,
                 data_len: 0,
             });
         } else {
@@ -613,6 +720,7 @@ impl ServerLoop {
                 head,
                 head_len: 20,
                 buf: None,
+                data_off: 0,
                 data_len: 0,
             });
         } else {
@@ -649,8 +757,10 @@ impl ServerLoop {
                 }
                 let (rs, got_us) = (st.rs, got as usize);
                 let ConnState { inbuf, reqs, .. } = &mut *st;
-                if let Some(b) = reqs[req as usize].buf.as_mut() {
-                    b.as_mut_slice()[got_us..got_us + n].copy_from_slice(&inbuf[rs..rs + n]);
+                let r = &mut reqs[req as usize];
+                let at = r.data_off as usize + got_us;
+                if let Some(b) = r.buf.as_mut() {
+                    b.as_mut_slice()[at..at + n].copy_from_slice(&inbuf[rs..rs + n]);
                 }
                 st.rs += n;
                 if n < want {
@@ -661,8 +771,10 @@ impl ServerLoop {
                     return Next::Stop;
                 }
                 st.rx = Rx::Header;
-                st.in_flight += 1;
-                return Next::Submit(self.write_io(conn, st, req));
+                return match self.payload_done(conn, st, req) {
+                    Some(io) => Next::Submit(io),
+                    None => Next::Again,
+                };
             }
             Rx::Skip {
                 left,
@@ -833,13 +945,18 @@ impl ServerLoop {
             let block = u64::from(conn.geometry.block_bytes);
             let end = r.offset.checked_add(r.len);
             if end.is_none_or(|e| e > conn.geometry.size_bytes)
-                || r.offset % block != 0
-                || r.len % block != 0
+                || (!conn.relaxed && (r.offset % block != 0 || r.len % block != 0))
             {
                 return refuse(st, self, errno::EINVAL);
             }
         } else if op != Op::Flush {
             if let Err(e) = conn.geometry.check(op, r.offset, r.len) {
+                if conn.relaxed && matches!(e, cairn_core::IoError::Misaligned { .. }) {
+                    return match self.unaligned(conn, st, &r, hl, op) {
+                        Ok(next) => next,
+                        Err(error) => refuse(st, self, error),
+                    };
+                }
                 let error = match e {
                     cairn_core::IoError::Unsupported(_) => errno::EINVAL,
                     e => errno::from_local(e.errno()),
@@ -898,8 +1015,30 @@ impl ServerLoop {
                 len: r.len,
                 buf,
                 then_flush,
+                ..Req::default()
             },
         );
+        if op == Op::Write {
+            // The payload follows the header: take what has arrived, receive the rest.
+            let avail = (st.re - st.rs).min(r.len as usize);
+            let (rs, re) = (st.rs, st.rs + avail);
+            let ConnState { inbuf, reqs, .. } = &mut *st;
+            if let Some(b) = reqs[index as usize].buf.as_mut() {
+                b.as_mut_slice()[..avail].copy_from_slice(&inbuf[rs..re]);
+            }
+            st.rs += avail;
+            if avail < r.len as usize {
+                st.rx = Rx::Payload {
+                    req: index,
+                    got: avail as u32,
+                };
+                return Next::Stop;
+            }
+            return match self.payload_done(conn, st, index) {
+                Some(io) => Next::Submit(io),
+                None => Next::Again,
+            };
+        }
         let token = (u64::from(conn.index) << 32) | u64::from(index);
         let (ptr, len) = if op == Op::Flush {
             (std::ptr::null_mut(), 0)
@@ -920,25 +1059,437 @@ impl ServerLoop {
             sink: self.sink.get(),
             token,
         };
-        if op == Op::Write {
-            // The payload follows the header: take what has arrived, receive the rest.
-            let avail = (st.re - st.rs).min(r.len as usize);
-            let (rs, re) = (st.rs, st.rs + avail);
-            let ConnState { inbuf, reqs, .. } = &mut *st;
-            if let Some(b) = reqs[index as usize].buf.as_mut() {
-                b.as_mut_slice()[..avail].copy_from_slice(&inbuf[rs..re]);
+        st.in_flight += 1;
+        if op.is_write() {
+            return match self.pass_gate(conn, st, index, io) {
+                Some(io) => Next::Submit(io),
+                None => Next::Again,
+            };
+        }
+        Next::Submit(io)
+    }
+
+    /// Write `req`'s payload has fully arrived: the device request to submit now, if any.
+    /// An unaligned write starts its read-modify-write instead, and a write may wait at
+    /// the gate.
+    fn payload_done(&self, conn: &Conn, st: &mut ConnState, req: u32) -> Option<Io> {
+        st.in_flight += 1;
+        if st.reqs[req as usize].wide.is_some() {
+            self.rmw_start(conn, st, req);
+            return None;
+        }
+        let io = self.write_io(conn, st, req);
+        self.pass_gate(conn, st, req, io)
+    }
+
+    /// Lets write `req` (a write, trim or write-zeroes, counted in flight) through the
+    /// export's gate: the device request to submit now, or `None` while it waits.
+    #[inline]
+    fn pass_gate(&self, conn: &Conn, st: &mut ConnState, req: u32, io: Io) -> Option<Io> {
+        let Some(gate) = conn.gate.as_ref() else {
+            return Some(io);
+        };
+        let pass = gate.write(self.reactor, io.offset, io.offset + io.len);
+        st.reqs[req as usize].pass = pass;
+        match pass {
+            Pass::Ticket(id) => self.wait_for_ticket(conn, st, req, id, io),
+            _ => Some(io),
+        }
+    }
+
+    /// A write got a ticket (a read-modify-write is active): the device request if the
+    /// ticket is good already, else it waits.
+    #[cold]
+    fn wait_for_ticket(
+        &self,
+        conn: &Conn,
+        st: &mut ConnState,
+        req: u32,
+        id: u64,
+        io: Io,
+    ) -> Option<Io> {
+        let seen = self.gates.wake.generation();
+        if conn.gate.as_ref().is_none_or(|g| g.ready(id)) {
+            return Some(io);
+        }
+        let r = &mut st.reqs[req as usize];
+        r.stage = Stage::Waiting;
+        r.waiting_io = Some(io);
+        self.wait(conn.index, req, seen);
+        None
+    }
+
+    /// Request `req` of connection `conn` waits at a gate, checked at generation `seen`.
+    fn wait(&self, conn: u32, req: u32, seen: u64) {
+        self.waiting.borrow_mut().push((conn, req));
+        self.gates.wake.waiting(self.reactor, seen);
+    }
+
+    /// Retries the requests waiting at a gate if anything was released since the last
+    /// try; returns how many started.
+    #[cold]
+    fn retry_waiting(&self) -> usize {
+        let wake = &self.gates.wake;
+        let now = wake.generation();
+        if now == self.retried_at.get() {
+            return 0;
+        }
+        self.retried_at.set(now);
+        wake.retrying(self.reactor);
+        let list = std::mem::take(&mut *self.waiting.borrow_mut());
+        let before = list.len();
+        for (ci, ri) in list {
+            let Some(conn) = self.conn(ci) else { continue };
+            let mut st = conn.st.borrow_mut();
+            let r = &st.reqs[ri as usize];
+            if r.wide.is_some() {
+                self.rmw_try(&conn, &mut st, ri);
+            } else if let Pass::Ticket(id) = r.pass {
+                let io = r.waiting_io;
+                if let Some(io) = io.and_then(|io| self.wait_for_ticket(&conn, &mut st, ri, id, io)) {
+                    let r = &mut st.reqs[ri as usize];
+                    r.stage = Stage::Plain;
+                    r.waiting_io = None;
+                    self.submits.borrow_mut().push((ci, io));
+                }
             }
-            st.rs += avail;
-            if avail < r.len as usize {
-                st.rx = Rx::Payload {
-                    req: index,
-                    got: avail as u32,
-                };
-                return Next::Stop;
+            self.mark_dirty(&conn, &mut st);
+        }
+        // Those that wait again were pushed back by `wait`.
+        let still = self.waiting.borrow().len();
+        self.drain_submits();
+        before.saturating_sub(still)
+    }
+
+    /// Submits the device requests that read-modify-writes and gates queued.
+    fn drain_submits(&self) {
+        loop {
+            let next = self.submits.borrow_mut().pop();
+            let Some((ci, io)) = next else { break };
+            if let Some(c) = self.conn(ci) {
+                c.queue.submit(io);
             }
         }
-        st.in_flight += 1;
-        Next::Submit(io)
+    }
+
+    /// A request not aligned to the device's blocks, from a client that did not ask for
+    /// block sizes. A read reads the whole blocks around it; a write or write-zeroes is a
+    /// read-modify-write of its edge blocks; a trim trims the whole blocks inside it (the
+    /// spec lets a server ignore the rest). `Err` is the errno to refuse it with.
+    #[cold]
+    #[inline(never)]
+    fn unaligned(
+        &self,
+        conn: &Conn,
+        st: &mut ConnState,
+        r: &proto::Request,
+        hl: usize,
+        op: Op,
+    ) -> Result<Next, u32> {
+        let g = &conn.geometry;
+        let block = u64::from(g.block_bytes);
+        if r.offset.checked_add(r.len).is_none_or(|e| e > g.size_bytes) {
+            let e = cairn_core::IoError::OutOfRange {
+                op,
+                offset: r.offset,
+                len: r.len,
+                size: g.size_bytes,
+            };
+            return Err(errno::from_local(e.errno()));
+        }
+        let w = Wide::new(r.offset, r.len, block);
+        if let Err(e) = g.check(op, w.offset, w.len) {
+            return Err(errno::from_local(e.errno()));
+        }
+        if r.command == cmd::WRITE_ZEROES && r.flags & cflags::FAST_ZERO != 0 {
+            // Zeroing part of a block means writing it: not fast.
+            return Err(errno::ENOTSUP);
+        }
+        let buf_len = match op {
+            Op::Read => w.len,
+            // The blocks, then room to read the edge blocks into.
+            Op::Write => w.len + 2 * block,
+            Op::WriteZeroes => 2 * block,
+            _ => 0,
+        };
+        let mut buf = None;
+        if buf_len > 0 {
+            buf = st.pool.get(buf_len as usize);
+            if buf.is_none() {
+                st.blocked = true;
+                return Ok(Next::Stop);
+            }
+        }
+        st.rs += hl;
+        if st.counts.unaligned == 0 {
+            log::info!(
+                "cairn: serve: {}: the client sends requests not aligned to the export's {block}-byte blocks (it did not ask for block sizes); serving them by read-modify-write",
+                conn.peer
+            );
+        }
+        st.counts.unaligned += 1;
+        let (whole_off, whole_len) = w.whole();
+        if op == Op::Discard && whole_len == 0 {
+            // No whole block to trim: nothing to do.
+            self.reply_ok(conn, st, r.command, (r.cookie, r.offset));
+            return Ok(Next::Again);
+        }
+        let index = Self::alloc_req(
+            st,
+            Req {
+                cookie: r.cookie,
+                command: r.command,
+                flags: r.flags,
+                offset: r.offset,
+                len: r.len,
+                buf,
+                data_off: if matches!(op, Op::Read | Op::Write) {
+                    w.head as u32
+                } else {
+                    0
+                },
+                then_flush: r.flags & cflags::FUA != 0
+                    && matches!(op, Op::Discard | Op::WriteZeroes),
+                wide: matches!(op, Op::Write | Op::WriteZeroes).then_some(w),
+                ..Req::default()
+            },
+        );
+        let token = (u64::from(conn.index) << 32) | u64::from(index);
+        match op {
+            Op::Read => {
+                let buf = st.reqs[index as usize]
+                    .buf
+                    .as_mut()
+                    .map_or(std::ptr::null_mut(), |b| b.as_mut_ptr());
+                st.in_flight += 1;
+                Ok(Next::Submit(Io {
+                    op,
+                    flags: IoFlags::NONE,
+                    offset: w.offset,
+                    len: w.len,
+                    buf,
+                    sink: self.sink.get(),
+                    token,
+                }))
+            }
+            Op::Discard => {
+                st.in_flight += 1;
+                let io = Io::nodata(Op::Discard, whole_off, whole_len, self.sink.get(), token);
+                Ok(match self.pass_gate(conn, st, index, io) {
+                    Some(io) => Next::Submit(io),
+                    None => Next::Again,
+                })
+            }
+            Op::Write => {
+                // Like an aligned write's payload, but into the middle of the blocks.
+                let avail = (st.re - st.rs).min(r.len as usize);
+                let (rs, re) = (st.rs, st.rs + avail);
+                let ConnState { inbuf, reqs, .. } = &mut *st;
+                if let Some(b) = reqs[index as usize].buf.as_mut() {
+                    let at = w.head as usize;
+                    b.as_mut_slice()[at..at + avail].copy_from_slice(&inbuf[rs..re]);
+                }
+                st.rs += avail;
+                if avail < r.len as usize {
+                    st.rx = Rx::Payload {
+                        req: index,
+                        got: avail as u32,
+                    };
+                    return Ok(Next::Stop);
+                }
+                Ok(match self.payload_done(conn, st, index) {
+                    Some(io) => Next::Submit(io),
+                    None => Next::Again,
+                })
+            }
+            _ => {
+                st.in_flight += 1;
+                self.rmw_start(conn, st, index);
+                Ok(Next::Again)
+            }
+        }
+    }
+
+    /// Starts read-modify-write `req` (counted in flight once): takes a ticket for its
+    /// blocks, and reads its edge blocks once the ticket is good.
+    fn rmw_start(&self, conn: &Conn, st: &mut ConnState, req: u32) {
+        let r = &mut st.reqs[req as usize];
+        if let (Some(gate), Some(w)) = (conn.gate.as_ref(), r.wide) {
+            r.pass = Pass::Ticket(gate.rmw(w.offset, w.offset + w.len));
+        }
+        self.rmw_try(conn, st, req);
+    }
+
+    /// Read-modify-write `req` (counted in flight once) starts if its ticket is good, or
+    /// waits.
+    fn rmw_try(&self, conn: &Conn, st: &mut ConnState, req: u32) {
+        let seen = self.gates.wake.generation();
+        if let (Some(gate), Pass::Ticket(id)) = (conn.gate.as_ref(), st.reqs[req as usize].pass) {
+            if !gate.ready(id) {
+                st.reqs[req as usize].stage = Stage::Waiting;
+                self.wait(conn.index, req, seen);
+                return;
+            }
+        }
+        st.in_flight -= 1;
+        let r = &mut st.reqs[req as usize];
+        let Some(w) = r.wide else { return };
+        let (edges, n) = w.edges();
+        // A write's buffer holds its blocks, then the edge blocks read; a write-zeroes'
+        // holds just the edge blocks.
+        let scratch = if r.command == cmd::WRITE { w.len } else { 0 } as usize;
+        let base = r
+            .buf
+            .as_mut()
+            .map_or(std::ptr::null_mut(), |b| b.as_mut_ptr());
+        r.stage = Stage::Edges;
+        r.pending = n as u8;
+        let token = (u64::from(conn.index) << 32) | u64::from(req);
+        for (i, at) in edges[..n].iter().enumerate() {
+            // SAFETY: the buffer holds `scratch` bytes and then two blocks.
+            let buf = unsafe { base.add(scratch + i * w.block as usize) };
+            let io = Io {
+                op: Op::Read,
+                flags: IoFlags::NONE,
+                offset: w.offset + at,
+                len: w.block,
+                buf,
+                sink: self.sink.get(),
+                token,
+            };
+            self.submits.borrow_mut().push((conn.index, io));
+        }
+        st.in_flight += n as u32;
+        if n == 0 {
+            self.rmw_write(conn, st, req);
+        }
+    }
+
+    /// A device request of read-modify-write `req` ended; when the step's last has, the
+    /// next step starts.
+    fn rmw_done(&self, conn: &Conn, st: &mut ConnState, req: u32, status: IoStatus) {
+        let r = &mut st.reqs[req as usize];
+        if !status.is_ok() && r.error == 0 {
+            r.error = status.raw();
+        }
+        r.pending = r.pending.saturating_sub(1);
+        if r.pending > 0 {
+            return;
+        }
+        if r.error != 0 {
+            return self.rmw_finish(conn, st, req);
+        }
+        match r.stage {
+            Stage::Edges => self.rmw_write(conn, st, req),
+            Stage::Writing if r.then_flush => {
+                r.then_flush = false;
+                r.stage = Stage::Flushing;
+                r.pending = 1;
+                let token = (u64::from(conn.index) << 32) | u64::from(req);
+                let io = Io::nodata(Op::Flush, 0, 0, self.sink.get(), token);
+                self.submits.borrow_mut().push((conn.index, io));
+                st.in_flight += 1;
+            }
+            _ => self.rmw_finish(conn, st, req),
+        }
+    }
+
+    /// Read-modify-write `req` read its edge blocks: lays the new bytes (or zeroes) over
+    /// them and writes.
+    fn rmw_write(&self, conn: &Conn, st: &mut ConnState, req: u32) {
+        let r = &mut st.reqs[req as usize];
+        let (Some(w), Some(b)) = (r.wide, r.buf.as_mut()) else {
+            return self.rmw_finish(conn, st, req);
+        };
+        let (edges, n) = w.edges();
+        let block = w.block as usize;
+        let token = (u64::from(conn.index) << 32) | u64::from(req);
+        let sink = self.sink.get();
+        let mut submits = self.submits.borrow_mut();
+        r.stage = Stage::Writing;
+        if r.command == cmd::WRITE {
+            let scratch = w.len as usize;
+            let data = b.as_mut_slice();
+            for (i, &at) in edges[..n].iter().enumerate() {
+                for (from, to) in w.kept(at) {
+                    let src = scratch + i * block + (from - at) as usize;
+                    data.copy_within(src..src + (to - from) as usize, from as usize);
+                }
+            }
+            let mut flags = IoFlags::NONE;
+            if r.flags & cflags::FUA != 0 {
+                flags = flags.with(IoFlags::FUA);
+            }
+            submits.push((
+                conn.index,
+                Io {
+                    op: Op::Write,
+                    flags,
+                    offset: w.offset,
+                    len: w.len,
+                    buf: b.as_mut_ptr(),
+                    sink,
+                    token,
+                },
+            ));
+            r.pending = 1;
+        } else {
+            // Write-zeroes: zero the covered bytes of each edge block and write it back;
+            // zero the whole blocks between them.
+            let data = b.as_mut_slice();
+            let (head, end) = (w.head, w.head + w.inner);
+            for (i, &at) in edges[..n].iter().enumerate() {
+                let (lo, hi) = (head.clamp(at, at + w.block), end.clamp(at, at + w.block));
+                data[i * block + (lo - at) as usize..i * block + (hi - at) as usize].fill(0);
+            }
+            let base = b.as_mut_ptr();
+            for (i, &at) in edges[..n].iter().enumerate() {
+                submits.push((
+                    conn.index,
+                    Io {
+                        op: Op::Write,
+                        flags: IoFlags::NONE,
+                        offset: w.offset + at,
+                        len: w.block,
+                        // SAFETY: the buffer holds two blocks.
+                        buf: unsafe { base.add(i * block) },
+                        sink,
+                        token,
+                    },
+                ));
+            }
+            let (whole_off, whole_len) = w.whole();
+            let mut pending = n;
+            if whole_len > 0 {
+                let mut io = Io::nodata(Op::WriteZeroes, whole_off, whole_len, sink, token);
+                if r.flags & cflags::NO_HOLE != 0 {
+                    io.flags = io.flags.with(IoFlags::NO_HOLE);
+                }
+                submits.push((conn.index, io));
+                pending += 1;
+            }
+            r.pending = pending as u8;
+        }
+        st.in_flight += u32::from(r.pending);
+    }
+
+    /// Read-modify-write `req` has ended (or failed): releases its ticket and replies.
+    fn rmw_finish(&self, conn: &Conn, st: &mut ConnState, req: u32) {
+        let r = std::mem::take(&mut st.reqs[req as usize]);
+        st.free_reqs.push(req);
+        if let Some(g) = conn.gate.as_ref() {
+            g.done(self.reactor, r.pass);
+        }
+        if let Some(b) = r.buf {
+            st.pool.put(b);
+        }
+        if r.error != 0 {
+            let e = errno::from_local(r.error);
+            self.reply_error(conn, st, r.command, (r.cookie, r.offset), e);
+        } else {
+            self.reply_simple(conn, st, r.cookie, r.offset, 0);
+        }
+        self.mark_dirty(conn, st);
     }
 
     /// The device write for request `req`, whose payload has fully arrived.
@@ -967,7 +1518,10 @@ impl ServerLoop {
         let device = &self.exports[conn.export].device;
         let mut extents = Vec::new();
         let len = r.len;
-        if let Err(e) = device.extents(r.offset, len, &mut extents) {
+        // Unaligned (only from a relaxed client): ask about the whole blocks, then drop
+        // the bytes before the request's start.
+        let w = Wide::new(r.offset, len, u64::from(conn.geometry.block_bytes));
+        if let Err(e) = device.extents(w.offset, w.len, &mut extents) {
             if !st.warned {
                 // Once per connection: a client asking again does not flood the log.
                 st.warned = true;
@@ -977,8 +1531,15 @@ impl ServerLoop {
             return Next::Again;
         }
         if extents.is_empty() {
-            extents.push(cairn_core::Extent::data(len));
+            extents.push(cairn_core::Extent::data(w.len));
         }
+        let mut skip = w.head;
+        extents.retain_mut(|e| {
+            let cut = e.len.min(skip);
+            skip -= cut;
+            e.len -= cut;
+            e.len > 0
+        });
         let max = if r.flags & cflags::REQ_ONE != 0 {
             1
         } else {
@@ -1056,6 +1617,7 @@ impl ServerLoop {
             head,
             head_len,
             buf: Some(buf),
+            data_off: 0,
             data_len: body.len() as u32,
         });
         Next::Again
@@ -1104,8 +1666,7 @@ impl ServerLoop {
                                 None
                             } else {
                                 st.rx = Rx::Header;
-                                st.in_flight += 1;
-                                Some(self.write_io(conn, &mut st, req))
+                                self.payload_done(conn, &mut st, req)
                             }
                         }
                         _ => None,
@@ -1305,9 +1866,9 @@ impl ServerLoop {
             Rx::Payload { req, got } if direct => {
                 let r = &mut st.reqs[req as usize];
                 let Some(b) = r.buf.as_mut() else { return };
-                // SAFETY: got < r.len <= the buffer's length.
+                // SAFETY: data_off + got < data_off + r.len <= the buffer's length.
                 (
-                    unsafe { b.as_mut_ptr().add(got as usize) },
+                    unsafe { b.as_mut_ptr().add(r.data_off as usize + got as usize) },
                     (r.len - u64::from(got)) as usize,
                 )
             }
@@ -1352,7 +1913,7 @@ impl ServerLoop {
         let c = &st.counts;
         let f = conn.info.figures();
         log::info!(
-            "cairn: serve: {}: disconnected from export '{}' after {:.3} s: {} requests ({} reads, {} writes, {} flushes, {} trims, {} write-zeroes, {} block status; the longest {} bytes), {} bytes received, {} bytes sent ({})",
+            "cairn: serve: {}: disconnected from export '{}' after {:.3} s: {} requests ({} reads, {} writes, {} flushes, {} trims, {} write-zeroes, {} block status; the longest {} bytes{}), {} bytes received, {} bytes sent ({})",
             conn.peer,
             self.exports[conn.export].info.name,
             st.since.elapsed().as_secs_f64(),
@@ -1364,6 +1925,11 @@ impl ServerLoop {
             f.write_zeroes,
             f.block_status,
             f.largest,
+            if c.unaligned > 0 {
+                format!("; {} not aligned to blocks", c.unaligned)
+            } else {
+                String::new()
+            },
             c.recv_bytes,
             c.send_bytes,
             if st.ended.is_empty() { "closed" } else { st.ended }
@@ -1425,13 +1991,21 @@ impl Sink for ServerLoop {
                 return;
             }
             let r = &mut st.reqs[index as usize];
-            if status.is_ok() && r.then_flush {
+            if r.stage != Stage::Plain {
+                self.rmw_done(&conn, &mut st, index, status);
+                None
+            } else if status.is_ok() && r.then_flush {
                 r.then_flush = false;
                 st.in_flight += 1;
                 Some(Io::nodata(Op::Flush, 0, 0, self.sink.get(), token))
             } else {
                 let r = std::mem::take(&mut st.reqs[index as usize]);
                 st.free_reqs.push(index);
+                if r.pass != Pass::None {
+                    if let Some(g) = conn.gate.as_ref() {
+                        g.done(self.reactor, r.pass);
+                    }
+                }
                 if !status.is_ok() {
                     if let Some(b) = r.buf {
                         st.pool.put(b);
@@ -1467,6 +2041,7 @@ impl Sink for ServerLoop {
                         head,
                         head_len,
                         buf: r.buf,
+                        data_off: r.data_off,
                         data_len: r.len as u32,
                     });
                 } else {
@@ -1482,6 +2057,9 @@ impl Sink for ServerLoop {
         if let Some(io) = resubmit {
             conn.queue.submit(io);
             return;
+        }
+        if !self.submits.borrow().is_empty() {
+            self.drain_submits();
         }
         let (blocked, flush) = {
             let st = conn.st.borrow();
@@ -1522,6 +2100,9 @@ impl Poller for ServerLoop {
 
     fn reap(&self) -> usize {
         let mut n = 0;
+        if !self.waiting.borrow().is_empty() {
+            n += self.retry_waiting();
+        }
         loop {
             match self.inbox.try_recv() {
                 Ok(Msg::Conn(c)) => {

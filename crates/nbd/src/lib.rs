@@ -11,6 +11,7 @@ pub mod observe;
 pub mod pool;
 pub mod proto;
 pub mod remote;
+mod rmw;
 pub mod server;
 pub mod tls;
 pub mod uri;

@@ -377,13 +377,17 @@ pub fn serve(
     let catalog = Catalog {
         exports: exports.iter().map(|e| e.info.clone()).collect(),
     };
+    let wake_fds = (0..config.threads.max(1))
+        .map(|_| cairn_core::event::eventfd("serve"))
+        .collect::<Result<Vec<_>, _>>()?;
+    let gates = Arc::new(crate::conn::Gates::new(&exports, wake_fds.clone()));
     let exports = Arc::new(exports);
     let live = Arc::new(AtomicUsize::new(0));
     let mut threads = Vec::new();
     let mut reactors = Vec::new();
-    for i in 0..config.threads.max(1) {
+    for (i, wake_fd) in wake_fds.into_iter().enumerate() {
         let (tx, rx) = mpsc::channel::<Msg>();
-        let wake_fd = cairn_core::event::eventfd("serve")?;
+        let gates = gates.clone();
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), Error>>();
         let observer = config.observer.clone();
         let frontends = config.frontends.clone();
@@ -407,8 +411,16 @@ pub fn serve(
                     }
                 };
                 let lp =
-                    match ServerLoop::start(reactor.core(), exports, rx, w, live, limits, observer)
-                    {
+                    match ServerLoop::start(
+                        reactor.core(),
+                        exports,
+                        rx,
+                        (i, w),
+                        gates,
+                        live,
+                        limits,
+                        observer,
+                    ) {
                         Ok(lp) => lp,
                         Err(e) => {
                             let _ = ready_tx.send(Err(e));

@@ -19,7 +19,14 @@ use crate::spec::{Engine, LeafSpec};
 use crate::wrap::{Delays, FaultRule};
 use crate::DEFAULT_BLOCK_BYTES;
 
-const EXPORT_KEYS: [&str; 5] = ["device", "read_only", "description", "default", "fuse"];
+const EXPORT_KEYS: [&str; 6] = [
+    "device",
+    "read_only",
+    "description",
+    "default",
+    "fuse",
+    "strict_alignment",
+];
 
 /// Parses one `[export.NAME]` table.
 pub(super) fn parse_export(name: &str, table: &Table) -> Result<ExportSpec, Error> {
@@ -72,6 +79,7 @@ pub(super) fn parse_export(name: &str, table: &Table) -> Result<ExportSpec, Erro
         description,
         default: flag("default")?,
         fuse,
+        strict_alignment: flag("strict_alignment")?,
     })
 }
 

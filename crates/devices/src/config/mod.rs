@@ -392,6 +392,9 @@ pub struct ExportSpec {
     pub default: bool,
     /// Also mounted as a file at this path (`cairn serve`'s FUSE export).
     pub fuse: Option<std::path::PathBuf>,
+    /// Requests not aligned to the device's blocks are refused (EINVAL) even from NBD
+    /// clients that did not ask for block sizes, instead of served by read-modify-write.
+    pub strict_alignment: bool,
 }
 
 /// A parsed stack file.
