@@ -65,8 +65,7 @@ impl Gates {
         let key = |e: &Export| Arc::as_ptr(&e.device).cast::<()>();
         let mut by_device: Vec<(*const (), Arc<Gate>)> = Vec::new();
         for e in exports {
-            if writable(e) && !e.strict_alignment && by_device.iter().all(|(k, _)| *k != key(e))
-            {
+            if writable(e) && !e.strict_alignment && by_device.iter().all(|(k, _)| *k != key(e)) {
                 by_device.push((key(e), Arc::new(Gate::new(reactors, wake.clone()))));
             }
         }
@@ -74,7 +73,9 @@ impl Gates {
             .iter()
             .map(|e| {
                 // A read-only export refuses writes before they reach a gate.
-                let (_, g) = by_device.iter().find(|(k, _)| writable(e) && *k == key(e))?;
+                let (_, g) = by_device
+                    .iter()
+                    .find(|(k, _)| writable(e) && *k == key(e))?;
                 Some(g.clone())
             })
             .collect();
@@ -158,11 +159,9 @@ impl gather::Segment for Seg {
     }
 
     fn data(&self) -> &[u8] {
-        self.buf
-            .as_ref()
-            .map_or(&[], |b| {
-                &b.as_slice()[self.data_off as usize..][..self.data_len as usize]
-            })
+        self.buf.as_ref().map_or(&[], |b| {
+            &b.as_slice()[self.data_off as usize..][..self.data_len as usize]
+        })
     }
 }
 
@@ -1146,7 +1145,8 @@ impl ServerLoop {
                 self.rmw_try(&conn, &mut st, ri);
             } else if let Pass::Ticket(id) = r.pass {
                 let io = r.waiting_io;
-                if let Some(io) = io.and_then(|io| self.wait_for_ticket(&conn, &mut st, ri, id, io)) {
+                if let Some(io) = io.and_then(|io| self.wait_for_ticket(&conn, &mut st, ri, id, io))
+                {
                     let r = &mut st.reqs[ri as usize];
                     r.stage = Stage::Plain;
                     r.waiting_io = None;

@@ -189,9 +189,9 @@ impl Gate {
         let Some(me) = t.iter().find(|x| x.id == id) else {
             return true;
         };
-        let blocked = t.iter().any(|x| {
-            x.id < id && (x.rmw || me.rmw) && x.start < me.end && me.start < x.end
-        });
+        let blocked = t
+            .iter()
+            .any(|x| x.id < id && (x.rmw || me.rmw) && x.start < me.end && me.start < x.end);
         if blocked {
             return false;
         }
@@ -355,8 +355,9 @@ mod tests {
                     }
                     assert!(
                         covered.iter().enumerate().all(|(i, c)| *c
-                            || e[..n].iter().all(|at| (i as u64) < *at
-                                || (i as u64) >= at + block)),
+                            || e[..n]
+                                .iter()
+                                .all(|at| (i as u64) < *at || (i as u64) >= at + block)),
                         "{w:?}"
                     );
                 }

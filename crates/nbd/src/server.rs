@@ -410,23 +410,22 @@ pub fn serve(
                         return;
                     }
                 };
-                let lp =
-                    match ServerLoop::start(
-                        reactor.core(),
-                        exports,
-                        rx,
-                        (i, w),
-                        gates,
-                        live,
-                        limits,
-                        observer,
-                    ) {
-                        Ok(lp) => lp,
-                        Err(e) => {
-                            let _ = ready_tx.send(Err(e));
-                            return;
-                        }
-                    };
+                let lp = match ServerLoop::start(
+                    reactor.core(),
+                    exports,
+                    rx,
+                    (i, w),
+                    gates,
+                    live,
+                    limits,
+                    observer,
+                ) {
+                    Ok(lp) => lp,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
                 let mut parts = Vec::new();
                 for f in &frontends {
                     match f.start(reactor.core(), i, count) {
