@@ -435,9 +435,17 @@ fn smuggled(len: usize) -> Vec<u8> {
 
 /// GO's data: the export name and no information requests.
 fn go_data(name: &str) -> Vec<u8> {
+    go_data_asking(name, &[])
+}
+
+/// GO data asking for these information items (3: block sizes).
+fn go_data_asking(name: &str, items: &[u16]) -> Vec<u8> {
     let mut d = (name.len() as u32).to_be_bytes().to_vec();
     d.extend_from_slice(name.as_bytes());
-    d.extend_from_slice(&0u16.to_be_bytes());
+    d.extend_from_slice(&(items.len() as u16).to_be_bytes());
+    for i in items {
+        d.extend_from_slice(&i.to_be_bytes());
+    }
     d
 }
 
@@ -490,6 +498,16 @@ impl Raw {
     /// with replies until an ACK or an error), then GO for `name` with no information
     /// requests. Returns the client, the export size and the transmission flags.
     fn handshake(sock: &Path, options: &[u32], name: &str) -> (Raw, u64, u16) {
+        Raw::handshake_asking(sock, options, name, &[])
+    }
+
+    /// The handshake, with GO asking for these information items.
+    fn handshake_asking(
+        sock: &Path,
+        options: &[u32],
+        name: &str,
+        items: &[u16],
+    ) -> (Raw, u64, u16) {
         let mut c = Raw::connect(sock);
         c.greeting().expect("greeting");
         c.send(&3u32.to_be_bytes()).expect("client flags");
@@ -499,7 +517,8 @@ impl Raw {
             assert_eq!(ro, o);
             assert_eq!(t, REP_ACK, "option {o}: {}", text(&data));
         }
-        c.opt(OPT_GO, &go_data(name)).expect("send GO");
+        c.opt(OPT_GO, &go_data_asking(name, items))
+            .expect("send GO");
         let (mut size, mut flags) = (None, 0);
         loop {
             let (o, t, data) = c.opt_reply().expect("GO reply");
@@ -520,6 +539,11 @@ impl Raw {
     /// A client in transmission on export `name`, simple replies.
     fn go(sock: &Path, name: &str) -> (Raw, u64, u16) {
         Raw::handshake(sock, &[], name)
+    }
+
+    /// Like [`Raw::go`], but the client asked for block sizes: it must honour them.
+    fn go_strict(sock: &Path, name: &str) -> (Raw, u64, u16) {
+        Raw::handshake_asking(sock, &[], name, &[3])
     }
 
     fn request(
@@ -1827,6 +1851,46 @@ mod raw {
         c.disconnect();
     }
 
+    /// A client that did not ask for block sizes: an unaligned write whose payload
+    /// arrives in small pieces (received into the middle of its blocks), pipelined with
+    /// unaligned reads, over simple replies.
+    #[test]
+    fn unaligned_write_payload_arrives_in_pieces() {
+        let srv = Server::start(&["--device", "mem:16M,block=4096"]);
+        let (mut c, _, _) = Raw::go(&srv.sock, "");
+        let old = random_bytes(3 * 4096, 6);
+        c.write_ok(1, 0, 0, &old);
+        let data = random_bytes(10_000, 7);
+        c.send(&header(0, CMD_WRITE, 2, 3, data.len() as u32))
+            .unwrap();
+        for piece in data.chunks(999) {
+            c.send(piece).unwrap();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        c.expect(2, 0);
+        let mut want = old.clone();
+        want[3..3 + data.len()].copy_from_slice(&data);
+        // Three reads in flight at once, each at an odd offset.
+        for (cookie, offset, len) in [(3u64, 1u64, 5000u32), (4, 5001, 4000), (5, 9001, 3287)] {
+            c.request(0, CMD_READ, cookie, offset, len, &[]).unwrap();
+        }
+        let mut got = vec![0u8; 12_288];
+        got[0] = want[0];
+        for _ in 0..3 {
+            let (error, cookie) = c.reply().unwrap();
+            assert_eq!(error, 0, "read {cookie}");
+            let (offset, len) = match cookie {
+                3 => (1, 5000),
+                4 => (5001, 4000),
+                _ => (9001, 3287),
+            };
+            let b = c.read_exact(len).unwrap();
+            got[offset..offset + len].copy_from_slice(&b);
+        }
+        assert_same("after the unaligned write", &got, &want);
+        c.disconnect();
+    }
+
     #[test]
     fn refused_writes_skip_their_payload() {
         let dir = tmpdir();
@@ -1837,7 +1901,8 @@ mod raw {
              [export.ro]\ndevice = \"a\"\nread_only = true\n",
         );
         let srv = Server::start_in(dir, &[path_str(&stack)]);
-        let (mut c, size, flags) = Raw::go(&srv.sock, "rw");
+        // The client asks for block sizes, so misaligned writes are refused too.
+        let (mut c, size, flags) = Raw::go_strict(&srv.sock, "rw");
         assert_eq!(flags & TFLAG_READ_ONLY, 0);
         let head = random_bytes(4096, 4);
         let tail = random_bytes(4096, 5);
