@@ -288,7 +288,8 @@ impl<'a> Negotiator<'a> {
         d.extend_from_slice(&e.size.to_be_bytes());
         d.extend_from_slice(&self.flags(i).to_be_bytes());
         proto::put_option_reply(out, o, rep::INFO, &d);
-        // Block sizes always: every request must be aligned to the device's blocks.
+        // Block sizes always. Only a client that asked for them (in GO) must honour them;
+        // the others may send any offset and length (served by read-modify-write).
         let mut d = Vec::with_capacity(14);
         d.extend_from_slice(&info::BLOCK_SIZE.to_be_bytes());
         d.extend_from_slice(&e.min_block.to_be_bytes());
