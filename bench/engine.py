@@ -140,13 +140,14 @@ def summary(j):
     return out
 
 
-def compare(name, variants, rounds, summarize=None, prefix="engine"):
+def compare(name, variants, rounds, summarize=None, prefix="engine", alternate=False):
     """Runs each (label, thunk) of `variants` once per round, interleaved, keeping every
-    run's JSON in bench/out/. Returns {label: [summarize(json) per round]}."""
+    run's JSON in bench/out/ (with `alternate`, odd rounds run them in reverse order).
+    Returns {label: [summarize(json) per round]}."""
     summarize = summarize or summary
     results = {label: [] for label, _ in variants}
     for rnd in range(rounds):
-        for label, thunk in variants:
+        for label, thunk in (variants[::-1] if alternate and rnd % 2 else variants):
             j = thunk()
             with open(os.path.join(OUT, f"{prefix}-{name}-{label.replace(' ', '_')}-{rnd}.json"), "w") as f:
                 json.dump(j, f, indent=1)

@@ -51,6 +51,16 @@ fio's format) is shown alongside: on a 2-core machine client and server share th
 The targets: with cairn's client, cairn >= 1.5x the best peer for randread and randwrite;
 cairn's client >= 2x fio's against cairn serve (randread); server CPU per 100k I/Os of
 cairn <= 0.6x the best peer's. The script just reports the ratios.
+
+This build against another (--before BIN|REV): adds cairn-mem@before and
+cairn-file@before (for those of cairn-mem and cairn-file in --servers), served by BIN, or
+by a release build of git revision REV (built in a worktree under bench/out/, with its own
+target directory, once per revision). Each round runs both builds back to back, and a
+table gives each round's ratio, this build over the other: the median and the spread
+(odd rounds run the servers in reverse order, so neither build always goes first).
+E.g. issue 16's check that serving unaligned requests costs aligned ones nothing:
+  bench/nbd.py --before 976b533 --servers cairn-mem,cairn-file --clients fio \
+      --only randread,randwrite --rounds 7 --runtime 5
 """
 import argparse
 import ctypes
@@ -81,6 +91,8 @@ SERVER_NAMES = ["cairn-mem", "cairn-file", "nbdkit-memory", "nbdkit-file", "qemu
 CLIENT_NAMES = ["fio", "cairn", "cairn-poll"]
 DEFAULT_CLIENTS = ["fio", "cairn"]
 CAIRN_SERVERS = ("cairn-mem", "cairn-file")
+# The binary serving NAME@before (set by --before).
+BEFORE = {"bin": None, "label": None}
 
 
 def sock_path(name):
@@ -94,7 +106,7 @@ class Server:
         self.name = name
         self.sock = sock_path(name)
         self.export = ""
-        self.memory = name in ("cairn-mem", "nbdkit-memory")
+        self.memory = name.split("@")[0] in ("cairn-mem", "nbdkit-memory")
         self.cairn_args = list(cairn_args)
         self.proc = None
         self.pid = None
@@ -107,10 +119,12 @@ class Server:
 
     def command(self):
         s = self.sock
-        if self.name == "cairn-mem":
-            return [CAIRN, *self.cairn_args, "serve", "--listen", f"unix:{s}", "--device", "mem:1G"]
-        if self.name == "cairn-file":
-            return [CAIRN, *self.cairn_args, "serve", "--listen", f"unix:{s}", "--device",
+        name, _, build = self.name.partition("@")
+        cairn = BEFORE["bin"] if build == "before" else CAIRN
+        if name == "cairn-mem":
+            return [cairn, *self.cairn_args, "serve", "--listen", f"unix:{s}", "--device", "mem:1G"]
+        if name == "cairn-file":
+            return [cairn, *self.cairn_args, "serve", "--listen", f"unix:{s}", "--device",
                     f"file:{IMG},engine=io_uring,size=1G"]
         if self.name == "nbdkit-memory":
             return ["nbdkit", "-U", s, "-f", "memory", "1G"]
@@ -366,6 +380,8 @@ def main():
     ap.add_argument("--cairn-args", default="", help="global switches for cairn (e.g. '--threads 1')")
     ap.add_argument("--no-build", action="store_true", help="skip cargo build --release")
     ap.add_argument("--keep", action="store_true", help=f"keep {IMG} afterwards")
+    ap.add_argument("--before", metavar="BIN|REV",
+                    help="also serve with this binary or git revision (NAME@before servers)")
     args = ap.parse_args()
     only = [w for w in args.only.split(",") if w]
     servers = [s for s in args.servers.split(",") if s]
@@ -387,6 +403,10 @@ def main():
             servers.remove(s)
     cairn_args = shlex.split(args.cairn_args)
     t, n = args.runtime, args.rounds
+    if args.before:
+        BEFORE["bin"], BEFORE["label"] = before_binary(args.before)
+        servers = [x for s in servers
+                   for x in ([s, f"{s}@before"] if s in CAIRN_SERVERS else [s])]
     try:
         prepare(args)
         out = [f"Median of {n} interleaved rounds of {t} s each (`bench/nbd.py --runtime {t} --rounds {n}"
@@ -397,11 +417,14 @@ def main():
         for w in only:
             variants = [(f"{s} {c}", lambda s=s, c=c, w=w: run(s, c, w, t, cairn_args))
                         for s in servers for c in clients]
-            res = compare(w, variants, n, summarize=summary, prefix="nbd")
+            res = compare(w, variants, n, summarize=summary, prefix="nbd",
+                          alternate=bool(args.before))
             for c in clients:
                 out += table(w, {s: res[f"{s} {c}"] for s in servers}, servers, c)
             if "fio" in clients and len(clients) > 1:
                 out += client_table(w, res, servers, [c for c in clients if c != "fio"])
+            if args.before:
+                out += before_table(w, res, servers, clients)
     finally:
         if not args.keep and os.path.exists(IMG):
             os.unlink(IMG)
@@ -412,7 +435,7 @@ def table(w, res, servers, client):
     rw, bs, depth, title = WORKLOADS[w]
     seq = rw == "read"
     key = "bw" if seq else "iops"
-    peers = [s for s in servers if s not in CAIRN_SERVERS]
+    peers = [s for s in servers if s.split("@")[0] not in CAIRN_SERVERS]
     best = max(peers, key=lambda s: med(res[s], key)) if peers else None
     best_v = med(res[best], key) if best else None
     unit = "MB/s" if seq else "IOPS"
@@ -439,6 +462,50 @@ def table(w, res, servers, client):
                              f"(target 1.5x); server CPU per 100k I/Os / best peer's ({cpu_best}) = "
                              f"{med(res[c], 'cpu_per_100k') / max(cpu_best_v, 1e-9):.2f}x (target 0.6x)  ")
         lines.append("")
+    return lines
+
+
+def before_binary(spec):
+    """The binary for NAME@before servers, and how to name it: BIN itself, or a release
+    build of revision REV in a worktree under bench/out/ (built once)."""
+    if os.path.isfile(spec) and os.access(spec, os.X_OK):
+        return os.path.abspath(spec), spec
+    r = subprocess.run(["git", "rev-parse", "--short", f"{spec}^{{commit}}"], cwd=ROOT,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        sys.exit(f"--before {spec}: neither an executable nor a git revision: {r.stderr.strip()}")
+    rev = r.stdout.strip()
+    tree = os.path.join(OUT, f"before-{rev}")
+    target = os.path.join(OUT, "target-before")
+    binary = os.path.join(target, "release", f"cairn-{rev}")
+    if not os.path.exists(binary):
+        os.makedirs(OUT, exist_ok=True)
+        if not os.path.isdir(tree):
+            subprocess.run(["git", "worktree", "add", "--detach", tree, rev], cwd=ROOT, check=True)
+        print(f"building {rev} in {tree} (once)", file=sys.stderr)
+        subprocess.run(["cargo", "build", "--release", "-q", "--bin", "cairn"], cwd=tree,
+                       env={**os.environ, "CARGO_TARGET_DIR": target}, check=True)
+        shutil.copy(os.path.join(target, "release", "cairn"), binary)
+        subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=ROOT)
+    return binary, rev
+
+
+def before_table(w, res, servers, clients):
+    """Each round's ratio of this build over the --before one, same server and client."""
+    rw, bs, depth, title = WORKLOADS[w]
+    key = "bw" if rw == "read" else "iops"
+    lines = [f"{title}: this build / {BEFORE['label']}, per round (median, min..max):", "",
+             "| server | client | this build | before | ratio | spread |", "|---|---|---|---|---|---|"]
+    cell = (lambda v: f"{v / 1e6:.0f} MB/s") if key == "bw" else fmt_iops
+    for s in servers:
+        if s.split("@")[0] not in CAIRN_SERVERS or "@" in s or f"{s}@before" not in servers:
+            continue
+        for c in clients:
+            now, then = res[f"{s} {c}"], res[f"{s}@before {c}"]
+            ratios = [a[key] / max(b[key], 1e-9) for a, b in zip(now, then)]
+            lines.append(f"| {s} | {c} | {cell(med(now, key))} | {cell(med(then, key))} | "
+                         f"{statistics.median(ratios):.3f}x | {min(ratios):.3f}..{max(ratios):.3f} |")
+    lines.append("")
     return lines
 
 

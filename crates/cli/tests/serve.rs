@@ -1891,6 +1891,59 @@ mod raw {
         c.disconnect();
     }
 
+    /// Writes that wait for buffer memory (the connection holds its limit) are counted
+    /// once each in the connection's figures, however often their header is looked at.
+    #[test]
+    fn writes_waiting_for_buffer_memory_are_counted_once() {
+        let dir = tmpdir();
+        let ctl = dir.path().join("admin.sock");
+        // Slow writes: the next header arrives while the connection holds its limit.
+        let stack = write_stack(
+            &dir,
+            "[device.m]\ntype = \"mem\"\nsize = \"16M\"\n\n\
+             [device.slow]\ntype = \"delay\"\nbase = \"m\"\nwrite = \"20ms\"\n",
+        );
+        let srv = Server::start_in(
+            dir,
+            &[
+                path_str(&stack),
+                "--max-payload",
+                "1M",
+                "--buffer-memory",
+                "1M",
+                "--admin",
+                path_str(&ctl),
+            ],
+        );
+        let (mut c, _, _) = Raw::go(&srv.sock, "");
+        let mut all = Vec::new();
+        let data = random_bytes(1 << 20, 8);
+        for i in 0..8u64 {
+            all.extend_from_slice(&header(0, CMD_WRITE, i, i << 20, 1 << 20));
+            all.extend_from_slice(&data);
+        }
+        let mut w = c.s.try_clone().unwrap();
+        let sender = std::thread::spawn(move || w.write_all(&all));
+        for _ in 0..8 {
+            let (error, cookie) = c.reply().unwrap();
+            assert_eq!(error, 0, "write {cookie}");
+        }
+        sender.join().unwrap().unwrap();
+        let out = admin::admin(&ctl, &["status", "--json"]);
+        let status: Value = serde_json::from_str(&text(&out.stdout))
+            .unwrap_or_else(|e| panic!("status --json: {e}: {}", text(&out.stdout)));
+        let conn = &status["exports"][0]["connections"][0];
+        assert_eq!(conn["requests"], 8, "{status:#}");
+        assert_eq!(conn["writes"], 8, "{status:#}");
+        assert_eq!(conn["written_bytes"], 8u64 << 20, "{status:#}");
+        assert_same(
+            "the last write",
+            &c.read_ok(9, 7 << 20, 4096),
+            &data[..4096],
+        );
+        c.disconnect();
+    }
+
     #[test]
     fn refused_writes_skip_their_payload() {
         let dir = tmpdir();

@@ -182,14 +182,29 @@ struct Req {
     pass: Pass,
     /// Plain, waiting at the gate, or a step of a read-modify-write.
     stage: Stage,
-    /// A read-modify-write's range (an unaligned write or write-zeroes).
-    wide: Option<Wide>,
-    /// A write waiting at the gate: the device request to submit once it may.
-    waiting_io: Option<Io>,
+    /// What only unaligned requests and requests waiting at a gate need.
+    slow: Option<Box<Slow>>,
     /// Device requests of the current step still in flight (read-modify-write).
     pending: u8,
     /// The first error of a read-modify-write's step (0: none).
     error: i32,
+}
+
+/// The part of a request that only unaligned requests and requests waiting at a gate
+/// need: boxed, so that every other request stays small.
+#[derive(Default)]
+struct Slow {
+    /// A read-modify-write's range (an unaligned write or write-zeroes).
+    wide: Option<Wide>,
+    /// A write waiting at the gate: the device request to submit once it may.
+    waiting_io: Option<Io>,
+}
+
+impl Req {
+    /// A read-modify-write's range.
+    fn wide(&self) -> Option<Wide> {
+        self.slow.as_ref().and_then(|s| s.wide)
+    }
 }
 
 /// Where a request is.
@@ -265,6 +280,8 @@ struct ConnState {
     ended: &'static str,
     /// A request error was logged already (one per connection).
     warned: bool,
+    /// The request at the head of the input was counted already: it waits for a buffer.
+    recounted: bool,
 }
 
 impl ConnState {
@@ -543,6 +560,7 @@ impl ServerLoop {
                 since: std::time::Instant::now(),
                 ended: "",
                 warned: false,
+                recounted: false,
 
                 tls: nc.tls.map(|mut c| {
                     // Replies are bounded by the connection's own limits.
@@ -831,7 +849,10 @@ impl ServerLoop {
             }
             proto::Decoded::Request(r) => r,
         };
-        conn.info.request(r.command, r.len);
+        // A request parsed again after waiting for a buffer was counted the first time.
+        if !std::mem::take(&mut st.recounted) {
+            conn.info.request(r.command, r.len);
+        }
         let info = &self.exports[conn.export].info;
         // A write's length is its payload's. With extended headers another command has a
         // payload when it sets PAYLOAD_LEN (and is refused after it is skipped). A write
@@ -989,6 +1010,7 @@ impl ServerLoop {
                 Some(b) => Some(b),
                 None => {
                     st.blocked = true;
+                    st.recounted = true;
                     return Next::Stop;
                 }
             }
@@ -1073,7 +1095,7 @@ impl ServerLoop {
     /// the gate.
     fn payload_done(&self, conn: &Conn, st: &mut ConnState, req: u32) -> Option<Io> {
         st.in_flight += 1;
-        if st.reqs[req as usize].wide.is_some() {
+        if st.reqs[req as usize].wide().is_some() {
             self.rmw_start(conn, st, req);
             return None;
         }
@@ -1113,7 +1135,7 @@ impl ServerLoop {
         }
         let r = &mut st.reqs[req as usize];
         r.stage = Stage::Waiting;
-        r.waiting_io = Some(io);
+        r.slow.get_or_insert_with(Box::default).waiting_io = Some(io);
         self.wait(conn.index, req, seen);
         None
     }
@@ -1141,15 +1163,15 @@ impl ServerLoop {
             let Some(conn) = self.conn(ci) else { continue };
             let mut st = conn.st.borrow_mut();
             let r = &st.reqs[ri as usize];
-            if r.wide.is_some() {
+            if r.wide().is_some() {
                 self.rmw_try(&conn, &mut st, ri);
             } else if let Pass::Ticket(id) = r.pass {
-                let io = r.waiting_io;
+                let io = r.slow.as_ref().and_then(|s| s.waiting_io);
                 if let Some(io) = io.and_then(|io| self.wait_for_ticket(&conn, &mut st, ri, id, io))
                 {
                     let r = &mut st.reqs[ri as usize];
                     r.stage = Stage::Plain;
-                    r.waiting_io = None;
+                    r.slow = None;
                     self.submits.borrow_mut().push((ci, io));
                 }
             }
@@ -1217,6 +1239,7 @@ impl ServerLoop {
             buf = st.pool.get(buf_len as usize);
             if buf.is_none() {
                 st.blocked = true;
+                st.recounted = true;
                 return Ok(Next::Stop);
             }
         }
@@ -1250,7 +1273,12 @@ impl ServerLoop {
                 },
                 then_flush: r.flags & cflags::FUA != 0
                     && matches!(op, Op::Discard | Op::WriteZeroes),
-                wide: matches!(op, Op::Write | Op::WriteZeroes).then_some(w),
+                slow: matches!(op, Op::Write | Op::WriteZeroes).then(|| {
+                    Box::new(Slow {
+                        wide: Some(w),
+                        waiting_io: None,
+                    })
+                }),
                 ..Req::default()
             },
         );
@@ -1314,7 +1342,7 @@ impl ServerLoop {
     /// blocks, and reads its edge blocks once the ticket is good.
     fn rmw_start(&self, conn: &Conn, st: &mut ConnState, req: u32) {
         let r = &mut st.reqs[req as usize];
-        if let (Some(gate), Some(w)) = (conn.gate.as_ref(), r.wide) {
+        if let (Some(gate), Some(w)) = (conn.gate.as_ref(), r.wide()) {
             r.pass = Pass::Ticket(gate.rmw(w.offset, w.offset + w.len));
         }
         self.rmw_try(conn, st, req);
@@ -1333,7 +1361,7 @@ impl ServerLoop {
         }
         st.in_flight -= 1;
         let r = &mut st.reqs[req as usize];
-        let Some(w) = r.wide else { return };
+        let Some(w) = r.wide() else { return };
         let (edges, n) = w.edges();
         // A write's buffer holds its blocks, then the edge blocks read; a write-zeroes'
         // holds just the edge blocks.
@@ -1398,7 +1426,7 @@ impl ServerLoop {
     /// them and writes.
     fn rmw_write(&self, conn: &Conn, st: &mut ConnState, req: u32) {
         let r = &mut st.reqs[req as usize];
-        let (Some(w), Some(b)) = (r.wide, r.buf.as_mut()) else {
+        let (Some(w), Some(b)) = (r.wide(), r.buf.as_mut()) else {
             return self.rmw_finish(conn, st, req);
         };
         let (edges, n) = w.edges();
