@@ -58,9 +58,11 @@ by a release build of git revision REV (built in a worktree under bench/out/, wi
 target directory, once per revision). Each round runs both builds back to back, and a
 table gives each round's ratio, this build over the other: the median and the spread
 (odd rounds run the servers in reverse order, so neither build always goes first).
+With --pin, every server runs on CPU 0 (cairn serve with one reactor) and every client on
+CPU 1, so that they stop trading cores: steadier figures for comparing builds.
 E.g. issue 16's check that serving unaligned requests costs aligned ones nothing:
-  bench/nbd.py --before 976b533 --servers cairn-mem,cairn-file --clients fio \
-      --only randread,randwrite --rounds 7 --runtime 5
+  bench/nbd.py --before 976b533 --servers cairn-mem --clients fio,cairn --pin \
+      --only randread,randwrite --rounds 15 --runtime 3
 """
 import argparse
 import ctypes
@@ -93,6 +95,8 @@ DEFAULT_CLIENTS = ["fio", "cairn"]
 CAIRN_SERVERS = ("cairn-mem", "cairn-file")
 # The binary serving NAME@before (set by --before).
 BEFORE = {"bin": None, "label": None}
+# --pin: servers on CPU 0 (cairn with one reactor), clients on CPU 1.
+PIN = {"on": False}
 
 
 def sock_path(name):
@@ -118,6 +122,15 @@ class Server:
         return f"nbd+unix:///{self.export}?socket={self.sock}"
 
     def command(self):
+        cmd = self.unpinned_command()
+        if not PIN["on"]:
+            return cmd
+        if self.name.startswith("cairn-"):
+            i = cmd.index("serve") + 1
+            cmd = cmd[:i] + ["--threads", "1"] + cmd[i:]
+        return ["taskset", "-c", "0", *cmd]
+
+    def unpinned_command(self):
         s = self.sock
         name, _, build = self.name.partition("@")
         cairn = BEFORE["bin"] if build == "before" else CAIRN
@@ -294,6 +307,11 @@ def parse_fio(text):
 
 
 def client_command(client, uri, rw, bs, depth, runtime):
+    cmd = unpinned_client_command(client, uri, rw, bs, depth, runtime)
+    return ["taskset", "-c", "1", *cmd] if PIN["on"] else cmd
+
+
+def unpinned_client_command(client, uri, rw, bs, depth, runtime):
     if client in ("cairn", "cairn-poll"):
         poll = ["--idle-poll", "50us"] if client == "cairn-poll" else []
         return [CAIRN, "bench", "--log-level", "warn", *poll, "--device", f"nbd:{uri}",
@@ -380,6 +398,8 @@ def main():
     ap.add_argument("--cairn-args", default="", help="global switches for cairn (e.g. '--threads 1')")
     ap.add_argument("--no-build", action="store_true", help="skip cargo build --release")
     ap.add_argument("--keep", action="store_true", help=f"keep {IMG} afterwards")
+    ap.add_argument("--pin", action="store_true",
+                    help="servers on CPU 0 (cairn serve --threads 1), clients on CPU 1")
     ap.add_argument("--before", metavar="BIN|REV",
                     help="also serve with this binary or git revision (NAME@before servers)")
     args = ap.parse_args()
@@ -403,6 +423,9 @@ def main():
             servers.remove(s)
     cairn_args = shlex.split(args.cairn_args)
     t, n = args.runtime, args.rounds
+    PIN["on"] = args.pin
+    if args.pin and (os.cpu_count() or 1) < 2:
+        sys.exit("--pin needs two CPUs")
     if args.before:
         BEFORE["bin"], BEFORE["label"] = before_binary(args.before)
         servers = [x for s in servers
@@ -410,7 +433,9 @@ def main():
     try:
         prepare(args)
         out = [f"Median of {n} interleaved rounds of {t} s each (`bench/nbd.py --runtime {t} --rounds {n}"
-               + (f" --cairn-args '{args.cairn_args}'" if cairn_args else "") + "`); "
+               + (f" --cairn-args '{args.cairn_args}'" if cairn_args else "")
+               + (" --pin" if args.pin else "")
+               + (f" --before {args.before}" if args.before else "") + "`); "
                f"{subprocess.run(['fio', '--version'], stdout=subprocess.PIPE, text=True).stdout.strip()} "
                "ioengine=nbd and cairn bench --device nbd:URI, each over a Unix socket, one connection; "
                f"{os.cpu_count()} CPUs.", ""]
@@ -495,7 +520,8 @@ def before_table(w, res, servers, clients):
     rw, bs, depth, title = WORKLOADS[w]
     key = "bw" if rw == "read" else "iops"
     lines = [f"{title}: this build / {BEFORE['label']}, per round (median, min..max):", "",
-             "| server | client | this build | before | ratio | spread |", "|---|---|---|---|---|---|"]
+             "| server | client | this build | before | ratio | spread | server CPU / I/O, before / this build | spread |",
+             "|---|---|---|---|---|---|---|---|"]
     cell = (lambda v: f"{v / 1e6:.0f} MB/s") if key == "bw" else fmt_iops
     for s in servers:
         if s.split("@")[0] not in CAIRN_SERVERS or "@" in s or f"{s}@before" not in servers:
@@ -503,8 +529,11 @@ def before_table(w, res, servers, clients):
         for c in clients:
             now, then = res[f"{s} {c}"], res[f"{s}@before {c}"]
             ratios = [a[key] / max(b[key], 1e-9) for a, b in zip(now, then)]
+            # Server CPU per I/O, the other way up: above 1 means this build uses less.
+            cpu = [b["cpu_per_100k"] / max(a["cpu_per_100k"], 1e-9) for a, b in zip(now, then)]
             lines.append(f"| {s} | {c} | {cell(med(now, key))} | {cell(med(then, key))} | "
-                         f"{statistics.median(ratios):.3f}x | {min(ratios):.3f}..{max(ratios):.3f} |")
+                         f"{statistics.median(ratios):.3f}x | {min(ratios):.3f}..{max(ratios):.3f} | "
+                         f"{statistics.median(cpu):.3f}x | {min(cpu):.3f}..{max(cpu):.3f} |")
     lines.append("")
     return lines
 
