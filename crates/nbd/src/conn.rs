@@ -48,7 +48,8 @@ pub struct Export {
 /// The gates of a server's exports: one per device that some export without strict
 /// alignment serves (exports of the same device share it), and the wake-ups they send.
 pub(crate) struct Gates {
-    /// Per export, its device's gate (`None`: strict alignment, no gate).
+    /// Per export, its device's gate: `None` for a read-only export, and for one whose
+    /// device no export without strict alignment can write.
     pub of_export: Vec<Option<Arc<Gate>>>,
     /// How released gates wake reactors.
     pub wake: Arc<Wake>,
