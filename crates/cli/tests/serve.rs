@@ -64,6 +64,27 @@ fn python_with_libnbd(test: &str) -> Option<PathBuf> {
     None
 }
 
+/// Runs a libnbd Python `script` against the server listening on `sock` (as CAIRN_SOCK,
+/// with `env` besides), asserts that it succeeded, and returns its stdout, which must
+/// contain `done` (the script's last word: it did not stop early).
+#[track_caller]
+fn libnbd_script(
+    python: &Path,
+    script: &str,
+    sock: &Path,
+    env: &[(&str, String)],
+    done: &str,
+) -> String {
+    let mut cmd = Command::new(python);
+    cmd.args(["-c", script]).env("CAIRN_SOCK", sock);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let stdout = success("the libnbd script", &run(&mut cmd));
+    assert!(stdout.contains(done), "{stdout}");
+    stdout
+}
+
 // ---------------------------------------------------------------------------------------
 // Running things
 
@@ -1301,11 +1322,7 @@ raise SystemExit(1 if failures else 0)
              [export.ro]\ndevice = \"a\"\nread_only = true\n",
         );
         let srv = Server::start_in(dir, &[path_str(&stack)]);
-        let out = run(Command::new(&python)
-            .args(["-c", SCRIPT])
-            .env("CAIRN_SOCK", &srv.sock));
-        let stdout = success("the libnbd script", &out);
-        assert!(stdout.contains(" checks"), "{stdout}");
+        libnbd_script(&python, SCRIPT, &srv.sock, &[], " checks");
     }
 }
 
@@ -1435,15 +1452,13 @@ raise SystemExit(1 if failures else 0)
         let Some(python) = python_with_libnbd(name) else {
             return;
         };
-        let out = run(Command::new(&python)
-            .args(["-c", MODEL])
-            .env("CAIRN_SOCK", &srv.sock)
-            .env("CAIRN_EXPORT", export)
-            .env("CAIRN_BLOCK", block.to_string())
-            .env("CAIRN_SEED", seed.to_string())
-            .env("CAIRN_OPS", "1500"));
-        let stdout = success("the model script", &out);
-        assert!(stdout.contains("ops {"), "{stdout}");
+        let env = [
+            ("CAIRN_EXPORT", export.to_string()),
+            ("CAIRN_BLOCK", block.to_string()),
+            ("CAIRN_SEED", seed.to_string()),
+            ("CAIRN_OPS", "1500".to_string()),
+        ];
+        libnbd_script(&python, MODEL, &srv.sock, &env, "ops {");
         let log = srv.stderr();
         assert!(
             log.contains("not aligned to the export's"),
@@ -1656,11 +1671,7 @@ raise SystemExit(1 if failures else 0)
             &[stack.as_str()],
         ] {
             let srv = Server::start(&[args, &["--threads", "2"]].concat());
-            let out = run(Command::new(&python)
-                .args(["-c", RACE])
-                .env("CAIRN_SOCK", &srv.sock));
-            let stdout = success(&format!("the race script with {args:?}"), &out);
-            assert!(stdout.contains("rounds done"), "{stdout}");
+            libnbd_script(&python, RACE, &srv.sock, &[], "rounds done");
         }
         drop(dir);
     }
@@ -1736,11 +1747,7 @@ raise SystemExit(1 if failures else 0)
              [export.strict]\ndevice = \"b\"\nstrict_alignment = true\n",
         );
         let srv = Server::start_in(dir, &[path_str(&stack)]);
-        let out = run(Command::new(&python)
-            .args(["-c", POLICY])
-            .env("CAIRN_SOCK", &srv.sock));
-        let stdout = success("the policy script", &out);
-        assert!(stdout.contains("checked"), "{stdout}");
+        libnbd_script(&python, POLICY, &srv.sock, &[], "checked");
     }
 
     #[test]
@@ -1770,10 +1777,7 @@ raise SystemExit(1 if failures else 0)
                       h.set_request_block_size(False)\nh.connect_unix(os.environ['CAIRN_SOCK'])\n\
                       try:\n    h.pread(100, 1)\n    raise SystemExit('served')\n\
                       except nbd.Error as e:\n    assert e.errnum == 22, e.string\nprint('refused')\n";
-        let out = run(Command::new(&python)
-            .args(["-c", script])
-            .env("CAIRN_SOCK", &srv.sock));
-        assert!(success("the script", &out).contains("refused"));
+        libnbd_script(&python, script, &srv.sock, &[], "refused");
     }
 }
 

@@ -202,6 +202,19 @@ struct Slow {
 }
 
 impl Req {
+    /// Request `r` as received, with its data buffer.
+    fn of(r: &proto::Request, buf: Option<AlignedBuf>) -> Req {
+        Req {
+            cookie: r.cookie,
+            command: r.command,
+            flags: r.flags,
+            offset: r.offset,
+            len: r.len,
+            buf,
+            ..Req::default()
+        }
+    }
+
     /// A read-modify-write's range.
     fn wide(&self) -> Option<Wide> {
         self.slow.as_ref().and_then(|s| s.wide)
@@ -1030,14 +1043,8 @@ impl ServerLoop {
         let index = Self::alloc_req(
             st,
             Req {
-                cookie: r.cookie,
-                command: r.command,
-                flags: r.flags,
-                offset: r.offset,
-                len: r.len,
-                buf,
                 then_flush,
-                ..Req::default()
+                ..Req::of(&r, buf)
             },
         );
         if op == Op::Write {
@@ -1261,12 +1268,6 @@ impl ServerLoop {
         let index = Self::alloc_req(
             st,
             Req {
-                cookie: r.cookie,
-                command: r.command,
-                flags: r.flags,
-                offset: r.offset,
-                len: r.len,
-                buf,
                 data_off: if matches!(op, Op::Read | Op::Write) {
                     w.head as u32
                 } else {
@@ -1280,7 +1281,7 @@ impl ServerLoop {
                         waiting_io: None,
                     })
                 }),
-                ..Req::default()
+                ..Req::of(r, buf)
             },
         );
         let token = (u64::from(conn.index) << 32) | u64::from(index);
