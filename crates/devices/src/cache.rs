@@ -74,6 +74,11 @@ struct State {
     dirty: BTreeSet<u64>,
     /// Pages in the order they became clean (stale entries are skipped).
     clean: VecDeque<u64>,
+    /// Page ranges of the reads in flight to the base. Their pages are not evicted: a
+    /// page that was dirty when such a read was sent may be older in what the base
+    /// returns (the read may reach the base before the page's write-back does), so the
+    /// cached copy must still be there to lay over it when the read completes.
+    reading: Vec<(u64, u64)>,
     gen: u64,
     waiters: Vec<Waiter>,
 }
@@ -152,12 +157,23 @@ impl Shared {
 }
 
 impl State {
-    /// A free page slot: below capacity, or by evicting the oldest clean page.
+    /// A free page slot: below capacity, or by evicting the oldest clean page that no
+    /// read in flight to the base covers.
     fn make_room(&mut self, capacity: usize) -> bool {
+        let mut tries = self.clean.len();
         while self.pages.len() >= capacity {
+            if tries == 0 {
+                return false;
+            }
+            tries -= 1;
             let Some(p) = self.clean.pop_front() else {
                 return false;
             };
+            if self.reading.iter().any(|&(a, b)| a <= p && p < b) {
+                // Kept for that read; the next oldest goes instead.
+                self.clean.push_back(p);
+                continue;
+            }
             if self.pages.get(&p).is_some_and(|e| !e.dirty) {
                 self.pages.remove(&p);
             }
@@ -220,6 +236,7 @@ impl CacheDevice {
                 pages: HashMap::new(),
                 dirty: BTreeSet::new(),
                 clean: VecDeque::new(),
+                reading: Vec::new(),
                 gen: 0,
                 waiters: Vec::new(),
             }),
@@ -485,10 +502,12 @@ impl CacheQueue {
     }
 
     fn read(&self, io: Io, start: u64) {
-        let st = self.shared.lock();
+        let mut st = self.shared.lock();
         let all = Self::pages(&io).all(|p| st.pages.contains_key(&p));
         if !all {
             let gen = st.gen;
+            let pages = Self::pages(&io);
+            st.reading.push((pages.start, pages.end));
             drop(st);
             self.to_base(io, start, Pending::Read { gen });
             return;
@@ -657,16 +676,32 @@ impl Sink for CacheQueue {
         }
         let (io, start, pending) = self.requests.borrow_mut().remove(token as u32);
         if let Pending::Read { gen } = pending {
+            let mut st = self.shared.lock();
+            let pages = Self::pages(&io);
+            if let Some(i) = st
+                .reading
+                .iter()
+                .position(|&r| r == (pages.start, pages.end))
+            {
+                st.reading.swap_remove(i);
+            }
             if status.is_ok() {
-                // Newer cached pages win over what the base returned; pages unchanged
-                // since the read was sent are cached clean.
-                let mut st = self.shared.lock();
+                // Newer cached pages win over what the base returned: every one first,
+                // before filling evicts any. Pages cached when the read was sent are
+                // still here (not evicted while it was in flight).
+                for p in Self::pages(&io) {
+                    if let Some(e) = st.pages.get(&p) {
+                        Self::copy_out(e, &io, p);
+                    }
+                }
+                // Pages unchanged since the read was sent are cached clean.
                 let unchanged = st.gen == gen;
                 for p in Self::pages(&io) {
                     let at = (p * PAGE - io.offset) as usize;
-                    if let Some(e) = st.pages.get(&p) {
-                        Self::copy_out(e, &io, p);
-                    } else if unchanged && st.make_room(self.shared.capacity) {
+                    if st.pages.contains_key(&p) {
+                        continue;
+                    }
+                    if unchanged && st.make_room(self.shared.capacity) {
                         let mut d = vec![0u8; PAGE as usize].into_boxed_slice();
                         // SAFETY: as in `read`.
                         unsafe {
