@@ -390,3 +390,219 @@ fn shared_pool_flushes_through_caches_over_caches() {
     rx.recv_timeout(Duration::from_secs(120))
         .expect("every flush completes (a hang in the shared pool otherwise)");
 }
+
+/// What a [`HoldDevice`] shares with the test: whether read completions are held back,
+/// and how many are held now.
+struct Hold {
+    state: std::sync::Mutex<(bool, usize)>,
+    changed: std::sync::Condvar,
+    /// Wakes the reactors of the device's queues once the hold is lifted.
+    wake: Arc<std::os::fd::OwnedFd>,
+}
+
+impl Hold {
+    fn new() -> Arc<Hold> {
+        Arc::new(Hold {
+            state: std::sync::Mutex::new((false, 0)),
+            changed: std::sync::Condvar::new(),
+            wake: cairn_core::event::eventfd("hold").unwrap(),
+        })
+    }
+
+    fn set(&self, on: bool) {
+        self.state.lock().unwrap().0 = on;
+        if !on {
+            cairn_core::event::signal(std::os::fd::AsRawFd::as_raw_fd(&*self.wake));
+        }
+    }
+
+    /// Waits (20 s at most) until `n` read completions are held.
+    fn wait_held(&self, n: usize) {
+        let (st, _) = self
+            .changed
+            .wait_timeout_while(self.state.lock().unwrap(), Duration::from_secs(20), |s| {
+                s.1 < n
+            })
+            .unwrap();
+        assert!(st.1 >= n, "{} of {n} reads reached the base", st.1);
+    }
+}
+
+/// A device over another whose reads are done at once (their data is what the inner
+/// device held when they were sent) but whose completions are held back while the
+/// [`Hold`] is on, and delivered once it is lifted. Everything else passes straight
+/// through.
+struct HoldDevice {
+    inner: Arc<dyn Device>,
+    hold: Arc<Hold>,
+}
+
+struct HoldQueue {
+    core: std::rc::Rc<cairn_core::Core>,
+    inner: std::rc::Rc<dyn cairn_core::Queue>,
+    hold: Arc<Hold>,
+    sink: std::cell::Cell<cairn_core::SinkId>,
+    requests: std::cell::RefCell<cairn_core::slab::Slab<cairn_core::Io>>,
+    held: std::cell::RefCell<Vec<(cairn_core::Io, cairn_core::IoStatus)>>,
+}
+
+impl Device for HoldDevice {
+    fn name(&self) -> &str {
+        "hold"
+    }
+    fn describe(&self) -> String {
+        format!("hold over {}", self.inner.name())
+    }
+    fn geometry(&self) -> cairn_core::Geometry {
+        self.inner.geometry()
+    }
+    fn children(&self) -> Vec<Arc<dyn Device>> {
+        vec![self.inner.clone()]
+    }
+    fn open_queue(
+        &self,
+        core: &std::rc::Rc<cairn_core::Core>,
+    ) -> Result<std::rc::Rc<dyn cairn_core::Queue>, cairn_core::Error> {
+        let q = std::rc::Rc::new(HoldQueue {
+            core: core.clone(),
+            inner: self.inner.open_queue(core)?,
+            hold: self.hold.clone(),
+            sink: std::cell::Cell::new(cairn_core::SinkId(u32::MAX)),
+            requests: std::cell::RefCell::new(cairn_core::slab::Slab::with_capacity(64)),
+            held: std::cell::RefCell::new(Vec::new()),
+        });
+        q.sink.set(core.register_sink(q.clone()));
+        core.register_poller(q.clone());
+        Ok(q)
+    }
+}
+
+impl cairn_core::Queue for HoldQueue {
+    fn submit(&self, io: cairn_core::Io) {
+        let token = u64::from(self.requests.borrow_mut().insert(io));
+        self.inner.submit(cairn_core::Io {
+            sink: self.sink.get(),
+            token,
+            ..io
+        });
+    }
+    fn stats(&self) -> &cairn_core::QueueStats {
+        self.inner.stats()
+    }
+}
+
+impl cairn_core::Sink for HoldQueue {
+    fn io_done(&self, token: u64, status: cairn_core::IoStatus) {
+        let io = self.requests.borrow_mut().remove(token as u32);
+        if io.op == cairn_core::Op::Read {
+            let mut st = self.hold.state.lock().unwrap();
+            if st.0 {
+                st.1 += 1;
+                self.held.borrow_mut().push((io, status));
+                self.hold.changed.notify_all();
+                return;
+            }
+        }
+        self.core.deliver(io.sink, io.token, status);
+    }
+}
+
+impl cairn_core::Poller for HoldQueue {
+    fn unplug(&self) {}
+    fn reap(&self) -> usize {
+        let mut st = self.hold.state.lock().unwrap();
+        if st.0 || self.held.borrow().is_empty() {
+            return 0;
+        }
+        let held = std::mem::take(&mut *self.held.borrow_mut());
+        st.1 -= held.len();
+        drop(st);
+        for &(io, status) in &held {
+            self.core.complete(io.sink, io.token, status);
+        }
+        held.len()
+    }
+    fn busy(&self) -> bool {
+        !self.held.borrow().is_empty()
+    }
+    fn event_fd(&self) -> std::os::fd::RawFd {
+        std::os::fd::AsRawFd::as_raw_fd(&*self.hold.wake)
+    }
+    fn clear_event(&self) {
+        cairn_core::event::clear(self.event_fd());
+    }
+}
+
+/// A read that misses is sent to the base for its whole range while one of its pages, P,
+/// is dirty in the cache, so the base returns P's old contents; before the read completes
+/// a flush writes P back and marks it clean. Filling the cache from the read must not
+/// evict P before its cached copy is laid over the read's buffer: the read returns P's
+/// new contents, and so does reading P again. (The cache used to fill page by page,
+/// evicting the oldest clean page, P, for the first uncached one, and returned and cached
+/// the old contents.) Deterministic: the base holds the read's completion until the
+/// write-back is done.
+#[test]
+fn a_read_that_misses_returns_a_page_written_back_while_it_was_in_flight() {
+    use cairn_devices::cache::CacheDevice;
+    use cairn_devices::writeback::{Budget, Writeback};
+    // Nothing is written back on its own: only the flushes do it.
+    let w = Writeback {
+        expire: Duration::from_secs(600),
+        interval: Duration::from_secs(600),
+        ..Writeback::default()
+    };
+    let budget = Arc::new(Budget::new(&w, 1 << 20).unwrap());
+    let hold = Hold::new();
+    let mem = cairn_devices::open(
+        &cairn_devices::LeafSpec::parse("mem:1M,block=4k").unwrap(),
+        "m",
+    )
+    .unwrap();
+    let base: Arc<dyn Device> = Arc::new(HoldDevice {
+        inner: mem,
+        hold: hold.clone(),
+    });
+    // 16 pages of cache memory (the smallest cache).
+    let c: Arc<dyn Device> =
+        Arc::new(CacheDevice::new("c", base, 64 << 10, budget, Switches::default()).unwrap());
+    let q = queue(&c);
+    let p = 16u64;
+    let (old, new) = (page_of(1), page_of(2));
+    // P's old contents in the base, P cached clean; then 15 more clean pages fill the
+    // cache; then P is rewritten (dirty again, the base still holds the old contents).
+    q.write(p * PAGE as u64, &old, IoFlags::NONE).unwrap();
+    q.flush().unwrap();
+    read(&q, 100 * PAGE as u64, 15 * PAGE);
+    q.write(p * PAGE as u64, &new, IoFlags::NONE).unwrap();
+    hold.set(true);
+    // Lifted however the scope ends, so that a failure below cannot leave the reader
+    // waiting forever.
+    struct Lift<'a>(&'a Hold);
+    impl Drop for Lift<'_> {
+        fn drop(&mut self) {
+            self.0.set(false);
+        }
+    }
+    std::thread::scope(|s| {
+        let lift = Lift(&hold);
+        // Pages 0 to 16: 0 to 15 are not cached, so the read goes to the base, which
+        // returns P's old contents and holds the completion.
+        let reader = s.spawn(|| read(&queue(&c), 0, 17 * PAGE));
+        hold.wait_held(1);
+        // P is written back (the base's writes are not held) and marked clean.
+        q.flush().unwrap();
+        assert!(c.describe().contains(" 0 bytes dirty"), "{}", c.describe());
+        drop(lift);
+        let got = reader.join().unwrap();
+        assert!(
+            got[16 * PAGE..] == new[..],
+            "the read returned page {p} as written {} (its contents before the last write)",
+            u32::from_le_bytes(got[16 * PAGE..16 * PAGE + 4].try_into().unwrap())
+        );
+        assert!(
+            got[..16 * PAGE].iter().all(|&x| x == 0),
+            "pages never written read as zeros"
+        );
+    });
+    assert_eq!(read(&q, p * PAGE as u64, PAGE), new, "page {p} read again");
+}
