@@ -2974,6 +2974,11 @@ mod tls {
     /// A CA and a server certificate for `localhost` signed by it, made with openssl in
     /// `dir` (laid out as `--tls-certificates` and libnbd's `tls-certificates` expect).
     fn make_certs(test: &str, dir: &Path) -> bool {
+        make_certs_with(test, dir, &["-newkey", "rsa:2048"])
+    }
+
+    /// [`make_certs`] with the server's key made by these `openssl req` arguments.
+    fn make_certs_with(test: &str, dir: &Path, server_key: &[&str]) -> bool {
         let Some([openssl]) = tools(test, ["openssl"]) else {
             return false;
         };
@@ -2997,17 +3002,19 @@ mod tls {
             "/CN=cairn test CA",
         ]);
         sh(&[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "server-key.pem",
-            "-out",
-            "server.csr",
-            "-subj",
-            "/CN=localhost",
-        ]);
+            &["req"][..],
+            server_key,
+            &[
+                "-nodes",
+                "-keyout",
+                "server-key.pem",
+                "-out",
+                "server.csr",
+                "-subj",
+                "/CN=localhost",
+            ],
+        ]
+        .concat());
         std::fs::write(
             dir.join("ext.cnf"),
             "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n\
@@ -3193,6 +3200,117 @@ mod tls {
         success(
             "plain nbdinfo",
             &run(Command::new(&nbdinfo).arg(server.uri())),
+        );
+    }
+
+    /// RSA keys of sizes ring refused (2432 bits, as the NBD reference project's test
+    /// certificates have) and the usual 3072, in PKCS#8 and PKCS#1 form: the server
+    /// starts, and data goes through TLS both ways.
+    #[test]
+    fn rsa_keys_of_2432_and_3072_bits_in_both_forms_serve_over_tls() {
+        let test = "tls::rsa_keys_of_2432_and_3072_bits_in_both_forms_serve_over_tls";
+        let Some([nbdcopy, openssl]) = tools(test, ["nbdcopy", "openssl"]) else {
+            return;
+        };
+        for bits in ["2432", "3072"] {
+            let certs = tmpdir();
+            if !make_certs_with(test, certs.path(), &["-newkey", &format!("rsa:{bits}")]) {
+                return;
+            }
+            for form in ["PKCS#8", "PKCS#1"] {
+                if form == "PKCS#1" {
+                    let key = certs.path().join("server-key.pem");
+                    let out = run(Command::new(&openssl)
+                        .args(["rsa", "-traditional", "-in"])
+                        .arg(&key)
+                        .arg("-out")
+                        .arg(&key));
+                    success("openssl rsa -traditional", &out);
+                    let pem = std::fs::read_to_string(&key).unwrap();
+                    assert!(pem.contains("BEGIN RSA PRIVATE KEY"), "{pem}");
+                }
+                let server = Server::start(&[
+                    "--device",
+                    "mem:16M",
+                    "--tls",
+                    "require",
+                    "--tls-certificates",
+                    path_str(certs.path()),
+                ]);
+                let uri = tls_uri(&server, certs.path());
+                let src = server.path("src.img");
+                let back = server.path("back.img");
+                let data = random_bytes(1 << 20, bits.len() as u64);
+                std::fs::write(&src, &data).unwrap();
+                let what = format!("{bits}-bit RSA key ({form})");
+                success(
+                    &format!("nbdcopy in over TLS, {what}"),
+                    &run(Command::new(&nbdcopy).arg(&src).arg(&uri)),
+                );
+                success(
+                    &format!("nbdcopy out over TLS, {what}"),
+                    &run(Command::new(&nbdcopy).arg(&uri).arg(&back)),
+                );
+                let got = std::fs::read(&back).unwrap();
+                assert_same(&what, &got[..data.len()], &data);
+            }
+        }
+    }
+
+    /// Keys TLS cannot sign with are refused at start with what they are, not "failed to
+    /// parse"; a file without a key says so.
+    #[test]
+    fn refused_keys_say_what_they_are() {
+        let test = "tls::refused_keys_say_what_they_are";
+        for (key, want) in [
+            (
+                &["-newkey", "rsa:1024"][..],
+                "an RSA key of 1024 bits (PKCS#8)",
+            ),
+            (
+                &["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:secp256k1"],
+                "an EC key on secp256k1",
+            ),
+            (&["-newkey", "ed448"], "an Ed448 key"),
+        ] {
+            let certs = tmpdir();
+            if !make_certs_with(test, certs.path(), key) {
+                return;
+            }
+            let out = run(Command::new(env!("CARGO_BIN_EXE_cairn")).args([
+                "serve",
+                "--listen",
+                "unix:/nonexistent/never.sock",
+                "--device",
+                "mem:16M",
+                "--tls-certificates",
+                path_str(certs.path()),
+            ]));
+            assert!(!out.status.success(), "{key:?}: cairn serve started");
+            let err = text(&out.stderr);
+            assert!(
+                err.contains(want) && err.contains("RSA keys of 2048 to 8192 bits"),
+                "{key:?}: {err}"
+            );
+            assert_eq!(err.trim().lines().count(), 1, "{err}");
+        }
+        let certs = tmpdir();
+        if !make_certs(test, certs.path()) {
+            return;
+        }
+        std::fs::write(certs.path().join("server-key.pem"), "not a key\n").unwrap();
+        let out = run(Command::new(env!("CARGO_BIN_EXE_cairn")).args([
+            "serve",
+            "--device",
+            "mem:16M",
+            "--tls-certificates",
+            path_str(certs.path()),
+        ]));
+        assert!(!out.status.success());
+        assert!(
+            text(&out.stderr).contains("server-key.pem: no private key in the file"),
+            "{}",
+            text(&out.stderr)
         );
     }
 
