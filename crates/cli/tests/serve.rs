@@ -1251,6 +1251,12 @@ for structured in (True, False):
     r("trim with NO_HOLE", EINVAL, lambda: h.trim(4096, 0, nbd.CMD_FLAG_NO_HOLE))
     r("flush with NO_HOLE", EINVAL, lambda: h.flush(nbd.CMD_FLAG_NO_HOLE))
     r("block status without a metadata context", EINVAL, lambda: h.block_status(4096, 0, lambda *a: 0))
+    # Length 0: the spec leaves it open; cairn refuses it, as nbdkit does.
+    r("read of length 0", EINVAL, lambda: h.pread(0, 4096))
+    r("write of length 0", EINVAL, lambda: h.pwrite(b"", 4096))
+    r("trim of length 0", EINVAL, lambda: h.trim(0, 4096))
+    r("write-zeroes of length 0", EINVAL, lambda: h.zero(0, 4096))
+    r("cache of length 0", EINVAL, lambda: h.cache(0, 4096))
     if not structured:
         r("read with DF without structured replies", EINVAL, lambda: h.pread(512, 0, nbd.CMD_FLAG_DF))
     # What a polite client does still works, with every flag the export offers.
@@ -1274,6 +1280,7 @@ refused(ro, "read-only: write", EPERM, lambda: ro.pwrite(junk[:4096], 0))
 refused(ro, "read-only: write with FUA", EPERM, lambda: ro.pwrite(junk[:4096], 0, nbd.CMD_FLAG_FUA))
 refused(ro, "read-only: trim", EPERM, lambda: ro.trim(4096, 0))
 refused(ro, "read-only: write-zeroes", EPERM, lambda: ro.zero(4096, 0))
+refused(ro, "read-only: write-zeroes with FAST_ZERO", EPERM, lambda: ro.zero(4096, 0, nbd.CMD_FLAG_FAST_ZERO))
 works("read-only: flush", lambda: ro.flush())
 ro.shutdown()
 
@@ -2030,6 +2037,17 @@ mod raw {
         assert_same("after unknown commands", &c.read_ok(6, 0, 4096), &data);
         c.request(FLAG_FUA, CMD_FLUSH, 7, 0, 0, &[]).unwrap();
         c.expect(7, 0);
+        // A flush's offset and length are reserved (must be 0).
+        c.request(0, CMD_FLUSH, 8, 4096, 0, &[]).unwrap();
+        c.expect(8, EINVAL);
+        c.request(0, CMD_FLUSH, 9, 0, 4096, &[]).unwrap();
+        c.expect(9, EINVAL);
+        // Requests of length 0 are refused, a write's included (no payload follows).
+        for (cookie, command) in [(10, CMD_READ), (11, CMD_WRITE), (12, CMD_TRIM)] {
+            c.request(0, command, cookie, 4096, 0, &[]).unwrap();
+            c.expect(cookie, EINVAL);
+        }
+        assert_same("after refused requests", &c.read_ok(13, 0, 4096), &data);
         c.disconnect();
         assert_closed(&mut c, "after DISC");
     }

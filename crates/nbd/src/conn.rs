@@ -929,9 +929,11 @@ impl ServerLoop {
             cmd::WRITE if extended => cflags::FUA | cflags::PAYLOAD_LEN,
             cmd::WRITE | cmd::FLUSH | cmd::TRIM | cmd::CACHE => cflags::FUA,
             cmd::WRITE_ZEROES => {
+                // On a read-only export FAST_ZERO is not offered, but the request is
+                // refused for being a write (EPERM), as every write is there.
                 cflags::FUA
                     | cflags::NO_HOLE
-                    | if conn.session.flags & tflags::SEND_FAST_ZERO != 0 {
+                    | if conn.session.flags & (tflags::SEND_FAST_ZERO | tflags::READ_ONLY) != 0 {
                         cflags::FAST_ZERO
                     } else {
                         0
@@ -965,14 +967,14 @@ impl ServerLoop {
         if data_len > u64::from(self.limits.max_payload) {
             return refuse(st, self, errno::EINVAL);
         }
-        if r.len == 0 && op != Op::Flush {
-            // Nothing to do; a zero-length block status is invalid.
-            if r.command == cmd::BLOCK_STATUS {
+        if op == Op::Flush {
+            // A flush's offset and length are reserved: both must be 0.
+            if r.offset != 0 || r.len != 0 {
                 return refuse(st, self, errno::EINVAL);
             }
-            st.rs += hl;
-            self.reply_ok(conn, st, r.command, (r.cookie, r.offset));
-            return Next::Again;
+        } else if r.len == 0 {
+            // The spec leaves requests of length 0 open; like nbdkit, cairn refuses them.
+            return refuse(st, self, errno::EINVAL);
         }
         if matches!(r.command, cmd::CACHE | cmd::BLOCK_STATUS) {
             // Like a read, but any length: only the range and the alignment matter.
