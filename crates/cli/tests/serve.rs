@@ -824,7 +824,44 @@ mod nbdinfo {
             runs.iter().any(|&(_, _, kind)| kind == 3),
             "the unwritten rest should still be a hole: {runs:?}"
         );
+        // Exactly [3M, 4M) is data (pages, not 2 MiB regions), and a trim of its first
+        // half turns that half back into a hole, as nbdkit's memory plugin reports it.
+        assert_eq!(
+            runs,
+            vec![
+                (0, 3 << 20, 3),
+                (3 << 20, 1 << 20, 0),
+                (4 << 20, SIZE - (4 << 20), 3)
+            ]
+        );
+        c.request(0, CMD_TRIM, 2, 3 << 20, 512 << 10, &[]).unwrap();
+        c.expect(2, 0);
+        assert_eq!(
+            map(&srv),
+            vec![
+                (0, (3 << 20) + (512 << 10), 3),
+                ((3 << 20) + (512 << 10), 512 << 10, 0),
+                (4 << 20, SIZE - (4 << 20), 3)
+            ]
+        );
         c.disconnect();
+        // qemu-img map says the same.
+        let Some([qemu_img]) = tools(NAME, ["qemu-img"]) else {
+            return;
+        };
+        let out = success(
+            "qemu-img map",
+            &run(Command::new(&qemu_img).args(["map", "--output=json", "-f", "raw", &srv.uri()])),
+        );
+        let json: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+        let data: Vec<(u64, u64)> = json
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["data"] == true)
+            .map(|r| (r["start"].as_u64().unwrap(), r["length"].as_u64().unwrap()))
+            .collect();
+        assert_eq!(data, vec![((3 << 20) + (512 << 10), 512 << 10)], "{out}");
     }
 
     #[test]

@@ -6,7 +6,9 @@
 //! page as it is first written (4 KiB at a time; untouched pages read as the shared zero
 //! page), so memory grows with the data written, and no allocator runs per request.
 //! Discard and write-zeroes give whole pages back to the kernel (`MADV_DONTNEED`) and zero
-//! partial ones. Regions stay mapped until the device is dropped.
+//! partial ones. Regions stay mapped until the device is dropped. A bit per page records
+//! whether it holds written data, for the allocation map: a page zeroed whole is a hole
+//! again (unless the write-zeroes asked for `NO_HOLE`).
 //!
 //! Concurrent requests that overlap the same bytes race the way they do on a real disk:
 //! the result is some interleaving of their bytes. That is the block-device contract, and
@@ -28,8 +30,33 @@ const L2_REGIONS: u64 = 512;
 /// Largest mem device (64 TiB): bounds the first-level table at 64 Ki entries.
 pub const MEM_SIZE_MAX: u64 = 64 << 40;
 
+/// 64-bit words of one region's page map (a bit per 4 KiB page).
+const MAP_WORDS: u64 = REGION_BYTES / PAGE_BYTES / 64;
+
 struct L2 {
     regions: [AtomicPtr<u8>; L2_REGIONS as usize],
+    /// Per region, a bit per page: set by a write that puts data there, cleared (before
+    /// the page is given back) by a discard or write-zeroes of the whole page. A set bit
+    /// over zeros is allowed (a concurrent zeroing may win), a clear bit over data never
+    /// happens: the allocation map may say "data" for zeros, never "hole" for data.
+    written: Box<[AtomicU64]>,
+}
+
+/// Sets (or clears) the bits of pages `p0..p1` in a region's page map.
+fn mark_pages(words: &[AtomicU64], p0: u64, p1: u64, set: bool) {
+    let mut p = p0;
+    while p < p1 {
+        let (w, lo) = ((p / 64) as usize, p % 64);
+        let hi = (p1 - (p - lo)).min(64);
+        let mask = (u64::MAX >> (64 - (hi - lo))) << lo;
+        let now = words[w].load(Ordering::Relaxed);
+        if set && now & mask != mask {
+            words[w].fetch_or(mask, Ordering::Relaxed);
+        } else if !set && now & mask != 0 {
+            words[w].fetch_and(!mask, Ordering::Relaxed);
+        }
+        p += hi - lo;
+    }
 }
 
 /// The shared store behind every queue of a mem device.
@@ -68,12 +95,28 @@ impl MemStore {
         unsafe { (*l2).regions[(index % L2_REGIONS) as usize].load(Ordering::Acquire) }
     }
 
+    /// Region `index`'s page map, once its second-level table exists.
+    #[inline]
+    fn page_map(&self, index: u64) -> Option<&[AtomicU64]> {
+        let l2 = self.l1[(index / L2_REGIONS) as usize].load(Ordering::Acquire);
+        if l2.is_null() {
+            return None;
+        }
+        let at = (index % L2_REGIONS * MAP_WORDS) as usize;
+        // SAFETY: L2 tables are never freed before the store is dropped.
+        let l2: &L2 = unsafe { &*l2 };
+        Some(&l2.written[at..at + MAP_WORDS as usize])
+    }
+
     fn region_or_map(&self, index: u64) -> *mut u8 {
         let slot = &self.l1[(index / L2_REGIONS) as usize];
         let mut l2 = slot.load(Ordering::Acquire);
         if l2.is_null() {
             let fresh = Box::into_raw(Box::new(L2 {
                 regions: std::array::from_fn(|_| AtomicPtr::new(ptr::null_mut())),
+                written: (0..L2_REGIONS * MAP_WORDS)
+                    .map(|_| AtomicU64::new(0))
+                    .collect(),
             }));
             match slot.compare_exchange(ptr::null_mut(), fresh, Ordering::AcqRel, Ordering::Acquire)
             {
@@ -159,34 +202,87 @@ impl MemStore {
             let region = self.region_or_map(index);
             // SAFETY: as in read.
             unsafe { ptr::copy_nonoverlapping(src.add(pos), region.add(at), n) };
+            // After the data: a zeroing that clears the bit meanwhile leaves it set.
+            if let Some(map) = self.page_map(index) {
+                let (a, b) = (at as u64, (at + n) as u64);
+                mark_pages(map, a / PAGE_BYTES, b.div_ceil(PAGE_BYTES), true);
+            }
         }
     }
 
-    /// How `[offset, offset+len)` is allocated, at region granularity: a region never
-    /// written is a hole; a mapped one is data (it may hold zeros, which is allowed).
-    pub fn extents(&self, offset: u64, len: u64, out: &mut Vec<cairn_core::Extent>) {
+    /// How `[offset, offset+len)` is allocated, in units of `unit` bytes (a power of two
+    /// from 4 KiB to a region): a unit is data if a write put data in one of its pages
+    /// since they were last discarded or zeroed whole, else a hole (it reads as zeros).
+    pub fn extents(&self, offset: u64, len: u64, unit: u64, out: &mut Vec<cairn_core::Extent>) {
         use cairn_core::Extent;
-        for (index, _, n, _) in Self::pieces(offset, len) {
-            let e = if self.region(index).is_null() {
-                Extent::hole(n as u64)
-            } else {
-                Extent::data(n as u64)
+        let unit = unit.clamp(PAGE_BYTES, REGION_BYTES);
+        let unit_pages = unit / PAGE_BYTES;
+        for (index, at, n, _) in Self::pieces(offset, len) {
+            let map = match self.page_map(index) {
+                Some(m) if !self.region(index).is_null() => m,
+                _ => {
+                    Extent::push(out, Extent::hole(n as u64));
+                    continue;
+                }
             };
-            Extent::push(out, e);
+            let (mut pos, end) = (at as u64, (at + n) as u64);
+            while pos < end {
+                let first = pos / unit * unit_pages;
+                let next = (pos / unit + 1) * unit;
+                let step = next.min(end) - pos;
+                let (w, lo) = ((first / 64) as usize, first % 64);
+                let mask = (u64::MAX >> (64 - unit_pages.min(64))) << lo;
+                let data = if unit_pages <= 64 {
+                    map[w].load(Ordering::Relaxed) & mask != 0
+                } else {
+                    let words = (unit_pages / 64) as usize;
+                    map[w..w + words]
+                        .iter()
+                        .any(|x| x.load(Ordering::Relaxed) != 0)
+                };
+                Extent::push(
+                    out,
+                    if data {
+                        Extent::data(step)
+                    } else {
+                        Extent::hole(step)
+                    },
+                );
+                pos += step;
+            }
         }
     }
 
     /// Makes `[offset, offset+len)` read as zeros, giving whole pages back to the kernel.
     pub fn zero(&self, offset: u64, len: u64) {
+        self.zero_keeping(offset, len, false);
+    }
+
+    /// [`MemStore::zero`]; with `allocated` (a write-zeroes with `NO_HOLE`) the range stays
+    /// data in the allocation map, though its memory is given back all the same.
+    pub fn zero_keeping(&self, offset: u64, len: u64, allocated: bool) {
         debug_assert!(offset + len <= self.size_bytes);
         for (index, at, n, _) in Self::pieces(offset, len) {
-            let region = self.region(index);
+            let region = if allocated {
+                // Provisioned, as NO_HOLE asks: even a region never written is mapped.
+                self.region_or_map(index)
+            } else {
+                self.region(index)
+            };
             if region.is_null() {
                 continue;
             }
             let (start, end) = (at as u64, (at + n) as u64);
             let first_page = start.next_multiple_of(PAGE_BYTES);
             let last_page = end / PAGE_BYTES * PAGE_BYTES;
+            // Before the pages go: a write that lands meanwhile sets its bits again.
+            if let Some(map) = self.page_map(index) {
+                if allocated {
+                    mark_pages(map, start / PAGE_BYTES, end.div_ceil(PAGE_BYTES), true);
+                } else if first_page < last_page {
+                    mark_pages(map, first_page / PAGE_BYTES, last_page / PAGE_BYTES, false);
+                }
+            }
             // SAFETY: every range below lies inside the mapped region.
             unsafe {
                 if first_page < last_page {
@@ -473,7 +569,8 @@ impl Device for MemDevice {
             cairn_core::Extent::push(out, cairn_core::Extent::data(len));
             return Ok(());
         }
-        self.store.extents(offset, len, out);
+        self.store
+            .extents(offset, len, u64::from(self.geometry.block_bytes), out);
         Ok(())
     }
 
@@ -508,7 +605,11 @@ impl Queue for MemQueue {
             match (&self.volatile, io.op) {
                 (None, Op::Read) => self.store.read(io.offset, io.len, io.buf),
                 (None, Op::Write) => self.store.write(io.offset, io.len, io.buf),
-                (None, Op::Discard | Op::WriteZeroes) => self.store.zero(io.offset, io.len),
+                (None, Op::Discard | Op::WriteZeroes) => self.store.zero_keeping(
+                    io.offset,
+                    io.len,
+                    io.op == Op::WriteZeroes && io.flags.contains(cairn_core::IoFlags::NO_HOLE),
+                ),
                 (None, Op::Flush) => {}
                 (Some(v), Op::Read) => v.read(&self.store, io.offset, io.len, io.buf),
                 (Some(v), Op::Write) => {
@@ -540,6 +641,72 @@ impl Queue for MemQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Random writes and zeroings: the allocation map calls a page a hole only where it
+    /// reads as zeros, data wherever it holds a byte that is not, and a hole wherever the
+    /// last thing to touch the whole page was a zeroing without NO_HOLE.
+    #[test]
+    fn the_page_map_follows_writes_and_zeroings() {
+        let size = 5 << 20; // three regions, the last one partial
+        let store = MemStore::new(size);
+        let pages = (size / PAGE_BYTES) as usize;
+        // Per page: true when the last whole-page event was a zeroing (a hole is due).
+        let mut hole_due = vec![true; pages];
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |bound: u64| {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) % bound
+        };
+        let mut buf = vec![0u8; size as usize];
+        for step in 0..400 {
+            let offset = next(size);
+            let len = 1 + next((size - offset).min(300_000));
+            let (first, end) = (offset / PAGE_BYTES, (offset + len).div_ceil(PAGE_BYTES));
+            match next(3) {
+                0 => {
+                    let data = vec![(step % 250 + 1) as u8; len as usize];
+                    unsafe { store.write(offset, len, data.as_ptr()) };
+                    hole_due[first as usize..end as usize].fill(false);
+                }
+                k => {
+                    store.zero_keeping(offset, len, k == 2);
+                    let (a, b) = (offset.div_ceil(PAGE_BYTES), (offset + len) / PAGE_BYTES);
+                    if k == 2 {
+                        hole_due[first as usize..end as usize].fill(false);
+                    } else if a < b {
+                        hole_due[a as usize..b as usize].fill(true);
+                    }
+                }
+            }
+            unsafe { store.read(0, size, buf.as_mut_ptr()) };
+            let mut map = Vec::new();
+            store.extents(0, size, PAGE_BYTES, &mut map);
+            let mut at = 0usize;
+            for e in &map {
+                for p in at / PAGE_BYTES as usize..(at + e.len as usize) / PAGE_BYTES as usize {
+                    let bytes = &buf[p * PAGE_BYTES as usize..(p + 1) * PAGE_BYTES as usize];
+                    if e.hole {
+                        assert!(
+                            bytes.iter().all(|&b| b == 0),
+                            "step {step}: hole over data at page {p}"
+                        );
+                    } else {
+                        assert!(
+                            !hole_due[p],
+                            "step {step}: page {p} zeroed whole, still data"
+                        );
+                    }
+                    if bytes.iter().any(|&b| b != 0) {
+                        assert!(!e.hole, "step {step}: page {p}");
+                    }
+                }
+                at += e.len as usize;
+            }
+            assert_eq!(at as u64, size);
+        }
+    }
 
     #[test]
     fn sparse_read_write_zero() {

@@ -39,25 +39,66 @@ fn null_is_one_hole() {
     assert_eq!(map(&*d, 4096, MIB), vec![Extent::hole(MIB)]);
 }
 
+fn zero(d: &Arc<dyn Device>, op: cairn_core::Op, offset: u64, len: u64, flags: IoFlags) {
+    let q = BlockingQueue::open(d, Switches::default()).unwrap();
+    q.zero(op, offset, len, flags).unwrap();
+}
+
 #[test]
-fn mem_reports_written_regions_as_data() {
+fn mem_reports_written_pages_as_data_and_trimmed_pages_as_holes() {
+    use cairn_core::Op;
     let d = leaf("mem:16M");
     assert_eq!(map(&*d, 0, 16 * MIB), vec![Extent::hole(16 * MIB)]);
     write(&d, 5 * MIB, 4096);
-    // Region granularity (2 MiB): [4M, 6M) is data.
+    // Page granularity (4 KiB): only the page written is data.
     assert_eq!(
         map(&*d, 0, 16 * MIB),
         vec![
-            Extent::hole(4 * MIB),
-            Extent::data(2 * MIB),
-            Extent::hole(10 * MIB)
+            Extent::hole(5 * MIB),
+            Extent::data(4096),
+            Extent::hole(11 * MIB - 4096)
         ]
     );
-    // A sub-range starts and ends where asked.
+    // A sub-range starts and ends where asked, mid-page included.
     assert_eq!(
-        map(&*d, 5 * MIB, 2 * MIB),
-        vec![Extent::data(MIB), Extent::hole(MIB)]
+        map(&*d, 5 * MIB + 512, 2 * MIB),
+        vec![Extent::data(3584), Extent::hole(2 * MIB - 3584)]
     );
+    // A trim of the page makes it a hole again.
+    zero(&d, Op::Discard, 5 * MIB, 4096, IoFlags::NONE);
+    assert_eq!(map(&*d, 0, 16 * MIB), vec![Extent::hole(16 * MIB)]);
+    // Zeroing part of a page keeps it data (it still holds bytes); zeroing all of it
+    // without NO_HOLE makes it a hole; with NO_HOLE it stays allocated.
+    write(&d, 8 * MIB, 3 * 4096);
+    zero(&d, Op::WriteZeroes, 8 * MIB + 512, 1024, IoFlags::NONE);
+    zero(&d, Op::WriteZeroes, 8 * MIB + 4096, 4096, IoFlags::NONE);
+    zero(&d, Op::WriteZeroes, 8 * MIB + 8192, 4096, IoFlags::NO_HOLE);
+    assert_eq!(
+        map(&*d, 8 * MIB, 3 * 4096),
+        vec![Extent::data(4096), Extent::hole(4096), Extent::data(4096)]
+    );
+    // NO_HOLE provisions even a range never written.
+    zero(&d, Op::WriteZeroes, 12 * MIB, 8192, IoFlags::NO_HOLE);
+    assert_eq!(map(&*d, 12 * MIB, 8192), vec![Extent::data(8192)]);
+}
+
+#[test]
+fn mem_with_large_blocks_maps_whole_blocks() {
+    // 64 KiB blocks: a block with one page written is data, whole.
+    let d = leaf("mem:16M,block=65536");
+    write(&d, 3 * 65536, 65536);
+    assert_eq!(
+        map(&*d, 0, 8 * 65536),
+        vec![
+            Extent::hole(3 * 65536),
+            Extent::data(65536),
+            Extent::hole(4 * 65536)
+        ]
+    );
+    let q = BlockingQueue::open(&d, Switches::default()).unwrap();
+    q.zero(cairn_core::Op::Discard, 3 * 65536, 65536, IoFlags::NONE)
+        .unwrap();
+    assert_eq!(map(&*d, 0, 8 * 65536), vec![Extent::hole(8 * 65536)]);
 }
 
 #[test]
@@ -105,19 +146,16 @@ chunk = "1M"
     let f = StackFile::parse(text).unwrap();
     let r = f.open("r").unwrap();
     assert_eq!(map(&*r, 0, 16 * MIB), vec![Extent::hole(16 * MIB)]);
-    // Logical chunk 3 is on members c and d, row 1: member offset 1M, region 0.
+    // Logical chunk 3 is on members c and d, row 1: member offset 1M.
     write(&r, 3 * MIB, 4096);
     let m = map(&*r, 0, 16 * MIB);
-    // Chunks 1 and 3 share the members' first region (rows 0 and 1), so both read as
-    // data; everything else is a hole.
+    // Only that page is data.
     assert_eq!(
         m,
         vec![
-            Extent::hole(MIB),
-            Extent::data(MIB),
-            Extent::hole(MIB),
-            Extent::data(MIB),
-            Extent::hole(12 * MIB)
+            Extent::hole(3 * MIB),
+            Extent::data(4096),
+            Extent::hole(13 * MIB - 4096)
         ]
     );
 }
@@ -138,6 +176,6 @@ read = "1us"
     write(&d, 0, 4096);
     assert_eq!(
         map(&*d, 0, 8 * MIB),
-        vec![Extent::data(2 * MIB), Extent::hole(6 * MIB)]
+        vec![Extent::data(4096), Extent::hole(8 * MIB - 4096)]
     );
 }
