@@ -355,8 +355,9 @@ pub struct ServeArgs {
     /// Reactor threads (default: one per CPU).
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
-    /// Largest read or write payload a client may send.
-    #[arg(long, value_name = "SIZE", default_value = "32M")]
+    /// Largest read or write payload a client may send (advertised as the maximum block
+    /// size; clients that do not ask for it may still send up to this much).
+    #[arg(long, value_name = "SIZE", default_value = "64M")]
     pub max_payload: String,
     /// Data buffer memory per connection.
     #[arg(long, value_name = "SIZE", default_value = "64M")]

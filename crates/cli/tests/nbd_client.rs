@@ -226,7 +226,7 @@ fn open_nbd(spec: &str) -> Arc<dyn Device> {
 /// Random batches of up to 16 requests on disjoint ranges, in flight together: reads are
 /// checked against the model as it was before the batch, writes (with or without FUA),
 /// discards (which must read back as zeroes) and write-zeroes change it; a request now and
-/// then is larger than the server's 32 MiB maximum payload, so it goes in parts. Every
+/// then is larger than 32 MiB (the client's largest part), so it goes in parts. Every
 /// 8 batches, block status must not claim zeroes where the model has data. At the end the
 /// whole device is read back and compared.
 fn model_run(device: &Arc<dyn Device>, seed: u64, batches: usize) {
@@ -240,7 +240,7 @@ fn model_run(device: &Arc<dyn Device>, seed: u64, batches: usize) {
     q.zero(Op::WriteZeroes, 0, size, IoFlags::NONE).unwrap();
     let mut rng = Rng(seed | 1);
     for batch in 0..batches {
-        // Every tenth batch, one request of over 32 MiB (the servers' largest payload):
+        // Every tenth batch, one request of over 32 MiB (the client's largest part):
         // a write, then a read, in parts.
         let big = batch % 10 == 5 || batch % 10 == 6;
         let k = if big { 1 } else { 1 + rng.below(16) as usize };

@@ -723,7 +723,7 @@ mod nbdinfo {
         }
         assert_eq!(e["block_size_minimum"], 512, "{json:#}");
         assert_eq!(e["block_size_preferred"], 4096, "{json:#}");
-        assert_eq!(e["block_size_maximum"], 33_554_432, "{json:#}");
+        assert_eq!(e["block_size_maximum"], 67_108_864, "{json:#}");
         let contexts: Vec<&str> = e["contexts"]
             .as_array()
             .unwrap_or_else(|| panic!("no contexts: {json:#}"))
@@ -1881,6 +1881,41 @@ mod raw {
         c.send(&header(0, CMD_WRITE, 4, 0, 256 << 20)).unwrap();
         let _ = c.send(&smuggled(64 << 10));
         assert_closed(&mut c, "a 256 MiB write");
+    }
+
+    /// At the defaults, writes and reads of more than 32 MiB (up to 48 MiB, as the NBD
+    /// reference project's integrityhuge test sends them, ignoring the advertised
+    /// maximum) are served, from a client that did not ask for block sizes.
+    #[test]
+    fn payloads_over_32_mib_are_served_at_the_defaults() {
+        let srv = Server::start(&["--device", "mem:64M"]);
+        let (mut c, _, _) = Raw::go(&srv.sock, "");
+        let data = random_bytes(48 << 20, 9);
+        let mut w = c.s.try_clone().unwrap();
+        let all = [
+            header(0, CMD_WRITE, 1, 4096, data.len() as u32),
+            data.clone(),
+        ]
+        .concat();
+        let sender = std::thread::spawn(move || w.write_all(&all));
+        c.expect(1, 0);
+        sender.join().unwrap().unwrap();
+        assert_same("48 MiB read back", &c.read_ok(2, 4096, 48 << 20), &data);
+        // Over the maximum (64 MiB): refused, the payload skipped, the connection fine.
+        let big = 64 << 20 | 4096;
+        let mut w = c.s.try_clone().unwrap();
+        let sender = std::thread::spawn(move || {
+            w.write_all(&header(0, CMD_WRITE, 3, 0, big))?;
+            w.write_all(&vec![0x5a; big as usize])
+        });
+        c.expect(3, EINVAL);
+        sender.join().unwrap().unwrap();
+        assert_same(
+            "after the refusal",
+            &c.read_ok(4, 4096, 4096),
+            &data[..4096],
+        );
+        c.disconnect();
     }
 
     #[test]

@@ -121,8 +121,9 @@ const MAX_PENDING: usize = 512;
 const IOV_BATCH: usize = 64;
 /// Extents per block status reply.
 const MAX_EXTENTS: usize = 1 << 16;
-/// Beyond this a write's payload is not even skipped: the connection is dropped.
-const SKIP_MAX: u64 = 64 << 20;
+/// Beyond this a refused write's payload is not even skipped: the connection is dropped.
+/// Skipping costs no memory, only the bandwidth of reading it.
+const SKIP_MAX: u64 = 256 << 20;
 
 const RECV: u64 = 1;
 const SEND: u64 = 2;
