@@ -1916,6 +1916,11 @@ mod raw {
             &data[..4096],
         );
         c.disconnect();
+        assert!(
+            srv.wait_for_stderr("is over --max-payload (67108864 bytes)", IO_TIMEOUT),
+            "no log line for the refused write:\n{}",
+            srv.stderr()
+        );
     }
 
     #[test]

@@ -966,6 +966,16 @@ impl ServerLoop {
             return refuse(st, self, errno::EPERM);
         }
         if data_len > u64::from(self.limits.max_payload) {
+            if !st.warned {
+                // Once per connection: a client that ignores the maximum keeps sending.
+                st.warned = true;
+                log::warn!(
+                    "cairn: serve: {}: a {} of {data_len} bytes is over --max-payload ({} bytes): refused with EINVAL",
+                    conn.peer,
+                    if r.command == cmd::READ { "read" } else { "write" },
+                    self.limits.max_payload
+                );
+            }
             return refuse(st, self, errno::EINVAL);
         }
         if op == Op::Flush {
