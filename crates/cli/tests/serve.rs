@@ -1876,11 +1876,12 @@ mod raw {
             Err(_) => assert_closed(&mut c, "an oversized write"),
         }
 
-        // Far over any limit (256 MiB): the server hangs up rather than skip it.
+        // Far over any limit (over 256 MiB): the server hangs up rather than skip it.
         let (mut c, _, _) = Raw::go(&srv.sock, "");
-        c.send(&header(0, CMD_WRITE, 4, 0, 256 << 20)).unwrap();
+        c.send(&header(0, CMD_WRITE, 4, 0, (256 << 20) + 4096))
+            .unwrap();
         let _ = c.send(&smuggled(64 << 10));
-        assert_closed(&mut c, "a 256 MiB write");
+        assert_closed(&mut c, "a write of 256 MiB + 4 KiB");
     }
 
     /// At the defaults, writes and reads of more than 32 MiB (up to 48 MiB, as the NBD
@@ -5557,7 +5558,9 @@ mod fuse_export {
                 "{transport}: past the end"
             );
 
-            // Data where written, holes where never (the mem device knows both).
+            // Data where written, holes where never written or punched whole (the mem
+            // device knows both, page by page): the punch of [1000, 51000) made the whole
+            // pages [4096, 49152) holes; the page around 51000 still holds data.
             let seek = |off: i64, whence: i32| {
                 // SAFETY: lseek on a descriptor we own.
                 let r = unsafe { libc::lseek(f.as_raw_fd(), off, whence) };
@@ -5568,10 +5571,16 @@ mod fuse_export {
                 }
             };
             assert_eq!(seek(0, libc::SEEK_DATA).unwrap(), 0, "{transport}");
-            let hole = seek(0, libc::SEEK_HOLE).unwrap();
+            assert_eq!(
+                seek(0, libc::SEEK_HOLE).unwrap(),
+                4096,
+                "{transport}: the punched pages"
+            );
+            assert_eq!(seek(4096, libc::SEEK_DATA).unwrap(), 49_152, "{transport}");
+            let hole = seek(49_152, libc::SEEK_HOLE).unwrap();
             assert!(
                 hole >= (BLOCKS * 4096) as i64 && hole < size,
-                "{transport}: first hole at {hole}"
+                "{transport}: first hole after the punch at {hole}"
             );
             let e = seek(8 << 20, libc::SEEK_DATA).unwrap_err();
             assert_eq!(
