@@ -23,7 +23,6 @@ the unaligned/aligned ratio per round (median, spread), and server CPU per 100k 
 """
 import argparse
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -31,17 +30,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine import CAIRN, OUT, build  # noqa: E402
+from nbd import CLK_TCK, ticks  # noqa: E402
 
 PY = "/usr/bin/python3"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def ticks(pid):
-    """utime + stime of process `pid`, in clock ticks."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
 CLIENT = r"""
 import nbd, os, random, sys, time
 sock, kind, runtime = sys.argv[1], sys.argv[2], float(sys.argv[3])

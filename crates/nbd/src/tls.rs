@@ -82,7 +82,7 @@ fn key_refused(kind: &str, e: &dyn std::fmt::Display) -> String {
 
 /// What a private key is, as far as its encoding tells: its algorithm, and for RSA the
 /// size of its modulus, for EC its curve.
-pub fn describe_key(key: &PrivateKeyDer<'_>) -> String {
+fn describe_key(key: &PrivateKeyDer<'_>) -> String {
     use pkcs8::der::Decode;
     let rsa_bits = |der: &[u8]| -> Option<usize> {
         let k = pkcs1::RsaPrivateKey::from_der(der).ok()?;
