@@ -497,6 +497,9 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
             .map(|f| f as Arc<dyn cairn_core::Frontend>)
             .collect(),
         max_connections: args.max_connections,
+        max_connections_per_address: args.max_connections_per_address,
+        idle_timeout: limits.idle_timeout,
+        idle_close: args.idle_close,
         max_options: args.max_options,
         handshake_timeout: limits.handshake_timeout,
         tls,

@@ -362,9 +362,25 @@ pub struct ServeArgs {
     /// Data buffer memory per connection.
     #[arg(long, value_name = "SIZE", default_value = "64M")]
     pub buffer_memory: String,
-    /// Connections served at once.
+    /// Connections served at once (handshakes included). At the limit, a connection idle
+    /// for --idle-timeout is closed to make room for a new one; else the new one is refused.
     #[arg(long, value_name = "N", default_value_t = 128)]
     pub max_connections: usize,
+    /// Connections served at once from one client: one IP address over TCP, one user id
+    /// over a Unix socket. At the limit, that client's connection idle longest is closed to
+    /// make room if it has been idle for --idle-timeout; else the new one is refused.
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    pub max_connections_per_address: usize,
+    /// A connection with nothing at the device and no byte moved for this long is idle:
+    /// it gives up its slot to a new client that needs it (and, with --idle-close, is
+    /// closed at once). 0: never.
+    #[arg(long, value_name = "TIME", default_value = "5m")]
+    pub idle_timeout: String,
+    /// Close connections as soon as they are idle for --idle-timeout, not only when their
+    /// slot is needed. Kernel (nbd-client) and most qemu configurations do not reconnect:
+    /// their disks then fail.
+    #[arg(long)]
+    pub idle_close: bool,
     /// Options one handshake may send.
     #[arg(long, value_name = "N", default_value_t = 64)]
     pub max_options: u32,
@@ -437,6 +453,7 @@ pub struct ServeLimits {
     pub handshake_timeout: Duration,
     pub shutdown_timeout: Duration,
     pub threads: usize,
+    pub idle_timeout: Option<Duration>,
 }
 
 impl ServeArgs {
@@ -470,6 +487,14 @@ impl ServeArgs {
         if self.max_connections == 0 {
             return Err("--max-connections must be at least 1".into());
         }
+        if self.max_connections_per_address == 0 {
+            return Err("--max-connections-per-address must be at least 1".into());
+        }
+        let idle_timeout = parse_duration(&self.idle_timeout)
+            .map_err(|e| format!("--idle-timeout {}: {e}", self.idle_timeout))?;
+        if self.idle_close && idle_timeout.is_zero() {
+            return Err("--idle-close needs an --idle-timeout other than 0".into());
+        }
         if self.max_options == 0 {
             return Err("--max-options must be at least 1".into());
         }
@@ -491,6 +516,7 @@ impl ServeArgs {
             handshake_timeout,
             shutdown_timeout,
             threads,
+            idle_timeout: (!idle_timeout.is_zero()).then_some(idle_timeout),
         })
     }
 }

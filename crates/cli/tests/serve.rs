@@ -529,8 +529,65 @@ impl Raw {
         name: &str,
         items: &[u16],
     ) -> (Raw, u64, u16) {
-        let mut c = Raw::connect(sock);
-        c.greeting().expect("greeting");
+        Raw::connect(sock).handshake_on(options, name, items)
+    }
+
+    /// A TCP connection to 127.0.0.1:`port` from the local address `from` (any of
+    /// 127.0.0.0/8 is this machine's).
+    fn connect_tcp_from(from: [u8; 4], port: u16) -> Raw {
+        use std::os::fd::FromRawFd;
+        let sin = |a: [u8; 4], port: u16| libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: port.to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from_ne_bytes(a),
+            },
+            sin_zero: [0; 8],
+        };
+        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        // SAFETY: a new socket, bound and connected with valid sockaddr_in values; the
+        // descriptor is owned by the stream from here on.
+        let s = unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+            assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+            let src = sin(from, 0);
+            let dst = sin([127, 0, 0, 1], port);
+            assert_eq!(
+                libc::bind(fd, (&src as *const libc::sockaddr_in).cast(), len),
+                0,
+                "bind to {from:?}: {}",
+                std::io::Error::last_os_error()
+            );
+            assert_eq!(
+                libc::connect(fd, (&dst as *const libc::sockaddr_in).cast(), len),
+                0,
+                "connect from {from:?}: {}",
+                std::io::Error::last_os_error()
+            );
+            // Any stream socket reads and writes like this one.
+            UnixStream::from_raw_fd(fd)
+        };
+        s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+        s.set_write_timeout(Some(IO_TIMEOUT)).unwrap();
+        Raw { s }
+    }
+
+    /// Whether the server lets this connection through the handshake (a refused one is
+    /// closed before the greeting).
+    fn admitted_now(mut self) -> Option<Raw> {
+        self.greeting().ok()?;
+        Some(self)
+    }
+
+    /// [`Raw::handshake_asking`] on this connection.
+    fn handshake_on(mut self, options: &[u32], name: &str, items: &[u16]) -> (Raw, u64, u16) {
+        self.greeting().expect("greeting");
+        self.after_greeting(options, name, items)
+    }
+
+    /// The rest of [`Raw::handshake_asking`] on a connection that has its greeting.
+    fn after_greeting(self, options: &[u32], name: &str, items: &[u16]) -> (Raw, u64, u16) {
+        let mut c = self;
         c.send(&3u32.to_be_bytes()).expect("client flags");
         for &o in options {
             c.opt(o, &[]).expect("send an option");
@@ -6028,5 +6085,134 @@ mod fuse_export {
         let (status, log) = srv.stop();
         assert!(status.success(), "{log}");
         assert!(mounted(&disk).is_none(), "unmounted at exit");
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Hostile clients: idle slots, connections per address, memory
+
+mod hostile {
+    use super::*;
+
+    /// A server on an ephemeral TCP port of 127.0.0.1, and the port.
+    fn tcp_server(args: &[&str]) -> (Server, u16) {
+        let dir = tmpdir();
+        let none = dir.path().join("no.sock");
+        let srv = Server::spawn(dir, none, &["--listen", "tcp:127.0.0.1:0"], args);
+        let port = srv.addrs[0]
+            .strip_prefix("tcp:127.0.0.1:")
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("ready line address {:?}", srv.addrs));
+        (srv, port)
+    }
+
+    /// A client from `from` in transmission on export "".
+    fn go_from(from: [u8; 4], port: u16) -> Raw {
+        Raw::connect_tcp_from(from, port)
+            .handshake_on(&[], "", &[])
+            .0
+    }
+
+    /// A write and a read back on `c`.
+    #[track_caller]
+    fn served(c: &mut Raw, what: &str, seed: u64) {
+        let data = random_bytes(65536, seed);
+        let at = (seed % 64) << 16;
+        c.write_ok(seed, 0, at, &data);
+        assert_same(what, &c.read_ok(seed + 1, at, 65536), &data);
+    }
+
+    #[test]
+    fn one_address_cannot_take_every_slot_at_the_defaults() {
+        let (srv, port) = tcp_server(&["--device", "mem:16M"]);
+        let mut idle = Vec::new();
+        let mut refused = 0;
+        for _ in 0..128 {
+            match Raw::connect_tcp_from([127, 0, 0, 2], port).admitted_now() {
+                Some(c) => idle.push(c.after_greeting(&[], "", &[]).0),
+                None => refused += 1,
+            }
+        }
+        assert_eq!(
+            (idle.len(), refused),
+            (32, 96),
+            "128 connections from one address, at --max-connections-per-address 32"
+        );
+        // Others still get in; the address's own connections still work.
+        let mut good = go_from([127, 0, 0, 1], port);
+        served(&mut good, "a client from another address", 1);
+        served(&mut idle[31], "the address's last admitted connection", 3);
+        let log = srv.stderr();
+        assert!(
+            log.contains(
+                "refused, 32 connections from 127.0.0.2 already (--max-connections-per-address)"
+            ),
+            "{log}"
+        );
+    }
+
+    #[test]
+    fn a_good_client_is_served_while_128_idle_clients_sit_connected() {
+        let (srv, port) = tcp_server(&["--device", "mem:16M", "--idle-timeout", "3s"]);
+        // 128 addresses, one idle connection each: every slot of --max-connections.
+        let mut idle: Vec<Raw> = (1..=128u8).map(|i| go_from([127, 0, 1, i], port)).collect();
+        // None has been idle for 3 s yet: a new client is refused.
+        assert!(
+            Raw::connect_tcp_from([127, 0, 0, 1], port)
+                .admitted_now()
+                .is_none(),
+            "a 129th connection while the 128 are fresh"
+        );
+        std::thread::sleep(Duration::from_millis(3500));
+        // Now the connection idle longest makes room.
+        let mut good = go_from([127, 0, 0, 1], port);
+        served(&mut good, "the new client", 5);
+        assert_closed(&mut idle[0], "the connection idle longest");
+        served(&mut idle[127], "an idle client that wakes up", 7);
+        served(&mut good, "the new client, again", 9);
+        let log = srv.stderr();
+        assert!(
+            log.contains("128 connections already (--max-connections): closing 127.0.1.1:"),
+            "{log}"
+        );
+        assert!(
+            log.contains("closed: idle past --idle-timeout, its slot was needed"),
+            "{log}"
+        );
+    }
+
+    #[test]
+    fn idle_close_closes_idle_connections_and_spares_busy_ones() {
+        // Writes to the slow device take 2.5 s: longer than the idle timeout.
+        let dir = tmpdir();
+        let stack = write_stack(
+            &dir,
+            "[device.m]\ntype = \"mem\"\nsize = \"16M\"\n\n\
+             [device.slow]\ntype = \"delay\"\nbase = \"m\"\nwrite = \"2500ms\"\n\n\
+             [export.\"\"]\ndevice = \"slow\"\n",
+        );
+        let srv = Server::start(&[path_str(&stack), "--idle-timeout", "1s", "--idle-close"]);
+        let (mut idle, _, _) = Raw::go(&srv.sock, "");
+        let (mut busy, _, _) = Raw::go(&srv.sock, "");
+        let (mut chatty, _, _) = Raw::go(&srv.sock, "");
+        let data = random_bytes(4096, 13);
+        busy.request(0, CMD_WRITE, 1, 0, 4096, &data).unwrap();
+        for i in 0..20 {
+            chatty.read_ok(100 + i, 0, 4096);
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert_closed(
+            &mut idle,
+            "a connection idle past --idle-timeout with --idle-close",
+        );
+        // The write at the device for 2.5 s kept its connection.
+        busy.expect(1, 0);
+        assert_same("the slow write", &busy.read_ok(2, 0, 4096), &data);
+        chatty.read_ok(200, 0, 4096);
+        let log = srv.stderr();
+        assert!(
+            log.contains("closed: idle for --idle-timeout (--idle-close)"),
+            "{log}"
+        );
     }
 }

@@ -719,6 +719,12 @@ mod serve_flags {
             (vec!["--log-level", "loud"], "--log-level"),
             (vec!["--buffer-memory", "1M"], "--buffer-memory"),
             (vec!["--max-connections", "0"], "--max-connections"),
+            (
+                vec!["--max-connections-per-address", "0"],
+                "--max-connections-per-address",
+            ),
+            (vec!["--idle-timeout", "soon"], "--idle-timeout"),
+            (vec!["--idle-timeout", "0", "--idle-close"], "--idle-close"),
             (vec!["--device", "nope:1G"], "--device"),
             (vec!["--tls", "require"], "--tls-certificates"),
         ] {

@@ -16,7 +16,6 @@ use std::collections::VecDeque;
 use std::io::Write;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
 
@@ -27,9 +26,10 @@ use cairn_core::{
     SinkId,
 };
 
+use crate::admit::Admission;
 use crate::gather::{self, Segment};
 use crate::handshake::{ExportInfo, Session};
-use crate::observe::{ConnInfo, Observer};
+use crate::observe::{Client, ConnInfo, Observer};
 use crate::pool::BufPool;
 use crate::proto::{self, cflags, chunk, cmd, errno, tflags};
 use crate::rmw::{Gate, Pass, Wake, Wide};
@@ -92,6 +92,8 @@ pub struct NewConn {
     pub session: Session,
     /// Where the client is, for logs.
     pub peer: String,
+    /// Whom it counts against for the per-address limit.
+    pub client: Client,
     /// The TLS session, if the client started TLS.
     pub tls: Option<rustls::ServerConnection>,
 }
@@ -102,6 +104,19 @@ pub enum Msg {
     Conn(Box<NewConn>),
     /// Stop: finish what is in flight, flush, answer the rest with ESHUTDOWN, close.
     Shutdown,
+    /// Close connection `id` in slot `slot`, idle for at least `idle` when it was chosen,
+    /// for `why`. Still idle, it closes at once (replies it never read are dropped); busy
+    /// again meanwhile, it stops reading and closes once its requests are answered.
+    Evict {
+        /// Its slot on the reactor.
+        slot: u32,
+        /// Its id (a slot is reused once a connection closes).
+        id: u64,
+        /// How long it must still be idle to be closed at once.
+        idle: std::time::Duration,
+        /// Why, for the log.
+        why: &'static str,
+    },
 }
 
 /// Per-connection limits.
@@ -423,7 +438,7 @@ pub struct ServerLoop {
     inbox: Receiver<Msg>,
     wake: Arc<OwnedFd>,
     shutting: Cell<bool>,
-    live: Arc<AtomicUsize>,
+    admission: Arc<Admission>,
     limits: Limits,
     observer: Arc<Observer>,
     /// This reactor's index (its slot in the gates' counters).
@@ -439,7 +454,8 @@ pub struct ServerLoop {
 
 impl ServerLoop {
     /// Registers a server loop on `core`; connections arrive through `inbox`, announced by
-    /// a write to the eventfd `wake`. `live` counts open connections across reactors.
+    /// a write to the eventfd `wake`. `admission` counts open connections across
+    /// reactors.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn start(
         core: &Rc<Core>,
@@ -447,7 +463,7 @@ impl ServerLoop {
         inbox: Receiver<Msg>,
         (reactor, wake): (usize, Arc<OwnedFd>),
         gates: Arc<Gates>,
-        live: Arc<AtomicUsize>,
+        admission: Arc<Admission>,
         limits: Limits,
         observer: Arc<Observer>,
     ) -> Result<Rc<ServerLoop>, cairn_core::Error> {
@@ -465,7 +481,7 @@ impl ServerLoop {
             inbox,
             wake,
             shutting: Cell::new(false),
-            live,
+            admission,
             limits,
             observer,
             reactor,
@@ -510,7 +526,7 @@ impl ServerLoop {
                     nc.peer,
                     self.exports[export].info.name
                 );
-                self.live.fetch_sub(1, Ordering::Relaxed);
+                self.admission.leave(nc.client);
                 return;
             }
         };
@@ -534,10 +550,11 @@ impl ServerLoop {
             "simple"
         };
         let info = self.observer.open(
-            &nc.peer,
+            (&nc.peer, nc.client),
             &self.exports[export].info.name,
             nc.tls.is_some(),
             headers,
+            (self.reactor, index),
         );
         let conn = Rc::new(Conn {
             index,
@@ -1782,6 +1799,10 @@ impl ServerLoop {
         let mut st = conn.st.borrow_mut();
         st.dirty = false;
         let fd = conn.fd.as_raw_fd();
+        // What the idle timeout sees: busy while requests are at the device, else idle
+        // from the last thing that happened (this call follows every byte moved and every
+        // request ended).
+        conn.info.active(st.in_flight > 0, self.core.now_ns());
         let finished = st.in_flight == 0 && !st.output_pending() && !self.awaiting_flush(&st);
         if st.dead || (st.eof && finished) {
             if st.recv_armed || st.send_armed {
@@ -1982,10 +2003,28 @@ impl ServerLoop {
         self.observer.close(&conn.info);
         self.conns.borrow_mut()[conn.index as usize] = None;
         self.free_conns.borrow_mut().push(conn.index);
-        self.live.fetch_sub(1, Ordering::Relaxed);
+        self.admission.leave(conn.info.client);
         if self.shutting.get() && self.conns.borrow().iter().all(Option::is_none) {
             self.core.stop();
         }
+    }
+
+    /// Closes connection `id` in `slot` (see [`Msg::Evict`]).
+    #[cold]
+    fn evict(&self, slot: u32, id: u64, idle: std::time::Duration, why: &'static str) {
+        let Some(conn) = self.conn(slot) else { return };
+        if conn.info.id != id {
+            return;
+        }
+        let now = cairn_core::clock::monotonic_ns();
+        let mut st = conn.st.borrow_mut();
+        st.end(why);
+        if conn.info.idle_for(now).is_some_and(|d| d >= idle) {
+            st.dead = true;
+        } else {
+            st.eof = true;
+        }
+        self.mark_dirty(&conn, &mut st);
     }
 
     /// Whether shutdown has begun and every connection has closed.
@@ -2152,6 +2191,12 @@ impl Poller for ServerLoop {
                     self.accept(*c);
                     n += 1;
                 }
+                Ok(Msg::Evict {
+                    slot,
+                    id,
+                    idle,
+                    why,
+                }) => self.evict(slot, id, idle, why),
                 Ok(Msg::Shutdown) | Err(TryRecvError::Disconnected) => {
                     self.shutdown();
                     break;

@@ -3,6 +3,7 @@
 
 #![warn(missing_docs)]
 
+mod admit;
 pub mod client;
 pub mod conn;
 mod gather;

@@ -6,7 +6,7 @@
 //! metrics endpoint read them from their own threads. The list of connections is locked
 //! only when one opens or closes, and by readers.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime};
 
@@ -45,23 +45,30 @@ impl Default for Observer {
 }
 
 impl Observer {
-    /// A connection to `export` from `peer` starts.
+    /// A connection to `export` from `peer` starts; it is connection `slot` of reactor
+    /// `reactor`.
     pub(crate) fn open(
         &self,
-        peer: &str,
+        (peer, client): (&str, Client),
         export: &str,
         tls: bool,
         headers: &'static str,
+        (reactor, slot): (usize, u32),
     ) -> Arc<ConnInfo> {
         let info = Arc::new(ConnInfo {
             id: self.next_id.fetch_add(1, Relaxed),
             peer: peer.to_string(),
+            client,
             export: export.to_string(),
             tls,
             headers,
             since: SystemTime::now(),
             started: Instant::now(),
             counts: Default::default(),
+            reactor,
+            slot,
+            active_ns: AtomicU64::new(cairn_core::clock::monotonic_ns()),
+            evicting: AtomicBool::new(false),
         });
         self.accepted.fetch_add(1, Relaxed);
         self.lock().push(info.clone());
@@ -113,6 +120,8 @@ pub struct ConnInfo {
     pub id: u64,
     /// The client's address (`unix` for a Unix socket).
     pub peer: String,
+    /// Whom it counts against for `--max-connections-per-address`.
+    pub client: Client,
     /// The export it chose.
     pub export: String,
     /// Whether it speaks TLS.
@@ -123,6 +132,37 @@ pub struct ConnInfo {
     pub since: SystemTime,
     started: Instant,
     counts: ConnCounts,
+    /// The reactor that serves it, and its slot there.
+    pub(crate) reactor: usize,
+    pub(crate) slot: u32,
+    /// When it last did anything (a byte moved, a request ended), in monotonic
+    /// nanoseconds; `BUSY` while requests of it are at the device. Written by its reactor
+    /// only when the value changes.
+    active_ns: AtomicU64,
+    /// Chosen for eviction already.
+    pub(crate) evicting: AtomicBool,
+}
+
+/// `active_ns` of a connection with requests at the device: never idle.
+const BUSY: u64 = u64::MAX;
+
+/// Whom a connection counts against for the per-address limit: the IP address of a TCP
+/// client, the user id of a Unix socket client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Client {
+    /// A TCP client (IPv4-mapped IPv6 addresses as IPv4).
+    Ip(std::net::IpAddr),
+    /// A Unix socket client, by its user id (`SO_PEERCRED`).
+    Uid(u32),
+}
+
+impl std::fmt::Display for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Client::Ip(a) => write!(f, "{a}"),
+            Client::Uid(u) => write!(f, "uid {u}"),
+        }
+    }
 }
 
 /// What a connection asked for, by NBD command.
@@ -206,6 +246,23 @@ impl ConnInfo {
         bump(&self.counts.errors, 1);
     }
 
+    /// Notes what the connection is doing (called by its reactor when something
+    /// happened): `busy` while requests are at the device, else idle since `now_ns`.
+    #[inline]
+    pub(crate) fn active(&self, busy: bool, now_ns: u64) {
+        let v = if busy { BUSY } else { now_ns };
+        if self.active_ns.load(Relaxed) != v {
+            self.active_ns.store(v, Relaxed);
+        }
+    }
+
+    /// How long it has been idle at `now_ns` (monotonic): nothing at the device, no byte
+    /// moved either way, no request ended. `None` while busy.
+    pub fn idle_for(&self, now_ns: u64) -> Option<std::time::Duration> {
+        let a = self.active_ns.load(Relaxed);
+        (a != BUSY).then(|| std::time::Duration::from_nanos(now_ns.saturating_sub(a)))
+    }
+
     /// How long it has been connected.
     pub fn age(&self) -> std::time::Duration {
         self.started.elapsed()
@@ -237,8 +294,9 @@ mod tests {
     #[test]
     fn counts_by_command_and_forgets_closed_connections() {
         let o = Observer::default();
-        let a = o.open("10.0.0.1:5000", "disk", false, "simple");
-        let b = o.open("unix", "disk", true, "extended");
+        let ip = Client::Ip([10, 0, 0, 1].into());
+        let a = o.open(("10.0.0.1:5000", ip), "disk", false, "simple", (0, 0));
+        let b = o.open(("unix", Client::Uid(0)), "disk", true, "extended", (1, 0));
         a.request(cmd::WRITE, 4096);
         a.request(cmd::WRITE, 512);
         a.request(cmd::READ, 8192);

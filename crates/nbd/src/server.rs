@@ -19,8 +19,10 @@ use std::time::{Duration, Instant};
 
 use cairn_core::{Error, Reactor, Switches};
 
+use crate::admit::{longest_idle, Admission, Full};
 use crate::conn::{Export, Limits, Msg, NewConn, ServerLoop};
 use crate::handshake::{Catalog, Negotiator, Step, TlsMode};
+use crate::observe::Client;
 use crate::proto;
 
 /// Where to listen.
@@ -76,8 +78,17 @@ pub struct Config {
     pub threads: usize,
     /// Per-connection limits.
     pub limits: Limits,
-    /// Connections served at once; more are closed at accept.
+    /// Connections served at once; more are closed at accept (unless an idle one can
+    /// make room).
     pub max_connections: usize,
+    /// Connections served at once per client address (TCP) or user (Unix socket).
+    pub max_connections_per_address: usize,
+    /// A connection idle this long (nothing at the device, no byte moved) may be closed:
+    /// when its slot is needed, or at once with `idle_close`. `None`: never.
+    pub idle_timeout: Option<Duration>,
+    /// Close connections as soon as they are idle for `idle_timeout`, rather than only
+    /// when their slot is needed.
+    pub idle_close: bool,
     /// Options one handshake may send.
     pub max_options: u32,
     /// Longest a handshake may take.
@@ -114,7 +125,7 @@ struct Shared {
     max_options: u32,
     handshake_timeout: Duration,
     shutting: AtomicBool,
-    live: Arc<AtomicUsize>,
+    admission: Arc<Admission>,
     reactors: Vec<(Sender<Msg>, Arc<OwnedFd>)>,
     next: AtomicUsize,
 }
@@ -382,7 +393,10 @@ pub fn serve(
         .collect::<Result<Vec<_>, _>>()?;
     let gates = Arc::new(crate::conn::Gates::new(&exports, wake_fds.clone()));
     let exports = Arc::new(exports);
-    let live = Arc::new(AtomicUsize::new(0));
+    let admission = Arc::new(Admission::new(
+        config.max_connections,
+        config.max_connections_per_address,
+    ));
     let mut threads = Vec::new();
     let mut reactors = Vec::new();
     for (i, wake_fd) in wake_fds.into_iter().enumerate() {
@@ -392,9 +406,9 @@ pub fn serve(
         let observer = config.observer.clone();
         let frontends = config.frontends.clone();
         let count = config.threads.max(1);
-        let (exports, live, w, switches, limits, idle_poll_ns) = (
+        let (exports, admission, w, switches, limits, idle_poll_ns) = (
             exports.clone(),
-            live.clone(),
+            admission.clone(),
             wake_fd.clone(),
             config.switches,
             config.limits,
@@ -416,7 +430,7 @@ pub fn serve(
                     rx,
                     (i, w),
                     gates,
-                    live,
+                    admission,
                     limits,
                     observer,
                 ) {
@@ -462,7 +476,7 @@ pub fn serve(
         max_options: config.max_options,
         handshake_timeout: config.handshake_timeout,
         shutting: AtomicBool::new(false),
-        live: live.clone(),
+        admission: admission.clone(),
         reactors,
         next: AtomicUsize::new(0),
     });
@@ -493,9 +507,24 @@ pub fn serve(
         revents: 0,
     });
     let closing;
+    // With --idle-close, idle connections are looked for this often.
+    let sweep = config
+        .idle_timeout
+        .filter(|_| config.idle_close)
+        .map(|t| (t / 8).clamp(Duration::from_millis(50), Duration::from_secs(5)));
+    let mut swept = Instant::now();
     'accept: loop {
+        let wait = sweep.map_or(-1, |s| {
+            s.saturating_sub(swept.elapsed()).as_millis().max(1) as libc::c_int
+        });
         // SAFETY: polls our own descriptors, described by `fds`.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait) };
+        if let (Some(s), Some(t)) = (sweep, config.idle_timeout) {
+            if swept.elapsed() >= s {
+                swept = Instant::now();
+                close_idle(&config.observer, &shared, t);
+            }
+        }
         if n < 0 {
             if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
                 continue;
@@ -509,7 +538,7 @@ pub fn serve(
             let signo = u32::from_ne_bytes([info[0], info[1], info[2], info[3]]);
             if signo == libc::SIGUSR1 as u32 || signo == libc::SIGUSR2 as u32 {
                 // A status report in the log; serving goes on.
-                log_status(&exports, live.load(Ordering::Relaxed));
+                log_status(&exports, admission.live());
                 continue;
             }
             log::info!(
@@ -531,33 +560,30 @@ pub fn serve(
             }
             loop {
                 let accepted = match l {
-                    Listener::Tcp(t) => t
-                        .accept()
-                        .map(|(s, a)| (OwnedFd::from(s), a.to_string(), true)),
-                    Listener::Unix(u, _) => u
-                        .accept()
-                        .map(|(s, _)| (OwnedFd::from(s), "unix".to_string(), false)),
+                    Listener::Tcp(t) => t.accept().map(|(s, a)| {
+                        let client = Client::Ip(a.ip().to_canonical());
+                        (OwnedFd::from(s), a.to_string(), client, true)
+                    }),
+                    Listener::Unix(u, _) => u.accept().map(|(s, _)| {
+                        let client = Client::Uid(peer_uid(s.as_raw_fd()));
+                        (OwnedFd::from(s), "unix".to_string(), client, false)
+                    }),
                 };
                 match accepted {
-                    Ok((fd, peer, tcp)) => {
-                        if live.fetch_add(1, Ordering::Relaxed) >= config.max_connections {
-                            live.fetch_sub(1, Ordering::Relaxed);
-                            log::warn!(
-                                "cairn: serve: {peer}: refused, {} connections already (--max-connections)",
-                                config.max_connections
-                            );
+                    Ok((fd, peer, client, tcp)) => {
+                        if !admit(&config, &shared, &peer, client) {
                             continue;
                         }
                         let shared = shared.clone();
                         let started = std::thread::Builder::new()
                             .name("cairn-handshake".into())
                             .spawn(move || {
-                                if !handshake(fd, &peer, tcp, &shared) {
-                                    shared.live.fetch_sub(1, Ordering::Relaxed);
+                                if !handshake(fd, (&peer, client), tcp, &shared) {
+                                    shared.admission.leave(client);
                                 }
                             });
                         if started.is_err() {
-                            live.fetch_sub(1, Ordering::Relaxed);
+                            admission.leave(client);
                         }
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
@@ -615,8 +641,117 @@ fn set_nodelay(fd: RawFd) {
     };
 }
 
+/// The user id of a Unix socket's peer (`u32::MAX` if the kernel does not say).
+fn peer_uid(fd: RawFd) -> u32 {
+    // SAFETY: ucred is plain data; all-zero is a valid value.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: reads SO_PEERCRED of our own socket into `cred`, `len` bytes long.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r == 0 {
+        cred.uid
+    } else {
+        u32::MAX
+    }
+}
+
+/// Whether a new connection from `client` may be served; if so it is counted. At a limit,
+/// the connection idle longest (of that client, for the per-address limit) is closed to
+/// make room when it has been idle for `--idle-timeout`; else the new one is refused.
+fn admit(config: &Config, shared: &Shared, peer: &str, client: Client) -> bool {
+    let adm = &shared.admission;
+    let full = match adm.check(client) {
+        Ok(()) => {
+            adm.enter(client);
+            return true;
+        }
+        Err(full) => full,
+    };
+    let (only, limit, flag) = match full {
+        Full::Client => (
+            Some(client),
+            format!(
+                "{} connections from {client} already",
+                config.max_connections_per_address
+            ),
+            "--max-connections-per-address",
+        ),
+        Full::Total => (
+            None,
+            format!("{} connections already", config.max_connections),
+            "--max-connections",
+        ),
+    };
+    if let Some(timeout) = config.idle_timeout {
+        let conns = config.observer.connections();
+        let now = cairn_core::clock::monotonic_ns();
+        if let Some((victim, idle)) = longest_idle(&conns, now, timeout, only) {
+            log::info!(
+                "cairn: serve: {peer}: {limit} ({flag}): closing {} (idle {:.0} s, over --idle-timeout) to make room",
+                victim.peer,
+                idle.as_secs_f64()
+            );
+            evict(
+                shared,
+                victim,
+                timeout,
+                "closed: idle past --idle-timeout, its slot was needed",
+            );
+            adm.enter(client);
+            return true;
+        }
+    }
+    log::warn!("cairn: serve: {peer}: refused, {limit} ({flag})");
+    false
+}
+
+/// Asks the reactor of `victim` to close it (see [`Msg::Evict`]).
+fn evict(shared: &Shared, victim: &crate::observe::ConnInfo, idle: Duration, why: &'static str) {
+    victim.evicting.store(true, Ordering::Relaxed);
+    if let Some((tx, w)) = shared.reactors.get(victim.reactor) {
+        let msg = Msg::Evict {
+            slot: victim.slot,
+            id: victim.id,
+            idle,
+            why,
+        };
+        if tx.send(msg).is_ok() {
+            cairn_core::event::signal(w.as_raw_fd());
+        }
+    }
+}
+
+/// `--idle-close`: closes every connection idle for `timeout`.
+fn close_idle(observer: &crate::Observer, shared: &Shared, timeout: Duration) {
+    let now = cairn_core::clock::monotonic_ns();
+    for c in observer.connections() {
+        if c.evicting.load(Ordering::Relaxed) || c.idle_for(now).is_none_or(|d| d < timeout) {
+            continue;
+        }
+        log::info!(
+            "cairn: serve: {}: closing, idle for {:?} (--idle-timeout, --idle-close)",
+            c.peer,
+            timeout
+        );
+        evict(
+            shared,
+            &c,
+            timeout,
+            "closed: idle for --idle-timeout (--idle-close)",
+        );
+    }
+}
+
 /// Runs one handshake; on success the connection is on a reactor and counted there.
-fn handshake(fd: OwnedFd, peer: &str, tcp: bool, shared: &Shared) -> bool {
+fn handshake(fd: OwnedFd, (peer, client): (&str, Client), tcp: bool, shared: &Shared) -> bool {
     if tcp {
         set_nodelay(fd.as_raw_fd());
     }
@@ -639,6 +774,7 @@ fn handshake(fd: OwnedFd, peer: &str, tcp: bool, shared: &Shared) -> bool {
                 fd: OwnedFd::from(s),
                 session,
                 peer: peer.to_string(),
+                client,
                 tls,
             };
             if tx.send(Msg::Conn(Box::new(nc))).is_err() {
