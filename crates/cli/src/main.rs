@@ -492,6 +492,7 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
             max_payload: limits.max_payload,
             buffer_bytes: limits.buffer_bytes,
         },
+        memory_budget: limits.memory_budget,
         frontends: fuse
             .into_iter()
             .map(|f| f as Arc<dyn cairn_core::Frontend>)

@@ -362,6 +362,13 @@ pub struct ServeArgs {
     /// Data buffer memory per connection.
     #[arg(long, value_name = "SIZE", default_value = "64M")]
     pub buffer_memory: String,
+    /// Data buffer memory of all connections together: requests in flight, replies not
+    /// yet sent, buffers kept for reuse. A write's payload is charged as it arrives; when
+    /// the budget is spent, connections that need more stop being read until memory comes
+    /// back. Default: an eighth of the machine's memory. At least twice the reserve, which
+    /// is --max-payload plus 2 MiB rounded up to a power of two.
+    #[arg(long, value_name = "SIZE")]
+    pub memory_budget: Option<String>,
     /// Connections served at once (handshakes included). At the limit, a connection idle
     /// for --idle-timeout is closed to make room for a new one; else the new one is refused.
     #[arg(long, value_name = "N", default_value_t = 128)]
@@ -454,6 +461,7 @@ pub struct ServeLimits {
     pub shutdown_timeout: Duration,
     pub threads: usize,
     pub idle_timeout: Option<Duration>,
+    pub memory_budget: usize,
 }
 
 impl ServeArgs {
@@ -474,6 +482,21 @@ impl ServeArgs {
                 self.buffer_memory, self.max_payload
             ));
         }
+        let reserve = (max_payload + (2 << 20)).next_power_of_two();
+        let memory_budget = match &self.memory_budget {
+            Some(m) => {
+                let b = parse_size(m).map_err(|e| format!("--memory-budget {m}: {e}"))?;
+                if b < 2 * reserve {
+                    return Err(format!(
+                        "--memory-budget {m}: must be at least {} MiB: twice the reserve of one --max-payload ({}) request",
+                        (2 * reserve) >> 20,
+                        self.max_payload
+                    ));
+                }
+                b
+            }
+            None => (physical_memory() / 8).max(2 * reserve),
+        };
         let handshake_timeout = parse_duration(&self.handshake_timeout)
             .map_err(|e| format!("--handshake-timeout {}: {e}", self.handshake_timeout))?;
         if handshake_timeout.is_zero() {
@@ -517,7 +540,24 @@ impl ServeArgs {
             shutdown_timeout,
             threads,
             idle_timeout: (!idle_timeout.is_zero()).then_some(idle_timeout),
+            memory_budget: memory_budget as usize,
         })
+    }
+}
+
+/// The machine's memory in bytes (1 GiB if the kernel does not say).
+fn physical_memory() -> u64 {
+    // SAFETY: sysconf reads system constants.
+    let (pages, size) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    if pages > 0 && size > 0 {
+        pages as u64 * size as u64
+    } else {
+        1 << 30
     }
 }
 

@@ -6215,4 +6215,118 @@ mod hostile {
             "{log}"
         );
     }
+
+    /// The server's resident memory, from /proc.
+    fn rss(srv: &Server) -> u64 {
+        let pid = srv.child.as_ref().expect("server running").id();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let kb: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or_else(|| panic!("VmRSS in {status}"));
+        kb << 10
+    }
+
+    #[test]
+    fn rss_stays_under_the_memory_budget_with_half_payloads_and_clients_that_never_read() {
+        const BUDGET: u64 = 256 << 20;
+        let srv = Server::start(&[
+            "--device",
+            "null:1G",
+            "--memory-budget",
+            "256M",
+            "--max-connections",
+            "200",
+            "--max-connections-per-address",
+            "200",
+            "--idle-timeout",
+            "4s",
+        ]);
+        // The bound README.md documents: the budget, 1 MiB per connection, 64 MiB.
+        let bound = BUDGET + 140 * (1 << 20) + (64 << 20);
+        let mut peak = rss(&srv);
+        let mut hostile = Vec::new();
+        // 100 clients send a 32 MiB write's header and half its payload, as fast as the
+        // server takes it.
+        let half = vec![0xabu8; 16 << 20];
+        for i in 0..100u64 {
+            let (mut c, _, _) = Raw::go(&srv.sock, "");
+            c.send(&header(0, CMD_WRITE, i, 0, 32 << 20)).unwrap();
+            c.s.set_nonblocking(true).unwrap();
+            let mut sent = 0;
+            while sent < half.len() {
+                match c.s.write(&half[sent..]) {
+                    Ok(n) => sent += n,
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                    Err(e) => panic!("half payload: {e}"),
+                }
+            }
+            hostile.push(c);
+            peak = peak.max(rss(&srv));
+        }
+        // 40 clients ask for 64 MiB of reads each and never read a reply.
+        for _ in 0..40 {
+            let (mut c, _, _) = Raw::go(&srv.sock, "");
+            let mut reads = Vec::new();
+            for j in 0..64u64 {
+                reads.extend_from_slice(&header(0, CMD_READ, j, j << 20, 1 << 20));
+            }
+            c.send(&reads).unwrap();
+            hostile.push(c);
+            peak = peak.max(rss(&srv));
+        }
+        for _ in 0..10 {
+            std::thread::sleep(Duration::from_millis(100));
+            peak = peak.max(rss(&srv));
+        }
+        assert!(
+            peak < bound,
+            "peak RSS {} MiB over the bound of {} MiB",
+            peak >> 20,
+            bound >> 20
+        );
+        // The budget was reached: connections waited for memory.
+        srv.signal(libc::SIGUSR1);
+        assert!(
+            srv.wait_for_stderr("waits for memory", IO_TIMEOUT),
+            "{}",
+            srv.stderr()
+        );
+        let log = srv.stderr();
+        let waits: u64 = log
+            .lines()
+            .find_map(|l| l.split(" (--memory-budget), ").nth(1))
+            .and_then(|w| w.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no wait count in {log}"));
+        assert!(
+            waits > 0,
+            "the hostile clients never filled the budget: {log}"
+        );
+        // A good client is served: the idle hostile connections that hold memory are
+        // closed once they have been idle for --idle-timeout.
+        let (mut good, _, _) = Raw::go(&srv.sock, "");
+        good.s
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        let data = random_bytes(1 << 20, 17);
+        good.write_ok(1, 0, 0, &data);
+        good.request(0, CMD_READ, 2, 0, 1 << 20, &[]).unwrap();
+        if let Err(e) = good.reply() {
+            let log = srv.stderr();
+            let tail: Vec<&str> = log.lines().rev().take(15).collect();
+            panic!(
+                "the good client's read: {e}; log ends:\n{}",
+                tail.join("\n")
+            );
+        }
+        assert_eq!(good.read_exact(1 << 20).unwrap().len(), 1 << 20);
+        assert!(rss(&srv) < bound);
+        let log = srv.stderr();
+        assert!(
+            log.contains("closed: idle past --idle-timeout, holding memory others waited for"),
+            "{log}"
+        );
+    }
 }

@@ -1,10 +1,17 @@
 //! Aligned, zeroed heap buffers for I/O (O_DIRECT needs block-aligned memory).
+//!
+//! Buffers of [`MAP_MIN`] bytes and more are mapped anonymous memory: zero pages that
+//! become resident only where they are written, and go back to the kernel when the
+//! buffer is dropped. (The allocator would zero an aligned block by writing every byte.)
 
 use std::alloc::{self, Layout};
 use std::ptr::NonNull;
 
 /// Alignment of every [`AlignedBuf`]: enough for O_DIRECT on any block device.
 pub const BUF_ALIGN: usize = 4096;
+
+/// Buffers at least this large are mapped rather than allocated.
+pub const MAP_MIN: usize = 128 << 10;
 
 /// A zero-initialised heap buffer aligned to [`BUF_ALIGN`], allocated once up front.
 pub struct AlignedBuf {
@@ -20,6 +27,26 @@ unsafe impl Sync for AlignedBuf {}
 impl AlignedBuf {
     /// Allocates `len` zeroed bytes (at least one byte is allocated).
     pub fn new(len: usize) -> AlignedBuf {
+        if len >= MAP_MIN {
+            // SAFETY: a new private anonymous mapping; nothing else refers to it.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                alloc::handle_alloc_error(Self::layout(len))
+            }
+            let Some(ptr) = NonNull::new(p.cast::<u8>()) else {
+                alloc::handle_alloc_error(Self::layout(len))
+            };
+            return AlignedBuf { ptr, len };
+        }
         let layout = Self::layout(len);
         // SAFETY: the layout has a non-zero size.
         let ptr = unsafe { alloc::alloc_zeroed(layout) };
@@ -65,6 +92,11 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
+        if self.len >= MAP_MIN {
+            // SAFETY: mapped in `new`, `len` bytes long, and no longer referred to.
+            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+            return;
+        }
         // SAFETY: allocated in `new` with the same layout.
         unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
     }
@@ -81,5 +113,12 @@ mod tests {
         assert!(b.as_slice().iter().all(|&x| x == 0));
         b.as_mut_slice()[8191] = 7;
         assert_eq!(b.as_slice()[8191], 7);
+        let mut m = AlignedBuf::new(MAP_MIN + 12345);
+        assert_eq!(m.as_mut_ptr() as usize % BUF_ALIGN, 0);
+        assert_eq!(m.len(), MAP_MIN + 12345);
+        assert!(m.as_slice().iter().all(|&x| x == 0));
+        let end = m.len() - 1;
+        m.as_mut_slice()[end] = 9;
+        assert_eq!(m.as_slice()[end], 9);
     }
 }

@@ -22,15 +22,14 @@ use std::sync::Arc;
 use io_uring::{opcode, types};
 
 use cairn_core::{
-    AlignedBuf, Core, Device, Geometry, Io, IoFlags, IoStatus, Op, Poller, Queue, RingUser, Sink,
-    SinkId,
+    Core, Device, Geometry, Io, IoFlags, IoStatus, Op, Poller, Queue, RingUser, Sink, SinkId,
 };
 
 use crate::admit::Admission;
 use crate::gather::{self, Segment};
 use crate::handshake::{ExportInfo, Session};
 use crate::observe::{Client, ConnInfo, Observer};
-use crate::pool::BufPool;
+use crate::pool::{Budget, Buf, BufPool, Mem};
 use crate::proto::{self, cflags, chunk, cmd, errno, tflags};
 use crate::rmw::{Gate, Pass, Wake, Wide};
 
@@ -136,6 +135,10 @@ const MAX_PENDING: usize = 512;
 const IOV_BATCH: usize = 64;
 /// Extents per block status reply.
 const MAX_EXTENTS: usize = 1 << 16;
+/// A write's buffer is charged to the memory budget this far ahead of its payload.
+const PAYLOAD_STEP: usize = 1 << 20;
+/// Plaintext encrypted per send on a TLS connection (its ciphertext buffer stays small).
+const TLS_BATCH: usize = 256 << 10;
 /// Beyond this a refused write's payload is not even skipped: the connection is dropped.
 /// Skipping costs no memory, only the bandwidth of reading it.
 const SKIP_MAX: u64 = 256 << 20;
@@ -164,7 +167,7 @@ struct Seg {
     /// Room for an extended chunk header and a read's 8-byte offset.
     head: [u8; 40],
     head_len: u8,
-    buf: Option<AlignedBuf>,
+    buf: Option<Buf>,
     /// Where the data starts in `buf` (not 0 for a read widened to whole blocks).
     data_off: u32,
     data_len: u32,
@@ -189,7 +192,7 @@ struct Req {
     flags: u16,
     offset: u64,
     len: u64,
-    buf: Option<AlignedBuf>,
+    buf: Option<Buf>,
     /// Where the client's bytes start in `buf`: 0, except for an unaligned read or write,
     /// whose buffer holds the whole blocks around them.
     data_off: u32,
@@ -219,7 +222,7 @@ struct Slow {
 
 impl Req {
     /// Request `r` as received, with its data buffer.
-    fn of(r: &proto::Request, buf: Option<AlignedBuf>) -> Req {
+    fn of(r: &proto::Request, buf: Option<Buf>) -> Req {
         Req {
             cookie: r.cookie,
             command: r.command,
@@ -301,6 +304,8 @@ struct ConnState {
     dead: bool,
     /// Waiting for a buffer or room in the output queue.
     blocked: bool,
+    /// Waiting for memory of the server's budget (listed in `ServerLoop::mem_waiting`).
+    mem_wait: bool,
     shutdown_flush: ShutdownFlush,
     tls: Option<Box<TlsIo>>,
     counts: Counts,
@@ -450,6 +455,12 @@ pub struct ServerLoop {
     retried_at: Cell<u64>,
     /// Device requests to submit once the connection's state is no longer borrowed.
     submits: RefCell<Vec<(u32, Io)>>,
+    /// This reactor's share of the memory budget, and its kept buffers.
+    mem: Rc<Mem>,
+    /// Connections waiting for memory.
+    mem_waiting: RefCell<Vec<u32>>,
+    /// The budget's generation when they last retried.
+    mem_retried_at: Cell<u64>,
 }
 
 impl ServerLoop {
@@ -463,7 +474,7 @@ impl ServerLoop {
         inbox: Receiver<Msg>,
         (reactor, wake): (usize, Arc<OwnedFd>),
         gates: Arc<Gates>,
-        admission: Arc<Admission>,
+        (admission, budget): (Arc<Admission>, Arc<Budget>),
         limits: Limits,
         observer: Arc<Observer>,
     ) -> Result<Rc<ServerLoop>, cairn_core::Error> {
@@ -489,6 +500,10 @@ impl ServerLoop {
             waiting: RefCell::new(Vec::new()),
             retried_at: Cell::new(0),
             submits: RefCell::new(Vec::new()),
+            // Kept buffers count against the budget: an eighth of it at most per reactor.
+            mem: Mem::new(budget.clone(), limits.buffer_bytes.min(budget.limit() / 8)),
+            mem_waiting: RefCell::new(Vec::new()),
+            mem_retried_at: Cell::new(0),
         });
         lp.user.set(core.register_ring_user(lp.clone())?);
         lp.sink.set(core.register_sink(lp.clone()));
@@ -556,6 +571,7 @@ impl ServerLoop {
             headers,
             (self.reactor, index),
         );
+        let id = info.id;
         let conn = Rc::new(Conn {
             index,
             info,
@@ -579,7 +595,7 @@ impl ServerLoop {
                 reqs: Vec::with_capacity(MAX_PENDING),
                 free_reqs: Vec::with_capacity(MAX_PENDING),
                 in_flight: 0,
-                pool: BufPool::new(self.limits.buffer_bytes),
+                pool: BufPool::new(self.mem.clone(), self.limits.buffer_bytes, id),
                 out,
                 out_sent: 0,
                 iov: Vec::with_capacity(IOV_BATCH),
@@ -587,6 +603,7 @@ impl ServerLoop {
                 eof: false,
                 dead: false,
                 blocked: false,
+                mem_wait: false,
                 shutdown_flush: ShutdownFlush::NotYet,
                 counts: Counts::default(),
                 since: std::time::Instant::now(),
@@ -805,10 +822,15 @@ impl ServerLoop {
                     return Next::Stop;
                 }
                 let (rs, got_us) = (st.rs, got as usize);
-                let ConnState { inbuf, reqs, .. } = &mut *st;
+                let ConnState {
+                    inbuf, reqs, pool, ..
+                } = &mut *st;
                 let r = &mut reqs[req as usize];
                 let at = r.data_off as usize + got_us;
                 if let Some(b) = r.buf.as_mut() {
+                    if !pool.ensure(b, at + n) {
+                        return self.wait_memory(conn, st);
+                    }
                     b.as_mut_slice()[at..at + n].copy_from_slice(&inbuf[rs..rs + n]);
                 }
                 st.rs += n;
@@ -1036,12 +1058,12 @@ impl ServerLoop {
                 return Next::Again;
             }
             cmd::BLOCK_STATUS => {
-                st.rs += hl;
                 if !conn.session.base_allocation {
+                    st.rs += hl;
                     self.reply_error(conn, st, r.command, (r.cookie, r.offset), errno::EINVAL);
                     return Next::Again;
                 }
-                return self.block_status(conn, st, &r);
+                return self.block_status(conn, st, &r, hl);
             }
             cmd::WRITE_ZEROES if r.flags & cflags::FAST_ZERO != 0 && !info_fast_zero(info) => {
                 return refuse(st, self, errno::ENOTSUP);
@@ -1051,7 +1073,21 @@ impl ServerLoop {
         let needs_buf = op.has_data();
         let buf = if needs_buf {
             match st.pool.get(r.len as usize) {
-                Some(b) => Some(b),
+                Some(mut b) => {
+                    // A read's buffer is filled at once; a write's as its payload
+                    // arrives: for now, what came with the header.
+                    let touched = if op == Op::Read {
+                        r.len as usize
+                    } else {
+                        (st.re - st.rs - hl).min(r.len as usize)
+                    };
+                    if !st.pool.ensure(&mut b, touched) {
+                        st.pool.put(b);
+                        st.recounted = true;
+                        return self.wait_memory(conn, st);
+                    }
+                    Some(b)
+                }
                 None => {
                     st.blocked = true;
                     st.recounted = true;
@@ -1221,6 +1257,43 @@ impl ServerLoop {
         before.saturating_sub(still)
     }
 
+    /// The connection needs memory the budget does not have: it stops reading until some
+    /// comes back (a release anywhere wakes this reactor).
+    #[cold]
+    fn wait_memory(&self, conn: &Conn, st: &mut ConnState) -> Next {
+        if !st.mem_wait {
+            st.mem_wait = true;
+            self.mem_waiting.borrow_mut().push(conn.index);
+            self.mem.budget().waiting(self.reactor, self.mem.seen());
+        }
+        Next::Stop
+    }
+
+    /// Lets the connections waiting for memory try again if any came back; returns how
+    /// many did.
+    #[cold]
+    fn retry_memory(&self) -> usize {
+        let budget = self.mem.budget();
+        let now = budget.generation();
+        if !self.mem.take_freed() && now == self.mem_retried_at.get() {
+            return 0;
+        }
+        self.mem_retried_at.set(now);
+        budget.retrying(self.reactor);
+        let list = std::mem::take(&mut *self.mem_waiting.borrow_mut());
+        let n = list.len();
+        for ci in list {
+            let Some(conn) = self.conn(ci) else { continue };
+            {
+                let mut st = conn.st.borrow_mut();
+                st.mem_wait = false;
+                self.mark_dirty(&conn, &mut st);
+            }
+            self.process(&conn);
+        }
+        n
+    }
+
     /// Submits the device requests that read-modify-writes and gates queued.
     fn drain_submits(&self) {
         loop {
@@ -1275,10 +1348,18 @@ impl ServerLoop {
         let mut buf = None;
         if buf_len > 0 {
             buf = st.pool.get(buf_len as usize);
-            if buf.is_none() {
+            let Some(b) = buf.as_mut() else {
                 st.blocked = true;
                 st.recounted = true;
                 return Ok(Next::Stop);
+            };
+            // Rare (clients that did not ask for block sizes): charged whole at once.
+            if !st.pool.ensure(b, buf_len as usize) {
+                if let Some(b) = buf {
+                    st.pool.put(b);
+                }
+                st.recounted = true;
+                return Ok(self.wait_memory(conn, st));
             }
         }
         st.rs += hl;
@@ -1574,7 +1655,8 @@ impl ServerLoop {
     }
 
     /// Answers a block status request from the device's allocation map.
-    fn block_status(&self, conn: &Conn, st: &mut ConnState, r: &proto::Request) -> Next {
+    /// The request's header (`hl` bytes) is consumed here, once its reply has memory.
+    fn block_status(&self, conn: &Conn, st: &mut ConnState, r: &proto::Request, hl: usize) -> Next {
         let device = &self.exports[conn.export].device;
         let mut extents = Vec::new();
         let len = r.len;
@@ -1587,6 +1669,7 @@ impl ServerLoop {
                 st.warned = true;
                 log::warn!("cairn: serve: {}: block status: {e}", conn.peer);
             }
+            st.rs += hl;
             self.reply_error(conn, st, r.command, (r.cookie, r.offset), errno::EIO);
             return Next::Again;
         }
@@ -1653,6 +1736,12 @@ impl ServerLoop {
         }
         // Bounded by MAX_EXTENTS, so it may go over the pool's limit once.
         let mut buf = st.pool.get_always(body.len());
+        if !st.pool.ensure(&mut buf, body.len()) {
+            st.pool.put(buf);
+            st.recounted = true;
+            return self.wait_memory(conn, st);
+        }
+        st.rs += hl;
         buf.as_mut_slice()[..body.len()].copy_from_slice(&body);
         let mut head = [0u8; 40];
         let head_len = if extended {
@@ -1801,8 +1890,10 @@ impl ServerLoop {
         let fd = conn.fd.as_raw_fd();
         // What the idle timeout sees: busy while requests are at the device, else idle
         // from the last thing that happened (this call follows every byte moved and every
-        // request ended).
+        // request ended). Waiting for memory is not busy: a connection that holds buffers
+        // and makes no progress that long is closed when others wait for memory.
         conn.info.active(st.in_flight > 0, self.core.now_ns());
+        conn.info.holding(st.pool.outstanding());
         let finished = st.in_flight == 0 && !st.output_pending() && !self.awaiting_flush(&st);
         if st.dead || (st.eof && finished) {
             if st.recv_armed || st.send_armed {
@@ -1823,7 +1914,7 @@ impl ServerLoop {
                 self.push_send(conn, &mut st, fd);
             }
         }
-        if !st.recv_armed && !st.eof {
+        if !st.recv_armed && !st.eof && !st.mem_wait {
             self.push_recv(conn, &mut st, fd);
         }
     }
@@ -1859,21 +1950,48 @@ impl ServerLoop {
 
     /// Encrypts every waiting reply and sends the ciphertext.
     fn push_send_tls(&self, conn: &Conn, st: &mut ConnState, fd: RawFd) {
-        let ConnState { out, pool, tls, .. } = st;
+        let ConnState {
+            out,
+            out_sent,
+            pool,
+            tls,
+            ..
+        } = st;
         let Some(t) = tls.as_mut() else { return };
         if t.raw_sent == t.raw_out.len() {
             t.raw_out.clear();
             t.raw_sent = 0;
-            while let Some(seg) = out.pop_front() {
+            // At most TLS_BATCH bytes of replies at a time, so that the ciphertext of a
+            // client that does not read stays small; `out_sent` is how much of the front
+            // reply was encrypted already.
+            let mut room = TLS_BATCH;
+            while room > 0 {
+                let Some(seg) = out.front() else { break };
+                let (head, data) = (seg.head(), seg.data());
+                let total = head.len() + data.len();
+                let (from, to) = (*out_sent, (*out_sent + room).min(total));
                 let mut w = t.conn.writer();
-                let ok = w.write_all(seg.head()).is_ok() && w.write_all(seg.data()).is_ok();
-                if let Some(b) = seg.buf {
-                    pool.put(b);
+                let mut ok = true;
+                if from < head.len() {
+                    ok &= w.write_all(&head[from..to.min(head.len())]).is_ok();
+                }
+                if to > head.len() {
+                    let d = from.max(head.len()) - head.len();
+                    ok &= w.write_all(&data[d..to - head.len()]).is_ok();
                 }
                 if !ok {
                     st.end("a TLS error");
                     st.dead = true;
                     return;
+                }
+                room -= to - from;
+                if to == total {
+                    *out_sent = 0;
+                    if let Some(b) = out.pop_front().and_then(|seg| seg.buf) {
+                        pool.put(b);
+                    }
+                } else {
+                    *out_sent = to;
                 }
             }
             while t.conn.wants_write() {
@@ -1928,13 +2046,22 @@ impl ServerLoop {
         let direct = matches!(st.rx, Rx::Payload { .. }) && st.rs == st.re;
         let (ptr, len) = match st.rx {
             Rx::Payload { req, got } if direct => {
-                let r = &mut st.reqs[req as usize];
+                let ConnState { reqs, pool, .. } = &mut *st;
+                let r = &mut reqs[req as usize];
                 let Some(b) = r.buf.as_mut() else { return };
-                // SAFETY: data_off + got < data_off + r.len <= the buffer's length.
-                (
-                    unsafe { b.as_mut_ptr().add(r.data_off as usize + got as usize) },
-                    (r.len - u64::from(got)) as usize,
-                )
+                let (at, end) = (
+                    r.data_off as usize + got as usize,
+                    (r.data_off as u64 + r.len) as usize,
+                );
+                // Memory for the next megabyte of the payload, taken before it arrives.
+                if !pool.ensure(b, end.min(at + PAYLOAD_STEP)) {
+                    self.wait_memory(conn, st);
+                    return;
+                }
+                let room = b.charged().min(end) - at;
+                // SAFETY: at < data_off + r.len <= the buffer's length, and `room` bytes
+                // from there are inside it.
+                (unsafe { b.as_mut_ptr().add(at) }, room)
             }
             _ => {
                 if st.rs == st.re {
@@ -2184,6 +2311,13 @@ impl Poller for ServerLoop {
         let mut n = 0;
         if !self.waiting.borrow().is_empty() {
             n += self.retry_waiting();
+        }
+        if !self.mem_waiting.borrow().is_empty() {
+            n += self.retry_memory();
+        }
+        if self.mem.budget().short() && self.mem.keeps() {
+            // Connections wait for memory somewhere: kept buffers go back.
+            self.mem.drop_cache();
         }
         loop {
             match self.inbox.try_recv() {

@@ -28,6 +28,7 @@ pub const ERRNOS: [(u32, &str); 9] = [
 /// Connections and errors of one server.
 pub struct Observer {
     conns: Mutex<Vec<Arc<ConnInfo>>>,
+    memory: std::sync::OnceLock<Arc<crate::pool::Budget>>,
     next_id: AtomicU64,
     accepted: AtomicU64,
     errors: [AtomicU64; ERRNOS.len()],
@@ -37,6 +38,7 @@ impl Default for Observer {
     fn default() -> Observer {
         Observer {
             conns: Mutex::new(Vec::new()),
+            memory: std::sync::OnceLock::new(),
             next_id: AtomicU64::new(1),
             accepted: AtomicU64::new(0),
             errors: std::array::from_fn(|_| AtomicU64::new(0)),
@@ -69,6 +71,7 @@ impl Observer {
             slot,
             active_ns: AtomicU64::new(cairn_core::clock::monotonic_ns()),
             evicting: AtomicBool::new(false),
+            held: AtomicU64::new(0),
         });
         self.accepted.fetch_add(1, Relaxed);
         self.lock().push(info.clone());
@@ -91,6 +94,16 @@ impl Observer {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Arc<ConnInfo>>> {
         self.conns.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The server's memory budget (set once it serves).
+    pub(crate) fn set_memory(&self, budget: Arc<crate::pool::Budget>) {
+        let _ = self.memory.set(budget);
+    }
+
+    /// Buffer memory: (bytes charged now, the budget, times a connection waited for it).
+    pub fn memory(&self) -> Option<(usize, usize, u64)> {
+        self.memory.get().map(|b| (b.used(), b.limit(), b.waits()))
     }
 
     /// The connections open now, oldest first.
@@ -141,6 +154,8 @@ pub struct ConnInfo {
     active_ns: AtomicU64,
     /// Chosen for eviction already.
     pub(crate) evicting: AtomicBool,
+    /// Bytes of buffers it holds (requests in flight, replies not yet sent).
+    held: AtomicU64,
 }
 
 /// `active_ns` of a connection with requests at the device: never idle.
@@ -254,6 +269,19 @@ impl ConnInfo {
         if self.active_ns.load(Relaxed) != v {
             self.active_ns.store(v, Relaxed);
         }
+    }
+
+    /// Notes the bytes of buffers it holds (called by its reactor).
+    #[inline]
+    pub(crate) fn holding(&self, bytes: usize) {
+        if self.held.load(Relaxed) != bytes as u64 {
+            self.held.store(bytes as u64, Relaxed);
+        }
+    }
+
+    /// Bytes of buffers it holds: requests in flight, replies not yet sent.
+    pub fn held(&self) -> u64 {
+        self.held.load(Relaxed)
     }
 
     /// How long it has been idle at `now_ns` (monotonic): nothing at the device, no byte

@@ -78,6 +78,8 @@ pub struct Config {
     pub threads: usize,
     /// Per-connection limits.
     pub limits: Limits,
+    /// Bytes of request and reply buffers all connections together may hold.
+    pub memory_budget: usize,
     /// Connections served at once; more are closed at accept (unless an idle one can
     /// make room).
     pub max_connections: usize,
@@ -323,8 +325,13 @@ fn notify(states: &[sd_notify::NotifyState<'_>]) {
 
 /// Logs what SIGUSR1 and SIGUSR2 ask for: connections, and each export's device with its
 /// failed members and, for arrays with metadata, their status.
-fn log_status(exports: &[Export], connections: usize) {
-    log::info!("cairn: serve: status: {connections} connection(s)");
+fn log_status(exports: &[Export], connections: usize, budget: &crate::pool::Budget) {
+    log::info!(
+        "cairn: serve: status: {connections} connection(s); buffers {} of {} bytes (--memory-budget), {} waits for memory",
+        budget.used(),
+        budget.limit(),
+        budget.waits()
+    );
     let mut seen: Vec<String> = Vec::new();
     for e in exports {
         let d = &e.device;
@@ -392,6 +399,14 @@ pub fn serve(
         .map(|_| cairn_core::event::eventfd("serve"))
         .collect::<Result<Vec<_>, _>>()?;
     let gates = Arc::new(crate::conn::Gates::new(&exports, wake_fds.clone()));
+    // The reserve: one maximal request, widened to blocks, in its buffer's size class.
+    let reserve = (config.limits.max_payload as usize + (2 << 20)).next_power_of_two();
+    let budget = Arc::new(crate::pool::Budget::new(
+        config.memory_budget,
+        reserve,
+        wake_fds.clone(),
+    ));
+    config.observer.set_memory(budget.clone());
     let exports = Arc::new(exports);
     let admission = Arc::new(Admission::new(
         config.max_connections,
@@ -408,7 +423,7 @@ pub fn serve(
         let count = config.threads.max(1);
         let (exports, admission, w, switches, limits, idle_poll_ns) = (
             exports.clone(),
-            admission.clone(),
+            (admission.clone(), budget.clone()),
             wake_fd.clone(),
             config.switches,
             config.limits,
@@ -507,11 +522,11 @@ pub fn serve(
         revents: 0,
     });
     let closing;
-    // With --idle-close, idle connections are looked for this often.
+    // Idle connections are looked for this often: those idle for --idle-timeout with
+    // --idle-close, and while connections wait for memory, those that hold some.
     let sweep = config
         .idle_timeout
-        .filter(|_| config.idle_close)
-        .map(|t| (t / 8).clamp(Duration::from_millis(50), Duration::from_secs(5)));
+        .map(|t| (t / 8).clamp(Duration::from_millis(50), Duration::from_secs(1)));
     let mut swept = Instant::now();
     'accept: loop {
         let wait = sweep.map_or(-1, |s| {
@@ -522,7 +537,11 @@ pub fn serve(
         if let (Some(s), Some(t)) = (sweep, config.idle_timeout) {
             if swept.elapsed() >= s {
                 swept = Instant::now();
-                close_idle(&config.observer, &shared, t);
+                if config.idle_close {
+                    close_idle(&config.observer, &shared, t, false);
+                } else if budget.short() {
+                    close_idle(&config.observer, &shared, t, true);
+                }
             }
         }
         if n < 0 {
@@ -538,7 +557,7 @@ pub fn serve(
             let signo = u32::from_ne_bytes([info[0], info[1], info[2], info[3]]);
             if signo == libc::SIGUSR1 as u32 || signo == libc::SIGUSR2 as u32 {
                 // A status report in the log; serving goes on.
-                log_status(&exports, admission.live());
+                log_status(&exports, admission.live(), &budget);
                 continue;
             }
             log::info!(
@@ -729,24 +748,34 @@ fn evict(shared: &Shared, victim: &crate::observe::ConnInfo, idle: Duration, why
     }
 }
 
-/// `--idle-close`: closes every connection idle for `timeout`.
-fn close_idle(observer: &crate::Observer, shared: &Shared, timeout: Duration) {
+/// Closes every connection idle for `timeout`: with `--idle-close`, or (`holding`) those
+/// that hold buffer memory while other connections wait for it.
+fn close_idle(observer: &crate::Observer, shared: &Shared, timeout: Duration, holding: bool) {
     let now = cairn_core::clock::monotonic_ns();
     for c in observer.connections() {
-        if c.evicting.load(Ordering::Relaxed) || c.idle_for(now).is_none_or(|d| d < timeout) {
+        if c.evicting.load(Ordering::Relaxed)
+            || c.idle_for(now).is_none_or(|d| d < timeout)
+            || (holding && c.held() == 0)
+        {
             continue;
         }
-        log::info!(
-            "cairn: serve: {}: closing, idle for {:?} (--idle-timeout, --idle-close)",
-            c.peer,
-            timeout
-        );
-        evict(
-            shared,
-            &c,
-            timeout,
-            "closed: idle for --idle-timeout (--idle-close)",
-        );
+        let why = if holding {
+            log::info!(
+                "cairn: serve: {}: closing, idle for {:?} (--idle-timeout) with {} bytes of buffers that other connections wait for (--memory-budget)",
+                c.peer,
+                timeout,
+                c.held()
+            );
+            "closed: idle past --idle-timeout, holding memory others waited for"
+        } else {
+            log::info!(
+                "cairn: serve: {}: closing, idle for {:?} (--idle-timeout, --idle-close)",
+                c.peer,
+                timeout
+            );
+            "closed: idle for --idle-timeout (--idle-close)"
+        };
+        evict(shared, &c, timeout, why);
     }
 }
 
