@@ -6155,14 +6155,19 @@ mod hostile {
     fn a_good_client_is_served_while_128_idle_clients_sit_connected() {
         let (srv, port) = tcp_server(&["--device", "mem:16M", "--idle-timeout", "3s"]);
         // 128 addresses, one idle connection each: every slot of --max-connections.
+        let started = Instant::now();
         let mut idle: Vec<Raw> = (1..=128u8).map(|i| go_from([127, 0, 1, i], port)).collect();
-        // None has been idle for 3 s yet: a new client is refused.
-        assert!(
-            Raw::connect_tcp_from([127, 0, 0, 1], port)
-                .admitted_now()
-                .is_none(),
-            "a 129th connection while the 128 are fresh"
-        );
+        // None has been idle for 3 s yet: a new client is refused. (On a machine so busy
+        // that the 128 handshakes took seconds, the first may be idle that long already.)
+        let fresh = started.elapsed() < Duration::from_secs(2);
+        let admitted = Raw::connect_tcp_from([127, 0, 0, 1], port).admitted_now();
+        if fresh && started.elapsed() < Duration::from_secs(3) {
+            assert!(
+                admitted.is_none(),
+                "a 129th connection while the 128 are fresh"
+            );
+        }
+        drop(admitted);
         std::thread::sleep(Duration::from_millis(3500));
         // Now the connection idle longest makes room.
         let mut good = go_from([127, 0, 0, 1], port);
