@@ -1890,9 +1890,10 @@ impl ServerLoop {
         let fd = conn.fd.as_raw_fd();
         // What the idle timeout sees: busy while requests are at the device, else idle
         // from the last thing that happened (this call follows every byte moved and every
-        // request ended). Waiting for memory is not busy: a connection that holds buffers
-        // and makes no progress that long is closed when others wait for memory.
-        conn.info.active(st.in_flight > 0, self.core.now_ns());
+        // request ended). Waiting for memory is busy too, unless replies wait that the
+        // client does not read: such a connection is closed when others wait for memory.
+        let waits = st.mem_wait && !st.output_pending();
+        conn.info.active(st.in_flight > 0 || waits, self.core.now_ns());
         conn.info.holding(st.pool.outstanding());
         let finished = st.in_flight == 0 && !st.output_pending() && !self.awaiting_flush(&st);
         if st.dead || (st.eof && finished) {
