@@ -1893,7 +1893,8 @@ impl ServerLoop {
         // request ended). Waiting for memory is busy too, unless replies wait that the
         // client does not read: such a connection is closed when others wait for memory.
         let waits = st.mem_wait && !st.output_pending();
-        conn.info.active(st.in_flight > 0 || waits, self.core.now_ns());
+        conn.info
+            .active(st.in_flight > 0 || waits, self.core.now_ns());
         conn.info.holding(st.pool.outstanding());
         let finished = st.in_flight == 0 && !st.output_pending() && !self.awaiting_flush(&st);
         if st.dead || (st.eof && finished) {
