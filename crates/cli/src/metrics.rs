@@ -221,6 +221,21 @@ fn families(view: &View) -> Vec<MetricFamily> {
         "1 while a rebuild or resync runs.",
         MetricType::GAUGE,
     );
+    let mut repaired = family(
+        "cairn_array_read_repairs_total",
+        "Ranges of a mirror or raid10 rewritten on a copy that failed a read (read repair).",
+        MetricType::COUNTER,
+    );
+    let mut repaired_bytes = family(
+        "cairn_array_read_repair_bytes_total",
+        "Bytes rewritten by read repair.",
+        MetricType::COUNTER,
+    );
+    let mut repair_failed = family(
+        "cairn_array_read_repair_failures_total",
+        "Read repair rewrites that failed (each failed its member).",
+        MetricType::COUNTER,
+    );
     let bounds_ns: Vec<u64> = BUCKETS_S.iter().map(|s| (s * 1e9) as u64).collect();
     for (_, d) in &all {
         let name = d.name();
@@ -275,6 +290,15 @@ fn families(view: &View) -> Vec<MetricFamily> {
                 sync_done.mut_metric().push(gauge(&l, done as f64));
                 sync_total.mut_metric().push(gauge(&l, total as f64));
             }
+            if let Some(r) = cairn_core::stats::registry().repairs(name) {
+                repaired.mut_metric().push(counter(&l, r.repaired as f64));
+                repaired_bytes
+                    .mut_metric()
+                    .push(counter(&l, r.repaired_bytes as f64));
+                repair_failed
+                    .mut_metric()
+                    .push(counter(&l, r.failed as f64));
+            }
         }
     }
     let mut out = vec![
@@ -292,6 +316,9 @@ fn families(view: &View) -> Vec<MetricFamily> {
         syncing,
         sync_done,
         sync_total,
+        repaired,
+        repaired_bytes,
+        repair_failed,
     ];
     if let Some(o) = view.observer() {
         let conns = o.connections();
@@ -324,6 +351,27 @@ fn families(view: &View) -> Vec<MetricFamily> {
                 .push(counter(&[("errno", errno)], n as f64));
         }
         out.extend([open, accepted, replies]);
+        if let Some((used, limit, waits)) = o.memory() {
+            let mut memory = family(
+                "cairn_nbd_buffer_bytes",
+                "Request and reply buffer memory charged to the server's budget now.",
+                MetricType::GAUGE,
+            );
+            memory.mut_metric().push(gauge(&[], used as f64));
+            let mut budget = family(
+                "cairn_nbd_buffer_budget_bytes",
+                "The server's budget for request and reply buffers (--memory-budget).",
+                MetricType::GAUGE,
+            );
+            budget.mut_metric().push(gauge(&[], limit as f64));
+            let mut waited = family(
+                "cairn_nbd_buffer_waits_total",
+                "Times a connection waited for buffer memory (backpressure).",
+                MetricType::COUNTER,
+            );
+            waited.mut_metric().push(counter(&[], waits as f64));
+            out.extend([memory, budget, waited]);
+        }
     }
     out.retain(|f| !f.get_metric().is_empty());
     out

@@ -189,16 +189,22 @@ pub fn exports_text(view: &View) -> String {
                 f.errors
             );
         }
+        let now = cairn_core::clock::monotonic_ns();
         for c in mine {
             let f = c.figures();
             out += &format!(
-                "    #{} {}{} ({} headers) since {} ({:.1} s): {}, {} flushes, {} trims, {} write-zeroes, {} block status, {} errors\n",
+                "    #{} {}{} ({} headers) since {} ({:.1} s), {}, holding {}: {}, {} flushes, {} trims, {} write-zeroes, {} block status, {} errors\n",
                 c.id,
                 c.peer,
                 if c.tls { " TLS" } else { "" },
                 c.headers,
                 rfc3339(c.since),
                 c.age().as_secs_f64(),
+                match c.idle_for(now) {
+                    Some(d) => format!("idle {:.1} s", d.as_secs_f64()),
+                    None => "busy".to_string(),
+                },
+                format_bytes(c.held()),
                 io_counts(f.requests, f.reads, f.read_bytes, f.writes, f.written_bytes),
                 f.flushes,
                 f.trims,
@@ -224,6 +230,14 @@ pub fn exports_text(view: &View) -> String {
                 errors.join(", ")
             }
         );
+        if let Some((used, limit, waits)) = o.memory() {
+            out += &format!(
+                "  buffer memory: {} of a {} budget; connections waited for memory {} times\n",
+                format_bytes(used as u64),
+                format_bytes(limit as u64),
+                waits
+            );
+        }
     }
     out
 }
@@ -234,6 +248,7 @@ pub fn exports_json(view: &View) -> serde_json::Value {
         .observer()
         .map(Observer::connections)
         .unwrap_or_default();
+    let now = cairn_core::clock::monotonic_ns();
     let exports: Vec<serde_json::Value> = view
         .exports()
         .iter()
@@ -256,6 +271,8 @@ pub fn exports_json(view: &View) -> serde_json::Value {
                         "block_status": f.block_status,
                         "errors": f.errors,
                         "largest_request_bytes": f.largest,
+                        "idle_seconds": c.idle_for(now).map(|d| d.as_secs_f64()),
+                        "held_bytes": c.held(),
                     });
                     add_io_counts(
                         &mut v,
@@ -313,6 +330,9 @@ pub fn exports_json(view: &View) -> serde_json::Value {
         "exports": exports,
         "connections_accepted": view.observer().map_or(0, Observer::accepted),
         "error_replies": errors,
+        "memory": view.observer().and_then(Observer::memory).map(|(used, limit, waits)| {
+            serde_json::json!({"used_bytes": used, "budget_bytes": limit, "waits": waits})
+        }),
     })
 }
 

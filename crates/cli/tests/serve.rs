@@ -5087,10 +5087,21 @@ h.shutdown()
             assert_eq!(got, want, "{c:#}");
             assert_eq!(c["peer"], "unix", "{c:#}");
             assert!(c["since"].as_str().unwrap().ends_with('Z'), "{c:#}");
+            // Answered and waiting: idle, and holding at most kept buffers.
+            assert!(c["idle_seconds"].as_f64().is_some(), "{c:#}");
+            assert!(c["held_bytes"].as_u64().is_some(), "{c:#}");
         }
         assert_eq!(status["error_replies"]["EINVAL"], 1, "{status:#}");
+        let budget = &status["memory"];
+        assert!(budget["budget_bytes"].as_u64().unwrap() > 0, "{status:#}");
+        assert!(budget["used_bytes"].as_u64().is_some(), "{status:#}");
         let text = success("status", &admin(&ctl, &["status"]));
         assert!(text.contains("'disk' (c): 2 connections"), "{text}");
+        assert!(
+            text.contains("), idle ") && text.contains(", holding "),
+            "{text}"
+        );
+        assert!(text.contains("buffer memory: "), "{text}");
         assert!(
             text.contains("10 writes (40KiB)") && text.contains("5 writes (320KiB)"),
             "{text}"
@@ -5189,6 +5200,14 @@ h.shutdown()
             1.0
         );
         assert_eq!(sample(&after, r#"cairn_array_degraded{device="r"}"#), 0.0);
+        assert!(
+            after.contains("\ncairn_array_read_repairs_total{device=\"r\"} 0\n"),
+            "{after}"
+        );
+        assert!(
+            sample(&after, "cairn_nbd_buffer_budget_bytes") > 0.0,
+            "{after}"
+        );
         let count = r#"cairn_device_request_duration_seconds_count{device="c",op="write"}"#;
         let inf =
             r#"cairn_device_request_duration_seconds_bucket{device="c",op="write",le="+Inf"}"#;

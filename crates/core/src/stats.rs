@@ -516,6 +516,45 @@ impl DeviceStatsSnapshot {
 /// go back.
 pub struct Registry {
     devices: std::sync::Mutex<Vec<Entry>>,
+    /// Redundant arrays' read repairs, by device (held weakly: an array that closed
+    /// drops out).
+    repairs: std::sync::Mutex<Vec<(String, std::sync::Weak<RepairCounters>)>>,
+}
+
+/// A redundant array's read repairs: a read that failed on one copy and was answered
+/// from another had its range rewritten on the copy that failed. Rare events, counted
+/// off the hot path (by the array's repair thread) and read by the admin socket and the
+/// metrics endpoint.
+#[derive(Debug, Default)]
+pub struct RepairCounters {
+    /// Ranges rewritten.
+    pub repaired: AtomicU64,
+    /// Bytes rewritten.
+    pub repaired_bytes: AtomicU64,
+    /// Rewrites that failed (each failed its member).
+    pub failed: AtomicU64,
+}
+
+/// What [`RepairCounters`] held at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RepairSnapshot {
+    /// Ranges rewritten.
+    pub repaired: u64,
+    /// Bytes rewritten.
+    pub repaired_bytes: u64,
+    /// Rewrites that failed.
+    pub failed: u64,
+}
+
+impl RepairCounters {
+    /// The counts now.
+    pub fn snapshot(&self) -> RepairSnapshot {
+        RepairSnapshot {
+            repaired: self.repaired.load(Relaxed),
+            repaired_bytes: self.repaired_bytes.load(Relaxed),
+            failed: self.failed.load(Relaxed),
+        }
+    }
 }
 
 struct Entry {
@@ -526,6 +565,7 @@ struct Entry {
 
 static REGISTRY: Registry = Registry {
     devices: std::sync::Mutex::new(Vec::new()),
+    repairs: std::sync::Mutex::new(Vec::new()),
 };
 
 /// This process's [`Registry`].
@@ -576,6 +616,25 @@ impl Registry {
                 i += 1;
             }
         }
+    }
+
+    /// Adds the read repair counters of the redundant array `name` (when it opens).
+    pub fn add_repairs(&self, name: &str, counters: &Arc<RepairCounters>) {
+        let mut repairs = self.repairs.lock().unwrap_or_else(|p| p.into_inner());
+        repairs.retain(|(_, c)| c.strong_count() > 0);
+        repairs.push((name.to_string(), Arc::downgrade(counters)));
+    }
+
+    /// The read repairs of the redundant array `name`, if it is open (the one opened
+    /// last, if several of that name are).
+    pub fn repairs(&self, name: &str) -> Option<RepairSnapshot> {
+        let repairs = self.repairs.lock().unwrap_or_else(|p| p.into_inner());
+        repairs
+            .iter()
+            .rev()
+            .filter(|(n, _)| n == name)
+            .find_map(|(_, c)| c.upgrade())
+            .map(|c| c.snapshot())
     }
 
     /// The statistics of the device `name`, summed over its queues, open and closed, at

@@ -165,6 +165,10 @@ pub struct FaultRule {
     pub probability: Option<f64>,
     /// Fail only requests touching these 512-byte sectors `[start, end)`.
     pub sectors: Option<(u64, u64)>,
+    /// Fail at most this many requests (across all queues): the first that meet every
+    /// other condition; later ones pass. `times = 1` with `sectors` and `fail = ["read"]`
+    /// is a bad block that a rewrite heals (what a mirror's read repair does).
+    pub times: Option<u64>,
     /// The errno failed requests get.
     pub errno: i32,
     /// Instead of failing requests: cut the power of everything below, once, the first
@@ -176,6 +180,8 @@ pub struct FaultRule {
 pub struct Faults {
     rule: FaultRule,
     seen: AtomicU64,
+    /// Requests failed so far (for `times`).
+    failed: AtomicU64,
     opened_ns: OnceLock<u64>,
     cut: std::sync::atomic::AtomicBool,
 }
@@ -186,6 +192,7 @@ impl Faults {
         Faults {
             rule,
             seen: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
             opened_ns: OnceLock::new(),
             cut: std::sync::atomic::AtomicBool::new(false),
         }
@@ -214,6 +221,9 @@ impl Policy for Faults {
         }
         if let Some((a, b)) = self.rule.sectors {
             out += &format!(", in sectors {a}..{b}");
+        }
+        if let Some(n) = self.rule.times {
+            out += &format!(", at most {n} times");
         }
         if self.rule.power_cut {
             out += ", by cutting the power (once)";
@@ -252,6 +262,11 @@ impl Policy for Faults {
             if (random >> 11) as f64 / (1u64 << 53) as f64 >= p {
                 return Decision::Forward;
             }
+        }
+        if r.times
+            .is_some_and(|n| self.failed.fetch_add(1, Relaxed) >= n)
+        {
+            return Decision::Forward;
         }
         if r.power_cut {
             if self.cut.swap(true, Relaxed) {
@@ -438,6 +453,33 @@ mod tests {
             seek: Duration::from_millis(seek_ms),
             ..Delays::default()
         })
+    }
+
+    #[test]
+    fn times_fails_only_the_first_matching_requests() {
+        let mut ops = [false; Op::COUNT];
+        ops[Op::Read.index()] = true;
+        let f = Faults::new(FaultRule {
+            ops,
+            after_ios: None,
+            after: None,
+            probability: None,
+            sectors: Some((8, 16)),
+            times: Some(2),
+            errno: libc::EIO,
+            power_cut: false,
+        });
+        // Requests that do not match are not counted against `times`.
+        assert_eq!(f.decide(&io(Op::Read, 0, 4096), 0, 0), Decision::Forward);
+        assert_eq!(
+            f.decide(&io(Op::Write, 4096, 4096), 0, 0),
+            Decision::Forward
+        );
+        let bad = io(Op::Read, 4096, 4096);
+        assert_eq!(f.decide(&bad, 0, 0), Decision::Fail(libc::EIO));
+        assert_eq!(f.decide(&bad, 0, 0), Decision::Fail(libc::EIO));
+        assert_eq!(f.decide(&bad, 0, 0), Decision::Forward);
+        assert_eq!(f.decide(&bad, 0, 0), Decision::Forward);
     }
 
     #[test]

@@ -333,6 +333,7 @@ impl Keys<'_> {
             after: self.duration_in("after_secs", limits::AFTER, true)?,
             probability,
             sectors,
+            times: self.integer("times")?,
             errno,
             power_cut: self.bool("power_cut")?.unwrap_or(false),
         })
@@ -525,6 +526,7 @@ pub(super) fn parse_device(
             "after_secs",
             "probability",
             "sectors",
+            "times",
             "errno",
             "power_cut",
         ],

@@ -7,12 +7,15 @@
 //! the request when every piece has. Per-request state lives in two per-queue slabs.
 //!
 //! Redundant layouts (copies > 1) keep going when members fail: a failed read is retried
-//! on another copy; a failed write, discard or flush marks the member failed and the array
-//! runs degraded (logged once, and listed by `Device::failed_members`). A request fails
-//! only when some of its data has no healthy copy left.
+//! on another copy, and once another copy answered, the range is rewritten on the copy
+//! that failed ([`repair`]: read repair); a failed write, discard or flush (or a failed
+//! repair) marks the member failed and the array runs degraded (logged once, and listed
+//! by `Device::failed_members`). A request fails only when some of its data has no
+//! healthy copy left.
 
 mod layouts;
 mod rebuild;
+mod repair;
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -84,11 +87,18 @@ struct Health {
     failed_now: std::sync::Condvar,
     /// Every queue's count of requests in flight, by epoch parity.
     gates: std::sync::Mutex<Vec<std::sync::Weak<Gate>>>,
+    /// Held by [`Health::switch`]: one at a time (control threads only).
+    switching: std::sync::Mutex<()>,
+    /// Read repairs (redundant layouts).
+    repairs: repair::Repairs,
 }
 
 /// A queue's requests in flight, counted by the parity of the epoch they were sent under:
 /// once a switch sees the old parity's count at zero, every request any queue sends goes
-/// to the new set of members, and no reply from an old one can come any more.
+/// to the new set of members, and no reply from an old one can come any more. An array
+/// whose members can change counts every request; any other redundant one counts its
+/// changes of data, so that read repair can wait for those sent before it started
+/// counting them per region (see [`repair`]).
 #[derive(Default)]
 struct Gate {
     writes: [AtomicU64; 2],
@@ -197,9 +207,12 @@ impl Health {
     /// Changes the member devices: `change` edits them and their names; queues follow at
     /// their next request. Returns once no change of data sent to the old set is in
     /// flight, so that from then on every write reaches the new set (a write never
-    /// misses a member being rebuilt). Callers serialize changes, and never hold the
-    /// metadata's lock (a write waiting for its bitmap bit would wait for it).
+    /// misses a member being rebuilt). With no change, it waits for every change of data
+    /// sent before it was called. Switches run one at a time (two at once would wait for
+    /// each other's parity); callers never hold the metadata's lock (a write waiting for
+    /// its bitmap bit would wait for it).
     fn switch(&self, change: impl FnOnce(&mut Vec<Option<Arc<dyn Device>>>, &mut Vec<String>)) {
+        let _one = self.switching.lock().unwrap_or_else(|p| p.into_inner());
         let old = {
             let mut devices = self.devices.lock().unwrap_or_else(|p| p.into_inner());
             let mut names = self.names.lock().unwrap_or_else(|p| p.into_inner());
@@ -223,7 +236,7 @@ impl Health {
             }
             if !told && began.elapsed() > std::time::Duration::from_secs(5) {
                 log::warn!(
-                    "cairn: {}: waiting for writes sent before a change of members",
+                    "cairn: {}: waiting for writes sent earlier to end (before a change of members or the first read repair)",
                     self.device
                 );
                 told = true;
@@ -349,7 +362,12 @@ impl StackDevice {
             failures: std::sync::Mutex::new(0),
             failed_now: std::sync::Condvar::new(),
             gates: std::sync::Mutex::new(Vec::new()),
+            switching: std::sync::Mutex::new(()),
+            repairs: repair::Repairs::new(n),
         });
+        if layout.copies() > 1 {
+            cairn_core::stats::registry().add_repairs(name, &health.repairs.counters);
+        }
         Ok(StackDevice {
             shared: Arc::new(Shared {
                 name: name.into(),
@@ -507,7 +525,8 @@ impl Drop for StackDevice {
     fn drop(&mut self) {
         // Every queue is gone (they hold the device's members, not the device), so no
         // write is in flight: the array stops clean, with the members that failed
-        // recorded as failed.
+        // recorded as failed (a repair that fails one records it first).
+        self.health.repairs.stop();
         if let Some((stop, handle)) = self
             .watcher
             .lock()
@@ -562,6 +581,13 @@ impl Device for StackDevice {
                 out += &format!(", degraded: {}", not_read.join(", "));
             }
         }
+        let r = self.health.repairs.counters.snapshot();
+        if r.repaired + r.failed > 0 {
+            out += &format!(
+                ", read repairs: {} rewritten, {} failed",
+                r.repaired, r.failed
+            );
+        }
         out
     }
 
@@ -583,6 +609,7 @@ impl Device for StackDevice {
             shadows: RefCell::new(vec![false; self.health.n]),
             replacing: Cell::new(false),
             gated: self.layout.copies() > 1 && self.metadata.as_ref().is_some_and(|m| !m.dry()),
+            gate_writes: self.layout.copies() > 1,
             epoch: Cell::new(u64::MAX),
             gate: Arc::new(Gate::default()),
             health: self.health.clone(),
@@ -756,6 +783,7 @@ impl Device for StackDevice {
                 format_bytes(bm.region_bytes())
             );
         }
+        out += &self.repairs_line();
         Some(out)
     }
 
@@ -798,6 +826,47 @@ impl Device for StackDevice {
 }
 
 impl Shared {
+    /// The read repairs line of `array_status` (empty before the first).
+    fn repairs_line(&self) -> String {
+        use cairn_core::size::format_bytes;
+        let repairs = &self.health.repairs;
+        let r = repairs.counters.snapshot();
+        let pending = repairs.pending_count();
+        if r.repaired + r.failed == 0 && pending == 0 {
+            return String::new();
+        }
+        let by_member: Vec<String> = (0..self.health.n)
+            .filter_map(|m| {
+                let (done, failed) = (
+                    repairs.repaired[m].load(Relaxed),
+                    repairs.failed[m].load(Relaxed),
+                );
+                let name = self.health.name(m);
+                match (done, failed) {
+                    (0, 0) => None,
+                    (d, 0) => Some(format!("{name} {d}")),
+                    (d, f) => Some(format!("{name} {d} ({f} failed)")),
+                }
+            })
+            .collect();
+        format!(
+            "    read repairs: {} rewritten ({}), {} failed{}{}\n",
+            r.repaired,
+            format_bytes(r.repaired_bytes),
+            r.failed,
+            if pending > 0 {
+                format!(", {pending} pending")
+            } else {
+                String::new()
+            },
+            if by_member.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", by_member.join(", "))
+            }
+        )
+    }
+
     /// Member `member`'s index, or an error naming the members.
     fn member_index(&self, member: &str) -> Result<usize, String> {
         let names: Vec<String> = (0..self.health.n).map(|m| self.health.name(m)).collect();
@@ -1376,6 +1445,9 @@ pub struct StackQueue {
     replacing: Cell<bool>,
     /// Requests are counted in `gate` (the array's members can change).
     gated: bool,
+    /// Changes of data are counted in `gate` (a redundant layout: read repair waits for
+    /// those sent before it counts them per region).
+    gate_writes: bool,
     /// The health's epoch `opened` follows.
     epoch: Cell<u64>,
     /// Changes of data in flight, for a change of members to wait for.
@@ -1406,6 +1478,15 @@ const DIRECT: u64 = 1 << 62;
 /// Token bit of a request of a layout without copies sent whole to one member: the rest
 /// is its index in `lone` (`FLUSH_BATCH` has both bits).
 const LONE: u64 = 1 << 61;
+/// Token bit of the timer of a write waiting for a read repair's range (see
+/// [`StackQueue::park`]): the rest is the parent's index.
+const PARKED: u64 = 1 << 60;
+/// Where a request sent whole to one copy carries the copy in its token (below: the
+/// parent's index), so that its completion knows which copy answered.
+const COPY_SHIFT: u32 = 32;
+/// How long a write waits before it looks again whether a repair still holds its range
+/// (a repair holds it for one read and one write of the range).
+const PARK_NS: u64 = 100_000;
 
 impl StackQueue {
     /// The queue of member `m`.
@@ -1535,17 +1616,18 @@ impl StackQueue {
             marked: false,
             gate,
         });
-        self.send_direct(parent, &io, at);
+        self.send_direct(parent, &io, copy, at);
     }
 
-    /// Sends the whole request `io` of `parent` to `at` (member, member offset).
+    /// Sends the whole request `io` of `parent` to copy `copy`, at `at` (member, member
+    /// offset).
     #[inline(always)]
-    fn send_direct(&self, parent: u32, io: &Io, at: (usize, u64)) {
+    fn send_direct(&self, parent: u32, io: &Io, copy: usize, at: (usize, u64)) {
         let (member, member_offset) = at;
         self.member(member).submit(Io {
             offset: member_offset + self.data_offset,
             sink: self.sink.get(),
-            token: DIRECT | u64::from(parent),
+            token: DIRECT | ((copy as u64) << COPY_SHIFT) | u64::from(parent),
             ..*io
         });
     }
@@ -1841,8 +1923,13 @@ impl StackQueue {
         let copies = self.copies;
         // A request to an array whose members can change is counted in the gate, under
         // the epoch whose members it is sent to: a change of members waits until none
-        // sent under the old epoch is in flight.
-        let gate = if self.gated { self.enter_gate() } else { 0 };
+        // sent under the old epoch is in flight. Other redundant arrays count changes of
+        // data there (for read repair).
+        let gate = if self.gated || (self.gate_writes && io.op != Op::Read) {
+            self.enter_gate()
+        } else {
+            0
+        };
         // A read of a redundant layout that lands whole on one member goes to one copy.
         if copies > 1 && io.op == Op::Read && self.layout.piece_len(io.offset, io.len) == io.len {
             let n = self.next_copy.get();
@@ -1870,6 +1957,10 @@ impl StackQueue {
                 }
             }
         }
+        // A change of data while a rebuild runs (or read repairs are pending) is counted,
+        // so the rebuild can tell whether a region it copied was written meanwhile (and a
+        // repair can hold a range against writes).
+        let counted = io.op != Op::Read && self.health.sync.start(&io);
         let parent = self.state.borrow_mut().parents.insert(Parent {
             io,
             // One extra reference while children are being submitted, so that no child
@@ -1880,17 +1971,27 @@ impl StackQueue {
             start_ns,
             degraded: false,
             tried: 0,
-            // A change of data while a rebuild runs is counted, so the rebuild can tell
-            // whether a region it copied was written meanwhile.
-            counted: io.op != Op::Read && self.health.sync.start(&io),
+            counted,
             marked,
             gate,
         });
+        if counted && !unmarked && self.health.sync.held(&io) {
+            self.park(parent);
+            return;
+        }
+        self.send(parent, &io, unmarked);
+    }
+
+    /// Sends the pieces of `parent`'s request `io` to their members (none if `failed`:
+    /// it fails), and completes it through the FIFO if nothing was sent.
+    #[inline(always)]
+    fn send(&self, parent: u32, io: &Io, failed: bool) {
+        let io = *io;
         let copies = self.copies;
-        let mut missing = unmarked;
+        let mut missing = failed;
         match io.op {
             Op::Flush => unreachable!("flushes go through the batcher"),
-            _ if unmarked => {}
+            _ if failed => {}
             op => {
                 let mut at = io.offset;
                 while at < io.end() {
@@ -1967,6 +2068,74 @@ impl StackQueue {
         }
     }
 
+    /// A counted write to a range a read repair holds is not sent yet: it looks again on
+    /// a timer (the reactor goes on meanwhile), and is sent once the range is let go.
+    #[cold]
+    #[inline(never)]
+    fn park(&self, parent: u32) {
+        self.core.add_timer(
+            self.core.now_ns() + PARK_NS,
+            self.sink.get(),
+            PARKED | u64::from(parent),
+        );
+    }
+
+    /// The timer of a parked write: sends it if its range is let go.
+    #[cold]
+    #[inline(never)]
+    fn unpark(&self, parent: u32) {
+        let io = self.state.borrow().parents.get(parent).io;
+        if self.health.sync.held(&io) {
+            self.park(parent);
+        } else {
+            self.send(parent, &io, false);
+        }
+    }
+
+    /// A read of `len` bytes at `logical` failed on each copy in `tried` but the one on
+    /// member `good`, which answered: each is to be rewritten with good data, by the
+    /// array's repair thread (see [`repair`]). The client is answered meanwhile: the
+    /// repair reads the data again under a hold of the range, never from the client's
+    /// buffer, which the client owns again once answered.
+    #[cold]
+    #[inline(never)]
+    fn repair_later(&self, logical: u64, len: u64, tried: u32, good: usize) {
+        // An array examined only writes nothing; where the copies may differ (not
+        // resynced yet) the resync rewrites them from the copy reads come from.
+        if self.metadata.as_ref().is_some_and(|m| m.dry()) || self.health.one_copy_at(logical, len)
+        {
+            return;
+        }
+        for k in 0..self.copies {
+            if tried & (1 << k) == 0 {
+                continue;
+            }
+            let (m, at) = self.layout.locate(logical, k);
+            // A member failed meanwhile is not written (and never read) any more.
+            if m == good || !self.health.ok(m) {
+                continue;
+            }
+            let device = self.opened.borrow()[m].as_ref().map(|(d, _)| d.clone());
+            let Some(device) = device else {
+                continue;
+            };
+            let p = repair::Pending {
+                member: m,
+                device,
+                logical,
+                len,
+                at,
+            };
+            self.health.repairs.request(p, || repair::Job {
+                name: self.health.device.clone(),
+                layout: self.layout.clone(),
+                health: self.health.clone(),
+                metadata: self.metadata.clone(),
+                data_offset: self.data_offset,
+            });
+        }
+    }
+
     /// Counts a change of data in the gate under the epoch now (following it first if it
     /// moved): 1 + the epoch's parity.
     #[inline]
@@ -2009,11 +2178,16 @@ impl StackQueue {
             self.flush_done(status);
             return;
         }
+        if token & PARKED != 0 {
+            self.unpark((token & !PARKED) as u32);
+            return;
+        }
         if token & DIRECT != 0 {
             let index = (token & !DIRECT) as u32;
             if !status.is_ok() && self.copies > 1 {
                 // A read sent whole to one copy failed: try another; the client never
-                // sees the failure while a healthy copy remains.
+                // sees the failure while a healthy copy remains (and the copy that failed
+                // is rewritten once one answers: see `io_done`).
                 let (io, tried) = {
                     let st = self.state.borrow();
                     let p = st.parents.get(index);
@@ -2021,7 +2195,7 @@ impl StackQueue {
                 };
                 if let Some(k) = self.healthy_copy(io.offset, io.len, 0, tried) {
                     self.state.borrow_mut().parents.get_mut(index).tried |= 1 << k;
-                    self.send_direct(index, &io, self.layout.locate(io.offset, k));
+                    self.send_direct(index, &io, k, self.layout.locate(io.offset, k));
                     return;
                 }
             }
@@ -2078,6 +2252,10 @@ impl StackQueue {
             } else if p.status.is_ok() {
                 p.status = status;
             }
+        } else if child.tried & child.tried.wrapping_sub(1) != 0 {
+            // A piece read from another copy after one failed (only reads are retried):
+            // the copies that failed are rewritten.
+            self.repair_later(child.logical, child.len, child.tried, child.member as usize);
         }
         let done = {
             let mut st = self.state.borrow_mut();
@@ -2120,6 +2298,13 @@ impl Sink for StackQueue {
                 .remove((token & !DIRECT) as u32);
             self.leave_gate(&p);
             self.answer(&p, status);
+            if p.tried & p.tried.wrapping_sub(1) != 0 {
+                // Answered by a copy tried after others failed (only reads are retried):
+                // those are rewritten, after the client has its data.
+                let copy = ((token >> COPY_SHIFT) & (COPIES_MAX as u64 - 1)) as usize;
+                let good = self.layout.locate(p.io.offset, copy).0;
+                self.repair_later(p.io.offset, p.io.len, p.tried, good);
+            }
             return;
         }
         self.io_done_other(token, status);

@@ -10,13 +10,16 @@
 //! write, so writes are counted per region while a rebuild runs ([`WriteCounts`]): the
 //! rebuild copies a batch only when no write to its regions is in flight, and copies it
 //! again if one started before it finished. Counting costs two atomic additions per
-//! write, and only while a rebuild runs.
+//! write, and only while a rebuild runs (or a read repair is pending, see [`super::repair`],
+//! which uses the same counts to hold a range against writes).
 //!
 //! Progress (bytes done, rate, time left) is logged; each member's checkpoint goes to the
 //! superblocks every [`CHECKPOINT_BYTES`], so a rebuild interrupted by a stop resumes
 //! from there.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
+use std::sync::atomic::{
+    AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed, Ordering::SeqCst,
+};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -36,9 +39,16 @@ const BATCH_BYTES: u64 = 8 << 20;
 /// How often the checkpoint goes to the superblocks.
 const CHECKPOINT_BYTES: u64 = 256 << 20;
 
-/// Writes started and finished per region, while a rebuild runs; and its progress.
+/// Why writes are counted: a rebuild or resync runs.
+const BY_REBUILD: u8 = 1;
+/// Why writes are counted: read repairs are pending.
+const BY_REPAIR: u8 = 2;
+
+/// Writes started and finished per region, while a rebuild runs or read repairs are
+/// pending; the ranges repairs hold; and the rebuild's progress.
 pub(super) struct WriteCounts {
-    on: AtomicBool,
+    /// Who wants writes counted ([`BY_REBUILD`], [`BY_REPAIR`]); none: no counting.
+    on: AtomicU8,
     /// Logical bytes done, of `total`, at `rate` bytes a second (for `status`).
     pub(super) done_bytes: AtomicU64,
     pub(super) total_bytes: AtomicU64,
@@ -54,12 +64,15 @@ pub(super) struct WriteCounts {
     clients: AtomicU64,
     started: Box<[AtomicU64]>,
     finished: Box<[AtomicU64]>,
+    /// Per slot: read repairs writing there now; a counted write that finds its slot held
+    /// waits (see [`WriteCounts::hold`]).
+    held: Box<[AtomicU32]>,
 }
 
 impl WriteCounts {
     pub(super) fn new() -> WriteCounts {
         WriteCounts {
-            on: AtomicBool::new(false),
+            on: AtomicU8::new(0),
             done_bytes: AtomicU64::new(0),
             total_bytes: AtomicU64::new(0),
             rate: AtomicU64::new(0),
@@ -70,32 +83,46 @@ impl WriteCounts {
             clients: AtomicU64::new(0),
             started: (0..SLOTS).map(|_| AtomicU64::new(0)).collect(),
             finished: (0..SLOTS).map(|_| AtomicU64::new(0)).collect(),
+            held: (0..SLOTS).map(|_| AtomicU32::new(0)).collect(),
         }
     }
 
     /// Counts a client request, if a rebuild runs.
     #[inline]
     pub(super) fn client(&self, _io: &Io) {
-        if self.on.load(Relaxed) {
+        if self.on.load(Relaxed) & BY_REBUILD != 0 {
             self.clients.fetch_add(1, Relaxed);
         }
     }
 
-    /// Starts counting (before the rebuild starts and before any queue exists).
+    /// Starts counting for a rebuild (before the rebuild starts; writes already in
+    /// flight must be waited for, see [`Health::switch`]).
     pub(super) fn on_now(&self) {
-        self.on.store(true, SeqCst);
+        self.on.fetch_or(BY_REBUILD, SeqCst);
     }
 
-    /// Stops counting (no rebuild runs).
+    /// Stops counting for a rebuild (no rebuild runs).
     pub(super) fn off(&self) {
-        self.on.store(false, SeqCst);
+        self.on.fetch_and(!BY_REBUILD, SeqCst);
     }
 
-    /// Counts a write that starts, if a rebuild runs; whether it was counted (its end
-    /// must then be counted with [`WriteCounts::done`]).
+    /// Starts counting for read repairs (writes already in flight must be waited for
+    /// before a range is held, even if a rebuild counts: it may have just started).
+    pub(super) fn repairs_on(&self) {
+        self.on.fetch_or(BY_REPAIR, SeqCst);
+    }
+
+    /// Stops counting for read repairs (none is pending).
+    pub(super) fn repairs_off(&self) {
+        self.on.fetch_and(!BY_REPAIR, SeqCst);
+    }
+
+    /// Counts a write that starts, if a rebuild runs or repairs are pending; whether it
+    /// was counted (its end must then be counted with [`WriteCounts::done`], and it must
+    /// not be sent while [`WriteCounts::held`]).
     #[inline]
     pub(super) fn start(&self, io: &Io) -> bool {
-        if !self.on.load(Relaxed) {
+        if self.on.load(Relaxed) == 0 {
             return false;
         }
         for s in slots(io.offset, io.len) {
@@ -127,7 +154,41 @@ impl WriteCounts {
 
     /// Whether a rebuild or resync runs.
     pub(super) fn running(&self) -> bool {
-        self.on.load(Relaxed)
+        self.on.load(Relaxed) & BY_REBUILD != 0
+    }
+
+    /// Whether a read repair holds a slot of the counted write `io`: it must wait (and
+    /// look again) before it is sent. Looked at after [`WriteCounts::start`] counted it:
+    /// a repair that holds the slot after this look sees the write in flight and lets go.
+    #[inline]
+    pub(super) fn held(&self, io: &Io) -> bool {
+        slots(io.offset, io.len).any(|s| self.held[s].load(SeqCst) != 0)
+    }
+
+    /// Holds the slots of `[offset, offset + len)` for a read repair, if no counted write
+    /// to them is in flight; false (nothing held) if one is.
+    ///
+    /// Both sides count first and look second, in one total order (SeqCst): a write
+    /// counted before the hold is seen here (and the hold let go), and one counted after
+    /// sees the hold and waits until [`WriteCounts::release`]. So while the range is
+    /// held, no counted write to it is in flight on any queue, and none is sent.
+    pub(super) fn hold(&self, offset: u64, len: u64) -> bool {
+        for s in slots(offset, len) {
+            self.held[s].fetch_add(1, SeqCst);
+        }
+        let quiet = slots(offset, len)
+            .all(|s| self.started[s].load(SeqCst) == self.finished[s].load(SeqCst));
+        if !quiet {
+            self.release(offset, len);
+        }
+        quiet
+    }
+
+    /// Lets go of what [`WriteCounts::hold`] held.
+    pub(super) fn release(&self, offset: u64, len: u64) {
+        for s in slots(offset, len) {
+            self.held[s].fetch_sub(1, SeqCst);
+        }
     }
 
     /// Whether no write started on the slots since `snap` was taken.
@@ -170,7 +231,7 @@ pub(super) fn needed(health: &Health, states: &[MemberState]) -> bool {
 pub(super) fn run(job: Job) {
     let health = job.health.clone();
     run_to_end(job);
-    health.sync.on.store(false, Relaxed);
+    health.sync.off();
 }
 
 fn run_to_end(job: Job) {
@@ -742,5 +803,57 @@ pub(super) fn clear_bits(job: Clearing) {
             continue;
         }
         job.metadata.clear_idle(&idle, &prev);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cairn_core::SinkId;
+
+    fn write(offset: u64, len: u64) -> Io {
+        Io {
+            op: Op::Write,
+            flags: IoFlags::NONE,
+            offset,
+            len,
+            buf: std::ptr::null_mut(),
+            sink: SinkId(0),
+            token: 0,
+        }
+    }
+
+    /// A repair's hold and a counted write exclude each other, whichever comes first;
+    /// writes elsewhere are neither seen nor held.
+    #[test]
+    fn a_hold_and_a_counted_write_exclude_each_other() {
+        let w = WriteCounts::new();
+        let near = write(REGION_BYTES + 4096, 4096);
+        // Not counting: writes are not counted, and nothing is held.
+        assert!(!w.start(&near));
+        w.repairs_on();
+        assert!(!w.running(), "repairs are not a rebuild");
+        // A write in flight: the range cannot be held.
+        assert!(w.start(&near));
+        assert!(!w.hold(REGION_BYTES, 8192));
+        assert!(!w.held(&near), "a hold that failed holds nothing");
+        w.done(&near);
+        // Held first: a write counted after sees it and must wait.
+        assert!(w.hold(REGION_BYTES, 8192));
+        assert!(w.start(&near));
+        assert!(w.held(&near));
+        let far = write(8 * REGION_BYTES, 4096);
+        assert!(w.start(&far));
+        assert!(!w.held(&far));
+        w.done(&far);
+        w.release(REGION_BYTES, 8192);
+        assert!(!w.held(&near));
+        // The waiting write is in flight now: no new hold until it ends.
+        assert!(!w.hold(REGION_BYTES, 8192));
+        w.done(&near);
+        assert!(w.hold(REGION_BYTES, 8192));
+        w.release(REGION_BYTES, 8192);
+        w.repairs_off();
+        assert!(!w.start(&near));
     }
 }
