@@ -378,7 +378,8 @@ pub struct ServeArgs {
     /// make room if it has been idle for --idle-timeout; else the new one is refused.
     #[arg(long, value_name = "N", default_value_t = 32)]
     pub max_connections_per_address: usize,
-    /// A connection with nothing at the device and no byte moved for this long is idle:
+    /// A connection with nothing at the device that sent no new request and had none
+    /// answered for this long is idle (bytes trickled within a request do not count):
     /// it gives up its slot to a new client that needs it (and, with --idle-close, is
     /// closed at once). 0: never.
     #[arg(long, value_name = "TIME", default_value = "5m")]

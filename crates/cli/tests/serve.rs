@@ -6219,15 +6219,33 @@ mod hostile {
         let (mut idle, _, _) = Raw::go(&srv.sock, "");
         let (mut busy, _, _) = Raw::go(&srv.sock, "");
         let (mut chatty, _, _) = Raw::go(&srv.sock, "");
+        // Sends a write's header, then its payload a byte every 100 ms: never idle by
+        // bytes moved, but no request arrives or ends.
+        let (mut trickle, _, _) = Raw::go(&srv.sock, "");
+        trickle.send(&header(0, CMD_WRITE, 7, 8192, 4096)).unwrap();
         let data = random_bytes(4096, 13);
         busy.request(0, CMD_WRITE, 1, 0, 4096, &data).unwrap();
+        let mut trickled = 0;
         for i in 0..20 {
             chatty.read_ok(100 + i, 0, 4096);
+            // Fails once the server closed it; the check is below.
+            if trickle.send(&[0x5a]).is_ok() {
+                trickled += 1;
+            }
             std::thread::sleep(Duration::from_millis(100));
         }
+        // Closed about 1 s in, while it still trickled (at 2 s the loop ends).
+        assert!(
+            (5..20).contains(&trickled),
+            "the trickling client sent {trickled} of 20 bytes before it was closed"
+        );
         assert_closed(
             &mut idle,
             "a connection idle past --idle-timeout with --idle-close",
+        );
+        assert_closed(
+            &mut trickle,
+            "a connection trickling one request's payload past --idle-timeout",
         );
         // The write at the device for 2.5 s kept its connection.
         busy.expect(1, 0);

@@ -292,6 +292,10 @@ struct ConnState {
     reqs: Vec<Req>,
     free_reqs: Vec<u32>,
     in_flight: u32,
+    /// When the client last made progress (cached clock): a request arrived (its header)
+    /// or ended at the device. Idle time counts from it, so bytes trickled in the middle
+    /// of a request, or a reply read a byte at a time, do not keep a connection busy.
+    progress_ns: u64,
     pool: BufPool,
     out: VecDeque<Seg>,
     /// Bytes of the front segment already sent.
@@ -595,6 +599,7 @@ impl ServerLoop {
                 reqs: Vec::with_capacity(MAX_PENDING),
                 free_reqs: Vec::with_capacity(MAX_PENDING),
                 in_flight: 0,
+                progress_ns: self.core.now_ns(),
                 pool: BufPool::new(self.mem.clone(), self.limits.buffer_bytes, id),
                 out,
                 out_sent: 0,
@@ -906,6 +911,7 @@ impl ServerLoop {
         // A request parsed again after waiting for a buffer was counted the first time.
         if !std::mem::take(&mut st.recounted) {
             conn.info.request(r.command, r.len);
+            st.progress_ns = self.core.now_ns();
         }
         let info = &self.exports[conn.export].info;
         // A write's length is its payload's. With extended headers another command has a
@@ -1889,12 +1895,11 @@ impl ServerLoop {
         st.dirty = false;
         let fd = conn.fd.as_raw_fd();
         // What the idle timeout sees: busy while requests are at the device, else idle
-        // from the last thing that happened (this call follows every byte moved and every
-        // request ended). Waiting for memory is busy too, unless replies wait that the
-        // client does not read: such a connection is closed when others wait for memory.
+        // from the client's last progress (a request that arrived or ended). Waiting for
+        // memory is busy too, unless replies wait that the client does not read: such a
+        // connection is closed when others wait for memory.
         let waits = st.mem_wait && !st.output_pending();
-        conn.info
-            .active(st.in_flight > 0 || waits, self.core.now_ns());
+        conn.info.active(st.in_flight > 0 || waits, st.progress_ns);
         conn.info.holding(st.pool.outstanding());
         let finished = st.in_flight == 0 && !st.output_pending() && !self.awaiting_flush(&st);
         if st.dead || (st.eof && finished) {
@@ -2188,6 +2193,7 @@ impl Sink for ServerLoop {
         let resubmit = {
             let mut st = conn.st.borrow_mut();
             st.in_flight -= 1;
+            st.progress_ns = self.core.now_ns();
             if index == SHUTDOWN_FLUSH {
                 st.shutdown_flush = ShutdownFlush::Done;
                 if !status.is_ok() {

@@ -148,7 +148,7 @@ pub struct ConnInfo {
     /// The reactor that serves it, and its slot there.
     pub(crate) reactor: usize,
     pub(crate) slot: u32,
-    /// When it last did anything (a byte moved, a request ended), in monotonic
+    /// When its client last made progress (a request arrived or ended), in monotonic
     /// nanoseconds; `BUSY` while requests of it are at the device. Written by its reactor
     /// only when the value changes.
     active_ns: AtomicU64,
@@ -262,10 +262,11 @@ impl ConnInfo {
     }
 
     /// Notes what the connection is doing (called by its reactor when something
-    /// happened): `busy` while requests are at the device, else idle since `now_ns`.
+    /// happened): `busy` while requests are at the device, else idle since `since_ns`
+    /// (its client's last progress).
     #[inline]
-    pub(crate) fn active(&self, busy: bool, now_ns: u64) {
-        let v = if busy { BUSY } else { now_ns };
+    pub(crate) fn active(&self, busy: bool, since_ns: u64) {
+        let v = if busy { BUSY } else { since_ns };
         if self.active_ns.load(Relaxed) != v {
             self.active_ns.store(v, Relaxed);
         }
@@ -284,8 +285,9 @@ impl ConnInfo {
         self.held.load(Relaxed)
     }
 
-    /// How long it has been idle at `now_ns` (monotonic): nothing at the device, no byte
-    /// moved either way, no request ended. `None` while busy.
+    /// How long it has been idle at `now_ns` (monotonic): nothing at the device, and no
+    /// request arrived or ended (bytes trickled within a request do not count). `None`
+    /// while busy.
     pub fn idle_for(&self, now_ns: u64) -> Option<std::time::Duration> {
         let a = self.active_ns.load(Relaxed);
         (a != BUSY).then(|| std::time::Duration::from_nanos(now_ns.saturating_sub(a)))

@@ -85,7 +85,8 @@ pub struct Config {
     pub max_connections: usize,
     /// Connections served at once per client address (TCP) or user (Unix socket).
     pub max_connections_per_address: usize,
-    /// A connection idle this long (nothing at the device, no byte moved) may be closed:
+    /// A connection idle this long (nothing at the device, no request arrived or ended)
+    /// may be closed:
     /// when its slot is needed, or at once with `idle_close`. `None`: never.
     pub idle_timeout: Option<Duration>,
     /// Close connections as soon as they are idle for `idle_timeout`, rather than only
