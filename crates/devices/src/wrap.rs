@@ -223,7 +223,7 @@ impl Policy for Faults {
             out += &format!(", in sectors {a}..{b}");
         }
         if let Some(n) = self.rule.times {
-            out += &format!(", at most {n} times");
+            out += &format!(", at most {n} time{}", if n == 1 { "" } else { "s" });
         }
         if self.rule.power_cut {
             out += ", by cutting the power (once)";
