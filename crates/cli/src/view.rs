@@ -168,6 +168,7 @@ pub fn exports_text(view: &View) -> String {
         return out;
     }
     out += "exports:\n";
+    let now = cairn_core::clock::monotonic_ns();
     for e in view.exports() {
         let mine: Vec<_> = conns.iter().filter(|c| c.export == e.name).collect();
         out += &format!(
@@ -189,7 +190,6 @@ pub fn exports_text(view: &View) -> String {
                 f.errors
             );
         }
-        let now = cairn_core::clock::monotonic_ns();
         for c in mine {
             let f = c.figures();
             out += &format!(

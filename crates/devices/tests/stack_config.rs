@@ -152,6 +152,17 @@ mod parses {
     }
 
     #[test]
+    fn a_fault_with_a_bad_times_names_the_key() {
+        for value in ["-1", "\"once\"", "1.5"] {
+            let text = format!(
+                "{}[device.bad]\ntype = \"fault\"\nbase = \"d0\"\ntimes = {value}\n",
+                mem("d0")
+            );
+            assert_names(&parse_err(&text), "bad", "times");
+        }
+    }
+
+    #[test]
     fn a_writeback_table() {
         let text = format!(
             "[writeback]\nbackground = \"10%\"\nlimit = \"64M\"\nexpire = \"2s\"\n\n{}",
