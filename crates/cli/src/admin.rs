@@ -191,7 +191,7 @@ fn status_text(view: &View) -> String {
     out += &view::exports_text(view);
     let arrays: Vec<String> = all.iter().filter_map(|(_, d)| d.array_status()).collect();
     if arrays.is_empty() {
-        out += "no array keeps metadata (add metadata = \"1\" to a mirror or raid10)\n";
+        out += "no array keeps metadata\n";
     } else {
         out += &arrays.concat();
     }

@@ -402,7 +402,10 @@ fn add_and_replace_refuse_bad_devices_and_change_nothing() {
             vec!["add", "m", "null:64M"],
             "does not keep what is written",
         ),
-        (vec!["add", "m", &file("junk.img")], "not blank"),
+        (
+            vec!["add", "m", &file("junk.img")],
+            "holds data but no superblock",
+        ),
         (
             vec!["replace", "m", "zz", &big("c.img")],
             "has no member 'zz'",
@@ -416,7 +419,10 @@ fn add_and_replace_refuse_bad_devices_and_change_nothing() {
             "no such file",
         ),
         (vec!["replace", "m", "a", "mem:8M"], "needs at least"),
-        (vec!["replace", "m", "a", &file("junk.img")], "not blank"),
+        (
+            vec!["replace", "m", "a", &file("junk.img")],
+            "holds data but no superblock",
+        ),
         (
             vec!["replace", "m", "a", &file("x.img")],
             "member of another array ('o'",

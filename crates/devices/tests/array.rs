@@ -151,7 +151,10 @@ fn members_that_do_not_belong_are_refused_naming_them() {
     std::fs::write(p("b.img"), vec![0x5a; 8 << 20]).expect("scribble");
     let before = std::fs::read(p("b.img")).expect("read");
     let e = open(&mirror("a", "b"), "m").err().expect("refused");
-    assert!(e.contains("'b'") && e.contains("not blank"), "{e}");
+    assert!(
+        e.contains("'b'") && e.contains("holds data but no cairn superblock"),
+        "{e}"
+    );
     assert!(
         std::fs::read(p("b.img")).expect("read") == before,
         "untouched"
@@ -175,10 +178,76 @@ fn a_missing_member_starts_degraded_on_purpose() {
     drop(m);
     assert!(read_all(&open(&text, "m").expect("again")) == pattern(5, size));
     // Without metadata, or in a stripe, `missing` is refused when the file is read.
-    let e = StackFile::parse(&text.replace("metadata = \"1\"\n", ""))
+    let e = StackFile::parse(&text.replace("metadata = \"1\"\n", "metadata = \"none\"\n"))
         .expect_err("refused")
         .to_string();
     assert!(e.contains("'m'") && e.contains("missing"), "{e}");
+}
+
+/// Superblocks are the default: a stack file without `metadata` that names members
+/// holding data but no superblock (a raw array's, written before superblocks were the
+/// default, or another program's) is refused naming the member and the way out, and
+/// nothing is written; `metadata = "none"` serves them as they are.
+#[test]
+fn members_holding_data_are_refused_at_the_default() {
+    let dir = tempfile::tempdir().expect("a directory");
+    let (a, b) = (dir.path().join("a.img"), dir.path().join("b.img"));
+    let raw = format!(
+        "{}{}[device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"b\"]\nmetadata = \"none\"\n",
+        file("a", &a),
+        file("b", &b)
+    );
+    let m = open(&raw, "m").expect("a raw mirror");
+    let size = m.geometry().size_bytes as usize;
+    assert_eq!(size as u64, 8 * MIB, "raw: no metadata area");
+    queue(&m)
+        .write(0, &pattern(7, size), IoFlags::NONE)
+        .expect("write");
+    drop(m);
+    let default = raw.replace("metadata = \"none\"\n", "");
+    let images = || (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+    let before = images();
+    let Err(e) = open(&default, "m") else {
+        panic!("members holding data were taken at the default")
+    };
+    assert!(
+        e.contains("member 'a' holds data but no cairn superblock")
+            && e.contains("non-zero bytes at offset 0")
+            && e.contains("add metadata = \"none\" to [device.m]"),
+        "{e}"
+    );
+    assert!(images() == before, "a refused start changed a member");
+    // Asked for by name, the raw layout serves the data as it is.
+    assert!(read_all(&open(&raw, "m").expect("raw again")) == pattern(7, size));
+
+    // Data past the first MiB, on a member whose first MiB is zeros, is found too (the
+    // allocation map shows where to look); a sparse new member is blank.
+    let (c, d) = (dir.path().join("c.img"), dir.path().join("d.img"));
+    let mut img = vec![0u8; 8 << 20];
+    img[(3 << 20) + 17] = 1;
+    std::fs::write(&c, &img).expect("c");
+    let text = format!(
+        "{}{}[device.m]\ntype = \"mirror\"\nmembers = [\"d\", \"c\"]\n",
+        file("c", &c),
+        file("d", &d)
+    );
+    let Err(e) = open(&text, "m") else {
+        panic!("a member holding data past its first MiB was taken")
+    };
+    assert!(
+        e.contains("member 'c' holds data") && e.contains(&format!("offset {}", (3 << 20) + 17)),
+        "{e}"
+    );
+    assert!(std::fs::read(&c).unwrap() == img, "c changed");
+    assert!(
+        std::fs::read(&d).unwrap().iter().all(|&x| x == 0),
+        "d was written"
+    );
+    // Zeroed, c is blank: the array is created with superblocks (data after 1 MiB).
+    std::fs::write(&c, vec![0u8; 8 << 20]).expect("zero c");
+    let m = open(&text, "m").expect("created");
+    assert_eq!(m.geometry().size_bytes, 8 * MIB - MIB);
+    assert!(m.array_status().is_some(), "superblocks by default");
 }
 
 /// `cairn check` examines arrays and writes nothing: blank members stay blank, and an
@@ -236,6 +305,59 @@ fn a_failure_is_on_disk_before_the_write_that_found_it_completes() {
     assert_eq!(sb.roles[0].state, MemberState::Failed, "{sb:?}");
     assert_eq!(sb.roles[1].state, MemberState::Active);
     assert!(!sb.clean());
+    drop(q);
+    drop(m);
+}
+
+/// A member failed because its superblock could not be written (its first 4 KiB refuse
+/// writes: slot 0) is out of reads and writes at once, and every view says so.
+#[test]
+fn a_member_whose_superblock_fails_is_out_of_reads_and_writes() {
+    let dir = tempfile::tempdir().expect("a directory");
+    let (a, b) = (dir.path().join("a.img"), dir.path().join("b.img"));
+    let text = format!(
+        "{}{}[device.fa]\ntype = \"fault\"\nbase = \"a\"\nfail = [\"write\"]\nsectors = [0, 8]\n\n\
+         [device.m]\ntype = \"mirror\"\nmembers = [\"fa\", \"b\"]\n",
+        file("a", &a),
+        file("b", &b)
+    );
+    let m = open(&text, "m").expect("open the mirror (slot 1 takes the first superblock)");
+    assert!(m.failed_members().is_empty());
+    let size = m.geometry().size_bytes as usize;
+    let q = queue(&m);
+    // The first write dirties a bitmap region: the superblocks are written again, to slot
+    // 0, which fa refuses. The write itself goes on.
+    q.write(0, &pattern(1, size), IoFlags::NONE)
+        .expect("written (to b at least)");
+    assert_eq!(m.failed_members(), vec!["fa".to_string()]);
+    let status = m.array_status().expect("an array with metadata");
+    assert!(
+        status.contains("[_U]") && status.contains("degraded") && status.contains("fa failed"),
+        "{status}"
+    );
+    assert!(
+        m.describe().contains("degraded: fa failed"),
+        "{}",
+        m.describe()
+    );
+    // Nothing more reaches fa: a second pass leaves a.img's data area as the first left it.
+    let data_offset = 1 << 20;
+    let before = std::fs::read(&a).expect("read a")[data_offset..].to_vec();
+    q.write(0, &pattern(2, size), IoFlags::NONE)
+        .expect("second pass");
+    q.flush().expect("flush");
+    let after = std::fs::read(&a).expect("read a")[data_offset..].to_vec();
+    assert!(before == after, "a write reached the failed member");
+    // Nor is anything read from it: whatever it holds, reads return the second pass.
+    std::fs::write(&a, vec![0xeeu8; 8 << 20]).expect("scribble over a");
+    assert!(
+        read_all(&m) == pattern(2, size),
+        "a read went to the failed member"
+    );
+    assert!(
+        read_all(&m) == pattern(2, size),
+        "a read went to the failed member"
+    );
     drop(q);
     drop(m);
 }
@@ -725,7 +847,7 @@ fn damaged_superblocks_fall_back_or_are_refused_cleanly() {
     type Damage = Box<dyn Fn(&mut Vec<u8>)>;
     let damages: Vec<(&str, Damage)> = vec![
         (
-            "not blank and holds no cairn superblock",
+            "holds data but no cairn superblock",
             Box::new(|img: &mut Vec<u8>| {
                 img[100] ^= 0x40;
                 img[SLOT_BYTES + 100] ^= 0x40;
@@ -739,7 +861,7 @@ fn damaged_superblocks_fall_back_or_are_refused_cleanly() {
             "different arrays",
             Box::new(|img: &mut Vec<u8>| {
                 use cairn_devices::array::superblock::{pick, Found};
-                let Found::Valid { mut sb, slot } = pick(&img[..2 * SLOT_BYTES]) else {
+                let Found::Valid { mut sb, slot, .. } = pick(&img[..2 * SLOT_BYTES]) else {
                     panic!("no superblock")
                 };
                 sb.array_uuid = [0x5a; 16];

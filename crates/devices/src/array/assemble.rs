@@ -7,7 +7,9 @@
 //! - Every member blank (or named `missing`): a new array is created.
 //! - Otherwise the members' superblocks must agree: one array UUID, the layout the stack
 //!   file gives, each member at the position its superblock records, no member twice.
-//!   A member that is not blank and has no valid superblock is foreign and refused.
+//!   A member that holds data (its metadata area is not all zeros, or what its
+//!   allocation map shows allocated is not) and has no valid superblock is foreign and
+//!   refused: it may be a raw array's member or another program's disk.
 //! - The superblock with the highest event count is the array's record. A member is read
 //!   only if that record has it active and its own superblock is as new; a member that is
 //!   behind, marked failed or missing, or blank (a replacement) is written to but not
@@ -93,8 +95,10 @@ pub fn plan(
     for (i, s) in seen.iter().enumerate() {
         if let Seen::Foreign(why) = s {
             return Err(format!(
-                "device '{name}': member '{}' is not blank and holds no cairn superblock ({why}); \
-                 it may be another array's or hold data: clear its first 16 KiB to use it",
+                "device '{name}': member '{}' holds data but no cairn superblock ({why}); nothing was written. \
+                 If it is raw data meant to be used as it is (an array made before superblocks were the default, \
+                 or by another program), add metadata = \"none\" to [device.{name}]; to make a new array of it instead, \
+                 zero it first (a new file, or blkdiscard -z for a disk)",
                 expect.members[i]
             ));
         }
@@ -494,7 +498,10 @@ mod tests {
             counter(),
         )
         .unwrap_err();
-        assert!(err.contains("'b'") && err.contains("not blank"), "{err}");
+        assert!(
+            err.contains("'b'") && err.contains("holds data but no cairn superblock"),
+            "{err}"
+        );
         // Swapped.
         let seen = [Seen::Valid(sb(&e, &p, 1, 3)), Seen::Valid(sb(&e, &p, 0, 3))];
         let err = plan(&e, &seen, 6, counter()).unwrap_err();

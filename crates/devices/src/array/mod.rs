@@ -30,7 +30,9 @@ use cairn_core::{Device, Error, IoFlags, Switches};
 
 use assemble::{Expect, Part, Plan, Seen};
 use bitmap::Bitmap;
-use superblock::{Found, MemberState, Role, Superblock, DATA_OFFSET_MIN, SLOTS, SLOT_BYTES};
+use superblock::{
+    Found, Invalid, MemberState, Role, Superblock, DATA_OFFSET_MIN, SLOTS, SLOT_BYTES,
+};
 
 /// What the members hold, read when the array opens: the plan, where data starts and how
 /// much of each member is data.
@@ -85,16 +87,41 @@ pub fn examine(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Result<E
             ))
         })?;
         match superblock::pick(&area) {
-            Found::Blank => {
-                seen.push(Seen::Blank);
-                generations.push(0);
-            }
-            Found::Valid { sb, .. } => {
+            Found::Blank => match data_found(&q, device, &area)? {
+                None => {
+                    seen.push(Seen::Blank);
+                    generations.push(0);
+                }
+                Some(why) => {
+                    seen.push(Seen::Foreign(why));
+                    generations.push(0);
+                }
+            },
+            Found::Valid { sb, slot, damaged } => {
+                if let Some(why) = damaged {
+                    log::warn!(
+                        "cairn: {name}: member '{member}': superblock slot {} is damaged ({why}); \
+                         slot {slot} (generation {}) is used, and the next superblock write replaces the damaged one",
+                        1 - slot,
+                        sb.generation
+                    );
+                }
                 generations.push(sb.generation);
                 seen.push(Seen::Valid(sb));
             }
             Found::Foreign { first, second } => {
-                seen.push(Seen::Foreign(format!("slot 0: {first}; slot 1: {second}")));
+                let why = if first == Invalid::Magic && second == Invalid::Magic
+                    || first == Invalid::Magic && second == Invalid::Blank
+                    || first == Invalid::Blank && second == Invalid::Magic
+                {
+                    first_nonzero(&area).map_or_else(
+                        || "no cairn superblock".to_string(),
+                        |at| format!("non-zero bytes at offset {at}"),
+                    )
+                } else {
+                    format!("superblock slot 0: {first}; slot 1: {second}")
+                };
+                seen.push(Seen::Foreign(why));
                 generations.push(0);
             }
         }
@@ -225,7 +252,13 @@ pub struct Metadata {
     /// The array was not stopped cleanly: its copies may differ until resynced.
     resync_pending: std::sync::atomic::AtomicBool,
     state: Mutex<MetaState>,
+    /// Told of every member a superblock write failed, so that the array's I/O path
+    /// stops reading and writing it at once (set by the array when it starts).
+    on_fail: std::sync::OnceLock<FailHook>,
 }
+
+/// What [`Metadata::set_on_fail`] installs: called with a member's position.
+pub type FailHook = Box<dyn Fn(usize) + Send + Sync>;
 
 struct MetaState {
     events: u64,
@@ -322,6 +355,7 @@ impl Metadata {
             dry,
             writing: Mutex::new(()),
             resync_pending: std::sync::atomic::AtomicBool::new(resync_pending),
+            on_fail: std::sync::OnceLock::new(),
             state: Mutex::new(MetaState {
                 events: examined.plan.events,
                 events_cleared,
@@ -337,6 +371,12 @@ impl Metadata {
             meta.write(false)?;
         }
         Ok(meta)
+    }
+
+    /// Installs what is told of members failed because their superblock could not be
+    /// written (once; later calls are ignored).
+    pub fn set_on_fail(&self, hook: FailHook) {
+        let _ = self.on_fail.set(hook);
     }
 
     fn writing(&self) -> std::sync::MutexGuard<'_, ()> {
@@ -642,9 +682,15 @@ impl Metadata {
     /// array (a member that left, added back). Anything else could be someone's data.
     pub fn may_join(&self, device: &Arc<dyn Device>, name: &str) -> Result<(), String> {
         let (q, area) = self.read_area(device, name)?;
-        let wipe = "clear its first 16 KiB (dd if=/dev/zero of=FILE bs=16K count=1 conv=notrunc) to use it";
+        let wipe = "zero it first to use it (a new file, or blkdiscard -z for a disk)";
         match superblock::pick(&area) {
-            Found::Blank => {}
+            Found::Blank => {
+                if let Some(why) = data_found(&q, device, &area).map_err(|e| e.to_string())? {
+                    return Err(format!(
+                        "'{name}' holds data but no superblock of this array ({why}; it may be someone's data): {wipe}"
+                    ));
+                }
+            }
             Found::Valid { sb, .. } if sb.array_uuid == self.array_uuid => {}
             // Refused before anything is written to it.
             Found::Valid { sb, .. } => {
@@ -656,7 +702,7 @@ impl Metadata {
             }
             Found::Foreign { .. } => {
                 return Err(format!(
-                    "'{name}' is not blank and holds no superblock of this array (it may hold someone's data): {wipe}"
+                    "'{name}' holds data but no superblock of this array (it may be someone's data): {wipe}"
                 ))
             }
         }
@@ -813,13 +859,22 @@ impl Metadata {
             }
             // A member failed: a state change.
             bump = true;
-            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-            for i in failed {
-                st.parts[i].state = MemberState::Failed;
-                log::error!(
-                    "cairn: {}: member '{}' failed (its superblock could not be written); running degraded",
-                    self.expect.name, st.names[i]
-                );
+            {
+                let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                for &i in &failed {
+                    st.parts[i].state = MemberState::Failed;
+                    log::error!(
+                        "cairn: {}: member '{}' failed (its superblock could not be written); running degraded",
+                        self.expect.name, st.names[i]
+                    );
+                }
+            }
+            // Out of reads and writes before the superblocks that record it are written,
+            // and before whatever waits on this write goes on.
+            if let Some(hook) = self.on_fail.get() {
+                for &i in &failed {
+                    hook(i);
+                }
             }
         }
         Ok(())
@@ -909,6 +964,83 @@ impl Metadata {
         }
         Ok(failed)
     }
+}
+
+/// Most bytes of a blank-looking member's allocated data read to find out whether it holds
+/// data (its metadata area is always read whole).
+const DATA_SCAN_BYTES_MAX: u64 = 64 << 20;
+
+/// Whether a member whose superblock slots are blank holds data all the same (a raw
+/// array's member, a disk another program wrote): the first non-zero byte found in its
+/// metadata area, or in what its allocation map shows allocated after it, read up to
+/// [`DATA_SCAN_BYTES_MAX`] bytes (a sparse new file reads nothing more; a block device,
+/// which shows all of itself allocated, its first 64 MiB). `None`: blank as far as read.
+/// File systems, partition tables and volume managers put their signatures in the first
+/// MiB, which is always read. `slots` is the member's first [`SLOTS`] slots, read already.
+fn data_found(
+    q: &BlockingQueue,
+    device: &Arc<dyn Device>,
+    slots: &[u8],
+) -> Result<Option<String>, Error> {
+    let size = device.geometry().size_bytes;
+    let found = |at: u64| {
+        Ok(Some(format!(
+            "no superblock, and non-zero bytes at offset {at}"
+        )))
+    };
+    if let Some(at) = first_nonzero(slots) {
+        return found(at);
+    }
+    let mut buf = vec![0u8; 1 << 20];
+    let mut read_range = |from: u64, to: u64, budget: &mut u64| -> Result<Option<u64>, Error> {
+        let mut at = from;
+        while at < to && *budget > 0 {
+            let n = (to - at).min(buf.len() as u64).min(*budget) as usize;
+            q.read(at, &mut buf[..n]).map_err(|e| {
+                Error::Invalid(format!("reading {n} bytes at offset {at} failed: {e}"))
+            })?;
+            if let Some(i) = first_nonzero(&buf[..n]) {
+                return Ok(Some(at + i));
+            }
+            at += n as u64;
+            *budget -= n as u64;
+        }
+        Ok(None)
+    };
+    let slots_end = slots.len() as u64;
+    let mut unlimited = u64::MAX;
+    if let Some(at) = read_range(slots_end, DATA_OFFSET_MIN.min(size), &mut unlimited)? {
+        return found(at);
+    }
+    let mut budget = DATA_SCAN_BYTES_MAX;
+    let mut at = DATA_OFFSET_MIN;
+    let mut extents = Vec::new();
+    // The map may come in pieces; each call moves on by at least one extent.
+    while at < size && budget > 0 {
+        extents.clear();
+        device.extents(at, size - at, &mut extents)?;
+        if extents.iter().all(|e| e.len == 0) {
+            break;
+        }
+        for e in &extents {
+            let end = (at + e.len).min(size);
+            if !e.hole && !e.zero {
+                if let Some(hit) = read_range(at, end, &mut budget)? {
+                    return found(hit);
+                }
+            }
+            at = end;
+            if at >= size || budget == 0 {
+                break;
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// The offset of the first byte of `bytes` that is not zero.
+fn first_nonzero(bytes: &[u8]) -> Option<u64> {
+    bytes.iter().position(|&b| b != 0).map(|i| i as u64)
 }
 
 fn queue(device: &Arc<dyn Device>, array: &str, member: &str) -> Result<BlockingQueue, Error> {

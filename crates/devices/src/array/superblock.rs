@@ -447,6 +447,9 @@ pub enum Found {
         sb: Superblock,
         /// Its slot (0 or 1).
         slot: usize,
+        /// Why the other slot is damaged, if it is (neither valid nor blank): a torn or
+        /// corrupted write that this copy covered, to be logged.
+        damaged: Option<Invalid>,
     },
     /// Neither slot is valid and the area is not blank: not ours to use.
     Foreign {
@@ -468,13 +471,29 @@ pub fn pick(area: &[u8]) -> Found {
     match (slot(0), slot(1)) {
         (Ok(a), Ok(b)) => {
             if b.generation > a.generation {
-                Found::Valid { sb: b, slot: 1 }
+                Found::Valid {
+                    sb: b,
+                    slot: 1,
+                    damaged: None,
+                }
             } else {
-                Found::Valid { sb: a, slot: 0 }
+                Found::Valid {
+                    sb: a,
+                    slot: 0,
+                    damaged: None,
+                }
             }
         }
-        (Ok(a), Err(_)) => Found::Valid { sb: a, slot: 0 },
-        (Err(_), Ok(b)) => Found::Valid { sb: b, slot: 1 },
+        (Ok(a), Err(e)) => Found::Valid {
+            sb: a,
+            slot: 0,
+            damaged: (e != Invalid::Blank).then_some(e),
+        },
+        (Err(e), Ok(b)) => Found::Valid {
+            sb: b,
+            slot: 1,
+            damaged: (e != Invalid::Blank).then_some(e),
+        },
         (Err(Invalid::Blank), Err(Invalid::Blank)) => Found::Blank,
         (Err(first), Err(second)) => Found::Foreign { first, second },
     }
@@ -620,12 +639,31 @@ mod tests {
             pick(&area),
             Found::Valid {
                 sb: new.clone(),
-                slot: 1
+                slot: 1,
+                damaged: None,
             }
         );
-        // The new copy torn half way: only its first 4 KiB reached the disk.
+        // The new copy torn half way: only its first 4 KiB reached the disk. The old
+        // copy is used, and the torn slot is named as damaged.
         area[SLOT_BYTES + 4096..].fill(0);
-        assert_eq!(pick(&area), Found::Valid { sb: old, slot: 0 });
+        assert_eq!(
+            pick(&area),
+            Found::Valid {
+                sb: old.clone(),
+                slot: 0,
+                damaged: Some(Invalid::Checksum),
+            }
+        );
+        // A slot never written is not damaged.
+        area[SLOT_BYTES..].fill(0);
+        assert_eq!(
+            pick(&area),
+            Found::Valid {
+                sb: old,
+                slot: 0,
+                damaged: None,
+            }
+        );
     }
 
     #[test]

@@ -373,12 +373,12 @@ impl Keys<'_> {
         Ok(out)
     }
 
-    /// `metadata = "1"` (superblocks on the members, format version 1) or `"none"`
-    /// (the default); `missing` members are allowed only with metadata and only when
-    /// `missing_allowed` (redundant layouts).
+    /// `metadata = "1"` (superblocks on the members, format version 1: the default) or
+    /// `"none"` (the raw layout, asked for by name); `missing` members are allowed only
+    /// with metadata and only when `missing_allowed` (redundant layouts).
     fn metadata(&self, missing_allowed: bool) -> Result<bool, Error> {
         let on = match self.table.get("metadata") {
-            None => false,
+            None => true,
             Some(Value::String(s)) if s == "1" => true,
             Some(Value::String(s)) if s == "none" => false,
             Some(_) => {
@@ -396,7 +396,7 @@ impl Keys<'_> {
                 if on {
                     "names 'missing', but a linear or stripe cannot run without a member"
                 } else {
-                    "names 'missing', which needs metadata = \"1\" (the superblocks record what is absent)"
+                    "names 'missing', which needs metadata (the superblocks record what is absent), not metadata = \"none\""
                 },
             ));
         }
@@ -416,11 +416,11 @@ impl Keys<'_> {
         ] {
             if self.table.contains_key(key) && !metadata {
                 let why = if key.starts_with("bitmap") {
-                    "needs metadata = \"1\" (the bitmap is kept in the superblocks)"
+                    "needs metadata (the bitmap is kept in the superblocks), not metadata = \"none\""
                 } else if key == "readd" {
-                    "needs metadata = \"1\" (a member is known again by its superblock)"
+                    "needs metadata (a member is known again by its superblock), not metadata = \"none\""
                 } else {
-                    "needs metadata = \"1\" (only such arrays rebuild)"
+                    "needs metadata (only such arrays rebuild), not metadata = \"none\""
                 };
                 return Err(self.bad(key, why));
             }

@@ -148,10 +148,18 @@ impl Health {
                 .is_none_or(|b| b.regions_of(logical, len).any(|r| b.to_recover(r)))
     }
 
-    fn fail(&self, member: usize, status: IoStatus) {
+    /// Takes `member` out of reads and writes; whether it was in use until now.
+    fn mark_failed(&self, member: usize) -> bool {
         self.readable[member].store(false, Relaxed);
-        if !self.failed[member].swap(true, Relaxed) {
+        let newly = !self.failed[member].swap(true, Relaxed);
+        if newly {
             self.failed_event();
+        }
+        newly
+    }
+
+    fn fail(&self, member: usize, status: IoStatus) {
+        if self.mark_failed(member) {
             if member >= self.n {
                 log::warn!(
                     "cairn: {}: replacement {} for {} failed ({status}); the replace is abandoned",
@@ -430,6 +438,14 @@ impl StackDevice {
             .store(metadata.resync_pending(), Relaxed);
         shared.data_offset = metadata.data_offset();
         shared.options = options;
+        // A member failed by a superblock write (the metadata logs it) is out of reads and
+        // writes at once, as one failed by a data write is.
+        let health = Arc::downgrade(&shared.health);
+        metadata.set_on_fail(Box::new(move |m| {
+            if let Some(h) = health.upgrade() {
+                h.mark_failed(m);
+            }
+        }));
         let metadata = Arc::new(metadata);
         shared.metadata = Some(metadata.clone());
         if !metadata.dry() {
@@ -791,7 +807,7 @@ impl Device for StackDevice {
         let name = &self.name;
         let Some(meta) = self.metadata.as_ref().filter(|m| !m.dry()) else {
             return Err(format!(
-                "'{name}' keeps no metadata (metadata = \"1\"): it has no '{action}'"
+                "'{name}' keeps no metadata (metadata = \"none\" in its stack file): it has no '{action}'"
             ));
         };
         if self.layout.copies() < 2 {
