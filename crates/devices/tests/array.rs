@@ -250,6 +250,66 @@ fn members_holding_data_are_refused_at_the_default() {
     assert!(m.array_status().is_some(), "superblocks by default");
 }
 
+/// Members replaced online are marked taken out: started again from the stack file as it
+/// was before the replaces, the array is refused (alone or together, they never serve
+/// the data from before the replace), and started from the current members it serves
+/// what was written.
+#[test]
+fn members_replaced_online_are_never_assembled_again() {
+    let dir = tempfile::tempdir().expect("a directory");
+    let p = |n: &str| dir.path().join(n);
+    let text = |x: &str, y: &str| {
+        format!(
+            "{}{}[device.m]\ntype = \"mirror\"\nmembers = [\"{x}\", \"{y}\"]\n",
+            file(x, &p(x)),
+            file(y, &p(y))
+        )
+    };
+    let m = open(&text("a", "b"), "m").expect("open the mirror");
+    let size = m.geometry().size_bytes as usize;
+    queue(&m)
+        .write(0, &pattern(1, size), IoFlags::NONE)
+        .expect("first pass");
+    for (old, new) in [("a", "c"), ("b", "d")] {
+        let spec = format!("file:{},size=8M", p(new).display());
+        m.array_action("replace", &[old, &spec]).expect("replace");
+        wait_status(&m, &format!("{new} active"));
+        for _ in 0..2400 {
+            if !m.array_status().unwrap_or_default().contains("replacing") {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+    queue(&m)
+        .write(0, &pattern(2, size), IoFlags::NONE)
+        .expect("second pass, on c and d");
+    drop(m);
+    let images = || {
+        ["a", "b", "c", "d"]
+            .map(|n| std::fs::read(p(n)).expect("an image"))
+            .to_vec()
+    };
+    let before = images();
+    for stale in [
+        text("a", "b"),
+        text("b", "a").replace("[\"b\", \"a\"]", "[\"a\", \"missing\"]"),
+        format!(
+            "{}[device.m]\ntype = \"mirror\"\nmembers = [\"missing\", \"b\"]\n",
+            file("b", &p("b"))
+        ),
+    ] {
+        let Err(e) = open(&stale, "m") else {
+            panic!("a member replaced online was assembled again:\n{stale}")
+        };
+        assert!(e.contains("was taken out of the array at event"), "{e}");
+        assert!(e.contains("replaced by member"), "{e}");
+    }
+    assert!(images() == before, "a refused start changed a member");
+    let m = open(&text("c", "d"), "m").expect("the current members");
+    assert!(read_all(&m) == pattern(2, size));
+}
+
 /// `cairn check` examines arrays and writes nothing: blank members stay blank, and an
 /// array's superblocks keep their bytes.
 #[test]

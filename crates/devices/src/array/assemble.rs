@@ -103,6 +103,29 @@ pub fn plan(
             ));
         }
     }
+    // A member taken out of the array (replace, remove) is out of date from then on: the
+    // stack file names the members from before the change.
+    for (i, s) in seen.iter().enumerate() {
+        if let Seen::Valid(sb) = s {
+            if sb.retired() {
+                return Err(format!(
+                    "device '{name}': member '{}' was taken out of the array at event {} ({}): its data is out of date. \
+                     List the array's current members in the stack file (cairn serve updates it on a change when it can write it), \
+                     or name this position 'missing' to run without it",
+                    expect.members[i],
+                    sb.events,
+                    if sb.retired_by == [0; 16] {
+                        "removed".to_string()
+                    } else {
+                        format!(
+                            "replaced by member {}",
+                            super::superblock::uuid_text(&sb.retired_by)
+                        )
+                    }
+                ));
+            }
+        }
+    }
     let valid: Vec<(usize, &Superblock)> = seen
         .iter()
         .enumerate()
@@ -392,6 +415,7 @@ mod tests {
             array_bytes: 1 << 20,
             events,
             flags: FLAG_CLEAN,
+            retired_by: [0; 16],
             region_bytes: 0,
             bitmap: Vec::new(),
             events_cleared: 0,

@@ -562,19 +562,29 @@ impl Metadata {
             return Err("examined only".into());
         }
         let _writing = self.writing();
-        {
+        let retiring = {
             let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
             match st.parts.get(m).map(|p| p.state) {
                 Some(MemberState::Failed) => {
+                    let old = (
+                        st.members[m].take(),
+                        st.parts[m],
+                        st.generations[m],
+                        st.names[m].clone(),
+                    );
                     st.parts[m].state = MemberState::Missing;
-                    st.members[m] = None;
+                    old
                 }
                 Some(MemberState::Missing) => return Err("it is missing already".into()),
                 Some(_) => return Err("it is in use: fail it first".into()),
                 None => return Err("no such member".into()),
             }
+        };
+        self.write(false).map_err(|e| e.to_string())?;
+        if let (Some(old), part, generation, name) = retiring {
+            self.retire(m, &old, (part, generation, &name), [0; 16]);
         }
-        self.write(false).map_err(|e| e.to_string())
+        Ok(())
     }
 
     /// Takes failed member `m` back (its device still open): its superblock is read, and
@@ -734,7 +744,9 @@ impl Metadata {
         }
         let (_, area) = self.read_area(&device, name)?;
         let sb = match superblock::pick(&area) {
-            Found::Valid { sb, .. } if sb.array_uuid == self.array_uuid && sb.role == m as u32 => {
+            Found::Valid { sb, .. }
+                if sb.array_uuid == self.array_uuid && sb.role == m as u32 && !sb.retired() =>
+            {
                 sb
             }
             _ => {
@@ -795,22 +807,36 @@ impl Metadata {
             .and_then(|()| q.flush())
             .map_err(|e| format!("clearing its superblocks failed: {e}"))?;
         let _writing = self.writing();
-        {
+        let (retiring, by) = {
             let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
             if m >= st.parts.len() {
                 return Err("no such member".into());
             }
+            let by = new_uuid();
+            let old = (
+                st.members[m].clone(),
+                st.parts[m],
+                st.generations[m],
+                st.names[m].clone(),
+            );
             st.parts[m] = Part {
                 state,
                 recovery_offset: 0,
-                member_uuid: new_uuid(),
+                member_uuid: by,
                 partial: false,
             };
             st.generations[m] = 0;
-            st.members[m] = Some(device);
+            st.members[m] = Some(device.clone());
             st.names[m] = name.to_string();
+            (old, by)
+        };
+        self.write(false).map_err(|e| e.to_string())?;
+        if let (Some(old), part, generation, old_name) = retiring {
+            if !Arc::ptr_eq(&old, &device) && part.state != MemberState::Missing {
+                self.retire(m, &old, (part, generation, &old_name), by);
+            }
         }
-        self.write(false).map_err(|e| e.to_string())
+        Ok(())
     }
 
     /// Data bytes member `m` holds (a new member needs at least this after the metadata
@@ -880,18 +906,9 @@ impl Metadata {
         Ok(())
     }
 
-    /// One round of [`Metadata::write`]: the members that did not take it.
-    fn write_once(&self, clean: bool, bump: bool, extra: &[usize]) -> Result<Vec<usize>, Error> {
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if bump {
-            st.events += 1;
-        }
-        let (region_bytes, bitmap) = match &self.bitmap {
-            Some(bm) => (bm.region_bytes(), bm.image(extra)),
-            None => (0, Vec::new()),
-        };
-        let roles: Vec<Role> = st
-            .parts
+    /// Every member's entry of the role table, as the state has them.
+    fn roles(&self, st: &MetaState) -> Vec<Role> {
+        st.parts
             .iter()
             .enumerate()
             .map(|(i, p)| Role {
@@ -903,7 +920,77 @@ impl Metadata {
                 },
                 partial: p.state == MemberState::Rebuilding && p.partial,
             })
-            .collect();
+            .collect()
+    }
+
+    /// Marks `device`, member `m` until now (`old`, its superblock generation
+    /// `generation`), as taken out of the array at the current event, in its place by
+    /// `by` (zeros: removed). Both of its slots get the retired superblock, so no older
+    /// copy of it can be read as current: assembled again, alone or with others taken out
+    /// with it, it is refused. A device that cannot be written (it failed) is only
+    /// logged. The caller holds `writing`.
+    fn retire(&self, m: usize, device: &Arc<dyn Device>, old: (Part, u64, &str), by: [u8; 16]) {
+        let (part, generation, name) = old;
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let roles = self.roles(&st);
+        let events = st.events;
+        let events_cleared = st.events_cleared.min(events);
+        drop(st);
+        let mut sb = Superblock {
+            generation,
+            array_uuid: self.array_uuid,
+            member_uuid: part.member_uuid,
+            level: self.expect.level,
+            chunk_bytes: self.expect.chunk_bytes,
+            copies: self.expect.copies,
+            role: m as u32,
+            data_offset: self.data_offset,
+            member_data_bytes: self.member_data[m],
+            array_bytes: self.array_bytes,
+            events,
+            flags: superblock::FLAG_RETIRED,
+            retired_by: by,
+            region_bytes: 0,
+            bitmap: Vec::new(),
+            events_cleared,
+            created_secs: self.created_secs,
+            updated_secs: now_secs(),
+            name: truncated(&self.name, 64),
+            roles,
+        };
+        let result = queue(device, &self.expect.name, name).and_then(|q| {
+            for _ in 0..SLOTS {
+                sb.generation += 1;
+                let at = (sb.slot() * SLOT_BYTES) as u64;
+                q.write(at, &sb.encode(), IoFlags::FUA)
+                    .and_then(|()| q.flush())
+                    .map_err(|e| Error::Invalid(e.to_string()))?;
+            }
+            Ok(())
+        });
+        match result {
+            Ok(()) => log::info!(
+                "cairn: {}: '{name}' is marked taken out of the array (event {events}): it is never assembled as current again",
+                self.expect.name
+            ),
+            Err(e) => log::warn!(
+                "cairn: {}: '{name}' could not be marked taken out of the array ({e}); it is out of date from event {events}",
+                self.expect.name
+            ),
+        }
+    }
+
+    /// One round of [`Metadata::write`]: the members that did not take it.
+    fn write_once(&self, clean: bool, bump: bool, extra: &[usize]) -> Result<Vec<usize>, Error> {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if bump {
+            st.events += 1;
+        }
+        let (region_bytes, bitmap) = match &self.bitmap {
+            Some(bm) => (bm.region_bytes(), bm.image(extra)),
+            None => (0, Vec::new()),
+        };
+        let roles = self.roles(&st);
         let mut written = 0;
         let mut errors = Vec::new();
         let mut failed = Vec::new();
@@ -929,6 +1016,7 @@ impl Metadata {
                 array_bytes: self.array_bytes,
                 events: st.events,
                 flags: if clean { superblock::FLAG_CLEAN } else { 0 },
+                retired_by: [0; 16],
                 region_bytes,
                 bitmap: bitmap.clone(),
                 events_cleared: st.events_cleared.min(st.events),

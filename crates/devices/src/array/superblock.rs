@@ -63,7 +63,9 @@ mod at {
     pub const NAME: usize = 160;
     pub const NAME_BYTES: usize = 64;
     pub const EVENTS_CLEARED: usize = 224;
-    /// 24 reserved bytes (zero) follow.
+    /// With [`super::FLAG_RETIRED`]: the member that took this one's place (zeros: none,
+    /// it was removed). 8 reserved bytes (zero) follow.
+    pub const RETIRED_BY: usize = 232;
     pub const ROLES: usize = 256;
     /// Per member: state (1 byte), flags (1 byte), 6 reserved, recovery offset (8).
     pub const ROLE_BYTES: usize = 16;
@@ -158,6 +160,9 @@ pub const ROLE_PARTIAL: u8 = 1;
 
 /// Flag bit: no write was in flight when the array last stopped.
 pub const FLAG_CLEAN: u32 = 1;
+/// Flag bit: this member was taken out of the array (`replace`, `remove`) at `events`,
+/// and its data is out of date from then on: it is never assembled as current again.
+pub const FLAG_RETIRED: u32 = 2;
 
 /// A superblock's contents.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -184,8 +189,11 @@ pub struct Superblock {
     pub array_bytes: u64,
     /// Bumped on every state change (a member failed, added, rebuilt; clean or dirty).
     pub events: u64,
-    /// [`FLAG_CLEAN`].
+    /// [`FLAG_CLEAN`], [`FLAG_RETIRED`].
     pub flags: u32,
+    /// With [`FLAG_RETIRED`]: the identity of the member that took this one's place
+    /// (zeros when it was removed, or for a member in use).
+    pub retired_by: [u8; 16],
     /// Bytes of array data one bitmap bit covers (0: no bitmap).
     pub region_bytes: u64,
     /// The write-intent bitmap, bit `r % 8` of byte `r / 8` for region `r` (set: the
@@ -245,6 +253,11 @@ impl Superblock {
         self.flags & FLAG_CLEAN != 0
     }
 
+    /// Whether this member was taken out of the array ([`FLAG_RETIRED`]).
+    pub fn retired(&self) -> bool {
+        self.flags & FLAG_RETIRED != 0
+    }
+
     /// The slot's bytes.
     pub fn encode(&self) -> Vec<u8> {
         assert!(
@@ -284,6 +297,7 @@ impl Superblock {
             b[BITMAP_AT..BITMAP_AT + self.bitmap.len()].copy_from_slice(&self.bitmap);
         }
         put64(&mut b, at::EVENTS_CLEARED, self.events_cleared);
+        b[at::RETIRED_BY..at::RETIRED_BY + 16].copy_from_slice(&self.retired_by);
         put64(&mut b, at::CREATED, self.created_secs);
         put64(&mut b, at::UPDATED, self.updated_secs);
         b[at::NAME..at::NAME + self.name.len()].copy_from_slice(self.name.as_bytes());
@@ -425,6 +439,9 @@ impl Superblock {
             array_bytes,
             events,
             flags: get32(b, at::FLAGS),
+            retired_by: b[at::RETIRED_BY..at::RETIRED_BY + 16]
+                .try_into()
+                .expect("16 bytes"),
             region_bytes,
             bitmap,
             events_cleared,
@@ -566,6 +583,7 @@ mod tests {
             array_bytes: 2 << 30,
             events: 42,
             flags: FLAG_CLEAN,
+            retired_by: [0; 16],
             region_bytes: 64 << 20,
             bitmap: vec![0b1010_0001, 0x80, 0, 0],
             events_cleared: 40,
