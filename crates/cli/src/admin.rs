@@ -195,6 +195,21 @@ fn status_text(view: &View) -> String {
     } else {
         out += &arrays.concat();
     }
+    if let Some(k) = view.stack_file() {
+        // As of now, not of the last look.
+        view.sync_stack_file();
+        let stale = k.stale();
+        if stale.is_empty() {
+            out += &format!(
+                "stack file {}: in step with the arrays\n",
+                k.path().display()
+            );
+        }
+        for line in stale {
+            out += &line;
+            out.push('\n');
+        }
+    }
     out
 }
 
@@ -221,6 +236,15 @@ fn status_json(view: &View) -> String {
         .collect();
     let mut doc = view::exports_json(view);
     doc["devices"] = devices.into();
+    if let Some(k) = view.stack_file() {
+        view.sync_stack_file();
+        let stale = k.stale();
+        doc["stack_file"] = serde_json::json!({
+            "path": k.path().display().to_string(),
+            "in_step": stale.is_empty(),
+            "stale": stale,
+        });
+    }
     format!("ok\n{doc}\n")
 }
 
@@ -268,7 +292,23 @@ fn command(line: &str, view: &View) -> String {
                 );
             };
             match d.array_action(action, &args[1..]) {
-                Ok(done) => format!("ok: {done}\n"),
+                Ok(done) => {
+                    let mut out = format!("ok: {done}\n");
+                    for line in view.sync_stack_file() {
+                        out += &line;
+                        out.push('\n');
+                    }
+                    if action == "replace" {
+                        out += &match view.stack_file() {
+                            Some(k) => format!(
+                                "when the replace ends, stack file {} is updated (or status says what no longer matches)\n",
+                                k.path().display()
+                            ),
+                            None => "when the replace ends, list the new member in the stack file in place of the old one\n".into(),
+                        };
+                    }
+                    out
+                }
                 Err(why) => format!("error: {why}\n"),
             }
         }

@@ -8,6 +8,7 @@
 mod admin;
 mod metrics;
 mod settings;
+mod stackfile;
 mod stat;
 mod view;
 
@@ -91,6 +92,10 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
     match cli.command {
         Command::Bench(args) => {
             let (spec, choice, format) = args.settings()?;
+            let stack_path = match &choice {
+                DeviceChoice::Stack { path, .. } => Some(path.clone()),
+                _ => None,
+            };
             let (device, switches) = match choice {
                 DeviceChoice::Leaf(leaf) => {
                     let switches = cli.global.switches(&Tuning::default())?;
@@ -111,15 +116,16 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             let progress = std::io::stderr().is_terminal() && format == OutputFormat::Normal;
             // SIGINT and SIGTERM end the job early, with its report (as fio's Ctrl-C).
             interrupt_ends_bench();
-            let view = std::sync::Arc::new(view::View::new(
-                std::slice::from_ref(&device),
-                Vec::new(),
-                None,
-            ));
+            let view = std::sync::Arc::new(
+                view::View::new(std::slice::from_ref(&device), Vec::new(), None)
+                    .with_stack_file(stack_path.as_deref()),
+            );
             let admin = match &args.admin {
                 Some(path) => Some(admin::start(path, view.clone())?),
                 None => None,
             };
+            let stack_file = keep_stack_file(&view)?;
+            let view_for_sync = view.clone();
             let metrics = match &args.metrics {
                 Some(spec) => {
                     let m = metrics::start(spec, view)?;
@@ -128,7 +134,13 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                 }
                 None => None,
             };
+            let held = stack_file.as_ref().map(|_| device.clone());
             let report = cairn_bench::run(&spec, device, switches, progress);
+            drop(stack_file);
+            // A change of members that ended since the last look reaches the stack file
+            // before the device closes.
+            view_for_sync.sync_stack_file();
+            drop(held);
             drop(admin);
             drop(metrics);
             let report = report?;
@@ -307,6 +319,18 @@ fn fuse_exports(
         out.push(std::sync::Arc::new(export));
     }
     Ok(out)
+}
+
+/// Members changed without a command (a replace ending, a spare taking a member's place)
+/// reach the view's stack file within a second, while the returned thread runs.
+fn keep_stack_file(view: &std::sync::Arc<view::View>) -> Result<Option<stackfile::Watch>, String> {
+    if view.stack_file().is_none() {
+        return Ok(None);
+    }
+    let weak = std::sync::Arc::downgrade(view);
+    stackfile::watch(move || weak.upgrade().map(|v| v.sync_stack_file()).is_some())
+        .map(Some)
+        .map_err(|e| format!("cannot start the stack file's thread: {e}"))
 }
 
 /// `cairn serve`: builds the exports, then serves until SIGTERM or SIGINT.
@@ -544,24 +568,33 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
         .collect();
     let devices: Vec<Arc<dyn cairn_core::Device>> =
         exports.iter().map(|e| e.device.clone()).collect();
-    let view = Arc::new(view::View::new(
-        &devices,
-        exports
-            .iter()
-            .map(|e| view::ExportView {
-                name: e.info.name.clone(),
-                device: e.device.name().to_string(),
-                read_only: e.info.flags & tflags::READ_ONLY != 0,
-                fuse: fuse_views
-                    .iter()
-                    .filter(|(name, _)| *name == e.info.name)
-                    .map(|(_, f)| f.clone())
-                    .collect(),
-            })
-            .collect(),
-        Some(observer.clone()),
-    ));
-    drop(devices);
+    let view = Arc::new(
+        view::View::new(
+            &devices,
+            exports
+                .iter()
+                .map(|e| view::ExportView {
+                    name: e.info.name.clone(),
+                    device: e.device.name().to_string(),
+                    read_only: e.info.flags & tflags::READ_ONLY != 0,
+                    fuse: fuse_views
+                        .iter()
+                        .filter(|(name, _)| *name == e.info.name)
+                        .map(|(_, f)| f.clone())
+                        .collect(),
+                })
+                .collect(),
+            Some(observer.clone()),
+        )
+        .with_stack_file(args.stack.as_deref()),
+    );
+    // Held until serving ends only if a stack file is kept: its last sync needs them.
+    let devices = if view.stack_file().is_some() {
+        devices
+    } else {
+        Vec::new()
+    };
+    let _stack_file = keep_stack_file(&view)?;
     let _admin = match &args.admin {
         Some(path) => Some(admin::start(path, view.clone())?),
         None => None,
@@ -586,5 +619,9 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
         );
     })
     .map_err(|e| e.to_string())?;
+    // A change of members that ended since the last look reaches the file before the
+    // devices close.
+    view.sync_stack_file();
+    drop(devices);
     Ok(ExitCode::SUCCESS)
 }

@@ -27,6 +27,8 @@ pub struct View {
     roots: Vec<Weak<dyn Device>>,
     exports: Vec<ExportView>,
     observer: Option<Arc<Observer>>,
+    /// The stack file the devices were opened from, kept in step with their arrays.
+    stack_file: Option<crate::stackfile::Keeper>,
 }
 
 impl View {
@@ -41,7 +43,33 @@ impl View {
             roots: roots.iter().map(Arc::downgrade).collect(),
             exports,
             observer,
+            stack_file: None,
         }
+    }
+
+    /// Keeps `path`, the stack file the devices were opened from, in step with their
+    /// arrays' members (see [`crate::stackfile`]).
+    pub fn with_stack_file(mut self, path: Option<&std::path::Path>) -> View {
+        self.stack_file = path.map(crate::stackfile::Keeper::new);
+        self
+    }
+
+    /// The stack file kept in step, if any.
+    pub fn stack_file(&self) -> Option<&crate::stackfile::Keeper> {
+        self.stack_file.as_ref()
+    }
+
+    /// Brings the stack file in step with the arrays now: what was changed or no longer
+    /// matches (empty without a stack file, or when in step).
+    pub fn sync_stack_file(&self) -> Vec<String> {
+        let Some(keeper) = &self.stack_file else {
+            return Vec::new();
+        };
+        let arrays: Vec<crate::stackfile::Arrays> = all_devices(&self.roots())
+            .into_iter()
+            .filter_map(|(_, d)| d.members_now().map(|m| (d.name().to_string(), m)))
+            .collect();
+        keeper.sync(&arrays)
     }
 
     /// The root devices still open.

@@ -178,7 +178,7 @@ fn change_members(sock: &Path, dir: &Path, array: &Array, child: &mut Child) -> 
     wait_status(sock, "a missing", |s| s.contains("a missing"), child);
     let out = admin(sock, &["add", "m", &spec("c")]);
     assert!(out.contains("'c.img' added in place of 'a'"), "{out}");
-    assert!(out.contains("stack file: members = [\"c.img\""), "{out}");
+    assert!(out.contains("members now: [\"c.img\""), "{out}");
     wait_status(
         sock,
         "c rebuilt",
@@ -227,6 +227,28 @@ fn copies_agree(dir: &Path, names: &[String]) {
 /// The next start, from a stack file naming the new members: assembled clean, every
 /// member active.
 fn assembles_from_new_members(dir: &Path, array: &Array, names: &[String]) {
+    // The stack file the process was started from was kept in step: it names them.
+    let kept = std::fs::read_to_string(dir.join("stack.toml")).unwrap();
+    // Members added online are named after their files; the others keep their names.
+    let list: Vec<String> = names
+        .iter()
+        .map(|n| match n.as_str() {
+            "c.img" | "d.img" => format!("\"{n}\""),
+            other => format!("\"{}\"", other.trim_end_matches(".img")),
+        })
+        .collect();
+    assert!(
+        kept.contains(&format!("members = [{}]", list.join(", "))),
+        "{kept}"
+    );
+    let out = cairn()
+        .arg("check")
+        .arg(dir.join("stack.toml"))
+        .output()
+        .unwrap();
+    let all = text(&out.stdout) + &text(&out.stderr);
+    assert!(out.status.success(), "{all}");
+    assert!(!all.contains("degraded"), "{all}");
     let members: Vec<&str> = names.iter().map(|n| n.trim_end_matches(".img")).collect();
     let path = dir.join("after.toml");
     std::fs::write(&path, stack_text(dir, array, &members)).unwrap();
@@ -358,6 +380,168 @@ fn fio_nbd_verify_on_a_mirror_while_members_are_failed_removed_added_and_replace
     assert!(log.contains("replace done"), "{log}");
     copies_agree(dir.path(), &names);
     assembles_from_new_members(dir.path(), &MIRROR, &names);
+}
+
+/// Serves the mirror of `stack` with an admin socket and a Unix NBD socket in `dir`.
+fn serve(dir: &Path, stack: &Path) -> Proc {
+    let mut srv = Proc::spawn(
+        cairn()
+            .arg("serve")
+            .arg("--listen")
+            .arg(format!("unix:{}", dir.join("nbd.sock").display()))
+            .arg("--admin")
+            .arg(dir.join("admin.sock"))
+            .arg(stack)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped()),
+    );
+    wait_socket(&dir.join("admin.sock"), srv.child());
+    wait_socket(&dir.join("nbd.sock"), srv.child());
+    srv
+}
+
+/// `replace m OLD file:NEW.img` and waits until NEW took OLD's place.
+fn replace(dir: &Path, old: &str, new: &str, child: &mut Child) -> String {
+    let spec = format!("file:{},size=33M", dir.join(format!("{new}.img")).display());
+    let out = admin(&dir.join("admin.sock"), &["replace", "m", old, &spec]);
+    wait_status(
+        &dir.join("admin.sock"),
+        "the replace done",
+        |s| s.contains(&format!("{new}.img active")) && !s.contains("replacing"),
+        child,
+    );
+    out
+}
+
+/// The repro: both members of a mirror replaced online, writes, a clean stop,
+/// and `cairn serve` again with the stack file it was started from. The file was updated
+/// in place, so the array starts on the new members and serves the writes made after
+/// the replaces; the old members, listed again, are refused.
+#[test]
+fn a_restart_after_replaces_starts_on_the_members_now() {
+    const NAME: &str = "a_restart_after_replaces_starts_on_the_members_now";
+    let Some(qemu_io) = tool("qemu-io") else {
+        skip(NAME, "qemu-io is not installed");
+        return;
+    };
+    let dir = tmpdir();
+    let stack = dir.path().join("stack.toml");
+    // At the defaults: no metadata key.
+    let original =
+        stack_text(dir.path(), &MIRROR, MIRROR.members).replace("metadata = \"1\"\n", "");
+    std::fs::write(&stack, &original).unwrap();
+    let uri = format!(
+        "nbd+unix:///m?socket={}",
+        dir.path().join("nbd.sock").display()
+    );
+    let io = |cmd: &str| {
+        let out = Command::new(&qemu_io)
+            .args(["-f", "raw", &uri, "-c", cmd])
+            .output()
+            .unwrap();
+        let all = text(&out.stdout) + &text(&out.stderr);
+        assert!(
+            out.status.success() && !all.contains("fail"),
+            "qemu-io {cmd}: {all}"
+        );
+    };
+    let mut srv = serve(dir.path(), &stack);
+    io("write -P 0x11 0 4M");
+    let reply = replace(dir.path(), "a", "c", srv.child());
+    assert!(
+        reply.contains("when the replace ends, stack file"),
+        "{reply}"
+    );
+    replace(dir.path(), "b", "d", srv.child());
+    io("write -P 0x22 0 4M");
+    let status = wait_status(
+        &dir.path().join("admin.sock"),
+        "the stack file in step",
+        |s| s.contains("in step with the arrays"),
+        srv.child(),
+    );
+    assert!(!status.contains("no longer matches"), "{status}");
+    let out = srv.stop(libc::SIGTERM);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let kept = std::fs::read_to_string(&stack).unwrap();
+    assert!(kept.contains("members = [\"c.img\", \"d.img\"]"), "{kept}");
+    // Started again from the same file: the new members, clean, the last writes.
+    let srv = serve(dir.path(), &stack);
+    io("read -P 0x22 0 4M");
+    let out = srv.stop(libc::SIGTERM);
+    let log = text(&out.stderr);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        !log.contains("not stopped cleanly")
+            && !log.contains("behind")
+            && !log.contains("degraded"),
+        "{log}"
+    );
+    // The old members, listed again: refused, naming the member.
+    std::fs::write(dir.path().join("old.toml"), &original).unwrap();
+    let out = cairn()
+        .arg("check")
+        .arg(dir.path().join("old.toml"))
+        .output()
+        .unwrap();
+    let all = text(&out.stderr);
+    assert!(!out.status.success(), "the old members were taken");
+    assert!(
+        all.contains("member 'a' was taken out of the array"),
+        "{all}"
+    );
+}
+
+/// A stack file the server cannot write is left as it is; the reply and `status` say
+/// what no longer matches, and the next start from it is refused (never served stale).
+#[test]
+fn a_stack_file_that_cannot_be_written_is_reported() {
+    let dir = tmpdir();
+    let stack = dir.path().join("stack.toml");
+    let original = stack_text(dir.path(), &MIRROR, MIRROR.members);
+    std::fs::write(&stack, &original).unwrap();
+    let mut p = std::fs::metadata(&stack).unwrap().permissions();
+    p.set_readonly(true);
+    std::fs::set_permissions(&stack, p).unwrap();
+    let mut srv = serve(dir.path(), &stack);
+    replace(dir.path(), "a", "c", srv.child());
+    let status = wait_status(
+        &dir.path().join("admin.sock"),
+        "the stack file reported",
+        |s| s.contains("no longer matches"),
+        srv.child(),
+    );
+    assert!(
+        status.contains("[device.m] members = [\"c.img\", \"b\"] (was [\"a\", \"b\"])"),
+        "{status}"
+    );
+    let out = cairn()
+        .arg("admin")
+        .arg(dir.path().join("admin.sock"))
+        .args(["status", "--json"])
+        .output()
+        .unwrap();
+    let json = text(&out.stdout);
+    assert!(json.contains("\"in_step\":false"), "{json}");
+    let out = srv.stop(libc::SIGTERM);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(std::fs::read_to_string(&stack).unwrap(), original);
+    let out = cairn()
+        .arg("serve")
+        .arg("--listen")
+        .arg(format!("unix:{}", dir.path().join("nbd2.sock").display()))
+        .arg(&stack)
+        .output()
+        .unwrap();
+    let log = text(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "started from a stale stack file:\n{log}"
+    );
+    assert!(
+        log.contains("member 'a' was taken out of the array"),
+        "{log}"
+    );
 }
 
 /// `add` (as a spare here: the array is whole) and `replace` refuse what cannot be a

@@ -141,6 +141,14 @@ pub trait Device: Send + Sync {
         ))
     }
 
+    /// For an array: the members it runs on now, by name, in order (`missing` for an
+    /// absent one), with, for each member added while it runs (`add`, `replace`, a
+    /// spare), the spec it was opened from: what a stack file should say to start it
+    /// again as it is. `None` for other devices.
+    fn members_now(&self) -> Option<Vec<(String, Option<String>)>> {
+        None
+    }
+
     /// How `[offset, offset + len)` is allocated, as consecutive extents from `offset`
     /// (NBD's `base:allocation`). The extents may stop early (callers ask again) but never
     /// claim a hole or zeroes that are not there. The default: all data.

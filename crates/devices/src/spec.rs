@@ -102,6 +102,60 @@ pub const NBD_TIMEOUT_MIN: Duration = Duration::from_millis(100);
 pub const NBD_TIMEOUT_MAX: Duration = Duration::from_secs(24 * 3600);
 
 impl LeafSpec {
+    /// The body of a `[device.NAME]` table of a stack file that opens this device (keys
+    /// one per line, TOML-quoted): what `cairn serve` writes for a member added online.
+    /// A relative file path is made absolute against the current directory.
+    pub fn stack_table(&self) -> String {
+        fn quoted(s: &str) -> String {
+            toml::Value::String(s.to_string()).to_string()
+        }
+        let mut out = String::new();
+        match self {
+            LeafSpec::Null {
+                size_bytes,
+                block_bytes,
+            } => {
+                out += &format!("type = \"null\"\nsize = {size_bytes}\nblock = {block_bytes}\n");
+            }
+            LeafSpec::Mem {
+                size_bytes,
+                block_bytes,
+                volatile,
+            } => {
+                out += &format!(
+                    "type = \"mem\"\nsize = {size_bytes}\nblock = {block_bytes}\nvolatile = {volatile}\n"
+                );
+            }
+            LeafSpec::File {
+                path,
+                engine,
+                direct,
+                size_bytes,
+            } => {
+                let path = std::path::absolute(path).unwrap_or_else(|_| path.clone());
+                out += &format!(
+                    "type = \"file\"\npath = {}\nengine = \"{engine}\"\ndirect = {direct}\n",
+                    quoted(&path.to_string_lossy())
+                );
+                if let Some(size) = size_bytes {
+                    out += &format!("size = {size}\n");
+                }
+            }
+            LeafSpec::Nbd {
+                uri,
+                connections,
+                timeout,
+            } => {
+                out += &format!(
+                    "type = \"nbd\"\nuri = {}\nconnections = {connections}\ntimeout = \"{}ms\"\n",
+                    quoted(uri),
+                    timeout.as_millis()
+                );
+            }
+        }
+        out
+    }
+
     /// Parses the command-line form.
     pub fn parse(text: &str) -> Result<LeafSpec, String> {
         let (kind, rest) = text.split_once(':').ok_or_else(|| {

@@ -110,10 +110,8 @@ pub fn examine(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Result<E
                 seen.push(Seen::Valid(sb));
             }
             Found::Foreign { first, second } => {
-                let why = if first == Invalid::Magic && second == Invalid::Magic
-                    || first == Invalid::Magic && second == Invalid::Blank
-                    || first == Invalid::Blank && second == Invalid::Magic
-                {
+                let not_ours = |e: &Invalid| matches!(e, Invalid::Magic | Invalid::Blank);
+                let why = if not_ours(&first) && not_ours(&second) {
                     first_nonzero(&area).map_or_else(
                         || "no cairn superblock".to_string(),
                         |at| format!("non-zero bytes at offset {at}"),

@@ -290,6 +290,8 @@ pub struct Shared {
     watcher: std::sync::Mutex<Option<Thread>>,
     /// Per member: failed by the admin (never re-added but by the admin).
     by_admin: Vec<AtomicBool>,
+    /// The specs of the devices opened while it runs (`add`, `replace`), by name.
+    added: std::sync::Mutex<Vec<(String, String)>>,
 }
 
 /// A control thread's stop flag and handle.
@@ -394,6 +396,7 @@ impl StackDevice {
                 spares: std::sync::Mutex::new(Vec::new()),
                 watcher: std::sync::Mutex::new(None),
                 by_admin: (0..n).map(|_| AtomicBool::new(false)).collect(),
+                added: std::sync::Mutex::new(Vec::new()),
             }),
         })
     }
@@ -833,6 +836,28 @@ impl Device for StackDevice {
         }
     }
 
+    fn members_now(&self) -> Option<Vec<(String, Option<String>)>> {
+        use crate::array::superblock::MemberState;
+        // Only arrays with metadata change members.
+        let states = self.metadata.as_ref().filter(|m| !m.dry())?.states();
+        let added = self.added.lock().unwrap_or_else(|p| p.into_inner());
+        Some(
+            (0..self.health.n)
+                .map(|m| {
+                    if states[m] == MemberState::Missing {
+                        return (crate::config::MISSING.to_string(), None);
+                    }
+                    let name = self.health.name(m);
+                    let spec = added
+                        .iter()
+                        .find(|(n, _)| *n == name)
+                        .map(|(_, s)| s.clone());
+                    (name, spec)
+                })
+                .collect(),
+        )
+    }
+
     fn failed_members(&self) -> Vec<String> {
         (0..self.health.n)
             .filter(|&m| !self.health.ok(m))
@@ -1040,6 +1065,9 @@ impl Shared {
             ));
         }
         meta.may_join(&device, &new_name)?;
+        let mut added = self.added.lock().unwrap_or_else(|p| p.into_inner());
+        added.retain(|(n, _)| *n != new_name);
+        added.push((new_name.clone(), leaf.stack_table()));
         Ok((device, new_name))
     }
 
@@ -1370,10 +1398,7 @@ impl Shared {
         let names: Vec<String> = (0..self.health.n)
             .map(|m| format!("\"{}\"", self.health.name(m)))
             .collect();
-        format!(
-            "stack file: members = [{}] (define new members as devices of the stack file before the next start)",
-            names.join(", ")
-        )
+        format!("members now: [{}]", names.join(", "))
     }
 }
 
