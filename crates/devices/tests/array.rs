@@ -310,6 +310,32 @@ fn members_replaced_online_are_never_assembled_again() {
     assert!(read_all(&m) == pattern(2, size));
 }
 
+/// A member that fails again each time it is re-added (`readd`) is tried after longer and
+/// longer waits, then left failed, and `status` says so: never re-added forever.
+#[test]
+fn a_member_that_keeps_failing_is_not_re_added_forever() {
+    let dir = tempfile::tempdir().expect("a directory");
+    let (a, b) = (dir.path().join("a.img"), dir.path().join("b.img"));
+    // Writes to 4 KiB at 2 MiB of a (data at 1 MiB) always fail; its superblocks work.
+    let text = format!(
+        "{}{}[device.fa]\ntype = \"fault\"\nbase = \"a\"\nfail = [\"write\"]\nsectors = [4096, 4104]\n\n\
+         [device.m]\ntype = \"mirror\"\nmembers = [\"fa\", \"b\"]\nreadd = \"100ms\"\n",
+        file("a", &a),
+        file("b", &b)
+    );
+    let m = open(&text, "m").expect("open the mirror");
+    let size = m.geometry().size_bytes as usize;
+    queue(&m)
+        .write(0, &pattern(1, size), IoFlags::NONE)
+        .expect("written (to b)");
+    let status = wait_status(&m, "re-adds given up");
+    assert!(status.contains("[_U]"), "{status}");
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let later = m.array_status().expect("status");
+    assert!(later.contains("fa failed (re-adds given up)"), "{later}");
+    assert!(read_all(&m) == pattern(1, size));
+}
+
 /// `cairn check` examines arrays and writes nothing: blank members stay blank, and an
 /// array's superblocks keep their bytes.
 #[test]

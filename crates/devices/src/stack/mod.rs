@@ -292,6 +292,29 @@ pub struct Shared {
     by_admin: Vec<AtomicBool>,
     /// The specs of the devices opened while it runs (`add`, `replace`), by name.
     added: std::sync::Mutex<Vec<(String, String)>>,
+    /// Per member: failed again soon after each of [`READD_FLAPS_MAX`] re-adds, so no
+    /// longer re-added but by the admin.
+    given_up: Vec<AtomicBool>,
+}
+
+/// A member re-added by `readd` that fails again within this long is flapping: the next
+/// try waits twice as long as the one before.
+const READD_FLAP_WINDOW: std::time::Duration = std::time::Duration::from_secs(60);
+/// Re-adds in a row that a flapping member gets before it is left failed (and the log
+/// and `status` say so).
+const READD_FLAPS_MAX: u32 = 5;
+/// The longest wait between two tries of a flapping member.
+const READD_BACKOFF_MAX: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// The members' thread's bookkeeping of one member's automatic re-adds.
+#[derive(Clone, Copy, Default)]
+struct Readd {
+    /// When to try it next, while it is failed.
+    next_try: Option<std::time::Instant>,
+    /// When it was last re-added.
+    last: Option<std::time::Instant>,
+    /// Re-adds in a row after which it failed again within [`READD_FLAP_WINDOW`].
+    flaps: u32,
 }
 
 /// A control thread's stop flag and handle.
@@ -397,6 +420,7 @@ impl StackDevice {
                 watcher: std::sync::Mutex::new(None),
                 by_admin: (0..n).map(|_| AtomicBool::new(false)).collect(),
                 added: std::sync::Mutex::new(Vec::new()),
+                given_up: (0..n).map(|_| AtomicBool::new(false)).collect(),
             }),
         })
     }
@@ -723,6 +747,11 @@ impl Device for StackDevice {
         let mut members = Vec::new();
         for (m, s) in states.iter().enumerate() {
             let state = match s {
+                _ if self.given_up.get(m).is_some_and(|g| g.load(Relaxed))
+                    && !self.health.ok(m) =>
+                {
+                    "failed (re-adds given up)"
+                }
                 _ if !self.health.ok(m) && *s != MemberState::Missing => "failed",
                 MemberState::Rebuilding if self.health.readable(m) => "active",
                 s => s.name(),
@@ -1144,6 +1173,7 @@ impl Shared {
             }
         });
         self.by_admin[m].store(false, Relaxed);
+        self.given_up[m].store(false, Relaxed);
         log::info!(
             "cairn: {name}: '{new_name}' added in place of '{old}'; {}",
             self.how(partial)
@@ -1187,6 +1217,7 @@ impl Shared {
     ) -> Result<String, String> {
         let partial = meta.readd_member(m)?;
         self.by_admin[m].store(false, Relaxed);
+        self.given_up[m].store(false, Relaxed);
         self.with_threads_stopped(|| {
             let h = &self.health;
             h.readable[m].store(false, Relaxed);
@@ -1252,8 +1283,7 @@ impl Shared {
     fn watch_until(self: Arc<Self>, stop: &AtomicBool) {
         cairn_core::reactor::block_signals_in_this_thread();
         let mut seen = u64::MAX;
-        // Per member: when to try it next, while it is failed.
-        let mut next_try: Vec<Option<std::time::Instant>> = vec![None; self.health.n];
+        let mut readds = vec![Readd::default(); self.health.n];
         while !stop.load(SeqCst) {
             {
                 let count = self
@@ -1291,41 +1321,73 @@ impl Shared {
             }
             drop(changing);
             if let Some(every) = self.options.readd {
-                self.readd_due(meta, every, &mut next_try);
+                self.readd_due(meta, every, &mut readds);
             }
         }
     }
 
     /// Tries again each member that failed by an I/O error (not by the admin) once its
-    /// time has come; re-adds it if its device answers with its superblock.
+    /// time has come; re-adds it if its device answers with its superblock. A member that
+    /// fails again soon after a re-add is tried after twice the wait each time, and left
+    /// failed after [`READD_FLAPS_MAX`] such re-adds in a row.
     fn readd_due(
         self: &Arc<Self>,
         meta: &crate::array::Metadata,
         every: std::time::Duration,
-        next_try: &mut [Option<std::time::Instant>],
+        readds: &mut [Readd],
     ) {
         use crate::array::superblock::MemberState;
         let states = meta.states();
         let n = self.health.n;
         let now = std::time::Instant::now();
-        for m in 0..n {
+        for (m, r) in readds.iter_mut().enumerate().take(n) {
             let being_replaced = self.health.being_replaced(m);
             if self.health.ok(m)
                 || states[m] != MemberState::Failed
                 || self.by_admin[m].load(Relaxed)
+                || self.given_up[m].load(Relaxed)
                 || being_replaced
             {
-                next_try[m] = None;
+                r.next_try = None;
+                if self.health.ok(m) && r.last.is_some_and(|t| t.elapsed() >= READD_FLAP_WINDOW) {
+                    // In use for a while since its re-add: not flapping.
+                    r.flaps = 0;
+                    r.last = None;
+                }
                 continue;
             }
             let member = self.health.name(m);
-            match next_try[m] {
+            match r.next_try {
                 None => {
-                    log::info!(
-                        "cairn: {}: member {member} will be tried again every {every:?}, and re-added once it answers",
-                        self.name
-                    );
-                    next_try[m] = Some(now + every);
+                    let soon = r.last.is_some_and(|t| t.elapsed() < READD_FLAP_WINDOW);
+                    r.flaps = if soon { r.flaps + 1 } else { 0 };
+                    if r.flaps >= READD_FLAPS_MAX {
+                        self.given_up[m].store(true, Relaxed);
+                        log::warn!(
+                            "cairn: {}: member {member} failed again within {READD_FLAP_WINDOW:?} of each of {} re-adds in a row: \
+                             it is no longer re-added on its own (re-add it by hand once it is fixed: re-add {} {member})",
+                            self.name, r.flaps, self.name
+                        );
+                        r.last = None;
+                        continue;
+                    }
+                    let wait = every
+                        .saturating_mul(1 << r.flaps.min(16))
+                        .min(READD_BACKOFF_MAX.max(every));
+                    if r.flaps == 0 {
+                        log::info!(
+                            "cairn: {}: member {member} will be tried again every {every:?}, and re-added once it answers",
+                            self.name
+                        );
+                    } else {
+                        log::warn!(
+                            "cairn: {}: member {member} failed again {:?} after it was re-added: next try in {wait:?} ({} of {READD_FLAPS_MAX} re-adds in a row)",
+                            self.name,
+                            r.last.map(|t| t.elapsed()).unwrap_or_default(),
+                            r.flaps
+                        );
+                    }
+                    r.next_try = Some(now + wait);
                 }
                 // Its device is read first without holding up admin actions (a remote
                 // one may take its timeout to answer).
@@ -1341,11 +1403,15 @@ impl Shared {
                             "cairn: {}: member {member} answers again: re-added; {how}",
                             self.name
                         );
-                        next_try[m] = None;
+                        r.next_try = None;
+                        r.last = Some(std::time::Instant::now());
                     }
                     Err(e) => {
                         log::debug!("cairn: {}: member {member} not re-added: {e}", self.name);
-                        next_try[m] = Some(now + every);
+                        let wait = every
+                            .saturating_mul(1 << r.flaps.min(16))
+                            .min(READD_BACKOFF_MAX.max(every));
+                        r.next_try = Some(now + wait);
                     }
                 },
                 Some(_) => {}
