@@ -298,6 +298,24 @@ fn run_to_end(job: Job) {
             .min()
             .unwrap_or(0)
     };
+    // Members rebuilt whole need every block from their checkpoint on (a replacement from
+    // the start); below that, only the bitmap's regions to recover need a visit (a
+    // resync's dirty regions after an unclean stop, partial recoveries). After `kill -9`
+    // during a rebuild both resume: the resync from the bitmap, the rebuild from its
+    // checkpoint.
+    let full_from = (0..2 * n)
+        .filter(|&m| full[m])
+        .map(|m| {
+            if m < n {
+                logical_from_member(&job.layout, job.metadata.recovery_offset(m))
+            } else {
+                0
+            }
+        })
+        .min()
+        .unwrap_or(size)
+        .max(start)
+        .min(size);
     let what = if resync { "resync" } else { "rebuild" };
     let sync = &health.sync;
     sync.resync.store(resync, Relaxed);
@@ -305,17 +323,21 @@ fn run_to_end(job: Job) {
     // Progress counts the bytes to visit: all of them, or the dirty regions.
     let visit = |from: u64| -> u64 {
         match &bitmap {
-            Some(b) if !any_full => (b.region(from)..b.regions())
-                .filter(|&r| b.to_recover(r))
-                .map(|r| {
-                    let (lo, hi) = (
-                        r as u64 * b.region_bytes(),
-                        (r as u64 + 1) * b.region_bytes(),
-                    );
-                    hi.min(size) - lo.max(from).min(hi.min(size))
-                })
-                .sum(),
-            _ => size - from,
+            Some(b) => {
+                let below = full_from.max(from);
+                let dirty: u64 = (b.region(from)..b.regions())
+                    .filter(|&r| b.to_recover(r))
+                    .map(|r| {
+                        let (lo, hi) = (
+                            (r as u64 * b.region_bytes()).max(from),
+                            ((r as u64 + 1) * b.region_bytes()).min(below),
+                        );
+                        hi.saturating_sub(lo)
+                    })
+                    .sum();
+                dirty + (size - below)
+            }
+            None => size - from,
         }
     };
     let total = visit(start);
@@ -358,15 +380,24 @@ fn run_to_end(job: Job) {
             );
             return;
         }
-        // With only the bitmap's regions to copy, skip to the next dirty one.
+        // Below `full_from`, only the bitmap's regions to recover are visited: skip to the
+        // next dirty one (or to `full_from`, from where everything is).
         let mut batch_end = (at + BATCH_BYTES).min(size);
-        if let (Some(b), false) = (&bitmap, any_full) {
-            match b.next_to_recover(b.region(at)) {
-                None => break,
-                Some(r) => {
-                    at = at.max(r as u64 * b.region_bytes());
-                    let region_end = (r as u64 + 1) * b.region_bytes();
-                    batch_end = (at + BATCH_BYTES).min(region_end).min(size);
+        if let Some(b) = &bitmap {
+            if at < full_from {
+                match b.next_to_recover(b.region(at)) {
+                    Some(r) if r as u64 * b.region_bytes() < full_from => {
+                        at = at.max(r as u64 * b.region_bytes());
+                        let region_end = (r as u64 + 1) * b.region_bytes();
+                        batch_end = (at + BATCH_BYTES).min(region_end).min(full_from).min(size);
+                    }
+                    _ => {
+                        at = full_from;
+                        if at >= size {
+                            break;
+                        }
+                        batch_end = (at + BATCH_BYTES).min(size);
+                    }
                 }
             }
         }
