@@ -183,6 +183,39 @@ fn device_line(depth: usize, d: &Arc<dyn Device>) -> String {
 /// `status`: the device tree with sizes and health, then every array with metadata as
 /// /proc/mdstat shows md's.
 fn status_text(view: &View) -> String {
+    consistent(view, status_text_once)
+}
+
+/// `build`'s reply, read again while a change of members ran during it (at most for about
+/// a second), so one reply never mixes the members before a change and after it.
+fn consistent(view: &View, build: impl Fn(&View) -> String) -> String {
+    let seq = || -> (u64, bool) {
+        all_devices(&view.roots())
+            .iter()
+            .map(|(_, d)| d.change_seq())
+            .fold((0, false), |(sum, odd), s| {
+                (sum.wrapping_add(s), odd || s % 2 == 1)
+            })
+    };
+    let mut out = String::new();
+    for _ in 0..200 {
+        let (before, running) = seq();
+        if running {
+            std::thread::sleep(Duration::from_millis(5));
+            continue;
+        }
+        out = build(view);
+        if seq() == (before, false) {
+            return out;
+        }
+    }
+    if out.is_empty() {
+        out = build(view);
+    }
+    out
+}
+
+fn status_text_once(view: &View) -> String {
     let all = all_devices(&view.roots());
     let mut out = String::from("ok\n");
     for (depth, d) in &all {
@@ -215,6 +248,10 @@ fn status_text(view: &View) -> String {
 
 /// `status --json`: the same for scripts.
 fn status_json(view: &View) -> String {
+    consistent(view, status_json_once)
+}
+
+fn status_json_once(view: &View) -> String {
     let devices: Vec<serde_json::Value> = all_devices(&view.roots())
         .iter()
         .map(|(depth, d)| {

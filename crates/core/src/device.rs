@@ -141,6 +141,13 @@ pub trait Device: Send + Sync {
         ))
     }
 
+    /// A count bumped when a change of this device's members begins and again when it
+    /// ends (odd while one runs), so that a reader can tell it read a state between the
+    /// two and read again. 0 for devices whose members never change.
+    fn change_seq(&self) -> u64 {
+        0
+    }
+
     /// For an array: the members it runs on now, by name, in order (`missing` for an
     /// absent one), with, for each member added while it runs (`add`, `replace`, a
     /// spare), the spec it was opened from: what a stack file should say to start it

@@ -91,6 +91,18 @@ struct Health {
     switching: std::sync::Mutex<()>,
     /// Read repairs (redundant layouts).
     repairs: repair::Repairs,
+    /// Bumped when a change of members begins and when it ends (see
+    /// [`Device::change_seq`]).
+    changes: AtomicU64,
+}
+
+/// A change of members in progress ([`Health::changing`]); ends when dropped.
+struct Changing<'a>(&'a AtomicU64);
+
+impl Drop for Changing<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, SeqCst);
+    }
 }
 
 /// A queue's requests in flight, counted by the parity of the epoch they were sent under:
@@ -146,6 +158,13 @@ impl Health {
                 .bitmap
                 .as_ref()
                 .is_none_or(|b| b.regions_of(logical, len).any(|r| b.to_recover(r)))
+    }
+
+    /// Marks a change of members as running until the guard drops, for readers of
+    /// [`Device::change_seq`].
+    fn changing(&self) -> Changing<'_> {
+        self.changes.fetch_add(1, SeqCst);
+        Changing(&self.changes)
     }
 
     /// Takes `member` out of reads and writes; whether it was in use until now.
@@ -397,6 +416,7 @@ impl StackDevice {
             gates: std::sync::Mutex::new(Vec::new()),
             switching: std::sync::Mutex::new(()),
             repairs: repair::Repairs::new(n),
+            changes: AtomicU64::new(0),
         });
         if layout.copies() > 1 {
             cairn_core::stats::registry().add_repairs(name, &health.repairs.counters);
@@ -850,6 +870,7 @@ impl Device for StackDevice {
         }
         // One change of members at a time.
         let _changing = self.changing.lock().unwrap_or_else(|p| p.into_inner());
+        let _seq = self.health.changing();
         match (action, args) {
             ("fail", [member]) => self.fail(meta, member),
             ("remove", [member]) => self.shared.remove(meta, member),
@@ -863,6 +884,10 @@ impl Device for StackDevice {
                 "no array action '{other}' (known: fail, remove, re-add, add, replace)"
             )),
         }
+    }
+
+    fn change_seq(&self) -> u64 {
+        self.health.changes.load(SeqCst)
     }
 
     fn members_now(&self) -> Option<Vec<(String, Option<String>)>> {
@@ -1313,6 +1338,7 @@ impl Shared {
                     }
                     spares.remove(0)
                 };
+                let _seq = self.health.changing();
                 if let Err(e) = self.add_device(meta, m, spare.0, &spare.1) {
                     log::warn!("cairn: {}: spare '{}' not used: {e}", self.name, spare.1);
                 } else {
@@ -1396,6 +1422,7 @@ impl Shared {
                     if self.health.ok(m) {
                         return Err("taken back meanwhile".into());
                     }
+                    let _seq = self.health.changing();
                     self.take_back(meta, m)
                 }) {
                     Ok(how) => {

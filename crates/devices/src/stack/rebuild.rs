@@ -527,6 +527,7 @@ fn run_to_end(job: Job) {
 /// the old member is closed. Writes reach the replacement throughout.
 fn promote(job: &Job, m: usize, devices: &[Option<Arc<dyn Device>>]) {
     let health = &job.health;
+    let _seq = health.changing();
     let r = health.n + m;
     let Some(device) = devices[r].clone() else {
         return;
