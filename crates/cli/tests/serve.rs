@@ -3637,14 +3637,15 @@ mod admin {
 
     /// `status` prints the device tree with sizes, health and what caches wrote back,
     /// then the arrays; `status --json` gives the same for scripts; a raid10 member that
-    /// fails shows as degraded in both.
+    /// fails shows as degraded in both. The raid10 keeps superblocks (the default): 8 MiB
+    /// of data on each 9 MiB member.
     #[test]
     fn status_shows_the_tree_health_and_caches_and_json_for_scripts() {
         let dir = tmpdir();
         let ctl = dir.path().join("admin.sock");
         let mut t = String::new();
         for d in ["d0", "d1", "d2", "d3"] {
-            t += &format!("[device.{d}]\ntype = \"mem\"\nsize = \"8M\"\n");
+            t += &format!("[device.{d}]\ntype = \"mem\"\nsize = \"9M\"\n");
         }
         t += "[device.f3]\ntype = \"fault\"\nbase = \"d3\"\nfail = [\"write\"]\nafter_ios = 3\n\
               [device.r]\ntype = \"raid10\"\nmembers = [\"d0\", \"d1\", \"d2\", \"f3\"]\nchunk = \"64K\"\n\
@@ -3668,11 +3669,17 @@ mod admin {
         );
         assert!(lines[1].contains("[DEGRADED: failed f3]"), "{out}");
         assert!(
-            lines.iter().any(|l| l.starts_with("    d0 (8MiB) mem")),
+            lines.iter().any(|l| l.starts_with("    d0 (9MiB) mem")),
             "{out}"
         );
         assert!(
-            lines.iter().any(|l| l.starts_with("      d3 (8MiB) mem")),
+            lines.iter().any(|l| l.starts_with("      d3 (9MiB) mem")),
+            "{out}"
+        );
+        // And the array's own lines, as /proc/mdstat shows md's.
+        assert!(
+            out.contains("r: raid10 of 4 members, 16MiB, metadata 1")
+                && out.contains("[UUU_] d0 active, d1 active, d2 active, f3 failed"),
             "{out}"
         );
         let out = success("status --json", &admin(&ctl, &["status", "--json"]));
