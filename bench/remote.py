@@ -16,8 +16,11 @@ The target: the mirror's IOPS >= 0.8x the remote export's alone (a write complet
 both copies have it, so the remote copy sets the pace). Also reported: the mirror of two
 local files, which shows what the mirror itself costs. Every byte of the local files and
 of the server's mem device is written once before the rounds, so no run pays for first
-touches of memory (a mem device in the bench process would start empty every run). Stack files go to
-bench/out/remote-*.toml, the server's log to bench/out/remote-server.log.
+touches of memory (a mem device in the bench process would start empty every run). The
+mirrors are raw (metadata = "none"): the export is also written directly by the "remote"
+runs, and the files hold data from the start, so a mirror with superblocks would find its
+members foreign. Stack files go to bench/out/remote-*.toml, the server's log to
+bench/out/remote-server.log.
 """
 import argparse
 import os
@@ -85,9 +88,11 @@ def main():
     files = {
         "remote": stack("remote", remote),
         "mirror": stack("mirror", remote + local("local", 0)
-                        + '[device.m]\ntype = "mirror"\nmembers = ["local", "remote"]\n'),
+                        + '[device.m]\ntype = "mirror"\nmembers = ["local", "remote"]\n'
+                        + 'metadata = "none"\n'),
         "local mirror": stack("local-mirror", local("a", 1) + local("b", 2)
-                              + '[device.m]\ntype = "mirror"\nmembers = ["a", "b"]\n'),
+                              + '[device.m]\ntype = "mirror"\nmembers = ["a", "b"]\n'
+                              + 'metadata = "none"\n'),
     }
     make_link()
     log = open(os.path.join(OUT, "remote-server.log"), "w")

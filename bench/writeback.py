@@ -4,7 +4,10 @@
   bench/writeback.py [--runtime SECS] [--rounds N] [--disks 4[,1,...]] [--memory 64M]
                      [--seek 4ms] [--bandwidth 150M] [--warmup SECS]
 
-For each disk count, a stack file (bench/out/writeback-N.toml) stripes N caches, each
+For each disk count, a stack file (bench/out/writeback-N.toml) stripes N caches (a raw
+stripe, metadata = "none": it only spreads the load over the disks, as the original's
+separate disks had no RAID, and a stripe with superblocks would first read each blank
+member's first 64 MiB through its cache, starting the run with the caches full), each
 over a modelled rotational disk (delay: a bandwidth cap and a seek penalty for every
 request that does not start where the last one ended) over mem, with the kernel's
 default [writeback] levels (background 10%, limit 20% of the caches' memory). One job
@@ -58,6 +61,7 @@ memory = "{memory}"
 type = "stripe"
 members = [{members}]
 chunk = "64K"
+metadata = "none"
 """
     path = os.path.join(OUT, f"writeback-{disks}.toml")
     with open(path, "w") as f:

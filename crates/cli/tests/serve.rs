@@ -2990,12 +2990,13 @@ mod filesystem {
             return;
         }
 
-        // RAID10 of four 32 MiB files: 64 MiB.
+        // RAID10 of four 33 MiB files with superblocks (the default): 32 MiB of data on
+        // each, 64 MiB in all.
         let dir = tmpdir();
         let mut toml = String::new();
         for i in 0..4 {
             toml += &format!(
-                "[device.d{i}]\ntype = \"file\"\npath = \"{}\"\nsize = \"32M\"\n\n",
+                "[device.d{i}]\ntype = \"file\"\npath = \"{}\"\nsize = \"33M\"\n\n",
                 dir.path().join(format!("d{i}.img")).display()
             );
         }
@@ -3110,8 +3111,11 @@ mod filesystem {
         assert!(status.success(), "nbdfuse exit status {status}");
         let (status, log) = srv.stop();
         assert!(status.success(), "exit status {status}; stderr:\n{log}");
-        // md's near layout with four members and two copies: d0 mirrors d1, d2 mirrors d3.
-        let member = |i: usize| std::fs::read(srv.path(&format!("d{i}.img"))).unwrap();
+        // md's near layout with four members and two copies: d0 mirrors d1, d2 mirrors d3,
+        // in their data areas (after the 1 MiB metadata area, whose superblocks name each
+        // member).
+        let member =
+            |i: usize| std::fs::read(srv.path(&format!("d{i}.img"))).unwrap()[1 << 20..].to_vec();
         assert_same("raid10 members d0 and d1", &member(0), &member(1));
         assert_same("raid10 members d2 and d3", &member(2), &member(3));
         assert!(member(0).iter().any(|&x| x != 0), "nothing reached d0");
@@ -3637,14 +3641,15 @@ mod admin {
 
     /// `status` prints the device tree with sizes, health and what caches wrote back,
     /// then the arrays; `status --json` gives the same for scripts; a raid10 member that
-    /// fails shows as degraded in both.
+    /// fails shows as degraded in both. The raid10 keeps superblocks (the default): 8 MiB
+    /// of data on each 9 MiB member.
     #[test]
     fn status_shows_the_tree_health_and_caches_and_json_for_scripts() {
         let dir = tmpdir();
         let ctl = dir.path().join("admin.sock");
         let mut t = String::new();
         for d in ["d0", "d1", "d2", "d3"] {
-            t += &format!("[device.{d}]\ntype = \"mem\"\nsize = \"8M\"\n");
+            t += &format!("[device.{d}]\ntype = \"mem\"\nsize = \"9M\"\n");
         }
         t += "[device.f3]\ntype = \"fault\"\nbase = \"d3\"\nfail = [\"write\"]\nafter_ios = 3\n\
               [device.r]\ntype = \"raid10\"\nmembers = [\"d0\", \"d1\", \"d2\", \"f3\"]\nchunk = \"64K\"\n\
@@ -3668,11 +3673,17 @@ mod admin {
         );
         assert!(lines[1].contains("[DEGRADED: failed f3]"), "{out}");
         assert!(
-            lines.iter().any(|l| l.starts_with("    d0 (8MiB) mem")),
+            lines.iter().any(|l| l.starts_with("    d0 (9MiB) mem")),
             "{out}"
         );
         assert!(
-            lines.iter().any(|l| l.starts_with("      d3 (8MiB) mem")),
+            lines.iter().any(|l| l.starts_with("      d3 (9MiB) mem")),
+            "{out}"
+        );
+        // And the array's own lines, as /proc/mdstat shows md's.
+        assert!(
+            out.contains("r: raid10 of 4 members, 16MiB, metadata 1")
+                && out.contains("[UUU_] d0 active, d1 active, d2 active, f3 failed"),
             "{out}"
         );
         let out = success("status --json", &admin(&ctl, &["status", "--json"]));
@@ -5019,7 +5030,9 @@ h.shutdown()
     /// the requests and bytes it sent, `stats --json` the devices' counts (the cache's
     /// are the clients' sum, the members got both copies of what was written back), the
     /// text forms say the same, `cairn stat` prints its lines, and two metrics scrapes
-    /// around a third client differ by what it did.
+    /// around a third client differ by what it did. The raid10 is raw (`metadata =
+    /// "none"`), so that its members write only the clients' data: superblock and bitmap
+    /// writes would add to their counts, as many as the timing makes.
     #[test]
     fn status_stats_stat_and_metrics_count_what_the_clients_did() {
         let Some(py) = python_with_libnbd("status_stats_stat_and_metrics") else {
@@ -5031,7 +5044,7 @@ h.shutdown()
         for m in ["m0", "m1", "m2", "m3"] {
             t += &format!("[device.{m}]\ntype = \"mem\"\nsize = \"16M\"\n");
         }
-        t += "[device.r]\ntype = \"raid10\"\nmembers = [\"m0\", \"m1\", \"m2\", \"m3\"]\n\
+        t += "[device.r]\ntype = \"raid10\"\nmembers = [\"m0\", \"m1\", \"m2\", \"m3\"]\nmetadata = \"none\"\n\
               [device.c]\ntype = \"cache\"\nbase = \"r\"\nmemory = \"8M\"\n\
               [export.disk]\ndevice = \"c\"\n";
         let stack = write_stack(&dir, &t);
@@ -5935,14 +5948,15 @@ mod fuse_export {
         }
         let transport = *transports(name).last().unwrap();
         let dir = tmpdir();
-        // RAID10 of four 32 MiB files (behind write-back caches for the power cut): 64 MiB.
+        // RAID10 of four 33 MiB files (behind write-back caches for the power cut), with
+        // superblocks (the default): 64 MiB.
         let mut toml = String::from(
             "[writeback]\nexpire = \"60s\"\ninterval = \"60s\"\nbackground = \"80%\"\nlimit = \"90%\"\n",
         );
         let mut members = Vec::new();
         for i in 0..4 {
             toml += &format!(
-                "[device.d{i}]\ntype = \"file\"\npath = \"{}\"\nsize = \"32M\"\n",
+                "[device.d{i}]\ntype = \"file\"\npath = \"{}\"\nsize = \"33M\"\n",
                 dir.path().join(format!("d{i}.img")).display()
             );
             if power_cut {

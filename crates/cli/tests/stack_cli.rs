@@ -57,11 +57,12 @@ fn mems(names: &[&str], size: &str) -> String {
         .collect()
 }
 
-/// A raid10 `r` of four 4 MiB mem devices `d0..d3`, 64 KiB chunks: 8 MiB.
+/// A raid10 `r` of four 5 MiB mem devices `d0..d3`, 64 KiB chunks, with superblocks (the
+/// default): 4 MiB of data on each member after its 1 MiB metadata area, 8 MiB in all.
 fn raid10() -> String {
     format!(
         "{}[device.r]\ntype = \"raid10\"\nmembers = [\"d0\", \"d1\", \"d2\", \"d3\"]\nchunk = \"64K\"\n",
-        mems(&["d0", "d1", "d2", "d3"], "4M")
+        mems(&["d0", "d1", "d2", "d3"], "5M")
     )
 }
 
@@ -193,13 +194,22 @@ mod check {
         let out = cairn(&["check", file.arg()]);
         let stdout = text(&out.stdout);
         assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
-        assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
+        // The log says what serve or bench would do with the blank members, and nothing
+        // else.
+        let stderr = text(&out.stderr);
+        assert!(
+            stderr.lines().all(
+                |l| l.contains(" INFO ") && l.contains("r: would create a raid10 of 4 members")
+            ),
+            "{stderr}"
+        );
         let lines: Vec<&str> = stdout.lines().collect();
         assert!(lines[0].starts_with("r (8MiB)"), "{stdout}");
         assert!(lines[0].contains("raid10"), "{stdout}");
+        assert!(lines[0].contains("metadata 1, data at 1048576"), "{stdout}");
         for (i, line) in lines[1..5].iter().enumerate() {
             assert!(
-                line.starts_with(&format!("  d{i} (4MiB)")),
+                line.starts_with(&format!("  d{i} (5MiB)")),
                 "member d{i} indented under r, with its size: {stdout}"
             );
             assert!(line.contains("mem"), "{stdout}");
@@ -208,26 +218,28 @@ mod check {
 
     #[test]
     fn nested_stacks_and_several_roots() {
-        // A mirror of two stripes, plus a spare device nothing uses: two trees.
+        // A mirror of two stripes, plus a spare device nothing uses: two trees. Every
+        // array keeps superblocks (the default): each stripe holds 2 x (2 MiB - 1 MiB of
+        // metadata), the mirror 2 MiB - 1 MiB.
         let text_ = format!(
             "{}[device.s0]\ntype = \"stripe\"\nmembers = [\"a\", \"b\"]\nchunk = \"4K\"\n\n\
              [device.s1]\ntype = \"stripe\"\nmembers = [\"c\", \"d\"]\nchunk = \"4K\"\n\n\
              [device.m]\ntype = \"mirror\"\nmembers = [\"s0\", \"s1\"]\n",
-            mems(&["a", "b", "c", "d", "spare"], "1M")
+            mems(&["a", "b", "c", "d", "spare"], "2M")
         );
         let file = StackFile::new(&text_);
         let out = cairn(&["check", file.arg()]);
         let stdout = text(&out.stdout);
         assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
         for line in [
-            "m (2MiB)",
+            "m (1MiB)",
             "  s0 (2MiB)",
-            "    a (1MiB)",
-            "    b (1MiB)",
+            "    a (2MiB)",
+            "    b (2MiB)",
             "  s1 (2MiB)",
-            "    c (1MiB)",
-            "    d (1MiB)",
-            "spare (1MiB)",
+            "    c (2MiB)",
+            "    d (2MiB)",
+            "spare (2MiB)",
         ] {
             assert!(
                 stdout.lines().any(|l| l.starts_with(line)),
@@ -395,29 +407,31 @@ mod bench {
 
     #[test]
     fn verify_passes_on_every_stacked_type() {
+        // 8 MiB each, with superblocks (the default): every member 1 MiB larger than the
+        // data it holds.
         let stacks = [
             ("raid10", raid10()),
             (
                 "stripe",
                 format!(
                     "{}[device.s]\ntype = \"stripe\"\nmembers = [\"d0\", \"d1\"]\nchunk = \"4K\"\n",
-                    mems(&["d0", "d1"], "4M")
+                    mems(&["d0", "d1"], "5M")
                 ),
             ),
             (
                 "mirror",
                 format!(
                     "{}[device.m]\ntype = \"mirror\"\nmembers = [\"d0\", \"d1\", \"d2\"]\n",
-                    mems(&["d0", "d1", "d2"], "8M")
+                    mems(&["d0", "d1", "d2"], "9M")
                 ),
             ),
             (
-                // Unequal members: 3 MiB and 5 MiB.
+                // Unequal members: 3 MiB and 5 MiB of data.
                 "linear",
                 format!(
                     "{}{}[device.l]\ntype = \"linear\"\nmembers = [\"d0\", \"d1\"]\n",
-                    mems(&["d0"], "3M"),
-                    mems(&["d1"], "5M")
+                    mems(&["d0"], "4M"),
+                    mems(&["d1"], "6M")
                 ),
             ),
         ];
@@ -453,7 +467,7 @@ mod bench {
         assert_eq!(json["cairn"]["device"]["name"], "d2", "{}", json["cairn"]);
         let description = json["cairn"]["device"]["description"].as_str().unwrap();
         assert!(description.starts_with("mem"), "{description}");
-        // The whole member is 4 MiB: 8 MiB does not fit.
+        // The whole member is 5 MiB: 8 MiB does not fit.
         bad_input(&["bench", file.arg(), "--device", "d2", "--size", "8M"]);
     }
 
@@ -790,13 +804,18 @@ mod crashes_and_hangs {
 
     /// A chain of 20,000 linear devices overflowed the stack in `check` (abort); a
     /// chain within the device count but deeper than 64 levels is refused with the chain.
+    /// The chain that runs is of raw linears (`metadata = "none"`): with superblocks, each
+    /// level would take 1 MiB of the one below.
     #[test]
     fn a_chain_of_twenty_thousand_linear_devices() {
         let chain = |n: usize| {
+            // The line would take the 20,000 past the file's size limit; those chains are
+            // refused before any device is opened anyway.
+            let metadata = if n < 64 { "metadata = \"none\"\n" } else { "" };
             let mut text: String = (0..n)
                 .map(|i| {
                     format!(
-                        "[device.l{i}]\ntype = \"linear\"\nmembers = [\"l{}\"]\n",
+                        "[device.l{i}]\ntype = \"linear\"\nmembers = [\"l{}\"]\n{metadata}",
                         i + 1
                     )
                 })
@@ -934,11 +953,12 @@ fn check_creates_and_extends_no_file() {
 }
 
 /// A relative `path` in a stack file is relative to the stack file, wherever cairn runs.
+/// (2 MiB files: the stripe keeps superblocks, 1 MiB of each.)
 #[test]
 fn relative_paths_are_relative_to_the_stack_file() {
     let stack = StackFile::new(
-        "[device.a]\ntype = \"file\"\npath = \"a.img\"\nsize = \"1M\"\n\
-         [device.b]\ntype = \"file\"\npath = \"sub/../b.img\"\nsize = \"1M\"\n\
+        "[device.a]\ntype = \"file\"\npath = \"a.img\"\nsize = \"2M\"\n\
+         [device.b]\ntype = \"file\"\npath = \"sub/../b.img\"\nsize = \"2M\"\n\
          [device.s]\ntype = \"stripe\"\nmembers = [\"a\", \"b\"]\nchunk = \"64K\"\n",
     );
     std::fs::create_dir(stack.dir().join("sub")).unwrap();

@@ -9,6 +9,8 @@ use cairn_core::{Device, IoFlags, Switches};
 use cairn_devices::config::StackFile;
 
 const PAGE: usize = 4096;
+/// Where data starts on each member of an array with superblocks.
+const DATA_OFFSET: usize = 1 << 20;
 
 fn cache(writeback: &str, base_size: &str, memory: &str, volatile: bool) -> Arc<dyn Device> {
     let text = format!(
@@ -219,7 +221,8 @@ fn caches_of_one_file_share_one_dirty_budget() {
 
 /// Closing a stack file's caches writes every one of them back, in both write-back
 /// modes: three caches over files, striped, written through the stripe with nothing due
-/// for a minute; once the devices are gone, the files hold every write.
+/// for a minute; once the devices are gone, the files hold every write. The stripe keeps
+/// superblocks (the default): its data starts 1 MiB into each file.
 #[test]
 fn every_cache_is_written_back_when_the_stack_closes_in_both_modes() {
     for mode in [
@@ -232,7 +235,7 @@ fn every_cache_is_written_back_when_the_stack_closes_in_both_modes() {
         );
         for i in 0..3 {
             text += &format!(
-                "[device.f{i}]\ntype = \"file\"\npath = \"{}\"\nsize = \"1M\"\n\
+                "[device.f{i}]\ntype = \"file\"\npath = \"{}\"\nsize = \"2M\"\n\
                  [device.c{i}]\ntype = \"cache\"\nbase = \"f{i}\"\nmemory = \"1M\"\n",
                 dir.path().join(format!("f{i}.img")).display()
             );
@@ -261,12 +264,26 @@ fn every_cache_is_written_back_when_the_stack_closes_in_both_modes() {
                 "{mode:?}: the writes are cached"
             );
         }
-        // Page k of the stripe is page k / 3 of file k % 3.
+        // Page k of the stripe is page k / 3 of file k % 3's data area.
         let files: Vec<Vec<u8>> = (0..3)
             .map(|i| std::fs::read(dir.path().join(format!("f{i}.img"))).unwrap())
             .collect();
+        // The stripe's last superblock, written through the cache as it stopped, reached
+        // every file and says it stopped clean.
+        for (i, f) in files.iter().enumerate() {
+            let newest = [0, 8192]
+                .into_iter()
+                .map(|at| &f[at..at + 8192])
+                .filter(|slot| slot.starts_with(b"CAIRNSB\0"))
+                .max_by_key(|slot| u64::from_le_bytes(slot[16..24].try_into().unwrap()));
+            let Some(sb) = newest else {
+                panic!("{mode:?}: file {i} has no superblock after closing");
+            };
+            let flags = u32::from_le_bytes(sb[112..116].try_into().unwrap());
+            assert!(flags & 1 == 1, "{mode:?}: file {i}'s superblock says dirty");
+        }
         for (k, page) in data.chunks(PAGE).enumerate() {
-            let at = k / 3 * PAGE;
+            let at = DATA_OFFSET + k / 3 * PAGE;
             assert!(
                 files[k % 3][at..at + PAGE] == *page,
                 "{mode:?}: stripe page {k} is not in file {} after closing",

@@ -54,11 +54,13 @@ fn content(p: u64, v: u32) -> Vec<u8> {
 }
 
 /// The stacks under test, each with the cache's flusher waking often, so that some
-/// unflushed writes reach the volatile bases before a cut and some do not.
+/// unflushed writes reach the volatile bases before a cut and some do not. The arrays
+/// keep superblocks (the default), so each member has a 1 MiB metadata area before the
+/// pages under test.
 fn stack(shape: &str, writeback: WritebackMode) -> Arc<dyn Device> {
     let wb = "[writeback]\nbackground = \"25%\"\nlimit = \"75%\"\nexpire = \"2ms\"\ninterval = \"1ms\"\n";
     let mem = |n: &str| {
-        format!("[device.{n}]\ntype = \"mem\"\nsize = \"1M\"\nblock = 4096\nvolatile = true\n")
+        format!("[device.{n}]\ntype = \"mem\"\nsize = \"2M\"\nblock = 4096\nvolatile = true\n")
     };
     let cache = |n: &str, base: &str| {
         format!("[device.{n}]\ntype = \"cache\"\nbase = \"{base}\"\nmemory = \"128K\"\n")

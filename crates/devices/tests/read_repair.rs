@@ -106,22 +106,24 @@ fn damage(member: &Arc<dyn Device>, offset: u64, len: u64) {
     assert!(read(&q, offset, len).iter().all(|&b| b == 0xee));
 }
 
-/// Mirror, a read sent whole to one copy: the copy that failed is rewritten once.
+/// Mirror (with superblocks, the default), a read sent whole to one copy: the copy that
+/// failed is rewritten once.
 #[test]
 fn a_mirror_rewrites_a_range_that_failed_to_read() {
+    // Logical `at` is at `DATA_OFFSET + at` on each member.
     let (at, len) = (MIB, 64 * KIB);
     let text = format!(
         "{}{}{}[device.rr_mirror]\ntype = \"mirror\"\nmembers = [\"fa\", \"b\"]\n",
         mem("a", "4M"),
         mem("b", "4M"),
-        fault("fa", "a", "[\"read\"]", at, len, 1)
+        fault("fa", "a", "[\"read\"]", DATA_OFFSET + at, len, 1)
     );
     let m = open(&text, "rr_mirror");
     let size = m.geometry().size_bytes;
     let good = pattern(1, size);
     queue(&m).write(0, &good, IoFlags::NONE).expect("fill");
     let a = find(&m, "a");
-    damage(&a, at, len);
+    damage(&a, DATA_OFFSET + at, len);
     assert_eq!(repairs("rr_mirror"), RepairSnapshot::default());
     // A new queue sends its first read to the first copy: member fa, which fails it.
     let q = queue(&m);
@@ -136,7 +138,7 @@ fn a_mirror_rewrites_a_range_that_failed_to_read() {
         "{r:?}"
     );
     assert!(
-        read(&queue(&a), at, len) == good[at as usize..][..len as usize],
+        read(&queue(&a), DATA_OFFSET + at, len) == good[at as usize..][..len as usize],
         "the member that failed holds the good data again"
     );
     assert!(m.failed_members().is_empty());
@@ -262,7 +264,9 @@ fn race(q: &BlockingQueue, at: u64, data: &[u8], late: bool) {
     q.write(at, data, IoFlags::NONE).expect("the racing write");
 }
 
-/// A write to the range races the repair, sent from this queue or from another thread's.
+/// A write to the range races the repair, sent from this queue or from another thread's,
+/// on a mirror in the raw layout (writes counted in their queue's in-flight counter) and
+/// on one with superblocks (the default: counted by the metadata's epoch).
 /// The good member is slow (reads forwarded after 20 ms, writes after 30 ms), so that the
 /// write's copy there lands late, and the repair's read of it is slow too. Sent at once
 /// after the failed read is answered, the write is in flight when the repair starts (it
@@ -273,70 +277,95 @@ fn race(q: &BlockingQueue, at: u64, data: &[u8], late: bool) {
 #[test]
 fn a_repair_never_undoes_a_write_that_races_it() {
     let rounds = [(false, false), (true, false), (false, true), (true, true)];
-    for (round, (other_thread, late)) in rounds.into_iter().enumerate() {
-        let name = format!("rr_race{round}");
-        let (at, len) = (MIB + round as u64 * 64 * KIB, 16 * KIB);
-        let text = format!(
-            "{}{}{}[device.db]\ntype = \"delay\"\nbase = \"b\"\nread = \"20ms\"\nwrite = \"30ms\"\n[device.{name}]\ntype = \"mirror\"\nmembers = [\"fa\", \"db\"]\n",
-            mem("a", "4M"),
-            mem("b", "4M"),
-            fault("fa", "a", "[\"read\"]", at, len, 1)
-        );
-        let m = open(&text, &name);
-        let size = m.geometry().size_bytes;
-        let old = pattern(5, size);
-        queue(&m).write(0, &old, IoFlags::NONE).expect("fill");
-        let (a, b) = (find(&m, "a"), find(&m, "b"));
-        damage(&a, at, len);
-        let newer = pattern(6 + round as u8, len);
-        // The other thread's queue is open before the race starts.
-        let (go, wait) = std::sync::mpsc::channel::<()>();
-        let writer = other_thread.then(|| {
-            let (m, newer) = (m.clone(), newer.clone());
-            let (ready, is_ready) = std::sync::mpsc::channel::<()>();
-            let handle = std::thread::spawn(move || {
-                let q = queue(&m);
-                ready.send(()).expect("ready");
-                wait.recv().expect("go");
-                race(&q, at, &newer, late);
-            });
-            is_ready.recv().expect("the writer's queue");
-            handle
+    for (layout, metadata, data_offset) in
+        [("raw", "metadata = \"none\"\n", 0), ("sb", "", DATA_OFFSET)]
+    {
+        for (round, (other_thread, late)) in rounds.into_iter().enumerate() {
+            race_round(
+                &format!("{layout}{round}"),
+                metadata,
+                data_offset,
+                round as u64,
+                other_thread,
+                late,
+            );
+        }
+    }
+}
+
+/// One round of [`a_repair_never_undoes_a_write_that_races_it`], on mirror
+/// `rr_race_{round}` with `metadata` lines, whose data starts at `data_offset` on each
+/// member.
+fn race_round(
+    round: &str,
+    metadata: &str,
+    data_offset: u64,
+    n: u64,
+    other_thread: bool,
+    late: bool,
+) {
+    let name = format!("rr_race_{round}");
+    let (at, len) = (MIB + n * 64 * KIB, 16 * KIB);
+    let text = format!(
+        "{}{}{}[device.db]\ntype = \"delay\"\nbase = \"b\"\nread = \"20ms\"\nwrite = \"30ms\"\n[device.{name}]\ntype = \"mirror\"\nmembers = [\"fa\", \"db\"]\n{metadata}",
+        mem("a", "4M"),
+        mem("b", "4M"),
+        fault("fa", "a", "[\"read\"]", data_offset + at, len, 1)
+    );
+    let m = open(&text, &name);
+    let size = m.geometry().size_bytes;
+    let old = pattern(5, size);
+    queue(&m).write(0, &old, IoFlags::NONE).expect("fill");
+    let (a, b) = (find(&m, "a"), find(&m, "b"));
+    damage(&a, data_offset + at, len);
+    let newer = pattern(6 + n as u8, len);
+    // The other thread's queue is open before the race starts.
+    let (go, wait) = std::sync::mpsc::channel::<()>();
+    let writer = other_thread.then(|| {
+        let (m, newer) = (m.clone(), newer.clone());
+        let (ready, is_ready) = std::sync::mpsc::channel::<()>();
+        let handle = std::thread::spawn(move || {
+            let q = queue(&m);
+            ready.send(()).expect("ready");
+            wait.recv().expect("go");
+            race(&q, at, &newer, late);
         });
-        let q = queue(&m);
-        assert!(
-            read(&q, at, len) == old[at as usize..][..len as usize],
-            "round {round}: the read comes before the write"
-        );
-        match writer {
-            Some(handle) => {
-                go.send(()).expect("go");
-                handle.join().expect("the writer");
-            }
-            None => race(&q, at, &newer, late),
+        is_ready.recv().expect("the writer's queue");
+        handle
+    });
+    let q = queue(&m);
+    assert!(
+        read(&q, at, len) == old[at as usize..][..len as usize],
+        "round {round}: the read comes before the write"
+    );
+    match writer {
+        Some(handle) => {
+            go.send(()).expect("go");
+            handle.join().expect("the writer");
         }
-        let r = wait_repairs(&name, |r| r.repaired + r.failed > 0);
-        assert_eq!((r.repaired, r.failed), (1, 0), "round {round}: {r:?}");
-        assert!(m.failed_members().is_empty());
-        // The repair's write has ended once it is counted: the copies must agree on the
-        // newer data.
-        let on_a = read(&queue(&a), at, len);
-        let on_b = read(&queue(&b), at, len);
-        assert!(
-            on_b == newer,
-            "round {round}: the good member has the write"
-        );
-        assert!(
-            on_a == newer,
-            "round {round}: the repaired member holds {}",
-            if on_a == old[at as usize..][..len as usize] {
-                "the older data: the repair undid the write"
-            } else {
-                "neither the older data nor the write"
-            }
-        );
-        for _ in 0..2 {
-            assert!(read(&q, at, len) == newer);
+        None => race(&q, at, &newer, late),
+    }
+    let r = wait_repairs(&name, |r| r.repaired + r.failed > 0);
+    assert_eq!((r.repaired, r.failed), (1, 0), "round {round}: {r:?}");
+    assert!(m.failed_members().is_empty());
+    // The repair's write has ended once it is counted: the copies must agree on the
+    // newer data.
+    let on_a = read(&queue(&a), data_offset + at, len);
+    let on_b = read(&queue(&b), data_offset + at, len);
+    assert!(
+        on_b == newer,
+        "round {round}: the good member has the write"
+    );
+    assert!(
+        on_a == newer,
+        "round {round}: the repaired member holds {}",
+        if on_a == old[at as usize..][..len as usize] {
+            "the older data: the repair undid the write"
+        } else {
+            "neither the older data nor the write"
         }
+    );
+    for _ in 0..2 {
+        assert!(read(&q, at, len) == newer);
     }
 }

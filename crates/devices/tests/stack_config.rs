@@ -96,7 +96,8 @@ mod parses {
                 members: vec!["f".into(), "d1".into(), "d2".into(), "d3".into()],
                 chunk: DEFAULT_CHUNK_BYTES,
                 copies: 2,
-                metadata: false,
+                // Superblocks unless the file says metadata = "none".
+                metadata: true,
                 rebuild: cairn_devices::config::ArrayOptions::default(),
             }
         );
@@ -191,45 +192,65 @@ mod parses {
 
     #[test]
     fn every_stacked_type_opens_with_the_size_its_layout_gives() {
-        // Four 1 MiB members: linear 4 MiB, stripe 4 MiB, mirror 1 MiB, raid10 (2 copies)
-        // 2 MiB, raid10 with 3 copies: 16 rows x 4 members / 3 = 21 chunks of 64 KiB.
-        for (kind, extra, size) in [
-            ("linear", "", 4 << 20),
-            ("stripe", "chunk = \"64K\"\n", 4 << 20),
-            ("mirror", "", 1 << 20),
-            ("raid10", "", 2 << 20),
-            ("raid10", "copies = 3\n", 21 * (64 << 10)),
-        ] {
-            let text = format!(
-                "{}[device.top]\ntype = \"{kind}\"\nmembers = {}\n{extra}",
-                mems(4),
-                list(4)
-            );
-            let file = StackFile::parse(&text).unwrap_or_else(|e| panic!("{kind}: {e}"));
-            let top = file.open("top").unwrap_or_else(|e| panic!("{kind}: {e}"));
-            assert_eq!(top.geometry().size_bytes, size, "{kind} {extra}");
-            let children: Vec<String> = top
-                .children()
-                .iter()
-                .map(|c| c.name().to_string())
-                .collect();
-            assert_eq!(children, ["d0", "d1", "d2", "d3"], "{kind}");
+        // Four members with 1 MiB for data each: linear 4 MiB, stripe 4 MiB, mirror 1 MiB,
+        // raid10 (2 copies) 2 MiB, raid10 with 3 copies: 16 rows x 4 members / 3 = 21
+        // chunks of 64 KiB. In the raw layout that is the whole of a 1 MiB member; at the
+        // default, a 2 MiB member less its 1 MiB metadata area.
+        let raw = mems(4);
+        let with_superblocks: String = (0..4)
+            .map(|i| format!("[device.d{i}]\ntype = \"mem\"\nsize = \"2M\"\n\n"))
+            .collect();
+        for (members, metadata) in [(&raw, "metadata = \"none\"\n"), (&with_superblocks, "")] {
+            for (kind, extra, size) in [
+                ("linear", "", 4 << 20),
+                ("stripe", "chunk = \"64K\"\n", 4 << 20),
+                ("mirror", "", 1 << 20),
+                ("raid10", "", 2 << 20),
+                ("raid10", "copies = 3\n", 21 * (64 << 10)),
+            ] {
+                let text = format!(
+                    "{members}[device.top]\ntype = \"{kind}\"\nmembers = {}\n{metadata}{extra}",
+                    list(4)
+                );
+                let file = StackFile::parse(&text).unwrap_or_else(|e| panic!("{kind}: {e}"));
+                let top = file.open("top").unwrap_or_else(|e| panic!("{kind}: {e}"));
+                assert_eq!(top.geometry().size_bytes, size, "{kind} {metadata}{extra}");
+                assert_eq!(
+                    top.describe().contains("metadata 1, data at 1048576"),
+                    metadata.is_empty(),
+                    "{kind} {metadata}{extra}: {}",
+                    top.describe()
+                );
+                let children: Vec<String> = top
+                    .children()
+                    .iter()
+                    .map(|c| c.name().to_string())
+                    .collect();
+                assert_eq!(children, ["d0", "d1", "d2", "d3"], "{kind}");
+            }
         }
     }
 
     #[test]
     fn stacks_nest() {
-        // A mirror of two stripes, each of two mem devices.
+        // A mirror of two stripes, each of two 2 MiB mem devices, every array with its
+        // superblocks: each stripe 2 x (2 MiB - 1 MiB of metadata) = 2 MiB, the mirror
+        // 2 MiB - 1 MiB of metadata.
+        let members: String = (0..4)
+            .map(|i| format!("[device.d{i}]\ntype = \"mem\"\nsize = \"2M\"\n\n"))
+            .collect();
         let text = format!(
-            "{}[device.s0]\ntype = \"stripe\"\nmembers = [\"d0\", \"d1\"]\nchunk = \"4K\"\n\n\
+            "{members}[device.s0]\ntype = \"stripe\"\nmembers = [\"d0\", \"d1\"]\nchunk = \"4K\"\n\n\
              [device.s1]\ntype = \"stripe\"\nmembers = [\"d2\", \"d3\"]\nchunk = \"4K\"\n\n\
-             [device.m]\ntype = \"mirror\"\nmembers = [\"s0\", \"s1\"]\n",
-            mems(4)
+             [device.m]\ntype = \"mirror\"\nmembers = [\"s0\", \"s1\"]\n"
         );
         let file = StackFile::parse(&text).unwrap();
         assert_eq!(file.roots(), vec!["m".to_string()]);
         let m = file.open("m").unwrap();
-        assert_eq!(m.geometry().size_bytes, 2 << 20);
+        assert_eq!(m.geometry().size_bytes, 1 << 20);
+        for s in m.children() {
+            assert_eq!(s.geometry().size_bytes, 2 << 20, "{}", s.name());
+        }
         let tree = cairn_devices::config::tree(&*m);
         let names: Vec<&str> = tree
             .lines()
@@ -440,31 +461,47 @@ mod members {
 
     #[test]
     fn stripe_and_raid10_members_too_small_for_one_chunk() {
-        // 32 KiB members, 64 KiB chunks.
-        for (kind, n) in [("stripe", 2), ("raid10", 2), ("raid10", 4)] {
-            let members: String = (0..n)
-                .map(|i| format!("[device.d{i}]\ntype = \"mem\"\nsize = \"32K\"\n\n"))
-                .collect();
-            let text = format!(
-                "{members}[device.top]\ntype = \"{kind}\"\nmembers = {}\nchunk = \"64K\"\n",
-                list(n)
-            );
-            let m = open_err(&text, "top");
-            assert_names(&m, "top", "members");
-            assert!(m.contains("chunk"), "{m}");
+        // 32 KiB for data on each member, 64 KiB chunks: 32 KiB members in the raw
+        // layout, and 1 MiB + 32 KiB ones with superblocks (the metadata area takes 1 MiB).
+        for (size, metadata) in [("32K", "metadata = \"none\"\n"), ("1056K", "")] {
+            for (kind, n) in [("stripe", 2), ("raid10", 2), ("raid10", 4)] {
+                let members: String = (0..n)
+                    .map(|i| format!("[device.d{i}]\ntype = \"mem\"\nsize = \"{size}\"\n\n"))
+                    .collect();
+                let text = format!(
+                    "{members}[device.top]\ntype = \"{kind}\"\nmembers = {}\nchunk = \"64K\"\n{metadata}",
+                    list(n)
+                );
+                let m = open_err(&text, "top");
+                assert_names(&m, "top", "members");
+                assert!(m.contains("chunk"), "{m}");
+            }
         }
     }
 
     #[test]
     fn one_small_member_is_enough_to_refuse() {
-        // The smallest member decides: three of 1 MiB and one of 16 KiB.
+        // The smallest member decides: three of 1 MiB and one of 16 KiB, in the raw layout.
         let text = format!(
             "{}[device.d3]\ntype = \"mem\"\nsize = \"16K\"\n\n\
-             [device.top]\ntype = \"stripe\"\nmembers = {}\nchunk = \"64K\"\n",
+             [device.top]\ntype = \"stripe\"\nmembers = {}\nchunk = \"64K\"\nmetadata = \"none\"\n",
             mems(3),
             list(4)
         );
         assert_names(&open_err(&text, "top"), "top", "members");
+        // With superblocks (the default), a member smaller than the metadata area is
+        // refused by name.
+        let members: String = (0..3)
+            .map(|i| format!("[device.d{i}]\ntype = \"mem\"\nsize = \"2M\"\n\n"))
+            .collect();
+        let text = format!(
+            "{members}[device.d3]\ntype = \"mem\"\nsize = \"16K\"\n\n\
+             [device.top]\ntype = \"stripe\"\nmembers = {}\nchunk = \"64K\"\n",
+            list(4)
+        );
+        let m = open_err(&text, "top");
+        assert_names(&m, "top", "metadata area");
+        assert!(m.contains("'d3'"), "names the member: {m}");
     }
 }
 
@@ -543,8 +580,10 @@ mod copies {
         let m = open_err(&raid10(4, "5"), "r");
         assert_names(&m, "r", "copies");
         assert_names(&open_err(&raid10(2, "3"), "r"), "r", "copies");
-        // As many copies as members is allowed: every member holds everything.
-        let file = StackFile::parse(&raid10(3, "3")).unwrap();
+        // As many copies as members is allowed: every member holds everything (2 MiB
+        // members, 1 MiB of them for data).
+        let text = raid10(3, "3").replace("\"1M\"", "\"2M\"");
+        let file = StackFile::parse(&text).unwrap();
         assert_eq!(file.open("r").unwrap().geometry().size_bytes, 1 << 20);
     }
 
@@ -791,7 +830,7 @@ mod regressions {
     /// called themselves busy: the stack file fuzzer saw 1,300 of them alive at once.
     #[test]
     fn handoff_workers_end_with_their_queues() {
-        let text = "[device.Zm]\ntype = \"mem\"\nsize = \"1M\"\n\
+        let text = "[device.Zm]\ntype = \"mem\"\nsize = \"2M\"\n\
                     [device.Zl]\ntype = \"linear\"\nmembers = [\"Zm\"]\n";
         let device = StackFile::parse(text).unwrap().open("Zl").unwrap();
         let switches = Switches {
@@ -847,25 +886,36 @@ mod regressions {
     fn linear_uses_members_in_whole_blocks_of_the_stack() {
         // A 1.5 KiB member of 512-byte blocks then members of 4 KiB blocks: the stack has
         // 4 KiB blocks, and no piece may straddle one (an O_DIRECT member would refuse it).
-        let text = "[device.a]\ntype = \"mem\"\nsize = \"1536\"\n\
-                    [device.b]\ntype = \"mem\"\nsize = \"8K\"\nblock = \"4K\"\n\
-                    [device.c]\ntype = \"mem\"\nsize = \"4K\"\nblock = \"4K\"\n\
-                    [device.top]\ntype = \"linear\"\nmembers = [\"a\", \"b\", \"c\"]\n";
-        let top = StackFile::parse(text).unwrap().open("top").unwrap();
-        let g = top.geometry();
-        assert_eq!((g.block_bytes, g.size_bytes), (4096, 12288));
-        let q = BlockingQueue::open(&top, Switches::default()).unwrap();
-        let data: Vec<u8> = (0..12288).map(|i| (i % 251) as u8).collect();
-        q.write(0, &data, IoFlags::NONE).unwrap();
-        let mut back = vec![0u8; 12288];
-        q.read(0, &mut back).unwrap();
-        assert_eq!(back, data);
-        // Member b received whole blocks starting at its offset 0.
-        let b = &top.children()[1];
-        let qb = BlockingQueue::open(b, Switches::default()).unwrap();
-        let mut first = vec![0u8; 4096];
-        qb.read(0, &mut first).unwrap();
-        assert_eq!(first, data[..4096]);
+        // In the raw layout, and with superblocks: the same sizes after a 1 MiB metadata
+        // area on each member.
+        const MIB: u64 = 1 << 20;
+        for (data_offset, metadata) in [(0, "metadata = \"none\"\n"), (MIB, "")] {
+            let size = |bytes: u64| data_offset + bytes;
+            let text = format!(
+                "[device.a]\ntype = \"mem\"\nsize = {}\n\
+                 [device.b]\ntype = \"mem\"\nsize = {}\nblock = \"4K\"\n\
+                 [device.c]\ntype = \"mem\"\nsize = {}\nblock = \"4K\"\n\
+                 [device.top]\ntype = \"linear\"\nmembers = [\"a\", \"b\", \"c\"]\n{metadata}",
+                size(1536),
+                size(8192),
+                size(4096)
+            );
+            let top = StackFile::parse(&text).unwrap().open("top").unwrap();
+            let g = top.geometry();
+            assert_eq!((g.block_bytes, g.size_bytes), (4096, 12288), "{metadata}");
+            let q = BlockingQueue::open(&top, Switches::default()).unwrap();
+            let data: Vec<u8> = (0..12288).map(|i| (i % 251) as u8).collect();
+            q.write(0, &data, IoFlags::NONE).unwrap();
+            let mut back = vec![0u8; 12288];
+            q.read(0, &mut back).unwrap();
+            assert_eq!(back, data, "{metadata}");
+            // Member b received whole blocks starting where its data starts.
+            let b = &top.children()[1];
+            let qb = BlockingQueue::open(b, Switches::default()).unwrap();
+            let mut first = vec![0u8; 4096];
+            qb.read(data_offset, &mut first).unwrap();
+            assert_eq!(first, data[..4096], "{metadata}");
+        }
     }
 }
 

@@ -29,6 +29,11 @@
 //!            row 2: 4   4   5   5     row 2:  3   3   4       row 2:  2   3   3   3
 //! ```
 //!
+//! Every array here asks for the raw layout (`metadata = "none"`): no metadata area, so
+//! member offsets are the layout's own arithmetic. Arrays with superblocks (the default)
+//! put the same layout after a 1 MiB metadata area on each member; `array.rs` and
+//! `stack_model.rs` cover them.
+//!
 //! Not here: random operations against a model (`stack_model.rs`), which also checks every
 //! copy of every block against the same rules.
 
@@ -41,7 +46,7 @@ use cairn_devices::config::StackFile;
 const K: u64 = 1024;
 const CHUNK: u64 = 64 * K;
 
-/// Opens `top` of a stack of mem members `d0..` of `member_bytes` each.
+/// Opens `top` of a stack of mem members `d0..` of `member_bytes` each, in the raw layout.
 fn stack(kind: &str, member_bytes: &[u64], extra: &str) -> Arc<dyn Device> {
     let mut text = String::new();
     for (i, size) in member_bytes.iter().enumerate() {
@@ -51,7 +56,7 @@ fn stack(kind: &str, member_bytes: &[u64], extra: &str) -> Arc<dyn Device> {
         .map(|i| format!("\"d{i}\""))
         .collect();
     text.push_str(&format!(
-        "[device.top]\ntype = \"{kind}\"\nmembers = [{}]\n{extra}\n",
+        "[device.top]\ntype = \"{kind}\"\nmembers = [{}]\nmetadata = \"none\"\n{extra}\n",
         names.join(", ")
     ));
     let file = StackFile::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));

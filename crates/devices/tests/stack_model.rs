@@ -18,6 +18,11 @@
 //!
 //! Each case runs with statistics on or off at random: off, a request of linear or stripe
 //! that fits one member is only remapped, and the member answers the caller itself.
+//!
+//! Most stacks ask for the raw layout (`metadata = "none"`), whose placement is the
+//! layout's arithmetic alone on members of a few KiB; a few run at the default, with
+//! superblocks: the same placement after a 1 MiB metadata area on each member, which no
+//! data may touch.
 
 use std::sync::Arc;
 
@@ -35,6 +40,10 @@ use common::{check_all, data, Step};
 /// Logical block size of every member (and so of every stack).
 const BLOCK: u64 = 512;
 const K: u64 = 1024;
+/// Where data starts on each member of an array with superblocks.
+const DATA_OFFSET: u64 = 1 << 20;
+/// The two superblock slots at the start of each member's metadata area.
+const SLOTS_BYTES: u64 = 16 * K;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -56,12 +65,16 @@ enum Leaf {
 #[derive(Debug, Clone, Copy)]
 struct Stack {
     kind: Kind,
+    /// The bytes of each member the layout uses: the whole member in the raw layout;
+    /// with metadata, the member is `DATA_OFFSET` bytes larger.
     member_bytes: &'static [u64],
     /// Chunk of stripe and raid10 (unused otherwise).
     chunk: u64,
     /// Copies of raid10 (unused otherwise).
     copies: u64,
     leaf: Leaf,
+    /// Superblocks on the members (the default), or the raw layout (`metadata = "none"`).
+    metadata: bool,
 }
 
 /// Members of unequal sizes, not multiples of each other or of 4 KiB: 40 KiB, 12.5 KiB,
@@ -72,6 +85,7 @@ const LINEAR: Stack = Stack {
     chunk: 0,
     copies: 1,
     leaf: Leaf::Mem,
+    metadata: false,
 };
 
 /// The smaller member decides: 15 rows of 4 KiB chunks.
@@ -81,6 +95,7 @@ const STRIPE_4K_2: Stack = Stack {
     chunk: 4 * K,
     copies: 1,
     leaf: Leaf::Mem,
+    metadata: false,
 };
 
 const STRIPE_4K_3: Stack = Stack {
@@ -89,6 +104,7 @@ const STRIPE_4K_3: Stack = Stack {
     chunk: 4 * K,
     copies: 1,
     leaf: Leaf::Mem,
+    metadata: false,
 };
 
 /// Four rows of 64 KiB chunks; the 4 KiB tail of each member is unused.
@@ -98,6 +114,7 @@ const STRIPE_64K_2: Stack = Stack {
     chunk: 64 * K,
     copies: 1,
     leaf: Leaf::Mem,
+    metadata: false,
 };
 
 const STRIPE_64K_3: Stack = Stack {
@@ -106,6 +123,7 @@ const STRIPE_64K_3: Stack = Stack {
     chunk: 64 * K,
     copies: 1,
     leaf: Leaf::Mem,
+    metadata: false,
 };
 
 const MIRROR_2: Stack = Stack {
@@ -114,6 +132,7 @@ const MIRROR_2: Stack = Stack {
     chunk: 0,
     copies: 2,
     leaf: Leaf::Mem,
+    metadata: false,
 };
 
 /// Unequal members: the smallest (96 KiB) decides.
@@ -123,6 +142,7 @@ const MIRROR_3: Stack = Stack {
     chunk: 0,
     copies: 3,
     leaf: Leaf::Mem,
+    metadata: false,
 };
 
 /// Eight rows of 4 KiB: 16 chunks.
@@ -132,6 +152,7 @@ const RAID10_4X2: Stack = Stack {
     chunk: 4 * K,
     copies: 2,
     leaf: Leaf::Mem,
+    metadata: false,
 };
 
 /// Seven rows of three: 21 positions, 10 chunks of two copies, the last position unused.
@@ -141,6 +162,7 @@ const RAID10_3X2: Stack = Stack {
     chunk: 4 * K,
     copies: 2,
     leaf: Leaf::Mem,
+    metadata: false,
 };
 
 /// Three rows of four 64 KiB chunks: 12 positions, 4 chunks of three copies.
@@ -150,6 +172,7 @@ const RAID10_4X3: Stack = Stack {
     chunk: 64 * K,
     copies: 3,
     leaf: Leaf::Mem,
+    metadata: false,
 };
 
 /// A stripe of three files through io_uring.
@@ -164,9 +187,51 @@ const RAID10_AIO_FILES: Stack = Stack {
     ..RAID10_4X2
 };
 
+/// At the default, with superblocks: the same layouts after each member's metadata area.
+const LINEAR_META: Stack = Stack {
+    metadata: true,
+    ..LINEAR
+};
+
+const STRIPE_4K_3_META: Stack = Stack {
+    metadata: true,
+    ..STRIPE_4K_3
+};
+
+/// A bitmap (one region: every write is to a marked region after the first).
+const MIRROR_3_META: Stack = Stack {
+    metadata: true,
+    ..MIRROR_3
+};
+
+const RAID10_3X2_META: Stack = Stack {
+    metadata: true,
+    ..RAID10_3X2
+};
+
+/// Superblocks flushed through linux-aio.
+const RAID10_AIO_FILES_META: Stack = Stack {
+    metadata: true,
+    ..RAID10_AIO_FILES
+};
+
 impl Stack {
     fn members(&self) -> usize {
         self.member_bytes.len()
+    }
+
+    /// Where the layout's bytes start on each member.
+    fn data_offset(&self) -> u64 {
+        if self.metadata {
+            DATA_OFFSET
+        } else {
+            0
+        }
+    }
+
+    /// Member `i`'s whole size.
+    fn device_bytes(&self, i: usize) -> u64 {
+        self.member_bytes[i] + self.data_offset()
     }
 
     fn smallest(&self) -> u64 {
@@ -212,7 +277,8 @@ impl Stack {
         }
     }
 
-    /// Where copy `copy` of logical byte `offset` lives: (member, member offset).
+    /// Where copy `copy` of logical byte `offset` lives: (member, offset in the member's
+    /// data area, which starts at [`Stack::data_offset`]).
     ///
     /// - linear: members end to end;
     /// - stripe: chunk `i` on member `i % n`, row `i / n`;
@@ -254,7 +320,8 @@ impl Stack {
     /// The stack file text; file members go in `dir`.
     fn toml(&self, dir: Option<&TempDir>) -> String {
         let mut text = String::new();
-        for (i, size) in self.member_bytes.iter().enumerate() {
+        for i in 0..self.members() {
+            let size = self.device_bytes(i);
             text.push_str(&format!("[device.d{i}]\n"));
             match (self.leaf, dir) {
                 (Leaf::Mem, _) => text.push_str(&format!("type = \"mem\"\nsize = {size}\n")),
@@ -276,8 +343,13 @@ impl Stack {
                 format!("chunk = {}\ncopies = {}\n", self.chunk, self.copies),
             ),
         };
+        let metadata = if self.metadata {
+            ""
+        } else {
+            "metadata = \"none\"\n"
+        };
         text.push_str(&format!(
-            "[device.top]\ntype = \"{kind}\"\nmembers = [{}]\n{extra}",
+            "[device.top]\ntype = \"{kind}\"\nmembers = [{}]\n{metadata}{extra}",
             names.join(", ")
         ));
         text
@@ -363,22 +435,43 @@ fn expected(stack: Stack, step: &Step) -> Result<(), IoError> {
 }
 
 /// Reads every member directly; every copy of every block must hold the model's bytes.
+/// With metadata, each member starts with a superblock, and the rest of its metadata
+/// area is untouched.
 fn check_members(stack: Stack, top: &Arc<dyn Device>, model: &[u8]) -> Result<(), TestCaseError> {
     let members = top.children();
     prop_assert_eq!(members.len(), stack.members());
     let mut contents = Vec::new();
     for (i, m) in members.iter().enumerate() {
-        prop_assert_eq!(m.geometry().size_bytes, stack.member_bytes[i]);
+        prop_assert_eq!(m.geometry().size_bytes, stack.device_bytes(i));
         let q = BlockingQueue::open(m, Switches::default()).expect("member queue opens");
-        let mut buf = vec![0xa5u8; stack.member_bytes[i] as usize];
+        let mut buf = vec![0xa5u8; stack.device_bytes(i) as usize];
         q.read(0, &mut buf)
             .map_err(|e| TestCaseError::fail(format!("read member d{i}: {e}")))?;
+        if stack.metadata {
+            let slots = &buf[..SLOTS_BYTES as usize];
+            prop_assert!(
+                slots.starts_with(b"CAIRNSB\0")
+                    || slots[8 * K as usize..].starts_with(b"CAIRNSB\0"),
+                "member d{} has no superblock",
+                i
+            );
+            let rest = &buf[SLOTS_BYTES as usize..DATA_OFFSET as usize];
+            if let Some(at) = rest.iter().position(|&b| b != 0) {
+                prop_assert!(
+                    false,
+                    "member d{} has bytes in its metadata area at {}",
+                    i,
+                    SLOTS_BYTES as usize + at
+                );
+            }
+        }
         contents.push(buf);
     }
     for offset in (0..stack.size()).step_by(BLOCK as usize) {
         let want = &model[offset as usize..(offset + BLOCK) as usize];
         for copy in 0..stack.copies() {
             let (m, at) = stack.place(offset, copy);
+            let at = at + stack.data_offset();
             let got = &contents[m][at as usize..(at + BLOCK) as usize];
             prop_assert!(
                 got == want,
@@ -761,6 +854,31 @@ proptest! {
     }
 
     #[test]
+    fn linear_with_metadata(steps in steps(LINEAR_META), stats_off in any::<bool>()) {
+        run_model(LINEAR_META, &steps, stats_off)?;
+    }
+
+    #[test]
+    fn stripe_with_metadata(steps in steps(STRIPE_4K_3_META), stats_off in any::<bool>()) {
+        run_model(STRIPE_4K_3_META, &steps, stats_off)?;
+    }
+
+    #[test]
+    fn mirror_with_metadata(steps in steps(MIRROR_3_META), stats_off in any::<bool>()) {
+        run_model(MIRROR_3_META, &steps, stats_off)?;
+    }
+
+    #[test]
+    fn raid10_with_metadata(steps in steps(RAID10_3X2_META), stats_off in any::<bool>()) {
+        run_model(RAID10_3X2_META, &steps, stats_off)?;
+    }
+
+    #[test]
+    fn raid10_of_aio_files_with_metadata(steps in steps(RAID10_AIO_FILES_META), stats_off in any::<bool>()) {
+        run_model(RAID10_AIO_FILES_META, &steps, stats_off)?;
+    }
+
+    #[test]
     fn concurrent_batches_linear(batches in batches(LINEAR), stats_off in any::<bool>()) {
         run_batches(LINEAR, &batches, stats_off)?;
     }
@@ -783,6 +901,16 @@ proptest! {
     #[test]
     fn concurrent_batches_raid10_3_copies(batches in batches(RAID10_4X3), stats_off in any::<bool>()) {
         run_batches(RAID10_4X3, &batches, stats_off)?;
+    }
+
+    #[test]
+    fn concurrent_batches_mirror_with_metadata(batches in batches(MIRROR_3_META), stats_off in any::<bool>()) {
+        run_batches(MIRROR_3_META, &batches, stats_off)?;
+    }
+
+    #[test]
+    fn concurrent_batches_raid10_with_metadata(batches in batches(RAID10_3X2_META), stats_off in any::<bool>()) {
+        run_batches(RAID10_3X2_META, &batches, stats_off)?;
     }
 
     #[test]

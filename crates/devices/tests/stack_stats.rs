@@ -2,6 +2,11 @@
 //! counts it for the stacked device too, or answered by the stacked device itself), every
 //! device counts every request that passed through it, in its queue's snapshot and in the
 //! process-wide registry that the admin socket and the metrics endpoint read.
+//!
+//! The linears here ask for the raw layout (`metadata = "none"`): members of an array with
+//! superblocks also count the superblock reads and writes, and these tests count client
+//! requests exactly (`stack_model.rs` checks the stacked device's own counts with
+//! metadata).
 
 use std::sync::Arc;
 
@@ -56,7 +61,7 @@ fn three_writes(q: &BlockingQueue) {
 #[test]
 fn a_request_remapped_to_a_member_counts_for_both() {
     let text = format!(
-        "{}{}[device.ds_lin]\ntype = \"linear\"\nmembers = [\"ds_a\", \"ds_b\"]\n",
+        "{}{}[device.ds_lin]\ntype = \"linear\"\nmembers = [\"ds_a\", \"ds_b\"]\nmetadata = \"none\"\n",
         mem("ds_a", 64 * K),
         mem("ds_b", 64 * K)
     );
@@ -108,9 +113,9 @@ fn stacks_over_stacks_and_wrappers_count_every_level() {
     // A stacked member and a wrapper cannot count for the device above them: the top
     // device counts those requests itself; mid still delegates to its mem members.
     let text = format!(
-        "{}{}{}[device.dn_mid]\ntype = \"linear\"\nmembers = [\"dn_m0\", \"dn_m1\"]\n\n\
+        "{}{}{}[device.dn_mid]\ntype = \"linear\"\nmembers = [\"dn_m0\", \"dn_m1\"]\nmetadata = \"none\"\n\n\
          [device.dn_slow]\ntype = \"delay\"\nbase = \"dn_m2\"\nread = \"1us\"\n\n\
-         [device.dn_top]\ntype = \"linear\"\nmembers = [\"dn_mid\", \"dn_slow\"]\n",
+         [device.dn_top]\ntype = \"linear\"\nmembers = [\"dn_mid\", \"dn_slow\"]\nmetadata = \"none\"\n",
         mem("dn_m0", 32 * K),
         mem("dn_m1", 32 * K),
         mem("dn_m2", 64 * K),

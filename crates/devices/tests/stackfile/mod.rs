@@ -193,7 +193,11 @@ const MEMORY: Pool = Pool {
     bad: &["\"0\"", "\"63K\"", "\"100T\"", "\"1E\"", "-1", "\"lots\""],
 };
 const BANDWIDTH: Pool = Pool {
-    good: &["\"150M\"", "\"1M\"", "\"1G\""],
+    // Not the edge of the range (1M, tested in stack_bounds.rs): an array with metadata
+    // opened on a blank member reads its metadata area and up to 64 MiB that the member's
+    // allocation map shows allocated (through a cache holding pages, all of it), so a
+    // chain of arrays over 1 MB/s delays would take minutes to check.
+    good: &["\"150M\"", "\"16M\"", "\"1G\""],
     bad: &["\"0\"", "0", "\"1\"", "\"1023K\"", "\"fast\""],
 };
 const DURATIONS: Pool = Pool {
@@ -510,7 +514,14 @@ pub fn generate(seed: u64) -> String {
                 if kind == "raid10" && count >= 3 {
                     out += &d.maybe(50, "copies", &COPIES);
                 }
-                if metadata {
+                if !metadata {
+                    // The raw layout, asked for by name (arrays keep superblocks by
+                    // default).
+                    out += "metadata = \"none\"\n";
+                } else if d.rng.chance(50) {
+                    // Superblocks by name ("1"), or now and then the raw layout after all
+                    // (refused with a 'missing' member), or a bad value; else the
+                    // default.
                     out += &d.maybe(100, "metadata", &METADATA);
                 }
             }
