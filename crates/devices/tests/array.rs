@@ -510,6 +510,38 @@ fn check_and_preflight_examine_a_member_to_be_extended_and_change_nothing() {
     assert!(!a.exists());
 }
 
+/// The preflight's reads (superblocks, metadata areas) are in no statistics: operators
+/// see the served devices' I/O once, as if it had not run.
+#[test]
+fn a_preflight_counts_no_io_in_the_statistics() {
+    let dir = tempfile::tempdir().expect("a directory");
+    let (a, b) = (dir.path().join("a.img"), dir.path().join("b.img"));
+    std::fs::write(&b, vec![0u8; 2 * MIB as usize]).unwrap();
+    let text = format!(
+        "{}{}[device.pf-m]\ntype = \"mirror\"\nmembers = [\"pf-a\", \"pf-b\"]\nmetadata = \"1\"\n",
+        file("pf-a", &a),
+        file("pf-b", &b)
+    );
+    let stack = StackFile::parse(&text).expect("parse");
+    stack
+        .preflight(&["pf-m".to_string()], Switches::default())
+        .expect("preflight");
+    let now = cairn_core::clock::monotonic_ns();
+    for name in ["pf-a", "pf-b", "pf-m"] {
+        assert!(
+            cairn_core::stats::registry().device(name, now).is_none(),
+            "{name} has statistics"
+        );
+    }
+    let m = open(&text, "pf-m").expect("open for real");
+    let now = cairn_core::clock::monotonic_ns();
+    let reads = cairn_core::stats::registry()
+        .device("pf-b", now)
+        .map(|s| s.ios[0]);
+    assert!(reads.is_some_and(|r| r > 0), "the real open's reads count");
+    drop(m);
+}
+
 /// A member that fails under a write is recorded as failed in the other members'
 /// superblocks before that write is answered: were the process killed right then, the
 /// next start would not read the failed member (scenario 3's premise).

@@ -735,15 +735,18 @@ impl StackFile {
     ///
     /// The devices are opened as `cairn check` opens them (arrays examined, not started;
     /// a file that `size=` would create or extend gets a stand-in that reads what the
-    /// file would then hold), logging nothing, and closed again before this returns, so
-    /// that their locks are free for the real open.
+    /// file would then hold), logging nothing and counting their reads in no statistics
+    /// (the queues opened on this thread), and closed again before this returns, so that
+    /// their locks are free for the real open.
     pub fn preflight(&self, names: &[String], switches: Switches) -> Result<(), Error> {
-        let mut opened = Vec::with_capacity(names.len());
-        for name in names {
-            opened.push(self.open_inner(name, switches, Start::Silent)?);
-        }
-        drop(opened);
-        Ok(())
+        cairn_core::stats::unregistered(|| {
+            let mut opened = Vec::with_capacity(names.len());
+            for name in names {
+                opened.push(self.open_inner(name, switches, Start::Silent)?);
+            }
+            drop(opened);
+            Ok(())
+        })
     }
 
     /// [`StackFile::open_with`]; unless `how` is [`Start::Write`], nothing is changed:
@@ -879,7 +882,7 @@ impl StackFile {
 /// file:PATH,size=1G`): whatever would refuse opening it, found without changing
 /// anything (a file `size=` would create is not created).
 pub fn preflight_leaf(leaf: &crate::LeafSpec, name: &str) -> Result<(), Error> {
-    open_dry(leaf, name).map(drop)
+    cairn_core::stats::unregistered(|| open_dry(leaf, name).map(drop))
 }
 
 /// A leaf for `cairn check` and preflights: the device itself, or, for a file that
