@@ -29,13 +29,13 @@
 //! A reply starts with `ok` or with `error:`.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use cairn_core::socket::SocketFile;
 use cairn_core::Device;
 
 use crate::view::{self, all_devices, View};
@@ -64,12 +64,28 @@ const HELP: &str = "ok: commands:
   help                    this list
 ";
 
+/// The admin socket, bound and not yet answering: [`bind`] comes before any device is
+/// opened (a path in use refuses the start before anything is created), [`start`] once
+/// the devices are open. Dropping it removes the file.
+pub struct Bound {
+    listener: UnixListener,
+    file: SocketFile,
+}
+
+impl Bound {
+    /// The socket file (see [`SocketFile::remover`] for exits that skip drops).
+    pub fn file(&self) -> &SocketFile {
+        &self.file
+    }
+}
+
 /// The listening admin socket. Dropping it stops its thread and removes the file.
 ///
 /// The thread holds the devices weakly: when serving ends, they close (and caches write
 /// back) as if there were no admin socket.
 pub struct Admin {
-    path: PathBuf,
+    /// Removed after the thread has ended (fields drop after `drop`).
+    _file: SocketFile,
     stop: Arc<AtomicBool>,
     /// The listening socket's descriptor (owned by the thread), to wake its accept.
     fd: std::os::fd::RawFd,
@@ -86,22 +102,31 @@ impl Drop for Admin {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
-        let _ = std::fs::remove_file(&self.path);
+        // The socket file goes with `_file`, after this.
     }
 }
 
-/// Listens on `path` (which must not exist) for commands about `roots` and their
-/// members, on a thread of its own.
-pub fn start(path: &Path, view: Arc<View>) -> Result<Admin, String> {
+/// Binds the admin socket at `path`, readable and writable by its owner only. A stale
+/// socket there (its server is gone) is replaced; a live one, or anything that is not a
+/// socket, is refused and left as it is (see [`cairn_core::socket`]).
+pub fn bind(path: &Path) -> Result<Bound, String> {
     // Owner only from the start (no moment when others could connect).
     // SAFETY: umask only changes this process's file creation mask.
     let old = unsafe { libc::umask(0o177) };
-    let bound = UnixListener::bind(path);
+    let bound = cairn_core::socket::bind(path, &format!("--admin {}", path.display()));
     // SAFETY: as above.
     unsafe { libc::umask(old) };
-    let listener = bound.map_err(|e| format!("--admin {}: {e}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+    let (listener, mut file) = bound.map_err(|e| e.to_string())?;
+    // The umask does it, unless a default ACL of the directory overrides it.
+    file.set_mode(0o600)
         .map_err(|e| format!("--admin {}: {e}", path.display()))?;
+    Ok(Bound { listener, file })
+}
+
+/// Answers commands about the devices of `view` on the socket `bound`, on a thread of
+/// its own.
+pub fn start(bound: Bound, view: Arc<View>) -> Result<Admin, String> {
+    let Bound { listener, file } = bound;
     let fd = std::os::fd::AsRawFd::as_raw_fd(&listener);
     let stop = Arc::new(AtomicBool::new(false));
     let s = stop.clone();
@@ -130,7 +155,7 @@ pub fn start(path: &Path, view: Arc<View>) -> Result<Admin, String> {
         })
         .map_err(|e| format!("--admin: cannot start its thread: {e}"))?;
     Ok(Admin {
-        path: path.to_path_buf(),
+        _file: file,
         stop,
         fd,
         thread: Some(thread),

@@ -96,23 +96,29 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                 DeviceChoice::Stack { path, .. } => Some(path.clone()),
                 _ => None,
             };
-            let (device, switches) = match choice {
-                DeviceChoice::Leaf(leaf) => {
-                    let switches = cli.global.switches(&Tuning::default())?;
-                    let device = cairn_devices::open(&leaf, &leaf.default_name())
-                        .map_err(|e| e.to_string())?;
-                    (device, switches)
-                }
+            let (devices, switches) = match choice {
+                DeviceChoice::Leaf(leaf) => (
+                    Devices::Leaf(leaf),
+                    cli.global.switches(&Tuning::default())?,
+                ),
                 DeviceChoice::Stack { path, name } => {
                     let stack = settings::read_stack(&path)?;
                     let switches = cli.global.switches(&stack.tuning)?;
                     let name = stack.pick(name.as_deref()).map_err(|e| e.to_string())?;
-                    let device = stack
-                        .open_with(&name, switches)
-                        .map_err(|e| format!("{}: {e}", path.display()))?;
-                    (device, switches)
+                    let names = vec![name];
+                    (Devices::Stack { stack, path, names }, switches)
                 }
             };
+            // Everything that can refuse the run is checked before anything is created
+            // or written: the device opened as `cairn check` opens it, then the admin
+            // and metrics sockets bound; only then is the device opened for real.
+            devices.preflight(switches)?;
+            let admin = args.admin.as_deref().map(admin::bind).transpose()?;
+            let metrics = args.metrics.as_deref().map(metrics::bind).transpose()?;
+            let device = devices
+                .open(switches)?
+                .pop()
+                .ok_or("bench: no device opened")?;
             let progress = std::io::stderr().is_terminal() && format == OutputFormat::Normal;
             // SIGINT and SIGTERM end the job early, with its report (as fio's Ctrl-C).
             interrupt_ends_bench();
@@ -120,15 +126,15 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                 view::View::new(std::slice::from_ref(&device), Vec::new(), None)
                     .with_stack_file(stack_path.as_deref()),
             );
-            let admin = match &args.admin {
-                Some(path) => Some(admin::start(path, view.clone())?),
+            let admin = match admin {
+                Some(bound) => Some(admin::start(bound, view.clone())?),
                 None => None,
             };
             let stack_file = keep_stack_file(&view)?;
             let view_for_sync = view.clone();
-            let metrics = match &args.metrics {
-                Some(spec) => {
-                    let m = metrics::start(spec, view)?;
+            let metrics = match metrics {
+                Some(bound) => {
+                    let m = metrics::start(bound, view)?;
                     log::info!("cairn: bench: metrics at {}", m.url);
                     Some(m)
                 }
@@ -220,10 +226,61 @@ fn interrupt_ends_bench() {
         });
 }
 
+/// The devices a run opens: a leaf given on the command line (`--device SPEC`), or
+/// devices of a stack file. Each is opened twice: first as `cairn check` opens it
+/// ([`Devices::preflight`]: nothing is created or written), so that every refusal comes
+/// before any change, then for real.
+enum Devices {
+    Leaf(cairn_devices::LeafSpec),
+    Stack {
+        stack: cairn_devices::config::StackFile,
+        /// The stack file, for error lines.
+        path: std::path::PathBuf,
+        /// Devices of the file, each once.
+        names: Vec<String>,
+    },
+}
+
+impl Devices {
+    /// Whatever would refuse [`Devices::open`], found without changing anything.
+    fn preflight(&self, switches: cairn_core::Switches) -> Result<(), String> {
+        match self {
+            Devices::Leaf(leaf) => {
+                cairn_devices::config::preflight_leaf(leaf, &leaf.default_name())
+                    .map_err(|e| e.to_string())
+            }
+            Devices::Stack { stack, path, names } => stack
+                .preflight(names, switches)
+                .map_err(|e| format!("{}: {e}", path.display())),
+        }
+    }
+
+    /// Opens them for real (files created or extended, arrays started), in order.
+    fn open(
+        &self,
+        switches: cairn_core::Switches,
+    ) -> Result<Vec<std::sync::Arc<dyn cairn_core::Device>>, String> {
+        match self {
+            Devices::Leaf(leaf) => Ok(vec![
+                cairn_devices::open(leaf, &leaf.default_name()).map_err(|e| e.to_string())?
+            ]),
+            Devices::Stack { stack, path, names } => names
+                .iter()
+                .map(|name| {
+                    stack
+                        .open_with(name, switches)
+                        .map_err(|e| format!("{}: {e}", path.display()))
+                })
+                .collect(),
+        }
+    }
+}
+
 /// An export `serve` was asked for.
 struct Chosen {
     name: String,
-    device: std::sync::Arc<dyn cairn_core::Device>,
+    /// Its device: an index into the devices opened (see [`Devices`]).
+    device: usize,
     read_only: bool,
     description: String,
     /// Chosen by the empty name.
@@ -234,16 +291,103 @@ struct Chosen {
     strict_alignment: bool,
 }
 
-/// Mounts the FUSE exports asked for (`--fuse PATH[:EXPORT]`, `fuse = "PATH"` in an
-/// export's table).
-fn fuse_exports(
+/// The exports asked for (`--device`, or the stack file's `[export.NAME]` tables) and the
+/// devices they serve, each device once, none opened yet.
+fn chosen_exports(
+    args: &settings::ServeArgs,
+    global: &settings::GlobalArgs,
+) -> Result<(Vec<Chosen>, Devices, cairn_core::Switches), String> {
+    let Some(path) = &args.stack else {
+        let text = args
+            .device
+            .as_deref()
+            .unwrap_or(settings::DEFAULT_SERVE_DEVICE);
+        let leaf = cairn_devices::LeafSpec::parse(text).map_err(|e| format!("--device {e}"))?;
+        let chosen = Chosen {
+            name: String::new(),
+            device: 0,
+            read_only: args.read_only,
+            description: text.to_string(),
+            default: true,
+            fuse: None,
+            strict_alignment: args.strict_alignment,
+        };
+        let switches = global.switches(&Tuning::default())?;
+        return Ok((vec![chosen], Devices::Leaf(leaf), switches));
+    };
+    let stack = settings::read_stack(path)?;
+    let switches = global.switches(&stack.tuning)?;
+    let mut names: Vec<String> = Vec::new();
+    let chosen = if args.device.is_some() || stack.exports.is_empty() {
+        let name = stack
+            .pick(args.device.as_deref())
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        names.push(name.clone());
+        vec![Chosen {
+            name: String::new(),
+            device: 0,
+            read_only: args.read_only,
+            description: name,
+            default: true,
+            fuse: None,
+            strict_alignment: args.strict_alignment,
+        }]
+    } else {
+        if args.read_only {
+            return Err(
+                "--read-only applies to --device; set read_only in the [export.NAME] tables".into(),
+            );
+        }
+        if args.strict_alignment {
+            return Err(
+                "--strict-alignment applies to --device; set strict_alignment in the [export.NAME] tables"
+                    .into(),
+            );
+        }
+        let mut v = Vec::new();
+        for (name, e) in &stack.exports {
+            // Devices shared by several exports are opened once.
+            let device = match names.iter().position(|n| *n == e.device) {
+                Some(i) => i,
+                None => {
+                    names.push(e.device.clone());
+                    names.len() - 1
+                }
+            };
+            let description = if e.description.is_empty() {
+                e.device.clone()
+            } else {
+                e.description.clone()
+            };
+            v.push(Chosen {
+                name: name.clone(),
+                device,
+                read_only: e.read_only,
+                description,
+                default: e.default,
+                fuse: e.fuse.clone(),
+                strict_alignment: e.strict_alignment,
+            });
+        }
+        v
+    };
+    let devices = Devices::Stack {
+        stack,
+        path: path.clone(),
+        names,
+    };
+    Ok((chosen, devices, switches))
+}
+
+/// The FUSE files asked for (`--fuse PATH[:EXPORT]`, `fuse = "PATH"` in an export's
+/// table), each with the index of its export in `chosen`.
+fn fuse_wanted(
     args: &settings::ServeArgs,
     chosen: &[Chosen],
-) -> Result<Vec<std::sync::Arc<cairn_fuse::FuseExport>>, String> {
+) -> Result<Vec<(std::path::PathBuf, usize)>, String> {
     if !(1..=1024).contains(&args.fuse_depth) {
         return Err(format!("--fuse-depth {}: from 1 to 1024", args.fuse_depth));
     }
-    // (path, index into chosen)
     let mut wanted: Vec<(std::path::PathBuf, usize)> = Vec::new();
     for (i, c) in chosen.iter().enumerate() {
         if let Some(p) = &c.fuse {
@@ -291,6 +435,17 @@ fn fuse_exports(
             ));
         }
     }
+    Ok(wanted)
+}
+
+/// Mounts the FUSE files `wanted` (see [`fuse_wanted`]) of the exports `chosen`, whose
+/// devices are `devices`.
+fn mount_fuse(
+    args: &settings::ServeArgs,
+    wanted: Vec<(std::path::PathBuf, usize)>,
+    chosen: &[Chosen],
+    devices: &[std::sync::Arc<dyn cairn_core::Device>],
+) -> Result<Vec<std::sync::Arc<cairn_fuse::FuseExport>>, String> {
     let transport = match args.fuse_io_uring {
         settings::FuseUringArg::Auto => cairn_fuse::Transport::Auto,
         settings::FuseUringArg::Off => cairn_fuse::Transport::DevFuse,
@@ -309,7 +464,7 @@ fn fuse_exports(
         let export = cairn_fuse::FuseExport::mount(cairn_fuse::FuseConfig {
             path,
             name: c.name.clone(),
-            device: c.device.clone(),
+            device: devices[c.device].clone(),
             read_only: c.read_only,
             transport,
             depth: args.fuse_depth,
@@ -333,102 +488,16 @@ fn keep_stack_file(view: &std::sync::Arc<view::View>) -> Result<Option<stackfile
         .map_err(|e| format!("cannot start the stack file's thread: {e}"))
 }
 
-/// `cairn serve`: builds the exports, then serves until SIGTERM or SIGINT.
+/// `cairn serve`: checks everything that can refuse the start (arguments, the devices as
+/// `cairn check` opens them, every address bound) before anything is created or written,
+/// then opens the devices and serves until SIGTERM or SIGINT.
 fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<ExitCode, String> {
     use cairn_nbd::proto::tflags;
     use std::sync::Arc;
 
+    // The arguments and the stack file.
     let limits = args.limits()?;
-    let (chosen, tuning): (Vec<Chosen>, Tuning) = match &args.stack {
-        None => {
-            let text = args
-                .device
-                .as_deref()
-                .unwrap_or(settings::DEFAULT_SERVE_DEVICE);
-            let leaf = cairn_devices::LeafSpec::parse(text).map_err(|e| format!("--device {e}"))?;
-            let device =
-                cairn_devices::open(&leaf, &leaf.default_name()).map_err(|e| e.to_string())?;
-            (
-                vec![Chosen {
-                    name: String::new(),
-                    device,
-                    read_only: args.read_only,
-                    description: text.to_string(),
-                    default: true,
-                    fuse: None,
-                    strict_alignment: args.strict_alignment,
-                }],
-                Tuning::default(),
-            )
-        }
-        Some(path) => {
-            let stack = settings::read_stack(path)?;
-            let switches = global.switches(&stack.tuning)?;
-            let open = |name: &str| {
-                stack
-                    .open_with(name, switches)
-                    .map_err(|e| format!("{}: {e}", path.display()))
-            };
-            let chosen = if args.device.is_some() || stack.exports.is_empty() {
-                let name = stack
-                    .pick(args.device.as_deref())
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
-                vec![Chosen {
-                    name: String::new(),
-                    device: open(&name)?,
-                    read_only: args.read_only,
-                    description: name,
-                    default: true,
-                    fuse: None,
-                    strict_alignment: args.strict_alignment,
-                }]
-            } else {
-                if args.read_only {
-                    return Err(
-                        "--read-only applies to --device; set read_only in the [export.NAME] tables"
-                            .into(),
-                    );
-                }
-                if args.strict_alignment {
-                    return Err(
-                        "--strict-alignment applies to --device; set strict_alignment in the [export.NAME] tables"
-                            .into(),
-                    );
-                }
-                // Devices shared by several exports are opened once.
-                let mut opened: std::collections::HashMap<String, Arc<dyn cairn_core::Device>> =
-                    std::collections::HashMap::new();
-                let mut v = Vec::new();
-                for (name, e) in &stack.exports {
-                    let device = match opened.get(&e.device) {
-                        Some(d) => d.clone(),
-                        None => {
-                            let d = open(&e.device)?;
-                            opened.insert(e.device.clone(), d.clone());
-                            d
-                        }
-                    };
-                    let description = if e.description.is_empty() {
-                        e.device.clone()
-                    } else {
-                        e.description.clone()
-                    };
-                    v.push(Chosen {
-                        name: name.clone(),
-                        device,
-                        read_only: e.read_only,
-                        description,
-                        default: e.default,
-                        fuse: e.fuse.clone(),
-                        strict_alignment: e.strict_alignment,
-                    });
-                }
-                v
-            };
-            (chosen, stack.tuning)
-        }
-    };
-    let switches = global.switches(&tuning)?;
+    let (chosen, devices, switches) = chosen_exports(args, global)?;
     let tls = match (args.tls, &args.tls_certificates) {
         (Some(settings::TlsArg::Off), _) => cairn_nbd::TlsMode::Off,
         (None, None) => cairn_nbd::TlsMode::Off,
@@ -447,7 +516,33 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
         }
         _ => None,
     };
-    let fuse = fuse_exports(args, &chosen)?;
+    let fuse = fuse_wanted(args, &chosen)?;
+    let mut listen = args
+        .listen
+        .iter()
+        .map(|l| cairn_nbd::Listen::parse(l))
+        .collect::<Result<Vec<_>, _>>()?;
+    if listen.is_empty() && std::env::var_os("LISTEN_FDS").is_none() && fuse.is_empty() {
+        listen.push(cairn_nbd::Listen::parse(settings::DEFAULT_LISTEN)?);
+    }
+
+    // The devices, opened without changing anything: a foreign array member, a file in
+    // use or a path that cannot be created refuses the start here.
+    devices.preflight(switches)?;
+
+    // Every address, bound: one in use refuses the start here. A stale socket is
+    // replaced; a live one, or anything else at a socket's path, is refused.
+    let listeners = cairn_nbd::Listeners::bind(&listen).map_err(|e| e.to_string())?;
+    if listeners.is_empty() && fuse.is_empty() {
+        return Err("no --listen address and no socket activation".into());
+    }
+    let admin = args.admin.as_deref().map(admin::bind).transpose()?;
+    let metrics = args.metrics.as_deref().map(metrics::bind).transpose()?;
+
+    // Only now is anything created or written: files `size=` creates or extends, array
+    // superblocks, FUSE mounts.
+    let opened = devices.open(switches)?;
+    let fuse = mount_fuse(args, fuse, &chosen, &opened)?;
     let exports: Vec<cairn_nbd::Export> = chosen
         .into_iter()
         .map(|c| {
@@ -460,6 +555,7 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
                 strict_alignment,
                 ..
             } = c;
+            let device = opened[device].clone();
             let g = device.geometry();
             let mut flags = tflags::HAS_FLAGS | tflags::SEND_FLUSH | tflags::SEND_CACHE;
             if read_only {
@@ -495,22 +591,21 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
             }
         })
         .collect();
-    let mut listen = args
-        .listen
-        .iter()
-        .map(|l| cairn_nbd::Listen::parse(l))
-        .collect::<Result<Vec<_>, _>>()?;
-    if listen.is_empty() && std::env::var_os("LISTEN_FDS").is_none() && fuse.is_empty() {
-        listen.push(cairn_nbd::Listen::parse(settings::DEFAULT_LISTEN)?);
-    }
+    drop(opened);
     let fuse_views: Vec<(String, std::sync::Weak<cairn_fuse::FuseExport>)> = fuse
         .iter()
         .map(|f| (f.export_name().to_string(), Arc::downgrade(f)))
         .collect();
     let observer = Arc::new(cairn_nbd::Observer::default());
+    // Socket files go too when a stuck shutdown is abandoned (the process exits at once).
+    let removers: Vec<cairn_core::socket::Remover> = admin
+        .iter()
+        .map(admin::Bound::file)
+        .chain(metrics.iter().filter_map(metrics::Bound::file))
+        .map(cairn_core::socket::SocketFile::remover)
+        .collect();
     let config = cairn_nbd::Config {
         observer: observer.clone(),
-        listen,
         threads: limits.threads,
         limits: cairn_nbd::Limits {
             max_payload: limits.max_payload,
@@ -532,23 +627,13 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
         switches,
         idle_poll_ns: limits.idle_poll_ns,
         shutdown_timeout: limits.shutdown_timeout,
-        on_abandon: {
-            // Socket files go too when a stuck shutdown is abandoned.
-            let mut files: Vec<std::path::PathBuf> = args.admin.iter().cloned().collect();
-            files.extend(
-                args.metrics
-                    .as_deref()
-                    .and_then(|m| m.strip_prefix("unix:"))
-                    .map(std::path::PathBuf::from),
-            );
-            (!files.is_empty()).then(|| {
-                std::sync::Arc::new(move || {
-                    for f in &files {
-                        let _ = std::fs::remove_file(f);
-                    }
-                }) as std::sync::Arc<dyn Fn() + Send + Sync>
-            })
-        },
+        on_abandon: (!removers.is_empty()).then(|| {
+            Arc::new(move || {
+                for r in &removers {
+                    r.remove();
+                }
+            }) as Arc<dyn Fn() + Send + Sync>
+        }),
     };
     let summary: Vec<String> = exports
         .iter()
@@ -595,19 +680,19 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
         Vec::new()
     };
     let _stack_file = keep_stack_file(&view)?;
-    let _admin = match &args.admin {
-        Some(path) => Some(admin::start(path, view.clone())?),
+    let _admin = match admin {
+        Some(bound) => Some(admin::start(bound, view.clone())?),
         None => None,
     };
-    let _metrics = match &args.metrics {
-        Some(spec) => {
-            let m = metrics::start(spec, view.clone())?;
+    let _metrics = match metrics {
+        Some(bound) => {
+            let m = metrics::start(bound, view.clone())?;
             log::info!("cairn: serve: metrics at {}", m.url);
             Some(m)
         }
         None => None,
     };
-    cairn_nbd::serve(config, exports, |addrs| {
+    cairn_nbd::serve(config, listeners, exports, |addrs| {
         log::info!(
             "cairn: serving {} on {}",
             summary.join(", "),

@@ -11,6 +11,8 @@ use prometheus::proto::{
     Bucket, Counter, Gauge, Histogram, LabelPair, Metric, MetricFamily, MetricType,
 };
 
+use cairn_core::socket::SocketFile;
+
 use crate::view::{self, all_devices, View, OP_NAMES};
 
 /// Upper bounds of the latency histograms' buckets, in seconds (10 us to 10 s).
@@ -19,12 +21,33 @@ const BUCKETS_S: [f64; 19] = [
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
 
+/// The endpoint's socket, bound and not yet answering: [`bind`] comes before any device
+/// is opened (an address in use refuses the start before anything is created), [`start`]
+/// once the devices are open. Dropping it closes the socket (and removes a `unix:` file).
+pub struct Bound {
+    listener: tiny_http::Listener,
+    /// A `unix:` endpoint's file.
+    file: Option<SocketFile>,
+    /// Where it listens, as a URL.
+    pub url: String,
+}
+
+impl Bound {
+    /// A `unix:` endpoint's socket file (see [`SocketFile::remover`] for exits that skip
+    /// drops).
+    pub fn file(&self) -> Option<&SocketFile> {
+        self.file.as_ref()
+    }
+}
+
 /// The running endpoint; dropping it stops its thread.
 pub struct Metrics {
     server: Arc<tiny_http::Server>,
     thread: Option<std::thread::JoinHandle<()>>,
     /// Where it listens, as a URL.
     pub url: String,
+    /// Removed (a `unix:` endpoint's file) once the server is stopped, after `drop`.
+    _file: Option<SocketFile>,
 }
 
 impl Drop for Metrics {
@@ -33,15 +56,44 @@ impl Drop for Metrics {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
-        if let Some(path) = self.url.strip_prefix("unix:") {
-            let _ = std::fs::remove_file(path);
-        }
     }
 }
 
-/// Starts serving metrics of `view` at `spec` (`tcp:HOST:PORT`, port 0 for any, or
-/// `unix:PATH`).
-pub fn start(spec: &str, view: Arc<View>) -> Result<Metrics, String> {
+/// Binds the endpoint at `spec`: `tcp:HOST:PORT` (port 0 for any) or `unix:PATH`, where
+/// a stale socket is replaced and a live one, or anything that is not a socket, is
+/// refused and left as it is (see [`cairn_core::socket`]).
+pub fn bind(spec: &str) -> Result<Bound, String> {
+    let err = |e: &dyn std::fmt::Display| format!("--metrics {spec}: {e}");
+    if let Some(addr) = spec.strip_prefix("tcp:") {
+        let listener = std::net::TcpListener::bind(addr).map_err(|e| err(&e))?;
+        let url = match listener.local_addr() {
+            Ok(a) => format!("http://{a}/metrics"),
+            Err(_) => format!("http://{addr}/metrics"),
+        };
+        Ok(Bound {
+            listener: listener.into(),
+            file: None,
+            url,
+        })
+    } else if let Some(path) = spec.strip_prefix("unix:") {
+        if path.is_empty() {
+            return Err(err(&"a path is needed after unix:"));
+        }
+        let (listener, file) =
+            cairn_core::socket::bind(std::path::Path::new(path), &format!("--metrics {spec}"))
+                .map_err(|e| e.to_string())?;
+        Ok(Bound {
+            listener: listener.into(),
+            file: Some(file),
+            url: format!("unix:{path}"),
+        })
+    } else {
+        Err(err(&"expected tcp:HOST:PORT or unix:PATH"))
+    }
+}
+
+/// Starts serving metrics of `view` on the endpoint `bound`.
+pub fn start(bound: Bound, view: Arc<View>) -> Result<Metrics, String> {
     // tiny_http starts threads of its own, which inherit this thread's signal mask: they
     // must not take the signals the server waits for (SIGTERM's default would kill it).
     // SAFETY: saves this thread's mask, blocks signals as the reactors do, and puts the
@@ -49,31 +101,20 @@ pub fn start(spec: &str, view: Arc<View>) -> Result<Metrics, String> {
     let mut saved: libc::sigset_t = unsafe { std::mem::zeroed() };
     unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, std::ptr::null(), &mut saved) };
     cairn_core::reactor::block_signals_in_this_thread();
-    let started = start_masked(spec, view);
+    let started = start_masked(bound, view);
     // SAFETY: as above.
     unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &saved, std::ptr::null_mut()) };
     started
 }
 
-fn start_masked(spec: &str, view: Arc<View>) -> Result<Metrics, String> {
-    let err = |e: &dyn std::fmt::Display| format!("--metrics {spec}: {e}");
-    let (server, url) = if let Some(addr) = spec.strip_prefix("tcp:") {
-        let server = tiny_http::Server::http(addr).map_err(|e| err(&e))?;
-        let url = match server.server_addr() {
-            tiny_http::ListenAddr::IP(a) => format!("http://{a}/metrics"),
-            other => format!("{other:?}"),
-        };
-        (server, url)
-    } else if let Some(path) = spec.strip_prefix("unix:") {
-        if path.is_empty() {
-            return Err(err(&"a path is needed after unix:"));
-        }
-        let server =
-            tiny_http::Server::http_unix(std::path::Path::new(path)).map_err(|e| err(&e))?;
-        (server, format!("unix:{path}"))
-    } else {
-        return Err(err(&"expected tcp:HOST:PORT or unix:PATH"));
-    };
+fn start_masked(bound: Bound, view: Arc<View>) -> Result<Metrics, String> {
+    let Bound {
+        listener,
+        file,
+        url,
+    } = bound;
+    let err = |e: &dyn std::fmt::Display| format!("--metrics: {e}");
+    let server = tiny_http::Server::from_listener(listener, None).map_err(|e| err(&e))?;
     let server = Arc::new(server);
     let s = server.clone();
     let thread = std::thread::Builder::new()
@@ -111,6 +152,7 @@ fn start_masked(spec: &str, view: Arc<View>) -> Result<Metrics, String> {
         server,
         thread: Some(thread),
         url,
+        _file: file,
     })
 }
 

@@ -3991,6 +3991,380 @@ mod admin {
     }
 }
 
+/// The Unix sockets cairn listens on (NBD's `unix:` addresses, the admin socket, the
+/// metrics endpoint's `unix:` form) follow one rule: a stale socket (nobody listens: what
+/// `kill -9` leaves) is replaced, a live one is refused by name, and nothing is removed.
+mod sockets {
+    use super::admin::admin;
+    use super::*;
+
+    /// `cairn serve` with its three sockets in `dir`, named `{prefix}nbd.sock`,
+    /// `{prefix}admin.sock` and `{prefix}metrics.sock`; a refused start's output.
+    fn serve_args(dir: &Path, prefix: [&str; 3]) -> Vec<String> {
+        vec![
+            "--listen".into(),
+            format!(
+                "unix:{}",
+                dir.join(format!("{}nbd.sock", prefix[0])).display()
+            ),
+            "--admin".into(),
+            dir.join(format!("{}admin.sock", prefix[1]))
+                .display()
+                .to_string(),
+            "--metrics".into(),
+            format!(
+                "unix:{}",
+                dir.join(format!("{}metrics.sock", prefix[2])).display()
+            ),
+            "--device".into(),
+            "mem:8M".into(),
+        ]
+    }
+
+    /// A `GET /metrics` on a Unix socket; the response.
+    fn scrape_unix(path: &Path) -> String {
+        let mut s = UnixStream::connect(path)
+            .unwrap_or_else(|e| panic!("connect to {}: {e}", path.display()));
+        s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    }
+
+    /// Every socket of the server in `dir` answers: an NBD write read back, an admin
+    /// command, a scrape.
+    fn all_answer(dir: &Path, what: &str) {
+        let (mut c, size, _) = Raw::go(&dir.join("nbd.sock"), "");
+        assert_eq!(size, 8 << 20, "{what}");
+        c.write_ok(1, 0, 4096, &[0x5a; 4096]);
+        assert_eq!(c.read_ok(2, 4096, 4096), vec![0x5a; 4096], "{what}");
+        c.disconnect();
+        let out = admin(&dir.join("admin.sock"), &["devices"]);
+        assert_eq!(success(what, &out), "mem\n", "{what}");
+        let scrape = scrape_unix(&dir.join("metrics.sock"));
+        assert!(
+            scrape.starts_with("HTTP/1.") && scrape.contains("cairn_device_requests_total"),
+            "{what}: {scrape}"
+        );
+    }
+
+    /// A server killed with SIGKILL leaves its three socket files; the next one on the
+    /// same paths replaces them and serves. A second one started while it runs is refused
+    /// with one line naming the path in use (each socket in turn), leaves nothing of its
+    /// own behind, and the first one goes on answering on all three.
+    #[test]
+    fn kill_9_then_the_same_paths_serve_and_a_second_server_is_refused_by_name() {
+        let dir = tmpdir();
+        let d = dir.path();
+        let start = || {
+            let args = serve_args(d, ["", "", ""]);
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            // The listen address is in `args`: `spawn` gets no other.
+            Server::spawn(tmpdir(), d.join("nbd.sock"), &[], &args)
+        };
+        let mut first = start();
+        all_answer(d, "the first server");
+        first.signal(libc::SIGKILL);
+        let (status, _) = first.wait_exit();
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&status),
+            Some(libc::SIGKILL)
+        );
+        for name in ["nbd.sock", "admin.sock", "metrics.sock"] {
+            let meta = std::fs::symlink_metadata(d.join(name)).expect("left behind");
+            assert!(std::os::unix::fs::FileTypeExt::is_socket(&meta.file_type()));
+        }
+
+        let again = start();
+        all_answer(d, "started again after kill -9");
+        let log = again.stderr();
+        assert!(
+            log.matches("replacing a stale socket").count() == 3,
+            "each stale socket is logged as replaced:\n{log}"
+        );
+
+        // The prefix "x" gives a socket a fresh path: only the other ones collide.
+        let cases = [
+            (
+                ["", "x", "x"],
+                format!("--listen unix:{}", d.join("nbd.sock").display()),
+            ),
+            (
+                ["x", "", "x"],
+                format!("--admin {}", d.join("admin.sock").display()),
+            ),
+            (
+                ["x", "x", ""],
+                format!("--metrics unix:{}", d.join("metrics.sock").display()),
+            ),
+        ];
+        for (prefix, label) in cases {
+            let args = serve_args(d, prefix);
+            let out = run(Command::new(env!("CARGO_BIN_EXE_cairn"))
+                .arg("serve")
+                .args(&args)
+                .env_remove("LISTEN_FDS"));
+            let stderr = text(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{label}: {stderr}");
+            assert_eq!(
+                stderr,
+                format!("cairn: {label}: another process is listening there (a running cairn?)\n"),
+                "{label}"
+            );
+            for name in ["xnbd.sock", "xadmin.sock", "xmetrics.sock"] {
+                assert!(
+                    !d.join(name).exists(),
+                    "{label}: the refused server left {name} behind"
+                );
+            }
+            all_answer(
+                d,
+                &format!("the first server, after a second was refused ({label})"),
+            );
+        }
+        drop(again);
+        for name in ["nbd.sock", "admin.sock", "metrics.sock"] {
+            assert!(!d.join(name).exists(), "{name} is removed at exit");
+        }
+    }
+
+    /// What is not a socket at a socket's path (a regular file, a directory, a symbolic
+    /// link, even to a stale socket) is refused for what it is, and left as it is.
+    #[test]
+    fn what_is_not_a_socket_is_refused_for_what_it_is_and_left_alone() {
+        let dir = tmpdir();
+        let d = dir.path();
+        let file = d.join("file");
+        std::fs::write(&file, b"data").unwrap();
+        let subdir = d.join("dir");
+        std::fs::create_dir(&subdir).unwrap();
+        let stale = d.join("stale.sock");
+        drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+        let link = d.join("link");
+        std::os::unix::fs::symlink(&stale, &link).unwrap();
+        let cases: [(&Path, &str); 3] = [
+            (&file, "a regular file"),
+            (&subdir, "a directory"),
+            (&link, "a symbolic link"),
+        ];
+        for (path, what) in cases {
+            for (flag, value, label) in [
+                (
+                    "--listen",
+                    format!("unix:{}", path.display()),
+                    "--listen unix:",
+                ),
+                ("--admin", path.display().to_string(), "--admin "),
+                (
+                    "--metrics",
+                    format!("unix:{}", path.display()),
+                    "--metrics unix:",
+                ),
+            ] {
+                let mut cmd = Command::new(env!("CARGO_BIN_EXE_cairn"));
+                cmd.args(["serve", "--device", "mem:1M", flag, &value]);
+                if flag != "--listen" {
+                    cmd.arg("--listen")
+                        .arg(format!("unix:{}", d.join("nbd.sock").display()));
+                }
+                let out = run(&mut cmd);
+                let stderr = text(&out.stderr);
+                assert_eq!(out.status.code(), Some(2), "{flag} {what}: {stderr}");
+                assert_eq!(
+                    stderr,
+                    format!(
+                        "cairn: {label}{}: {what} is there, not a socket (only a socket nobody listens on is replaced)\n",
+                        path.display()
+                    )
+                );
+                assert!(!d.join("nbd.sock").exists(), "{flag} {what}: nbd.sock left");
+            }
+        }
+        assert_eq!(std::fs::read(&file).unwrap(), b"data");
+        assert!(subdir.is_dir());
+        assert_eq!(std::fs::read_link(&link).unwrap(), stale);
+        assert!(std::os::unix::fs::FileTypeExt::is_socket(
+            &std::fs::symlink_metadata(&stale).unwrap().file_type()
+        ));
+    }
+}
+
+/// Every check that can refuse a start (arguments, addresses and sockets bound, paths,
+/// array members examined) runs before anything is created or written: a refused
+/// `cairn serve` or `cairn bench` leaves every file as it found it.
+mod refused_starts {
+    use super::*;
+
+    /// A stack file in `dir`: a mirror `m` with metadata of files `a` and `b` (8 MiB each,
+    /// created by `size=`, unless `b_spec` says otherwise).
+    fn mirror_stack(dir: &Path, b_spec: &str) -> PathBuf {
+        let text = format!(
+            "[device.a]\ntype = \"file\"\npath = \"{}\"\nsize = \"8M\"\n\
+             [device.b]\ntype = \"file\"\npath = \"{}\"\n{b_spec}\n\
+             [device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"b\"]\nmetadata = \"1\"\n",
+            dir.join("a.img").display(),
+            dir.join("b.img").display(),
+        );
+        let path = dir.join("stack.toml");
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    /// Runs `cairn WORDS...`; asserts exit status 2 and one line on stderr, and returns
+    /// it.
+    #[track_caller]
+    fn refused(words: &[&str]) -> String {
+        let out = run(Command::new(env!("CARGO_BIN_EXE_cairn"))
+            .args(words)
+            .env_remove("LISTEN_FDS"));
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{words:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{words:?}: one line: {stderr}");
+        assert!(!stderr.contains("created"), "{words:?}: {stderr}");
+        stderr
+    }
+
+    /// A port in use (for NBD, or for the metrics) refuses `cairn serve` of a mirror
+    /// with metadata whose 64 MiB member is still to be created: nothing is created and
+    /// no superblock written (before, the member was created and the array started, and
+    /// only then was the bind refused).
+    #[test]
+    fn a_port_in_use_refuses_before_a_member_is_created() {
+        let dir = tmpdir();
+        let d = dir.path();
+        let stack = mirror_stack(d, "size = \"64M\"");
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = taken.local_addr().unwrap().port();
+        let tcp = format!("tcp:127.0.0.1:{port}");
+        let sock = format!("unix:{}", d.join("nbd.sock").display());
+        let stack = path_str(&stack);
+        for words in [
+            vec!["serve", "--listen", &tcp, stack],
+            vec!["serve", "--listen", &sock, "--metrics", &tcp, stack],
+        ] {
+            let line = refused(&words);
+            assert!(
+                line.contains(&format!("{tcp}: ")) && line.contains("in use"),
+                "{line}"
+            );
+            for f in ["a.img", "b.img", "nbd.sock"] {
+                assert!(!d.join(f).exists(), "{words:?}: {f} was created: {line}");
+            }
+        }
+        let line = refused(&["bench", "--size", "1M", "--metrics", &tcp, stack]);
+        assert!(line.contains(&format!("--metrics {tcp}: ")), "{line}");
+        assert!(!d.join("a.img").exists() && !d.join("b.img").exists());
+    }
+
+    /// 16 KiB of non-zero bytes (no superblock) followed by zeros, `len` bytes in all.
+    fn foreign(path: &Path, len: usize) -> Vec<u8> {
+        let mut bytes = random_bytes(16 << 10, 0xf0e1);
+        bytes.iter_mut().for_each(|b| *b |= 1);
+        bytes.resize(len, 0);
+        std::fs::write(path, &bytes).unwrap();
+        bytes
+    }
+
+    /// A mirror with metadata of a new member and a foreign one (another program's data
+    /// where the superblocks go) is refused by `cairn serve` and `cairn bench`: the new
+    /// member's file is not created, and the foreign file is unchanged byte for byte, even
+    /// when `size=` would extend it (before, the new member was created first, and a
+    /// foreign file to extend was extended).
+    #[test]
+    fn a_foreign_member_refuses_before_the_new_one_is_created() {
+        let dir = tmpdir();
+        let d = dir.path();
+        let b = d.join("b.img");
+        let sock = format!("unix:{}", d.join("nbd.sock").display());
+        for (len, b_spec) in [(8 << 20, ""), (2 << 20, "size = \"8M\"")] {
+            let before = foreign(&b, len);
+            let stack = mirror_stack(d, b_spec);
+            let stack = path_str(&stack);
+            for words in [
+                vec!["serve", "--listen", &sock, stack],
+                vec!["bench", "--size", "1M", stack],
+            ] {
+                let line = refused(&words);
+                assert!(line.contains("'b'"), "{words:?} ({b_spec}): {line}");
+                assert!(
+                    !d.join("a.img").exists(),
+                    "{words:?} ({b_spec}): a.img created"
+                );
+                assert!(!d.join("nbd.sock").exists(), "{words:?}: nbd.sock left");
+                let after = std::fs::read(&b).unwrap();
+                assert!(after == before, "{words:?} ({b_spec}): b.img changed");
+            }
+        }
+    }
+
+    /// An admin socket path another process listens on, or that holds a regular file or
+    /// a directory, refuses `cairn serve` and `cairn bench` before the members are
+    /// created; a stale socket there is replaced, and the start goes on.
+    #[test]
+    fn an_admin_path_in_use_refuses_before_members_are_created_and_a_stale_one_is_replaced() {
+        let dir = tmpdir();
+        let d = dir.path();
+        let stack = mirror_stack(d, "size = \"8M\"");
+        let stack = path_str(&stack);
+        let ctl = d.join("admin.sock");
+        let ctl_s = path_str(&ctl);
+        let sock = format!("unix:{}", d.join("nbd.sock").display());
+        let nothing_created = |what: &str| {
+            for f in ["a.img", "b.img", "nbd.sock"] {
+                assert!(!d.join(f).exists(), "{what}: {f} was created");
+            }
+        };
+        let live = std::os::unix::net::UnixListener::bind(&ctl).unwrap();
+        for words in [
+            vec!["serve", "--listen", &sock, "--admin", ctl_s, stack],
+            vec!["bench", "--size", "1M", "--admin", ctl_s, stack],
+        ] {
+            let line = refused(&words);
+            assert_eq!(
+                line,
+                format!("cairn: --admin {ctl_s}: another process is listening there (a running cairn?)\n")
+            );
+            nothing_created("a live admin socket");
+        }
+        // Still the test's listener.
+        let _c = UnixStream::connect(&ctl).expect("the live socket is left alone");
+        live.accept().expect("and still answers");
+        drop(live);
+
+        std::fs::remove_file(&ctl).unwrap();
+        std::fs::write(&ctl, b"keep").unwrap();
+        let line = refused(&["serve", "--listen", &sock, "--admin", ctl_s, stack]);
+        assert!(line.contains("a regular file is there"), "{line}");
+        nothing_created("a regular file");
+        assert_eq!(std::fs::read(&ctl).unwrap(), b"keep");
+        std::fs::remove_file(&ctl).unwrap();
+        std::fs::create_dir(&ctl).unwrap();
+        let line = refused(&["bench", "--size", "1M", "--admin", ctl_s, stack]);
+        assert!(line.contains("a directory is there"), "{line}");
+        nothing_created("a directory");
+        std::fs::remove_dir(&ctl).unwrap();
+
+        // Stale (its server is gone): replaced, and the members are created.
+        drop(std::os::unix::net::UnixListener::bind(&ctl).unwrap());
+        let srv = Server::spawn(
+            tmpdir(),
+            d.join("nbd.sock"),
+            &["--listen", &sock],
+            &["--admin", ctl_s, stack],
+        );
+        assert!(
+            srv.stderr().contains("replacing a stale socket"),
+            "{}",
+            srv.stderr()
+        );
+        assert!(d.join("a.img").exists() && d.join("b.img").exists());
+        let out = super::admin::admin(&ctl, &["devices"]);
+        assert!(success("admin devices", &out).starts_with("m\n"));
+    }
+}
+
 /// Arrays with superblocks through `cairn serve`: killed with SIGKILL under a write load
 /// and started again, a mirror resyncs, every write a flush made durable reads back (or
 /// a newer one), and its members agree.

@@ -8,6 +8,8 @@
 //! - [`stats`]: per-queue statistics in the shape of `/proc/diskstats`, plus latency
 //!   histograms.
 //! - [`size`]: parsing and printing of sizes such as `4k` and `1GiB`.
+//! - [`socket`]: binding listeners at Unix socket paths by one rule: a stale socket is
+//!   replaced, a live one or anything else is refused and left as it is.
 //!
 //! Nothing here allocates, locks or hands work to another thread per I/O.
 #![warn(missing_docs)]
@@ -25,6 +27,7 @@ pub mod io;
 pub mod reactor;
 pub mod size;
 pub mod slab;
+pub mod socket;
 pub mod stats;
 
 pub use buf::AlignedBuf;

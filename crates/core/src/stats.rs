@@ -573,6 +573,22 @@ pub fn registry() -> &'static Registry {
     &REGISTRY
 }
 
+std::thread_local! {
+    /// Set while [`unregistered`] runs on this thread.
+    static UNREGISTERED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with the queues it opens on this thread left out of the [`registry`]: for
+/// devices opened only to be looked at before the same devices are opened for real (the
+/// preflight of `cairn serve` and `cairn bench`), whose reads operators would otherwise
+/// see counted twice under the served devices' names.
+pub fn unregistered<T>(f: impl FnOnce() -> T) -> T {
+    let before = UNREGISTERED.with(|u| u.replace(true));
+    let out = f();
+    UNREGISTERED.with(|u| u.set(before));
+    out
+}
+
 impl Registry {
     /// Adds the statistics of one queue of the device `name`.
     pub fn add(&self, name: &str, stats: &QueueStats) {
@@ -583,6 +599,9 @@ impl Registry {
     /// the stacked device that delegated to it ([`QueueStats::delegate`]), added under
     /// both names.
     pub fn add_counters(&self, name: &str, counters: Arc<Counters>, enabled: bool) {
+        if UNREGISTERED.with(std::cell::Cell::get) {
+            return;
+        }
         let mut devices = self.devices.lock().unwrap_or_else(|p| p.into_inner());
         let entry = match devices.iter().position(|e| e.name == name) {
             Some(i) => &mut devices[i],
@@ -712,6 +731,19 @@ mod tests {
         assert_eq!((s.ios[0], s.ios[1], s.errors), (0, 1, 0));
         assert_eq!(s.ticks_ns[1], 30);
         assert_eq!(s.busy_ns, 30);
+    }
+
+    #[test]
+    fn queues_opened_unregistered_are_not_in_the_registry() {
+        let name = "stats-test-unregistered";
+        let quiet = unregistered(|| QueueStats::named_leaf(StatsMode::On, name));
+        quiet.start(IoFlags::NONE, 0);
+        quiet.done(IoFlags::NONE, Op::Read, 4096, 0, 10, true);
+        assert!(registry().device(name, 100).is_none());
+        let counted = QueueStats::named_leaf(StatsMode::On, name);
+        counted.start(IoFlags::NONE, 0);
+        counted.done(IoFlags::NONE, Op::Read, 4096, 0, 10, true);
+        assert_eq!(registry().device(name, 100).map(|s| s.ios[0]), Some(1));
     }
 
     #[test]

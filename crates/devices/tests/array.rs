@@ -439,6 +439,109 @@ fn check_writes_no_superblock() {
     assert!((head(&a), head(&b)) == before, "check rewrote a superblock");
 }
 
+/// `cairn check` and the preflight `serve` and `bench` run before opening for real see
+/// what a file that `size=` would extend holds now: a foreign one (another program's
+/// bytes where the superblocks go, however short) is refused as the real open would
+/// refuse it, and nothing is extended or created; a blank one to extend, and one in a
+/// directory that does not exist, are told apart.
+#[test]
+fn check_and_preflight_examine_a_member_to_be_extended_and_change_nothing() {
+    let dir = tempfile::tempdir().expect("a directory");
+    let (a, b) = (dir.path().join("a.img"), dir.path().join("b.img"));
+    let text = format!(
+        "{}{}[device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"b\"]\nmetadata = \"1\"\n",
+        file("a", &a),
+        file("b", &b)
+    );
+    let stack = StackFile::parse(&text).expect("parse");
+    let names = ["m".to_string()];
+    // Foreign bytes in the first block, in the second superblock slot, past the slots,
+    // in a file shorter than a block, and in the last partial block of a file.
+    let mib = MIB as usize;
+    for (len, at) in [
+        (2 * mib, 0),
+        (2 * mib, 12288),
+        (2 * mib, mib + 4096),
+        (100, 50),
+        (1000, 700),
+        (2 * mib + 100, 2 * mib + 50),
+    ] {
+        let mut bytes = vec![0u8; len];
+        bytes[at] = 0x7f;
+        std::fs::write(&b, &bytes).unwrap();
+        let e = stack
+            .check(None, Switches::default())
+            .expect_err("check takes a foreign member for blank")
+            .to_string();
+        assert!(e.contains("'b'") && e.contains("holds data"), "{e}");
+        let e = stack
+            .preflight(&names, Switches::default())
+            .expect_err("the preflight takes a foreign member for blank")
+            .to_string();
+        assert!(e.contains("'b'") && e.contains("holds data"), "{e}");
+        assert!(!a.exists(), "a.img was created");
+        assert_eq!(std::fs::read(&b).unwrap(), bytes, "b.img changed");
+    }
+    // Blank and short: the array would be created.
+    std::fs::write(&b, vec![0u8; mib + 100]).unwrap();
+    stack
+        .preflight(&names, Switches::default())
+        .expect("blank members to create and to extend");
+    let report = stack.check(None, Switches::default()).expect("check");
+    assert!(
+        report.contains("to be extended by serve or bench"),
+        "{report}"
+    );
+    assert_eq!(std::fs::metadata(&b).unwrap().len(), MIB + 100);
+    assert!(!a.exists());
+    // A member whose directory does not exist is refused before anything is created.
+    let c = dir.path().join("none").join("c.img");
+    let text = format!(
+        "{}{}[device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"c\"]\nmetadata = \"1\"\n",
+        file("a", &a),
+        file("c", &c)
+    );
+    let stack = StackFile::parse(&text).expect("parse");
+    let e = stack
+        .preflight(&names, Switches::default())
+        .expect_err("a file that cannot be created")
+        .to_string();
+    assert!(e.contains("c.img") && e.contains("No such file"), "{e}");
+    assert!(!a.exists());
+}
+
+/// The preflight's reads (superblocks, metadata areas) are in no statistics: operators
+/// see the served devices' I/O once, as if it had not run.
+#[test]
+fn a_preflight_counts_no_io_in_the_statistics() {
+    let dir = tempfile::tempdir().expect("a directory");
+    let (a, b) = (dir.path().join("a.img"), dir.path().join("b.img"));
+    std::fs::write(&b, vec![0u8; 2 * MIB as usize]).unwrap();
+    let text = format!(
+        "{}{}[device.pf-m]\ntype = \"mirror\"\nmembers = [\"pf-a\", \"pf-b\"]\nmetadata = \"1\"\n",
+        file("pf-a", &a),
+        file("pf-b", &b)
+    );
+    let stack = StackFile::parse(&text).expect("parse");
+    stack
+        .preflight(&["pf-m".to_string()], Switches::default())
+        .expect("preflight");
+    let now = cairn_core::clock::monotonic_ns();
+    for name in ["pf-a", "pf-b", "pf-m"] {
+        assert!(
+            cairn_core::stats::registry().device(name, now).is_none(),
+            "{name} has statistics"
+        );
+    }
+    let m = open(&text, "pf-m").expect("open for real");
+    let now = cairn_core::clock::monotonic_ns();
+    let reads = cairn_core::stats::registry()
+        .device("pf-b", now)
+        .map(|s| s.ios[0]);
+    assert!(reads.is_some_and(|r| r > 0), "the real open's reads count");
+    drop(m);
+}
+
 /// A member that fails under a write is recorded as failed in the other members'
 /// superblocks before that write is answered: were the process killed right then, the
 /// next start would not read the failed member (scenario 3's premise).

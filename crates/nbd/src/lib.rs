@@ -20,4 +20,4 @@ pub mod uri;
 pub use conn::{Export, Limits};
 pub use handshake::{Catalog, ExportInfo, TlsMode};
 pub use observe::Observer;
-pub use server::{serve, Config, Listen};
+pub use server::{serve, Config, Listen, Listeners};

@@ -9,7 +9,6 @@
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -17,6 +16,7 @@ use std::sync::mpsc::{self, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cairn_core::socket::SocketFile;
 use cairn_core::{Error, Reactor, Switches};
 
 use crate::admit::{longest_idle, Admission, Full};
@@ -69,11 +69,9 @@ impl std::fmt::Display for Listen {
     }
 }
 
-/// Everything `serve` needs besides the exports.
+/// Everything `serve` needs besides the listeners and the exports.
 #[derive(Clone)]
 pub struct Config {
-    /// Listeners to open (socket-activated ones are added).
-    pub listen: Vec<Listen>,
     /// Reactor threads.
     pub threads: usize,
     /// Per-connection limits.
@@ -135,27 +133,50 @@ struct Shared {
 
 enum Listener {
     Tcp(TcpListener),
-    Unix(UnixListener, Option<PathBuf>),
+    Unix {
+        listener: UnixListener,
+        /// The socket file it made (removed when dropped, after the listener is closed),
+        /// unless the service manager passed the socket.
+        _file: Option<SocketFile>,
+    },
 }
 
 impl Listener {
     fn fd(&self) -> RawFd {
         match self {
             Listener::Tcp(l) => l.as_raw_fd(),
-            Listener::Unix(l, _) => l.as_raw_fd(),
+            Listener::Unix { listener, .. } => listener.as_raw_fd(),
         }
     }
 }
 
-impl Drop for Listener {
-    fn drop(&mut self) {
-        if let Listener::Unix(_, Some(path)) = self {
-            let _ = std::fs::remove_file(path);
+/// The listening sockets of `cairn serve`: bound by [`Listeners::bind`] before any
+/// device is opened, so that an address in use refuses the start before a file is
+/// created or a superblock written; then served by [`serve`].
+pub struct Listeners {
+    bound: Vec<(Listener, String)>,
+}
+
+impl Listeners {
+    /// Takes the sockets passed by systemd-style socket activation (`LISTEN_PID`,
+    /// `LISTEN_FDS`) and binds every address of `listen`. A `unix:` path follows
+    /// [`cairn_core::socket`]'s rule: a stale socket is replaced, a live one or anything
+    /// else is refused and left as it is.
+    pub fn bind(listen: &[Listen]) -> Result<Listeners, Error> {
+        let mut bound = activated();
+        for l in listen {
+            bound.push(bind_one(l)?);
         }
+        Ok(Listeners { bound })
+    }
+
+    /// Whether there is none (no address and no socket activation).
+    pub fn is_empty(&self) -> bool {
+        self.bound.is_empty()
     }
 }
 
-fn bind(l: &Listen) -> Result<(Listener, String), Error> {
+fn bind_one(l: &Listen) -> Result<(Listener, String), Error> {
     match l {
         Listen::Tcp(addr) => {
             let addrs: Vec<SocketAddr> = addr
@@ -171,26 +192,13 @@ fn bind(l: &Listen) -> Result<(Listener, String), Error> {
             Ok((Listener::Tcp(listener), shown))
         }
         Listen::Unix(path) => {
-            if let Ok(meta) = std::fs::symlink_metadata(path) {
-                if !meta.file_type().is_socket() {
-                    return Err(Error::Invalid(format!(
-                        "--listen unix:{}: the path exists and is not a socket",
-                        path.display()
-                    )));
-                }
-                if UnixStream::connect(path).is_ok() {
-                    return Err(Error::Invalid(format!(
-                        "--listen unix:{}: another server is listening there",
-                        path.display()
-                    )));
-                }
-                // A stale socket from a server that is gone.
-                let _ = std::fs::remove_file(path);
-            }
-            let listener = UnixListener::bind(path)
-                .map_err(|e| Error::os(format!("--listen unix:{}: bind", path.display()), e))?;
+            let (listener, file) =
+                cairn_core::socket::bind(path, &format!("--listen unix:{}", path.display()))?;
             Ok((
-                Listener::Unix(listener, Some(path.clone())),
+                Listener::Unix {
+                    listener,
+                    _file: Some(file),
+                },
                 format!("unix:{}", path.display()),
             ))
         }
@@ -229,7 +237,11 @@ fn activated() -> Vec<(Listener, String)> {
             // SAFETY: the descriptor is ours from here on (systemd's convention).
             if domain == libc::AF_UNIX {
                 let l = unsafe { UnixListener::from_raw_fd(fd) };
-                (Listener::Unix(l, None), format!("fd:{fd} (unix)"))
+                let l = Listener::Unix {
+                    listener: l,
+                    _file: None,
+                };
+                (l, format!("fd:{fd} (unix)"))
             } else {
                 let l = unsafe { TcpListener::from_raw_fd(fd) };
                 (Listener::Tcp(l), format!("fd:{fd} (tcp)"))
@@ -364,9 +376,11 @@ fn log_status(exports: &[Export], connections: usize, budget: &crate::pool::Budg
     }
 }
 
-/// Serves `exports` until SIGTERM or SIGINT; `ready` gets the addresses once listening.
+/// Serves `exports` on `listeners` until SIGTERM or SIGINT; `ready` gets the addresses
+/// once the reactors run.
 pub fn serve(
     config: Config,
+    listeners: Listeners,
     exports: Vec<Export>,
     ready: impl FnOnce(&[String]),
 ) -> Result<(), Error> {
@@ -377,10 +391,7 @@ pub fn serve(
         return Err(Error::Invalid("TLS needs --tls-certificates".into()));
     }
     let signals = signal_fd()?;
-    let mut listeners = activated();
-    for l in &config.listen {
-        listeners.push(bind(l)?);
-    }
+    let listeners = listeners.bound;
     if listeners.is_empty() && config.frontends.is_empty() {
         return Err(Error::Invalid(
             "no --listen address and no socket activation".into(),
@@ -584,7 +595,7 @@ pub fn serve(
                         let client = Client::Ip(a.ip().to_canonical());
                         (OwnedFd::from(s), a.to_string(), client, true)
                     }),
-                    Listener::Unix(u, _) => u.accept().map(|(s, _)| {
+                    Listener::Unix { listener: u, .. } => u.accept().map(|(s, _)| {
                         let client = Client::Uid(peer_uid(s.as_raw_fd()));
                         (OwnedFd::from(s), "unix".to_string(), client, false)
                     }),

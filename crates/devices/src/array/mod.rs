@@ -230,6 +230,19 @@ fn convert_bits(old: u64, bits: &[u8], old_bytes: u64, region: u64, array_bytes:
     out
 }
 
+/// How [`Metadata::start`] starts an array.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// For real: superblocks are written now (dirty) and at stop (clean).
+    Write,
+    /// Examined only (`cairn check`): nothing is written; the log says what starting for
+    /// real would do (create the array, members not read, a resync due).
+    Dry,
+    /// Examined only, before starting for real (`cairn serve`, `cairn bench`): nothing
+    /// is written or logged, so the real start says it once.
+    Silent,
+}
+
 /// An open array's metadata: writes the superblocks when the array starts and stops.
 pub struct Metadata {
     expect: Expect,
@@ -270,30 +283,35 @@ struct MetaState {
 
 impl Metadata {
     /// Starts the array: every present member gets a superblock with the event count
-    /// bumped and the clean flag off. Logs the members not read. With `dry`, nothing is
-    /// written, now or at [`Metadata::stop`].
+    /// bumped and the clean flag off. Logs the members not read. Unless `how` is
+    /// [`Start::Write`], nothing is written, now or at [`Metadata::stop`]; with
+    /// [`Start::Silent`], nothing is logged either.
     pub fn start(
         expect: Expect,
         members: Vec<Option<Arc<dyn Device>>>,
         examined: Examined,
         array_bytes: u64,
-        dry: bool,
+        how: Start,
     ) -> Result<Metadata, Error> {
-        for note in &examined.plan.notes {
-            log::info!("cairn: {}: {note}", expect.name);
+        let dry = how != Start::Write;
+        let logged = how != Start::Silent;
+        if logged {
+            for note in &examined.plan.notes {
+                log::info!("cairn: {}: {note}", expect.name);
+            }
         }
         let redundant = matches!(
             expect.level,
             superblock::Level::Mirror | superblock::Level::Raid10
         );
         let resync_pending = redundant && !examined.plan.created && !examined.plan.clean;
-        if resync_pending {
+        if resync_pending && logged {
             log::warn!(
                 "cairn: {}: was not stopped cleanly: its copies may differ, so every read goes to one copy until it is resynced",
                 expect.name
             );
         }
-        if examined.plan.created {
+        if examined.plan.created && logged {
             log::info!(
                 "cairn: {}: {} a {} of {} members ({})",
                 expect.name,
@@ -331,7 +349,7 @@ impl Metadata {
                 (bits, examined.plan.events + 1)
             };
             let bm = Bitmap::new(region, array_bytes, &bits);
-            if !examined.plan.created && bm.to_recover_count() > 0 {
+            if !examined.plan.created && bm.to_recover_count() > 0 && logged {
                 log::info!(
                     "cairn: {}: write-intent bitmap: {} of {} regions of {} dirty",
                     expect.name,

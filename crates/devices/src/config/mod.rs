@@ -37,6 +37,7 @@ use cairn_core::{
 };
 use toml::{Table, Value};
 
+use crate::array::Start;
 use crate::spec::LeafSpec;
 use crate::stack::{AnyLayout, Linear, Mirror, Raid10, StackDevice, Stripe};
 use crate::wrap::{Delays, FaultRule, Faults, WrapDevice};
@@ -659,7 +660,7 @@ impl StackFile {
         // extends no file.
         let devices = names
             .iter()
-            .map(|name| self.open_inner(name, switches, true))
+            .map(|name| self.open_inner(name, switches, Start::Dry))
             .collect::<Result<Vec<_>, _>>()?;
         let mut out = String::new();
         for device in devices {
@@ -724,18 +725,39 @@ impl StackFile {
     /// write-back mode of caches). Two devices of the file backed by the same file are
     /// refused first, whichever of them `name` uses.
     pub fn open_with(&self, name: &str, switches: Switches) -> Result<Arc<dyn Device>, Error> {
-        self.open_inner(name, switches, false)
+        self.open_inner(name, switches, Start::Write)
     }
 
-    /// [`StackFile::open_with`]; with `dry` (`cairn check`), nothing is changed: arrays
-    /// with metadata are examined and not started (no superblock is written, at open or
-    /// at close), and a file that `size=` would create or extend gets a stand-in of that
-    /// size.
+    /// Everything that could refuse opening `names` (each as [`StackFile::open_with`]
+    /// would, all open at once), found without changing anything: for `cairn serve` and
+    /// `cairn bench`, so that a start refused for any device, an address in use or
+    /// anything else is refused before a file is created or a superblock written.
+    ///
+    /// The devices are opened as `cairn check` opens them (arrays examined, not started;
+    /// a file that `size=` would create or extend gets a stand-in that reads what the
+    /// file would then hold), logging nothing and counting their reads in no statistics
+    /// (the queues opened on this thread), and closed again before this returns, so that
+    /// their locks are free for the real open.
+    pub fn preflight(&self, names: &[String], switches: Switches) -> Result<(), Error> {
+        cairn_core::stats::unregistered(|| {
+            let mut opened = Vec::with_capacity(names.len());
+            for name in names {
+                opened.push(self.open_inner(name, switches, Start::Silent)?);
+            }
+            drop(opened);
+            Ok(())
+        })
+    }
+
+    /// [`StackFile::open_with`]; unless `how` is [`Start::Write`], nothing is changed:
+    /// arrays with metadata are examined and not started (no superblock is written, at
+    /// open or at close), and a file that `size=` would create or extend gets a stand-in
+    /// of that size.
     fn open_inner(
         &self,
         name: &str,
         switches: Switches,
-        dry: bool,
+        how: Start,
     ) -> Result<Arc<dyn Device>, Error> {
         graph::check_paths(&self.devices)?;
         let mut opened = HashMap::new();
@@ -747,7 +769,7 @@ impl StackFile {
         } else {
             None
         };
-        self.open_rec(name, &mut opened, &budget, (switches, dry), 1)
+        self.open_rec(name, &mut opened, &budget, (switches, how), 1)
     }
 
     fn open_rec(
@@ -755,7 +777,7 @@ impl StackFile {
         name: &str,
         opened: &mut HashMap<String, Arc<dyn Device>>,
         budget: &Option<Arc<crate::writeback::Budget>>,
-        (switches, dry): (Switches, bool),
+        (switches, how): (Switches, Start),
         depth: usize,
     ) -> Result<Arc<dyn Device>, Error> {
         if let Some(d) = opened.get(name) {
@@ -777,7 +799,7 @@ impl StackFile {
             present.push(if m == MISSING {
                 None
             } else {
-                Some(self.open_rec(m, opened, budget, (switches, dry), depth + 1)?)
+                Some(self.open_rec(m, opened, budget, (switches, how), depth + 1)?)
             });
         }
         let named = |e: Error| match e {
@@ -790,7 +812,7 @@ impl StackFile {
             other => other,
         };
         if let Some(expect) = array_expect(name, spec) {
-            let device = open_array(name, spec, expect, present, dry).map_err(named)?;
+            let device = open_array(name, spec, expect, present, how).map_err(named)?;
             opened.insert(name.to_string(), device.clone());
             return Ok(device);
         }
@@ -804,7 +826,7 @@ impl StackFile {
             .max()
             .unwrap_or(512);
         let device: Arc<dyn Device> = match spec {
-            DeviceSpec::Leaf(leaf) if dry => open_dry(leaf, name).map_err(named)?,
+            DeviceSpec::Leaf(leaf) if how != Start::Write => open_dry(leaf, name).map_err(named)?,
             DeviceSpec::Leaf(leaf) => crate::open(leaf, name).map_err(named)?,
             DeviceSpec::Linear { .. } => stacked(
                 name,
@@ -856,41 +878,119 @@ impl StackFile {
     }
 }
 
-/// A leaf for `cairn check`: the device itself, or, for a file that `size=` would create
-/// or extend, a stand-in of the size it would have (nothing on disk changes).
+/// [`StackFile::preflight`] for one device given on the command line (`--device
+/// file:PATH,size=1G`): whatever would refuse opening it, found without changing
+/// anything (a file `size=` would create is not created).
+pub fn preflight_leaf(leaf: &crate::LeafSpec, name: &str) -> Result<(), Error> {
+    cairn_core::stats::unregistered(|| open_dry(leaf, name).map(drop))
+}
+
+/// A leaf for `cairn check` and preflights: the device itself, or, for a file that
+/// `size=` would create or extend, a stand-in of the size it would have that reads what
+/// the file would then hold (nothing on disk changes).
 fn open_dry(leaf: &crate::LeafSpec, name: &str) -> Result<Arc<dyn Device>, Error> {
     use crate::LeafSpec;
-    if let LeafSpec::File {
+    let LeafSpec::File {
         path,
+        engine,
         size_bytes: Some(want),
         ..
     } = leaf
-    {
-        let now = std::fs::metadata(path).ok();
-        let plain = now.as_ref().is_none_or(|m| m.file_type().is_file());
-        let short = now.as_ref().map(|m| m.len());
-        if plain && short.is_none_or(|len| len < *want) {
-            let stand_in = crate::null::NullDevice::new(name, *want, 512)?;
-            return Ok(Arc::new(Planned {
-                stand_in,
-                what: format!(
-                    "file {}, {} by serve or bench",
-                    path.display(),
-                    if short.is_none() {
-                        "to be created"
-                    } else {
-                        "to be extended"
-                    }
-                ),
-            }));
-        }
+    else {
+        return crate::open(leaf, name);
+    };
+    let shown = path.display();
+    let now = match std::fs::metadata(path) {
+        Ok(m) => Some(m),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        // What the real open would meet: refused here already.
+        Err(e) => return Err(Error::os(format!("file {shown}: open"), e)),
+    };
+    let Some(now) = now else {
+        creatable(path)?;
+        return Ok(Arc::new(Planned {
+            stand_in: Arc::new(crate::null::NullDevice::new(name, *want, 512)?),
+            what: format!("file {shown}, to be created by serve or bench"),
+        }));
+    };
+    if !now.file_type().is_file() || now.len() >= *want {
+        return crate::open(leaf, name);
     }
-    crate::open(leaf, name)
+    // To be extended: exactly what the file will read once extended (what it holds now,
+    // then zeros), in 512-byte blocks as for a file to be created (with `direct=1` the
+    // real blocks may be larger; the bytes are the same). Its whole blocks are the file
+    // opened as it is (which also finds its lock taken), a last partial block is copied
+    // into memory, and zeros follow.
+    let end = want - want % 512;
+    if end == 0 {
+        return Err(Error::Invalid(format!(
+            "file {shown}: empty (add size=SIZE to extend it)"
+        )));
+    }
+    let whole = now.len() - now.len() % 512;
+    let mut parts: Vec<(Arc<dyn Device>, u64)> = Vec::with_capacity(3);
+    if whole > 0 {
+        let file = crate::file::FileDevice::open(name, path, *engine, false, None)?;
+        parts.push((Arc::new(file), whole));
+    }
+    if whole < now.len() && whole + 512 <= end {
+        use std::io::{Read, Seek};
+        let mut last = Vec::with_capacity(512);
+        std::fs::File::open(path)
+            .and_then(|mut f| {
+                f.seek(std::io::SeekFrom::Start(whole))?;
+                f.take(512).read_to_end(&mut last)
+            })
+            .map_err(|e| Error::os(format!("file {shown}: read"), e))?;
+        let mem = crate::mem::MemDevice::new(name, 512, 512)?;
+        let n = last.len().min(512);
+        // SAFETY: `last` holds at least `n` bytes, and `n` fits in the 512-byte store.
+        unsafe { mem.store().write(0, n as u64, last.as_ptr()) };
+        parts.push((Arc::new(mem), 512));
+    }
+    let covered: u64 = parts.iter().map(|(_, len)| len).sum();
+    if covered < end {
+        let zeros = crate::null::NullDevice::new(name, end - covered, 512)?;
+        parts.push((Arc::new(zeros), end - covered));
+    }
+    let stand_in = if parts.len() == 1 {
+        parts.remove(0).0
+    } else {
+        let sizes: Vec<u64> = parts.iter().map(|(_, len)| *len).collect();
+        let layout = Linear::new(&sizes, 512);
+        let members = parts.into_iter().map(|(d, _)| d).collect();
+        stacked(name, Arc::new(AnyLayout::Linear(layout)), members)?
+    };
+    Ok(Arc::new(Planned {
+        stand_in,
+        what: format!("file {shown}, to be extended by serve or bench"),
+    }))
+}
+
+/// Whether a file could be created at `path` (its directory exists and may be written),
+/// with the error the real open would give if not.
+fn creatable(path: &std::path::Path) -> Result<(), Error> {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    };
+    let shown = path.display();
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
+        .map_err(|_| Error::Invalid(format!("file {shown}: the path holds a NUL byte")))?;
+    // SAFETY: `c` is a NUL-terminated path that lives across the call.
+    if unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
+        return Err(Error::os(
+            format!("file {shown}: open"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
 }
 
 /// A file `cairn check` leaves as it is: a stand-in of the size it will have.
 struct Planned {
-    stand_in: crate::null::NullDevice,
+    stand_in: Arc<dyn Device>,
     what: String,
 }
 
@@ -905,6 +1005,15 @@ impl Device for Planned {
 
     fn geometry(&self) -> cairn_core::Geometry {
         self.stand_in.geometry()
+    }
+
+    fn extents(
+        &self,
+        offset: u64,
+        len: u64,
+        out: &mut Vec<cairn_core::Extent>,
+    ) -> Result<(), Error> {
+        self.stand_in.extents(offset, len, out)
     }
 
     fn open_queue(
@@ -972,7 +1081,7 @@ fn open_array(
     spec: &DeviceSpec,
     expect: crate::array::assemble::Expect,
     present: Vec<Option<Arc<dyn Device>>>,
-    dry: bool,
+    how: Start,
 ) -> Result<Arc<dyn Device>, Error> {
     let examined = crate::array::examine(&expect, &present)?;
     let block = present
@@ -1010,7 +1119,7 @@ fn open_array(
         .collect::<Result<Vec<_>, _>>()?;
     let device = StackDevice::new(name, Arc::new(layout), members)?;
     let array_bytes = device.geometry().size_bytes;
-    let meta = crate::array::Metadata::start(expect, present, examined, array_bytes, dry)?;
+    let meta = crate::array::Metadata::start(expect, present, examined, array_bytes, how)?;
     let rate = match spec {
         DeviceSpec::Mirror { rebuild, .. } | DeviceSpec::Raid10 { rebuild, .. } => *rebuild,
         _ => ArrayOptions::default(),
