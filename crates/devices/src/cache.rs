@@ -2,8 +2,9 @@
 //!
 //! The cache works in 4 KiB pages (its block size is at least that). Reads hit the cache
 //! or go to the base and fill it; writes complete once cached (paced by the dirty
-//! throttle as the dirty level nears the limit); FUA writes also go through to the base
-//! before they complete; discard and write-zeroes turn cached pages into zero pages and
+//! throttle as the dirty level nears the limit); a FUA write also goes through to the
+//! base with FUA before it completes (its own pages only: other dirty pages stay dirty,
+//! and the base is not flushed); discard and write-zeroes turn cached pages into zero pages and
 //! go to the base; a flush completes once every page dirty when it arrived has been
 //! written back and the base flushed. Clean pages are evicted oldest first when the
 //! cache memory is full; when every page is dirty, writes go through to the base.
@@ -59,6 +60,14 @@ struct Entry {
     /// When the page became dirty (for `expire`): CLOCK_MONOTONIC ns, from the
     /// reactor's cached clock (no clock read per write).
     dirtied: u64,
+    /// FUA writes of this page on their way through to the base. While one is, a
+    /// write-back of the page does not mark it clean: the base may complete the two in
+    /// either order.
+    through: u32,
+    /// A write-back holds a copy of this page that it has not finished writing. A FUA
+    /// write of the page then does not go through beside it (the older copy could land
+    /// last): it is written back in order, as a flush.
+    flushing: bool,
 }
 
 /// A flush waiting for write-back: it covers every change up to `gen`.
@@ -81,6 +90,9 @@ struct State {
     reading: Vec<(u64, u64)>,
     gen: u64,
     waiters: Vec<Waiter>,
+    /// Power cuts so far: a FUA write sent before one finds other pages under its page
+    /// numbers when it completes, and leaves them alone.
+    cuts: u64,
 }
 
 pub(crate) struct Shared {
@@ -239,6 +251,7 @@ impl CacheDevice {
                 reading: Vec::new(),
                 gen: 0,
                 waiters: Vec::new(),
+                cuts: 0,
             }),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -392,6 +405,7 @@ impl Device for CacheDevice {
         let lost = st.dirty.len();
         // Reads in flight saw data the cut may have taken away: they must not fill.
         st.gen += 1;
+        st.cuts += 1;
         self.shared.budget.sub(lost as u64 * PAGE);
         st.pages.clear();
         st.dirty.clear();
@@ -436,6 +450,10 @@ enum Pending {
     Read { gen: u64 },
     /// A write or zeroing sent through to the base.
     Through,
+    /// A FUA write sent through to the base with FUA. Its pages are marked clean when it
+    /// completes unless changed since (`gen`, the cache's generation once it was cached)
+    /// or cut away (`cuts`).
+    Fua { gen: u64, cuts: u64 },
 }
 
 struct CacheQueue {
@@ -519,8 +537,12 @@ impl CacheQueue {
         self.complete_now(&io, start, IoStatus::OK);
     }
 
-    /// Caches `io`'s data (or zeros); false when the cache has no room for it.
-    fn cache_write(&self, io: &Io, zeros: bool) -> (bool, u64) {
+    /// Caches `io`'s data (or zeros): whether the cache had room for it, the shared dirty
+    /// level, whether a write-back holds an older copy of one of its pages (see
+    /// [`Entry::flushing`]), and for a FUA write that may go through to the base now (its
+    /// pages are cached, none is being written back, and the base honours FUA), what to
+    /// send it with (see [`Pending::Fua`]).
+    fn cache_write(&self, io: &Io, zeros: bool) -> (bool, u64, bool, Option<Pending>) {
         let now = self.core.now_ns();
         let mut st = self.shared.lock();
         let missing = Self::pages(io)
@@ -531,15 +553,19 @@ impl CacheQueue {
             let want = self.shared.capacity.saturating_sub(missing);
             st.make_room(want.max(1)) && st.pages.len() + missing <= self.shared.capacity
         };
+        let busy = Self::pages(io).any(|p| st.pages.get(&p).is_some_and(|e| e.flushing));
+        let through =
+            fits && !zeros && !busy && io.flags.contains(IoFlags::FUA) && self.base_caps.fua;
         for p in Self::pages(io) {
             if !fits && !st.pages.contains_key(&p) {
                 continue;
             }
             let at = (p * PAGE - io.offset) as usize;
             let old = st.pages.remove(&p);
-            let (dirty, gen, dirtied) = old
-                .as_ref()
-                .map_or((false, 0, now), |e| (e.dirty, e.gen, e.dirtied));
+            let (dirty, gen, dirtied, in_flight, flushing) =
+                old.as_ref().map_or((false, 0, now, 0, false), |e| {
+                    (e.dirty, e.gen, e.dirtied, e.through, e.flushing)
+                });
             let data = if zeros {
                 None
             } else {
@@ -560,6 +586,8 @@ impl CacheQueue {
                     dirty,
                     gen,
                     dirtied,
+                    through: in_flight + u32::from(through),
+                    flushing,
                 },
             );
             if st.mark_dirty(p, now, &self.shared.budget) {
@@ -572,12 +600,28 @@ impl CacheQueue {
                 }
             }
         }
-        (fits, self.shared.budget.dirty_bytes())
+        let fua = Pending::Fua {
+            gen: st.gen,
+            cuts: st.cuts,
+        };
+        (
+            fits,
+            self.shared.budget.dirty_bytes(),
+            busy,
+            through.then_some(fua),
+        )
     }
 
     fn write(&self, io: Io, start: u64) {
         let zeros = io.op != Op::Write;
-        let (fits, dirty) = self.cache_write(&io, zeros);
+        let (fits, dirty, busy, through) = self.cache_write(&io, zeros);
+        if zeros && fits && busy && io.flags.contains(IoFlags::FUA) {
+            // A FUA zeroing of pages whose older contents a write-back is writing: sent
+            // beside it, it could land first, and the older data last. In order instead,
+            // as a flush: the cached zero pages are written back after that copy.
+            self.flush(io, start);
+            return;
+        }
         if !fits || zeros {
             // Through to the base as well: no room (the base then holds the data, and
             // the pages that are cached hold the same), or a zeroing (so that the base
@@ -586,10 +630,15 @@ impl CacheQueue {
             return;
         }
         if io.flags.contains(IoFlags::FUA) {
-            // Durable before it completes: it completes as a flush does, once the
-            // flusher has written it back (in order with any older copy of its pages
-            // still being written) and flushed the base.
-            self.flush(io, start);
+            match through {
+                // Durable before it completes: its own pages go through to the base with
+                // FUA. Other dirty pages stay dirty, and the base is not flushed.
+                Some(fua) => self.to_base(io, start, fua),
+                // A write-back is writing an older copy of one of its pages (or the base
+                // has no FUA): it completes as a flush does, once the flusher has written
+                // it back in order after that copy and flushed the base.
+                None => self.flush(io, start),
+            }
             return;
         }
         let b = &self.shared.budget;
@@ -646,6 +695,35 @@ impl CacheQueue {
         self.flushes_out.set(self.flushes_out.get() + 1);
         self.shared.kick();
     }
+
+    /// A FUA write sent through came back: its pages are clean now (the base holds what
+    /// the cache does, durably), unless written since it was cached, or a write-back or
+    /// another FUA write of them is in flight, whose data the base may still complete last.
+    fn fua_done(&self, io: &Io, gen: u64, cuts: u64, status: IoStatus) {
+        let mut guard = self.shared.lock();
+        let st = &mut *guard;
+        if st.cuts != cuts {
+            return;
+        }
+        let mut cleaned = 0;
+        for p in Self::pages(io) {
+            let Some(e) = st.pages.get_mut(&p) else {
+                continue;
+            };
+            debug_assert!(e.through > 0, "page {p}: a FUA write in flight is counted");
+            e.through -= 1;
+            if status.is_ok() && e.dirty && e.gen <= gen && e.through == 0 && !e.flushing {
+                e.dirty = false;
+                st.dirty.remove(&p);
+                st.clean.push_back(p);
+                cleaned += PAGE;
+            }
+        }
+        drop(guard);
+        if cleaned > 0 {
+            self.shared.budget.written_back(cleaned);
+        }
+    }
 }
 
 impl Queue for CacheQueue {
@@ -675,6 +753,9 @@ impl Sink for CacheQueue {
             return;
         }
         let (io, start, pending) = self.requests.borrow_mut().remove(token as u32);
+        if let Pending::Fua { gen, cuts } = pending {
+            self.fua_done(&io, gen, cuts, status);
+        }
         if let Pending::Read { gen } = pending {
             let mut st = self.shared.lock();
             let pages = Self::pages(&io);
@@ -718,6 +799,8 @@ impl Sink for CacheQueue {
                                 dirty: false,
                                 gen: 0,
                                 dirtied: 0,
+                                through: 0,
+                                flushing: false,
                             },
                         );
                         st.clean.push_back(p);
@@ -824,7 +907,8 @@ fn round_locked(shared: &Shared, q: &BlockingQueue, take: Take) -> bool {
     let b = &shared.budget;
     let mut runs: Vec<Run> = Vec::new();
     let (waiters_gen, serve_waiters) = {
-        let st = shared.lock();
+        let mut guard = shared.lock();
+        let st = &mut *guard;
         let now = cairn_core::clock::monotonic_ns();
         let expire = b.expire.as_nanos() as u64;
         let all = take == Take::All || !st.waiters.is_empty();
@@ -834,7 +918,7 @@ fn round_locked(shared: &Shared, q: &BlockingQueue, take: Take) -> bool {
         let mut budget = if all { u64::MAX } else { over };
         let mut cur: Option<Gathering> = None;
         for &p in st.dirty.iter() {
-            let e = &st.pages[&p];
+            let e = st.pages.get_mut(&p).expect("a dirty page is cached");
             let expired = now.saturating_sub(e.dirtied) >= expire;
             if !(all || expired || budget > 0) {
                 continue;
@@ -853,6 +937,8 @@ fn round_locked(shared: &Shared, q: &BlockingQueue, take: Take) -> bool {
                 None => d.resize(d.len() + PAGE as usize, 0),
             }
             gens.push((p, e.gen));
+            // Until `write_runs` has written this copy (see `Entry::flushing`).
+            e.flushing = true;
         }
         if let Some(run) = cur.take() {
             runs.push(seal(run));
@@ -909,8 +995,14 @@ fn write_runs(
         let results = q.run(&mut reqs);
         drop(reqs);
         failed |= results.iter().any(|r| r.is_err());
-        let mut st = shared.lock();
+        let mut guard = shared.lock();
+        let st = &mut *guard;
         for ((_, b, gens), r) in batch.iter().zip(&results) {
+            for &(p, _) in gens {
+                if let Some(e) = st.pages.get_mut(&p) {
+                    e.flushing = false;
+                }
+            }
             if r.is_err() {
                 continue;
             }
@@ -918,7 +1010,9 @@ fn write_runs(
             shared.note_written();
             for &(p, gen) in gens {
                 if let Some(e) = st.pages.get_mut(&p) {
-                    if e.dirty && e.gen == gen {
+                    // Not while a FUA write of the page is on its way to the base too: the
+                    // base may complete that one last.
+                    if e.dirty && e.gen == gen && e.through == 0 {
                         e.dirty = false;
                         st.dirty.remove(&p);
                         st.clean.push_back(p);
@@ -927,7 +1021,7 @@ fn write_runs(
                 }
             }
         }
-        drop(st);
+        drop(guard);
         shared.budget.tick();
     }
     if failed {
@@ -1268,13 +1362,14 @@ fn pool_thread(pool: Arc<Pool>, budget: std::sync::Weak<Budget>) {
             continue;
         };
         let run = {
-            let st = s.lock();
-            st.pages.get(&p).filter(|e| e.dirty).map(|e| {
+            let mut st = s.lock();
+            st.pages.get_mut(&p).filter(|e| e.dirty).map(|e| {
                 let mut d = Vec::with_capacity(PAGE as usize);
                 match &e.data {
                     Some(data) => d.extend_from_slice(data),
                     None => d.resize(PAGE as usize, 0),
                 }
+                e.flushing = true;
                 seal((p, d, vec![(p, e.gen)]))
             })
         };
