@@ -49,6 +49,10 @@ const BATCH_BYTES: usize = 4 << 20;
 const BATCH_WRITES: usize = 32;
 /// The token of a queue's pacing timer.
 const PACE: u64 = u64::MAX;
+/// The token of a queue's timer for FUA requests waiting for a write-back of their pages.
+const PARKED: u64 = u64::MAX - 1;
+/// How often a FUA request waiting for a write-back of its pages looks again.
+const PARKED_RETRY_NS: u64 = 100_000;
 
 /// One cached page.
 struct Entry {
@@ -64,9 +68,8 @@ struct Entry {
     /// write-back of the page does not mark it clean: the base may complete the two in
     /// either order.
     through: u32,
-    /// A write-back holds a copy of this page that it has not finished writing. A FUA
-    /// write of the page then does not go through beside it (the older copy could land
-    /// last): it is written back in order, as a flush.
+    /// A write-back has sent a copy of this page to the base and it has not completed. A
+    /// FUA request for the page then waits until it has (the older copy could land last).
     flushing: bool,
 }
 
@@ -432,6 +435,7 @@ impl Device for CacheDevice {
             flushes_out: Cell::new(0),
             pacer: RefCell::new(Pacer::default()),
             released: RefCell::new(Vec::with_capacity(64)),
+            parked: RefCell::new(Vec::new()),
             reply_tx: tx,
             reply_rx: rx,
             wake,
@@ -456,6 +460,22 @@ enum Pending {
     Fua { gen: u64, cuts: u64 },
 }
 
+/// What [`CacheQueue::cache_write`] did.
+struct Cached {
+    /// The cache had room for every page (else the write goes through to the base).
+    fits: bool,
+    /// The shared dirty level afterwards.
+    dirty: u64,
+    /// A write-back of one of its pages is in flight (see [`Entry::flushing`]).
+    busy: bool,
+    /// A FUA write that goes through to the base now: its pages count it in
+    /// [`Entry::through`] (it fits, none of its pages is busy, the base honours FUA).
+    through: bool,
+    /// The cache's generation and power cuts once it was cached (see [`Pending::Fua`]).
+    gen: u64,
+    cuts: u64,
+}
+
 struct CacheQueue {
     core: Rc<Core>,
     stats: QueueStats,
@@ -469,6 +489,9 @@ struct CacheQueue {
     pacer: RefCell<Pacer<(Io, u64)>>,
     /// Writes the pacer released, completed once it is no longer borrowed.
     released: RefCell<Vec<(Io, u64)>>,
+    /// FUA requests waiting for a write-back of their pages to complete: the request, its
+    /// start, the cache's generation once it was cached. At most the requests in flight.
+    parked: RefCell<Vec<(Io, u64, u64)>>,
     reply_tx: Sender<(u64, IoStatus)>,
     reply_rx: Receiver<(u64, IoStatus)>,
     wake: Arc<OwnedFd>,
@@ -537,12 +560,8 @@ impl CacheQueue {
         self.complete_now(&io, start, IoStatus::OK);
     }
 
-    /// Caches `io`'s data (or zeros): whether the cache had room for it, the shared dirty
-    /// level, whether a write-back holds an older copy of one of its pages (see
-    /// [`Entry::flushing`]), and for a FUA write that may go through to the base now (its
-    /// pages are cached, none is being written back, and the base honours FUA), what to
-    /// send it with (see [`Pending::Fua`]).
-    fn cache_write(&self, io: &Io, zeros: bool) -> (bool, u64, bool, Option<Pending>) {
+    /// Caches `io`'s data (or zeros). See [`Cached`].
+    fn cache_write(&self, io: &Io, zeros: bool) -> Cached {
         let now = self.core.now_ns();
         let mut st = self.shared.lock();
         let missing = Self::pages(io)
@@ -600,49 +619,49 @@ impl CacheQueue {
                 }
             }
         }
-        let fua = Pending::Fua {
+        Cached {
+            fits,
+            dirty: self.shared.budget.dirty_bytes(),
+            busy,
+            through,
             gen: st.gen,
             cuts: st.cuts,
-        };
-        (
-            fits,
-            self.shared.budget.dirty_bytes(),
-            busy,
-            through.then_some(fua),
-        )
+        }
     }
 
     fn write(&self, io: Io, start: u64) {
         let zeros = io.op != Op::Write;
-        let (fits, dirty, busy, through) = self.cache_write(&io, zeros);
-        if zeros && fits && busy && io.flags.contains(IoFlags::FUA) {
-            // A FUA zeroing of pages whose older contents a write-back is writing: sent
-            // beside it, it could land first, and the older data last. In order instead,
-            // as a flush: the cached zero pages are written back after that copy.
-            self.flush(io, start);
+        let c = self.cache_write(&io, zeros);
+        let fua = io.flags.contains(IoFlags::FUA);
+        if fua && c.fits && c.busy && (zeros || self.base_caps.fua) {
+            // A write-back of older contents of one of its pages is on its way to the
+            // base: sent beside it, this could land first and the older data last (over
+            // data that must stay durable). It goes once that write-back is done.
+            self.park(io, start, c.gen);
             return;
         }
-        if !fits || zeros {
+        if !c.fits || zeros {
             // Through to the base as well: no room (the base then holds the data, and
             // the pages that are cached hold the same), or a zeroing (so that the base
             // never keeps older data under a cached zero page once it is evicted).
             self.to_base(io, start, Pending::Through);
             return;
         }
-        if io.flags.contains(IoFlags::FUA) {
-            match through {
+        if fua {
+            if c.through {
                 // Durable before it completes: its own pages go through to the base with
                 // FUA. Other dirty pages stay dirty, and the base is not flushed.
-                Some(fua) => self.to_base(io, start, fua),
-                // A write-back is writing an older copy of one of its pages (or the base
-                // has no FUA): it completes as a flush does, once the flusher has written
-                // it back in order after that copy and flushed the base.
-                None => self.flush(io, start),
+                let (gen, cuts) = (c.gen, c.cuts);
+                self.to_base(io, start, Pending::Fua { gen, cuts });
+            } else {
+                // The base has no FUA: it completes as a flush does, once the flusher has
+                // written it back and flushed the base.
+                self.flush(io, start);
             }
             return;
         }
         let b = &self.shared.budget;
-        if dirty > b.throttle.background {
+        if c.dirty > b.throttle.background {
             // Over the shared level: every cache's flusher writes back its own pages.
             b.over_background();
         }
@@ -694,6 +713,59 @@ impl CacheQueue {
         drop(st);
         self.flushes_out.set(self.flushes_out.get() + 1);
         self.shared.kick();
+    }
+
+    /// Holds a FUA request (cached as generation `gen`) until no write-back of its pages is
+    /// in flight; [`CacheQueue::unpark`] looks again every `PARKED_RETRY_NS`.
+    fn park(&self, io: Io, start: u64, gen: u64) {
+        let mut parked = self.parked.borrow_mut();
+        if parked.is_empty() {
+            self.core.add_timer(
+                self.core.now_ns() + PARKED_RETRY_NS,
+                self.sink.get(),
+                PARKED,
+            );
+        }
+        parked.push((io, start, gen));
+    }
+
+    /// The parking timer fired: sends the FUA requests none of whose pages is being
+    /// written back now, as they would have gone at first; the others wait on.
+    fn unpark(&self) {
+        let mut parked = std::mem::take(&mut *self.parked.borrow_mut());
+        let mut go = Vec::new();
+        {
+            let mut st = self.shared.lock();
+            let cuts = st.cuts;
+            parked.retain(|&(io, start, gen)| {
+                let busy = Self::pages(&io).any(|p| st.pages.get(&p).is_some_and(|e| e.flushing));
+                if busy {
+                    return true;
+                }
+                if io.op == Op::Write {
+                    for p in Self::pages(&io) {
+                        if let Some(e) = st.pages.get_mut(&p) {
+                            e.through += 1;
+                        }
+                    }
+                    go.push((io, start, Pending::Fua { gen, cuts }));
+                } else {
+                    go.push((io, start, Pending::Through));
+                }
+                false
+            });
+        }
+        if !parked.is_empty() {
+            self.core.add_timer(
+                self.core.now_ns() + PARKED_RETRY_NS,
+                self.sink.get(),
+                PARKED,
+            );
+        }
+        *self.parked.borrow_mut() = parked;
+        for (io, start, pending) in go {
+            self.to_base(io, start, pending);
+        }
     }
 
     /// A FUA write sent through came back: its pages are clean now (the base holds what
@@ -750,6 +822,10 @@ impl Sink for CacheQueue {
     fn io_done(&self, token: u64, status: IoStatus) {
         if token == PACE {
             self.pace();
+            return;
+        }
+        if token == PARKED {
+            self.unpark();
             return;
         }
         let (io, start, pending) = self.requests.borrow_mut().remove(token as u32);
@@ -907,8 +983,7 @@ fn round_locked(shared: &Shared, q: &BlockingQueue, take: Take) -> bool {
     let b = &shared.budget;
     let mut runs: Vec<Run> = Vec::new();
     let (waiters_gen, serve_waiters) = {
-        let mut guard = shared.lock();
-        let st = &mut *guard;
+        let st = shared.lock();
         let now = cairn_core::clock::monotonic_ns();
         let expire = b.expire.as_nanos() as u64;
         let all = take == Take::All || !st.waiters.is_empty();
@@ -918,7 +993,7 @@ fn round_locked(shared: &Shared, q: &BlockingQueue, take: Take) -> bool {
         let mut budget = if all { u64::MAX } else { over };
         let mut cur: Option<Gathering> = None;
         for &p in st.dirty.iter() {
-            let e = st.pages.get_mut(&p).expect("a dirty page is cached");
+            let e = &st.pages[&p];
             let expired = now.saturating_sub(e.dirtied) >= expire;
             if !(all || expired || budget > 0) {
                 continue;
@@ -937,8 +1012,6 @@ fn round_locked(shared: &Shared, q: &BlockingQueue, take: Take) -> bool {
                 None => d.resize(d.len() + PAGE as usize, 0),
             }
             gens.push((p, e.gen));
-            // Until `write_runs` has written this copy (see `Entry::flushing`).
-            e.flushing = true;
         }
         if let Some(run) = cur.take() {
             runs.push(seal(run));
@@ -957,6 +1030,32 @@ fn seal((first, d, gens): Gathering) -> Run {
     let mut b = AlignedBuf::new(d.len());
     b.as_mut_slice().copy_from_slice(&d);
     (first, b, gens)
+}
+
+/// Makes `batch`, about to be sent, hold its pages as they are now (a page changed since it
+/// was copied, e.g. by a FUA write sent meanwhile, is copied again), and marks them
+/// [`Entry::flushing`] until it completes: only the copy in flight can be older than a
+/// FUA request for the page, and only while it is in flight.
+fn refresh(shared: &Shared, batch: &mut [Run]) {
+    let mut guard = shared.lock();
+    let st = &mut *guard;
+    for (first, b, gens) in batch.iter_mut() {
+        for (p, gen) in gens.iter_mut() {
+            let Some(e) = st.pages.get_mut(p) else {
+                continue;
+            };
+            if e.gen != *gen {
+                let at = ((*p - *first) * PAGE) as usize;
+                let dst = &mut b.as_mut_slice()[at..at + PAGE as usize];
+                match &e.data {
+                    Some(d) => dst.copy_from_slice(d),
+                    None => dst.fill(0),
+                }
+                *gen = e.gen;
+            }
+            e.flushing = true;
+        }
+    }
 }
 
 /// Writes `runs`, flushes the base and answers the flushes covering changes up to `gen`
@@ -982,6 +1081,7 @@ fn write_runs(
         }
         let (batch, tail) = std::mem::take(&mut rest).split_at_mut(n);
         rest = tail;
+        refresh(shared, batch);
         let mut reqs: Vec<Request<'_>> = batch
             .iter_mut()
             .map(|(first, b, _)| Request {
@@ -1362,14 +1462,13 @@ fn pool_thread(pool: Arc<Pool>, budget: std::sync::Weak<Budget>) {
             continue;
         };
         let run = {
-            let mut st = s.lock();
-            st.pages.get_mut(&p).filter(|e| e.dirty).map(|e| {
+            let st = s.lock();
+            st.pages.get(&p).filter(|e| e.dirty).map(|e| {
                 let mut d = Vec::with_capacity(PAGE as usize);
                 match &e.data {
                     Some(data) => d.extend_from_slice(data),
                     None => d.resize(PAGE as usize, 0),
                 }
-                e.flushing = true;
                 seal((p, d, vec![(p, e.gen)]))
             })
         };
