@@ -4,10 +4,15 @@
 //! or go to the base and fill it; writes complete once cached (paced by the dirty
 //! throttle as the dirty level nears the limit); a FUA write also goes through to the
 //! base with FUA before it completes (its own pages only: other dirty pages stay dirty,
-//! and the base is not flushed); discard and write-zeroes turn cached pages into zero pages and
-//! go to the base; a flush completes once every page dirty when it arrived has been
-//! written back and the base flushed. Clean pages are evicted oldest first when the
+//! and the base is not flushed); discard and write-zeroes turn cached pages into zero
+//! pages and go to the base; a flush completes once every page dirty when it arrived has
+//! been written back and the base flushed. Clean pages are evicted oldest first when the
 //! cache memory is full; when every page is dirty, writes go through to the base.
+//!
+//! A FUA request never races a write-back of its pages to the base (the older copy could
+//! land last, over data that must stay durable): it waits while one is in flight
+//! (`Entry::flushing`), and a page is marked clean only when no FUA write of it is on its
+//! way (`Entry::through`).
 //!
 //! Technique 3: each cache device has its own flusher thread, which writes its dirty
 //! pages back in offset order, merging neighbours into writes of up to 1 MiB.

@@ -858,6 +858,66 @@ mod tests {
     }
 
     #[test]
+    fn page_bits_across_words_and_chunks() {
+        let bits = PageBits::new(3 << 30);
+        bits.set(100, 300);
+        bits.set(CHUNK_PAGES - 2, CHUNK_PAGES + 3);
+        bits.set(100, 101);
+        let mut got = Vec::new();
+        bits.take(|p| got.push(p));
+        let want: Vec<u64> = (100..300).chain(CHUNK_PAGES - 2..CHUNK_PAGES + 3).collect();
+        assert_eq!(got, want);
+        // Taken: nothing is left, and the third chunk was never allocated.
+        bits.take(|p| panic!("page {p} still set"));
+        assert!(bits.chunk(2).is_none());
+    }
+
+    /// A volatile layer over regions and a short last page: a FUA write across a region
+    /// boundary is durable, the plain writes around it are not until the flush, and the
+    /// short last page is copied both ways.
+    #[test]
+    fn volatile_layer_across_regions_and_a_short_last_page() {
+        let size = 2 * REGION_BYTES + 512;
+        let store = MemStore::new(size);
+        let v = Volatile::new(size);
+        let plain = vec![1u8; 3 * PAGE_BYTES as usize];
+        let fua = vec![2u8; 2 * PAGE_BYTES as usize];
+        let (at, fua_at) = (REGION_BYTES - PAGE_BYTES, REGION_BYTES - 512);
+        let read = |offset: u64, len: u64| {
+            let mut b = vec![0xeeu8; len as usize];
+            unsafe { store.read(offset, len, b.as_mut_ptr()) };
+            b
+        };
+        unsafe {
+            store.write(at, plain.len() as u64, plain.as_ptr());
+            v.wrote(at, plain.len() as u64);
+            v.write_fua(&store, fua_at, fua.len() as u64, fua.as_ptr());
+            store.write(size - 512, 512, plain.as_ptr());
+            v.wrote(size - 512, 512);
+        }
+        assert_eq!(v.power_cut(&store), 4, "four pages were written");
+        let got = read(at, 3 * PAGE_BYTES);
+        let fua_in = (fua_at - at) as usize;
+        assert!(got[..fua_in].iter().all(|&b| b == 0), "plain write lost");
+        assert!(
+            got[fua_in..fua_in + fua.len()].iter().all(|&b| b == 2),
+            "FUA kept"
+        );
+        assert!(
+            got[fua_in + fua.len()..].iter().all(|&b| b == 0),
+            "plain write lost"
+        );
+        assert!(read(size - 512, 512).iter().all(|&b| b == 0));
+        unsafe {
+            store.write(size - 512, 512, plain.as_ptr());
+            v.wrote(size - 512, 512);
+        }
+        v.flush(&store);
+        assert_eq!(v.power_cut(&store), 0, "nothing unflushed");
+        assert!(read(size - 512, 512).iter().all(|&b| b == 1), "flushed");
+    }
+
+    #[test]
     fn last_page_of_odd_size() {
         let size = 3 * PAGE_BYTES + 512;
         let store = MemStore::new(size);
