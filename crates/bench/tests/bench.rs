@@ -283,7 +283,11 @@ mod accounting {
             .collect();
         for (block, &d) in data.iter().enumerate() {
             // FUA makes its own write durable and no other.
-            assert_eq!(d, block % 4 == 3, "block {block}: FUA on the 4th, 8th and 12th");
+            assert_eq!(
+                d,
+                block % 4 == 3,
+                "block {block}: FUA on the 4th, 8th and 12th"
+            );
         }
         // Without --fua-every, no write carries FUA: the cut takes the device back to
         // what the first run made durable.
