@@ -375,7 +375,10 @@ impl Job {
         let mut flags = IoFlags::NONE;
         if !is_read && self.spec.fua_every > 0 {
             st.writes_issued += 1;
-            if st.writes_issued % u64::from(self.spec.fua_every) == 0 {
+            if st
+                .writes_issued
+                .is_multiple_of(u64::from(self.spec.fua_every))
+            {
                 flags = IoFlags::FUA;
             }
         }

@@ -312,7 +312,7 @@ fn fua_zeroing_is_durable_and_leaves_other_writes_volatile() {
 
 /// One step of the power-cut model.
 #[derive(Debug, Clone)]
-enum Cut {
+enum Action {
     Write {
         offset: u64,
         len: u64,
@@ -355,7 +355,7 @@ fn same(
 const MODEL_BLOCK: u64 = 512;
 const MODEL_BLOCKS: u64 = 48;
 
-fn cut_steps() -> impl proptest::strategy::Strategy<Value = Vec<Cut>> {
+fn cut_steps() -> impl proptest::strategy::Strategy<Value = Vec<Action>> {
     use proptest::prelude::*;
     let range = (0..MODEL_BLOCKS).prop_flat_map(|first| {
         (Just(first), 1..=(MODEL_BLOCKS - first).min(20))
@@ -363,12 +363,12 @@ fn cut_steps() -> impl proptest::strategy::Strategy<Value = Vec<Cut>> {
     });
     let step = prop_oneof![
         8 => (range.clone(), any::<u8>(), prop::bool::weighted(0.3))
-            .prop_map(|((offset, len), seed, fua)| Cut::Write { offset, len, seed, fua }),
+            .prop_map(|((offset, len), seed, fua)| Action::Write { offset, len, seed, fua }),
         2 => (range.clone(), any::<bool>(), prop::bool::weighted(0.3))
-            .prop_map(|((offset, len), discard, fua)| Cut::Zero { offset, len, discard, fua }),
-        2 => Just(Cut::Flush),
-        2 => Just(Cut::PowerCut),
-        3 => range.prop_map(|(offset, len)| Cut::Read { offset, len }),
+            .prop_map(|((offset, len), discard, fua)| Action::Zero { offset, len, discard, fua }),
+        2 => Just(Action::Flush),
+        2 => Just(Action::PowerCut),
+        3 => range.prop_map(|(offset, len)| Action::Read { offset, len }),
     ];
     proptest::collection::vec(step, 1..60)
 }
@@ -395,7 +395,7 @@ proptest::proptest! {
         let mut durable = vec![0u8; size as usize];
         for (i, step) in steps.iter().enumerate() {
             match *step {
-                Cut::Write { offset, len, seed, fua } => {
+                Action::Write { offset, len, seed, fua } => {
                     let data = pattern(seed, len as usize);
                     let flags = if fua { IoFlags::FUA } else { IoFlags::NONE };
                     q.write(offset, &data, flags).unwrap();
@@ -405,7 +405,7 @@ proptest::proptest! {
                         durable[r].copy_from_slice(&data);
                     }
                 }
-                Cut::Zero { offset, len, discard, fua } => {
+                Action::Zero { offset, len, discard, fua } => {
                     let op = if discard { Op::Discard } else { Op::WriteZeroes };
                     let flags = if fua { IoFlags::FUA } else { IoFlags::NONE };
                     q.zero(op, offset, len, flags).unwrap();
@@ -415,16 +415,16 @@ proptest::proptest! {
                         durable[r].fill(0);
                     }
                 }
-                Cut::Flush => {
+                Action::Flush => {
                     q.flush().unwrap();
                     durable.copy_from_slice(&now);
                 }
-                Cut::PowerCut => {
+                Action::PowerCut => {
                     d.power_cut();
                     now.copy_from_slice(&durable);
                     same(&read(&q, 0, size as usize), &now, 0, &format!("after the cut at step {i}"))?;
                 }
-                Cut::Read { offset, len } => {
+                Action::Read { offset, len } => {
                     let r = offset as usize..(offset + len) as usize;
                     same(&read(&q, offset, len as usize), &now[r], offset, &format!("read at step {i}"))?;
                 }
