@@ -76,6 +76,10 @@ struct Entry {
     /// A write-back has sent a copy of this page to the base and it has not completed. A
     /// FUA request for the page then waits until it has (the older copy could land last).
     flushing: bool,
+    /// A write-back round has copied this page and not finished writing that copy. The
+    /// page is not evicted meanwhile: the copy is brought up to date as it is sent, from
+    /// the page (a FUA write may have made it newer, and clean).
+    queued: bool,
 }
 
 /// A flush waiting for write-back: it covers every change up to `gen`.
@@ -189,8 +193,11 @@ impl State {
             let Some(p) = self.clean.pop_front() else {
                 return false;
             };
-            if self.reading.iter().any(|&(a, b)| a <= p && p < b) {
-                // Kept for that read; the next oldest goes instead.
+            if self.reading.iter().any(|&(a, b)| a <= p && p < b)
+                || self.pages.get(&p).is_some_and(|e| e.queued)
+            {
+                // Kept for that read, or for a write-back's copy of it; the next oldest goes
+                // instead.
                 self.clean.push_back(p);
                 continue;
             }
@@ -586,9 +593,9 @@ impl CacheQueue {
             }
             let at = (p * PAGE - io.offset) as usize;
             let old = st.pages.remove(&p);
-            let (dirty, gen, dirtied, in_flight, flushing) =
-                old.as_ref().map_or((false, 0, now, 0, false), |e| {
-                    (e.dirty, e.gen, e.dirtied, e.through, e.flushing)
+            let (dirty, gen, dirtied, in_flight, flushing, queued) =
+                old.as_ref().map_or((false, 0, now, 0, false, false), |e| {
+                    (e.dirty, e.gen, e.dirtied, e.through, e.flushing, e.queued)
                 });
             let data = if zeros {
                 None
@@ -612,6 +619,7 @@ impl CacheQueue {
                     dirtied,
                     through: in_flight + u32::from(through),
                     flushing,
+                    queued,
                 },
             );
             if st.mark_dirty(p, now, &self.shared.budget) {
@@ -882,6 +890,7 @@ impl Sink for CacheQueue {
                                 dirtied: 0,
                                 through: 0,
                                 flushing: false,
+                                queued: false,
                             },
                         );
                         st.clean.push_back(p);
@@ -988,7 +997,8 @@ fn round_locked(shared: &Shared, q: &BlockingQueue, take: Take) -> bool {
     let b = &shared.budget;
     let mut runs: Vec<Run> = Vec::new();
     let (waiters_gen, serve_waiters) = {
-        let st = shared.lock();
+        let mut guard = shared.lock();
+        let st = &mut *guard;
         let now = cairn_core::clock::monotonic_ns();
         let expire = b.expire.as_nanos() as u64;
         let all = take == Take::All || !st.waiters.is_empty();
@@ -998,7 +1008,7 @@ fn round_locked(shared: &Shared, q: &BlockingQueue, take: Take) -> bool {
         let mut budget = if all { u64::MAX } else { over };
         let mut cur: Option<Gathering> = None;
         for &p in st.dirty.iter() {
-            let e = &st.pages[&p];
+            let e = st.pages.get_mut(&p).expect("a dirty page is cached");
             let expired = now.saturating_sub(e.dirtied) >= expire;
             if !(all || expired || budget > 0) {
                 continue;
@@ -1017,6 +1027,7 @@ fn round_locked(shared: &Shared, q: &BlockingQueue, take: Take) -> bool {
                 None => d.resize(d.len() + PAGE as usize, 0),
             }
             gens.push((p, e.gen));
+            e.queued = true;
         }
         if let Some(run) = cur.take() {
             runs.push(seal(run));
@@ -1038,9 +1049,10 @@ fn seal((first, d, gens): Gathering) -> Run {
 }
 
 /// Makes `batch`, about to be sent, hold its pages as they are now (a page changed since it
-/// was copied, e.g. by a FUA write sent meanwhile, is copied again), and marks them
-/// [`Entry::flushing`] until it completes: only the copy in flight can be older than a
-/// FUA request for the page, and only while it is in flight.
+/// was copied, e.g. by a FUA write sent meanwhile, is copied again; [`Entry::queued`]
+/// kept it cached), and marks them [`Entry::flushing`] until it completes: only the copy
+/// in flight can be older than a FUA request for the page, and only while it is in
+/// flight. (A page gone is gone by a power cut: its copy goes as it is.)
 fn refresh(shared: &Shared, batch: &mut [Run]) {
     let mut guard = shared.lock();
     let st = &mut *guard;
@@ -1106,6 +1118,7 @@ fn write_runs(
             for &(p, _) in gens {
                 if let Some(e) = st.pages.get_mut(&p) {
                     e.flushing = false;
+                    e.queued = false;
                 }
             }
             if r.is_err() {
@@ -1467,19 +1480,24 @@ fn pool_thread(pool: Arc<Pool>, budget: std::sync::Weak<Budget>) {
             continue;
         };
         let run = {
-            let st = s.lock();
-            st.pages.get(&p).filter(|e| e.dirty).map(|e| {
+            let mut st = s.lock();
+            st.pages.get_mut(&p).filter(|e| e.dirty).map(|e| {
                 let mut d = Vec::with_capacity(PAGE as usize);
                 match &e.data {
                     Some(data) => d.extend_from_slice(data),
                     None => d.resize(PAGE as usize, 0),
                 }
+                e.queued = true;
                 seal((p, d, vec![(p, e.gen)]))
             })
         };
         if let Some(run) = run {
-            if open_queue(&mut queues, i, d, pool.switches)
-                && !write_runs(s, &queues[&i], vec![run], None)
+            if !open_queue(&mut queues, i, d, pool.switches) {
+                // Not written: no longer held for it.
+                if let Some(e) = s.lock().pages.get_mut(&p) {
+                    e.queued = false;
+                }
+            } else if !write_runs(s, &queues[&i], vec![run], None)
                 && s.lock().pages.get(&p).is_some_and(|e| e.dirty)
             {
                 // Rewritten while it was being written: it is still dirty and has left

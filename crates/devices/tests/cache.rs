@@ -877,9 +877,10 @@ fn fua_after_a_write_back_in_flight(zeroing: bool) {
 /// A write-back copies a round's pages first and sends them in batches; a FUA write of a
 /// page whose copy is not sent yet goes through at once (nothing of that page is in
 /// flight), and completes. The copy, older, must not be sent as it was: it would land
-/// after the FUA data and stay, with the page clean in the cache. Deterministic: 40
-/// separate dirty pages make 40 writes, the first batch (32) is held at the gate while a
-/// FUA write of the 36th page's goes through and completes.
+/// after the FUA data and stay, with the page clean in the cache (or evicted from it).
+/// Deterministic: 40 separate dirty pages make 40 writes, the first batch (32) is held at
+/// the gate while a FUA write of the 36th page's goes through and completes, and reads
+/// fill the cache past its size.
 #[test]
 fn a_write_back_copy_older_than_a_fua_write_is_not_sent() {
     use cairn_devices::cache::CacheDevice;
@@ -922,6 +923,9 @@ fn a_write_back_copy_older_than_a_fua_write_is_not_sent() {
         let flusher = s.spawn(|| queue(&c).flush().unwrap());
         gate.wait_held(32);
         q.write(p * PAGE as u64, &new, IoFlags::FUA).unwrap();
+        // The page is clean now; reads that miss fill the cache and evict clean pages,
+        // oldest first (it would go first): the copy must still be brought up to date.
+        read(&q, 100 * PAGE as u64, 30 * PAGE);
         drop(open);
         flusher.join().unwrap();
     });
