@@ -483,12 +483,15 @@ const PERSIST_STRIPES: usize = 64;
 /// device's store is what reads see; this keeps a second store, the durable copy (what a
 /// power cut goes back to), and a bit per page whose store contents may differ from it.
 ///
-/// - A write changes the store and sets its pages' bits: no lock, no allocation beyond
-///   the store's own (the hot path is a plain mem's plus one atomic OR per 64 pages).
+/// - A write changes the store and sets its pages' bits: no lock, and no allocation but
+///   the store's own and a 32 KiB chunk of bits the first time a GiB is written (the hot
+///   path is a plain mem's plus one atomic OR per 64 pages).
 /// - A FUA request also writes its own bytes (or zeros) to the durable copy, and nothing
 ///   else: other writes in the same pages stay volatile. Its pages' bits stay set (the
 ///   store may hold other unflushed bytes in them).
-/// - A flush copies every page whose bit it clears from the store to the durable copy.
+/// - A flush copies every page whose bit it clears from the store to the durable copy
+///   (a write landing in the page meanwhile sets the bit again: the next flush copies it
+///   again, whatever mix of bytes this one took).
 /// - A power cut copies every such page back from the durable copy to the store.
 ///
 /// Each page's copy, and a FUA request's change to a page, hold that page's stripe of
@@ -536,9 +539,8 @@ impl Volatile {
     fn persisting(&self, offset: u64, len: u64, mut change: impl FnMut(u64, u64)) {
         let (p0, p1) = (offset / PAGE_BYTES, (offset + len).div_ceil(PAGE_BYTES));
         if p1 - p0 >= PERSIST_STRIPES as u64 {
-            let _all: Vec<_> = (0..PERSIST_STRIPES as u64)
-                .map(|s| self.stripe(s))
-                .collect();
+            // Every stripe, in order (as one page's at a time never deadlocks with it).
+            let _all: [_; PERSIST_STRIPES] = std::array::from_fn(|s| self.stripe(s as u64));
             change(offset, len);
             return;
         }

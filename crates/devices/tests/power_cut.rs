@@ -282,6 +282,25 @@ fn a_later_plain_write_over_a_fua_range_is_volatile_and_the_cut_restores_the_fua
 }
 
 #[test]
+fn a_large_fua_write_across_regions_is_durable_and_its_neighbours_are_not() {
+    // 1 MiB of FUA from 1.5 MiB (256 pages, across the 2 MiB region boundary), inside
+    // 4 MiB of plain writes.
+    let d = volatile_mem("8M");
+    let q = queue(&d);
+    let plain = pattern(13, 4 << 20);
+    let fua = pattern(14, 1 << 20);
+    q.write(0, &plain, IoFlags::NONE).unwrap();
+    q.write(3 << 19, &fua, IoFlags::FUA).unwrap();
+    q.zero(Op::WriteZeroes, 6 << 20, 1 << 20, IoFlags::FUA)
+        .unwrap();
+    d.power_cut();
+    let got = read(&q, 0, 8 << 20);
+    assert!(got[..3 << 19].iter().all(|&x| x == 0), "plain before: lost");
+    assert_eq!(&got[3 << 19..5 << 19], &fua[..], "the FUA write is durable");
+    assert!(got[5 << 19..].iter().all(|&x| x == 0), "plain after: lost");
+}
+
+#[test]
 fn fua_zeroing_is_durable_and_leaves_other_writes_volatile() {
     let d = volatile_mem("1M");
     let q = queue(&d);
