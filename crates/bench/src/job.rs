@@ -91,6 +91,8 @@ impl DirStats {
 pub struct JobResult {
     /// Read, write and sync statistics.
     pub dirs: [DirStats; DIRS],
+    /// The writes that carried FUA (`--fua-every`), also counted in `dirs[1]`.
+    pub fua: DirStats,
     /// Measured time (after the ramp) in nanoseconds.
     pub runtime_ns: u64,
     /// Why the job stopped early, if it did.
@@ -111,6 +113,7 @@ impl JobResult {
     fn failed(f: Failure) -> JobResult {
         JobResult {
             dirs: std::array::from_fn(|_| DirStats::new()),
+            fua: DirStats::new(),
             runtime_ns: 0,
             failure: Some(f),
             reaps: Histogram::new(3).expect("valid histogram"),
@@ -132,6 +135,8 @@ enum Phase {
 struct Slot {
     buf: AlignedBuf,
     op: Op,
+    /// Whether the request in flight is a write with FUA.
+    fua: bool,
     offset: u64,
     submit_ns: u64,
     writes: u32,
@@ -154,6 +159,9 @@ struct State {
     phase: Phase,
     stopping: bool,
     dirs: [DirStats; DIRS],
+    fua: DirStats,
+    /// Writes issued in the main phase (`--fua-every` counts them).
+    writes_issued: u64,
     failure: Option<Failure>,
     generations: Vec<u64>,
     busy: Vec<u64>,
@@ -201,6 +209,7 @@ pub(crate) fn run_job(
         .map(|_| Slot {
             buf: AlignedBuf::new(spec.bs as usize),
             op: Op::Read,
+            fua: false,
             offset: 0,
             submit_ns: 0,
             writes: 0,
@@ -229,6 +238,8 @@ pub(crate) fn run_job(
         phase: Phase::Main,
         stopping: false,
         dirs: std::array::from_fn(|_| DirStats::new()),
+        fua: DirStats::new(),
+        writes_issued: 0,
         failure: None,
         generations: if spec.verify {
             vec![0; blocks as usize]
@@ -361,11 +372,29 @@ impl Job {
         }
         st.issued_bytes += bs;
         let op = if is_read { Op::Read } else { Op::Write };
-        Some(self.prepare(st, slot, op, block, now))
+        let mut flags = IoFlags::NONE;
+        if !is_read && self.spec.fua_every > 0 {
+            st.writes_issued += 1;
+            if st
+                .writes_issued
+                .is_multiple_of(u64::from(self.spec.fua_every))
+            {
+                flags = IoFlags::FUA;
+            }
+        }
+        Some(self.prepare(st, slot, op, flags, block, now))
     }
 
     #[inline]
-    fn prepare(&self, st: &mut State, slot: usize, op: Op, block: u64, now: u64) -> Io {
+    fn prepare(
+        &self,
+        st: &mut State,
+        slot: usize,
+        op: Op,
+        flags: IoFlags,
+        block: u64,
+        now: u64,
+    ) -> Io {
         let bs = self.spec.bs;
         let offset = st.region_start + block * bs;
         if self.spec.verify {
@@ -378,11 +407,12 @@ impl Job {
         }
         let s = &mut st.slots[slot];
         s.op = op;
+        s.fua = flags.contains(IoFlags::FUA);
         s.offset = offset;
         s.submit_ns = now;
         Io {
             op,
-            flags: IoFlags::NONE,
+            flags,
             offset,
             len: bs,
             buf: s.buf.as_mut_ptr(),
@@ -399,7 +429,7 @@ impl Job {
             let block = st.verify_cursor;
             st.verify_cursor += 1;
             if st.generations[block as usize] != 0 {
-                return Some(self.prepare(st, slot, Op::Read, block, now));
+                return Some(self.prepare(st, slot, Op::Read, IoFlags::NONE, block, now));
             }
         }
         None
@@ -446,6 +476,7 @@ impl Job {
             .collect();
         JobResult {
             dirs: st.dirs.clone(),
+            fua: st.fua.clone(),
             runtime_ns: st.last_ns.saturating_sub(st.measure_start_ns),
             failure: st.failure.clone(),
             reaps: self.core.reap_histogram(),
@@ -490,11 +521,12 @@ impl Sink for Job {
             st.deadline_ns =
                 now.saturating_add(self.spec.runtime.map_or(u64::MAX, |d| d.as_nanos() as u64));
             st.dirs = std::array::from_fn(|_| DirStats::new());
+            st.fua = DirStats::new();
             st.device_base = snapshot_tree(&self.queue, now);
         }
-        let (op, offset, submit_ns) = {
+        let (op, fua, offset, submit_ns) = {
             let s = &st.slots[slot];
-            (s.op, s.offset, s.submit_ns)
+            (s.op, s.fua, s.offset, s.submit_ns)
         };
         let block = (offset - st.region_start) / self.spec.bs;
         if !status.is_ok() {
@@ -513,6 +545,9 @@ impl Sink for Job {
             };
             let bytes = if op.has_data() { self.spec.bs } else { 0 };
             st.dirs[dir].record(bytes, now.saturating_sub(submit_ns));
+            if fua {
+                st.fua.record(bytes, now.saturating_sub(submit_ns));
+            }
             match dir {
                 0 => self.progress.reads.store(st.dirs[0].ios, Relaxed),
                 1 => self.progress.writes.store(st.dirs[1].ios, Relaxed),
@@ -554,6 +589,7 @@ impl Sink for Job {
             if s.writes >= self.spec.fsync && healthy {
                 s.writes = 0;
                 s.op = Op::Flush;
+                s.fua = false;
                 s.submit_ns = now;
                 next = Some(Io::nodata(Op::Flush, 0, 0, self.sink.get(), slot as u64));
             }

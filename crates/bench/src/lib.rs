@@ -115,6 +115,9 @@ pub struct JobSpec {
     pub io_size: Option<u64>,
     /// `--fsync N`: each slot flushes after every N of its own writes, and waits.
     pub fsync: u32,
+    /// `--fua-every N` (cairn's own; fio's `writefua` is all or nothing): every Nth write
+    /// of each job carries FUA; 0 for none.
+    pub fua_every: u32,
     /// `--verify crc32c`.
     pub verify: bool,
     /// `--randseed`.
@@ -146,6 +149,7 @@ impl Default for JobSpec {
             size: None,
             io_size: None,
             fsync: 0,
+            fua_every: 0,
             verify: false,
             randseed: 0x2545_f491_4f6c_dd1d,
             timeline: None,

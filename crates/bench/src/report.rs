@@ -78,6 +78,8 @@ pub struct Report {
     pub switches: Switches,
     /// Read, write and sync statistics, summed over jobs.
     pub dirs: [DirStats; DIRS],
+    /// The writes that carried FUA (`--fua-every`), also counted in `dirs[1]`.
+    pub fua: DirStats,
     /// Longest measured time of any job, nanoseconds.
     pub runtime_ns: u64,
     /// The first failure, if any.
@@ -137,6 +139,7 @@ impl Report {
             device_desc: device.describe(),
             switches,
             dirs: first.dirs,
+            fua: first.fua,
             runtime_ns: first.runtime_ns,
             failure: first.failure,
             reaps: first.reaps,
@@ -153,6 +156,7 @@ impl Report {
             for (mine, theirs) in report.dirs.iter_mut().zip(&r.dirs) {
                 mine.merge(theirs);
             }
+            report.fua.merge(&r.fua);
             report.runtime_ns = report.runtime_ns.max(r.runtime_ns);
             if report.failure.is_none() {
                 report.failure = r.failure;
@@ -267,21 +271,16 @@ impl Report {
                     msec
                 );
             }
-            let _ = writeln!(
-                out,
-                "    clat (nsec): min={}, max={}, avg={:.2}, stdev={:.2}",
-                d.clat.min(),
-                d.clat.max(),
-                d.mean_ns(),
-                d.stddev_ns()
-            );
-            let _ = writeln!(out, "    clat percentiles (nsec):");
-            let cells: Vec<String> = CLAT_PERCENTILES
-                .iter()
-                .map(|&p| format!("{p:6.2}th=[{:>8}]", d.clat.value_at_quantile(p / 100.0)))
-                .collect();
-            for row in cells.chunks(4) {
-                let _ = writeln!(out, "     | {}", row.join(", "));
+            clat_text(&mut out, d);
+            if dir == 1 && self.fua.ios > 0 {
+                let _ = writeln!(
+                    out,
+                    "  write with FUA (--fua-every {}): IOPS={}, total={}",
+                    s.fua_every,
+                    format_count(self.fua.ios as f64 / self.runtime_s()),
+                    self.fua.ios
+                );
+                clat_text(&mut out, &self.fua);
             }
         }
         let _ = writeln!(
@@ -376,27 +375,7 @@ impl Report {
         let d = &self.dirs[dir];
         let runtime_ms = self.runtime_ns / 1_000_000;
         let bw_bytes = (d.bytes as f64 / self.runtime_s()) as u64;
-        let mut pct = Map::new();
-        if d.ios > 0 {
-            for p in CLAT_PERCENTILES {
-                pct.insert(
-                    format!("{p:.6}"),
-                    json!(d.clat.value_at_quantile(p / 100.0)),
-                );
-            }
-        }
-        let (min, max) = if d.ios > 0 {
-            (d.clat.min(), d.clat.max())
-        } else {
-            (0, 0)
-        };
-        let clat = json!({
-            "min": min, "max": max, "mean": d.mean_ns(), "stddev": d.stddev_ns(), "N": d.ios,
-            "percentile": pct,
-        });
-        let lat = json!({
-            "min": min, "max": max, "mean": d.mean_ns(), "stddev": d.stddev_ns(), "N": d.ios,
-        });
+        let (clat, lat) = clat_json(d);
         if dir == 2 {
             return json!({ "total_ios": d.ios, "lat_ns": clat });
         }
@@ -413,6 +392,17 @@ impl Report {
             "slat_ns": { "min": 0, "max": 0, "mean": 0.0, "stddev": 0.0, "N": 0 },
             "clat_ns": clat,
             "lat_ns": lat,
+        })
+    }
+
+    /// The FUA writes (`--fua-every`), under `cairn`: fio has no such split.
+    fn fua_json(&self) -> Value {
+        let (clat, _) = clat_json(&self.fua);
+        json!({
+            "every": self.spec.fua_every,
+            "total_ios": self.fua.ios,
+            "iops": self.fua.ios as f64 / self.runtime_s(),
+            "clat_ns": clat,
         })
     }
 
@@ -533,6 +523,7 @@ impl Report {
                     "clock_reads": self.clock_reads,
                 },
                 "verify": { "enabled": s.verify, "blocks_checked": self.verified_blocks },
+                "fua_writes": self.fua_json(),
                 "devices": devices,
             },
         })
@@ -545,6 +536,52 @@ impl Report {
             "clat_ns": { "min": 0, "max": 0, "mean": 0.0, "stddev": 0.0, "N": 0, "percentile": {} },
             "lat_ns": { "min": 0, "max": 0, "mean": 0.0, "stddev": 0.0, "N": 0 },
         })
+    }
+}
+
+/// fio's `clat_ns` (with percentiles) and `lat_ns` objects for one direction.
+fn clat_json(d: &DirStats) -> (Value, Value) {
+    let mut pct = Map::new();
+    if d.ios > 0 {
+        for p in CLAT_PERCENTILES {
+            pct.insert(
+                format!("{p:.6}"),
+                json!(d.clat.value_at_quantile(p / 100.0)),
+            );
+        }
+    }
+    let (min, max) = if d.ios > 0 {
+        (d.clat.min(), d.clat.max())
+    } else {
+        (0, 0)
+    };
+    let clat = json!({
+        "min": min, "max": max, "mean": d.mean_ns(), "stddev": d.stddev_ns(), "N": d.ios,
+        "percentile": pct,
+    });
+    let lat = json!({
+        "min": min, "max": max, "mean": d.mean_ns(), "stddev": d.stddev_ns(), "N": d.ios,
+    });
+    (clat, lat)
+}
+
+/// fio's `clat` lines for one direction.
+fn clat_text(out: &mut String, d: &DirStats) {
+    let _ = writeln!(
+        out,
+        "    clat (nsec): min={}, max={}, avg={:.2}, stdev={:.2}",
+        d.clat.min(),
+        d.clat.max(),
+        d.mean_ns(),
+        d.stddev_ns()
+    );
+    let _ = writeln!(out, "    clat percentiles (nsec):");
+    let cells: Vec<String> = CLAT_PERCENTILES
+        .iter()
+        .map(|&p| format!("{p:6.2}th=[{:>8}]", d.clat.value_at_quantile(p / 100.0)))
+        .collect();
+    for row in cells.chunks(4) {
+        let _ = writeln!(out, "     | {}", row.join(", "));
     }
 }
 

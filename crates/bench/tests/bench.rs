@@ -253,6 +253,61 @@ mod accounting {
     }
 
     #[test]
+    fn fua_every_sends_every_nth_write_with_fua() {
+        // Fourteen sequential writes, one at a time, on a volatile mem: the 4th, 8th and
+        // 12th carry FUA. After a power cut exactly those are durable; the others (neither
+        // flushed nor FUA) are lost. (Verify blocks are never all zeros.)
+        let device = open("mem:1M,block=4k,volatile=1");
+        let spec = JobSpec {
+            rw: Pattern::Write,
+            iodepth: 1,
+            fua_every: 4,
+            size: Some(56 << 10),
+            verify: true,
+            ..JobSpec::default()
+        };
+        let report = run_ok(&spec, device.clone(), "fua");
+        assert_eq!(report.dirs[1].ios, 14);
+        assert_eq!(report.fua.ios, 3);
+        let json = report.to_json();
+        assert_eq!(json["cairn"]["fua_writes"]["total_ios"], 3);
+        assert_eq!(json["cairn"]["fua_writes"]["every"], 4);
+        assert!(report.to_text().contains("write with FUA (--fua-every 4)"));
+        device.power_cut();
+        let q = cairn_core::blocking::BlockingQueue::open(&device, Switches::default()).unwrap();
+        let mut durable = vec![0u8; 56 << 10];
+        q.read(0, &mut durable).unwrap();
+        let data: Vec<bool> = durable
+            .chunks(4096)
+            .map(|b| b.iter().any(|&x| x != 0))
+            .collect();
+        for (block, &d) in data.iter().enumerate() {
+            // FUA makes its own write durable and no other.
+            assert_eq!(
+                d,
+                block % 4 == 3,
+                "block {block}: FUA on the 4th, 8th and 12th"
+            );
+        }
+        // Without --fua-every, no write carries FUA: the cut takes the device back to
+        // what the first run made durable.
+        let report = run_ok(
+            &JobSpec {
+                fua_every: 0,
+                ..spec
+            },
+            device.clone(),
+            "none",
+        );
+        assert_eq!(report.fua.ios, 0);
+        assert!(!report.to_text().contains("FUA"));
+        device.power_cut();
+        let mut b = vec![0u8; 56 << 10];
+        q.read(0, &mut b).unwrap();
+        assert!(b == durable, "no write of the second run is durable");
+    }
+
+    #[test]
     fn device_statistics_follow_the_stats_switch() {
         for stats in [StatsMode::On, StatsMode::Off] {
             let spec = JobSpec {

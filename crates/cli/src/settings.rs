@@ -71,6 +71,7 @@ Examples:
   cairn bench --device file:/dev/shm/a,size=1G,engine=aio --rw randread --runtime 10
   cairn bench --device mem:256M --rw randwrite --verify crc32c --size 64M
   cairn bench --device file:/tmp/db,size=1G --rw randwrite --iodepth 16 --fsync 1
+  cairn bench --device file:/tmp/db,size=1G --rw randwrite --fua-every 10
   cairn bench --device null:1G --output-format json | jq '.jobs[0].read.iops'";
 
 /// Raw command line.
@@ -646,6 +647,10 @@ pub struct BenchArgs {
     /// Each in-flight slot flushes after every N of its own writes and waits for it.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub fsync: u32,
+    /// Every Nth write of each job carries FUA (durable when it completes); 0: none.
+    /// (fio's `writefua` is all or nothing, and only for its sg and io_uring_cmd engines.)
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub fua_every: u32,
     /// Write self-checking blocks and check every read of them; a mismatch exits 1.
     #[arg(long, value_enum)]
     pub verify: Option<VerifyArg>,
@@ -713,6 +718,7 @@ impl BenchArgs {
                 .map(|v| size("io_size", v))
                 .transpose()?,
             fsync: self.fsync,
+            fua_every: self.fua_every,
             verify: self.verify.is_some(),
             timeline: self
                 .timeline

@@ -9,7 +9,7 @@ use std::process::{Command, Output};
 use serde_json::Value;
 
 /// Every `cairn bench` option, as `--help` must list it.
-const BENCH_OPTIONS: [&str; 16] = [
+const BENCH_OPTIONS: [&str; 17] = [
     "--idle-poll",
     "--rw",
     "--rwmixread",
@@ -21,6 +21,7 @@ const BENCH_OPTIONS: [&str; 16] = [
     "--size",
     "--offset",
     "--fsync",
+    "--fua-every",
     "--verify",
     "--output-format",
     "--clock",
@@ -168,6 +169,8 @@ mod bad_input {
             ["--stats", "maybe"],
             ["--randseed", "x"],
             ["--fsync", "-1"],
+            ["--fua-every", "-1"],
+            ["--fua-every", "often"],
             ["--idle-poll", "11ms"],
             ["--idle-poll", "soon"],
         ] {

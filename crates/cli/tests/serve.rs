@@ -3706,7 +3706,7 @@ mod admin {
 
     /// `power-cut` through the admin socket loses exactly what no flush made durable:
     /// through a cache over a volatile mem, flushed and FUA writes survive, the rest is
-    /// gone. A bad command changes nothing.
+    /// gone, even when written before a FUA write. A bad command changes nothing.
     #[test]
     fn power_cut_loses_only_what_no_flush_made_durable() {
         let dir = tmpdir();
@@ -3735,10 +3735,10 @@ mod admin {
         c.write_ok(1, 0, 0, &a);
         c.request(0, CMD_FLUSH, 2, 0, 0, &[]).unwrap();
         c.expect(2, 0);
-        // (A FUA write makes everything written before it durable too: it comes first.)
-        c.write_ok(5, FLAG_FUA, 8 << 20, &fua);
         c.write_ok(3, 0, 0, &b);
         c.write_ok(4, 0, 4 << 20, &lost);
+        // Last: a FUA write makes its own range durable, not the writes before it.
+        c.write_ok(5, FLAG_FUA, 8 << 20, &fua);
 
         // Mistakes: exit status 2, one line, nothing cut.
         for (words, needle) in [

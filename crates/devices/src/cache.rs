@@ -2,11 +2,17 @@
 //!
 //! The cache works in 4 KiB pages (its block size is at least that). Reads hit the cache
 //! or go to the base and fill it; writes complete once cached (paced by the dirty
-//! throttle as the dirty level nears the limit); FUA writes also go through to the base
-//! before they complete; discard and write-zeroes turn cached pages into zero pages and
-//! go to the base; a flush completes once every page dirty when it arrived has been
-//! written back and the base flushed. Clean pages are evicted oldest first when the
+//! throttle as the dirty level nears the limit); a FUA write also goes through to the
+//! base with FUA before it completes (its own pages only: other dirty pages stay dirty,
+//! and the base is not flushed); discard and write-zeroes turn cached pages into zero
+//! pages and go to the base; a flush completes once every page dirty when it arrived has
+//! been written back and the base flushed. Clean pages are evicted oldest first when the
 //! cache memory is full; when every page is dirty, writes go through to the base.
+//!
+//! A FUA request never races a write-back of its pages to the base (the older copy could
+//! land last, over data that must stay durable): it waits while one is in flight
+//! (`Entry::flushing`), and a page is marked clean only when no FUA write of it is on its
+//! way (`Entry::through`).
 //!
 //! Technique 3: each cache device has its own flusher thread, which writes its dirty
 //! pages back in offset order, merging neighbours into writes of up to 1 MiB.
@@ -48,6 +54,10 @@ const BATCH_BYTES: usize = 4 << 20;
 const BATCH_WRITES: usize = 32;
 /// The token of a queue's pacing timer.
 const PACE: u64 = u64::MAX;
+/// The token of a queue's timer for FUA requests waiting for a write-back of their pages.
+const PARKED: u64 = u64::MAX - 1;
+/// How often a FUA request waiting for a write-back of its pages looks again.
+const PARKED_RETRY_NS: u64 = 100_000;
 
 /// One cached page.
 struct Entry {
@@ -59,6 +69,17 @@ struct Entry {
     /// When the page became dirty (for `expire`): CLOCK_MONOTONIC ns, from the
     /// reactor's cached clock (no clock read per write).
     dirtied: u64,
+    /// FUA writes of this page on their way through to the base. While one is, a
+    /// write-back of the page does not mark it clean: the base may complete the two in
+    /// either order.
+    through: u32,
+    /// A write-back has sent a copy of this page to the base and it has not completed. A
+    /// FUA request for the page then waits until it has (the older copy could land last).
+    flushing: bool,
+    /// A write-back round has copied this page and not finished writing that copy. The
+    /// page is not evicted meanwhile: the copy is brought up to date as it is sent, from
+    /// the page (a FUA write may have made it newer, and clean).
+    queued: bool,
 }
 
 /// A flush waiting for write-back: it covers every change up to `gen`.
@@ -81,6 +102,9 @@ struct State {
     reading: Vec<(u64, u64)>,
     gen: u64,
     waiters: Vec<Waiter>,
+    /// Power cuts so far: a FUA write sent before one finds other pages under its page
+    /// numbers when it completes, and leaves them alone.
+    cuts: u64,
 }
 
 pub(crate) struct Shared {
@@ -169,8 +193,11 @@ impl State {
             let Some(p) = self.clean.pop_front() else {
                 return false;
             };
-            if self.reading.iter().any(|&(a, b)| a <= p && p < b) {
-                // Kept for that read; the next oldest goes instead.
+            if self.reading.iter().any(|&(a, b)| a <= p && p < b)
+                || self.pages.get(&p).is_some_and(|e| e.queued)
+            {
+                // Kept for that read, or for a write-back's copy of it; the next oldest goes
+                // instead.
                 self.clean.push_back(p);
                 continue;
             }
@@ -239,6 +266,7 @@ impl CacheDevice {
                 reading: Vec::new(),
                 gen: 0,
                 waiters: Vec::new(),
+                cuts: 0,
             }),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -392,6 +420,7 @@ impl Device for CacheDevice {
         let lost = st.dirty.len();
         // Reads in flight saw data the cut may have taken away: they must not fill.
         st.gen += 1;
+        st.cuts += 1;
         self.shared.budget.sub(lost as u64 * PAGE);
         st.pages.clear();
         st.dirty.clear();
@@ -418,6 +447,7 @@ impl Device for CacheDevice {
             flushes_out: Cell::new(0),
             pacer: RefCell::new(Pacer::default()),
             released: RefCell::new(Vec::with_capacity(64)),
+            parked: RefCell::new(Vec::new()),
             reply_tx: tx,
             reply_rx: rx,
             wake,
@@ -436,6 +466,26 @@ enum Pending {
     Read { gen: u64 },
     /// A write or zeroing sent through to the base.
     Through,
+    /// A FUA write sent through to the base with FUA. Its pages are marked clean when it
+    /// completes unless changed since (`gen`, the cache's generation once it was cached)
+    /// or cut away (`cuts`).
+    Fua { gen: u64, cuts: u64 },
+}
+
+/// What [`CacheQueue::cache_write`] did.
+struct Cached {
+    /// The cache had room for every page (else the write goes through to the base).
+    fits: bool,
+    /// The shared dirty level afterwards.
+    dirty: u64,
+    /// A write-back of one of its pages is in flight (see [`Entry::flushing`]).
+    busy: bool,
+    /// A FUA write that goes through to the base now: its pages count it in
+    /// [`Entry::through`] (it fits, none of its pages is busy, the base honours FUA).
+    through: bool,
+    /// The cache's generation and power cuts once it was cached (see [`Pending::Fua`]).
+    gen: u64,
+    cuts: u64,
 }
 
 struct CacheQueue {
@@ -451,6 +501,9 @@ struct CacheQueue {
     pacer: RefCell<Pacer<(Io, u64)>>,
     /// Writes the pacer released, completed once it is no longer borrowed.
     released: RefCell<Vec<(Io, u64)>>,
+    /// FUA requests waiting for a write-back of their pages to complete: the request, its
+    /// start, the cache's generation once it was cached. At most the requests in flight.
+    parked: RefCell<Vec<(Io, u64, u64)>>,
     reply_tx: Sender<(u64, IoStatus)>,
     reply_rx: Receiver<(u64, IoStatus)>,
     wake: Arc<OwnedFd>,
@@ -519,8 +572,8 @@ impl CacheQueue {
         self.complete_now(&io, start, IoStatus::OK);
     }
 
-    /// Caches `io`'s data (or zeros); false when the cache has no room for it.
-    fn cache_write(&self, io: &Io, zeros: bool) -> (bool, u64) {
+    /// Caches `io`'s data (or zeros). See [`Cached`].
+    fn cache_write(&self, io: &Io, zeros: bool) -> Cached {
         let now = self.core.now_ns();
         let mut st = self.shared.lock();
         let missing = Self::pages(io)
@@ -531,15 +584,19 @@ impl CacheQueue {
             let want = self.shared.capacity.saturating_sub(missing);
             st.make_room(want.max(1)) && st.pages.len() + missing <= self.shared.capacity
         };
+        let busy = Self::pages(io).any(|p| st.pages.get(&p).is_some_and(|e| e.flushing));
+        let through =
+            fits && !zeros && !busy && io.flags.contains(IoFlags::FUA) && self.base_caps.fua;
         for p in Self::pages(io) {
             if !fits && !st.pages.contains_key(&p) {
                 continue;
             }
             let at = (p * PAGE - io.offset) as usize;
             let old = st.pages.remove(&p);
-            let (dirty, gen, dirtied) = old
-                .as_ref()
-                .map_or((false, 0, now), |e| (e.dirty, e.gen, e.dirtied));
+            let (dirty, gen, dirtied, in_flight, flushing, queued) =
+                old.as_ref().map_or((false, 0, now, 0, false, false), |e| {
+                    (e.dirty, e.gen, e.dirtied, e.through, e.flushing, e.queued)
+                });
             let data = if zeros {
                 None
             } else {
@@ -560,6 +617,9 @@ impl CacheQueue {
                     dirty,
                     gen,
                     dirtied,
+                    through: in_flight + u32::from(through),
+                    flushing,
+                    queued,
                 },
             );
             if st.mark_dirty(p, now, &self.shared.budget) {
@@ -572,28 +632,49 @@ impl CacheQueue {
                 }
             }
         }
-        (fits, self.shared.budget.dirty_bytes())
+        Cached {
+            fits,
+            dirty: self.shared.budget.dirty_bytes(),
+            busy,
+            through,
+            gen: st.gen,
+            cuts: st.cuts,
+        }
     }
 
     fn write(&self, io: Io, start: u64) {
         let zeros = io.op != Op::Write;
-        let (fits, dirty) = self.cache_write(&io, zeros);
-        if !fits || zeros {
+        let c = self.cache_write(&io, zeros);
+        let fua = io.flags.contains(IoFlags::FUA);
+        if fua && c.fits && c.busy && (zeros || self.base_caps.fua) {
+            // A write-back of older contents of one of its pages is on its way to the
+            // base: sent beside it, this could land first and the older data last (over
+            // data that must stay durable). It goes once that write-back is done.
+            self.park(io, start, c.gen);
+            return;
+        }
+        if !c.fits || zeros {
             // Through to the base as well: no room (the base then holds the data, and
             // the pages that are cached hold the same), or a zeroing (so that the base
             // never keeps older data under a cached zero page once it is evicted).
             self.to_base(io, start, Pending::Through);
             return;
         }
-        if io.flags.contains(IoFlags::FUA) {
-            // Durable before it completes: it completes as a flush does, once the
-            // flusher has written it back (in order with any older copy of its pages
-            // still being written) and flushed the base.
-            self.flush(io, start);
+        if fua {
+            if c.through {
+                // Durable before it completes: its own pages go through to the base with
+                // FUA. Other dirty pages stay dirty, and the base is not flushed.
+                let (gen, cuts) = (c.gen, c.cuts);
+                self.to_base(io, start, Pending::Fua { gen, cuts });
+            } else {
+                // The base has no FUA: it completes as a flush does, once the flusher has
+                // written it back and flushed the base.
+                self.flush(io, start);
+            }
             return;
         }
         let b = &self.shared.budget;
-        if dirty > b.throttle.background {
+        if c.dirty > b.throttle.background {
             // Over the shared level: every cache's flusher writes back its own pages.
             b.over_background();
         }
@@ -646,6 +727,88 @@ impl CacheQueue {
         self.flushes_out.set(self.flushes_out.get() + 1);
         self.shared.kick();
     }
+
+    /// Holds a FUA request (cached as generation `gen`) until no write-back of its pages is
+    /// in flight; [`CacheQueue::unpark`] looks again every `PARKED_RETRY_NS`.
+    fn park(&self, io: Io, start: u64, gen: u64) {
+        let mut parked = self.parked.borrow_mut();
+        if parked.is_empty() {
+            self.core.add_timer(
+                self.core.now_ns() + PARKED_RETRY_NS,
+                self.sink.get(),
+                PARKED,
+            );
+        }
+        parked.push((io, start, gen));
+    }
+
+    /// The parking timer fired: sends the FUA requests none of whose pages is being
+    /// written back now, as they would have gone at first; the others wait on.
+    fn unpark(&self) {
+        let mut parked = std::mem::take(&mut *self.parked.borrow_mut());
+        let mut go = Vec::new();
+        {
+            let mut st = self.shared.lock();
+            let cuts = st.cuts;
+            parked.retain(|&(io, start, gen)| {
+                let busy = Self::pages(&io).any(|p| st.pages.get(&p).is_some_and(|e| e.flushing));
+                if busy {
+                    return true;
+                }
+                if io.op == Op::Write {
+                    for p in Self::pages(&io) {
+                        if let Some(e) = st.pages.get_mut(&p) {
+                            e.through += 1;
+                        }
+                    }
+                    go.push((io, start, Pending::Fua { gen, cuts }));
+                } else {
+                    go.push((io, start, Pending::Through));
+                }
+                false
+            });
+        }
+        if !parked.is_empty() {
+            self.core.add_timer(
+                self.core.now_ns() + PARKED_RETRY_NS,
+                self.sink.get(),
+                PARKED,
+            );
+        }
+        *self.parked.borrow_mut() = parked;
+        for (io, start, pending) in go {
+            self.to_base(io, start, pending);
+        }
+    }
+
+    /// A FUA write sent through came back: its pages are clean now (the base holds what
+    /// the cache does, durably), unless written since it was cached, or a write-back or
+    /// another FUA write of them is in flight, whose data the base may still complete last.
+    fn fua_done(&self, io: &Io, gen: u64, cuts: u64, status: IoStatus) {
+        let mut guard = self.shared.lock();
+        let st = &mut *guard;
+        if st.cuts != cuts {
+            return;
+        }
+        let mut cleaned = 0;
+        for p in Self::pages(io) {
+            let Some(e) = st.pages.get_mut(&p) else {
+                continue;
+            };
+            debug_assert!(e.through > 0, "page {p}: a FUA write in flight is counted");
+            e.through -= 1;
+            if status.is_ok() && e.dirty && e.gen <= gen && e.through == 0 && !e.flushing {
+                e.dirty = false;
+                st.dirty.remove(&p);
+                st.clean.push_back(p);
+                cleaned += PAGE;
+            }
+        }
+        drop(guard);
+        if cleaned > 0 {
+            self.shared.budget.written_back(cleaned);
+        }
+    }
 }
 
 impl Queue for CacheQueue {
@@ -674,7 +837,14 @@ impl Sink for CacheQueue {
             self.pace();
             return;
         }
+        if token == PARKED {
+            self.unpark();
+            return;
+        }
         let (io, start, pending) = self.requests.borrow_mut().remove(token as u32);
+        if let Pending::Fua { gen, cuts } = pending {
+            self.fua_done(&io, gen, cuts, status);
+        }
         if let Pending::Read { gen } = pending {
             let mut st = self.shared.lock();
             let pages = Self::pages(&io);
@@ -718,6 +888,9 @@ impl Sink for CacheQueue {
                                 dirty: false,
                                 gen: 0,
                                 dirtied: 0,
+                                through: 0,
+                                flushing: false,
+                                queued: false,
                             },
                         );
                         st.clean.push_back(p);
@@ -824,7 +997,8 @@ fn round_locked(shared: &Shared, q: &BlockingQueue, take: Take) -> bool {
     let b = &shared.budget;
     let mut runs: Vec<Run> = Vec::new();
     let (waiters_gen, serve_waiters) = {
-        let st = shared.lock();
+        let mut guard = shared.lock();
+        let st = &mut *guard;
         let now = cairn_core::clock::monotonic_ns();
         let expire = b.expire.as_nanos() as u64;
         let all = take == Take::All || !st.waiters.is_empty();
@@ -834,7 +1008,7 @@ fn round_locked(shared: &Shared, q: &BlockingQueue, take: Take) -> bool {
         let mut budget = if all { u64::MAX } else { over };
         let mut cur: Option<Gathering> = None;
         for &p in st.dirty.iter() {
-            let e = &st.pages[&p];
+            let e = st.pages.get_mut(&p).expect("a dirty page is cached");
             let expired = now.saturating_sub(e.dirtied) >= expire;
             if !(all || expired || budget > 0) {
                 continue;
@@ -853,6 +1027,7 @@ fn round_locked(shared: &Shared, q: &BlockingQueue, take: Take) -> bool {
                 None => d.resize(d.len() + PAGE as usize, 0),
             }
             gens.push((p, e.gen));
+            e.queued = true;
         }
         if let Some(run) = cur.take() {
             runs.push(seal(run));
@@ -871,6 +1046,33 @@ fn seal((first, d, gens): Gathering) -> Run {
     let mut b = AlignedBuf::new(d.len());
     b.as_mut_slice().copy_from_slice(&d);
     (first, b, gens)
+}
+
+/// Makes `batch`, about to be sent, hold its pages as they are now (a page changed since it
+/// was copied, e.g. by a FUA write sent meanwhile, is copied again; [`Entry::queued`]
+/// kept it cached), and marks them [`Entry::flushing`] until it completes: only the copy
+/// in flight can be older than a FUA request for the page, and only while it is in
+/// flight. (A page gone is gone by a power cut: its copy goes as it is.)
+fn refresh(shared: &Shared, batch: &mut [Run]) {
+    let mut guard = shared.lock();
+    let st = &mut *guard;
+    for (first, b, gens) in batch.iter_mut() {
+        for (p, gen) in gens.iter_mut() {
+            let Some(e) = st.pages.get_mut(p) else {
+                continue;
+            };
+            if e.gen != *gen {
+                let at = ((*p - *first) * PAGE) as usize;
+                let dst = &mut b.as_mut_slice()[at..at + PAGE as usize];
+                match &e.data {
+                    Some(d) => dst.copy_from_slice(d),
+                    None => dst.fill(0),
+                }
+                *gen = e.gen;
+            }
+            e.flushing = true;
+        }
+    }
 }
 
 /// Writes `runs`, flushes the base and answers the flushes covering changes up to `gen`
@@ -896,6 +1098,7 @@ fn write_runs(
         }
         let (batch, tail) = std::mem::take(&mut rest).split_at_mut(n);
         rest = tail;
+        refresh(shared, batch);
         let mut reqs: Vec<Request<'_>> = batch
             .iter_mut()
             .map(|(first, b, _)| Request {
@@ -909,8 +1112,15 @@ fn write_runs(
         let results = q.run(&mut reqs);
         drop(reqs);
         failed |= results.iter().any(|r| r.is_err());
-        let mut st = shared.lock();
+        let mut guard = shared.lock();
+        let st = &mut *guard;
         for ((_, b, gens), r) in batch.iter().zip(&results) {
+            for &(p, _) in gens {
+                if let Some(e) = st.pages.get_mut(&p) {
+                    e.flushing = false;
+                    e.queued = false;
+                }
+            }
             if r.is_err() {
                 continue;
             }
@@ -918,7 +1128,9 @@ fn write_runs(
             shared.note_written();
             for &(p, gen) in gens {
                 if let Some(e) = st.pages.get_mut(&p) {
-                    if e.dirty && e.gen == gen {
+                    // Not while a FUA write of the page is on its way to the base too: the
+                    // base may complete that one last.
+                    if e.dirty && e.gen == gen && e.through == 0 {
                         e.dirty = false;
                         st.dirty.remove(&p);
                         st.clean.push_back(p);
@@ -927,7 +1139,7 @@ fn write_runs(
                 }
             }
         }
-        drop(st);
+        drop(guard);
         shared.budget.tick();
     }
     if failed {
@@ -1268,19 +1480,24 @@ fn pool_thread(pool: Arc<Pool>, budget: std::sync::Weak<Budget>) {
             continue;
         };
         let run = {
-            let st = s.lock();
-            st.pages.get(&p).filter(|e| e.dirty).map(|e| {
+            let mut st = s.lock();
+            st.pages.get_mut(&p).filter(|e| e.dirty).map(|e| {
                 let mut d = Vec::with_capacity(PAGE as usize);
                 match &e.data {
                     Some(data) => d.extend_from_slice(data),
                     None => d.resize(PAGE as usize, 0),
                 }
+                e.queued = true;
                 seal((p, d, vec![(p, e.gen)]))
             })
         };
         if let Some(run) = run {
-            if open_queue(&mut queues, i, d, pool.switches)
-                && !write_runs(s, &queues[&i], vec![run], None)
+            if !open_queue(&mut queues, i, d, pool.switches) {
+                // Not written: no longer held for it.
+                if let Some(e) = s.lock().pages.get_mut(&p) {
+                    e.queued = false;
+                }
+            } else if !write_runs(s, &queues[&i], vec![run], None)
                 && s.lock().pages.get(&p).is_some_and(|e| e.dirty)
             {
                 // Rewritten while it was being written: it is still dirty and has left

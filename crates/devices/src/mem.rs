@@ -10,6 +10,10 @@
 //! whether it holds written data, for the allocation map: a page zeroed whole is a hole
 //! again (unless the write-zeroes asked for `NO_HOLE`).
 //!
+//! With `volatile = true` ([`Volatile`]) the device models a disk's volatile write cache
+//! for crash tests: writes are lost by a power cut until a flush makes them durable, and a
+//! FUA request makes its own range durable and nothing else, as on a real disk.
+//!
 //! Concurrent requests that overlap the same bytes race the way they do on a real disk:
 //! the result is some interleaving of their bytes. That is the block-device contract, and
 //! every byte pattern is a valid `u8`, so no other harm can follow.
@@ -19,7 +23,9 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use cairn_core::{Caps, Core, Device, Error, Geometry, Io, IoStatus, Op, Queue, QueueStats};
+use cairn_core::{
+    Caps, Core, Device, Error, Geometry, Io, IoFlags, IoStatus, Op, Queue, QueueStats,
+};
 
 /// Bytes per kernel page (the granularity at which memory is given back).
 pub const PAGE_BYTES: u64 = 4096;
@@ -253,6 +259,27 @@ impl MemStore {
         }
     }
 
+    /// Copies page `page` (its first `len` bytes: the last page of a store may be short)
+    /// to the same place in `dst`: its bytes if a write put data there, else (a hole) zeros,
+    /// giving `dst`'s memory for it back.
+    fn copy_page(&self, dst: &MemStore, page: u64, len: u64) {
+        let offset = page * PAGE_BYTES;
+        let (index, at) = (offset / REGION_BYTES, offset % REGION_BYTES);
+        let region = self.region(index);
+        let p = at / PAGE_BYTES;
+        let data = !region.is_null()
+            && self.page_map(index).is_some_and(|m| {
+                m[(p / 64) as usize].load(Ordering::Relaxed) & (1 << (p % 64)) != 0
+            });
+        if data {
+            // SAFETY: the page lies inside both stores (same size) and inside the mapped
+            // region; `dst` is another store, so the ranges do not overlap.
+            unsafe { dst.write(offset, len, region.add(at as usize)) };
+        } else {
+            dst.zero(offset, len);
+        }
+    }
+
     /// Makes `[offset, offset+len)` read as zeros, giving whole pages back to the kernel.
     pub fn zero(&self, offset: u64, len: u64) {
         self.zero_keeping(offset, len, false);
@@ -352,133 +379,223 @@ impl Drop for MemStore {
     }
 }
 
-/// One page of the volatile layer.
-enum Page {
-    /// Written since the last flush.
-    Data(Box<[u8]>),
-    /// Zeroed (discard, write-zeroes) since the last flush.
-    Zero,
+/// Pages per chunk of a [`PageBits`] (1 GiB of pages).
+const CHUNK_PAGES: u64 = (1 << 30) / PAGE_BYTES;
+/// 64-bit words per chunk of a [`PageBits`] (32 KiB).
+const CHUNK_WORDS: usize = (CHUNK_PAGES / 64) as usize;
+
+/// A bit per 4 KiB page, in chunks of 1 GiB of pages allocated the first time one of their
+/// bits is set, read and changed without a lock.
+struct PageBits {
+    chunks: Box<[AtomicPtr<AtomicU64>]>,
 }
 
-/// The volatile layer of a `volatile = true` mem device, as a disk's write cache: pages
-/// written since the last flush, which a flush writes to the durable store and a power
-/// cut loses. A crash-testing device: one mutex guards the layer (exactness over speed).
+impl PageBits {
+    fn new(size_bytes: u64) -> PageBits {
+        let chunks = size_bytes.div_ceil(PAGE_BYTES).div_ceil(CHUNK_PAGES) as usize;
+        PageBits {
+            chunks: (0..chunks)
+                .map(|_| AtomicPtr::new(ptr::null_mut()))
+                .collect(),
+        }
+    }
+
+    #[inline]
+    fn chunk(&self, c: usize) -> Option<&[AtomicU64]> {
+        let p = self.chunks[c].load(Ordering::Acquire);
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: a published chunk holds CHUNK_WORDS words and is freed only on drop.
+        Some(unsafe { std::slice::from_raw_parts(p, CHUNK_WORDS) })
+    }
+
+    fn chunk_or_new(&self, c: usize) -> &[AtomicU64] {
+        if let Some(words) = self.chunk(c) {
+            return words;
+        }
+        let fresh: Box<[AtomicU64]> = (0..CHUNK_WORDS).map(|_| AtomicU64::new(0)).collect();
+        let fresh = Box::into_raw(fresh).cast::<AtomicU64>();
+        if self.chunks[c]
+            .compare_exchange(ptr::null_mut(), fresh, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            // SAFETY: `fresh` was never published; it is the box made above.
+            drop(unsafe { Box::from_raw(ptr::slice_from_raw_parts_mut(fresh, CHUNK_WORDS)) });
+        }
+        self.chunk(c).expect("a chunk was published")
+    }
+
+    /// Sets the bits of pages `p0..p1`, each word by a read-modify-write even when its
+    /// bits are set already: after the data they describe, so that a [`PageBits::take`]
+    /// that clears a bit either finds that data or leaves the bit set. (A load that saw the
+    /// bit set and skipped the write could be ordered before the data's stores, and the
+    /// clearing, made before they were visible, would lose them.)
+    #[inline]
+    fn set(&self, p0: u64, p1: u64) {
+        let mut p = p0;
+        while p < p1 {
+            let in_chunk = p % CHUNK_PAGES;
+            let (w, lo) = ((in_chunk / 64) as usize, in_chunk % 64);
+            let hi = (p1 - (p - lo)).min(64);
+            let mask = (u64::MAX >> (64 - (hi - lo))) << lo;
+            self.chunk_or_new((p / CHUNK_PAGES) as usize)[w].fetch_or(mask, Ordering::Release);
+            p += hi - lo;
+        }
+    }
+
+    /// Clears every bit, calling `f` with each page whose bit was set, in page order.
+    fn take(&self, mut f: impl FnMut(u64)) {
+        for c in 0..self.chunks.len() {
+            let Some(words) = self.chunk(c) else { continue };
+            for (w, word) in words.iter().enumerate() {
+                if word.load(Ordering::Relaxed) == 0 {
+                    continue;
+                }
+                let mut bits = word.swap(0, Ordering::Acquire);
+                while bits != 0 {
+                    let b = u64::from(bits.trailing_zeros());
+                    bits &= bits - 1;
+                    f(c as u64 * CHUNK_PAGES + w as u64 * 64 + b);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for PageBits {
+    fn drop(&mut self) {
+        for slot in self.chunks.iter() {
+            let p = slot.load(Ordering::Acquire);
+            if !p.is_null() {
+                // SAFETY: made by `chunk_or_new` as a box of CHUNK_WORDS words; we own it
+                // exclusively now (&mut self).
+                drop(unsafe { Box::from_raw(ptr::slice_from_raw_parts_mut(p, CHUNK_WORDS)) });
+            }
+        }
+    }
+}
+
+/// Stripes of the lock that orders changes to one page of the durable copy.
+const PERSIST_STRIPES: usize = 64;
+
+/// The volatile layer of a `volatile = true` mem device, as a disk's write cache. The
+/// device's store is what reads see; this keeps a second store, the durable copy (what a
+/// power cut goes back to), and a bit per page whose store contents may differ from it.
+///
+/// - A write changes the store and sets its pages' bits: no lock, and no allocation but
+///   the store's own and a 32 KiB chunk of bits the first time a GiB is written (the hot
+///   path is a plain mem's plus one atomic OR per 64 pages).
+/// - A FUA request also writes its own bytes (or zeros) to the durable copy, and nothing
+///   else: other writes in the same pages stay volatile. Its pages' bits stay set (the
+///   store may hold other unflushed bytes in them).
+/// - A flush copies every page whose bit it clears from the store to the durable copy
+///   (a write landing in the page meanwhile sets the bit again: the next flush copies it
+///   again, whatever mix of bytes this one took).
+/// - A power cut copies every such page back from the durable copy to the store.
+///
+/// Each page's copy, and a FUA request's change to a page, hold that page's stripe of
+/// `persisting`, so a flush copying a page cannot put bytes it read before a FUA write
+/// over what that write made durable, and a cut cannot fall between a FUA write's two
+/// halves. Memory: up to twice the data, the store and the durable copy.
 pub struct Volatile {
     size_bytes: u64,
-    pages: std::sync::Mutex<std::collections::HashMap<u64, Page>>,
+    durable: MemStore,
+    dirty: PageBits,
+    persisting: [std::sync::Mutex<()>; PERSIST_STRIPES],
 }
 
 impl Volatile {
     fn new(size_bytes: u64) -> Volatile {
         Volatile {
             size_bytes,
-            pages: std::sync::Mutex::new(std::collections::HashMap::new()),
+            durable: MemStore::new(size_bytes),
+            dirty: PageBits::new(size_bytes),
+            persisting: std::array::from_fn(|_| std::sync::Mutex::new(())),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, Page>> {
-        self.pages.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// `(page, offset in page, length, position in the request)` pieces of a range.
-    fn pieces(offset: u64, len: u64) -> impl Iterator<Item = (u64, usize, usize, usize)> {
-        let mut pos = 0u64;
-        std::iter::from_fn(move || {
-            if pos >= len {
-                return None;
-            }
-            let at = offset + pos;
-            let in_page = at % PAGE_BYTES;
-            let n = (PAGE_BYTES - in_page).min(len - pos);
-            let item = (at / PAGE_BYTES, in_page as usize, n as usize, pos as usize);
-            pos += n;
-            Some(item)
-        })
+    fn stripe(&self, page: u64) -> std::sync::MutexGuard<'_, ()> {
+        self.persisting[(page % PERSIST_STRIPES as u64) as usize]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     /// Bytes of page `p` inside the device (the last page may be short).
-    fn page_len(&self, p: u64) -> usize {
-        (self.size_bytes - p * PAGE_BYTES).min(PAGE_BYTES) as usize
+    fn page_len(&self, p: u64) -> u64 {
+        (self.size_bytes - p * PAGE_BYTES).min(PAGE_BYTES)
     }
 
-    /// The current contents of page `p` as a fresh buffer.
-    fn load(&self, store: &MemStore, p: u64, page: Option<&Page>) -> Box<[u8]> {
-        let mut b = vec![0u8; self.page_len(p)].into_boxed_slice();
-        match page {
-            Some(Page::Data(d)) => b.copy_from_slice(d),
-            Some(Page::Zero) => {}
-            // SAFETY: the page lies inside the store and `b` has page_len bytes.
-            None => unsafe { store.read(p * PAGE_BYTES, b.len() as u64, b.as_mut_ptr()) },
+    /// `[offset, offset+len)` in the store may now differ from the durable copy.
+    #[inline]
+    fn wrote(&self, offset: u64, len: u64) {
+        self.dirty
+            .set(offset / PAGE_BYTES, (offset + len).div_ceil(PAGE_BYTES));
+    }
+
+    /// Runs `change` on `[offset, offset+len)` in pieces, each under the stripes of the
+    /// pages it covers: a page at a time, or the whole range under every stripe (taken in
+    /// order) once it covers that many pages.
+    fn persisting(&self, offset: u64, len: u64, mut change: impl FnMut(u64, u64)) {
+        let (p0, p1) = (offset / PAGE_BYTES, (offset + len).div_ceil(PAGE_BYTES));
+        if p1 - p0 >= PERSIST_STRIPES as u64 {
+            // Every stripe, in order (as one page's at a time never deadlocks with it).
+            let _all: [_; PERSIST_STRIPES] = std::array::from_fn(|s| self.stripe(s as u64));
+            change(offset, len);
+            return;
         }
-        b
+        for p in p0..p1 {
+            let start = (p * PAGE_BYTES).max(offset);
+            let end = ((p + 1) * PAGE_BYTES).min(offset + len);
+            let _page = self.stripe(p);
+            change(start, end - start);
+        }
     }
 
+    /// A FUA write: `src` goes to the store and to the durable copy, page by page under
+    /// each page's stripe.
+    ///
     /// # Safety
-    /// As [`MemStore::read`].
-    unsafe fn read(&self, store: &MemStore, offset: u64, len: u64, dst: *mut u8) {
-        let pages = self.lock();
-        for (p, at, n, pos) in Self::pieces(offset, len) {
-            // SAFETY: `dst` has `len` bytes; pieces stay inside it and inside the page.
+    /// As [`MemStore::write`].
+    unsafe fn write_fua(&self, store: &MemStore, offset: u64, len: u64, src: *const u8) {
+        self.persisting(offset, len, |at, n| {
+            let from = src.wrapping_add((at - offset) as usize);
+            // SAFETY: `from` lies inside `src`, which holds `len` bytes; the piece is
+            // inside the range, so inside both stores.
             unsafe {
-                match pages.get(&p) {
-                    Some(Page::Data(d)) => {
-                        std::ptr::copy_nonoverlapping(d.as_ptr().add(at), dst.add(pos), n)
-                    }
-                    Some(Page::Zero) => std::ptr::write_bytes(dst.add(pos), 0, n),
-                    None => store.read(p * PAGE_BYTES + at as u64, n as u64, dst.add(pos)),
-                }
+                store.write(at, n, from);
+                self.wrote(at, n);
+                self.durable.write(at, n, from);
             }
-        }
+        });
     }
 
-    /// # Safety
-    /// As [`MemStore::write`]; a null `src` writes zeros.
-    unsafe fn write(&self, store: &MemStore, offset: u64, len: u64, src: *const u8) {
-        let mut pages = self.lock();
-        for (p, at, n, pos) in Self::pieces(offset, len) {
-            let whole = at == 0 && n == self.page_len(p);
-            if whole && src.is_null() {
-                pages.insert(p, Page::Zero);
-                continue;
-            }
-            let mut data = match pages.remove(&p) {
-                Some(Page::Data(d)) => d,
-                other if whole => {
-                    drop(other);
-                    vec![0u8; n].into_boxed_slice()
-                }
-                other => self.load(store, p, other.as_ref()),
-            };
-            // SAFETY: `src` has `len` bytes when not null; the piece fits the page.
-            unsafe {
-                if src.is_null() {
-                    data[at..at + n].fill(0);
-                } else {
-                    std::ptr::copy_nonoverlapping(src.add(pos), data.as_mut_ptr().add(at), n);
-                }
-            }
-            pages.insert(p, Page::Data(data));
-        }
+    /// A FUA discard or write-zeroes: zeros in the store and in the durable copy.
+    fn zero_fua(&self, store: &MemStore, offset: u64, len: u64, allocated: bool) {
+        self.persisting(offset, len, |at, n| {
+            store.zero_keeping(at, n, allocated);
+            self.wrote(at, n);
+            self.durable.zero_keeping(at, n, allocated);
+        });
     }
 
     /// Makes every page written so far durable.
     fn flush(&self, store: &MemStore) {
-        let mut pages = self.lock();
-        for (p, page) in pages.drain() {
-            let start = p * PAGE_BYTES;
-            match page {
-                // SAFETY: the page lies inside the store and holds page_len bytes.
-                Page::Data(d) => unsafe { store.write(start, d.len() as u64, d.as_ptr()) },
-                Page::Zero => store.zero(start, self.page_len(p) as u64),
-            }
-        }
+        self.dirty.take(|p| {
+            let _page = self.stripe(p);
+            store.copy_page(&self.durable, p, self.page_len(p));
+        });
     }
 
-    /// Loses every page written since the last flush; returns how many.
-    fn power_cut(&self) -> usize {
-        let mut pages = self.lock();
-        let n = pages.len();
-        pages.clear();
+    /// Puts every page written since the last flush back as the durable copy has it;
+    /// returns how many.
+    fn power_cut(&self, store: &MemStore) -> u64 {
+        let mut n = 0;
+        self.dirty.take(|p| {
+            let _page = self.stripe(p);
+            self.durable.copy_page(store, p, self.page_len(p));
+            n += 1;
+        });
         n
     }
 }
@@ -536,19 +653,21 @@ impl Device for MemDevice {
             self.geometry.size_bytes,
             self.geometry.block_bytes,
             self.store.allocated_bytes(),
-            if self.volatile.is_some() {
-                ", volatile until flushed"
-            } else {
-                ""
+            match &self.volatile {
+                Some(v) => format!(
+                    ", volatile until flushed ({} bytes allocated for the durable copy)",
+                    v.durable.allocated_bytes()
+                ),
+                None => String::new(),
             }
         )
     }
 
     fn power_cut(&self) {
         if let Some(v) = &self.volatile {
-            let lost = v.power_cut();
+            let lost = v.power_cut(&self.store);
             log::warn!(
-                "cairn: {}: power cut: {lost} pages written since the last flush are lost",
+                "cairn: {}: power cut: {lost} pages written since the last flush are back to what flushes and FUA writes made durable",
                 self.name
             );
         }
@@ -564,11 +683,6 @@ impl Device for MemDevice {
         len: u64,
         out: &mut Vec<cairn_core::Extent>,
     ) -> Result<(), Error> {
-        if self.volatile.as_ref().is_some_and(|v| !v.lock().is_empty()) {
-            // Unflushed pages are not in the store's map: claim no hole.
-            cairn_core::Extent::push(out, cairn_core::Extent::data(len));
-            return Ok(());
-        }
         self.store
             .extents(offset, len, u64::from(self.geometry.block_bytes), out);
         Ok(())
@@ -599,29 +713,31 @@ impl Queue for MemQueue {
             0
         };
         self.stats.start(io.flags, start);
+        let fua = io.flags.contains(IoFlags::FUA);
+        let allocated = io.op == Op::WriteZeroes && io.flags.contains(IoFlags::NO_HOLE);
         // SAFETY: the request passed Geometry::check at the edge (so it is in range), and
         // its submitter keeps `buf` valid for `len` bytes until completion.
         unsafe {
             match (&self.volatile, io.op) {
-                (None, Op::Read) => self.store.read(io.offset, io.len, io.buf),
+                (_, Op::Read) => self.store.read(io.offset, io.len, io.buf),
                 (None, Op::Write) => self.store.write(io.offset, io.len, io.buf),
-                (None, Op::Discard | Op::WriteZeroes) => self.store.zero_keeping(
-                    io.offset,
-                    io.len,
-                    io.op == Op::WriteZeroes && io.flags.contains(cairn_core::IoFlags::NO_HOLE),
-                ),
+                (None, Op::Discard | Op::WriteZeroes) => {
+                    self.store.zero_keeping(io.offset, io.len, allocated)
+                }
                 (None, Op::Flush) => {}
-                (Some(v), Op::Read) => v.read(&self.store, io.offset, io.len, io.buf),
+                // FUA: this request's own range is durable when it completes; other
+                // writes in the volatile layer stay volatile, as on a disk.
+                (Some(v), Op::Write) if fua => v.write_fua(&self.store, io.offset, io.len, io.buf),
                 (Some(v), Op::Write) => {
-                    v.write(&self.store, io.offset, io.len, io.buf);
-                    if io.flags.contains(cairn_core::IoFlags::FUA) {
-                        // FUA: this write is durable when it completes (and so, as on
-                        // a disk without per-request FUA, is everything before it).
-                        v.flush(&self.store);
-                    }
+                    self.store.write(io.offset, io.len, io.buf);
+                    v.wrote(io.offset, io.len);
+                }
+                (Some(v), Op::Discard | Op::WriteZeroes) if fua => {
+                    v.zero_fua(&self.store, io.offset, io.len, allocated)
                 }
                 (Some(v), Op::Discard | Op::WriteZeroes) => {
-                    v.write(&self.store, io.offset, io.len, std::ptr::null())
+                    self.store.zero_keeping(io.offset, io.len, allocated);
+                    v.wrote(io.offset, io.len);
                 }
                 (Some(v), Op::Flush) => v.flush(&self.store),
             }
@@ -741,6 +857,66 @@ mod tests {
         assert!(out[..512].iter().all(|&b| b == 0xab));
         assert!(out[512..16384].iter().all(|&b| b == 0));
         assert!(out[16384..].iter().all(|&b| b == 0xab));
+    }
+
+    #[test]
+    fn page_bits_across_words_and_chunks() {
+        let bits = PageBits::new(3 << 30);
+        bits.set(100, 300);
+        bits.set(CHUNK_PAGES - 2, CHUNK_PAGES + 3);
+        bits.set(100, 101);
+        let mut got = Vec::new();
+        bits.take(|p| got.push(p));
+        let want: Vec<u64> = (100..300).chain(CHUNK_PAGES - 2..CHUNK_PAGES + 3).collect();
+        assert_eq!(got, want);
+        // Taken: nothing is left, and the third chunk was never allocated.
+        bits.take(|p| panic!("page {p} still set"));
+        assert!(bits.chunk(2).is_none());
+    }
+
+    /// A volatile layer over regions and a short last page: a FUA write across a region
+    /// boundary is durable, the plain writes around it are not until the flush, and the
+    /// short last page is copied both ways.
+    #[test]
+    fn volatile_layer_across_regions_and_a_short_last_page() {
+        let size = 2 * REGION_BYTES + 512;
+        let store = MemStore::new(size);
+        let v = Volatile::new(size);
+        let plain = vec![1u8; 3 * PAGE_BYTES as usize];
+        let fua = vec![2u8; 2 * PAGE_BYTES as usize];
+        let (at, fua_at) = (REGION_BYTES - PAGE_BYTES, REGION_BYTES - 512);
+        let read = |offset: u64, len: u64| {
+            let mut b = vec![0xeeu8; len as usize];
+            unsafe { store.read(offset, len, b.as_mut_ptr()) };
+            b
+        };
+        unsafe {
+            store.write(at, plain.len() as u64, plain.as_ptr());
+            v.wrote(at, plain.len() as u64);
+            v.write_fua(&store, fua_at, fua.len() as u64, fua.as_ptr());
+            store.write(size - 512, 512, plain.as_ptr());
+            v.wrote(size - 512, 512);
+        }
+        assert_eq!(v.power_cut(&store), 4, "four pages were written");
+        let got = read(at, 3 * PAGE_BYTES);
+        let fua_in = (fua_at - at) as usize;
+        assert!(got[..fua_in].iter().all(|&b| b == 0), "plain write lost");
+        assert!(
+            got[fua_in..fua_in + fua.len()].iter().all(|&b| b == 2),
+            "FUA kept"
+        );
+        assert!(
+            got[fua_in + fua.len()..].iter().all(|&b| b == 0),
+            "plain write lost"
+        );
+        assert!(read(size - 512, 512).iter().all(|&b| b == 0));
+        unsafe {
+            store.write(size - 512, 512, plain.as_ptr());
+            v.wrote(size - 512, 512);
+        }
+        v.flush(&store);
+        assert_eq!(v.power_cut(&store), 0, "nothing unflushed");
+        assert!(read(size - 512, 512).iter().all(|&b| b == 1), "flushed");
     }
 
     #[test]
