@@ -2,6 +2,7 @@
 """Hostile clients against cairn serve: the server's resident memory (VmRSS).
 
   bench/hostile.py [--bin PATH] [--budget SIZE]
+  bench/hostile.py --idle 0,100,1000,4000 [--bin PATH] [--used]
 
 Two scenarios, each against a fresh `cairn serve --device null:1G` on TCP port 10899
 (--max-connections 200 --max-connections-per-address 200, so that every client is let
@@ -12,6 +13,15 @@ in, the second flag only for builds that have it; each client connects from its 
 Three seconds after the last client, the script reads the server's VmRSS from
 /proc/PID/status, then sends SIGUSR1 for its status line (memory charged, the budget,
 waits for memory). --budget passes --memory-budget (default: the server's own default).
+
+--idle COUNTS measures what an idle connection costs instead. For each kind of header
+(simple: no options; extended: NBD_OPT_EXTENDED_HEADERS) a fresh `cairn serve --device
+null:1G --max-connections 5000 --max-connections-per-address 5000` takes clients that
+finish the handshake (GO) and then send nothing, from 127.0.3.1, 127.0.3.2, ... (100 per
+address); at each count (cumulative), two seconds after the last handshake, the script
+reads the server's VmRSS, its open descriptors (/proc/PID/fd) and threads. With --used
+each client first reads 4 KiB, then goes idle. The last column divides the growth since
+0 connections by the connections open.
 """
 import argparse, os, signal, socket, struct, subprocess, sys, time
 
@@ -20,25 +30,33 @@ def rss(pid):
         if line.startswith("VmRSS"):
             return int(line.split()[1]) >> 10
 
-def go(i, port):
+def recv_exact(s, n):
+    b = b""
+    while len(b) < n:
+        d = s.recv(n - len(b))
+        if not d:
+            raise EOFError("the server closed the connection")
+        b += d
+    return b
+
+def go(i, port, extended=False, source=None):
     s = socket.socket()
-    s.bind((f"127.0.{2 + i // 250}.{1 + i % 250}", 0))
+    s.bind((source or f"127.0.{2 + i // 250}.{1 + i % 250}", 0))
     s.connect(("127.0.0.1", port))
-    g = b""
-    while len(g) < 18:
-        g += s.recv(18 - len(g))
+    recv_exact(s, 18)
     s.sendall(struct.pack(">I", 3))
+    if extended:  # NBD_OPT_EXTENDED_HEADERS, answered with an ACK
+        s.sendall(struct.pack(">QII", 0x49484156454F5054, 11, 0))
+        _, _, t, n = struct.unpack(">QIII", recv_exact(s, 20))
+        recv_exact(s, n)
+        assert t == 1, f"EXTENDED_HEADERS: reply type {t:#x}"
     s.sendall(struct.pack(">QII", 0x49484156454F5054, 7, 6) + struct.pack(">IH", 0, 0))
     while True:
-        h = b""
-        while len(h) < 20:
-            h += s.recv(20 - len(h))
-        _, _, t, n = struct.unpack(">QIII", h)
-        d = b""
-        while len(d) < n:
-            d += s.recv(n - len(d))
+        _, _, t, n = struct.unpack(">QIII", recv_exact(s, 20))
+        recv_exact(s, n)
         if t == 1:
             return s
+        assert t < 0x80000000, f"GO: error reply {t:#x}"
 
 def scenario(mode, binary, budget, port=10899):
     args = [binary, "serve", "--device", "null:1G", "--listen", f"tcp:127.0.0.1:{port}",
@@ -83,11 +101,76 @@ def scenario(mode, binary, budget, port=10899):
         s.close()
     return mib, status
 
+def fds(pid):
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+def threads(pid):
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("Threads"):
+            return int(line.split()[1])
+
+def rss_kib(pid):
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1])
+
+def idle(binary, counts, extended, used, port=10898):
+    args = [binary, "serve", "--device", "null:1G", "--listen", f"tcp:127.0.0.1:{port}",
+            "--max-connections", "5000", "--max-connections-per-address", "5000",
+            "--log-level", "warn"]
+    log = open(f"/tmp/hostile-idle.log", "w+")
+    srv = subprocess.Popen(args, stderr=log)
+    time.sleep(1)
+    socks, rows, base = [], [], None
+    try:
+        for n in counts:
+            while len(socks) < n:
+                i = len(socks)
+                s = go(i, port, extended, f"127.0.3.{1 + i // 100}")
+                if used:
+                    if extended:
+                        s.sendall(struct.pack(">IHHQQQ", 0x21E41C71, 0, 0, i, 0, 4096))
+                    else:
+                        s.sendall(struct.pack(">IHHQQI", 0x25609513, 0, 0, i, 0, 4096))
+                socks.append(s)
+            time.sleep(2)
+            if used:  # take the replies, so that nothing waits to be sent
+                for s in socks:
+                    s.setblocking(False)
+                    try:
+                        while s.recv(1 << 16):
+                            pass
+                    except BlockingIOError:
+                        pass
+                time.sleep(0.5)
+            kib = rss_kib(srv.pid)
+            if base is None:
+                base = kib
+            per = f"{(kib - base) / len(socks):.1f} KiB" if socks else "-"
+            rows.append((n, kib, fds(srv.pid), threads(srv.pid), per))
+    finally:
+        srv.terminate()
+        srv.wait()
+        for s in socks:
+            s.close()
+    return rows
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", default="target/release/cairn")
     ap.add_argument("--budget", default="")
+    ap.add_argument("--idle", default="", help="connection counts, e.g. 0,100,1000,4000")
+    ap.add_argument("--used", action="store_true", help="with --idle: one 4 KiB read first")
     a = ap.parse_args()
+    if a.idle:
+        counts = [int(c) for c in a.idle.split(",")]
+        print("| headers | idle connections | server VmRSS | descriptors | threads | per connection |")
+        print("|---|---|---|---|---|---|")
+        for extended in (False, True):
+            for n, kib, nfd, nth, per in idle(a.bin, counts, extended, a.used):
+                h = "extended" if extended else "simple"
+                print(f"| {h} | {n} | {kib / 1024:.1f} MiB | {nfd} | {nth} | {per} |")
+        return
     print("| scenario | server VmRSS | status |\n|---|---|---|")
     for mode in ("half", "noread"):
         mib, status = scenario(mode, a.bin, a.budget)
