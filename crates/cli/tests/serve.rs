@@ -191,7 +191,37 @@ impl Server {
     }
 
     fn spawn(dir: TempDir, sock: PathBuf, listen: &[&str], args: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_cairn"))
+        Server::spawn_limited(dir, sock, listen, args, None)
+    }
+
+    /// [`Server::spawn`], with the descriptor limit (RLIMIT_NOFILE) set to `nofile` (soft,
+    /// hard) when given.
+    fn spawn_limited(
+        dir: TempDir,
+        sock: PathBuf,
+        listen: &[&str],
+        args: &[&str],
+        nofile: Option<(u64, u64)>,
+    ) -> Server {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_cairn"));
+        if let Some((soft, hard)) = nofile {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: between fork and exec, setrlimit only (async-signal-safe), on a
+            // value copied into the closure.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let lim = libc::rlimit {
+                        rlim_cur: soft,
+                        rlim_max: hard,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                })
+            };
+        }
+        let mut child = cmd
             .arg("serve")
             .args(listen)
             .args(args)
@@ -6172,7 +6202,14 @@ mod hostile {
 
     #[test]
     fn a_good_client_is_served_while_128_idle_clients_sit_connected() {
-        let (srv, port) = tcp_server(&["--device", "mem:16M", "--idle-timeout", "3s"]);
+        let (srv, port) = tcp_server(&[
+            "--device",
+            "mem:16M",
+            "--max-connections",
+            "128",
+            "--idle-timeout",
+            "3s",
+        ]);
         // 128 addresses, one idle connection each: every slot of --max-connections.
         let started = Instant::now();
         let mut idle: Vec<Raw> = (1..=128u8).map(|i| go_from([127, 0, 1, i], port)).collect();
@@ -6202,6 +6239,291 @@ mod hostile {
         assert!(
             log.contains("closed: idle past --idle-timeout, its slot was needed"),
             "{log}"
+        );
+    }
+
+    /// Raises this process's soft descriptor limit to its hard limit; panics if that
+    /// leaves fewer than `n`.
+    fn descriptors_for(n: u64) {
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit and setrlimit of this process, on a local rlimit.
+        unsafe {
+            assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
+            if lim.rlim_cur < lim.rlim_max {
+                lim.rlim_cur = lim.rlim_max;
+                assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0);
+            }
+        }
+        assert!(
+            lim.rlim_cur >= n,
+            "this test needs {n} descriptors; RLIMIT_NOFILE allows {}",
+            lim.rlim_cur
+        );
+    }
+
+    /// The last lines of a log.
+    fn tail(log: &str) -> String {
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(15)..].join("\n")
+    }
+
+    #[test]
+    fn a_new_client_is_served_while_1000_idle_connections_are_held_at_the_defaults() {
+        descriptors_for(1000 + 500);
+        let (srv, port) = tcp_server(&["--device", "mem:16M"]);
+        let before = rss(&srv);
+        // 1,000 connections from 40 addresses (25 each, under the 32 allowed per
+        // address), each through the handshake, then silent.
+        let mut idle = Vec::new();
+        let mut refused = 0;
+        for i in 0..1000u32 {
+            let from = [127, 0, 2, 1 + (i / 25) as u8];
+            match Raw::connect_tcp_from(from, port).admitted_now() {
+                Some(c) => idle.push(c.after_greeting(&[], "", &[]).0),
+                None => refused += 1,
+            }
+        }
+        let held = rss(&srv).saturating_sub(before);
+        // A new client is served at once (within 10 s, for slow machines).
+        let started = Instant::now();
+        let Some(good) = Raw::connect_tcp_from([127, 0, 0, 1], port).admitted_now() else {
+            panic!(
+                "a new client was refused while {} idle connections were held ({refused} of 1,000 refused); log ends:\n{}",
+                idle.len(),
+                tail(&srv.stderr())
+            )
+        };
+        let mut good = good.after_greeting(&[], "", &[]).0;
+        served(&mut good, "a new client beside 1,000 idle connections", 21);
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(10),
+            "the new client took {took:?}"
+        );
+        assert_eq!(
+            (idle.len(), refused),
+            (1000, 0),
+            "idle connections admitted and refused"
+        );
+        // Idle connections are cheap: about 12 KiB each here.
+        assert!(
+            held < 1000 * (64 << 10),
+            "1,000 idle connections hold {} KiB of resident memory",
+            held >> 10
+        );
+        served(&mut idle[0], "the first idle connection", 23);
+        served(&mut idle[999], "the last idle connection", 25);
+    }
+
+    #[test]
+    fn a_full_server_closes_an_idle_connection_of_the_client_holding_most_before_the_idle_timeout()
+    {
+        let (srv, port) = tcp_server(&[
+            "--device",
+            "mem:16M",
+            "--max-connections",
+            "8",
+            "--evict-idle-after",
+            "1s",
+        ]);
+        let started = Instant::now();
+        // Three connections from one address, then five from another: every slot.
+        let mut few: Vec<Raw> = (0..3).map(|_| go_from([127, 0, 3, 2], port)).collect();
+        let mut many: Vec<Raw> = (0..5).map(|_| go_from([127, 0, 3, 1], port)).collect();
+        let early = Raw::connect_tcp_from([127, 0, 3, 9], port).admitted_now();
+        let fresh = started.elapsed() < Duration::from_millis(900);
+        let mut good = match early {
+            // Nobody has been idle for 1 s: refused. Then someone has.
+            None => {
+                std::thread::sleep(Duration::from_millis(1500));
+                go_from([127, 0, 3, 9], port)
+            }
+            // A machine so slow that the first handshakes were 1 s ago already.
+            Some(c) => {
+                assert!(
+                    !fresh,
+                    "a ninth connection was admitted while the eight were fresh"
+                );
+                c.after_greeting(&[], "", &[]).0
+            }
+        };
+        served(&mut good, "the new client", 31);
+        // The client holding five gave up its longest idle, though the other client's
+        // have been idle longer, and long before --idle-timeout (5m).
+        assert_closed(
+            &mut many[0],
+            "the longest idle connection of the client holding the most",
+        );
+        for (i, c) in few.iter_mut().enumerate() {
+            served(
+                c,
+                "a connection of the client holding three",
+                40 + 2 * i as u64,
+            );
+        }
+        served(
+            &mut many[4],
+            "another connection of the client holding five",
+            51,
+        );
+        let log = srv.stderr();
+        assert!(
+            log.contains("8 connections already (--max-connections): closing 127.0.3.1:"),
+            "{log}"
+        );
+        assert!(
+            log.contains("over --evict-idle-after) to make room"),
+            "{log}"
+        );
+        assert!(
+            log.contains("closed: idle for --evict-idle-after, its slot was needed"),
+            "{log}"
+        );
+    }
+
+    #[test]
+    fn at_its_per_address_limit_a_client_gives_up_its_own_longest_idle_connection() {
+        let (srv, port) = tcp_server(&[
+            "--device",
+            "mem:16M",
+            "--max-connections-per-address",
+            "2",
+            "--evict-idle-after",
+            "1s",
+        ]);
+        // Another client's connection is idle longest of all, and stays.
+        let mut other = go_from([127, 0, 4, 2], port);
+        let mut mine: Vec<Raw> = (0..2).map(|_| go_from([127, 0, 4, 1], port)).collect();
+        std::thread::sleep(Duration::from_millis(1500));
+        let mut third = go_from([127, 0, 4, 1], port);
+        served(&mut third, "a third connection of the address", 61);
+        assert_closed(&mut mine[0], "the address's longest idle connection");
+        served(&mut mine[1], "the address's other connection", 63);
+        served(&mut other, "another address's connection", 65);
+        let log = srv.stderr();
+        assert!(
+            log.contains(
+                "2 connections from 127.0.4.1 already (--max-connections-per-address): closing 127.0.4.1:"
+            ),
+            "{log}"
+        );
+    }
+
+    #[test]
+    fn max_connections_is_lowered_to_what_descriptors_allow() {
+        let dir = tmpdir();
+        let none = dir.path().join("no.sock");
+        let srv = Server::spawn_limited(
+            dir,
+            none,
+            &["--listen", "tcp:127.0.0.1:0"],
+            &["--device", "mem:16M"],
+            Some((160, 160)),
+        );
+        let port: u16 = srv.addrs[0]
+            .strip_prefix("tcp:127.0.0.1:")
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("ready line address {:?}", srv.addrs));
+        let log = srv.stderr();
+        let lowered: usize = log
+            .split("--max-connections lowered from 4096 to ")
+            .nth(1)
+            .and_then(|r| r.split(':').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no lowered limit in the log:\n{log}"));
+        assert!(
+            (1..160).contains(&lowered),
+            "lowered to {lowered} of 160 descriptors"
+        );
+        // That many are served (from several addresses), and the next is refused at
+        // once rather than failing in accept for want of a descriptor.
+        let mut conns: Vec<Raw> = (0..lowered)
+            .map(|i| go_from([127, 0, 5, 1 + (i / 30) as u8], port))
+            .collect();
+        let refused = Raw::connect_tcp_from([127, 0, 5, 99], port).admitted_now();
+        assert!(refused.is_none(), "one more than the lowered limit");
+        served(&mut conns[lowered - 1], "the last connection let in", 71);
+        let log = srv.stderr();
+        assert!(
+            log.contains(&format!(
+                "refused, {lowered} connections already (--max-connections)"
+            )),
+            "{}",
+            tail(&log)
+        );
+        assert!(!log.contains("accept:"), "{}", tail(&log));
+
+        // A soft limit below the hard one is raised to it.
+        let mut hard = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit into a local rlimit.
+        assert_eq!(
+            unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut hard) },
+            0
+        );
+        let hard = hard.rlim_max.min(1 << 20);
+        if hard <= 256 {
+            return skip(
+                "max_connections_is_lowered_to_what_descriptors_allow",
+                "the hard descriptor limit is 256 or less: nothing to raise",
+            );
+        }
+        let dir = tmpdir();
+        let none = dir.path().join("no.sock");
+        let srv = Server::spawn_limited(
+            dir,
+            none,
+            &["--listen", "tcp:127.0.0.1:0"],
+            &["--device", "mem:16M"],
+            Some((256, hard)),
+        );
+        let log = srv.stderr();
+        assert!(
+            log.contains(&format!(
+                "descriptor limit (RLIMIT_NOFILE) raised from 256 to {hard}"
+            )),
+            "{log}"
+        );
+        if hard >= 4096 + 512 {
+            assert!(!log.contains("lowered"), "{log}");
+        }
+    }
+
+    #[test]
+    fn idle_connections_stay_small_after_others_came_and_went() {
+        descriptors_for(300 + 500);
+        let srv = Server::start(&[
+            "--device",
+            "null:1G",
+            "--max-connections-per-address",
+            "1000",
+        ]);
+        let closed = |srv: &Server| srv.stderr().matches("disconnected from export").count();
+        // Connections that come and go: their input buffers go back to the allocator.
+        for round in 1..=2 {
+            let conns: Vec<Raw> = (0..300).map(|_| Raw::go(&srv.sock, "").0).collect();
+            drop(conns);
+            let deadline = Instant::now() + IO_TIMEOUT;
+            while closed(&srv) < 300 * round && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            assert_eq!(closed(&srv), 300 * round, "connections closed");
+        }
+        // New idle connections must not each hold a 256 KiB input buffer that the
+        // allocator zeroed by writing it.
+        let before = rss(&srv);
+        let idle: Vec<Raw> = (0..300).map(|_| Raw::go(&srv.sock, "").0).collect();
+        std::thread::sleep(Duration::from_millis(200));
+        let per = rss(&srv).saturating_sub(before) / idle.len() as u64;
+        assert!(
+            per < 64 << 10,
+            "{} KiB per idle connection after others came and went",
+            per >> 10
         );
     }
 
