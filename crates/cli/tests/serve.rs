@@ -6500,6 +6500,8 @@ mod hostile {
         let srv = Server::start(&[
             "--device",
             "null:1G",
+            "--max-connections",
+            "1000",
             "--max-connections-per-address",
             "1000",
         ]);
