@@ -6530,6 +6530,60 @@ mod hostile {
     }
 
     #[test]
+    fn connections_give_their_input_buffers_back_once_idle() {
+        let srv = Server::start(&[
+            "--device",
+            "mem:16M",
+            "--max-connections-per-address",
+            "200",
+        ]);
+        let before = rss(&srv);
+        // 100 clients each send 9,000 flushes at once (246 KiB of headers: a full input
+        // buffer), read every reply, then go quiet.
+        let burst: Vec<u8> = (0..9000u64)
+            .flat_map(|j| header(0, CMD_FLUSH, j, 0, 0))
+            .collect();
+        let mut conns = Vec::new();
+        for _ in 0..100 {
+            let (mut c, _, _) = Raw::go(&srv.sock, "");
+            c.send(&burst).unwrap();
+            for j in 0..9000u64 {
+                c.expect(j, 0);
+            }
+            conns.push(c);
+        }
+        let busy = rss(&srv).saturating_sub(before) / 100;
+        // Idle for a second, they give back what their input buffers held (256 KiB
+        // each); what stays is their request and reply tables (about 90 KiB each).
+        let deadline = Instant::now() + IO_TIMEOUT;
+        let mut idle = busy;
+        while idle >= 160 << 10 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(200));
+            idle = rss(&srv).saturating_sub(before) / 100;
+        }
+        assert!(
+            idle < 160 << 10,
+            "{} KiB per idle connection after a burst ({} KiB just after it)",
+            idle >> 10,
+            busy >> 10
+        );
+        // And they serve as before: a burst, one request, then a write and a read.
+        for (i, c) in conns.iter_mut().enumerate() {
+            let i = i as u64;
+            c.send(&burst).unwrap();
+            for j in 0..9000u64 {
+                c.expect(j, 0);
+            }
+            c.write_ok(100_000 + i, 0, i << 16, &random_bytes(4096, i));
+            assert_same(
+                "a write read back after the input buffer went back",
+                &c.read_ok(200_000 + i, i << 16, 4096),
+                &random_bytes(4096, i),
+            );
+        }
+    }
+
+    #[test]
     fn idle_close_closes_idle_connections_and_spares_busy_ones() {
         // Writes to the slow device take 2.5 s: longer than the idle timeout.
         let dir = tmpdir();
