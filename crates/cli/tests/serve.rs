@@ -3280,6 +3280,90 @@ mod tls {
         assert_same("TLS round trip", &got[..data.len()], &data);
     }
 
+    /// A TLS connection that received a burst of requests and went idle gives its
+    /// buffers back (its receive cancelled, its ciphertext and input buffers dropped),
+    /// then serves as before.
+    #[test]
+    fn an_idle_tls_connection_gives_its_buffers_back_and_serves_on() {
+        let test = "tls::an_idle_tls_connection_gives_its_buffers_back_and_serves_on";
+        let Some([python]) = tools(test, ["python3"]) else {
+            return;
+        };
+        let certs = tmpdir();
+        if !make_certs(test, certs.path()) {
+            return;
+        }
+        let c = path_str(certs.path());
+        let server = Server::start(&[
+            "--device",
+            "mem:16M",
+            "--tls",
+            "require",
+            "--tls-certificates",
+            c,
+            "--log-level",
+            "debug",
+        ]);
+        // A raw client over Python's ssl: it sends each burst in one write, so that the
+        // server receives it in full records (libnbd writes request by request).
+        let script = r#"
+import os, socket, ssl, struct, sys, time
+def exact(s, n):
+    b = b""
+    while len(b) < n:
+        d = s.recv(n - len(b))
+        assert d, "closed"
+        b += d
+    return b
+def option(s, o, data=b""):
+    s.sendall(struct.pack(">QII", 0x49484156454F5054, o, len(data)) + data)
+    while True:
+        _, ro, t, n = struct.unpack(">QIII", exact(s, 20))
+        exact(s, n)
+        assert t < 0x80000000, f"option {o}: error {t:#x}"
+        if t == 1:
+            return
+def request(s, command, cookie, offset=0, length=0, data=b""):
+    return struct.pack(">IHHQQI", 0x25609513, 0, command, cookie, offset, length) + data
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+exact(s, 18)
+s.sendall(struct.pack(">I", 3))
+option(s, 5)
+ctx = ssl.create_default_context(cafile=sys.argv[2] + "/ca-cert.pem")
+s = ctx.wrap_socket(s, server_hostname="localhost")
+option(s, 7, struct.pack(">IH", 0, 0))
+for round in range(3):
+    # 9,000 flushes in one write: some 250 KiB of requests.
+    s.sendall(b"".join(request(s, 3, j) for j in range(9000)))
+    for j in range(9000):
+        magic, err, cookie = struct.unpack(">IIQ", exact(s, 16))
+        assert (magic, err, cookie) == (0x67446698, 0, j), (magic, err, cookie, j)
+    # Idle long enough for the server to take its buffers back (a second, and up to
+    # a second more before it looks).
+    time.sleep(2.5)
+    data = os.urandom(65536)
+    s.sendall(request(s, 1, 1, 1 << 20, 65536, data) + request(s, 0, 2, 1 << 20, 65536))
+    assert struct.unpack(">IIQ", exact(s, 16)) == (0x67446698, 0, 1)
+    assert struct.unpack(">IIQ", exact(s, 16)) == (0x67446698, 0, 2)
+    assert exact(s, 65536) == data
+print("done")
+"#;
+        let out = run(Command::new(&python)
+            .args(["-c", script])
+            .arg(&server.sock)
+            .arg(certs.path()));
+        let stdout = success("the raw TLS client", &out);
+        assert!(stdout.contains("done"), "{stdout}");
+        let log = server.stderr();
+        assert!(!log.contains("WARN"), "{log}");
+        assert_eq!(
+            log.matches("KiB of ciphertext buffer)").count(),
+            3,
+            "input and ciphertext buffers given back after each burst: {log}"
+        );
+    }
+
     /// cairn's own client over TLS (`nbds+unix://`, the nbd device): a verified random
     /// read/write load through a server that requires TLS, so every byte went through
     /// rustls on both sides; a server certificate from another CA is refused unless
@@ -6536,6 +6620,8 @@ mod hostile {
             "mem:16M",
             "--max-connections-per-address",
             "200",
+            "--log-level",
+            "debug",
         ]);
         let before = rss(&srv);
         // 100 clients each send 9,000 flushes at once (246 KiB of headers: a full input
@@ -6581,6 +6667,11 @@ mod hostile {
                 &random_bytes(4096, i),
             );
         }
+        let given = srv
+            .stderr()
+            .matches("KiB of input buffer given back")
+            .count();
+        assert!(given >= 100, "{given} input buffers given back");
     }
 
     #[test]

@@ -134,7 +134,8 @@ pub struct Limits {
 
 /// Input buffer per connection: room for many small requests per `recv`.
 const INBUF: usize = 256 << 10;
-/// An idle connection whose input buffer was written beyond this gives its pages back.
+/// An idle connection whose input buffer (with a TLS connection's ciphertext buffer) was
+/// written beyond this gives its pages back.
 const TRIM_MIN: usize = 64 << 10;
 /// How long a connection must be idle (nothing at the device, no request arriving or
 /// ending) before its input buffer's pages go back.
@@ -174,6 +175,8 @@ struct TlsIo {
     raw_len: usize,
     raw_out: Vec<u8>,
     raw_sent: usize,
+    /// How far `raw_in` was written since its pages last went back.
+    raw_touched: usize,
 }
 
 /// Token of the flush a connection sends on shutdown (never a request index).
@@ -694,6 +697,7 @@ impl ServerLoop {
                         raw_len: 0,
                         raw_out: Vec::with_capacity(RAW_IN),
                         raw_sent: 0,
+                        raw_touched: 0,
                     })
                 }),
             }),
@@ -722,9 +726,13 @@ impl ServerLoop {
         {
             let mut st = conn.st.borrow_mut();
             st.pump_tls(&conn.peer);
-            if st.re > st.touched {
-                st.touched = st.re;
-                if st.touched > TRIM_MIN && !st.wide {
+            let raw = st.tls.as_mut().map_or(0, |t| {
+                t.raw_touched = t.raw_touched.max(t.raw_len);
+                t.raw_touched
+            });
+            if st.re > st.touched || raw > 0 {
+                st.touched = st.touched.max(st.re);
+                if st.touched + raw > TRIM_MIN && !st.wide {
                     st.wide = true;
                     self.wide.borrow_mut().push((conn.index, conn.info.id));
                     self.set_trim_timer();
@@ -762,9 +770,10 @@ impl ServerLoop {
     }
 
     /// Gives back the input buffers of listed connections idle for `TRIM_IDLE_NS`: at
-    /// once when no receive targets the buffer (TLS, or a payload received directly),
-    /// else once the receive in flight is cancelled (see `received`). Cold: at most once
-    /// a second, and only while some connection's input buffer is wide.
+    /// once when no receive targets the buffer (a payload received directly), else once
+    /// the receive in flight is cancelled (see `received`; on TLS, the ciphertext buffer
+    /// goes back then too). Cold: at most once a second, and only while some
+    /// connection's input buffer is wide.
     #[cold]
     fn trim_idle(&self) {
         self.trim_timer.set(false);
@@ -782,7 +791,7 @@ impl ServerLoop {
             let idle = st.in_flight == 0 && now.saturating_sub(st.progress_ns) >= TRIM_IDLE_NS;
             if !idle || st.rs != st.re || st.eof || st.dead {
                 keep.push((index, id));
-            } else if st.recv_armed && st.recv_target == RecvTarget::Inbuf {
+            } else if st.recv_armed && st.recv_target != RecvTarget::Payload {
                 if !st.trimming {
                     st.trimming = true;
                     let cookie = u64::from(index) << 8;
@@ -794,6 +803,11 @@ impl ServerLoop {
                 let touched = st.touched;
                 st.inbuf.release(touched);
                 (st.rs, st.re, st.touched, st.wide) = (0, 0, 0, false);
+                log::debug!(
+                    "cairn: serve: {}: idle: {} KiB of input buffer given back",
+                    conn.peer,
+                    touched >> 10
+                );
             }
         }
         self.wide.borrow_mut().extend(keep);
@@ -1919,6 +1933,17 @@ impl ServerLoop {
             if std::mem::take(&mut st.trimming) && st.rs == st.re {
                 let touched = st.touched;
                 st.inbuf.release(touched);
+                let mut raw = 0;
+                if let Some(t) = st.tls.as_mut().filter(|t| t.raw_pos == t.raw_len) {
+                    raw = std::mem::take(&mut t.raw_touched);
+                    t.raw_in.release(raw);
+                }
+                log::debug!(
+                    "cairn: serve: {}: idle: {} KiB of input buffer given back ({} KiB of ciphertext buffer)",
+                    conn.peer,
+                    touched >> 10,
+                    raw >> 10
+                );
                 (st.rs, st.re, st.touched) = (0, 0, 0);
                 if st.wide {
                     st.wide = false;
