@@ -488,6 +488,35 @@ fn keep_stack_file(view: &std::sync::Arc<view::View>) -> Result<Option<stackfile
         .map_err(|e| format!("cannot start the stack file's thread: {e}"))
 }
 
+/// Raises the soft limit on open descriptors (RLIMIT_NOFILE) to the hard limit: every
+/// connection holds one, and soft limits are often 1,024. `cairn serve` then lowers
+/// --max-connections to what the limit allows (saying so in the log).
+fn raise_descriptor_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into `lim`.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return;
+    }
+    let before = lim.rlim_cur;
+    // The kernel refuses more than fs.nr_open, which an unlimited hard limit stands for.
+    let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open")
+        .ok()
+        .and_then(|n| n.trim().parse::<libc::rlim_t>().ok())
+        .unwrap_or(1 << 20);
+    let want = lim.rlim_max.min(nr_open);
+    if before >= want {
+        return;
+    }
+    lim.rlim_cur = want;
+    // SAFETY: setrlimit reads one valid rlimit.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } == 0 {
+        log::info!("cairn: serve: descriptor limit (RLIMIT_NOFILE) raised from {before} to {want}");
+    }
+}
+
 /// `cairn serve`: checks everything that can refuse the start (arguments, the devices as
 /// `cairn check` opens them, every address bound) before anything is created or written,
 /// then opens the devices and serves until SIGTERM or SIGINT.
@@ -620,6 +649,7 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
         max_connections_per_address: args.max_connections_per_address,
         idle_timeout: limits.idle_timeout,
         idle_close: args.idle_close,
+        evict_idle_after: limits.evict_idle_after,
         max_options: args.max_options,
         handshake_timeout: limits.handshake_timeout,
         tls,
@@ -692,6 +722,7 @@ fn serve(global: &settings::GlobalArgs, args: &settings::ServeArgs) -> Result<Ex
         }
         None => None,
     };
+    raise_descriptor_limit();
     cairn_nbd::serve(config, listeners, exports, |addrs| {
         log::info!(
             "cairn: serving {} on {}",

@@ -370,15 +370,22 @@ pub struct ServeArgs {
     /// is --max-payload plus 2 MiB rounded up to a power of two.
     #[arg(long, value_name = "SIZE")]
     pub memory_budget: Option<String>,
-    /// Connections served at once (handshakes included). At the limit, a connection idle
-    /// for --idle-timeout is closed to make room for a new one; else the new one is refused.
-    #[arg(long, value_name = "N", default_value_t = 128)]
+    /// Connections served at once (handshakes included). At the limit, an idle connection
+    /// gives up its slot to a new one (see --evict-idle-after); else the new one is
+    /// refused. An idle connection holds about 12 KiB; lowered at start to what the
+    /// descriptor limit (RLIMIT_NOFILE, raised to its hard limit) allows.
+    #[arg(long, value_name = "N", default_value_t = 4096)]
     pub max_connections: usize,
     /// Connections served at once from one client: one IP address over TCP, one user id
-    /// over a Unix socket. At the limit, that client's connection idle longest is closed to
-    /// make room if it has been idle for --idle-timeout; else the new one is refused.
+    /// over a Unix socket. At the limit, that client's connection idle longest gives up
+    /// its slot (see --evict-idle-after); else the new one is refused.
     #[arg(long, value_name = "N", default_value_t = 32)]
     pub max_connections_per_address: usize,
+    /// At a connection limit, a connection idle this long (or --idle-timeout, if shorter)
+    /// is closed to make room for a new one: the server being full, one of the client
+    /// holding the most connections, its longest idle. 0: only after --idle-timeout.
+    #[arg(long, value_name = "TIME", default_value = "10s")]
+    pub evict_idle_after: String,
     /// A connection with nothing at the device that sent no new request and had none
     /// answered for this long is idle (bytes trickled within a request do not count):
     /// it gives up its slot to a new client that needs it (and, with --idle-close, is
@@ -463,6 +470,7 @@ pub struct ServeLimits {
     pub shutdown_timeout: Duration,
     pub threads: usize,
     pub idle_timeout: Option<Duration>,
+    pub evict_idle_after: Option<Duration>,
     pub memory_budget: usize,
 }
 
@@ -520,6 +528,8 @@ impl ServeArgs {
         if self.idle_close && idle_timeout.is_zero() {
             return Err("--idle-close needs an --idle-timeout other than 0".into());
         }
+        let evict_idle_after = parse_duration(&self.evict_idle_after)
+            .map_err(|e| format!("--evict-idle-after {}: {e}", self.evict_idle_after))?;
         if self.max_options == 0 {
             return Err("--max-options must be at least 1".into());
         }
@@ -542,6 +552,7 @@ impl ServeArgs {
             shutdown_timeout,
             threads,
             idle_timeout: (!idle_timeout.is_zero()).then_some(idle_timeout),
+            evict_idle_after: (!evict_idle_after.is_zero()).then_some(evict_idle_after),
             memory_budget: memory_budget as usize,
         })
     }

@@ -191,7 +191,37 @@ impl Server {
     }
 
     fn spawn(dir: TempDir, sock: PathBuf, listen: &[&str], args: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_cairn"))
+        Server::spawn_limited(dir, sock, listen, args, None)
+    }
+
+    /// [`Server::spawn`], with the descriptor limit (RLIMIT_NOFILE) set to `nofile` (soft,
+    /// hard) when given.
+    fn spawn_limited(
+        dir: TempDir,
+        sock: PathBuf,
+        listen: &[&str],
+        args: &[&str],
+        nofile: Option<(u64, u64)>,
+    ) -> Server {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_cairn"));
+        if let Some((soft, hard)) = nofile {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: between fork and exec, setrlimit only (async-signal-safe), on a
+            // value copied into the closure.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let lim = libc::rlimit {
+                        rlim_cur: soft,
+                        rlim_max: hard,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                })
+            };
+        }
+        let mut child = cmd
             .arg("serve")
             .args(listen)
             .args(args)
@@ -570,6 +600,25 @@ impl Raw {
         s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
         s.set_write_timeout(Some(IO_TIMEOUT)).unwrap();
         Raw { s }
+    }
+
+    /// The local address of a TCP connection, as the server names its peer.
+    fn local(&self) -> String {
+        use std::os::fd::AsRawFd;
+        // SAFETY: sockaddr_in is plain data; all-zero is a valid value.
+        let mut sin: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        // SAFETY: getsockname of our own socket into `sin`, `len` bytes long.
+        let r = unsafe {
+            libc::getsockname(
+                self.s.as_raw_fd(),
+                (&mut sin as *mut libc::sockaddr_in).cast(),
+                &mut len,
+            )
+        };
+        assert_eq!(r, 0, "getsockname: {}", std::io::Error::last_os_error());
+        let ip = std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
+        format!("{ip}:{}", u16::from_be(sin.sin_port))
     }
 
     /// Whether the server lets this connection through the handshake (a refused one is
@@ -3252,6 +3301,90 @@ mod tls {
         );
         let got = std::fs::read(&back).unwrap();
         assert_same("TLS round trip", &got[..data.len()], &data);
+    }
+
+    /// A TLS connection that received a burst of requests and went idle gives its
+    /// buffers back (its receive cancelled, its ciphertext and input buffers dropped),
+    /// then serves as before.
+    #[test]
+    fn an_idle_tls_connection_gives_its_buffers_back_and_serves_on() {
+        let test = "tls::an_idle_tls_connection_gives_its_buffers_back_and_serves_on";
+        let Some([python]) = tools(test, ["python3"]) else {
+            return;
+        };
+        let certs = tmpdir();
+        if !make_certs(test, certs.path()) {
+            return;
+        }
+        let c = path_str(certs.path());
+        let server = Server::start(&[
+            "--device",
+            "mem:16M",
+            "--tls",
+            "require",
+            "--tls-certificates",
+            c,
+            "--log-level",
+            "debug",
+        ]);
+        // A raw client over Python's ssl: it sends each burst in one write, so that the
+        // server receives it in full records (libnbd writes request by request).
+        let script = r#"
+import os, socket, ssl, struct, sys, time
+def exact(s, n):
+    b = b""
+    while len(b) < n:
+        d = s.recv(n - len(b))
+        assert d, "closed"
+        b += d
+    return b
+def option(s, o, data=b""):
+    s.sendall(struct.pack(">QII", 0x49484156454F5054, o, len(data)) + data)
+    while True:
+        _, ro, t, n = struct.unpack(">QIII", exact(s, 20))
+        exact(s, n)
+        assert t < 0x80000000, f"option {o}: error {t:#x}"
+        if t == 1:
+            return
+def request(s, command, cookie, offset=0, length=0, data=b""):
+    return struct.pack(">IHHQQI", 0x25609513, 0, command, cookie, offset, length) + data
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+exact(s, 18)
+s.sendall(struct.pack(">I", 3))
+option(s, 5)
+ctx = ssl.create_default_context(cafile=sys.argv[2] + "/ca-cert.pem")
+s = ctx.wrap_socket(s, server_hostname="localhost")
+option(s, 7, struct.pack(">IH", 0, 0))
+for round in range(3):
+    # 9,000 flushes in one write: some 250 KiB of requests.
+    s.sendall(b"".join(request(s, 3, j) for j in range(9000)))
+    for j in range(9000):
+        magic, err, cookie = struct.unpack(">IIQ", exact(s, 16))
+        assert (magic, err, cookie) == (0x67446698, 0, j), (magic, err, cookie, j)
+    # Idle long enough for the server to take its buffers back (a second, and up to
+    # a second more before it looks).
+    time.sleep(2.5)
+    data = os.urandom(65536)
+    s.sendall(request(s, 1, 1, 1 << 20, 65536, data) + request(s, 0, 2, 1 << 20, 65536))
+    assert struct.unpack(">IIQ", exact(s, 16)) == (0x67446698, 0, 1)
+    assert struct.unpack(">IIQ", exact(s, 16)) == (0x67446698, 0, 2)
+    assert exact(s, 65536) == data
+print("done")
+"#;
+        let out = run(Command::new(&python)
+            .args(["-c", script])
+            .arg(&server.sock)
+            .arg(certs.path()));
+        let stdout = success("the raw TLS client", &out);
+        assert!(stdout.contains("done"), "{stdout}");
+        let log = server.stderr();
+        assert!(!log.contains("WARN"), "{log}");
+        assert_eq!(
+            log.matches("KiB of ciphertext buffer)").count(),
+            3,
+            "input and ciphertext buffers given back after each burst: {log}"
+        );
     }
 
     /// cairn's own client over TLS (`nbds+unix://`, the nbd device): a verified random
@@ -6560,7 +6693,14 @@ mod hostile {
 
     #[test]
     fn a_good_client_is_served_while_128_idle_clients_sit_connected() {
-        let (srv, port) = tcp_server(&["--device", "mem:16M", "--idle-timeout", "3s"]);
+        let (srv, port) = tcp_server(&[
+            "--device",
+            "mem:16M",
+            "--max-connections",
+            "128",
+            "--idle-timeout",
+            "3s",
+        ]);
         // 128 addresses, one idle connection each: every slot of --max-connections.
         let started = Instant::now();
         let mut idle: Vec<Raw> = (1..=128u8).map(|i| go_from([127, 0, 1, i], port)).collect();
@@ -6576,21 +6716,392 @@ mod hostile {
         }
         drop(admitted);
         std::thread::sleep(Duration::from_millis(3500));
-        // Now the connection idle longest makes room.
+        // Now the connection idle longest makes room: one of the first (each reactor
+        // takes its connections in turn, so a busy machine may let the second or third
+        // be idle longest by the server's clock).
         let mut good = go_from([127, 0, 0, 1], port);
         served(&mut good, "the new client", 5);
-        assert_closed(&mut idle[0], "the connection idle longest");
+        let log = srv.stderr();
+        let gone = evicted(&log, "128 connections already (--max-connections)");
+        assert!(!gone.is_empty(), "{log}");
+        for v in &gone {
+            let i = idle
+                .iter()
+                .position(|c| c.local() == *v)
+                .unwrap_or_else(|| panic!("{v} closed, not an idle client: {log}"));
+            assert!(i < 8, "idle client {i} of 128 closed first: {log}");
+            assert_closed(&mut idle[i], "the connection idle longest");
+        }
         served(&mut idle[127], "an idle client that wakes up", 7);
         served(&mut good, "the new client, again", 9);
-        let log = srv.stderr();
-        assert!(
-            log.contains("128 connections already (--max-connections): closing 127.0.1.1:"),
-            "{log}"
-        );
         assert!(
             log.contains("closed: idle past --idle-timeout, its slot was needed"),
             "{log}"
         );
+    }
+
+    /// The peers the log says were closed to make room after `why`.
+    fn evicted(log: &str, why: &str) -> Vec<String> {
+        let needle = format!("{why}: closing ");
+        log.lines()
+            .filter_map(|l| l.split(&needle).nth(1))
+            .filter_map(|r| r.split(' ').next())
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// Raises this process's soft descriptor limit to its hard limit; panics if that
+    /// leaves fewer than `n`.
+    fn descriptors_for(n: u64) {
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit and setrlimit of this process, on a local rlimit.
+        unsafe {
+            assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
+            if lim.rlim_cur < lim.rlim_max {
+                lim.rlim_cur = lim.rlim_max;
+                assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0);
+            }
+        }
+        assert!(
+            lim.rlim_cur >= n,
+            "this test needs {n} descriptors; RLIMIT_NOFILE allows {}",
+            lim.rlim_cur
+        );
+    }
+
+    /// The last lines of a log.
+    fn tail(log: &str) -> String {
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(15)..].join("\n")
+    }
+
+    #[test]
+    fn a_new_client_is_served_while_1000_idle_connections_are_held_at_the_defaults() {
+        descriptors_for(1000 + 500);
+        let (srv, port) = tcp_server(&["--device", "mem:16M"]);
+        let before = rss(&srv);
+        // 1,000 connections from 40 addresses (25 each, under the 32 allowed per
+        // address), each through the handshake, then silent.
+        let mut idle = Vec::new();
+        let mut refused = 0;
+        for i in 0..1000u32 {
+            let from = [127, 0, 2, 1 + (i / 25) as u8];
+            match Raw::connect_tcp_from(from, port).admitted_now() {
+                Some(c) => idle.push(c.after_greeting(&[], "", &[]).0),
+                None => refused += 1,
+            }
+        }
+        let held = rss(&srv).saturating_sub(before);
+        // A new client is served at once (within 10 s, for slow machines).
+        let started = Instant::now();
+        let Some(good) = Raw::connect_tcp_from([127, 0, 0, 1], port).admitted_now() else {
+            panic!(
+                "a new client was refused while {} idle connections were held ({refused} of 1,000 refused); log ends:\n{}",
+                idle.len(),
+                tail(&srv.stderr())
+            )
+        };
+        let mut good = good.after_greeting(&[], "", &[]).0;
+        served(&mut good, "a new client beside 1,000 idle connections", 21);
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(10),
+            "the new client took {took:?}"
+        );
+        assert_eq!(
+            (idle.len(), refused),
+            (1000, 0),
+            "idle connections admitted and refused"
+        );
+        // Idle connections are cheap: about 12 KiB each here.
+        assert!(
+            held < 1000 * (64 << 10),
+            "1,000 idle connections hold {} KiB of resident memory",
+            held >> 10
+        );
+        served(&mut idle[0], "the first idle connection", 23);
+        served(&mut idle[999], "the last idle connection", 25);
+    }
+
+    #[test]
+    fn a_full_server_closes_an_idle_connection_of_the_client_holding_most_before_the_idle_timeout()
+    {
+        let (srv, port) = tcp_server(&[
+            "--device",
+            "mem:16M",
+            "--max-connections",
+            "8",
+            "--evict-idle-after",
+            "1s",
+        ]);
+        let started = Instant::now();
+        // Three connections from one address, then five from another: every slot.
+        let mut few: Vec<Raw> = (0..3).map(|_| go_from([127, 0, 3, 2], port)).collect();
+        let mut many: Vec<Raw> = (0..5).map(|_| go_from([127, 0, 3, 1], port)).collect();
+        let early = Raw::connect_tcp_from([127, 0, 3, 9], port).admitted_now();
+        let fresh = started.elapsed() < Duration::from_millis(900);
+        let mut good = match early {
+            // Nobody has been idle for 1 s: refused. Then someone has.
+            None => {
+                std::thread::sleep(Duration::from_millis(1500));
+                go_from([127, 0, 3, 9], port)
+            }
+            // A machine so slow that the first handshakes were 1 s ago already.
+            Some(c) => {
+                assert!(
+                    !fresh,
+                    "a ninth connection was admitted while the eight were fresh"
+                );
+                c.after_greeting(&[], "", &[]).0
+            }
+        };
+        served(&mut good, "the new client", 31);
+        // The client holding five gave up one (its longest idle), though the other
+        // client's have been idle longer, and long before --idle-timeout (5m).
+        let log = srv.stderr();
+        let gone = evicted(&log, "8 connections already (--max-connections)");
+        assert_eq!(gone.len(), 1, "{log}");
+        let i = many
+            .iter()
+            .position(|c| c.local() == gone[0])
+            .unwrap_or_else(|| panic!("{} closed, not the client holding five: {log}", gone[0]));
+        assert_closed(
+            &mut many[i],
+            "the longest idle connection of the client holding the most",
+        );
+        for (j, c) in few.iter_mut().enumerate() {
+            served(
+                c,
+                "a connection of the client holding three",
+                40 + 2 * j as u64,
+            );
+        }
+        served(
+            &mut many[(i + 1) % 5],
+            "another connection of the client holding five",
+            51,
+        );
+        assert!(
+            log.contains("over --evict-idle-after) to make room"),
+            "{log}"
+        );
+        assert!(
+            log.contains("closed: idle for --evict-idle-after, its slot was needed"),
+            "{log}"
+        );
+    }
+
+    #[test]
+    fn at_its_per_address_limit_a_client_gives_up_its_own_longest_idle_connection() {
+        let (srv, port) = tcp_server(&[
+            "--device",
+            "mem:16M",
+            "--max-connections-per-address",
+            "2",
+            "--evict-idle-after",
+            "1s",
+        ]);
+        // Another client's connection is idle longest of all, and stays.
+        let mut other = go_from([127, 0, 4, 2], port);
+        let mut mine: Vec<Raw> = (0..2).map(|_| go_from([127, 0, 4, 1], port)).collect();
+        std::thread::sleep(Duration::from_millis(1500));
+        let mut third = go_from([127, 0, 4, 1], port);
+        served(&mut third, "a third connection of the address", 61);
+        let log = srv.stderr();
+        let gone = evicted(
+            &log,
+            "2 connections from 127.0.4.1 already (--max-connections-per-address)",
+        );
+        assert_eq!(gone.len(), 1, "{log}");
+        let i = mine
+            .iter()
+            .position(|c| c.local() == gone[0])
+            .unwrap_or_else(|| panic!("{} closed, not one of the address's: {log}", gone[0]));
+        assert_closed(&mut mine[i], "the address's longest idle connection");
+        served(&mut mine[1 - i], "the address's other connection", 63);
+        served(&mut other, "another address's connection", 65);
+    }
+
+    #[test]
+    fn max_connections_is_lowered_to_what_descriptors_allow() {
+        let dir = tmpdir();
+        let none = dir.path().join("no.sock");
+        let srv = Server::spawn_limited(
+            dir,
+            none,
+            &["--listen", "tcp:127.0.0.1:0"],
+            &["--device", "mem:16M"],
+            Some((160, 160)),
+        );
+        let port: u16 = srv.addrs[0]
+            .strip_prefix("tcp:127.0.0.1:")
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("ready line address {:?}", srv.addrs));
+        let log = srv.stderr();
+        let lowered: usize = log
+            .split("--max-connections lowered from 4096 to ")
+            .nth(1)
+            .and_then(|r| r.split(':').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no lowered limit in the log:\n{log}"));
+        assert!(
+            (1..160).contains(&lowered),
+            "lowered to {lowered} of 160 descriptors"
+        );
+        // That many are served (from several addresses), and the next is refused at
+        // once rather than failing in accept for want of a descriptor.
+        let mut conns: Vec<Raw> = (0..lowered)
+            .map(|i| go_from([127, 0, 5, 1 + (i / 30) as u8], port))
+            .collect();
+        let refused = Raw::connect_tcp_from([127, 0, 5, 99], port).admitted_now();
+        assert!(refused.is_none(), "one more than the lowered limit");
+        served(&mut conns[lowered - 1], "the last connection let in", 71);
+        let log = srv.stderr();
+        assert!(
+            log.contains(&format!(
+                "refused, {lowered} connections already (--max-connections)"
+            )),
+            "{}",
+            tail(&log)
+        );
+        assert!(!log.contains("accept:"), "{}", tail(&log));
+
+        // A soft limit below the hard one is raised to it.
+        let mut hard = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit into a local rlimit.
+        assert_eq!(
+            unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut hard) },
+            0
+        );
+        let hard = hard.rlim_max.min(1 << 20);
+        if hard <= 256 {
+            return skip(
+                "max_connections_is_lowered_to_what_descriptors_allow",
+                "the hard descriptor limit is 256 or less: nothing to raise",
+            );
+        }
+        let dir = tmpdir();
+        let none = dir.path().join("no.sock");
+        let srv = Server::spawn_limited(
+            dir,
+            none,
+            &["--listen", "tcp:127.0.0.1:0"],
+            &["--device", "mem:16M"],
+            Some((256, hard)),
+        );
+        let log = srv.stderr();
+        assert!(
+            log.contains(&format!(
+                "descriptor limit (RLIMIT_NOFILE) raised from 256 to {hard}"
+            )),
+            "{log}"
+        );
+        if hard >= 4096 + 512 {
+            assert!(!log.contains("lowered"), "{log}");
+        }
+    }
+
+    #[test]
+    fn idle_connections_stay_small_after_others_came_and_went() {
+        descriptors_for(300 + 500);
+        let srv = Server::start(&[
+            "--device",
+            "null:1G",
+            "--max-connections",
+            "1000",
+            "--max-connections-per-address",
+            "1000",
+        ]);
+        let closed = |srv: &Server| srv.stderr().matches("disconnected from export").count();
+        // Connections that come and go: their input buffers go back to the allocator.
+        for round in 1..=2 {
+            let conns: Vec<Raw> = (0..300).map(|_| Raw::go(&srv.sock, "").0).collect();
+            drop(conns);
+            let deadline = Instant::now() + IO_TIMEOUT;
+            while closed(&srv) < 300 * round && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            assert_eq!(closed(&srv), 300 * round, "connections closed");
+        }
+        // New idle connections must not each hold a 256 KiB input buffer that the
+        // allocator zeroed by writing it.
+        let before = rss(&srv);
+        let idle: Vec<Raw> = (0..300).map(|_| Raw::go(&srv.sock, "").0).collect();
+        std::thread::sleep(Duration::from_millis(200));
+        let per = rss(&srv).saturating_sub(before) / idle.len() as u64;
+        assert!(
+            per < 64 << 10,
+            "{} KiB per idle connection after others came and went",
+            per >> 10
+        );
+    }
+
+    #[test]
+    fn connections_give_their_input_buffers_back_once_idle() {
+        let srv = Server::start(&[
+            "--device",
+            "mem:16M",
+            "--max-connections-per-address",
+            "200",
+            "--log-level",
+            "debug",
+        ]);
+        let before = rss(&srv);
+        // 100 clients each send 9,000 flushes at once (246 KiB of headers: a full input
+        // buffer), read every reply, then go quiet.
+        let burst: Vec<u8> = (0..9000u64)
+            .flat_map(|j| header(0, CMD_FLUSH, j, 0, 0))
+            .collect();
+        let mut conns = Vec::new();
+        for _ in 0..100 {
+            let (mut c, _, _) = Raw::go(&srv.sock, "");
+            c.send(&burst).unwrap();
+            for j in 0..9000u64 {
+                c.expect(j, 0);
+            }
+            conns.push(c);
+        }
+        let busy = rss(&srv).saturating_sub(before) / 100;
+        // Idle for a second, they give back what their input buffers held (256 KiB
+        // each); what stays is their request and reply tables (about 90 KiB each).
+        let deadline = Instant::now() + IO_TIMEOUT;
+        let mut idle = busy;
+        while idle >= 192 << 10 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(200));
+            idle = rss(&srv).saturating_sub(before) / 100;
+        }
+        assert!(
+            idle < 192 << 10,
+            "{} KiB per idle connection after a burst ({} KiB just after it)",
+            idle >> 10,
+            busy >> 10
+        );
+        // And they serve as before: a burst, one request, then a write and a read.
+        for (i, c) in conns.iter_mut().enumerate() {
+            let i = i as u64;
+            c.send(&burst).unwrap();
+            for j in 0..9000u64 {
+                c.expect(j, 0);
+            }
+            c.write_ok(100_000 + i, 0, i << 16, &random_bytes(4096, i));
+            assert_same(
+                "a write read back after the input buffer went back",
+                &c.read_ok(200_000 + i, i << 16, 4096),
+                &random_bytes(4096, i),
+            );
+        }
+        let given = srv
+            .stderr()
+            .matches("KiB of input buffer given back")
+            .count();
+        // (Those whose bursts arrived in pieces never filled their buffers past 64 KiB.)
+        assert!(given > 0, "no input buffer given back");
     }
 
     #[test]

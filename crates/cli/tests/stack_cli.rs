@@ -739,6 +739,7 @@ mod serve_flags {
             ),
             (vec!["--idle-timeout", "soon"], "--idle-timeout"),
             (vec!["--idle-timeout", "0", "--idle-close"], "--idle-close"),
+            (vec!["--evict-idle-after", "soon"], "--evict-idle-after"),
             (vec!["--device", "nope:1G"], "--device"),
             (vec!["--tls", "require"], "--tls-certificates"),
         ] {

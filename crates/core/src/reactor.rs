@@ -336,6 +336,19 @@ impl Core {
         self.push_raw(entry);
     }
 
+    /// Asks the kernel to cancel the SQE that `user` pushed with `cookie`: if it has not
+    /// completed yet, it completes with `-ECANCELED`. The cancellation's own completion
+    /// goes to `user` with `cancel_cookie`.
+    pub fn cancel_sqe(&self, user: u16, cookie: u64, cancel_cookie: u64) {
+        debug_assert!(cookie <= COOKIE_MASK && cancel_cookie <= COOKIE_MASK);
+        let target = (u64::from(user) << USER_SHIFT) | cookie;
+        let entry = opcode::AsyncCancel::new(target)
+            .build()
+            .user_data((u64::from(user) << USER_SHIFT) | cancel_cookie);
+        // SAFETY: a cancellation refers to no memory and no descriptor.
+        unsafe { self.push_raw(entry) };
+    }
+
     unsafe fn push_raw(&self, entry: squeue::Entry) {
         let mut ring = self.ring.borrow_mut();
         // SAFETY: the caller keeps the SQE's resources alive until completion.

@@ -1,5 +1,5 @@
 //! Who may connect: a limit on connections in total and per client address, and the
-//! choice of an idle connection to close when a slot is needed.
+//! choice of an idle connection to close when a slot is needed (see [`victim`]).
 //!
 //! Connections are counted from `accept` (handshakes included) until they close. Only the
 //! accepting thread adds; any thread may take away (a handshake that fails, a reactor
@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::observe::{Client, ConnInfo};
@@ -87,21 +87,30 @@ impl Admission {
     }
 }
 
-/// Of `conns`, the one idle longest, if it has been idle for `at_least` at `now_ns` and
-/// is not being evicted already; `only` narrows the choice to one client's connections.
-pub(crate) fn longest_idle(
-    conns: &[std::sync::Arc<ConnInfo>],
+/// Of `conns`, the connection to close so that a new one can be served: one idle for
+/// `at_least` at `now_ns` (nothing of it at the device), not being evicted already. With
+/// `only`, the longest idle of that client's connections (its per-address limit was met).
+/// Else (the server is full) the client holding the most connections gives one up, its
+/// longest idle: a client that fills the server with idle connections evicts its own
+/// before anyone else's, and among clients holding as many, the longest idle goes first.
+pub(crate) fn victim(
+    conns: &[Arc<ConnInfo>],
     now_ns: u64,
     at_least: Duration,
     only: Option<Client>,
 ) -> Option<(&ConnInfo, Duration)> {
-    conns
-        .iter()
+    let live = || conns.iter().filter(|c| !c.evicting.load(Ordering::Relaxed));
+    let mut held: HashMap<Client, usize> = HashMap::new();
+    if only.is_none() {
+        for c in live() {
+            *held.entry(c.client).or_insert(0) += 1;
+        }
+    }
+    live()
         .filter(|c| only.is_none_or(|o| c.client == o))
-        .filter(|c| !c.evicting.load(Ordering::Relaxed))
         .filter_map(|c| Some((&**c, c.idle_for(now_ns)?)))
         .filter(|(_, idle)| *idle >= at_least)
-        .max_by_key(|(_, idle)| *idle)
+        .max_by_key(|(c, idle)| (held.get(&c.client).copied().unwrap_or(0), *idle))
 }
 
 #[cfg(test)]
@@ -144,18 +153,67 @@ mod tests {
         z.active(true, 0);
         let conns = o.connections();
         let sec = Duration::from_secs(1);
-        let (c, idle) = longest_idle(&conns, 20 * s, sec, None).unwrap();
+        let (c, idle) = victim(&conns, 20 * s, sec, Some(b)).unwrap();
         assert_eq!((c.id, idle), (y.id, 15 * sec));
-        let (c, _) = longest_idle(&conns, 20 * s, sec, Some(a)).unwrap();
+        let (c, _) = victim(&conns, 20 * s, sec, Some(a)).unwrap();
         assert_eq!(c.id, x.id);
         // Not idle long enough; busy; chosen already.
-        assert!(longest_idle(&conns, 20 * s, 16 * sec, None).is_none());
+        assert!(victim(&conns, 20 * s, 16 * sec, None).is_none());
         x.evicting.store(true, Ordering::Relaxed);
-        assert!(longest_idle(&conns, 20 * s, sec, Some(a)).is_none());
+        assert!(victim(&conns, 20 * s, sec, Some(a)).is_none());
         z.active(false, 19 * s);
-        assert_eq!(
-            longest_idle(&conns, 20 * s, sec, Some(a)).unwrap().0.id,
-            z.id
+        assert_eq!(victim(&conns, 20 * s, sec, Some(a)).unwrap().0.id, z.id);
+    }
+
+    #[test]
+    fn a_full_server_takes_from_the_client_holding_the_most_connections() {
+        let o = Observer::default();
+        let (a, b, c) = (
+            Client::Ip([10, 0, 0, 1].into()),
+            Client::Ip([10, 0, 0, 2].into()),
+            Client::Ip([10, 0, 0, 3].into()),
         );
+        let s = 1_000_000_000u64;
+        let sec = Duration::from_secs(1);
+        // b's connection has been idle longest; a holds three, c two.
+        let old_b = o.open(("10.0.0.2:1", b), "", false, "simple", (0, 0));
+        old_b.active(false, 0);
+        let a_conns: Vec<_> = (0..3u32)
+            .map(|i| {
+                let x = o.open(("10.0.0.1:1", a), "", false, "simple", (0, 1 + i));
+                x.active(false, u64::from(5 + i) * s);
+                x
+            })
+            .collect();
+        let c_conns: Vec<_> = (0..2u32)
+            .map(|i| {
+                let x = o.open(("10.0.0.3:1", c), "", false, "simple", (1, i));
+                x.active(false, s);
+                x
+            })
+            .collect();
+        let conns = o.connections();
+        // a's longest idle (15 s), though b's and c's have been idle longer.
+        let (v, idle) = victim(&conns, 20 * s, 10 * sec, None).unwrap();
+        assert_eq!((v.id, idle), (a_conns[0].id, 15 * sec));
+        // None of a's has been idle for 16 s: then c (two), not b (one).
+        let (v, _) = victim(&conns, 20 * s, 16 * sec, None).unwrap();
+        assert_eq!(v.client, c);
+        // Busy connections count for their client but are never chosen.
+        a_conns[0].active(true, 0);
+        a_conns[1].active(true, 0);
+        let (v, _) = victim(&conns, 20 * s, 10 * sec, None).unwrap();
+        assert_eq!(v.id, a_conns[2].id);
+        // Connections on their way out count for nobody: a then holds one, like b.
+        a_conns[0].evicting.store(true, Ordering::Relaxed);
+        a_conns[1].evicting.store(true, Ordering::Relaxed);
+        let (v, _) = victim(&conns, 20 * s, 10 * sec, None).unwrap();
+        assert_eq!(v.client, c);
+        // Between clients holding as many, the longest idle: b's (20 s) before a's (13 s).
+        for x in &c_conns {
+            x.active(true, 0);
+        }
+        let (v, _) = victim(&conns, 20 * s, 10 * sec, None).unwrap();
+        assert_eq!(v.id, old_b.id);
     }
 }

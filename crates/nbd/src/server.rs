@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use cairn_core::socket::SocketFile;
 use cairn_core::{Error, Reactor, Switches};
 
-use crate::admit::{longest_idle, Admission, Full};
+use crate::admit::{victim, Admission, Full};
 use crate::conn::{Export, Limits, Msg, NewConn, ServerLoop};
 use crate::handshake::{Catalog, Negotiator, Step, TlsMode};
 use crate::observe::Client;
@@ -79,7 +79,7 @@ pub struct Config {
     /// Bytes of request and reply buffers all connections together may hold.
     pub memory_budget: usize,
     /// Connections served at once; more are closed at accept (unless an idle one can
-    /// make room).
+    /// make room). Lowered at start to what the descriptor limit allows.
     pub max_connections: usize,
     /// Connections served at once per client address (TCP) or user (Unix socket).
     pub max_connections_per_address: usize,
@@ -90,6 +90,10 @@ pub struct Config {
     /// Close connections as soon as they are idle for `idle_timeout`, rather than only
     /// when their slot is needed.
     pub idle_close: bool,
+    /// At a connection limit, a connection idle this long gives up its slot to the new
+    /// one (see [`crate::admit::victim`]), even before `idle_timeout`. `None`: only
+    /// connections idle for `idle_timeout` do.
+    pub evict_idle_after: Option<Duration>,
     /// Options one handshake may send.
     pub max_options: u32,
     /// Longest a handshake may take.
@@ -411,6 +415,8 @@ pub fn serve(
         .map(|_| cairn_core::event::eventfd("serve"))
         .collect::<Result<Vec<_>, _>>()?;
     let gates = Arc::new(crate::conn::Gates::new(&exports, wake_fds.clone()));
+    let mut config = config;
+    config.max_connections = fit_descriptors(config.max_connections, config.threads.max(1))?;
     // The reserve: one maximal request, widened to blocks, in its buffer's size class.
     let reserve = (config.limits.max_payload as usize + (2 << 20)).next_power_of_two();
     let budget = Arc::new(crate::pool::Budget::new(
@@ -648,6 +654,45 @@ pub fn serve(
     Ok(())
 }
 
+/// Descriptors kept for the server's own use beyond those open at start: a ring per
+/// reactor and the files its device queues open, admin and metrics connections.
+const FD_RESERVE: usize = 64;
+const FD_RESERVE_PER_REACTOR: usize = 16;
+
+/// `max_connections`, lowered (and logged) to what the descriptor limit allows: a
+/// connection holds one descriptor, its socket, from `accept` (handshake included) to
+/// its close. Without this, `accept` would fail with EMFILE at the limit instead of a
+/// connection being refused or an idle one making room.
+fn fit_descriptors(max_connections: usize, reactors: usize) -> Result<usize, Error> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into `lim`.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0
+        || lim.rlim_cur == libc::RLIM_INFINITY
+    {
+        return Ok(max_connections);
+    }
+    let soft = lim.rlim_cur as usize;
+    // The directory's own descriptor is listed too.
+    let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count().saturating_sub(1));
+    let reserve = FD_RESERVE + FD_RESERVE_PER_REACTOR * reactors;
+    let room = soft.saturating_sub(open + reserve);
+    if room >= max_connections {
+        return Ok(max_connections);
+    }
+    if room == 0 {
+        return Err(Error::Invalid(format!(
+            "serve: the descriptor limit (RLIMIT_NOFILE) of {soft} leaves none for connections: {open} are open and {reserve} are kept for the server; raise it (ulimit -n, LimitNOFILE=)"
+        )));
+    }
+    log::warn!(
+        "cairn: serve: --max-connections lowered from {max_connections} to {room}: the descriptor limit (RLIMIT_NOFILE) is {soft}, of which {open} are open and {reserve} kept for the server; raise it (ulimit -n, LimitNOFILE=) to serve more"
+    );
+    Ok(room)
+}
+
 /// Tells the shutdown watchdog that the devices are being closed.
 struct Closing(Arc<std::sync::Mutex<bool>>);
 
@@ -695,8 +740,9 @@ fn peer_uid(fd: RawFd) -> u32 {
 }
 
 /// Whether a new connection from `client` may be served; if so it is counted. At a limit,
-/// the connection idle longest (of that client, for the per-address limit) is closed to
-/// make room when it has been idle for `--idle-timeout`; else the new one is refused.
+/// an idle connection is closed to make room (see [`crate::admit::victim`]) when it has
+/// been idle for `--evict-idle-after` or `--idle-timeout`, whichever is shorter; else the
+/// new one is refused.
 fn admit(config: &Config, shared: &Shared, peer: &str, client: Client) -> bool {
     let adm = &shared.admission;
     let full = match adm.check(client) {
@@ -721,27 +767,42 @@ fn admit(config: &Config, shared: &Shared, peer: &str, client: Client) -> bool {
             "--max-connections",
         ),
     };
-    if let Some(timeout) = config.idle_timeout {
+    if let Some((idle_min, rule, why)) = eviction(config) {
         let conns = config.observer.connections();
         let now = cairn_core::clock::monotonic_ns();
-        if let Some((victim, idle)) = longest_idle(&conns, now, timeout, only) {
+        if let Some((victim, idle)) = victim(&conns, now, idle_min, only) {
             log::info!(
-                "cairn: serve: {peer}: {limit} ({flag}): closing {} (idle {:.0} s, over --idle-timeout) to make room",
+                "cairn: serve: {peer}: {limit} ({flag}): closing {} (idle {:.0} s, over {rule}) to make room",
                 victim.peer,
                 idle.as_secs_f64()
             );
-            evict(
-                shared,
-                victim,
-                timeout,
-                "closed: idle past --idle-timeout, its slot was needed",
-            );
+            evict(shared, victim, idle_min, why);
             adm.enter(client);
             return true;
         }
     }
     log::warn!("cairn: serve: {peer}: refused, {limit} ({flag})");
     false
+}
+
+/// How long a connection must have been idle to give up its slot to a new one, the flag
+/// that says so, and the reason its close line gives; `None`: never.
+fn eviction(config: &Config) -> Option<(Duration, &'static str, &'static str)> {
+    const BY_TIMEOUT: (&str, &str) = (
+        "--idle-timeout",
+        "closed: idle past --idle-timeout, its slot was needed",
+    );
+    const BY_EVICT: (&str, &str) = (
+        "--evict-idle-after",
+        "closed: idle for --evict-idle-after, its slot was needed",
+    );
+    let ((rule, why), d) = match (config.evict_idle_after, config.idle_timeout) {
+        (Some(e), Some(t)) if e < t => (BY_EVICT, e),
+        (_, Some(t)) => (BY_TIMEOUT, t),
+        (Some(e), None) => (BY_EVICT, e),
+        (None, None) => return None,
+    };
+    Some((d, rule, why))
 }
 
 /// Asks the reactor of `victim` to close it (see [`Msg::Evict`]).
@@ -796,10 +857,10 @@ fn handshake(fd: OwnedFd, (peer, client): (&str, Client), tcp: bool, shared: &Sh
     if tcp {
         set_nodelay(fd.as_raw_fd());
     }
-    let mut ch = Channel::Plain(UnixStream::from(fd));
+    let ch = Channel::Plain(UnixStream::from(fd));
     let deadline = Instant::now() + shared.handshake_timeout;
-    match negotiate(&mut ch, shared, deadline) {
-        Ok(Some(session)) => {
+    match negotiate(ch, shared, deadline) {
+        Ok(Some((ch, session))) => {
             let (s, tls) = match ch {
                 Channel::Plain(s) => (s, None),
                 Channel::Tls(t) => {
@@ -906,12 +967,13 @@ impl Channel {
     }
 }
 
-/// The fixed newstyle handshake; `Ok(None)` when the client left or was refused.
+/// The fixed newstyle handshake: the channel (TLS once STARTTLS succeeded) and the
+/// session; `Ok(None)` when the client left or was refused.
 fn negotiate(
-    s: &mut Channel,
+    mut s: Channel,
     shared: &Shared,
     deadline: Instant,
-) -> std::io::Result<Option<crate::handshake::Session>> {
+) -> std::io::Result<Option<(Channel, crate::handshake::Session)>> {
     let mut hello = Vec::with_capacity(18);
     hello.extend_from_slice(&proto::NBDMAGIC.to_be_bytes());
     hello.extend_from_slice(&proto::IHAVEOPT.to_be_bytes());
@@ -964,15 +1026,15 @@ fn negotiate(
         match step {
             Step::Continue => {}
             Step::Close => return Ok(None),
-            Step::Go(session) => return Ok(Some(session)),
+            Step::Go(session) => return Ok(Some((s, session))),
             Step::StartTls => {
                 let Some(config) = shared.tls_config.clone() else {
                     return Ok(None);
                 };
                 let conn = rustls::ServerConnection::new(config)
                     .map_err(|e| std::io::Error::other(format!("TLS: {e}")))?;
-                let Channel::Plain(sock) = std::mem::replace(s, Channel::Plain(dummy_stream()?))
-                else {
+                // The negotiator allows STARTTLS once, on the plain socket.
+                let Channel::Plain(sock) = s else {
                     return Ok(None);
                 };
                 let mut t = rustls::StreamOwned::new(conn, sock);
@@ -982,7 +1044,7 @@ fn negotiate(
                 while t.conn.is_handshaking() {
                     t.conn.complete_io(&mut t.sock)?;
                 }
-                *s = Channel::Tls(Box::new(t));
+                s = Channel::Tls(Box::new(t));
                 neg.tls_started();
             }
         }
@@ -991,9 +1053,4 @@ fn negotiate(
         std::io::ErrorKind::InvalidData,
         format!("more than {} options (--max-options)", shared.max_options),
     ))
-}
-
-/// A placeholder socket while the real one moves into the TLS stream.
-fn dummy_stream() -> std::io::Result<UnixStream> {
-    UnixStream::pair().map(|(a, _)| a)
 }
