@@ -3,7 +3,7 @@
 
   bench/bitmap.py [--rounds N] [--runtime SECS] [--size 1G]
 
-A mirror with metadata of two files on /dev/shm (each SIZE plus the 1 MiB metadata area).
+A mirror at the defaults (superblocks and a bitmap) of two files on /dev/shm (each SIZE plus the 1 MiB metadata area).
 
   resync    kill -9 with 1% of the regions written: `cairn bench` writes 4 KiB blocks at
             random into the first 1% of the array (1 MiB regions: 10 of 1024 for 1 GiB) for
@@ -50,7 +50,6 @@ size = "{size_mib + 1}M"
 [device.m]
 type = "mirror"
 members = ["a", "b"]
-metadata = "1"
 bitmap = "{bitmap}"
 """)
     return path

@@ -59,7 +59,6 @@ timeout = "1s"
 [device.m]
 type = "mirror"
 members = ["a", "remote"]
-metadata = "1"
 bitmap = "{bitmap}"
 readd = "200ms"
 """)

@@ -3,7 +3,7 @@
 
   bench/rebuild.py [--rounds N] [--runtime SECS] [--size 1G]
 
-A mirror with metadata of two files on /dev/shm (each SIZE plus the 1 MiB metadata area),
+A mirror at the defaults (superblocks and a bitmap) of two files on /dev/shm (each SIZE plus the 1 MiB metadata area),
 filled once with written blocks. Comparisons, in interleaved rounds, medians reported:
 
   rebuild   member b removed, `cairn serve` started: the rebuild's own figure (bytes,
@@ -46,7 +46,6 @@ size = "{member}"
 [device.m]
 type = "mirror"
 members = ["a", "b"]
-metadata = "1"
 """)
     return path
 
