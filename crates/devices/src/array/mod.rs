@@ -74,9 +74,9 @@ pub fn examine(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Result<E
             )));
         }
         let mut area = vec![0u8; SLOTS * SLOT_BYTES];
-        if g.size_bytes < DATA_OFFSET_MIN {
+        if g.size_bytes <= DATA_OFFSET_MIN {
             return Err(Error::Invalid(format!(
-                "device '{name}': member '{member}' ({} bytes) is smaller than the metadata area ({DATA_OFFSET_MIN} bytes)",
+                "device '{name}': member '{member}' ({} bytes) leaves no room for data after the metadata area ({DATA_OFFSET_MIN} bytes; or metadata = \"none\" for the raw layout)",
                 g.size_bytes
             )));
         }
@@ -87,7 +87,9 @@ pub fn examine(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Result<E
             ))
         })?;
         match superblock::pick(&area) {
-            Found::Blank => match data_found(&q, device, &area)? {
+            Found::Blank => match data_found(&q, device, &area).map_err(|e| {
+                Error::Invalid(format!("device '{name}': member '{member}': {e}"))
+            })? {
                 None => {
                     seen.push(Seen::Blank);
                     generations.push(0);
