@@ -939,12 +939,26 @@ fn a_write_back_copy_older_than_a_fua_write_is_not_sent() {
         let open = Open(&gate);
         let flusher = s.spawn(|| queue(&c).flush().unwrap());
         gate.wait_held(32);
-        q.write(p * PAGE as u64, &new, IoFlags::FUA).unwrap();
-        // The page is clean now; reads that miss fill the cache and evict clean pages,
-        // oldest first (it would go first): the copy must still be brought up to date.
-        read(&q, 100 * PAGE as u64, 30 * PAGE);
+        // (On another thread, so that a cache that made it wait for the held batch fails
+        // the test instead of hanging it.)
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (c, new) = (&c, &new);
+        s.spawn(move || {
+            let q = queue(c);
+            q.write(p * PAGE as u64, new, IoFlags::FUA).unwrap();
+            // The page is clean now; reads that miss fill the cache and evict clean
+            // pages, oldest first (it would go first): the copy must still be brought up
+            // to date.
+            read(&q, 100 * PAGE as u64, 30 * PAGE);
+            tx.send(()).unwrap();
+        });
+        let done = rx.recv_timeout(Duration::from_secs(20));
         drop(open);
         flusher.join().unwrap();
+        assert!(
+            done.is_ok(),
+            "the FUA write waited for a write-back batch its page is not in"
+        );
     });
     assert_eq!(read(&q, p * PAGE as u64, PAGE), new, "through the cache");
     assert_eq!(
