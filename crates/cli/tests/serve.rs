@@ -6452,7 +6452,16 @@ mod hostile {
         let started = Instant::now();
         // Three connections from one address, then five from another: every slot.
         let mut few: Vec<Raw> = (0..3).map(|_| go_from([127, 0, 3, 2], port)).collect();
-        let mut many: Vec<Raw> = (0..5).map(|_| go_from([127, 0, 3, 1], port)).collect();
+        // The first of the five goes into the middle of a write at once (half its
+        // payload sent): a request in flight, so it keeps its slot until --idle-timeout
+        // though it is idle longest.
+        let mut many = vec![go_from([127, 0, 3, 1], port)];
+        let payload = random_bytes(8192, 77);
+        many[0]
+            .send(&header(0, CMD_WRITE, 77, 1 << 20, 8192))
+            .unwrap();
+        many[0].send(&payload[..4096]).unwrap();
+        many.extend((1..5).map(|_| go_from([127, 0, 3, 1], port)));
         let early = Raw::connect_tcp_from([127, 0, 3, 9], port).admitted_now();
         let fresh = started.elapsed() < Duration::from_millis(900);
         let mut good = match early {
@@ -6471,8 +6480,8 @@ mod hostile {
             }
         };
         served(&mut good, "the new client", 31);
-        // The client holding five gave up one (its longest idle), though the other
-        // client's have been idle longer, and long before --idle-timeout (5m).
+        // The client holding five gave up one (its longest quiet connection), though the
+        // other client's have been idle longer, and long before --idle-timeout (5m).
         let log = srv.stderr();
         let gone = evicted(&log, "8 connections already (--max-connections)");
         assert_eq!(gone.len(), 1, "{log}");
@@ -6480,9 +6489,20 @@ mod hostile {
             .iter()
             .position(|c| c.local() == gone[0])
             .unwrap_or_else(|| panic!("{} closed, not the client holding five: {log}", gone[0]));
+        assert!(
+            i > 0,
+            "the connection in the middle of a write was closed: {log}"
+        );
         assert_closed(
             &mut many[i],
             "the longest idle connection of the client holding the most",
+        );
+        many[0].send(&payload[4096..]).unwrap();
+        many[0].expect(77, 0);
+        assert_same(
+            "the write that was in the middle",
+            &many[0].read_ok(78, 1 << 20, 8192),
+            &payload,
         );
         for (j, c) in few.iter_mut().enumerate() {
             served(
@@ -6492,7 +6512,7 @@ mod hostile {
             );
         }
         served(
-            &mut many[(i + 1) % 5],
+            &mut many[1 + i % 4],
             "another connection of the client holding five",
             51,
         );
