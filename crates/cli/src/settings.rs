@@ -381,8 +381,10 @@ pub struct ServeArgs {
     /// its slot (see --evict-idle-after); else the new one is refused.
     #[arg(long, value_name = "N", default_value_t = 32)]
     pub max_connections_per_address: usize,
-    /// At a connection limit, a connection idle this long (or --idle-timeout, if shorter)
-    /// is closed to make room for a new one: the server being full, one of the client
+    /// At a connection limit, a quiet connection (nothing at the device, no request partly
+    /// received, no reply waiting to be read) idle this long (or --idle-timeout, if
+    /// shorter) is closed to make room for a new one; one in the middle of a request or
+    /// reply only after --idle-timeout. The server being full, it is one of the client
     /// holding the most connections, its longest idle. 0: only after --idle-timeout.
     #[arg(long, value_name = "TIME", default_value = "10s")]
     pub evict_idle_after: String,

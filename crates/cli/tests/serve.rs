@@ -3378,6 +3378,13 @@ print("done")
             .arg(certs.path()));
         let stdout = success("the raw TLS client", &out);
         assert!(stdout.contains("done"), "{stdout}");
+        // The log is read on another thread: give it time to catch up.
+        let deadline = Instant::now() + IO_TIMEOUT;
+        while server.stderr().matches("KiB of ciphertext buffer)").count() < 3
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         let log = server.stderr();
         assert!(!log.contains("WARN"), "{log}");
         assert_eq!(
@@ -6730,8 +6737,7 @@ mod hostile {
         // be idle longest by the server's clock).
         let mut good = go_from([127, 0, 0, 1], port);
         served(&mut good, "the new client", 5);
-        let log = srv.stderr();
-        let gone = evicted(&log, "128 connections already (--max-connections)");
+        let (gone, log) = evicted(&srv, "128 connections already (--max-connections)");
         assert!(!gone.is_empty(), "{log}");
         for v in &gone {
             let i = idle
@@ -6744,19 +6750,28 @@ mod hostile {
         served(&mut idle[127], "an idle client that wakes up", 7);
         served(&mut good, "the new client, again", 9);
         assert!(
-            log.contains("closed: idle past --idle-timeout, its slot was needed"),
-            "{log}"
+            srv.wait_for_stderr(
+                "closed: idle past --idle-timeout, its slot was needed",
+                IO_TIMEOUT
+            ),
+            "{}",
+            srv.stderr()
         );
     }
 
-    /// The peers the log says were closed to make room after `why`.
-    fn evicted(log: &str, why: &str) -> Vec<String> {
+    /// The peers the server's log says were closed to make room after `why` (waiting
+    /// for the first such line: the log is read on another thread), and the log.
+    fn evicted(srv: &Server, why: &str) -> (Vec<String>, String) {
         let needle = format!("{why}: closing ");
-        log.lines()
+        srv.wait_for_stderr(&needle, IO_TIMEOUT);
+        let log = srv.stderr();
+        let peers = log
+            .lines()
             .filter_map(|l| l.split(&needle).nth(1))
             .filter_map(|r| r.split(' ').next())
             .map(str::to_string)
-            .collect()
+            .collect();
+        (peers, log)
     }
 
     /// Raises this process's soft descriptor limit to its hard limit; panics if that
@@ -6849,7 +6864,16 @@ mod hostile {
         let started = Instant::now();
         // Three connections from one address, then five from another: every slot.
         let mut few: Vec<Raw> = (0..3).map(|_| go_from([127, 0, 3, 2], port)).collect();
-        let mut many: Vec<Raw> = (0..5).map(|_| go_from([127, 0, 3, 1], port)).collect();
+        // The first of the five goes into the middle of a write at once (half its
+        // payload sent): a request in flight, so it keeps its slot until --idle-timeout
+        // though it is idle longest.
+        let mut many = vec![go_from([127, 0, 3, 1], port)];
+        let payload = random_bytes(8192, 77);
+        many[0]
+            .send(&header(0, CMD_WRITE, 77, 1 << 20, 8192))
+            .unwrap();
+        many[0].send(&payload[..4096]).unwrap();
+        many.extend((1..5).map(|_| go_from([127, 0, 3, 1], port)));
         let early = Raw::connect_tcp_from([127, 0, 3, 9], port).admitted_now();
         let fresh = started.elapsed() < Duration::from_millis(900);
         let mut good = match early {
@@ -6868,18 +6892,28 @@ mod hostile {
             }
         };
         served(&mut good, "the new client", 31);
-        // The client holding five gave up one (its longest idle), though the other
-        // client's have been idle longer, and long before --idle-timeout (5m).
-        let log = srv.stderr();
-        let gone = evicted(&log, "8 connections already (--max-connections)");
+        // The client holding five gave up one (its longest quiet connection), though the
+        // other client's have been idle longer, and long before --idle-timeout (5m).
+        let (gone, log) = evicted(&srv, "8 connections already (--max-connections)");
         assert_eq!(gone.len(), 1, "{log}");
         let i = many
             .iter()
             .position(|c| c.local() == gone[0])
             .unwrap_or_else(|| panic!("{} closed, not the client holding five: {log}", gone[0]));
+        assert!(
+            i > 0,
+            "the connection in the middle of a write was closed: {log}"
+        );
         assert_closed(
             &mut many[i],
             "the longest idle connection of the client holding the most",
+        );
+        many[0].send(&payload[4096..]).unwrap();
+        many[0].expect(77, 0);
+        assert_same(
+            "the write that was in the middle",
+            &many[0].read_ok(78, 1 << 20, 8192),
+            &payload,
         );
         for (j, c) in few.iter_mut().enumerate() {
             served(
@@ -6889,7 +6923,7 @@ mod hostile {
             );
         }
         served(
-            &mut many[(i + 1) % 5],
+            &mut many[1 + i % 4],
             "another connection of the client holding five",
             51,
         );
@@ -6898,8 +6932,12 @@ mod hostile {
             "{log}"
         );
         assert!(
-            log.contains("closed: idle for --evict-idle-after, its slot was needed"),
-            "{log}"
+            srv.wait_for_stderr(
+                "closed: idle for --evict-idle-after, its slot was needed",
+                IO_TIMEOUT
+            ),
+            "{}",
+            srv.stderr()
         );
     }
 
@@ -6919,9 +6957,8 @@ mod hostile {
         std::thread::sleep(Duration::from_millis(1500));
         let mut third = go_from([127, 0, 4, 1], port);
         served(&mut third, "a third connection of the address", 61);
-        let log = srv.stderr();
-        let gone = evicted(
-            &log,
+        let (gone, log) = evicted(
+            &srv,
             "2 connections from 127.0.4.1 already (--max-connections-per-address)",
         );
         assert_eq!(gone.len(), 1, "{log}");
@@ -6968,14 +7005,10 @@ mod hostile {
         let refused = Raw::connect_tcp_from([127, 0, 5, 99], port).admitted_now();
         assert!(refused.is_none(), "one more than the lowered limit");
         served(&mut conns[lowered - 1], "the last connection let in", 71);
+        let refusal = format!("refused, {lowered} connections already (--max-connections)");
+        srv.wait_for_stderr(&refusal, IO_TIMEOUT);
         let log = srv.stderr();
-        assert!(
-            log.contains(&format!(
-                "refused, {lowered} connections already (--max-connections)"
-            )),
-            "{}",
-            tail(&log)
-        );
+        assert!(log.contains(&refusal), "{}", tail(&log));
         assert!(!log.contains("accept:"), "{}", tail(&log));
 
         // A soft limit below the hard one is raised to it.

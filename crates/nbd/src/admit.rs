@@ -87,16 +87,39 @@ impl Admission {
     }
 }
 
-/// Of `conns`, the connection to close so that a new one can be served: one idle for
-/// `at_least` at `now_ns` (nothing of it at the device), not being evicted already. With
-/// `only`, the longest idle of that client's connections (its per-address limit was met).
-/// Else (the server is full) the client holding the most connections gives one up, its
-/// longest idle: a client that fills the server with idle connections evicts its own
-/// before anyone else's, and among clients holding as many, the longest idle goes first.
+/// How long a connection must have been idle to give up its slot to a new one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Patience {
+    /// A quiet connection: no request of it at the device, none partly received, no
+    /// reply waiting to be read (`--evict-idle-after`, or `--idle-timeout` if shorter).
+    pub quiet: Option<Duration>,
+    /// One in the middle of a request or reply, however slowly it moves
+    /// (`--idle-timeout`): a slow transfer is not cut short by a newcomer.
+    pub moving: Option<Duration>,
+}
+
+impl Patience {
+    /// How long `c` must have been idle.
+    pub fn of(&self, c: &ConnInfo) -> Option<Duration> {
+        if c.in_transfer() {
+            self.moving
+        } else {
+            self.quiet
+        }
+    }
+}
+
+/// Of `conns`, the connection to close so that a new one can be served: one idle for as
+/// long as `patience` asks at `now_ns` (nothing of it at the device), not being evicted
+/// already. With `only`, the longest idle of that client's connections (its per-address
+/// limit was met). Else (the server is full) the client holding the most connections
+/// gives one up, its longest idle: a client that fills the server with idle connections
+/// evicts its own before anyone else's, and among clients holding as many, the longest
+/// idle goes first.
 pub(crate) fn victim(
     conns: &[Arc<ConnInfo>],
     now_ns: u64,
-    at_least: Duration,
+    patience: Patience,
     only: Option<Client>,
 ) -> Option<(&ConnInfo, Duration)> {
     let live = || conns.iter().filter(|c| !c.evicting.load(Ordering::Relaxed));
@@ -109,7 +132,7 @@ pub(crate) fn victim(
     live()
         .filter(|c| only.is_none_or(|o| c.client == o))
         .filter_map(|c| Some((&**c, c.idle_for(now_ns)?)))
-        .filter(|(_, idle)| *idle >= at_least)
+        .filter(|(c, idle)| patience.of(c).is_some_and(|p| *idle >= p))
         .max_by_key(|(c, idle)| (held.get(&c.client).copied().unwrap_or(0), *idle))
 }
 
@@ -117,6 +140,14 @@ pub(crate) fn victim(
 mod tests {
     use super::*;
     use crate::observe::Observer;
+
+    /// The same patience with every connection.
+    fn each(d: Duration) -> Patience {
+        Patience {
+            quiet: Some(d),
+            moving: Some(d),
+        }
+    }
 
     #[test]
     fn limits_per_client_and_in_total() {
@@ -153,16 +184,19 @@ mod tests {
         z.active(true, 0);
         let conns = o.connections();
         let sec = Duration::from_secs(1);
-        let (c, idle) = victim(&conns, 20 * s, sec, Some(b)).unwrap();
+        let (c, idle) = victim(&conns, 20 * s, each(sec), Some(b)).unwrap();
         assert_eq!((c.id, idle), (y.id, 15 * sec));
-        let (c, _) = victim(&conns, 20 * s, sec, Some(a)).unwrap();
+        let (c, _) = victim(&conns, 20 * s, each(sec), Some(a)).unwrap();
         assert_eq!(c.id, x.id);
         // Not idle long enough; busy; chosen already.
-        assert!(victim(&conns, 20 * s, 16 * sec, None).is_none());
+        assert!(victim(&conns, 20 * s, each(16 * sec), None).is_none());
         x.evicting.store(true, Ordering::Relaxed);
-        assert!(victim(&conns, 20 * s, sec, Some(a)).is_none());
+        assert!(victim(&conns, 20 * s, each(sec), Some(a)).is_none());
         z.active(false, 19 * s);
-        assert_eq!(victim(&conns, 20 * s, sec, Some(a)).unwrap().0.id, z.id);
+        assert_eq!(
+            victim(&conns, 20 * s, each(sec), Some(a)).unwrap().0.id,
+            z.id
+        );
     }
 
     #[test]
@@ -194,26 +228,59 @@ mod tests {
             .collect();
         let conns = o.connections();
         // a's longest idle (15 s), though b's and c's have been idle longer.
-        let (v, idle) = victim(&conns, 20 * s, 10 * sec, None).unwrap();
+        let (v, idle) = victim(&conns, 20 * s, each(10 * sec), None).unwrap();
         assert_eq!((v.id, idle), (a_conns[0].id, 15 * sec));
         // None of a's has been idle for 16 s: then c (two), not b (one).
-        let (v, _) = victim(&conns, 20 * s, 16 * sec, None).unwrap();
+        let (v, _) = victim(&conns, 20 * s, each(16 * sec), None).unwrap();
         assert_eq!(v.client, c);
         // Busy connections count for their client but are never chosen.
         a_conns[0].active(true, 0);
         a_conns[1].active(true, 0);
-        let (v, _) = victim(&conns, 20 * s, 10 * sec, None).unwrap();
+        let (v, _) = victim(&conns, 20 * s, each(10 * sec), None).unwrap();
         assert_eq!(v.id, a_conns[2].id);
         // Connections on their way out count for nobody: a then holds one, like b.
         a_conns[0].evicting.store(true, Ordering::Relaxed);
         a_conns[1].evicting.store(true, Ordering::Relaxed);
-        let (v, _) = victim(&conns, 20 * s, 10 * sec, None).unwrap();
+        let (v, _) = victim(&conns, 20 * s, each(10 * sec), None).unwrap();
         assert_eq!(v.client, c);
         // Between clients holding as many, the longest idle: b's (20 s) before a's (13 s).
         for x in &c_conns {
             x.active(true, 0);
         }
-        let (v, _) = victim(&conns, 20 * s, 10 * sec, None).unwrap();
+        let (v, _) = victim(&conns, 20 * s, each(10 * sec), None).unwrap();
         assert_eq!(v.id, old_b.id);
+    }
+
+    #[test]
+    fn a_connection_in_the_middle_of_a_request_waits_for_the_longer_patience() {
+        let o = Observer::default();
+        let a = Client::Ip([10, 0, 0, 1].into());
+        let s = 1_000_000_000u64;
+        let sec = Duration::from_secs(1);
+        // x has been idle 15 s but a payload of it is still arriving; y is quiet, 12 s.
+        let x = o.open(("10.0.0.1:1", a), "", false, "simple", (0, 0));
+        let y = o.open(("10.0.0.1:2", a), "", false, "simple", (0, 1));
+        x.active(false, 5 * s);
+        x.moving(true);
+        y.active(false, 8 * s);
+        let conns = o.connections();
+        let p = Patience {
+            quiet: Some(10 * sec),
+            moving: Some(60 * sec),
+        };
+        assert_eq!(victim(&conns, 20 * s, p, None).unwrap().0.id, y.id);
+        y.moving(true);
+        assert!(victim(&conns, 20 * s, p, Some(a)).is_none());
+        // Past the longer patience, or with no quiet rule at all.
+        assert_eq!(victim(&conns, 70 * s, p, None).unwrap().0.id, x.id);
+        let only_moving = Patience {
+            quiet: None,
+            moving: Some(sec),
+        };
+        x.moving(false);
+        assert_eq!(
+            victim(&conns, 20 * s, only_moving, None).unwrap().0.id,
+            y.id
+        );
     }
 }

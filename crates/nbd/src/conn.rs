@@ -2076,6 +2076,8 @@ impl ServerLoop {
         // connection is closed when others wait for memory.
         let waits = st.mem_wait && !st.output_pending();
         conn.info.active(st.in_flight > 0 || waits, st.progress_ns);
+        conn.info
+            .moving(!matches!(st.rx, Rx::Header) || st.rs < st.re || st.output_pending());
         conn.info.holding(st.pool.outstanding());
         let finished = st.in_flight == 0 && !st.output_pending() && !self.awaiting_flush(&st);
         if st.dead || (st.eof && finished) {

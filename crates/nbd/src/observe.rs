@@ -71,6 +71,7 @@ impl Observer {
             slot,
             active_ns: AtomicU64::new(cairn_core::clock::monotonic_ns()),
             evicting: AtomicBool::new(false),
+            moving: AtomicBool::new(false),
             held: AtomicU64::new(0),
         });
         self.accepted.fetch_add(1, Relaxed);
@@ -154,6 +155,9 @@ pub struct ConnInfo {
     active_ns: AtomicU64,
     /// Chosen for eviction already.
     pub(crate) evicting: AtomicBool,
+    /// In the middle of a request or a reply: a request partly received, or replies
+    /// waiting to be read. Written by its reactor only when the value changes.
+    moving: AtomicBool,
     /// Bytes of buffers it holds (requests in flight, replies not yet sent).
     held: AtomicU64,
 }
@@ -270,6 +274,19 @@ impl ConnInfo {
         if self.active_ns.load(Relaxed) != v {
             self.active_ns.store(v, Relaxed);
         }
+    }
+
+    /// Notes whether a request or reply of it is partly moved (called by its reactor).
+    #[inline]
+    pub(crate) fn moving(&self, moving: bool) {
+        if self.moving.load(Relaxed) != moving {
+            self.moving.store(moving, Relaxed);
+        }
+    }
+
+    /// Whether a request of it is partly received or replies wait for it to read them.
+    pub fn in_transfer(&self) -> bool {
+        self.moving.load(Relaxed)
     }
 
     /// Notes the bytes of buffers it holds (called by its reactor).

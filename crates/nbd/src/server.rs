@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use cairn_core::socket::SocketFile;
 use cairn_core::{Error, Reactor, Switches};
 
-use crate::admit::{victim, Admission, Full};
+use crate::admit::{victim, Admission, Full, Patience};
 use crate::conn::{Export, Limits, Msg, NewConn, ServerLoop};
 use crate::handshake::{Catalog, Negotiator, Step, TlsMode};
 use crate::observe::Client;
@@ -740,9 +740,9 @@ fn peer_uid(fd: RawFd) -> u32 {
 }
 
 /// Whether a new connection from `client` may be served; if so it is counted. At a limit,
-/// an idle connection is closed to make room (see [`crate::admit::victim`]) when it has
-/// been idle for `--evict-idle-after` or `--idle-timeout`, whichever is shorter; else the
-/// new one is refused.
+/// an idle connection is closed to make room (see [`crate::admit::victim`]): a quiet one
+/// idle for `--evict-idle-after` (or `--idle-timeout`, if shorter), one in the middle of
+/// a request or reply idle for `--idle-timeout`; else the new one is refused.
 fn admit(config: &Config, shared: &Shared, peer: &str, client: Client) -> bool {
     let adm = &shared.admission;
     let full = match adm.check(client) {
@@ -767,42 +767,41 @@ fn admit(config: &Config, shared: &Shared, peer: &str, client: Client) -> bool {
             "--max-connections",
         ),
     };
-    if let Some((idle_min, rule, why)) = eviction(config) {
-        let conns = config.observer.connections();
-        let now = cairn_core::clock::monotonic_ns();
-        if let Some((victim, idle)) = victim(&conns, now, idle_min, only) {
-            log::info!(
-                "cairn: serve: {peer}: {limit} ({flag}): closing {} (idle {:.0} s, over {rule}) to make room",
-                victim.peer,
-                idle.as_secs_f64()
-            );
-            evict(shared, victim, idle_min, why);
-            adm.enter(client);
-            return true;
-        }
+    let patience = Patience {
+        quiet: match (config.evict_idle_after, config.idle_timeout) {
+            (Some(e), Some(t)) => Some(e.min(t)),
+            (e, t) => e.or(t),
+        },
+        moving: config.idle_timeout,
+    };
+    let conns = config.observer.connections();
+    let now = cairn_core::clock::monotonic_ns();
+    if let Some((victim, idle)) = victim(&conns, now, patience, only) {
+        // The rule that let it go: the short one for a quiet connection (unless the idle
+        // timeout is shorter still), the idle timeout for one in mid-transfer.
+        let need = patience.of(victim).unwrap_or_default();
+        let (rule, why) = if Some(need) == config.idle_timeout {
+            (
+                "--idle-timeout",
+                "closed: idle past --idle-timeout, its slot was needed",
+            )
+        } else {
+            (
+                "--evict-idle-after",
+                "closed: idle for --evict-idle-after, its slot was needed",
+            )
+        };
+        log::info!(
+            "cairn: serve: {peer}: {limit} ({flag}): closing {} (idle {:.0} s, over {rule}) to make room",
+            victim.peer,
+            idle.as_secs_f64()
+        );
+        evict(shared, victim, need, why);
+        adm.enter(client);
+        return true;
     }
     log::warn!("cairn: serve: {peer}: refused, {limit} ({flag})");
     false
-}
-
-/// How long a connection must have been idle to give up its slot to a new one, the flag
-/// that says so, and the reason its close line gives; `None`: never.
-fn eviction(config: &Config) -> Option<(Duration, &'static str, &'static str)> {
-    const BY_TIMEOUT: (&str, &str) = (
-        "--idle-timeout",
-        "closed: idle past --idle-timeout, its slot was needed",
-    );
-    const BY_EVICT: (&str, &str) = (
-        "--evict-idle-after",
-        "closed: idle for --evict-idle-after, its slot was needed",
-    );
-    let ((rule, why), d) = match (config.evict_idle_after, config.idle_timeout) {
-        (Some(e), Some(t)) if e < t => (BY_EVICT, e),
-        (_, Some(t)) => (BY_TIMEOUT, t),
-        (Some(e), None) => (BY_EVICT, e),
-        (None, None) => return None,
-    };
-    Some((d, rule, why))
 }
 
 /// Asks the reactor of `victim` to close it (see [`Msg::Evict`]).
