@@ -87,9 +87,9 @@ pub fn examine(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Result<E
             ))
         })?;
         match superblock::pick(&area) {
-            Found::Blank => match data_found(&q, device, &area).map_err(|e| {
-                Error::Invalid(format!("device '{name}': member '{member}': {e}"))
-            })? {
+            Found::Blank => match data_found(&q, device, &area)
+                .map_err(|e| Error::Invalid(format!("device '{name}': member '{member}': {e}")))?
+            {
                 None => {
                     seen.push(Seen::Blank);
                     generations.push(0);
