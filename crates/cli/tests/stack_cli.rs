@@ -259,7 +259,7 @@ mod check {
 
     #[test]
     fn invalid_files_exit_2_with_one_line_naming_device_and_key() {
-        let four = mems(&["d0", "d1", "d2", "d3"], "1M");
+        let four = mems(&["d0", "d1", "d2", "d3"], "2M");
         let cases: Vec<(String, &str, &str)> = vec![
             (
                 format!("{four}[device.r]\ntype = \"raid10\"\nmembers = [\"d0\", \"d1\"]\nstripes = 2\n"),
