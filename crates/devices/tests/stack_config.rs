@@ -534,7 +534,7 @@ mod chunk {
             assert_names(&open_err(&text, "top"), "top", "chunk");
             let members: String = (0..4)
                 .map(|i| {
-                    format!("[device.d{i}]\ntype = \"mem\"\nsize = \"1M\"\nblock = \"4K\"\n\n")
+                    format!("[device.d{i}]\ntype = \"mem\"\nsize = \"2M\"\nblock = \"4K\"\n\n")
                 })
                 .collect();
             let text = format!(

@@ -74,9 +74,10 @@ pub fn examine(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Result<E
             )));
         }
         let mut area = vec![0u8; SLOTS * SLOT_BYTES];
-        if g.size_bytes <= DATA_OFFSET_MIN {
+        if g.size_bytes < DATA_OFFSET_MIN + u64::from(g.block_bytes) {
             return Err(Error::Invalid(format!(
-                "device '{name}': member '{member}' ({} bytes) leaves no room for data after the metadata area ({DATA_OFFSET_MIN} bytes; or metadata = \"none\" for the raw layout)",
+                "device '{name}': member '{member}' ({} bytes) is smaller than the metadata area ({DATA_OFFSET_MIN} bytes) and one block of data \
+                 (metadata = \"none\" gives the raw layout)",
                 g.size_bytes
             )));
         }
