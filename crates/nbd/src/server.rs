@@ -90,9 +90,11 @@ pub struct Config {
     /// Close connections as soon as they are idle for `idle_timeout`, rather than only
     /// when their slot is needed.
     pub idle_close: bool,
-    /// At a connection limit, a connection idle this long gives up its slot to the new
-    /// one (see [`crate::admit::victim`]), even before `idle_timeout`. `None`: only
-    /// connections idle for `idle_timeout` do.
+    /// At a connection limit, a quiet connection (nothing of it at the device, no request
+    /// partly received, no reply waiting to be read) idle this long gives up its slot to
+    /// the new one (see [`crate::admit::victim`]), even before `idle_timeout`; one in the
+    /// middle of a request or reply waits for `idle_timeout`. `None`: only connections
+    /// idle for `idle_timeout` do.
     pub evict_idle_after: Option<Duration>,
     /// Options one handshake may send.
     pub max_options: u32,
