@@ -628,23 +628,7 @@ fn a_member_whose_superblock_fails_is_out_of_reads_and_writes() {
 /// Makes the members' superblocks say the array did not stop cleanly, as `kill -9` or a
 /// power cut would leave them.
 fn mark_unclean(paths: &[&Path]) {
-    use cairn_devices::array::superblock::{pick, Found, SLOT_BYTES};
-    use std::io::{Seek, SeekFrom, Write};
-    for p in paths {
-        let area = std::fs::read(p).expect("read")[..2 * SLOT_BYTES].to_vec();
-        let Found::Valid { mut sb, .. } = pick(&area) else {
-            panic!("no superblock on {}", p.display())
-        };
-        sb.flags = 0;
-        sb.generation += 1;
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(p)
-            .expect("open");
-        f.seek(SeekFrom::Start((sb.slot() * SLOT_BYTES) as u64))
-            .expect("seek");
-        f.write_all(&sb.encode()).expect("write");
-    }
+    edit_superblocks(paths, |sb| sb.flags = 0);
 }
 
 /// Scenario 3: after an unclean stop the copies may differ where writes were in flight.

@@ -925,6 +925,40 @@ impl Metadata {
         Ok(())
     }
 
+    /// Member `m`'s superblock (identity `member_uuid`) at `generation` and `events`:
+    /// no flags, no bitmap, no bits cleared; the callers set what differs.
+    fn superblock(
+        &self,
+        m: usize,
+        member_uuid: [u8; 16],
+        generation: u64,
+        events: u64,
+        roles: Vec<Role>,
+    ) -> Superblock {
+        Superblock {
+            generation,
+            array_uuid: self.array_uuid,
+            member_uuid,
+            level: self.expect.level,
+            chunk_bytes: self.expect.chunk_bytes,
+            copies: self.expect.copies,
+            role: m as u32,
+            data_offset: self.data_offset,
+            member_data_bytes: self.member_data[m],
+            array_bytes: self.array_bytes,
+            events,
+            flags: 0,
+            retired_by: [0; 16],
+            region_bytes: 0,
+            bitmap: Vec::new(),
+            events_cleared: 0,
+            created_secs: self.created_secs,
+            updated_secs: now_secs(),
+            name: truncated(&self.name, 64),
+            roles,
+        }
+    }
+
     /// Every member's entry of the role table, as the state has them.
     fn roles(&self, st: &MetaState) -> Vec<Role> {
         st.parts
@@ -955,28 +989,10 @@ impl Metadata {
         let events = st.events;
         let events_cleared = st.events_cleared.min(events);
         drop(st);
-        let mut sb = Superblock {
-            generation,
-            array_uuid: self.array_uuid,
-            member_uuid: part.member_uuid,
-            level: self.expect.level,
-            chunk_bytes: self.expect.chunk_bytes,
-            copies: self.expect.copies,
-            role: m as u32,
-            data_offset: self.data_offset,
-            member_data_bytes: self.member_data[m],
-            array_bytes: self.array_bytes,
-            events,
-            flags: superblock::FLAG_RETIRED,
-            retired_by: by,
-            region_bytes: 0,
-            bitmap: Vec::new(),
-            events_cleared,
-            created_secs: self.created_secs,
-            updated_secs: now_secs(),
-            name: truncated(&self.name, 64),
-            roles,
-        };
+        let mut sb = self.superblock(m, part.member_uuid, generation, events, roles);
+        sb.flags = superblock::FLAG_RETIRED;
+        sb.retired_by = by;
+        sb.events_cleared = events_cleared;
         let result = queue(device, &self.expect.name, name).and_then(|q| {
             for _ in 0..SLOTS {
                 sb.generation += 1;
@@ -1022,28 +1038,11 @@ impl Metadata {
                 continue;
             }
             let generation = st.generations[i] + 1;
-            let sb = Superblock {
-                generation,
-                array_uuid: self.array_uuid,
-                member_uuid: part.member_uuid,
-                level: self.expect.level,
-                chunk_bytes: self.expect.chunk_bytes,
-                copies: self.expect.copies,
-                role: i as u32,
-                data_offset: self.data_offset,
-                member_data_bytes: self.member_data[i],
-                array_bytes: self.array_bytes,
-                events: st.events,
-                flags: if clean { superblock::FLAG_CLEAN } else { 0 },
-                retired_by: [0; 16],
-                region_bytes,
-                bitmap: bitmap.clone(),
-                events_cleared: st.events_cleared.min(st.events),
-                created_secs: self.created_secs,
-                updated_secs: now_secs(),
-                name: truncated(&self.name, 64),
-                roles: roles.clone(),
-            };
+            let mut sb = self.superblock(i, part.member_uuid, generation, st.events, roles.clone());
+            sb.flags = if clean { superblock::FLAG_CLEAN } else { 0 };
+            sb.region_bytes = region_bytes;
+            sb.bitmap = bitmap.clone();
+            sb.events_cleared = st.events_cleared.min(st.events);
             let member = st.names[i].clone();
             let result = queue(&device, &self.expect.name, &member).and_then(|q| {
                 let at = (sb.slot() * SLOT_BYTES) as u64;
