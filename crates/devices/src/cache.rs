@@ -415,7 +415,15 @@ impl Device for CacheDevice {
         self.base.extents(offset, len, out)
     }
     fn power_cut(&self) {
-        // Cache memory is volatile: everything in it is gone.
+        // Cache memory is volatile: everything in it is gone. A cut is one instant for the
+        // whole stack: no write-back may be half way to the base across it (its copy,
+        // older than the cut, would land after it, over what a read after the cut saw
+        // or is reading), so the cut waits for the round in flight.
+        let _writing = self
+            .shared
+            .writing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         let mut st = self.shared.lock();
         let lost = st.dirty.len();
         // Reads in flight saw data the cut may have taken away: they must not fill.

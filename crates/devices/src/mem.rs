@@ -483,9 +483,10 @@ const PERSIST_STRIPES: usize = 64;
 /// device's store is what reads see; this keeps a second store, the durable copy (what a
 /// power cut goes back to), and a bit per page whose store contents may differ from it.
 ///
-/// - A write changes the store and sets its pages' bits: no lock, and no allocation but
-///   the store's own and a 32 KiB chunk of bits the first time a GiB is written (the hot
-///   path is a plain mem's plus one atomic OR per 64 pages).
+/// - A write changes the store and sets its pages' bits: no allocation but the store's
+///   own and a 32 KiB chunk of bits the first time a GiB is written, and no lock but the
+///   shared hold on `cut` below (the hot path is a plain mem's plus two atomic
+///   read-modify-writes for the hold and one atomic OR per 64 pages).
 /// - A FUA request also writes its own bytes (or zeros) to the durable copy, and nothing
 ///   else: other writes in the same pages stay volatile. Its pages' bits stay set (the
 ///   store may hold other unflushed bytes in them).
@@ -496,13 +497,17 @@ const PERSIST_STRIPES: usize = 64;
 ///
 /// Each page's copy, and a FUA request's change to a page, hold that page's stripe of
 /// `persisting`, so a flush copying a page cannot put bytes it read before a FUA write
-/// over what that write made durable, and a cut cannot fall between a FUA write's two
-/// halves. Memory: up to twice the data, the store and the durable copy.
+/// over what that write made durable. A power cut is one instant: every write, FUA
+/// request and flush holds `cut` shared, the cut holds it alone, so a write racing the
+/// cut (a cache's write-back on another thread) lands wholly before it or wholly after,
+/// never half on each side of the copy back. Memory: up to twice the data, the store and
+/// the durable copy.
 pub struct Volatile {
     size_bytes: u64,
     durable: MemStore,
     dirty: PageBits,
     persisting: [std::sync::Mutex<()>; PERSIST_STRIPES],
+    cut: std::sync::RwLock<()>,
 }
 
 impl Volatile {
@@ -512,7 +517,31 @@ impl Volatile {
             durable: MemStore::new(size_bytes),
             dirty: PageBits::new(size_bytes),
             persisting: std::array::from_fn(|_| std::sync::Mutex::new(())),
+            cut: std::sync::RwLock::new(()),
         }
+    }
+
+    /// Held while a request changes the store or the durable copy: a cut waits for it.
+    fn not_cut(&self) -> std::sync::RwLockReadGuard<'_, ()> {
+        self.cut.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A plain write: the store, and its pages' bits.
+    ///
+    /// # Safety
+    /// As [`MemStore::write`].
+    unsafe fn write(&self, store: &MemStore, offset: u64, len: u64, src: *const u8) {
+        let _live = self.not_cut();
+        // SAFETY: as the caller's.
+        unsafe { store.write(offset, len, src) };
+        self.wrote(offset, len);
+    }
+
+    /// A plain discard or write-zeroes.
+    fn zero(&self, store: &MemStore, offset: u64, len: u64, allocated: bool) {
+        let _live = self.not_cut();
+        store.zero_keeping(offset, len, allocated);
+        self.wrote(offset, len);
     }
 
     fn stripe(&self, page: u64) -> std::sync::MutexGuard<'_, ()> {
@@ -558,6 +587,7 @@ impl Volatile {
     /// # Safety
     /// As [`MemStore::write`].
     unsafe fn write_fua(&self, store: &MemStore, offset: u64, len: u64, src: *const u8) {
+        let _live = self.not_cut();
         self.persisting(offset, len, |at, n| {
             let from = src.wrapping_add((at - offset) as usize);
             // SAFETY: `from` lies inside `src`, which holds `len` bytes; the piece is
@@ -572,6 +602,7 @@ impl Volatile {
 
     /// A FUA discard or write-zeroes: zeros in the store and in the durable copy.
     fn zero_fua(&self, store: &MemStore, offset: u64, len: u64, allocated: bool) {
+        let _live = self.not_cut();
         self.persisting(offset, len, |at, n| {
             store.zero_keeping(at, n, allocated);
             self.wrote(at, n);
@@ -581,6 +612,7 @@ impl Volatile {
 
     /// Makes every page written so far durable.
     fn flush(&self, store: &MemStore) {
+        let _live = self.not_cut();
         self.dirty.take(|p| {
             let _page = self.stripe(p);
             store.copy_page(&self.durable, p, self.page_len(p));
@@ -590,6 +622,7 @@ impl Volatile {
     /// Puts every page written since the last flush back as the durable copy has it;
     /// returns how many.
     fn power_cut(&self, store: &MemStore) -> u64 {
+        let _alone = self.cut.write().unwrap_or_else(|p| p.into_inner());
         let mut n = 0;
         self.dirty.take(|p| {
             let _page = self.stripe(p);
@@ -728,16 +761,12 @@ impl Queue for MemQueue {
                 // FUA: this request's own range is durable when it completes; other
                 // writes in the volatile layer stay volatile, as on a disk.
                 (Some(v), Op::Write) if fua => v.write_fua(&self.store, io.offset, io.len, io.buf),
-                (Some(v), Op::Write) => {
-                    self.store.write(io.offset, io.len, io.buf);
-                    v.wrote(io.offset, io.len);
-                }
+                (Some(v), Op::Write) => v.write(&self.store, io.offset, io.len, io.buf),
                 (Some(v), Op::Discard | Op::WriteZeroes) if fua => {
                     v.zero_fua(&self.store, io.offset, io.len, allocated)
                 }
                 (Some(v), Op::Discard | Op::WriteZeroes) => {
-                    self.store.zero_keeping(io.offset, io.len, allocated);
-                    v.wrote(io.offset, io.len);
+                    v.zero(&self.store, io.offset, io.len, allocated)
                 }
                 (Some(v), Op::Flush) => v.flush(&self.store),
             }
