@@ -410,6 +410,145 @@ fn after_a_crash_during_a_rebuild_both_resume() {
     assert!(read_all(&m) == pattern(9, size));
 }
 
+/// Polls the array's status until `done` holds of it (at most 120 s).
+fn wait_until(m: &Arc<dyn Device>, what: &str, done: impl Fn(&str) -> bool) -> String {
+    for _ in 0..2400 {
+        let s = m.array_status().expect("an array's status");
+        if done(&s) {
+            return s;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    panic!(
+        "not {what} within 120 s: {}",
+        m.array_status().unwrap_or_default()
+    );
+}
+
+/// The number after `key` in a status text (`resync 42.0%`, `bitmap: 3 of`, `read 123`).
+fn number_after(status: &str, key: &str) -> Option<f64> {
+    let rest = status.split(key).nth(1)?;
+    let n: String = rest
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.')
+        .collect();
+    n.parse().ok()
+}
+
+/// A mirror of two 65M files whose copies differ at 60 MiB, staged as an unclean stop
+/// with every bitmap bit set (64 regions of 1 MiB), resynced at 4 MB/s: the stack text.
+fn unclean_mirror_resyncing_slowly(dir: &Path, bitmap: &str) -> (String, [std::path::PathBuf; 2]) {
+    let (a, b) = (dir.join("a.img"), dir.join("b.img"));
+    let member = |name: &str, path: &Path| {
+        format!(
+            "[device.{name}]\ntype = \"file\"\npath = \"{}\"\nsize = \"65M\"\n\n",
+            path.display()
+        )
+    };
+    let slow = format!(
+        "{}{}[device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"b\"]\n{bitmap}rebuild_min = \"1M\"\nrebuild_max = \"4M\"\n",
+        member("a", &a),
+        member("b", &b)
+    );
+    let m = open(&slow, "m").expect("create");
+    let size = m.geometry().size_bytes as usize;
+    assert_eq!(size as u64, 64 * MIB);
+    queue(&m)
+        .write(0, &pattern(9, size), IoFlags::NONE)
+        .expect("write");
+    drop(m);
+    // A write in flight at the crash reached a and not b, at 60 MiB of the array.
+    let mut other = std::fs::read(&b).expect("read b");
+    let at = (MIB + 60 * MIB) as usize;
+    other[at..at + 4096].fill(0xee);
+    std::fs::write(&b, &other).expect("write b");
+    edit_superblocks(&[&a, &b], |sb| {
+        sb.flags = 0;
+        sb.bitmap.iter_mut().for_each(|x| *x = 0xff);
+    });
+    (slow, [a, b])
+}
+
+/// Bytes the last resync read, from `status`.
+fn resync_read(m: &Arc<dyn Device>) -> u64 {
+    let s = wait_status(m, "last resync");
+    number_after(&s, "read ").expect("bytes read") as u64
+}
+
+/// The members' data areas are the same.
+fn copies_agree(a: &Path, b: &Path) -> bool {
+    let (x, y) = (std::fs::read(a).expect("a"), std::fs::read(b).expect("b"));
+    x[MIB as usize..] == y[MIB as usize..]
+}
+
+/// A crash during a resync: the bitmap is its checkpoint. Bits of the regions it has
+/// passed are cleared behind it, so the next start resyncs only what it had not reached
+/// (and what was written since), not the whole array again. (Was: no bit was cleared
+/// while a resync ran, and every start resynced every region dirty at the first.)
+#[test]
+fn a_resync_cut_short_by_a_crash_resumes_from_the_bitmap() {
+    let dir = tempfile::tempdir().expect("a directory");
+    let (slow, [a, b]) =
+        unclean_mirror_resyncing_slowly(dir.path(), "bitmap = \"1M\"\nbitmap_delay = \"100ms\"\n");
+    let m = open(&slow, "m").expect("open after the crash");
+    let size = m.geometry().size_bytes as usize;
+    let seen = wait_until(&m, "resync under way, with bits cleared behind it", |s| {
+        s.contains("    resync ") && number_after(s, "bitmap: ").is_some_and(|dirty| dirty <= 48.0)
+    });
+    drop(m);
+    // As a crash leaves the superblocks: the bits as last cleared, no resync offset.
+    edit_superblocks(&[&a, &b], |sb| {
+        assert_eq!(sb.flags, 0, "stopped during the resync: still not clean");
+        sb.resync_offset = 0;
+    });
+    let m = open(&slow.replace("rebuild_max = \"4M\"\n", ""), "m").expect("open again");
+    let read = resync_read(&m);
+    assert!(read > 0, "nothing resynced: {seen}");
+    assert!(
+        read <= 48 * MIB,
+        "read {read} bytes, the whole array again? {seen}"
+    );
+    assert!(read_all(&m) == pattern(9, size), "data changed");
+    drop(m);
+    assert!(copies_agree(&a, &b), "the copies differ after the resync");
+}
+
+/// A stop during a resync records how far it got (the copies agree below: nothing is in
+/// flight at a stop), and the next start resumes there, without a bitmap too. (Was: the
+/// resync started over from 0.)
+#[test]
+fn a_resync_stopped_cleanly_resumes_where_it_stopped() {
+    use cairn_devices::array::superblock::{pick, Found, SLOT_BYTES};
+    let dir = tempfile::tempdir().expect("a directory");
+    let (slow, [a, b]) = unclean_mirror_resyncing_slowly(dir.path(), "bitmap = \"none\"\n");
+    let m = open(&slow, "m").expect("open after the crash");
+    let size = m.geometry().size_bytes as usize;
+    wait_until(&m, "a quarter resynced", |s| {
+        number_after(s, "    resync ").is_some_and(|pct| pct >= 25.0)
+    });
+    drop(m);
+    let area = std::fs::read(&a).expect("a")[..2 * SLOT_BYTES].to_vec();
+    let Found::Valid { sb, .. } = pick(&area) else {
+        panic!("no superblock on a")
+    };
+    assert_eq!(sb.flags, 0, "not resynced yet: not clean");
+    assert!(
+        sb.resync_offset >= 16 * MIB,
+        "resync offset {}",
+        sb.resync_offset
+    );
+    let m = open(&slow.replace("rebuild_max = \"4M\"\n", ""), "m").expect("open again");
+    let read = resync_read(&m);
+    assert!(
+        read <= 64 * MIB - sb.resync_offset,
+        "read {read} bytes, resync offset {}",
+        sb.resync_offset
+    );
+    assert!(read_all(&m) == pattern(9, size), "data changed");
+    drop(m);
+    assert!(copies_agree(&a, &b), "the copies differ after the resync");
+}
+
 /// `cairn check` examines arrays and writes nothing: blank members stay blank, and an
 /// array's superblocks keep their bytes.
 #[test]

@@ -75,6 +75,9 @@ pub struct Plan {
     pub events: u64,
     /// Whether the record says the array stopped cleanly.
     pub clean: bool,
+    /// Not clean: the array offset below which the copies agree (a stop during a resync
+    /// recorded how far it got; 0: the resync starts over).
+    pub resync_from: u64,
     /// Unix seconds of creation.
     pub created_secs: u64,
     /// Every member, in order.
@@ -278,6 +281,11 @@ pub fn plan(
         array_uuid: record.array_uuid,
         events: record.events,
         clean: record.clean(),
+        resync_from: if record.clean() {
+            0
+        } else {
+            record.resync_offset
+        },
         created_secs: record.created_secs,
         parts,
         notes,
@@ -315,6 +323,7 @@ fn create(
         array_uuid: uuid(),
         events: 0,
         clean: true,
+        resync_from: 0,
         created_secs: now_secs,
         parts,
         notes: Vec::new(),
@@ -416,6 +425,7 @@ mod tests {
             events,
             flags: FLAG_CLEAN,
             retired_by: [0; 16],
+            resync_offset: 0,
             region_bytes: 0,
             bitmap: Vec::new(),
             events_cleared: 0,

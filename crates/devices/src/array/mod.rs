@@ -265,6 +265,9 @@ pub struct Metadata {
     bitmap: Option<Arc<Bitmap>>,
     /// The array was not stopped cleanly: its copies may differ until resynced.
     resync_pending: std::sync::atomic::AtomicBool,
+    /// Where the resync resumes: its copies agree below (a stop during the last resync
+    /// recorded it).
+    resync_from: u64,
     state: Mutex<MetaState>,
     /// Told of every member a superblock write failed, so that the array's I/O path
     /// stops reading and writing it at once (set by the array when it starts).
@@ -282,6 +285,8 @@ struct MetaState {
     /// The member devices (`None`: missing or removed) and their names.
     members: Vec<Option<Arc<dyn Device>>>,
     names: Vec<String>,
+    /// Set by a stop during a resync: how far it got, for the last superblocks.
+    resync_reached: u64,
 }
 
 impl Metadata {
@@ -374,6 +379,11 @@ impl Metadata {
             dry,
             writing: Mutex::new(()),
             resync_pending: std::sync::atomic::AtomicBool::new(resync_pending),
+            resync_from: if resync_pending {
+                examined.plan.resync_from.min(array_bytes)
+            } else {
+                0
+            },
             on_fail: std::sync::OnceLock::new(),
             state: Mutex::new(MetaState {
                 events: examined.plan.events,
@@ -381,6 +391,7 @@ impl Metadata {
                 parts: examined.plan.parts,
                 generations: examined.generations,
                 names: expect.members.clone(),
+                resync_reached: 0,
                 members,
             }),
             expect,
@@ -864,9 +875,17 @@ impl Metadata {
         self.member_data.get(m).copied().unwrap_or(0)
     }
 
+    /// Where a resync resumes: the copies agree below this array offset (0 unless a
+    /// stop during the last resync recorded how far it got).
+    pub fn resync_from(&self) -> u64 {
+        self.resync_from
+    }
+
     /// Stops the array: members that failed while it ran are recorded as failed, and
-    /// every member still in use gets a superblock with the clean flag on.
-    pub fn stop(&self, failed: &[bool]) {
+    /// every member still in use gets a superblock with the clean flag on. The copies
+    /// still to be resynced stay marked so, with `resynced_below`, how far the resync
+    /// got (nothing is in flight now, so the copies agree below it).
+    pub fn stop(&self, failed: &[bool], resynced_below: u64) {
         if self.dry {
             return;
         }
@@ -878,6 +897,7 @@ impl Metadata {
                     p.state = MemberState::Failed;
                 }
             }
+            st.resync_reached = resynced_below.min(self.array_bytes);
         }
         // Copies that may differ stay marked so until a resync makes them agree.
         if let Err(e) = self.write(!self.resync_pending()) {
@@ -949,6 +969,7 @@ impl Metadata {
             events,
             flags: 0,
             retired_by: [0; 16],
+            resync_offset: 0,
             region_bytes: 0,
             bitmap: Vec::new(),
             events_cleared: 0,
@@ -1040,6 +1061,9 @@ impl Metadata {
             let generation = st.generations[i] + 1;
             let mut sb = self.superblock(i, part.member_uuid, generation, st.events, roles.clone());
             sb.flags = if clean { superblock::FLAG_CLEAN } else { 0 };
+            if !clean {
+                sb.resync_offset = st.resync_reached;
+            }
             sb.region_bytes = region_bytes;
             sb.bitmap = bitmap.clone();
             sb.events_cleared = st.events_cleared.min(st.events);

@@ -64,8 +64,11 @@ mod at {
     pub const NAME_BYTES: usize = 64;
     pub const EVENTS_CLEARED: usize = 224;
     /// With [`super::FLAG_RETIRED`]: the member that took this one's place (zeros: none,
-    /// it was removed). 8 reserved bytes (zero) follow.
+    /// it was removed).
     pub const RETIRED_BY: usize = 232;
+    /// With the clean flag off: the array offset below which the copies agree (a stop
+    /// during a resync records how far it got; 0 otherwise).
+    pub const RESYNC_OFFSET: usize = 248;
     pub const ROLES: usize = 256;
     /// Per member: state (1 byte), flags (1 byte), 6 reserved, recovery offset (8).
     pub const ROLE_BYTES: usize = 16;
@@ -194,6 +197,10 @@ pub struct Superblock {
     /// With [`FLAG_RETIRED`]: the identity of the member that took this one's place
     /// (zeros when it was removed, or for a member in use).
     pub retired_by: [u8; 16],
+    /// With the clean flag off: the copies agree below this array offset, so a resync
+    /// resumes there. Written only by a stop during a resync (no write is in flight
+    /// then); 0 in every other superblock, as writes in flight may land anywhere.
+    pub resync_offset: u64,
     /// Bytes of array data one bitmap bit covers (0: no bitmap).
     pub region_bytes: u64,
     /// The write-intent bitmap, bit `r % 8` of byte `r / 8` for region `r` (set: the
@@ -298,6 +305,7 @@ impl Superblock {
         }
         put64(&mut b, at::EVENTS_CLEARED, self.events_cleared);
         b[at::RETIRED_BY..at::RETIRED_BY + 16].copy_from_slice(&self.retired_by);
+        put64(&mut b, at::RESYNC_OFFSET, self.resync_offset);
         put64(&mut b, at::CREATED, self.created_secs);
         put64(&mut b, at::UPDATED, self.updated_secs);
         b[at::NAME..at::NAME + self.name.len()].copy_from_slice(self.name.as_bytes());
@@ -392,6 +400,10 @@ impl Superblock {
             }
             b[BITMAP_AT..BITMAP_AT + bitmap_len as usize].to_vec()
         };
+        let resync_offset = get64(b, at::RESYNC_OFFSET);
+        if resync_offset > array_bytes {
+            return Err(Invalid::Field("resync_offset"));
+        }
         let events = get64(b, at::EVENTS);
         let events_cleared = get64(b, at::EVENTS_CLEARED);
         if events_cleared > events {
@@ -442,6 +454,7 @@ impl Superblock {
             retired_by: b[at::RETIRED_BY..at::RETIRED_BY + 16]
                 .try_into()
                 .expect("16 bytes"),
+            resync_offset,
             region_bytes,
             bitmap,
             events_cleared,
@@ -454,6 +467,9 @@ impl Superblock {
 }
 
 /// What a member's two slots hold.
+// Made once per member when an array is examined, and matched at once: the size of the
+// superblock inline costs nothing there, a box would cost every match a deref.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Found {
     /// Both slots all zeros: a blank member.
@@ -584,6 +600,7 @@ mod tests {
             events: 42,
             flags: FLAG_CLEAN,
             retired_by: [0; 16],
+            resync_offset: 3 << 20,
             region_bytes: 64 << 20,
             bitmap: vec![0b1010_0001, 0x80, 0, 0],
             events_cleared: 40,
@@ -629,6 +646,7 @@ mod tests {
         assert_eq!(get64(&b, 136), 4);
         assert_eq!(&b[4352..4356], &[0b1010_0001, 0x80, 0, 0]);
         assert_eq!(get64(&b, 224), 40);
+        assert_eq!(get64(&b, 248), 3 << 20);
         assert_eq!(get64(&b, 256 + 2 * 16 + 8), 12345);
         assert_eq!(get32(&b, 8188), crc32c::crc32c(&b[..8188]));
     }
@@ -721,6 +739,15 @@ mod tests {
                 "field at {field} = {value}"
             );
         }
+    }
+
+    #[test]
+    fn a_resync_offset_past_the_array_is_refused() {
+        let mut b = sample(1).encode();
+        put64(&mut b, at::RESYNC_OFFSET, (2 << 30) + 4096);
+        let crc = crc32c::crc32c(&b[..at::CRC]);
+        put32(&mut b, at::CRC, crc);
+        assert_eq!(Superblock::decode(&b), Err(Invalid::Field("resync_offset")));
     }
 
     #[test]

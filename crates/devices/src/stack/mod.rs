@@ -606,7 +606,15 @@ impl Drop for StackDevice {
             .stop();
         if let Some(meta) = &self.metadata {
             let failed: Vec<bool> = (0..self.health.n).map(|m| !self.health.ok(m)).collect();
-            meta.stop(&failed);
+            // How far the copies agree: where this run's resync got (its threads are
+            // stopped), or where the last one had got if none ran.
+            let sync = &self.health.sync;
+            let resynced = if sync.resync.load(Relaxed) {
+                sync.synced_below.load(Relaxed)
+            } else {
+                0
+            };
+            meta.stop(&failed, resynced.max(meta.resync_from()));
         }
     }
 }

@@ -281,22 +281,24 @@ fn run_to_end(job: Job) {
     // Checkpoints are for the layout's members (a replace starts over).
     let recorded: Vec<usize> = rebuilding.iter().copied().filter(|&m| m < n).collect();
     let any_full = full.iter().any(|&f| f);
-    // Resume from the smallest checkpoint of the members being rebuilt (a resync starts
-    // over: its progress is not recorded).
+    // Resume from the smallest checkpoint of the members being rebuilt, and a resync
+    // from where a stop during the last one recorded it got (the copies agree below; a
+    // crash records nothing here: the bitmap, cleared behind a resync, is its checkpoint).
+    let rebuilt_from = rebuilding
+        .iter()
+        .map(|&m| {
+            if m < n {
+                logical_from_member(&job.layout, job.metadata.recovery_offset(m))
+            } else {
+                0
+            }
+        })
+        .min();
     let start = if resync {
-        0
+        let from = job.metadata.resync_from().min(size);
+        rebuilt_from.map_or(from, |r| r.min(from))
     } else {
-        rebuilding
-            .iter()
-            .map(|&m| {
-                if m < n {
-                    logical_from_member(&job.layout, job.metadata.recovery_offset(m))
-                } else {
-                    0
-                }
-            })
-            .min()
-            .unwrap_or(0)
+        rebuilt_from.unwrap_or(0)
     };
     // Members rebuilt whole need every block from their checkpoint on (a replacement from
     // the start); below that, only the bitmap's regions to recover need a visit (a
@@ -780,8 +782,28 @@ pub(super) struct Clearing {
     pub delay: Duration,
 }
 
+/// The array offset below which idle regions' bits may be cleared now: everywhere while
+/// every member is current and nothing is being copied, below a resync's progress while
+/// one runs alone; `None` while a member is away, failed, rebuilt or replaced.
+fn clearable_below(health: &Health) -> Option<u64> {
+    let n = health.n;
+    let all_current = (0..n).all(|m| health.ok(m) && health.readable(m));
+    if !all_current || (0..n).any(|m| health.being_replaced(m)) {
+        return None;
+    }
+    let sync = &health.sync;
+    let one_copy = health.one_copy.load(Relaxed);
+    match (one_copy, sync.running()) {
+        (false, false) => Some(u64::MAX),
+        // Read before the members are flushed: what the resync copied below it is
+        // durable once they are.
+        (true, true) if sync.resync.load(Relaxed) => Some(sync.synced_below.load(Relaxed)),
+        _ => None,
+    }
+}
+
 /// Clears the bits of regions idle for a whole `delay`, every `delay`, while every member
-/// is current; until `stop`. Their writes are made durable first (every member flushed).
+/// is current (below its progress during a resync); until `stop`. Their writes are made durable first (every member flushed).
 pub(super) fn clear_bits(job: Clearing) {
     cairn_core::reactor::block_signals_in_this_thread();
     let Some(bm) = job.health.bitmap.clone() else {
@@ -799,18 +821,22 @@ pub(super) fn clear_bits(job: Clearing) {
             return;
         }
         // No bit is cleared while a member is away, failed or not yet current: the bits
-        // are then what it will need.
-        let healthy = (0..n).all(|m| health.ok(m) && health.readable(m))
-            && !health.one_copy.load(Relaxed)
-            && !health.sync.running();
-        if !healthy {
+        // are then what it will need. During a resync (every member in use and current
+        // but for the copies that may differ), the regions it has passed agree: their
+        // bits are cleared as any others, so the bitmap is the resync's checkpoint (a
+        // crash then resyncs only what it had not passed, and what was written since).
+        let Some(below) = clearable_below(health) else {
             before = None;
             continue;
-        }
+        };
         let Some(prev) = before.replace(bm.started_now()) else {
             continue;
         };
-        let idle: Vec<usize> = (0..bm.regions()).filter(|&r| bm.idle(r, &prev)).collect();
+        let region = bm.region_bytes();
+        let idle: Vec<usize> = (0..bm.regions())
+            .take_while(|&r| (r as u64 + 1).saturating_mul(region) <= below)
+            .filter(|&r| bm.idle(r, &prev))
+            .collect();
         if idle.is_empty() {
             continue;
         }
