@@ -19,8 +19,13 @@ use std::time::Duration;
 
 use toml_edit::{DocumentMut, Item, Table, Value};
 
-/// An array's name and its members now, as [`cairn_core::Device::members_now`] gives them.
-pub type Arrays = (String, Vec<(String, Option<String>)>);
+/// An array's name, its members now and its spares now, as
+/// [`cairn_core::Device::members_now`] and [`cairn_core::Device::spares_now`] give them.
+pub type Arrays = (
+    String,
+    Vec<(String, Option<String>)>,
+    Vec<(String, Option<String>)>,
+);
 
 /// How often the stack file is looked at for changes nobody asked for by command (the end
 /// of a replace, a spare taking a member's place).
@@ -148,25 +153,32 @@ impl Keeper {
     }
 }
 
-/// Rewrites `doc` so that each array's `members` list is as `arrays` says: what was
-/// changed, one line each.
+/// Rewrites `doc` so that each array's `members` and `spares` lists are as `arrays`
+/// says: what was changed, one line each.
 fn update(doc: &mut DocumentMut, arrays: &[Arrays]) -> Vec<String> {
     let mut changes = Vec::new();
-    for (array, now) in arrays {
-        let Some(old) = members_of(doc, array) else {
+    for (array, now, spares_now) in arrays {
+        let Some(old) = list_of(doc, array, "members") else {
             continue;
         };
+        let old_spares = list_of(doc, array, "spares").unwrap_or_default();
         let names: Vec<String> = now.iter().map(|(n, _)| n.clone()).collect();
-        if old == names {
+        let spares: Vec<String> = spares_now.iter().map(|(n, _)| n.clone()).collect();
+        if old == names && old_spares == spares {
             continue;
         }
         let stamp = jiff::Timestamp::now().strftime("%Y-%m-%d %H:%M:%S UTC");
-        set_members(doc, array, &names);
-        // Members taken out, and what only they used, go (they would be top-level
-        // devices of their own otherwise); their text stays as comments, with whatever
-        // comments stood before them, where the first of them stood.
+        set_list(doc, array, "members", &names);
+        set_list(doc, array, "spares", &spares);
+        // Members and spares taken out, and what only they used, go (they would be
+        // top-level devices of their own otherwise); their text stays as comments, with
+        // whatever comments stood before them, where the first of them stood.
         let mut removed: Vec<(String, Table)> = Vec::new();
-        for gone in old.iter().filter(|o| !names.contains(o)) {
+        for gone in old
+            .iter()
+            .chain(&old_spares)
+            .filter(|o| !names.contains(o) && !spares.contains(o))
+        {
             remove_unused(doc, gone, &mut removed);
         }
         let mut note = String::new();
@@ -192,10 +204,14 @@ fn update(doc: &mut DocumentMut, arrays: &[Arrays]) -> Vec<String> {
         }
         let first_removed = removed.iter().filter_map(|(_, t)| t.position()).min();
         let last = doc_tables_max_position(doc);
-        // New members get tables (a device named in the file already keeps its own):
-        // where the first member taken out stood, else at the end.
+        // New members and spares get tables (a device named in the file already keeps
+        // its own): where the first device taken out stood, else at the end.
         let mut added = Vec::new();
-        for (name, spec) in now {
+        let new = now
+            .iter()
+            .map(|n| (n, "member"))
+            .chain(spares_now.iter().map(|n| (n, "spare")));
+        for ((name, spec), role) in new {
             let Some(spec) = spec else { continue };
             if device_table(doc, name).is_some() {
                 continue;
@@ -211,7 +227,7 @@ fn update(doc: &mut DocumentMut, arrays: &[Arrays]) -> Vec<String> {
             } else {
                 String::new()
             };
-            prefix += &format!("\n# Added by cairn serve at {stamp}: a member of '{array}'.\n");
+            prefix += &format!("\n# Added by cairn serve at {stamp}: a {role} of '{array}'.\n");
             t.decor_mut().set_prefix(prefix);
             t.set_implicit(false);
             let at = match first_removed {
@@ -242,11 +258,22 @@ fn update(doc: &mut DocumentMut, arrays: &[Arrays]) -> Vec<String> {
             }
         }
         let removed: Vec<String> = removed.into_iter().map(|(n, _)| n).collect();
-        let mut line = format!(
-            "[device.{array}] members = [{}] (was [{}])",
-            quoted_list(&names),
-            quoted_list(&old)
-        );
+        let mut lists = Vec::new();
+        if old != names {
+            lists.push(format!(
+                "members = [{}] (was [{}])",
+                quoted_list(&names),
+                quoted_list(&old)
+            ));
+        }
+        if old_spares != spares {
+            lists.push(format!(
+                "spares = [{}] (was [{}])",
+                quoted_list(&spares),
+                quoted_list(&old_spares)
+            ));
+        }
+        let mut line = format!("[device.{array}] {}", lists.join(", "));
         if !added.is_empty() {
             line += &format!("; added [device.{}]", added.join("], [device."));
         }
@@ -261,12 +288,12 @@ fn update(doc: &mut DocumentMut, arrays: &[Arrays]) -> Vec<String> {
     changes
 }
 
-/// The `members` list of `[device.NAME]`, if the file has that table with such a list.
-fn members_of(doc: &DocumentMut, name: &str) -> Option<Vec<String>> {
-    let members = device_table(doc, name)?.get("members")?.as_array()?;
+/// The list `key` (`members`, `spares`) of `[device.NAME]`, if the file has that table
+/// with such a list.
+fn list_of(doc: &DocumentMut, name: &str, key: &str) -> Option<Vec<String>> {
+    let list = device_table(doc, name)?.get(key)?.as_array()?;
     Some(
-        members
-            .iter()
+        list.iter()
             .map(|v| v.as_str().unwrap_or_default().to_string())
             .collect(),
     )
@@ -276,24 +303,42 @@ fn device_table<'a>(doc: &'a DocumentMut, name: &str) -> Option<&'a Table> {
     doc.get("device")?.as_table()?.get(name)?.as_table()
 }
 
-/// Rewrites the `members` list of `[device.NAME]` in place (its comments kept).
-fn set_members(doc: &mut DocumentMut, name: &str, names: &[String]) {
-    let Some(members) = doc
+/// Rewrites the list `key` of `[device.NAME]` in place (its comments kept): added after
+/// the others if the table has none, removed when `names` is empty (for `spares`).
+fn set_list(doc: &mut DocumentMut, name: &str, key: &str, names: &[String]) {
+    let Some(table) = doc
         .get_mut("device")
         .and_then(Item::as_table_mut)
         .and_then(|d| d.get_mut(name))
         .and_then(Item::as_table_mut)
-        .and_then(|t| t.get_mut("members"))
-        .and_then(Item::as_array_mut)
     else {
         return;
     };
-    let decor = members.decor().clone();
-    members.clear();
-    for n in names {
-        members.push(n.as_str());
+    if names.is_empty() && key == "spares" {
+        table.remove(key);
+        return;
     }
-    *members.decor_mut() = decor;
+    let Some(list) = table.get_mut(key).and_then(Item::as_array_mut) else {
+        let mut list = toml_edit::Array::new();
+        for n in names {
+            list.push(n.as_str());
+        }
+        table.insert(key, toml_edit::value(list));
+        return;
+    };
+    if list
+        .iter()
+        .map(|v| v.as_str().unwrap_or_default())
+        .eq(names.iter().map(String::as_str))
+    {
+        return;
+    }
+    let decor = list.decor().clone();
+    list.clear();
+    for n in names {
+        list.push(n.as_str());
+    }
+    *list.decor_mut() = decor;
 }
 
 /// Removes `[device.NAME]` if nothing in the file uses it any more, then what it used
@@ -312,8 +357,10 @@ fn remove_unused(doc: &mut DocumentMut, name: &str, removed: &mut Vec<(String, T
     if let Some(b) = t.get("base").and_then(Item::as_str) {
         below.push(b.to_string());
     }
-    if let Some(m) = t.get("members").and_then(Item::as_array) {
-        below.extend(m.iter().filter_map(Value::as_str).map(str::to_string));
+    for key in ["members", "spares"] {
+        if let Some(m) = t.get(key).and_then(Item::as_array) {
+            below.extend(m.iter().filter_map(Value::as_str).map(str::to_string));
+        }
     }
     removed.push((name.to_string(), t));
     for b in below {
@@ -329,9 +376,11 @@ fn used(doc: &DocumentMut, name: &str) -> bool {
         .is_some_and(|devices| {
             devices.iter().any(|(_, t)| {
                 t.get("base").and_then(Item::as_str) == Some(name)
-                    || t.get("members")
-                        .and_then(Item::as_array)
-                        .is_some_and(|m| m.iter().any(|v| v.as_str() == Some(name)))
+                    || ["members", "spares"].iter().any(|key| {
+                        t.get(key)
+                            .and_then(Item::as_array)
+                            .is_some_and(|m| m.iter().any(|v| v.as_str() == Some(name)))
+                    })
             })
         });
     let by_export = doc
@@ -437,6 +486,7 @@ bitmap = "64M"
             &[(
                 "m".into(),
                 vec![("c.img".into(), Some(spec.into())), ("b".into(), None)],
+                vec![],
             )],
         );
         assert_eq!(changes.len(), 1, "{changes:?}");
@@ -476,7 +526,8 @@ bitmap = "64M"
             &mut doc,
             &[(
                 "m".into(),
-                vec![("c.img".into(), Some(spec.into())), ("b".into(), None)]
+                vec![("c.img".into(), Some(spec.into())), ("b".into(), None)],
+                vec![]
             )]
         )
         .is_empty());
@@ -491,6 +542,7 @@ bitmap = "64M"
             &[(
                 "m".into(),
                 vec![("missing".into(), None), ("b".into(), None)],
+                vec![],
             )],
         );
         assert_eq!(changes.len(), 1, "{changes:?}");
@@ -503,6 +555,55 @@ bitmap = "64M"
         );
         assert!(out.contains("# [device.fa]\n#   type = \"fault\""), "{out}");
         cairn_devices::config::StackFile::parse(&out).expect("a valid stack file");
+    }
+
+    #[test]
+    fn spares_added_online_are_written_and_one_taking_a_place_moves_to_members() {
+        let mut doc: DocumentMut = FILE.parse().expect("parses");
+        let spec = |p: &str| format!("type = \"file\"\npath = \"{p}\"\nsize = 8388608\n");
+        let changes = update(
+            &mut doc,
+            &[(
+                "m".into(),
+                vec![("fa".into(), None), ("b".into(), None)],
+                vec![("s.img".into(), Some(spec("/y/s.img")))],
+            )],
+        );
+        assert_eq!(changes.len(), 1, "{changes:?}");
+        assert!(
+            changes[0].contains("spares = [\"s.img\"] (was [])")
+                && !changes[0].contains("members =")
+                && changes[0].contains("added [device.s.img]"),
+            "{}",
+            changes[0]
+        );
+        let text = doc.to_string();
+        assert!(text.contains("spares = [\"s.img\"]"), "{text}");
+        assert!(text.contains("a spare of 'm'"), "{text}");
+        let stack = cairn_devices::config::StackFile::parse(&text).expect("a valid stack file");
+        assert_eq!(stack.roots(), vec!["m".to_string()]);
+        // fa fails and the spare takes its place: members change, the spares list goes,
+        // the spare's table stays (a member's now) and fa's and a's go.
+        let changes = update(
+            &mut doc,
+            &[(
+                "m".into(),
+                vec![("s.img".into(), Some(spec("/y/s.img"))), ("b".into(), None)],
+                vec![],
+            )],
+        );
+        assert_eq!(changes.len(), 1, "{changes:?}");
+        assert!(
+            changes[0].contains("members = [\"s.img\", \"b\"] (was [\"fa\", \"b\"])")
+                && changes[0].contains("spares = [] (was [\"s.img\"])")
+                && changes[0].contains("removed [device.fa], [device.a]"),
+            "{}",
+            changes[0]
+        );
+        let text = doc.to_string();
+        assert!(!text.contains("spares ="), "{text}");
+        assert!(text.contains("\n[device.\"s.img\"]\n"), "{text}");
+        cairn_devices::config::StackFile::parse(&text).expect("a valid stack file");
     }
 
     #[test]

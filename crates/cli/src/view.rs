@@ -67,7 +67,11 @@ impl View {
         };
         let arrays: Vec<crate::stackfile::Arrays> = all_devices(&self.roots())
             .into_iter()
-            .filter_map(|(_, d)| d.members_now().map(|m| (d.name().to_string(), m)))
+            .filter_map(|(_, d)| {
+                let members = d.members_now()?;
+                let spares = d.spares_now().unwrap_or_default();
+                Some((d.name().to_string(), members, spares))
+            })
             .collect();
         keeper.sync(&arrays)
     }

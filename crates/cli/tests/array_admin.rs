@@ -492,6 +492,52 @@ fn a_restart_after_replaces_starts_on_the_members_now() {
     );
 }
 
+/// A spare added online is written into the stack file (`spares`, and a table for it)
+/// and carries a spare's superblock, so a restart from the file has it as a spare again,
+/// and it takes the place of the next member that fails. (Was: spares were forgotten at
+/// a restart.)
+#[test]
+fn a_spare_added_online_is_a_spare_again_after_a_restart() {
+    let dir = tmpdir();
+    let stack = dir.path().join("stack.toml");
+    std::fs::write(&stack, stack_text(dir.path(), &MIRROR, MIRROR.members)).unwrap();
+    let sock = dir.path().join("admin.sock");
+    let srv = serve(dir.path(), &stack);
+    let spec = format!("file:{},size=33M", dir.path().join("s.img").display());
+    let out = admin(&sock, &["add", "m", &spec]);
+    assert!(out.contains("added as a spare"), "{out}");
+    let out = srv.stop(libc::SIGTERM);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let kept = std::fs::read_to_string(&stack).unwrap();
+    assert!(kept.contains("spares = [\"s.img\"]"), "{kept}");
+    assert!(kept.contains("[device.\"s.img\"]"), "{kept}");
+    let mut srv = serve(dir.path(), &stack);
+    let status = admin(&sock, &["status"]);
+    assert!(status.contains("spares: s.img"), "{status}");
+    let out = admin(&sock, &["fail", "m", "a"]);
+    assert!(out.contains("failed"), "{out}");
+    wait_status(
+        &sock,
+        "the spare in a's place, rebuilt",
+        |s| s.contains("[UU] s.img active, b active"),
+        srv.child(),
+    );
+    wait_status(
+        &sock,
+        "the stack file in step",
+        |s| s.contains("in step with the arrays"),
+        srv.child(),
+    );
+    let out = srv.stop(libc::SIGTERM);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let kept = std::fs::read_to_string(&stack).unwrap();
+    assert!(
+        kept.contains("members = [\"s.img\", \"b\"]") && !kept.contains("spares ="),
+        "{kept}"
+    );
+    copies_agree(dir.path(), &["s.img".into(), "b.img".into()]);
+}
+
 /// A stack file the server cannot write is left as it is; the reply and `status` say
 /// what no longer matches, and the next start from it is refused (never served stale).
 #[test]

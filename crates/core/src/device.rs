@@ -156,6 +156,12 @@ pub trait Device: Send + Sync {
         None
     }
 
+    /// For an array: its spares now, by name, with the spec of each added while it runs
+    /// (as [`Device::members_now`]). `None` for other devices.
+    fn spares_now(&self) -> Option<Vec<(String, Option<String>)>> {
+        None
+    }
+
     /// How `[offset, offset + len)` is allocated, as consecutive extents from `offset`
     /// (NBD's `base:allocation`). The extents may stop early (callers ask again) but never
     /// claim a hole or zeroes that are not there. The default: all data.

@@ -549,6 +549,105 @@ fn a_resync_stopped_cleanly_resumes_where_it_stopped() {
     assert!(copies_agree(&a, &b), "the copies differ after the resync");
 }
 
+/// Spares named in the stack file carry a spare's superblock: a restart knows them for
+/// spares again, and one takes the place of a member that fails and is rebuilt. A spare
+/// that holds data, belongs to another array or is a member in use is refused by name,
+/// and nothing is written to it. (Was: spares were only added online, and forgotten at
+/// a restart.)
+#[test]
+fn spares_in_the_stack_file_are_kept_in_their_superblocks_and_used() {
+    use cairn_devices::array::superblock::{pick, Found, SLOT_BYTES};
+    let dir = tempfile::tempdir().expect("a directory");
+    let p = |n: &str| dir.path().join(format!("{n}.img"));
+    let text = |members: &str, spares: &str| {
+        format!(
+            "{}{}{}{}[device.m]\ntype = \"mirror\"\nmembers = [{members}]\nspares = [{spares}]\n",
+            file("a", &p("a")),
+            file("b", &p("b")),
+            file("s", &p("s")),
+            file("t", &p("t"))
+        )
+    };
+    let is_spare = |n: &str| {
+        let area = std::fs::read(p(n)).expect("read")[..2 * SLOT_BYTES].to_vec();
+        matches!(pick(&area), Found::Valid { sb, .. } if sb.spare())
+    };
+    let m = open(&text("\"a\", \"b\"", "\"s\""), "m").expect("create with a spare");
+    let size = m.geometry().size_bytes as usize;
+    queue(&m)
+        .write(0, &pattern(4, size), IoFlags::NONE)
+        .expect("write");
+    assert!(m.array_status().expect("status").contains("spares: s"));
+    drop(m);
+    assert!(is_spare("s"), "s has no spare's superblock");
+    // Started again, s is a spare again; a member failing takes it.
+    let m = open(&text("\"a\", \"b\"", "\"s\""), "m").expect("assemble with the spare");
+    assert!(m.array_status().expect("status").contains("spares: s"));
+    m.array_action("fail", &["a"]).expect("fail a");
+    let status = wait_status(&m, "[UU] s active, b active");
+    assert!(!status.contains("spares:"), "{status}");
+    assert!(read_all(&m) == pattern(4, size), "data changed");
+    drop(m);
+    assert!(!is_spare("s"), "s is a member now");
+    let m = open(&text("\"s\", \"b\"", ""), "m").expect("assemble on s and b");
+    assert!(read_all(&m) == pattern(4, size), "s was not rebuilt");
+    drop(m);
+    // Refused, each by name, and left as it was: a spare holding data, or another
+    // array's member.
+    let images = || {
+        ["a", "b", "s", "t"]
+            .map(|n| std::fs::read(p(n)).unwrap_or_default())
+            .to_vec()
+    };
+    // (A member in use named as a spare too is refused by the stack file's checks and
+    // by the file's lock before the superblocks are read.)
+    let before = images();
+    std::fs::write(p("t"), vec![7u8; 8 << 20]).expect("data on t");
+    let e = open(&text("\"s\", \"b\"", "\"t\""), "m")
+        .err()
+        .expect("a spare holding data is refused");
+    assert!(e.contains("spare 't' holds data"), "{e}");
+    std::fs::remove_file(p("t")).expect("remove t");
+    let other = format!(
+        "{}{}[device.o]\ntype = \"mirror\"\nmembers = [\"t\", \"x\"]\n",
+        file("t", &p("t")),
+        file("x", &p("x"))
+    );
+    drop(open(&other, "o").expect("another array on t"));
+    let before_t = std::fs::read(p("t")).expect("t");
+    let e = open(&text("\"s\", \"b\"", "\"t\""), "m")
+        .err()
+        .expect("another array's member is refused");
+    assert!(e.contains("spare 't' is a member of another array"), "{e}");
+    assert!(
+        std::fs::read(p("t")).expect("t") == before_t,
+        "t was written"
+    );
+    assert!(
+        images()[..3] == before[..3],
+        "a refused start changed a member"
+    );
+    // Spares need metadata, and are not members too.
+    for (extra, why) in [
+        ("metadata = \"none\"\n", "needs metadata"),
+        ("", "a member too"),
+    ] {
+        let t = text(
+            "\"s\", \"b\"",
+            if why == "a member too" {
+                "\"b\""
+            } else {
+                "\"t\""
+            },
+        ) + extra;
+        let e = StackFile::parse(&t)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("'spares'") && e.contains(why), "{e}");
+    }
+}
+
 /// `cairn check` examines arrays and writes nothing: blank members stay blank, and an
 /// array's superblocks keep their bytes.
 #[test]

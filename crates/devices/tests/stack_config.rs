@@ -94,6 +94,7 @@ mod parses {
             file.devices["r"],
             DeviceSpec::Raid10 {
                 members: vec!["f".into(), "d1".into(), "d2".into(), "d3".into()],
+                spares: Vec::new(),
                 chunk: DEFAULT_CHUNK_BYTES,
                 copies: 2,
                 // Superblocks unless the file says metadata = "none".

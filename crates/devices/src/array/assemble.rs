@@ -47,6 +47,9 @@ pub enum Seen {
     Blank,
     /// The newest valid superblock.
     Valid(Superblock),
+    /// A spare's superblock, of the array with this UUID: no data of it, like a blank
+    /// member (listed as a member now: it is rebuilt whole).
+    Spare([u8; 16]),
     /// Not blank, and no valid superblock: why.
     Foreign(String),
 }
@@ -196,6 +199,18 @@ pub fn plan(
             ));
         }
     }
+    for (i, s) in seen.iter().enumerate() {
+        if let Seen::Spare(of) = s {
+            if *of != record.array_uuid {
+                return Err(format!(
+                    "device '{name}': member '{}' is a spare of another array ({}): zero it first to use it \
+                     (a new file, or blkdiscard -z for a disk)",
+                    expect.members[i],
+                    super::superblock::uuid_text(of)
+                ));
+            }
+        }
+    }
     let mut notes = Vec::new();
     let mut parts = Vec::with_capacity(seen.len());
     // Whether the record's bitmap can bring members back (this run keeps one too).
@@ -205,9 +220,14 @@ pub fn plan(
         let role = record.roles[i];
         let (state, recovery_offset, member_uuid, partial) = match s {
             Seen::Missing => (MemberState::Missing, 0, [0; 16], false),
-            Seen::Blank => {
+            Seen::Blank | Seen::Spare(_) => {
                 notes.push(format!(
-                    "member '{member}' is blank: it is written to, and not read until rebuilt"
+                    "member '{member}' is {}: it is written to, and not read until rebuilt",
+                    if matches!(s, Seen::Blank) {
+                        "blank"
+                    } else {
+                        "a spare of this array"
+                    }
                 ));
                 (MemberState::Rebuilding, 0, uuid(), false)
             }

@@ -54,6 +54,58 @@ pub struct Examined {
     recorded_bitmap: (u64, Vec<u8>, u64, u64),
 }
 
+impl Examined {
+    /// Whether `device` can be a spare of the array examined, read only (nothing is
+    /// written, so a refusal leaves the members as they were): big enough for a member's
+    /// data, blocks no larger than `block`, and blank or carrying this array's superblock
+    /// (a spare's, or a member's taken out of it). The spare's superblock is written once
+    /// the array runs ([`Metadata::make_spare`]).
+    pub fn check_spare(
+        &self,
+        device: &Arc<dyn Device>,
+        name: &str,
+        block: u64,
+    ) -> Result<(), String> {
+        let g = device.geometry();
+        let need = self.data_offset + self.member_data.iter().copied().max().unwrap_or(0);
+        if g.size_bytes < need {
+            return Err(format!(
+                "'{name}' has {} bytes; a member of '{}' needs at least {need} (add size= to create or grow a file)",
+                g.size_bytes, self.name
+            ));
+        }
+        if u64::from(g.block_bytes) > block {
+            return Err(format!(
+                "'{name}' has {}-byte blocks; '{}' uses {block}-byte blocks",
+                g.block_bytes, self.name
+            ));
+        }
+        let wipe = "zero it first to use it (a new file, or blkdiscard -z for a disk)";
+        let q = queue(device, &self.name, name).map_err(|e| e.to_string())?;
+        let mut area = vec![0u8; SLOTS * SLOT_BYTES];
+        q.read(0, &mut area)
+            .map_err(|e| format!("'{name}': reading its superblocks failed: {e}"))?;
+        match superblock::pick(&area) {
+            Found::Blank => match data_found(&q, device, &area).map_err(|e| e.to_string())? {
+                None => Ok(()),
+                Some(why) => Err(format!(
+                    "'{name}' holds data but no superblock of this array ({why}; it may be someone's data): {wipe}"
+                )),
+            },
+            Found::Valid { sb, .. } if sb.array_uuid == self.plan.array_uuid => Ok(()),
+            Found::Valid { sb, .. } => Err(format!(
+                "'{name}' is a {} of another array ('{}', {}): {wipe}",
+                if sb.spare() { "spare" } else { "member" },
+                sb.name,
+                superblock::uuid_text(&sb.array_uuid)
+            )),
+            Found::Foreign { .. } => Err(format!(
+                "'{name}' holds data but no superblock of this array (it may be someone's data): {wipe}"
+            )),
+        }
+    }
+}
+
 /// Reads every present member's superblock slots and decides the array.
 pub fn examine(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Result<Examined, Error> {
     let name = &expect.name;
@@ -110,7 +162,11 @@ pub fn examine(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Result<E
                     );
                 }
                 generations.push(sb.generation);
-                seen.push(Seen::Valid(sb));
+                seen.push(if sb.spare() {
+                    Seen::Spare(sb.array_uuid)
+                } else {
+                    Seen::Valid(sb)
+                });
             }
             Found::Foreign { first, second } => {
                 let not_ours = |e: &Invalid| matches!(e, Invalid::Magic | Invalid::Blank);
@@ -722,30 +778,7 @@ impl Metadata {
     /// array (a member that left, added back). Anything else could be someone's data.
     pub fn may_join(&self, device: &Arc<dyn Device>, name: &str) -> Result<(), String> {
         let (q, area) = self.read_area(device, name)?;
-        let wipe = "zero it first to use it (a new file, or blkdiscard -z for a disk)";
-        match superblock::pick(&area) {
-            Found::Blank => {
-                if let Some(why) = data_found(&q, device, &area).map_err(|e| e.to_string())? {
-                    return Err(format!(
-                        "'{name}' holds data but no superblock of this array ({why}; it may be someone's data): {wipe}"
-                    ));
-                }
-            }
-            Found::Valid { sb, .. } if sb.array_uuid == self.array_uuid => {}
-            // Refused before anything is written to it.
-            Found::Valid { sb, .. } => {
-                return Err(format!(
-                    "'{name}' is a member of another array ('{}', {}): {wipe}",
-                    sb.name,
-                    superblock::uuid_text(&sb.array_uuid)
-                ))
-            }
-            Found::Foreign { .. } => {
-                return Err(format!(
-                    "'{name}' holds data but no superblock of this array (it may be someone's data): {wipe}"
-                ))
-            }
-        }
+        self.joinable(&q, device, &area, name)?;
         // It must keep what is written (a null device does not): a pattern over its
         // metadata area (blank, or this array's), read back, then the area as it was.
         let pattern: Vec<u8> = (0..area.len()).map(|i| (i % 251) as u8 ^ 0x5a).collect();
@@ -758,6 +791,86 @@ impl Metadata {
             return Err(format!(
                 "'{name}' does not keep what is written to it (a null device?)"
             ));
+        }
+        Ok(())
+    }
+
+    /// What [`Metadata::may_join`] reads: blank (with no data past its metadata area
+    /// either), or carrying a superblock of this array. Nothing is written.
+    fn joinable(
+        &self,
+        q: &BlockingQueue,
+        device: &Arc<dyn Device>,
+        area: &[u8],
+        name: &str,
+    ) -> Result<(), String> {
+        let wipe = "zero it first to use it (a new file, or blkdiscard -z for a disk)";
+        match superblock::pick(area) {
+            Found::Blank => {
+                if let Some(why) = data_found(q, device, area).map_err(|e| e.to_string())? {
+                    return Err(format!(
+                        "'{name}' holds data but no superblock of this array ({why}; it may be someone's data): {wipe}"
+                    ));
+                }
+                Ok(())
+            }
+            Found::Valid { sb, .. } if sb.array_uuid == self.array_uuid => Ok(()),
+            // Refused before anything is written to it.
+            Found::Valid { sb, .. } => Err(format!(
+                "'{name}' is a {} of another array ('{}', {}): {wipe}",
+                if sb.spare() { "spare" } else { "member" },
+                sb.name,
+                superblock::uuid_text(&sb.array_uuid)
+            )),
+            Found::Foreign { .. } => Err(format!(
+                "'{name}' holds data but no superblock of this array (it may be someone's data): {wipe}"
+            )),
+        }
+    }
+
+    /// Makes `device` a spare of this array: it must be fit to join
+    /// ([`Metadata::may_join`]) and not a member in use; then it gets a spare's
+    /// superblock in both slots ([`superblock::FLAG_SPARE`]), so that a restart knows it
+    /// for one. Examined only ([`Metadata::dry`]): checked, nothing written.
+    pub fn make_spare(&self, device: &Arc<dyn Device>, name: &str) -> Result<(), String> {
+        let (q, area) = self.read_area(device, name)?;
+        self.joinable(&q, device, &area, name)?;
+        let generation = match superblock::pick(&area) {
+            Found::Valid { sb, .. } => {
+                let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                let in_use = st
+                    .parts
+                    .iter()
+                    .zip(&st.members)
+                    .position(|(p, d)| d.is_some() && p.member_uuid == sb.member_uuid)
+                    .filter(|_| !sb.spare());
+                if let Some(m) = in_use {
+                    return Err(format!(
+                        "'{name}' is member '{}' of this array, in use: a spare is another device",
+                        st.names[m]
+                    ));
+                }
+                sb.generation
+            }
+            _ => 0,
+        };
+        if self.dry {
+            return Ok(());
+        }
+        self.may_join(device, name)?;
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let roles = self.roles(&st);
+        let events = st.events;
+        drop(st);
+        let mut sb = self.superblock(0, new_uuid(), generation, events, roles);
+        sb.role = superblock::ROLE_SPARE;
+        sb.flags = superblock::FLAG_SPARE;
+        for _ in 0..SLOTS {
+            sb.generation += 1;
+            let at = (sb.slot() * SLOT_BYTES) as u64;
+            q.write(at, &sb.encode(), IoFlags::FUA)
+                .and_then(|()| q.flush())
+                .map_err(|e| format!("'{name}': writing its spare's superblock failed: {e}"))?;
         }
         Ok(())
     }

@@ -166,6 +166,11 @@ pub const FLAG_CLEAN: u32 = 1;
 /// Flag bit: this member was taken out of the array (`replace`, `remove`) at `events`,
 /// and its data is out of date from then on: it is never assembled as current again.
 pub const FLAG_RETIRED: u32 = 2;
+/// Flag bit: a spare of the array, holding no data of it (role [`ROLE_SPARE`]): it takes
+/// the place of the next member that fails, and is rebuilt whole then.
+pub const FLAG_SPARE: u32 = 4;
+/// The role of a spare ([`FLAG_SPARE`]): no position in the member list.
+pub const ROLE_SPARE: u32 = u32::MAX;
 
 /// A superblock's contents.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -265,6 +270,11 @@ impl Superblock {
         self.flags & FLAG_RETIRED != 0
     }
 
+    /// Whether this is a spare's superblock ([`FLAG_SPARE`]).
+    pub fn spare(&self) -> bool {
+        self.flags & FLAG_SPARE != 0
+    }
+
     /// The slot's bytes.
     pub fn encode(&self) -> Vec<u8> {
         assert!(
@@ -349,7 +359,8 @@ impl Superblock {
             return Err(Invalid::Field("members"));
         }
         let role = get32(b, at::ROLE);
-        if role as usize >= members {
+        let spare = get32(b, at::FLAGS) & FLAG_SPARE != 0;
+        if spare != (role == ROLE_SPARE) || (!spare && role as usize >= members) {
             return Err(Invalid::Field("role"));
         }
         let copies = get32(b, at::COPIES);
@@ -737,6 +748,25 @@ mod tests {
             assert!(
                 matches!(Superblock::decode(&b), Err(Invalid::Field(_))),
                 "field at {field} = {value}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_spare_has_the_spare_role_and_only_a_spare_has_it() {
+        let mut sb = sample(3);
+        sb.flags = FLAG_SPARE;
+        sb.role = ROLE_SPARE;
+        let b = sb.encode();
+        assert_eq!(Superblock::decode(&b), Ok(sb.clone()));
+        assert!(Superblock::decode(&b).is_ok_and(|s| s.spare()));
+        for (flags, role) in [(FLAG_SPARE, 0), (0, ROLE_SPARE)] {
+            let mut bad = sb.clone();
+            (bad.flags, bad.role) = (flags, role);
+            assert_eq!(
+                Superblock::decode(&bad.encode()),
+                Err(Invalid::Field("role")),
+                "flags {flags} role {role}"
             );
         }
     }

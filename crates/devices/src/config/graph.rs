@@ -40,8 +40,7 @@ pub(super) fn check_name(what: &str, name: &str) -> Result<(), Error> {
 pub(super) fn check(devices: &BTreeMap<String, DeviceSpec>) -> Result<(), Error> {
     let mut used_by: HashMap<&str, &str> = HashMap::new();
     for (name, spec) in devices {
-        let key = spec.members_key();
-        for m in spec.members() {
+        for (key, m) in spec.uses() {
             if m == super::MISSING {
                 // An absent member of an array with metadata (checked when parsed).
                 continue;
@@ -58,7 +57,10 @@ pub(super) fn check(devices: &BTreeMap<String, DeviceSpec>) -> Result<(), Error>
                 )));
             }
             if let Some(other) = used_by.insert(m, name) {
-                let other_key = devices[other].members_key();
+                let other_key = devices[other]
+                    .uses()
+                    .find(|(_, n)| *n == m)
+                    .map_or("members", |(k, _)| k);
                 return Err(err(format!(
                     "device '{m}' is used twice (by key '{other_key}' of '{other}' and key '{key}' of '{name}'); a device can be a member of one device only"
                 )));

@@ -373,6 +373,49 @@ impl Keys<'_> {
         Ok(out)
     }
 
+    /// `spares`: device names that take the place of members that fail (only with
+    /// metadata: a spare's superblock says whose it is), none of them a member, each once.
+    fn spares(&self, metadata: bool, members: &[String]) -> Result<Vec<String>, Error> {
+        let list = match self.table.get("spares") {
+            None => return Ok(Vec::new()),
+            Some(Value::Array(a)) => a,
+            Some(_) => return Err(self.bad("spares", "must be a list of device names")),
+        };
+        if !metadata {
+            return Err(self.bad(
+                "spares",
+                "needs metadata (a spare's superblock says whose spare it is), not metadata = \"none\"",
+            ));
+        }
+        if list.len() > limits::MEMBERS_MAX {
+            return Err(self.bad(
+                "spares",
+                &format!(
+                    "lists {} devices; at most {}",
+                    list.len(),
+                    limits::MEMBERS_MAX
+                ),
+            ));
+        }
+        let mut out: Vec<String> = Vec::with_capacity(list.len());
+        for v in list {
+            let Value::String(name) = v else {
+                return Err(self.bad("spares", "must be a list of device names"));
+            };
+            if name == super::MISSING {
+                return Err(self.bad("spares", "names 'missing', which is for members only"));
+            }
+            if members.contains(name) {
+                return Err(self.bad("spares", &format!("names '{}', a member too", shown(name))));
+            }
+            if out.contains(name) {
+                return Err(self.bad("spares", &format!("names '{}' twice", shown(name))));
+            }
+            out.push(name.clone());
+        }
+        Ok(out)
+    }
+
     /// `metadata = "1"` (superblocks on the members, format version 1: the default) or
     /// `"none"` (the raw layout, asked for by name); `missing` members are allowed only
     /// with metadata and only when `missing_allowed` (redundant layouts).
@@ -500,6 +543,7 @@ pub(super) fn parse_device(
         "linear" => &["members", "metadata"],
         "mirror" => &[
             "members",
+            "spares",
             "metadata",
             "rebuild_min",
             "rebuild_max",
@@ -510,6 +554,7 @@ pub(super) fn parse_device(
         "stripe" => &["members", "chunk", "metadata"],
         "raid10" => &[
             "members",
+            "spares",
             "chunk",
             "copies",
             "metadata",
@@ -624,8 +669,10 @@ pub(super) fn parse_device(
         },
         "mirror" => {
             let metadata = keys.metadata(true)?;
+            let members = keys.members(2, crate::stack::COPIES_MAX)?;
             DeviceSpec::Mirror {
-                members: keys.members(2, crate::stack::COPIES_MAX)?,
+                spares: keys.spares(metadata, &members)?,
+                members,
                 metadata,
                 rebuild: keys.rebuild_rate(metadata)?,
             }
@@ -690,6 +737,7 @@ pub(super) fn parse_device(
                 }
             };
             DeviceSpec::Raid10 {
+                spares: keys.spares(metadata, &members)?,
                 members,
                 chunk: keys.chunk()?,
                 copies,

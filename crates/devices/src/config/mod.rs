@@ -183,6 +183,8 @@ pub enum DeviceSpec {
     Mirror {
         /// Member names ([`MISSING`] for an absent one, with metadata).
         members: Vec<String>,
+        /// Spares: devices that take the place of members that fail (with metadata).
+        spares: Vec<String>,
         /// Keeps superblocks on its members.
         metadata: bool,
         /// How fast a rebuild or resync goes, and the bitmap.
@@ -192,6 +194,8 @@ pub enum DeviceSpec {
     Raid10 {
         /// Member names ([`MISSING`] for an absent one, with metadata).
         members: Vec<String>,
+        /// Spares, as a mirror's.
+        spares: Vec<String>,
         /// Chunk size in bytes.
         chunk: u64,
         /// Copies of each chunk.
@@ -237,6 +241,24 @@ impl DeviceSpec {
             | DeviceSpec::Delay { base, .. }
             | DeviceSpec::Cache { base, .. } => std::slice::from_ref(base),
         }
+    }
+
+    /// Names of the spares of a mirror or raid10 (none for other devices).
+    pub fn spares(&self) -> &[String] {
+        match self {
+            DeviceSpec::Mirror { spares, .. } | DeviceSpec::Raid10 { spares, .. } => spares,
+            _ => &[],
+        }
+    }
+
+    /// Every device this one uses, with the key that names it: members (or base), then
+    /// spares.
+    pub fn uses(&self) -> impl Iterator<Item = (&'static str, &String)> {
+        let key = self.members_key();
+        self.members()
+            .iter()
+            .map(move |m| (key, m))
+            .chain(self.spares().iter().map(|s| ("spares", s)))
     }
 
     /// The key that names this device's members (for error messages).
@@ -612,8 +634,11 @@ impl StackFile {
 
     /// Devices that are not a member of any other device.
     pub fn roots(&self) -> Vec<String> {
-        let used: std::collections::HashSet<&String> =
-            self.devices.values().flat_map(|d| d.members()).collect();
+        let used: std::collections::HashSet<&String> = self
+            .devices
+            .values()
+            .flat_map(|d| d.uses().map(|(_, n)| n))
+            .collect();
         self.devices
             .keys()
             .filter(|n| !used.contains(n))
@@ -812,7 +837,12 @@ impl StackFile {
             other => other,
         };
         if let Some(expect) = array_expect(name, spec) {
-            let device = open_array(name, spec, expect, present, how).map_err(named)?;
+            let mut spares = Vec::with_capacity(spec.spares().len());
+            for s in spec.spares() {
+                let d = self.open_rec(s, opened, budget, (switches, how), depth + 1)?;
+                spares.push((d, s.clone()));
+            }
+            let device = open_array(name, spec, expect, (present, spares), how).map_err(named)?;
             opened.insert(name.to_string(), device.clone());
             return Ok(device);
         }
@@ -1041,6 +1071,7 @@ fn array_expect(name: &str, spec: &DeviceSpec) -> Option<crate::array::assemble:
             members,
             metadata: true,
             rebuild,
+            ..
         } => (
             Level::Mirror,
             members,
@@ -1054,6 +1085,7 @@ fn array_expect(name: &str, spec: &DeviceSpec) -> Option<crate::array::assemble:
             copies,
             metadata: true,
             rebuild,
+            ..
         } => (
             Level::Raid10,
             members,
@@ -1073,14 +1105,18 @@ fn array_expect(name: &str, spec: &DeviceSpec) -> Option<crate::array::assemble:
     })
 }
 
+/// An array's spares, opened, with their names.
+type Spares = Vec<(Arc<dyn Device>, String)>;
+
 /// Opens an array that keeps superblocks on its members: reads them, decides the array
 /// (create, assemble or refuse), builds the layout on the members' data areas, and starts
-/// it (superblocks rewritten, dirty). Missing members get a stand-in that is never used.
+/// it (superblocks rewritten, dirty), with its spares. Missing members get a stand-in
+/// that is never used.
 fn open_array(
     name: &str,
     spec: &DeviceSpec,
     expect: crate::array::assemble::Expect,
-    present: Vec<Option<Arc<dyn Device>>>,
+    (present, spares): (Vec<Option<Arc<dyn Device>>>, Spares),
     how: Start,
 ) -> Result<Arc<dyn Device>, Error> {
     let examined = crate::array::examine(&expect, &present)?;
@@ -1108,6 +1144,12 @@ fn open_array(
         }
         _ => return Err(err(format!("device '{name}' is not an array"))),
     };
+    // Spares are examined before anything is written to the members.
+    for (d, s) in &spares {
+        examined
+            .check_spare(d, s, block)
+            .map_err(|e| err(format!("device '{name}': spare {e}")))?;
+    }
     let data_offset = examined.data_offset;
     let members = present
         .iter()
@@ -1124,7 +1166,9 @@ fn open_array(
         DeviceSpec::Mirror { rebuild, .. } | DeviceSpec::Raid10 { rebuild, .. } => *rebuild,
         _ => ArrayOptions::default(),
     };
-    Ok(Arc::new(device.with_metadata(meta, rate)))
+    Ok(Arc::new(
+        device.with_metadata(meta, rate).with_spares(spares)?,
+    ))
 }
 
 /// A TOML syntax error as one line, with the line number where the parser stopped.

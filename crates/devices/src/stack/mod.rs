@@ -445,6 +445,52 @@ impl StackDevice {
         })
     }
 
+    /// Gives the array (running on its superblocks) the spares its stack file lists:
+    /// each must fit as a member would and be blank or this array's spare (not a member
+    /// in use, nor another array's or someone's data); it gets a spare's superblock, and
+    /// takes the place of the next member that fails.
+    pub fn with_spares(self, spares: Vec<(Arc<dyn Device>, String)>) -> Result<StackDevice, Error> {
+        if spares.is_empty() {
+            return Ok(self);
+        }
+        let Some(meta) = self.shared.metadata.clone() else {
+            return Err(Error::Invalid(format!(
+                "device '{}': spares need metadata (their superblocks say whose spares they are)",
+                self.shared.name
+            )));
+        };
+        for (device, name) in &spares {
+            self.shared
+                .fits(device, name, meta.member_data(0))
+                .and_then(|()| meta.make_spare(device, name))
+                .map_err(|e| {
+                    let what = if e.starts_with('\'') {
+                        format!("spare {e}")
+                    } else {
+                        format!("spare '{name}': {e}")
+                    };
+                    Error::Invalid(format!("device '{}': {what}", self.shared.name))
+                })?;
+        }
+        if !meta.dry() {
+            let names: Vec<&str> = spares.iter().map(|(_, n)| n.as_str()).collect();
+            log::info!(
+                "cairn: {}: spares {}: each takes the place of the next member that fails",
+                self.shared.name,
+                names.join(", ")
+            );
+        }
+        self.shared
+            .spares
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(spares);
+        if !meta.dry() {
+            self.shared.watch_members();
+        }
+        Ok(self)
+    }
+
     /// Runs the array on its superblocks: data starts after the metadata area; members
     /// that are missing are neither written nor read, and members that are not current
     /// (rebuilding, stale, new) are written but not read.
@@ -920,6 +966,24 @@ impl Device for StackDevice {
         )
     }
 
+    fn spares_now(&self) -> Option<Vec<(String, Option<String>)>> {
+        self.metadata.as_ref().filter(|m| !m.dry())?;
+        let added = self.added.lock().unwrap_or_else(|p| p.into_inner());
+        let spares = self.spares.lock().unwrap_or_else(|p| p.into_inner());
+        Some(
+            spares
+                .iter()
+                .map(|(_, name)| {
+                    let spec = added
+                        .iter()
+                        .find(|(n, _)| n == name)
+                        .map(|(_, s)| s.clone());
+                    (name.clone(), spec)
+                })
+                .collect(),
+        )
+    }
+
     fn failed_members(&self) -> Vec<String> {
         (0..self.health.n)
             .filter(|&m| !self.health.ok(m))
@@ -1094,8 +1158,24 @@ impl Shared {
             ));
         }
         let device = crate::open(&leaf, &new_name).map_err(|e| e.to_string())?;
+        self.fits(&device, &new_name, meta.member_data(slot))?;
+        meta.may_join(&device, &new_name)?;
+        let mut added = self.added.lock().unwrap_or_else(|p| p.into_inner());
+        added.retain(|(n, _)| *n != new_name);
+        added.push((new_name.clone(), leaf.stack_table()));
+        Ok((device, new_name))
+    }
+
+    /// Whether `device` can be a member holding `member_data` bytes of data: its size,
+    /// block size and what it can do.
+    fn fits(
+        &self,
+        device: &Arc<dyn Device>,
+        new_name: &str,
+        member_data: u64,
+    ) -> Result<(), String> {
         let g = device.geometry();
-        let need = self.data_offset + meta.member_data(slot);
+        let need = self.data_offset + member_data;
         if g.size_bytes < need {
             return Err(format!(
                 "'{new_name}' has {} bytes; a member of '{}' needs at least {need} (add size= to create or grow a file)",
@@ -1126,11 +1206,7 @@ impl Shared {
                 self.name
             ));
         }
-        meta.may_join(&device, &new_name)?;
-        let mut added = self.added.lock().unwrap_or_else(|p| p.into_inner());
-        added.retain(|(n, _)| *n != new_name);
-        added.push((new_name.clone(), leaf.stack_table()));
-        Ok((device, new_name))
+        Ok(())
     }
 
     /// `add SPEC`: the device takes the place of a missing (removed) or failed member and
@@ -1140,6 +1216,11 @@ impl Shared {
         let Some(m) = self.free_slot(meta) else {
             // A spare: it takes the place of the next member that fails.
             let (device, new_name) = self.open_new(meta, spec, 0)?;
+            if let Err(e) = meta.make_spare(&device, &new_name) {
+                let mut added = self.added.lock().unwrap_or_else(|p| p.into_inner());
+                added.retain(|(n, _)| *n != new_name);
+                return Err(e);
+            }
             self.spares
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
