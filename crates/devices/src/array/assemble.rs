@@ -524,6 +524,24 @@ mod tests {
     }
 
     #[test]
+    fn a_spare_listed_as_a_member_is_rebuilt_whole_and_another_arrays_is_refused() {
+        let e = expect(Level::Mirror, &["a", "s"]);
+        let p = plan(&e, &[Seen::Blank, Seen::Blank], 5, counter()).unwrap();
+        let seen = [Seen::Valid(sb(&e, &p, 0, 3)), Seen::Spare(p.array_uuid)];
+        let q = plan(&e, &seen, 6, counter()).unwrap();
+        assert_eq!(q.parts[1].state, MemberState::Rebuilding);
+        assert!(!q.parts[1].partial);
+        assert!(
+            q.notes[0].contains("a spare of this array"),
+            "{:?}",
+            q.notes
+        );
+        let seen = [Seen::Valid(sb(&e, &p, 0, 3)), Seen::Spare([0xaa; 16])];
+        let err = plan(&e, &seen, 6, counter()).unwrap_err();
+        assert!(err.contains("'s' is a spare of another array"), "{err}");
+    }
+
+    #[test]
     fn a_blank_replacement_is_written_not_read() {
         let e = expect(Level::Mirror, &["a", "b"]);
         let p = plan(&e, &[Seen::Blank, Seen::Blank], 5, counter()).unwrap();
