@@ -418,6 +418,44 @@ mod zeroing {
         }
     }
 
+    /// A discard or write-zeroes with FUA is made durable before it completes: on a file,
+    /// `fallocate` has no flag for that, so an `fdatasync` follows it, on every engine,
+    /// and only with FUA. (Was: FUA was ignored on them.)
+    #[test]
+    fn zeroing_with_fua_on_a_file_syncs_it_before_completing() {
+        use cairn_devices::file::FileDevice;
+        use cairn_devices::spec::Engine;
+        let dir = scratch_dir();
+        for engine in [Engine::IoUring, Engine::Aio, Engine::Sync] {
+            let path = dir.path().join(format!("fua-{engine:?}"));
+            let device =
+                Arc::new(FileDevice::open("f", &path, engine, false, Some(1 << 20)).expect("open"));
+            let dyn_device: Arc<dyn Device> = device.clone();
+            let q = BlockingQueue::open(&dyn_device, Switches::default()).expect("queue");
+            q.write(0, &pattern(3, 65536), IoFlags::NONE)
+                .expect("write");
+            let mut want = 0;
+            for (op, flags) in [
+                (Op::Discard, IoFlags::NONE),
+                (Op::WriteZeroes, IoFlags::NONE),
+                (Op::WriteZeroes, IoFlags::NO_HOLE),
+                (Op::Discard, IoFlags::FUA),
+                (Op::WriteZeroes, IoFlags::FUA),
+                (Op::WriteZeroes, IoFlags::FUA.with(IoFlags::NO_HOLE)),
+            ] {
+                q.zero(op, 8192, 4096, flags)
+                    .unwrap_or_else(|e| panic!("{engine:?} {op} {flags:?}: {e}"));
+                if flags.contains(IoFlags::FUA) {
+                    want += 1;
+                }
+                assert_eq!(device.fua_syncs(), want, "{engine:?} {op} {flags:?}");
+            }
+            let mut model = pattern(3, 65536);
+            model[8192..12288].fill(0);
+            assert!(read_vec(&q, 0, 65536) == model, "{engine:?}: data");
+        }
+    }
+
     #[test]
     fn zeroing_a_large_range() {
         // Larger than the 1 MiB zero buffer files fall back to.

@@ -6,7 +6,8 @@
 //!
 //! Every engine gives the same bytes: flush is `fdatasync`, FUA is `RWF_DSYNC`, discard
 //! punches a hole (so the range reads as zeros), write-zeroes uses `fallocate` and falls
-//! back to writing zeros where the file system cannot.
+//! back to writing zeros where the file system cannot. A discard or write-zeroes with FUA
+//! is followed by `fdatasync` before it completes (`fallocate` has no flag for it).
 
 pub mod aio;
 pub mod sync;
@@ -38,12 +39,29 @@ pub struct FileShared {
     file: File,
     path: PathBuf,
     zeros: OnceLock<AlignedBuf>,
+    /// `fdatasync` calls made for discards and write-zeroes with FUA.
+    fua_syncs: std::sync::atomic::AtomicU64,
 }
 
 impl FileShared {
     /// The raw descriptor (kept open as long as this value lives).
     pub fn fd(&self) -> RawFd {
         self.file.as_raw_fd()
+    }
+
+    /// Completes a discard or write-zeroes that ended with `status`: with FUA, what it
+    /// changed is made durable first (`fdatasync`: `fallocate` has no flag for it).
+    pub(crate) fn fua_zeroed(&self, io: &Io, status: IoStatus) -> IoStatus {
+        if !status.is_ok() || !io.flags.contains(IoFlags::FUA) {
+            return status;
+        }
+        self.fua_syncs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: plain syscall on an open fd.
+        if unsafe { libc::fdatasync(self.fd()) } < 0 {
+            return IoStatus::errno(last_errno());
+        }
+        status
     }
 
     fn zeros(&self) -> &AlignedBuf {
@@ -148,6 +166,7 @@ impl FileDevice {
                 file,
                 path: path.into(),
                 zeros: OnceLock::new(),
+                fua_syncs: std::sync::atomic::AtomicU64::new(0),
             }),
         })
     }
@@ -155,6 +174,14 @@ impl FileDevice {
     /// The engine in use.
     pub fn engine(&self) -> Engine {
         self.engine
+    }
+
+    /// How many discards and write-zeroes with FUA were made durable by an `fdatasync`
+    /// of their own.
+    pub fn fua_syncs(&self) -> u64 {
+        self.shared
+            .fua_syncs
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 
@@ -473,15 +500,17 @@ pub(crate) fn do_sync(shared: &FileShared, io: &Io) -> IoStatus {
                     io.len as libc::off_t,
                 )
             };
-            if rc == 0 {
-                return IoStatus::OK;
-            }
-            let errno = last_errno();
-            if errno == libc::EOPNOTSUPP || errno == libc::EINVAL {
-                write_zeros(shared, io.offset, io.len)
+            let status = if rc == 0 {
+                IoStatus::OK
             } else {
-                IoStatus::errno(errno)
-            }
+                let errno = last_errno();
+                if errno == libc::EOPNOTSUPP || errno == libc::EINVAL {
+                    write_zeros(shared, io.offset, io.len)
+                } else {
+                    IoStatus::errno(errno)
+                }
+            };
+            shared.fua_zeroed(io, status)
         }
     }
 }

@@ -158,6 +158,12 @@ impl RingUser for UringQueue {
                 } else {
                     status
                 };
+                let status = if matches!(io.op, Op::Discard | Op::WriteZeroes) {
+                    // Rare (a FUA trim): on the reactor thread, as the fallback is.
+                    self.shared.fua_zeroed(&io, status)
+                } else {
+                    status
+                };
                 self.finish(slot, status);
             }
         }
