@@ -407,12 +407,47 @@ impl Device for CacheDevice {
         len: u64,
         out: &mut Vec<cairn_core::Extent>,
     ) -> Result<(), Error> {
-        if !self.shared.lock().pages.is_empty() {
-            // Cached pages may hold data the base's map does not show yet.
-            cairn_core::Extent::push(out, cairn_core::Extent::data(len));
-            return Ok(());
+        use cairn_core::Extent;
+        // Dirty pages may hold data the base's map does not show yet: they are data.
+        // Taken before the base is asked, so a page written back meanwhile is counted
+        // (clean pages hold what the base holds, and its map stands for them).
+        let (first, end) = (offset / PAGE, (offset + len).div_ceil(PAGE));
+        let dirty: Vec<u64> = {
+            let st = self.shared.lock();
+            st.dirty.range(first..end).copied().collect()
+        };
+        if dirty.is_empty() {
+            return self.base.extents(offset, len, out);
         }
-        self.base.extents(offset, len, out)
+        let mut below = Vec::new();
+        self.base.extents(offset, len, &mut below)?;
+        let mut at = offset;
+        let mut next = dirty.iter().peekable();
+        for e in below {
+            let end = at + e.len;
+            if !e.hole && !e.zero {
+                Extent::push(out, e);
+                at = end;
+                continue;
+            }
+            // A hole or zeros below: the dirty pages in it are data.
+            while at < end {
+                while next.next_if(|&&p| (p + 1) * PAGE <= at).is_some() {}
+                match next.peek() {
+                    Some(&&p) if p * PAGE < end => {
+                        let (lo, hi) = ((p * PAGE).max(at), ((p + 1) * PAGE).min(end));
+                        Extent::push(out, Extent { len: lo - at, ..e });
+                        Extent::push(out, Extent::data(hi - lo));
+                        at = hi;
+                    }
+                    _ => {
+                        Extent::push(out, Extent { len: end - at, ..e });
+                        at = end;
+                    }
+                }
+            }
+        }
+        Ok(())
     }
     fn power_cut(&self) {
         // Cache memory is volatile: everything in it is gone. A cut is one instant for the

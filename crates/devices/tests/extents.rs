@@ -179,3 +179,58 @@ read = "1us"
         vec![Extent::data(4096), Extent::hole(8 * MIB - 4096)]
     );
 }
+
+/// A cache maps what its base maps, with its dirty pages (written, not yet written back)
+/// as data on top; pages it holds clean (read, or written back) change nothing. (Was:
+/// once anything was cached, all data: an array made over caches then read 64 MiB of
+/// every member to find it blank.)
+#[test]
+fn a_cache_maps_its_dirty_pages_over_the_base_map() {
+    // The flusher waits: the written pages stay dirty until the flush.
+    let text = r#"
+[writeback]
+background = "90%"
+limit = "95%"
+expire = "1h"
+interval = "1h"
+[device.m]
+type = "mem"
+size = "8M"
+[device.c]
+type = "cache"
+base = "m"
+memory = "1M"
+"#;
+    let f = StackFile::parse(text).unwrap();
+    let d = f.open("c").unwrap();
+    let q = BlockingQueue::open(&d, Switches::default()).unwrap();
+    let mut buf = vec![0u8; 65536];
+    q.read(0, &mut buf).unwrap();
+    // Cached clean pages, none dirty: the base's map.
+    assert_eq!(map(&*d, 0, 8 * MIB), vec![Extent::hole(8 * MIB)]);
+    write(&d, 3 * MIB, 8192);
+    write(&d, 3 * MIB + 16384, 4096);
+    let want = vec![
+        Extent::hole(3 * MIB),
+        Extent::data(8192),
+        Extent::hole(8192),
+        Extent::data(4096),
+        Extent::hole(5 * MIB - 20480),
+    ];
+    let base = d.children()[0].clone();
+    assert_eq!(
+        map(&*base, 0, 8 * MIB),
+        vec![Extent::hole(8 * MIB)],
+        "not written back yet"
+    );
+    assert_eq!(map(&*d, 0, 8 * MIB), want, "dirty pages");
+    // Inside the range, and from an offset inside a page.
+    assert_eq!(
+        map(&*d, 3 * MIB + 4096, 16384),
+        vec![Extent::data(4096), Extent::hole(8192), Extent::data(4096)]
+    );
+    // Written back: the base maps them itself.
+    q.flush().unwrap();
+    assert_eq!(map(&*base, 0, 8 * MIB), want, "written back");
+    assert_eq!(map(&*d, 0, 8 * MIB), want, "written back");
+}
