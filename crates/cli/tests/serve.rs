@@ -5573,6 +5573,11 @@ print(f"SIGKILL after {done} writes, {len(pending)} in flight: killed")
     /// Reads of each block in a row: a mirror's two copies twice each.
     const READS: &str = "4";
 
+    /// The arrays' keys besides `type` and `members` (none of them `metadata`, nor
+    /// `bitmap`: those are at their defaults): rebuilds and resyncs of the 16 MiB of data
+    /// take 2 to 4 s, so that most of the first reads of a restart land while one runs.
+    const PACE: &str = "rebuild_min = \"4M\"\nrebuild_max = \"8M\"\n";
+
     /// Every block of `srv`'s export read `READS` times: the same each time, and
     /// `want`'s bytes when given (`old`: the data before, to name what a wrong read got).
     #[track_caller]
@@ -5741,7 +5746,7 @@ print(f"SIGKILL after {done} writes, {len(pending)} in flight: killed")
                     })
                     .collect();
                 format!(
-                    "[device.r]\ntype = \"{level}\"\nmembers = [{}]\n{}",
+                    "[device.r]\ntype = \"{level}\"\nmembers = [{}]\n{}{PACE}",
                     names.join(", "),
                     case.extra
                 )
@@ -5787,6 +5792,11 @@ print(f"SIGKILL after {done} writes, {len(pending)} in flight: killed")
                 Server::start_in(tmpdir(), &[path_str(&healthy), "--admin", path_str(&ctl)]);
             let what = format!("{level}, started again with the stale member");
             check_reads(&python, &srv, Some(&new), Some(&old), &what);
+            // Known as the member that missed writes (`is back`, with the bitmap's regions
+            // to copy), not as a blank one.
+            let log = srv.stderr();
+            let back = format!("member 'd{}' is back (events ", case.faulty);
+            assert!(log.contains(&back), "{level}: {log}");
             wait_status(&ctl, &format!("[{}]", "U".repeat(case.members)), &srv);
             let what = format!("{level}, the stale member rebuilt");
             check_reads(&python, &srv, Some(&new), Some(&old), &what);
@@ -5822,7 +5832,7 @@ print(f"SIGKILL after {done} writes, {len(pending)} in flight: killed")
             &format!(
                 "[device.a]\ntype = \"file\"\npath = \"{}\"\nsize = \"17M\"\n\
                  [device.b]\ntype = \"file\"\npath = \"{}\"\nsize = \"17M\"\n\
-                 [device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"b\"]\n",
+                 [device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"b\"]\n{PACE}",
                 a.display(),
                 b.display()
             ),
@@ -5885,7 +5895,7 @@ print(f"SIGKILL after {done} writes, {len(pending)} in flight: killed")
             &format!(
                 "[device.a]\ntype = \"file\"\npath = \"{}\"\nsize = \"17M\"\n\
                  [device.b]\ntype = \"file\"\npath = \"{}\"\nsize = \"17M\"\n\
-                 [device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"b\"]\n",
+                 [device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"b\"]\n{PACE}",
                 a.display(),
                 b.display()
             ),
