@@ -5649,22 +5649,28 @@ print(f"SIGKILL after {done} writes, {len(pending)} in flight: killed")
     }
 
     /// Asserts that the member files `a` and `b` hold the same bytes from `data_offset`
-    /// on (each copy's data area), naming the first 4 KiB block that differs.
+    /// on (each copy's data area), counting the 4 KiB blocks that differ and naming the
+    /// first.
     #[track_caller]
     fn copies_agree(a: &Path, b: &Path, data_offset: usize, what: &str) {
         let (da, db) = (std::fs::read(a).unwrap(), std::fs::read(b).unwrap());
         assert_eq!(da.len(), db.len(), "{what}: the members' sizes differ");
         let (da, db) = (&da[data_offset..], &db[data_offset..]);
-        let differ = da
+        let differ: Vec<usize> = da
             .chunks(4096)
             .zip(db.chunks(4096))
-            .filter(|(x, y)| x != y)
-            .count();
+            .enumerate()
+            .filter(|(_, (x, y))| x != y)
+            .map(|(i, _)| i)
+            .collect();
         assert!(
-            differ == 0,
-            "{what}: {differ} blocks of 4 KiB differ between {} and {} past offset {data_offset}",
+            differ.is_empty(),
+            "{what}: {} blocks of 4 KiB differ between {} and {} past offset {data_offset} \
+             (the first: data block {})",
+            differ.len(),
             a.display(),
-            b.display()
+            b.display(),
+            differ[0]
         );
     }
 
@@ -5692,7 +5698,8 @@ print(f"SIGKILL after {done} writes, {len(pending)} in flight: killed")
             member_bytes: u64,
             /// The member under the fault.
             faulty: usize,
-            /// The member holding the same data as the faulty one.
+            /// The member holding the same data as the faulty one (raid10's near layout
+            /// puts a chunk's two copies on neighbouring members).
             partner: usize,
             /// The fault device's keys.
             fault: &'static str,
@@ -5801,6 +5808,7 @@ print(f"SIGKILL after {done} writes, {len(pending)} in flight: killed")
             let what = format!("{level}, the stale member rebuilt");
             check_reads(&python, &srv, Some(&new), Some(&old), &what);
             let log = stop_clean(&mut srv);
+            // Each member holds two copies' share of the data, after its metadata area.
             let data_offset = case.member_bytes - size * 2 / case.members as u64;
             copies_agree(
                 &files[case.partner],
