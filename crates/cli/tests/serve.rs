@@ -5520,7 +5520,7 @@ for i in range(blocks):
     wrong += bool(bad)
     if (bad or differ) and len(examples) < 5:
         examples.append(f"block {i} (offset {at}): wrong reads {bad} of {reads}, "
-                        f"{len(set(got))} different contents")
+                        f"{len({bytes(g) for g in got})} different contents")
 h.shutdown()
 kind = ", ".join(f"{n} {k}" for k, n in kinds.items() if n)
 print(f"{what}: {blocks} blocks of 4 KiB, each read {reads} times in a row: "
