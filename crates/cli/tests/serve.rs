@@ -5824,7 +5824,10 @@ print(f"SIGKILL after {done} writes, {len(pending)} in flight: killed")
     /// done), and after the resync the two copies are the same. With the raw layout (the
     /// old default) nothing knew the stop was unclean: the copies stayed different where
     /// writes had reached one member and not the other, and such blocks changed from one
-    /// read to the next.
+    /// read to the next. Member b sits under a `delay` device (2 ms a write), a slower
+    /// disk, so that the kill lands with the writes in flight done on a and not on b:
+    /// without it, on files in /dev/shm, the old code's copies came out the same in the
+    /// run tried, and the test passed its reads.
     #[test]
     fn kill_9_under_writes_then_the_copies_agree_and_reads_are_stable() {
         const NAME: &str =
@@ -5840,7 +5843,8 @@ print(f"SIGKILL after {done} writes, {len(pending)} in flight: killed")
             &format!(
                 "[device.a]\ntype = \"file\"\npath = \"{}\"\nsize = \"17M\"\n\
                  [device.b]\ntype = \"file\"\npath = \"{}\"\nsize = \"17M\"\n\
-                 [device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"b\"]\n{PACE}",
+                 [device.slow]\ntype = \"delay\"\nbase = \"b\"\nwrite = \"2ms\"\n\
+                 [device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"slow\"]\n{PACE}",
                 a.display(),
                 b.display()
             ),
