@@ -5533,13 +5533,15 @@ raise SystemExit(1 if wrong or unstable else 0)
 "#;
 
     /// Random 4 KiB writes of random bytes all over the export, 64 in flight at all
-    /// times, and once `CAIRN_KILL_AFTER` of them are done, with 64 more just sent,
-    /// SIGKILL to the server (`CAIRN_SERVER_PID`). A write that fails before fails the
-    /// script.
+    /// times; once `CAIRN_KILL_AFTER` of them are done, 64 more are sent (libnbd sends
+    /// from inside its calls: it is polled until it has nothing left to write), and 5 ms
+    /// later the server (`CAIRN_SERVER_PID`) gets SIGKILL. A write that fails before
+    /// fails the script.
     const HAMMER: &str = r#"
 import os
 import random
 import signal
+import time
 import nbd
 
 DEPTH = 64
@@ -5552,13 +5554,9 @@ blocks = h.get_size() // BS
 rng = random.Random(32)
 pending = []
 done = 0
-while True:
-    while len(pending) < DEPTH:
-        pending.append(h.aio_pwrite(rng.randbytes(BS), rng.randrange(blocks) * BS))
-    if done >= kill_after:
-        os.kill(pid, signal.SIGKILL)
-        break
-    h.poll(-1)
+
+def retire():
+    global pending, done
     still = []
     for cookie in pending:
         # Raises if the write failed.
@@ -5567,6 +5565,21 @@ while True:
         else:
             still.append(cookie)
     pending = still
+
+while True:
+    while len(pending) < DEPTH:
+        pending.append(h.aio_pwrite(rng.randbytes(BS), rng.randrange(blocks) * BS))
+    if done >= kill_after:
+        break
+    h.poll(-1)
+    retire()
+# The last 64 sent whole, then the kill, once member a has taken them and b (20 ms a
+# write) has not.
+while h.aio_get_direction() & nbd.AIO_DIRECTION_WRITE:
+    h.poll(-1)
+retire()
+time.sleep(0.005)
+os.kill(pid, signal.SIGKILL)
 print(f"SIGKILL after {done} writes, {len(pending)} in flight: killed")
 "#;
 
@@ -5824,10 +5837,11 @@ print(f"SIGKILL after {done} writes, {len(pending)} in flight: killed")
     /// done), and after the resync the two copies are the same. With the raw layout (the
     /// old default) nothing knew the stop was unclean: the copies stayed different where
     /// writes had reached one member and not the other, and such blocks changed from one
-    /// read to the next. Member b sits under a `delay` device (2 ms a write), a slower
-    /// disk, so that the kill lands with the writes in flight done on a and not on b:
-    /// without it, on files in /dev/shm, the old code's copies came out the same in the
-    /// run tried, and the test passed its reads.
+    /// read to the next. Member b sits under a `delay` device (20 ms a write), a slower
+    /// disk, so that the kill lands with the writes in flight done on a and not on b.
+    /// (Without it, on files in /dev/shm, the old code's copies came out the same in the
+    /// run tried; with 2 ms, and the kill as soon as 64 writes were queued in libnbd, in
+    /// 1 run of 7. This way 16 to 53 blocks differed, in 8 runs of 8.)
     #[test]
     fn kill_9_under_writes_then_the_copies_agree_and_reads_are_stable() {
         const NAME: &str =
@@ -5843,7 +5857,7 @@ print(f"SIGKILL after {done} writes, {len(pending)} in flight: killed")
             &format!(
                 "[device.a]\ntype = \"file\"\npath = \"{}\"\nsize = \"17M\"\n\
                  [device.b]\ntype = \"file\"\npath = \"{}\"\nsize = \"17M\"\n\
-                 [device.slow]\ntype = \"delay\"\nbase = \"b\"\nwrite = \"2ms\"\n\
+                 [device.slow]\ntype = \"delay\"\nbase = \"b\"\nwrite = \"20ms\"\n\
                  [device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"slow\"]\n{PACE}",
                 a.display(),
                 b.display()
@@ -5858,7 +5872,7 @@ print(f"SIGKILL after {done} writes, {len(pending)} in flight: killed")
             &srv.sock,
             &[
                 ("CAIRN_SERVER_PID", pid.to_string()),
-                ("CAIRN_KILL_AFTER", "5000".to_string()),
+                ("CAIRN_KILL_AFTER", "2000".to_string()),
             ],
             "killed",
         );
