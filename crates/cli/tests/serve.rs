@@ -5797,7 +5797,7 @@ print(f"SIGKILL after {done} writes, {len(pending)} in flight: killed")
             copy_in(&nbdcopy, &srv, &old);
             stop_clean(&mut srv);
 
-            // The new data, while the member fails every write it gets.
+            // The new data, while the member fails writes (`fault` above).
             let mut srv = Server::start_in(tmpdir(), &[path_str(&faulty)]);
             copy_in(&nbdcopy, &srv, &new);
             let log = stop_clean(&mut srv);
@@ -5821,7 +5821,7 @@ print(f"SIGKILL after {done} writes, {len(pending)} in flight: killed")
             let what = format!("{level}, the stale member rebuilt");
             check_reads(&python, &srv, Some(&new), Some(&old), &what);
             let log = stop_clean(&mut srv);
-            // Each member holds two copies' share of the data, after its metadata area.
+            // Each member holds its share of the two copies, after its metadata area.
             let data_offset = case.member_bytes - size * 2 / case.members as u64;
             copies_agree(
                 &files[case.partner],
