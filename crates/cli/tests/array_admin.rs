@@ -751,7 +751,7 @@ fn a_spare_takes_the_place_of_a_member_that_fails_under_load() {
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert!(out.status.success(), "{stdout}{stderr}");
     assert!(!stdout.contains("error"), "{stdout}");
-    assert!(stderr.contains("member fa failed"), "{stderr}");
+    assert!(stderr.contains("member 'fa' failed"), "{stderr}");
     assert!(
         stderr.contains("'s1.img' added in place of 'fa'"),
         "{stderr}"

@@ -821,7 +821,7 @@ fn a_mirror_across_a_veth_link_survives_the_link_going_down() {
     let log = std::fs::read_to_string(&bench_log).unwrap();
     assert!(status.success(), "bench failed: {status}\n{out}\n{log}");
     assert!(
-        log.contains("member remote failed"),
+        log.contains("member 'remote' failed"),
         "the mirror never marked the remote member failed:\n{log}"
     );
     assert!(out.contains("blocks read back and checked"), "{out}");

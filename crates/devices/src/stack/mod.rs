@@ -181,14 +181,14 @@ impl Health {
         if self.mark_failed(member) {
             if member >= self.n {
                 log::warn!(
-                    "cairn: {}: replacement {} for {} failed ({status}); the replace is abandoned",
+                    "cairn: {}: replacement '{}' for '{}' failed ({status}); the replace is abandoned",
                     self.device,
                     self.name(member),
                     self.name(member - self.n)
                 );
             } else {
                 log::warn!(
-                    "cairn: {}: member {} failed ({status}); running degraded",
+                    "cairn: {}: member '{}' failed ({status}); running degraded",
                     self.device,
                     self.name(member)
                 );
