@@ -608,8 +608,6 @@ struct IoSlot {
     outstanding: u32,
     /// First error a part met (0: none).
     error: i32,
-    /// A part of it reached the server (a flush cannot be retried after that).
-    issued_any: bool,
     /// The server broke the protocol answering it: it fails when its connection is reset.
     poisoned: bool,
     /// A flush of the queue's own, checking that connection `conn` is still there.
@@ -874,7 +872,6 @@ impl NbdQueue {
                         tail_flush: false,
                         outstanding: 0,
                         error: 0,
-                        issued_any: false,
                         poisoned: false,
                         internal: false,
                         in_use: false,
@@ -1098,7 +1095,6 @@ impl NbdQueue {
                 s.next += len;
             }
             s.outstanding += 1;
-            s.issued_any = true;
             let done_issuing = s.issued_all();
             let c = &mut st.conns[ci];
             let req = &mut st.reqs[r as usize];
@@ -1246,7 +1242,6 @@ impl NbdQueue {
                 tail_flush: true,
                 outstanding: 0,
                 error: 0,
-                issued_any: false,
                 poisoned: false,
                 internal: true,
                 in_use: true,
@@ -1274,7 +1269,6 @@ impl NbdQueue {
                 || (shared.emulate_fua && io.op.is_write() && io.flags.contains(IoFlags::FUA)),
             outstanding: 0,
             error: 0,
-            issued_any: false,
             poisoned: false,
             internal: false,
             in_use: true,
@@ -1461,7 +1455,6 @@ impl NbdQueue {
             s.next = 0;
             s.outstanding = 0;
             s.error = 0;
-            s.issued_any = false;
             s.tail_flush = s.io.op == Op::Flush
                 || (self.shared.emulate_fua
                     && s.io.op.is_write()
