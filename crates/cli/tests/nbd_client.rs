@@ -1182,3 +1182,338 @@ fn a_remote_mirror_member_that_comes_back_is_re_added_by_the_bitmap() {
     let data = (1 << 20)..(17 << 20);
     assert!(da[data.clone()] == dr[data], "the members differ");
 }
+
+/// A mirror served by `cairn serve` (its reactors running all along) of a local file and
+/// a remote export that loses writes it acknowledged but had not flushed when its server
+/// dies: a write-back `cache` over a file, served by a second `cairn serve` that is
+/// killed. Its connections are idle when it dies, so the mirror learns of it only when
+/// it next sends something. Two outages, each after writes that no flush covered:
+///
+/// 1. The remote server is killed and started again at once (no request of the mirror
+///    fails on the way). Writes it lost must not be taken for durable (the bitmap
+///    thread's flush goes through a new connection to the new server): their bits stay
+///    set until the member has failed, been re-added and had them copied again. (If the
+///    mirror happened to flush them before the kill, nothing is lost and nothing fails.)
+/// 2. The remote server stays down until the member has failed (a write that needs the
+///    member's superblock waits for the timeout), then comes back: the member is re-added,
+///    and the mirror's first flush after that must not fail it again (the connection it
+///    goes to died with writes unflushed, which the re-add has copied since).
+///
+/// An outage costs at most one re-add (the second exactly one), and the member stays in
+/// use after it (a client flush then goes through). Every write reads back through the
+/// mirror, through the remote member alone, and the members' data areas are
+/// byte-identical.
+#[test]
+fn a_remote_member_that_lost_writes_is_resynced_for_them_and_re_added_once() {
+    const PAGE: u64 = 4096;
+    const REGION: u64 = 64 << 10;
+    const SPAN: u64 = 2 << 20;
+    let dir = tmpdir();
+    let d = dir.path();
+    let (a, r) = (d.join("a.img"), d.join("r.img"));
+    let (rsock, msock, admin_sock, log) = (
+        d.join("r.sock"),
+        d.join("m.sock"),
+        d.join("admin.sock"),
+        d.join("m.log"),
+    );
+    // Dirty cache pages are written back only by a flush (or at 1 h).
+    let remote = d.join("remote.toml");
+    std::fs::write(
+        &remote,
+        format!(
+            "[writeback]\nexpire = \"1h\"\ninterval = \"1h\"\n\
+             [device.f]\ntype = \"file\"\npath = \"{}\"\nsize = \"17M\"\n\
+             [device.r]\ntype = \"cache\"\nbase = \"f\"\nmemory = \"4M\"\n\
+             [export.r]\ndevice = \"r\"\n",
+            r.display()
+        ),
+    )
+    .unwrap();
+    let serve_remote = || {
+        // A killed server leaves its socket behind: wait for the new one.
+        let _ = std::fs::remove_file(&rsock);
+        start(
+            Command::new(env!("CARGO_BIN_EXE_cairn"))
+                .arg("serve")
+                .arg(&remote)
+                .arg("--listen")
+                .arg(format!("unix:{}", rsock.display())),
+            &rsock,
+        )
+    };
+    let mirror = d.join("mirror.toml");
+    std::fs::write(
+        &mirror,
+        format!(
+            "[device.a]\ntype = \"file\"\npath = \"{}\"\nsize = \"17M\"\n\
+             [device.remote]\ntype = \"nbd\"\nuri = \"nbd+unix:///r?socket={}\"\ntimeout = \"1s\"\n\
+             [device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"remote\"]\nmetadata = \"1\"\n\
+             bitmap = \"64K\"\nbitmap_delay = \"100ms\"\nreadd = \"200ms\"\n\
+             [export.m]\ndevice = \"m\"\n",
+            a.display(),
+            rsock.display()
+        ),
+    )
+    .unwrap();
+    let mut srv = Some(serve_remote());
+    let mut m = start_logging(
+        Command::new(env!("CARGO_BIN_EXE_cairn"))
+            .arg("serve")
+            .arg(&mirror)
+            .arg("--listen")
+            .arg(format!("unix:{}", msock.display()))
+            .arg("--admin")
+            .arg(&admin_sock),
+        &msock,
+        std::fs::File::create(&log).unwrap().into(),
+    );
+    let admin = |words: &[&str]| -> String {
+        let out = Command::new(env!("CARGO_BIN_EXE_cairn"))
+            .arg("admin")
+            .arg(&admin_sock)
+            .args(words)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "admin {words:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let log_text = || std::fs::read_to_string(&log).unwrap_or_default();
+    let wait = |what: &str, done: &dyn Fn(&str) -> bool| {
+        let t = Instant::now();
+        loop {
+            let s = admin(&["status"]);
+            if done(&s) {
+                return;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "never {what}:\n{s}\nlog:\n{}",
+                log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let settled = |s: &str| s.contains("[UU]") && s.contains("bitmap: 0 of");
+    let client = open_nbd(&format!("nbd:nbd+unix:///m?socket={}", msock.display()));
+    let q = BlockingQueue::open(&client, Switches::default()).unwrap();
+    let mut model = vec![0u8; SPAN as usize];
+    // Writes pages `pages` of region `region` with version `v`, all in flight together,
+    // and no flush.
+    let mut write = |region: u64, pages: std::ops::Range<u64>, v: u8| {
+        let mut bufs: Vec<Vec<u8>> = pages
+            .clone()
+            .map(|p| vec![v ^ (region as u8) ^ (p as u8); PAGE as usize])
+            .collect();
+        let mut reqs: Vec<Request> = bufs
+            .iter_mut()
+            .zip(pages)
+            .map(|(b, p)| {
+                let at = region * REGION + p * PAGE;
+                model[at as usize..(at + PAGE) as usize].copy_from_slice(b);
+                Request {
+                    op: Op::Write,
+                    flags: IoFlags::NONE,
+                    offset: at,
+                    len: 0,
+                    buf: Some(b.as_mut_slice()),
+                }
+            })
+            .collect();
+        for (i, r) in q.run(&mut reqs).into_iter().enumerate() {
+            r.unwrap_or_else(|e| panic!("write {i} to region {region}: {e}"));
+        }
+    };
+    // Everything written once and flushed; every bit clean.
+    for region in 0..SPAN / REGION {
+        write(region, 0..REGION / PAGE, 1);
+    }
+    q.flush().unwrap();
+    wait("clean bits", &|s| settled(s));
+
+    let readds = |l: &str| l.matches("member remote answers again: re-added").count();
+    let failures = |l: &str| {
+        l.matches("member remote failed").count() + l.matches("member 'remote' failed").count()
+    };
+    // Re-adds so far, once the log has the line of each failure's re-add (it comes right
+    // after the re-add, before the bits can be clean again).
+    let readded = || {
+        let t = Instant::now();
+        loop {
+            let l = log_text();
+            if readds(&l) >= failures(&l).min(1) {
+                return readds(&l);
+            }
+            assert!(t.elapsed() < Duration::from_secs(60), "{l}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+
+    // 1. Writes the remote acknowledges into its cache; its server dies and is back at once.
+    write(5, 0..8, 2);
+    drop(srv.take());
+    srv = Some(serve_remote());
+    wait("settled after the quick restart", &|s| settled(s));
+    q.flush().unwrap();
+    wait("settled after a flush", &|s| settled(s));
+    let first = readded();
+    assert!(first <= 1, "one outage, {first} re-adds:\n{}", log_text());
+
+    // 2. Again, and the server stays down until the member has failed.
+    write(9, 0..8, 3);
+    drop(srv.take());
+    // Its bit must be set on the members: the remote's superblock waits for the timeout.
+    write(12, 0..4, 4);
+    wait("the remote member failed", &|s| s.contains("[U_]"));
+    srv = Some(serve_remote());
+    wait("re-added and settled", &|s| settled(s));
+    q.flush().unwrap();
+    wait("settled after a flush", &|s| settled(s));
+    let t = Instant::now();
+    while readds(&log_text()) < first + 1 {
+        assert!(t.elapsed() < Duration::from_secs(60), "{}", log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let l = log_text();
+    assert_eq!(
+        readds(&l),
+        first + 1,
+        "the second outage re-added the member more than once:\n{l}"
+    );
+
+    let read_all = |what: &str| {
+        let mut buf = vec![0u8; SPAN as usize];
+        q.read(0, &mut buf).unwrap();
+        for (i, (got, want)) in buf
+            .chunks(PAGE as usize)
+            .zip(model.chunks(PAGE as usize))
+            .enumerate()
+        {
+            assert!(
+                got == want,
+                "{what}: page {i} (region {}) differs",
+                i as u64 * PAGE / REGION
+            );
+        }
+    };
+    read_all("the mirror");
+    let out = admin(&["fail", "m", "a"]);
+    assert!(out.contains("failed"), "{out}");
+    read_all("the remote member alone");
+    drop(q);
+    drop(client);
+    // A clean stop flushes the remote (its cache writes everything back) before it dies.
+    // SAFETY: signals our own child, which has not been waited for.
+    unsafe { libc::kill(m.0.id() as i32, libc::SIGTERM) };
+    let _ = m.0.wait();
+    drop(srv);
+    let (da, dr) = (std::fs::read(&a).unwrap(), std::fs::read(&r).unwrap());
+    let data = (1usize << 20)..(17 << 20);
+    assert!(da[data.clone()] == dr[data], "the members differ");
+}
+
+/// `cairn serve` of a write-back cache over a file, whose server is killed (losing the
+/// writes it acknowledged into its cache and had not flushed) and started again, for
+/// the `nbd` device's account of such writes, with two queues `a` and `b` (each with its
+/// own connection):
+///
+/// - after a write on `a` and the restart, a flush on `b` (sent again over a new
+///   connection to the new server) succeeds, but vouches for nothing of `a`'s write: the
+///   device says it is unverified until `a` has looked at its connection;
+/// - `a` finds it dead at its next request: the loss is counted, and the next flush on
+///   each queue fails, once (a queue opened later too), until the loss is made up for;
+/// - a loss found after a make-up, of writes acknowledged before it, is not reported; one
+///   of writes acknowledged after it is.
+#[test]
+fn writes_a_restarted_server_lost_fail_each_queues_next_flush_until_made_up() {
+    use cairn_core::LostWrites;
+    let dir = tmpdir();
+    let d = dir.path();
+    let (r, rsock, remote) = (d.join("r.img"), d.join("r.sock"), d.join("remote.toml"));
+    std::fs::write(
+        &remote,
+        format!(
+            "[writeback]\nexpire = \"1h\"\ninterval = \"1h\"\n\
+             [device.f]\ntype = \"file\"\npath = \"{}\"\nsize = \"4M\"\n\
+             [device.r]\ntype = \"cache\"\nbase = \"f\"\nmemory = \"1M\"\n\
+             [export.r]\ndevice = \"r\"\n",
+            r.display()
+        ),
+    )
+    .unwrap();
+    let serve = || {
+        let _ = std::fs::remove_file(&rsock);
+        start(
+            Command::new(env!("CARGO_BIN_EXE_cairn"))
+                .arg("serve")
+                .arg(&remote)
+                .arg("--listen")
+                .arg(format!("unix:{}", rsock.display())),
+            &rsock,
+        )
+    };
+    let mut srv = serve();
+    let dev = open_nbd(&format!(
+        "nbd:nbd+unix:///r?socket={},timeout=5s",
+        rsock.display()
+    ));
+    let a = BlockingQueue::open(&dev, Switches::default()).unwrap();
+    let b = BlockingQueue::open(&dev, Switches::default()).unwrap();
+    let page = |v: u8| vec![v; 4096];
+    let mut buf = vec![0u8; 4096];
+    b.write(0, &page(9), IoFlags::NONE).unwrap();
+    b.flush().unwrap();
+    assert_eq!(dev.lost_writes(), LostWrites::None);
+
+    a.write(4096, &page(1), IoFlags::NONE).unwrap();
+    drop(srv);
+    srv = serve();
+    b.flush().expect("b's flush: nothing of b's was lost");
+    assert_eq!(dev.lost_writes(), LostWrites::Unverified);
+    a.read(0, &mut buf).expect("a read is sent again");
+    assert_eq!(buf, page(9), "flushed, so kept");
+    assert_eq!(dev.lost_writes(), LostWrites::Lost);
+    a.read(4096, &mut buf).unwrap();
+    assert_eq!(
+        buf,
+        page(0),
+        "the server lost the write that was not flushed"
+    );
+    for (q, name) in [(&b, "b"), (&a, "a")] {
+        assert!(q.flush().is_err(), "{name}'s first flush reports the loss");
+        q.flush()
+            .unwrap_or_else(|e| panic!("{name}'s second flush: {e}"));
+    }
+    let c = BlockingQueue::open(&dev, Switches::default()).unwrap();
+    assert!(c.flush().is_err(), "a queue opened later reports it too");
+    drop(c);
+    assert_eq!(dev.lost_writes(), LostWrites::Lost);
+    dev.lost_writes_made_up();
+    assert_eq!(dev.lost_writes(), LostWrites::None);
+    let c = BlockingQueue::open(&dev, Switches::default()).unwrap();
+    c.flush().expect("made up for: nothing to report");
+    drop(c);
+
+    // Acknowledged before a make-up, found lost after it: not reported.
+    a.write(8192, &page(2), IoFlags::NONE).unwrap();
+    drop(srv);
+    srv = serve();
+    dev.lost_writes_made_up();
+    a.read(0, &mut buf).unwrap();
+    assert_eq!(dev.lost_writes(), LostWrites::None);
+    a.flush().expect("a loss made up for before it was found");
+    b.flush().expect("a loss made up for before it was found");
+
+    // Acknowledged after the make-up: reported.
+    a.write(8192, &page(3), IoFlags::NONE).unwrap();
+    drop(srv);
+    let _srv = serve();
+    a.read(0, &mut buf).unwrap();
+    assert_eq!(dev.lost_writes(), LostWrites::Lost);
+    assert!(a.flush().is_err());
+    a.flush().unwrap();
+}

@@ -89,6 +89,23 @@ impl Geometry {
     }
 }
 
+/// What a device can say about writes it acknowledged that it may no longer hold
+/// ([`Device::lost_writes`]): a remote device loses those acknowledged without FUA and not
+/// yet flushed when its server restarts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LostWrites {
+    /// None that it knows of: a flush that succeeds now makes every write it
+    /// acknowledged durable.
+    None,
+    /// Some are on a connection not heard from since the server may have restarted: a
+    /// flush that succeeds now does not vouch for them until the device has checked that
+    /// connection (which it does by itself, soon).
+    Unverified,
+    /// Some were lost (their connection dropped before a flush covered them), and nobody
+    /// has made up for them yet ([`Device::lost_writes_made_up`]).
+    Lost,
+}
+
 /// A configured block device, shared by every reactor that uses it.
 pub trait Device: Send + Sync {
     /// The device's name, as reports print it (e.g. `mem0`, `d1`).
@@ -199,6 +216,20 @@ pub trait Device: Send + Sync {
     fn coherent_across_queues(&self) -> bool {
         self.children().iter().all(|c| c.coherent_across_queues())
     }
+
+    /// Whether this device may have lost writes it acknowledged (see [`LostWrites`]).
+    /// Until a loss is made up for, the next flush on each queue fails with EIO (once per
+    /// queue). The default: [`LostWrites::None`] (devices that hand completed writes to a
+    /// kernel or keep them in memory lose them only with power, which a flush reports).
+    fn lost_writes(&self) -> LostWrites {
+        LostWrites::None
+    }
+
+    /// Whoever uses this device has made up for every write it acknowledged until now and
+    /// may have lost (an array re-adding a member copies to it again whatever it may have
+    /// missed): losses of those writes, found now or later, are no longer reported. Writes
+    /// acknowledged after this call are reported as before. The default does nothing.
+    fn lost_writes_made_up(&self) {}
 }
 
 /// A run of bytes with one allocation state.

@@ -32,7 +32,7 @@ pub mod stats;
 
 pub use buf::AlignedBuf;
 pub use clock::{Clock, ClockMode};
-pub use device::{Caps, Device, Extent, Geometry, Queue};
+pub use device::{Caps, Device, Extent, Geometry, LostWrites, Queue};
 pub use error::{Error, IoError};
 pub use flush::{FlushBatcher, FlushMode};
 pub use frontend::{Frontend, FrontendPart};

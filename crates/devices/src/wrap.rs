@@ -338,6 +338,14 @@ impl Device for WrapDevice {
     fn children(&self) -> Vec<Arc<dyn Device>> {
         vec![self.base.clone()]
     }
+
+    fn lost_writes(&self) -> cairn_core::LostWrites {
+        self.base.lost_writes()
+    }
+
+    fn lost_writes_made_up(&self) {
+        self.base.lost_writes_made_up()
+    }
 }
 
 /// Token bit marking a timer (the request is due to go to the base) rather than a base

@@ -13,14 +13,23 @@
 //! NBD's trim does not, so a discard is sent as a write-zeroes that may punch a hole.
 //!
 //! Faults: a connection that fails (an error, the server closing it, a reply that breaks
-//! the protocol, or no reply for `timeout`) is shut down. Reads and writes not yet
-//! acknowledged are sent again once a connection is back: a thread reconnects with
-//! backoff, so the reactor never blocks on a handshake. A flush that was in flight cannot
-//! be retried honestly (the writes it covered may be gone with a restarted server): it
-//! fails with EIO, and so does the next flush when writes acknowledged but not yet flushed
-//! were on the connection that was lost. A request still waiting `timeout` after it was
-//! submitted fails with EIO, and while every connection has been down longer than that,
-//! new requests fail at once: a mirror over a remote member then marks it failed.
+//! the protocol, or no reply for `timeout`) is shut down. Requests not yet answered are
+//! sent again once a connection is back: a thread reconnects with backoff, so the reactor
+//! never blocks on a handshake. A request still waiting `timeout` after it was submitted
+//! fails with EIO, and while every connection has been down longer than that (and none
+//! was made since, by any queue of the device), new requests fail at once: a mirror over
+//! a remote member then marks it failed.
+//!
+//! Writes acknowledged without FUA and not yet flushed are lost if the server restarts:
+//! the device keeps an account of them ([`Ledger`]). When a connection holding such writes
+//! is lost, the loss is counted, and the next flush on each queue (a flush that was in
+//! flight then, sent again, included) fails with EIO, once, until whoever uses the device
+//! says it made up for the loss ([`Device::lost_writes_made_up`]: an array re-adding the
+//! member copies again what it may have missed); a loss of writes acknowledged before
+//! that is not reported at all. An idle connection can die unnoticed (it receives
+//! nothing), so each connection lost or made wakes every queue, which sends a flush on
+//! each of its connections that holds such writes and was not heard from since:
+//! [`Device::lost_writes`] says `Unverified` until they answer (or are found dead).
 //!
 //! With `nbds://` the connection starts TLS (rustls) before any option; requests are
 //! encrypted into a ciphertext buffer and replies decrypted into the input buffer, on the
@@ -116,11 +125,135 @@ struct Shared {
     /// The longest trim or write-zeroes range in a compact (32-bit) header, in blocks.
     max_compact_range: u64,
     /// Negotiated connections not used by any queue (from the open, or a closed queue).
-    idle: Mutex<Vec<Connected>>,
+    idle: Mutex<Vec<Idle>>,
+    /// Writes acknowledged and perhaps lost since.
+    ledger: Ledger,
     /// The connection block status goes over.
     control: Mutex<Option<(Box<dyn Stream>, Negotiated)>>,
     control_cookie: AtomicU64,
     reconnects: AtomicU64,
+}
+
+/// A negotiated connection no queue uses, with the writes it acknowledged that no flush
+/// has covered yet (a queue closed without flushing them).
+struct Idle {
+    made: Connected,
+    unflushed: Option<Unflushed>,
+}
+
+/// Writes a connection acknowledged that no flush has covered yet.
+#[derive(Clone, Copy)]
+struct Unflushed {
+    /// The [`Ledger`] era when the newest was acknowledged.
+    era: u64,
+    /// The ledger's turnover when the connection was last heard from.
+    heard: u64,
+}
+
+/// The device's account of the writes it acknowledged that its server may not hold.
+///
+/// A write acknowledged without FUA is durable once a flush covers it. If the connection
+/// it went on is lost first, the server may have restarted and lost it: that is a loss
+/// (`losses`), reported by the next flush on each queue until the device's user makes up
+/// for it (`made_up`). A make-up also starts a new `era`: a loss found later of writes
+/// all acknowledged in an earlier era is made up for already, and not counted.
+///
+/// A connection dies unnoticed while it is idle (nothing is received on it), so a flush
+/// that succeeds on one connection says nothing of writes acknowledged on another that
+/// may talk to a server that is gone. `turnover` counts the connections lost and made
+/// (but the device's first); each queue publishes in its [`Watch`] the oldest turnover at
+/// which one of its connections holding unflushed writes was last heard from (a reply to
+/// a request sent at that turnover or later). Such a connection not heard from since the
+/// current turnover is unverified: the server may have restarted under it. Every turnover
+/// wakes every queue, which sends a flush on each of those connections: it makes their
+/// writes durable, or finds the connection dead (a loss).
+///
+/// The queue's side costs no atomic read-modify-write: it reads `era` and `turnover`
+/// once per pass that sends anything, and stores to its own watch when what it
+/// publishes changes.
+struct Ledger {
+    turnover: AtomicU64,
+    /// Connections made (but the first): a server that answers again.
+    connects: AtomicU64,
+    era: AtomicU64,
+    losses: AtomicU64,
+    made_up: AtomicU64,
+    /// Every open queue's watch.
+    watches: Mutex<Vec<Arc<Watch>>>,
+}
+
+/// What one queue publishes for the [`Ledger`]: on a cache line of its own, stored by the
+/// queue, read by other threads.
+#[repr(align(64))]
+struct Watch {
+    /// 0 while no connection of the queue holds unflushed writes; else 1 + the oldest
+    /// turnover at which one that does was last heard from.
+    unflushed: AtomicU64,
+    /// Wakes the queue's reactor.
+    wake: Arc<OwnedFd>,
+}
+
+impl Ledger {
+    fn new() -> Ledger {
+        Ledger {
+            turnover: AtomicU64::new(0),
+            connects: AtomicU64::new(0),
+            era: AtomicU64::new(0),
+            losses: AtomicU64::new(0),
+            made_up: AtomicU64::new(0),
+            watches: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// A connection was lost or made: every queue looks at its connections.
+    fn turn(&self) {
+        self.turnover.fetch_add(1, Ordering::SeqCst);
+        let watches = self.watches.lock().unwrap_or_else(|e| e.into_inner());
+        for w in watches.iter() {
+            cairn_core::event::signal(w.wake.as_raw_fd());
+        }
+    }
+
+    /// Records the loss of a connection holding unflushed writes, the newest
+    /// acknowledged in era `era`: whether it counts (it was not made up for already).
+    fn lost(&self, era: u64) -> bool {
+        if era < self.era.load(Ordering::SeqCst) {
+            return false;
+        }
+        self.losses.fetch_add(1, Ordering::SeqCst);
+        true
+    }
+
+    fn state(&self, idle: &Mutex<Vec<Idle>>) -> cairn_core::LostWrites {
+        if self.losses.load(Ordering::SeqCst) > self.made_up.load(Ordering::SeqCst) {
+            return cairn_core::LostWrites::Lost;
+        }
+        let t = self.turnover.load(Ordering::SeqCst);
+        let queues = self
+            .watches
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|w| matches!(w.unflushed.load(Ordering::Acquire), v if v != 0 && v - 1 < t));
+        let pooled = idle
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|i| i.unflushed.is_some_and(|u| u.heard < t));
+        if queues || pooled {
+            cairn_core::LostWrites::Unverified
+        } else {
+            cairn_core::LostWrites::None
+        }
+    }
+
+    fn made_up(&self) {
+        // The era first: a loss found from now on of writes acknowledged before is not
+        // counted; one counted before is in `losses` when it is read.
+        self.era.fetch_add(1, Ordering::SeqCst);
+        let l = self.losses.load(Ordering::SeqCst);
+        self.made_up.fetch_max(l, Ordering::SeqCst);
+    }
 }
 
 impl Shared {
@@ -167,6 +300,8 @@ impl Shared {
     fn connect(&self) -> Result<Connected, HandshakeError> {
         let c = client::connect_any(&self.uri, Shared::want(), self.handshake_timeout())?;
         self.compatible(&c.neg).map_err(HandshakeError::Refused)?;
+        self.ledger.connects.fetch_add(1, Ordering::SeqCst);
+        self.ledger.turn();
         Ok(c)
     }
 }
@@ -249,7 +384,11 @@ impl NbdDevice {
                 neg: neg.clone(),
                 connections,
                 timeout_ns: options.timeout.as_nanos() as u64,
-                idle: Mutex::new(vec![first]),
+                idle: Mutex::new(vec![Idle {
+                    made: first,
+                    unflushed: None,
+                }]),
+                ledger: Ledger::new(),
                 control: Mutex::new(None),
                 control_cookie: AtomicU64::new(1),
                 reconnects: AtomicU64::new(0),
@@ -396,6 +535,19 @@ impl Device for NbdDevice {
     fn coherent_across_queues(&self) -> bool {
         self.shared.neg.flags & tflags::CAN_MULTI_CONN != 0
     }
+
+    fn lost_writes(&self) -> cairn_core::LostWrites {
+        self.shared.ledger.state(&self.shared.idle)
+    }
+
+    fn lost_writes_made_up(&self) {
+        self.shared.ledger.made_up();
+        log::info!(
+            "cairn: {}: writes acknowledged until now that {} may have lost are made up for",
+            self.shared.name,
+            self.shared.uri_text
+        );
+    }
 }
 
 /// Turns a server's extents (length, state flags) into cairn's for `[offset, offset +
@@ -456,10 +608,10 @@ struct IoSlot {
     outstanding: u32,
     /// First error a part met (0: none).
     error: i32,
-    /// A part of it reached the server (a flush cannot be retried after that).
-    issued_any: bool,
     /// The server broke the protocol answering it: it fails when its connection is reset.
     poisoned: bool,
+    /// A flush of the queue's own, checking that connection `conn` is still there.
+    internal: bool,
     in_use: bool,
 }
 
@@ -481,6 +633,9 @@ struct Req {
     covered: u64,
     /// For a flush: the connection's acknowledged writes when it was sent.
     covers: u64,
+    /// The ledger's turnover as the queue knew it when it was sent (its reply proves the
+    /// connection alive at that turnover or later).
+    turnover: u64,
     gen: u16,
     in_use: bool,
 }
@@ -491,6 +646,8 @@ struct Out {
     head_len: u8,
     data: *const u8,
     data_len: u32,
+    /// The request it is (its `Req`).
+    req: u32,
 }
 
 impl gather::Segment for Out {
@@ -556,6 +713,12 @@ struct Conn {
     /// Writes acknowledged without FUA, and how many of them a finished flush covers.
     acked_writes: u64,
     flushed_writes: u64,
+    /// The ledger's era when the newest write was acknowledged, and its turnover when the
+    /// connection was last heard from.
+    unflushed_era: u64,
+    heard: u64,
+    /// A flush of the queue's own is checking it.
+    verifying: bool,
     dirty: bool,
     why: &'static str,
     /// The TLS session and its ciphertext buffers (`nbds://`).
@@ -603,10 +766,18 @@ impl Conn {
             progress_ns: 0,
             acked_writes: 0,
             flushed_writes: 0,
+            unflushed_era: 0,
+            heard: 0,
+            verifying: false,
             dirty: false,
             why: "",
             tls: None,
         }
+    }
+
+    /// Holds writes acknowledged that no flush has covered yet.
+    fn owes(&self) -> bool {
+        self.link != Link::Down && self.acked_writes > self.flushed_writes
     }
 
     fn quiet(&self) -> bool {
@@ -628,11 +799,17 @@ struct State {
     spare: Vec<u16>,
     tick_armed: bool,
     connecting: bool,
-    /// Every connection down since (`None`: at least one is up).
+    /// Every connection down since (`None`: at least one is up), and the ledger's count of
+    /// connections made then.
     down_since: Option<u64>,
-    /// Acknowledged writes not yet flushed were on a connection that was lost: the next
-    /// flush fails.
-    lost_writes: bool,
+    down_connects: u64,
+    /// The ledger's losses this queue has reported (a flush failed after them).
+    reported: u64,
+    /// The ledger's era and turnover as last read.
+    era: u64,
+    turnover: u64,
+    /// What the queue last stored in its watch.
+    published: u64,
     /// Delay before the next reconnection attempt.
     backoff: Duration,
     /// When a connection was last made again.
@@ -658,22 +835,32 @@ pub struct NbdQueue {
     tx: Sender<Made>,
     rx: Receiver<Made>,
     stop: Arc<AtomicBool>,
+    watch: Arc<Watch>,
     st: RefCell<State>,
 }
+
+/// The token of the queue's own flushes (timers use 0).
+const VERIFY: u64 = 1;
 
 impl NbdQueue {
     fn open(core: &Rc<Core>, shared: Arc<Shared>) -> Result<Rc<dyn Queue>, Error> {
         let (tx, rx) = channel();
         let idle = QUEUE_DEPTH as u32;
+        let wake = cairn_core::event::eventfd("nbd reconnect")?;
+        let watch = Arc::new(Watch {
+            unflushed: AtomicU64::new(0),
+            wake: wake.clone(),
+        });
         let q = Rc::new(NbdQueue {
             core: core.clone(),
             stats: QueueStats::named_leaf(core.switches().stats, &shared.name),
-            wake: cairn_core::event::eventfd("nbd reconnect")?,
+            wake,
             user: Cell::new(0),
             sink: Cell::new(SinkId(u32::MAX)),
             tx,
             rx,
             stop: Arc::new(AtomicBool::new(false)),
+            watch: watch.clone(),
             st: RefCell::new(State {
                 conns: (0..shared.connections).map(|_| Conn::new()).collect(),
                 ios: vec![
@@ -685,8 +872,8 @@ impl NbdQueue {
                         tail_flush: false,
                         outstanding: 0,
                         error: 0,
-                        issued_any: false,
                         poisoned: false,
+                        internal: false,
                         in_use: false,
                     };
                     QUEUE_DEPTH
@@ -702,6 +889,7 @@ impl NbdQueue {
                         len: 0,
                         covered: 0,
                         covers: 0,
+                        turnover: 0,
                         gen: 0,
                         in_use: false,
                     };
@@ -714,12 +902,22 @@ impl NbdQueue {
                 tick_armed: false,
                 connecting: false,
                 down_since: None,
-                lost_writes: false,
+                down_connects: 0,
+                reported: 0,
+                era: shared.ledger.era.load(Ordering::SeqCst),
+                turnover: shared.ledger.turnover.load(Ordering::SeqCst),
+                published: 0,
                 backoff: Duration::ZERO,
                 connected_ns: 0,
             }),
             shared,
         });
+        q.shared
+            .ledger
+            .watches
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(watch);
         q.user.set(core.register_ring_user(q.clone())?);
         q.sink.set(core.register_sink(q.clone()));
         core.register_poller(q.clone());
@@ -736,7 +934,10 @@ impl NbdQueue {
                 .pop();
             let got = match kept {
                 Some(c) => Ok(c),
-                None => q.shared.connect(),
+                None => q.shared.connect().map(|made| Idle {
+                    made,
+                    unflushed: None,
+                }),
             };
             match got {
                 Ok(c) => q.install(&mut st, i, c, now),
@@ -752,13 +953,18 @@ impl NbdQueue {
         }
         if st.conns.iter().all(|c| c.link != Link::Up) {
             st.down_since = Some(now);
+            st.down_connects = q.shared.ledger.connects.load(Ordering::SeqCst);
         }
         q.start_connector(&mut st);
         drop(st);
         Ok(q)
     }
 
-    fn install(&self, st: &mut State, ci: usize, made: Connected, now: u64) {
+    fn install(&self, st: &mut State, ci: usize, idle: Idle, now: u64) {
+        let Idle { made, unflushed } = idle;
+        // Requests sent from now on carry a turnover no older than this connection.
+        st.era = self.shared.ledger.era.load(Ordering::SeqCst);
+        st.turnover = self.shared.ledger.turnover.load(Ordering::SeqCst);
         let c = &mut st.conns[ci];
         debug_assert!(c.link == Link::Down);
         c.fd = Some(made.fd);
@@ -783,10 +989,15 @@ impl NbdQueue {
         c.out_sent = 0;
         c.outstanding = 0;
         c.progress_ns = now;
-        c.acked_writes = 0;
+        // Writes a closed queue left unflushed on it are owed still.
+        c.acked_writes = u64::from(unflushed.is_some());
         c.flushed_writes = 0;
+        c.unflushed_era = unflushed.map_or(0, |u| u.era);
+        c.heard = unflushed.map_or(0, |u| u.heard);
+        c.verifying = false;
         c.why = "";
         st.down_since = None;
+        self.publish(st);
         // Requests that waited for a connection go first, in their order.
         while let Some(slot) = st.parked.pop_front() {
             st.ios[slot as usize].conn = ci as u16;
@@ -884,7 +1095,6 @@ impl NbdQueue {
                 s.next += len;
             }
             s.outstanding += 1;
-            s.issued_any = true;
             let done_issuing = s.issued_all();
             let c = &mut st.conns[ci];
             let req = &mut st.reqs[r as usize];
@@ -897,6 +1107,7 @@ impl NbdQueue {
                 len,
                 covered: 0,
                 covers: c.acked_writes,
+                turnover: st.turnover,
                 gen,
                 in_use: true,
             };
@@ -908,6 +1119,7 @@ impl NbdQueue {
                 head_len: head_len as u8,
                 data: data.unwrap_or(std::ptr::null()),
                 data_len: if data.is_some() { len as u32 } else { 0 },
+                req: r,
             });
             if c.outstanding == 0 {
                 c.progress_ns = now;
@@ -930,13 +1142,31 @@ impl NbdQueue {
     /// Finishes a request: statistics, the completion, and its slot to a waiting one.
     fn finish(&self, st: &mut State, slot: u32, mut errno: i32) {
         let s = st.ios[slot as usize];
-        if errno == 0 && s.io.op == Op::Flush && std::mem::take(&mut st.lost_writes) {
-            log::warn!(
-                "cairn: {}: flush fails: writes acknowledged but not flushed were on a connection to {} that was lost",
-                self.shared.name,
-                self.shared.uri_text
-            );
-            errno = libc::EIO;
+        if s.internal {
+            // The queue's own flush: what it found is in the connection's counters now.
+            if let Some(c) = st.conns.get_mut(usize::from(s.conn)) {
+                c.verifying = false;
+            }
+            self.free_slot(st, slot);
+            return;
+        }
+        if s.io.op == Op::Flush {
+            let ledger = &self.shared.ledger;
+            let lost = ledger.losses.load(Ordering::Acquire);
+            if lost > st.reported {
+                if errno == 0 && lost > ledger.made_up.load(Ordering::Acquire) {
+                    log::warn!(
+                        "cairn: {}: flush fails: writes acknowledged but not flushed were on a connection to {} that was lost",
+                        self.shared.name,
+                        self.shared.uri_text
+                    );
+                    errno = libc::EIO;
+                }
+                if errno != 0 {
+                    // Whoever sent it knows now.
+                    st.reported = lost;
+                }
+            }
         }
         let status = IoStatus::from_result(-errno);
         self.stats.done(
@@ -948,11 +1178,79 @@ impl NbdQueue {
             status.is_ok(),
         );
         self.core.complete(s.io.sink, s.io.token, status);
+        self.free_slot(st, slot);
+    }
+
+    fn free_slot(&self, st: &mut State, slot: u32) {
         st.ios[slot as usize].in_use = false;
         st.free_ios.push(slot);
         if let Some((io, start)) = st.overflow.pop_front() {
             self.start(st, io, start);
         }
+    }
+
+    /// Stores in the queue's watch the oldest turnover at which a connection holding
+    /// unflushed writes was heard from (see [`Ledger`]), if that changed.
+    fn publish(&self, st: &mut State) {
+        let v = st
+            .conns
+            .iter()
+            .filter(|c| c.owes())
+            .map(|c| c.heard + 1)
+            .min()
+            .unwrap_or(0);
+        if v != st.published {
+            st.published = v;
+            self.watch.unflushed.store(v, Ordering::Release);
+            if v != 0 {
+                // The tick looks for turnovers while writes are owed (see `verify`).
+                self.arm_tick(st);
+            }
+        }
+    }
+
+    /// Sends a flush of the queue's own on each connection that holds unflushed writes
+    /// and was not heard from since the latest turnover: it makes them durable, or finds
+    /// the connection dead (a loss). Runs at each reap (each pass of an eager reactor, or
+    /// a wake-up while connecting) and at each tick, which stays armed while writes are
+    /// owed: an idle queue finds out within a tick.
+    fn verify(&self, st: &mut State) {
+        if st.published == 0 || !self.shared.geometry.caps.flush {
+            return;
+        }
+        let now = self.shared.ledger.turnover.load(Ordering::SeqCst);
+        // `published` is 1 + the oldest turnover heard at: every one heard since.
+        if st.published > now {
+            return;
+        }
+        // Its reply proves the connection alive at this turnover.
+        st.turnover = now;
+        for ci in 0..st.conns.len() {
+            let c = &st.conns[ci];
+            if c.link != Link::Up || !c.owes() || c.heard >= now || c.verifying {
+                continue;
+            }
+            let Some(slot) = st.free_ios.pop() else {
+                // Every slot is busy: their replies will tell (and the next wake-up).
+                return;
+            };
+            st.ios[slot as usize] = IoSlot {
+                io: Io::nodata(Op::Flush, 0, 0, self.sink.get(), VERIFY),
+                start_ns: self.core.now_ns(),
+                conn: ci as u16,
+                next: 0,
+                tail_flush: true,
+                outstanding: 0,
+                error: 0,
+                poisoned: false,
+                internal: true,
+                in_use: true,
+            };
+            st.conns[ci].verifying = true;
+            st.conns[ci].ready.push_back(slot);
+            self.issue(st, ci);
+        }
+        self.arm_tick(st);
     }
 
     /// Takes a slot for `io` and routes it to a connection (or parks it, or fails it).
@@ -971,8 +1269,8 @@ impl NbdQueue {
                 || (shared.emulate_fua && io.op.is_write() && io.flags.contains(IoFlags::FUA)),
             outstanding: 0,
             error: 0,
-            issued_any: false,
             poisoned: false,
+            internal: false,
             in_use: true,
         };
         if io.op == Op::Flush && !shared.geometry.caps.flush {
@@ -1005,9 +1303,12 @@ impl NbdQueue {
             }
             None => {
                 let now = self.core.now_ns();
+                // Down too long, unless the server answered another connection since
+                // (this queue's connector is woken by that and tries at once).
                 let gone = st
                     .down_since
-                    .is_some_and(|t| now.saturating_sub(t) > self.shared.timeout_ns);
+                    .is_some_and(|t| now.saturating_sub(t) > self.shared.timeout_ns)
+                    && self.shared.ledger.connects.load(Ordering::SeqCst) == st.down_connects;
                 if gone {
                     self.finish(st, slot, libc::EIO);
                 } else {
@@ -1054,7 +1355,9 @@ impl NbdQueue {
                 self.kill(&mut st, ci, "no reply within the timeout");
             }
         }
+        self.verify(&mut st);
         let busy = !st.parked.is_empty()
+            || st.published != 0
             || st
                 .conns
                 .iter()
@@ -1102,9 +1405,28 @@ impl NbdQueue {
         c.rx = Rx::Header;
         c.outstanding = 0;
         c.ready.clear();
+        c.verifying = false;
         if c.acked_writes > c.flushed_writes && self.shared.geometry.caps.flush {
-            st.lost_writes = true;
+            let n = c.acked_writes - c.flushed_writes;
+            if self.shared.ledger.lost(c.unflushed_era) {
+                log::warn!(
+                    "cairn: {}: the connection to {} that was lost held writes acknowledged but not flushed ({n} or fewer): they may be lost, and the next flush fails",
+                    self.shared.name,
+                    self.shared.uri_text
+                );
+            } else {
+                log::info!(
+                    "cairn: {}: the connection to {} that was lost held writes acknowledged but not flushed ({n} or fewer), made up for already",
+                    self.shared.name,
+                    self.shared.uri_text
+                );
+            }
         }
+        c.acked_writes = 0;
+        c.flushed_writes = 0;
+        self.publish(st);
+        // The server may have restarted: every queue looks at its other connections.
+        self.shared.ledger.turn();
         for r in 0..st.reqs.len() {
             let q = &mut st.reqs[r];
             if q.in_use && q.conn == ci as u16 {
@@ -1118,15 +1440,21 @@ impl NbdQueue {
             if !s.in_use || s.conn != ci as u16 {
                 continue;
             }
-            if s.poisoned || (s.io.op == Op::Flush && s.issued_any) {
+            if s.internal {
+                // The connection it checked is gone: the loss is counted above.
+                self.finish(st, slot, 0);
+                continue;
+            }
+            if s.poisoned {
                 self.finish(st, slot, libc::EIO);
                 continue;
             }
-            // Not acknowledged: safe to send again, from the start.
+            // Not acknowledged: safe to send again, from the start. A flush too: if the
+            // connection held unflushed writes, the loss is counted, and the flush fails
+            // when it is done unless the loss was made up for.
             s.next = 0;
             s.outstanding = 0;
             s.error = 0;
-            s.issued_any = false;
             s.tail_flush = s.io.op == Op::Flush
                 || (self.shared.emulate_fua
                     && s.io.op.is_write()
@@ -1139,8 +1467,9 @@ impl NbdQueue {
         st.parked
             .make_contiguous()
             .sort_by_key(|&s| ios[s as usize].start_ns);
-        if st.conns.iter().all(|c| c.link != Link::Up) {
-            st.down_since.get_or_insert(now);
+        if st.conns.iter().all(|c| c.link != Link::Up) && st.down_since.is_none() {
+            st.down_since = Some(now);
+            st.down_connects = self.shared.ledger.connects.load(Ordering::SeqCst);
         }
         // Requests go to another connection if one is up, else wait for the reconnect.
         let parked: Vec<u32> = st.parked.drain(..).collect();
@@ -1158,8 +1487,11 @@ impl NbdQueue {
         st.reqs[r as usize].in_use = false;
         st.reqs[r as usize].gen = q.gen.wrapping_add(1);
         st.free_reqs.push(r);
+        let era = st.era;
         let c = &mut st.conns[ci];
         c.outstanding -= 1;
+        // Any reply: the connection was alive at the turnover its request was sent at.
+        c.heard = c.heard.max(q.turnover);
         let slot = q.slot;
         let s = &mut st.ios[slot as usize];
         let mut errno = errno;
@@ -1176,12 +1508,17 @@ impl NbdQueue {
         if errno == 0 {
             match q.command {
                 cmd::WRITE | cmd::WRITE_ZEROES if !s.io.flags.contains(IoFlags::FUA) => {
-                    c.acked_writes += 1
+                    c.acked_writes += 1;
+                    c.unflushed_era = era;
                 }
                 cmd::FLUSH => c.flushed_writes = c.flushed_writes.max(q.covers),
                 _ => {}
             }
         }
+        // Published before the request completes: whoever learns of the write can see
+        // that it is not flushed yet.
+        self.publish(st);
+        let s = &mut st.ios[slot as usize];
         if s.error == 0 {
             s.error = errno;
         }
@@ -1744,13 +2081,24 @@ impl NbdQueue {
             Duration::ZERO
         };
         st.connected_ns = now;
-        self.install(st, ci, made, now);
+        self.install(
+            st,
+            ci,
+            Idle {
+                made,
+                unflushed: None,
+            },
+            now,
+        );
     }
 
     fn keep(&self, made: Connected) {
         let mut idle = self.shared.idle.lock().unwrap_or_else(|e| e.into_inner());
         if idle.len() < 2 * CONNECTIONS_MAX as usize {
-            idle.push(made);
+            idle.push(Idle {
+                made,
+                unflushed: None,
+            });
         }
     }
 }
@@ -1805,11 +2153,17 @@ fn connector(
     let mut delay = first_delay;
     let mut made = 0;
     let mut failures = 0u32;
+    // After a failed attempt: the ledger's count of connections made then (another
+    // queue reaching the server ends the wait).
+    let mut answered: Option<u64> = None;
     while made < missing && !stop.load(Ordering::Relaxed) {
         if !delay.is_zero() {
             // Sleep in short steps so a closed queue is noticed.
             let until = std::time::Instant::now() + delay;
             while std::time::Instant::now() < until && !stop.load(Ordering::Relaxed) {
+                if answered.is_some_and(|n| n != shared.ledger.connects.load(Ordering::SeqCst)) {
+                    break;
+                }
                 std::thread::sleep(Duration::from_millis(20).min(delay));
             }
         }
@@ -1822,9 +2176,11 @@ fn connector(
                 made += 1;
                 delay = Duration::ZERO;
                 failures = 0;
+                answered = None;
             }
             Err(e) => {
                 failures += 1;
+                answered = Some(shared.ledger.connects.load(Ordering::SeqCst));
                 if failures == 1 || failures.is_power_of_two() {
                     log::warn!(
                         "cairn: {}: reconnecting to {}: {e} (attempt {failures})",
@@ -1876,6 +2232,25 @@ impl Sink for NbdQueue {
 impl Poller for NbdQueue {
     fn unplug(&self) {
         let mut st = self.st.borrow_mut();
+        if !st.dirty.is_empty() {
+            // Read before anything goes out: a write acknowledged later belongs to this
+            // era or a later one, and a reply to a request not sent yet proves its
+            // connection alive at this turnover (see `Ledger`).
+            let ledger = &self.shared.ledger;
+            st.era = ledger.era.load(Ordering::Acquire);
+            let turnover = ledger.turnover.load(Ordering::Acquire);
+            if turnover != st.turnover {
+                // Rare (a connection lost or made): requests issued before, still to
+                // send, carry the turnover they go out at.
+                st.turnover = turnover;
+                let State { conns, reqs, .. } = &mut *st;
+                for c in conns.iter() {
+                    for o in &c.out {
+                        reqs[o.req as usize].turnover = turnover;
+                    }
+                }
+            }
+        }
         // Resetting a dead connection can dirty others (its requests move): go round
         // until nothing is dirty. The two vectors trade places, so nothing allocates.
         while !st.dirty.is_empty() {
@@ -1891,6 +2266,7 @@ impl Poller for NbdQueue {
 
     fn reap(&self) -> usize {
         let mut st = self.st.borrow_mut();
+        self.verify(&mut st);
         if !st.connecting {
             return 0;
         }
@@ -1928,6 +2304,12 @@ impl Poller for NbdQueue {
 impl Drop for NbdQueue {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        self.shared
+            .ledger
+            .watches
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|w| !Arc::ptr_eq(w, &self.watch));
         let st = self.st.get_mut();
         for c in st.conns.iter_mut() {
             let drained = c.tls.as_ref().is_none_or(|t| {
@@ -1945,12 +2327,21 @@ impl Drop for NbdQueue {
                     extended: c.extended,
                     ..self.shared.neg.clone()
                 };
+                // Writes it acknowledged that no flush covered stay on the ledger's books
+                // with it (kept even beyond the pool's size).
+                let unflushed = c.owes().then_some(Unflushed {
+                    era: c.unflushed_era,
+                    heard: c.heard,
+                });
                 let mut pool = self.shared.idle.lock().unwrap_or_else(|e| e.into_inner());
-                if pool.len() < 2 * CONNECTIONS_MAX as usize {
-                    pool.push(Connected {
-                        fd,
-                        neg,
-                        tls: c.tls.take().map(|t| t.conn),
+                if pool.len() < 2 * CONNECTIONS_MAX as usize || unflushed.is_some() {
+                    pool.push(Idle {
+                        made: Connected {
+                            fd,
+                            neg,
+                            tls: c.tls.take().map(|t| t.conn),
+                        },
+                        unflushed,
                     });
                 }
             }

@@ -1329,6 +1329,14 @@ impl Shared {
         meta: &crate::array::Metadata,
         m: usize,
     ) -> Result<String, String> {
+        // Whatever its device acknowledged and may have lost until now (a remote server
+        // that restarted), found now or later, is copied to it again by this re-add (it
+        // gets no write while failed, and no bit is cleared meanwhile): its flushes no
+        // longer report it, or the member would fail again for what the re-add covers.
+        // First: the superblocks the re-add writes are flushed too.
+        if let Some(Some(device)) = self.health.devices().get(m) {
+            device.lost_writes_made_up();
+        }
         let partial = meta.readd_member(m)?;
         self.by_admin[m].store(false, Relaxed);
         self.given_up[m].store(false, Relaxed);

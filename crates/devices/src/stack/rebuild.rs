@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cairn_core::blocking::{BlockingQueue, Request};
-use cairn_core::{Device, Io, IoFlags, Op, Switches};
+use cairn_core::{Device, Io, IoFlags, LostWrites, Op, Switches};
 
 use super::{AnyLayout, Health, Layout};
 use crate::array::superblock::MemberState;
@@ -370,6 +370,7 @@ fn run_to_end(job: Job) {
     let mut last_log = Instant::now();
     let mut last_checkpoint = start;
     let checkpoint = |at: u64| {
+        flush_copies(&job, &queues, &targets);
         job.metadata
             .checkpoint(&recorded, member_from_logical(&job.layout, at));
     };
@@ -495,6 +496,7 @@ fn run_to_end(job: Job) {
         }
     }
     sync.synced_below.store(size, Relaxed);
+    flush_copies(&job, &queues, &targets);
     let finished: Vec<usize> = (0..n)
         .filter(|&m| health.ok(m) && (resync || full[m] || partial[m]))
         .collect();
@@ -522,6 +524,24 @@ fn run_to_end(job: Job) {
     );
     for m in replaced {
         promote(&job, m, &devices);
+    }
+}
+
+/// Flushes what was copied to `targets` through the queues that carried it, before the
+/// superblocks record how far they are current (their flush goes through other queues:
+/// for a remote member, other connections, which vouch for nothing if its server
+/// restarted meanwhile). A member whose flush fails is failed.
+fn flush_copies(job: &Job, queues: &[Option<BlockingQueue>], targets: &[usize]) {
+    for &m in targets {
+        let Some(q) = queues.get(m).and_then(Option::as_ref) else {
+            continue;
+        };
+        if job.health.ok(m) && q.flush().is_err() {
+            job.health.fail(m, cairn_core::IoStatus::errno(libc::EIO));
+            if m < job.health.n {
+                job.metadata.fail_member(m);
+            }
+        }
     }
 }
 
@@ -802,8 +822,40 @@ fn clearable_below(health: &Health) -> Option<u64> {
     }
 }
 
+/// Fails each member in use whose device lost writes it had acknowledged (a remote one
+/// whose server restarted before a flush covered them): the bitmap's bits keep the
+/// regions they went to, and the re-add copies them again. Returns the worst that the
+/// members' devices say ([`LostWrites::Unverified`]: one may have lost some, and is
+/// checking).
+fn fail_lost(health: &Health, metadata: &crate::array::Metadata) -> LostWrites {
+    let mut worst = LostWrites::None;
+    for (m, d) in health.devices().iter().enumerate() {
+        let Some(d) = d else { continue };
+        if !health.ok(m) {
+            continue;
+        }
+        let lost = d.lost_writes();
+        if lost == LostWrites::Lost {
+            log::warn!(
+                "cairn: {}: member {} lost writes it had acknowledged (its server went away before they were flushed): they are copied to it again when it is re-added",
+                health.device,
+                health.name(m)
+            );
+            health.fail(m, cairn_core::IoStatus::errno(libc::EIO));
+            if m < health.n {
+                metadata.fail_member(m);
+            }
+        }
+        worst = worst.max(lost);
+    }
+    worst
+}
+
 /// Clears the bits of regions idle for a whole `delay`, every `delay`, while every member
-/// is current (below its progress during a resync); until `stop`. Their writes are made durable first (every member flushed).
+/// is current (below its progress during a resync); until `stop`. Their writes are made
+/// durable first (every member flushed), and no bit is cleared while a member's device
+/// may have lost writes it acknowledged (a flush through another connection than theirs
+/// says nothing of them): such a member fails once its device knows.
 pub(super) fn clear_bits(job: Clearing) {
     cairn_core::reactor::block_signals_in_this_thread();
     let Some(bm) = job.health.bitmap.clone() else {
@@ -819,6 +871,9 @@ pub(super) fn clear_bits(job: Clearing) {
         pause(&job.stop, job.delay);
         if job.stop.load(SeqCst) {
             return;
+        }
+        if fail_lost(health, &job.metadata) != LostWrites::None {
+            continue;
         }
         // No bit is cleared while a member is away, failed or not yet current: the bits
         // are then what it will need. During a resync (every member in use and current
@@ -858,6 +913,10 @@ pub(super) fn clear_bits(job: Clearing) {
             .all(|q| q.as_ref().is_some_and(|q| q.flush().is_ok()));
         if !flushed {
             // A member that cannot flush fails through a client's flush; the bits stay.
+            continue;
+        }
+        // A member whose device found (or may have) lost writes during the flush.
+        if fail_lost(health, &job.metadata) != LostWrites::None {
             continue;
         }
         job.metadata.clear_idle(&idle, &prev);
