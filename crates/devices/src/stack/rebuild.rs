@@ -837,7 +837,7 @@ fn fail_lost(health: &Health, metadata: &crate::array::Metadata) -> LostWrites {
         let lost = d.lost_writes();
         if lost == LostWrites::Lost {
             log::warn!(
-                "cairn: {}: member {} lost writes it had acknowledged (its server went away before they were flushed): they are copied to it again when it is re-added",
+                "cairn: {}: member '{}' lost writes it had acknowledged (its server went away before they were flushed): they are copied to it again when it is re-added",
                 health.device,
                 health.name(m)
             );
