@@ -8,7 +8,7 @@ mod common;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use cairn_nbd::client::{connect, HandshakeError, Want};
+use cairn_nbd::client::handshake::{connect, HandshakeError, Want};
 use cairn_nbd::proto::tflags;
 use cairn_nbd::uri::NbdUri;
 use common::{skip, tmpdir, tool};

@@ -4,7 +4,7 @@
 //! - [`mem`]: a sparse RAM disk; memory grows with the data written.
 //! - [`file`]: a regular file or block device through io_uring, linux-aio or plain
 //!   syscalls.
-//! - `nbd` ([`cairn_nbd::remote`]): an export of an NBD server.
+//! - `nbd` ([`cairn_nbd::client::remote`]): an export of an NBD server.
 //!
 //! [`spec`] turns the command-line form (`file:/dev/shm/a,engine=aio,size=1G`) into a
 //! typed [`LeafSpec`] once, at the edge; [`open`] turns that into a device.
@@ -64,10 +64,10 @@ pub fn open(spec: &LeafSpec, name: &str) -> Result<Arc<dyn Device>, Error> {
             uri,
             connections,
             timeout,
-        } => Arc::new(cairn_nbd::remote::NbdDevice::open(
+        } => Arc::new(cairn_nbd::client::remote::NbdDevice::open(
             name,
             uri,
-            cairn_nbd::remote::Options {
+            cairn_nbd::client::remote::Options {
                 connections: *connections,
                 timeout: *timeout,
             },

@@ -1,23 +1,21 @@
-//! NBD serving for cairn: the wire protocol, the handshake, and the transmission phase on
-//! cairn's reactors.
+//! NBD for cairn: the server that exports cairn's devices, and the `nbd` device, a client
+//! of any NBD server.
+//!
+//! - [`proto`] (the wire format), `gather` (output queues sent with `sendmsg`), [`uri`]
+//!   (NBD URIs) and [`tls`] (rustls set-up): shared by both sides;
+//! - [`server`]: listeners, the handshake and the transmission phase on cairn's reactors;
+//! - [`client`]: the client handshake and the `nbd` device.
 
 #![warn(missing_docs)]
 
-mod admit;
 pub mod client;
-pub mod conn;
 mod gather;
-pub mod handshake;
-pub mod observe;
-pub mod pool;
 pub mod proto;
-pub mod remote;
-mod rmw;
 pub mod server;
 pub mod tls;
 pub mod uri;
 
-pub use conn::{Export, Limits};
-pub use handshake::{Catalog, ExportInfo, TlsMode};
-pub use observe::Observer;
+pub use server::conn::{Export, Limits};
+pub use server::handshake::{Catalog, ExportInfo, TlsMode};
+pub use server::observe::Observer;
 pub use server::{serve, Config, Listen, Listeners};

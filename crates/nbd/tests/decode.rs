@@ -14,11 +14,11 @@
 //! - Fixed edge cases: names ending exactly at the data end, 4096- and 4097-byte names,
 //!   zero queries.
 
-use cairn_nbd::handshake::{Catalog, Negotiator, Step, TlsMode};
 use cairn_nbd::proto::{
     self, cmd, info, opt, parse_info_request, parse_meta_request, parse_request, rep, Decoded,
     InfoRequest, MetaRequest, OptionHeader, Request,
 };
+use cairn_nbd::server::handshake::{Catalog, Negotiator, Step, TlsMode};
 use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;

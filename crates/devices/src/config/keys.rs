@@ -641,13 +641,15 @@ pub(super) fn parse_device(
                 .map_err(|e| keys.bad("uri", &format!("is wrong: {}", shown(&e))))?;
             let connections = match keys.integer("connections")? {
                 None => 1,
-                Some(n) if (1..=u64::from(cairn_nbd::remote::CONNECTIONS_MAX)).contains(&n) => {
+                Some(n)
+                    if (1..=u64::from(cairn_nbd::client::remote::CONNECTIONS_MAX)).contains(&n) =>
+                {
                     n as u32
                 }
                 Some(_) => {
                     return Err(keys.out_of_range(
                         "connections",
-                        &format!("from 1 to {}", cairn_nbd::remote::CONNECTIONS_MAX),
+                        &format!("from 1 to {}", cairn_nbd::client::remote::CONNECTIONS_MAX),
                     ))
                 }
             };
@@ -660,7 +662,7 @@ pub(super) fn parse_device(
                         crate::spec::NBD_TIMEOUT_MIN..=crate::spec::NBD_TIMEOUT_MAX,
                         true,
                     )?
-                    .unwrap_or(cairn_nbd::remote::DEFAULT_TIMEOUT),
+                    .unwrap_or(cairn_nbd::client::remote::DEFAULT_TIMEOUT),
             })
         }
         "linear" => DeviceSpec::Linear {

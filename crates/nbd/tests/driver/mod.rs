@@ -18,14 +18,14 @@
 
 #![allow(dead_code)]
 
-use cairn_nbd::handshake::{Catalog, ExportInfo, Negotiator, Session, Step, TlsMode};
 use cairn_nbd::proto::{self, cmd, info, opt, rep, tflags, Decoded, OptionHeader};
+use cairn_nbd::server::handshake::{Catalog, ExportInfo, Negotiator, Session, Step, TlsMode};
 
 /// As `server.rs`: larger option data is skipped and answered with ERR_TOO_BIG...
 pub const OPTION_DATA_MAX: u32 = 64 << 10;
 /// ...up to this much; beyond it the server hangs up.
 pub const OPTION_SKIP_MAX: u32 = 1 << 20;
-/// As `conn.rs`: a write payload beyond this is not skipped, the connection is dropped.
+/// As `server/conn.rs`: a write payload beyond this is not skipped, the connection is dropped.
 pub const SKIP_MAX: u64 = 64 << 20;
 /// As `handshake.rs`: most queries of one metadata context request.
 pub const MAX_META_QUERIES: usize = 64;

@@ -31,13 +31,13 @@ use cairn_core::{
     SinkId,
 };
 
-use crate::admit::Admission;
 use crate::gather::{self, Segment};
-use crate::handshake::{ExportInfo, Session};
-use crate::observe::{Client, ConnInfo, Observer};
-use crate::pool::{Budget, Buf, BufPool, Mem};
 use crate::proto::{self, cflags, chunk, cmd, errno, tflags};
-use crate::rmw::{Gate, Pass, Wake, Wide};
+use crate::server::admit::Admission;
+use crate::server::handshake::{ExportInfo, Session};
+use crate::server::observe::{Client, ConnInfo, Observer};
+use crate::server::pool::{Budget, Buf, BufPool, Mem};
+use crate::server::rmw::{Gate, Pass, Wake, Wide};
 
 /// A served export: what clients see, and the device behind it.
 pub struct Export {

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::observe::{Client, ConnInfo};
+use crate::server::observe::{Client, ConnInfo};
 
 /// Connection counts against their limits.
 pub(crate) struct Admission {
@@ -139,7 +139,7 @@ pub(crate) fn victim(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::observe::Observer;
+    use crate::server::observe::Observer;
 
     /// The same patience with every connection.
     fn each(d: Duration) -> Patience {

@@ -5,6 +5,19 @@
 //! slow or hostile client never stalls a reactor; once an export is chosen, the socket
 //! moves to one of the reactor threads (round robin) and stays there. That is the only
 //! hand-off between threads, once per connection.
+//!
+//! A request's path, in the order it meets these files: `admit` (a connection slot, or
+//! room made by closing an idle one), [`handshake`] (options, the export chosen), then on
+//! a reactor [`conn`] (bytes received, framed and checked, issued to the device, replies
+//! and TLS), with [`pool`] (buffer memory and its budget), `rmw` (unaligned writes) and
+//! [`observe`] (what `status` and the metrics see).
+
+mod admit;
+pub mod conn;
+pub mod handshake;
+pub mod observe;
+pub mod pool;
+mod rmw;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
@@ -19,11 +32,11 @@ use std::time::{Duration, Instant};
 use cairn_core::socket::SocketFile;
 use cairn_core::{Error, Reactor, Switches};
 
-use crate::admit::{victim, Admission, Full, Patience};
-use crate::conn::{Export, Limits, Msg, NewConn, ServerLoop};
-use crate::handshake::{Catalog, Negotiator, Step, TlsMode};
-use crate::observe::Client;
 use crate::proto;
+use crate::server::admit::{victim, Admission, Full, Patience};
+use crate::server::conn::{Export, Limits, Msg, NewConn, ServerLoop};
+use crate::server::handshake::{Catalog, Negotiator, Step, TlsMode};
+use crate::server::observe::Client;
 
 /// Where to listen.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -92,7 +105,7 @@ pub struct Config {
     pub idle_close: bool,
     /// At a connection limit, a quiet connection (nothing of it at the device, no request
     /// partly received, no reply waiting to be read) idle this long gives up its slot to
-    /// the new one (see [`crate::admit::victim`]), even before `idle_timeout`; one in the
+    /// the new one (see [`crate::server::admit::victim`]), even before `idle_timeout`; one in the
     /// middle of a request or reply waits for `idle_timeout`. `None`: only connections
     /// idle for `idle_timeout` do.
     pub evict_idle_after: Option<Duration>,
@@ -344,7 +357,7 @@ fn notify(states: &[sd_notify::NotifyState<'_>]) {
 
 /// Logs what SIGUSR1 and SIGUSR2 ask for: connections, and each export's device with its
 /// failed members and, for arrays with metadata, their status.
-fn log_status(exports: &[Export], connections: usize, budget: &crate::pool::Budget) {
+fn log_status(exports: &[Export], connections: usize, budget: &crate::server::pool::Budget) {
     log::info!(
         "cairn: serve: status: {connections} connection(s); buffers {} of {} bytes (--memory-budget), {} waits for memory",
         budget.used(),
@@ -416,12 +429,12 @@ pub fn serve(
     let wake_fds = (0..config.threads.max(1))
         .map(|_| cairn_core::event::eventfd("serve"))
         .collect::<Result<Vec<_>, _>>()?;
-    let gates = Arc::new(crate::conn::Gates::new(&exports, wake_fds.clone()));
+    let gates = Arc::new(crate::server::conn::Gates::new(&exports, wake_fds.clone()));
     let mut config = config;
     config.max_connections = fit_descriptors(config.max_connections, config.threads.max(1))?;
     // The reserve: one maximal request, widened to blocks, in its buffer's size class.
     let reserve = (config.limits.max_payload as usize + (2 << 20)).next_power_of_two();
-    let budget = Arc::new(crate::pool::Budget::new(
+    let budget = Arc::new(crate::server::pool::Budget::new(
         config.memory_budget,
         reserve,
         wake_fds.clone(),
@@ -742,7 +755,7 @@ fn peer_uid(fd: RawFd) -> u32 {
 }
 
 /// Whether a new connection from `client` may be served; if so it is counted. At a limit,
-/// an idle connection is closed to make room (see [`crate::admit::victim`]): a quiet one
+/// an idle connection is closed to make room (see [`crate::server::admit::victim`]): a quiet one
 /// idle for `--evict-idle-after` (or `--idle-timeout`, if shorter), one in the middle of
 /// a request or reply idle for `--idle-timeout`; else the new one is refused.
 fn admit(config: &Config, shared: &Shared, peer: &str, client: Client) -> bool {
@@ -807,7 +820,12 @@ fn admit(config: &Config, shared: &Shared, peer: &str, client: Client) -> bool {
 }
 
 /// Asks the reactor of `victim` to close it (see [`Msg::Evict`]).
-fn evict(shared: &Shared, victim: &crate::observe::ConnInfo, idle: Duration, why: &'static str) {
+fn evict(
+    shared: &Shared,
+    victim: &crate::server::observe::ConnInfo,
+    idle: Duration,
+    why: &'static str,
+) {
     victim.evicting.store(true, Ordering::Relaxed);
     if let Some((tx, w)) = shared.reactors.get(victim.reactor) {
         let msg = Msg::Evict {
@@ -974,7 +992,7 @@ fn negotiate(
     mut s: Channel,
     shared: &Shared,
     deadline: Instant,
-) -> std::io::Result<Option<(Channel, crate::handshake::Session)>> {
+) -> std::io::Result<Option<(Channel, crate::server::handshake::Session)>> {
     let mut hello = Vec::with_capacity(18);
     hello.extend_from_slice(&proto::NBDMAGIC.to_be_bytes());
     hello.extend_from_slice(&proto::IHAVEOPT.to_be_bytes());

@@ -28,7 +28,7 @@ pub const ERRNOS: [(u32, &str); 9] = [
 /// Connections and errors of one server.
 pub struct Observer {
     conns: Mutex<Vec<Arc<ConnInfo>>>,
-    memory: std::sync::OnceLock<Arc<crate::pool::Budget>>,
+    memory: std::sync::OnceLock<Arc<crate::server::pool::Budget>>,
     next_id: AtomicU64,
     accepted: AtomicU64,
     errors: [AtomicU64; ERRNOS.len()],
@@ -98,7 +98,7 @@ impl Observer {
     }
 
     /// The server's memory budget (set once it serves).
-    pub(crate) fn set_memory(&self, budget: Arc<crate::pool::Budget>) {
+    pub(crate) fn set_memory(&self, budget: Arc<crate::server::pool::Budget>) {
         let _ = self.memory.set(budget);
     }
 

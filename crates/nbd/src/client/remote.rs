@@ -56,7 +56,7 @@ use cairn_core::{
     QueueStats, RingUser, Sink, SinkId,
 };
 
-use crate::client::{self, Connected, HandshakeError, Negotiated, Want};
+use crate::client::handshake::{self as client, Connected, HandshakeError, Negotiated, Want};
 use crate::gather::{self, Segment};
 use crate::proto::{self, chunk, cmd, tflags};
 use crate::uri::NbdUri;
