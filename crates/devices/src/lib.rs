@@ -19,7 +19,6 @@ pub mod null;
 pub mod spec;
 pub mod stack;
 pub mod wrap;
-pub mod writeback;
 
 use std::sync::Arc;
 

@@ -168,8 +168,8 @@ fn bad_cache_settings_name_the_key() {
 
 #[test]
 fn caches_of_one_file_share_one_dirty_budget() {
+    use cairn_devices::cache::writeback::{Budget, Writeback};
     use cairn_devices::cache::CacheDevice;
-    use cairn_devices::writeback::{Budget, Writeback};
     // Nothing is written back on its own: the budget moves only with writes and flushes.
     let w = Writeback {
         expire: Duration::from_secs(600),
@@ -560,8 +560,8 @@ impl cairn_core::Poller for HoldQueue {
 /// write-back is done.
 #[test]
 fn a_read_that_misses_returns_a_page_written_back_while_it_was_in_flight() {
+    use cairn_devices::cache::writeback::{Budget, Writeback};
     use cairn_devices::cache::CacheDevice;
-    use cairn_devices::writeback::{Budget, Writeback};
     // Nothing is written back on its own: only the flushes do it.
     let w = Writeback {
         expire: Duration::from_secs(600),
@@ -815,8 +815,8 @@ fn a_fua_write_is_ordered_after_a_write_back_of_its_page_in_flight() {
 }
 
 fn fua_after_a_write_back_in_flight(zeroing: bool) {
+    use cairn_devices::cache::writeback::{Budget, Writeback};
     use cairn_devices::cache::CacheDevice;
-    use cairn_devices::writeback::{Budget, Writeback};
     let w = Writeback {
         expire: Duration::from_secs(600),
         interval: Duration::from_secs(600),
@@ -900,8 +900,8 @@ fn fua_after_a_write_back_in_flight(zeroing: bool) {
 /// fill the cache past its size.
 #[test]
 fn a_write_back_copy_older_than_a_fua_write_is_not_sent() {
+    use cairn_devices::cache::writeback::{Budget, Writeback};
     use cairn_devices::cache::CacheDevice;
-    use cairn_devices::writeback::{Budget, Writeback};
     let w = Writeback {
         expire: Duration::from_secs(600),
         interval: Duration::from_secs(600),

@@ -171,7 +171,10 @@ mod parses {
             mem("d0")
         );
         let w = StackFile::parse(&text).unwrap().writeback.unwrap();
-        assert_eq!(w.limit, cairn_devices::writeback::Amount::Bytes(64 << 20));
+        assert_eq!(
+            w.limit,
+            cairn_devices::cache::writeback::Amount::Bytes(64 << 20)
+        );
         let e = StackFile::parse(&format!("[writeback]\nlimt = \"1G\"\n\n{}", mem("d0")))
             .unwrap_err()
             .to_string();

@@ -26,6 +26,7 @@
 
 mod graph;
 mod keys;
+mod writeback;
 
 pub(crate) use keys::{format_duration, shown};
 
@@ -42,43 +43,8 @@ use crate::spec::LeafSpec;
 use crate::stack::{AnyLayout, Linear, Mirror, Raid10, StackDevice, Stripe};
 use crate::wrap::{Delays, FaultRule, Faults, WrapDevice};
 
-/// A mirror's or raid10's options with metadata: how fast a rebuild or resync goes (md's
-/// `sync_speed_min` and `sync_speed_max`: at most `max_bytes` a second, and `min_bytes`
-/// a second while clients use the array), and its write-intent bitmap.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ArrayOptions {
-    /// Bytes a second while clients use the array (`rebuild_min`, default 16M).
-    pub min_bytes: u64,
-    /// Bytes a second at most (`rebuild_max`; 0, the default: as fast as it goes).
-    pub max_bytes: u64,
-    /// Bytes of array one bitmap bit covers (`bitmap`, default 64M; 0: no bitmap).
-    pub bitmap_region: u64,
-    /// How long a region stays idle before its bit is cleared, and how often that is
-    /// looked at (`bitmap_delay`, default 5 s, md's `--delay`).
-    pub bitmap_delay: std::time::Duration,
-    /// How often a member that failed by an I/O error is tried again, and re-added once
-    /// its device answers with its superblock (`readd`; `None`, the default: only by the
-    /// admin's `re-add`).
-    pub readd: Option<std::time::Duration>,
-}
-
-impl Default for ArrayOptions {
-    fn default() -> ArrayOptions {
-        ArrayOptions {
-            min_bytes: 16 << 20,
-            max_bytes: 0,
-            bitmap_region: DEFAULT_BITMAP_REGION,
-            bitmap_delay: std::time::Duration::from_secs(5),
-            readd: None,
-        }
-    }
-}
-
-/// The write-intent bitmap's default region.
-pub const DEFAULT_BITMAP_REGION: u64 = 64 << 20;
-
-/// The member name of an absent member of an array with metadata (as mdadm's `missing`).
-pub const MISSING: &str = "missing";
+// The arrays' own options and names: the parser fills them in, the arrays use them.
+pub use crate::stack::{ArrayOptions, DEFAULT_BITMAP_REGION, MISSING};
 
 /// Default chunk of stripe and raid10.
 pub const DEFAULT_CHUNK_BYTES: u64 = 64 << 10;
@@ -430,7 +396,7 @@ pub struct StackFile {
     /// `[export.NAME]` tables by name.
     pub exports: BTreeMap<String, ExportSpec>,
     /// The `[writeback]` table (the dirty budget of cache devices), if present.
-    pub writeback: Option<crate::writeback::Writeback>,
+    pub writeback: Option<crate::cache::writeback::Writeback>,
 }
 
 impl StackFile {
@@ -518,7 +484,7 @@ impl StackFile {
                     }
                 }
                 ("writeback", Value::Table(t)) => {
-                    writeback = Some(crate::writeback::Writeback::parse(t)?);
+                    writeback = Some(writeback::parse(t)?);
                 }
                 ("tuning", Value::Table(t)) => tuning = Tuning::parse(t)?,
                 ("device" | "export" | "writeback" | "tuning", _) => {
@@ -790,7 +756,10 @@ impl StackFile {
         let cache_bytes = self.cache_bytes();
         let budget = if cache_bytes > 0 {
             let w = self.writeback.unwrap_or_default();
-            Some(Arc::new(crate::writeback::Budget::new(&w, cache_bytes)?))
+            Some(Arc::new(crate::cache::writeback::Budget::new(
+                &w,
+                cache_bytes,
+            )?))
         } else {
             None
         };
@@ -801,7 +770,7 @@ impl StackFile {
         &self,
         name: &str,
         opened: &mut HashMap<String, Arc<dyn Device>>,
-        budget: &Option<Arc<crate::writeback::Budget>>,
+        budget: &Option<Arc<crate::cache::writeback::Budget>>,
         (switches, how): (Switches, Start),
         depth: usize,
     ) -> Result<Arc<dyn Device>, Error> {

@@ -14,6 +14,7 @@
 //! healthy copy left.
 
 mod layouts;
+mod options;
 mod rebuild;
 mod repair;
 
@@ -29,6 +30,7 @@ use cairn_core::{
 };
 
 pub use layouts::{AnyLayout, Linear, Mirror, Raid10, Stripe, COPIES_MAX};
+pub use options::{ArrayOptions, DEFAULT_BITMAP_REGION, MISSING};
 
 /// Where the bytes of a stacked device live.
 pub trait Layout: Send + Sync {
@@ -297,7 +299,7 @@ pub struct Shared {
     /// them).
     metadata: Option<Arc<crate::array::Metadata>>,
     /// The array's rebuild rate and bitmap settings.
-    options: crate::config::ArrayOptions,
+    options: ArrayOptions,
     /// The rebuild thread and the thread that clears idle bitmap bits, while they run.
     threads: std::sync::Mutex<Threads>,
     /// Held by every change of members (admin actions, the end of a replace).
@@ -433,7 +435,7 @@ impl StackDevice {
                 health,
                 data_offset: 0,
                 metadata: None,
-                options: crate::config::ArrayOptions::default(),
+                options: ArrayOptions::default(),
                 threads: std::sync::Mutex::new(Threads::default()),
                 changing: std::sync::Mutex::new(()),
                 spares: std::sync::Mutex::new(Vec::new()),
@@ -497,7 +499,7 @@ impl StackDevice {
     pub fn with_metadata(
         mut self,
         metadata: crate::array::Metadata,
-        options: crate::config::ArrayOptions,
+        options: ArrayOptions,
     ) -> StackDevice {
         use crate::array::superblock::MemberState;
         let Some(shared) = Arc::get_mut(&mut self.shared) else {
@@ -953,7 +955,7 @@ impl Device for StackDevice {
             (0..self.health.n)
                 .map(|m| {
                     if states[m] == MemberState::Missing {
-                        return (crate::config::MISSING.to_string(), None);
+                        return (MISSING.to_string(), None);
                     }
                     let name = self.health.name(m);
                     let spec = added
@@ -1132,7 +1134,7 @@ impl Shared {
     fn stand_in(&self) -> Result<Arc<dyn Device>, String> {
         let size = self.data_offset + self.metadata.as_ref().map_or(0, |m| m.member_data(0));
         crate::null::NullDevice::new(
-            crate::config::MISSING,
+            MISSING,
             size.max(u64::from(self.geometry.block_bytes)),
             self.geometry.block_bytes,
         )
@@ -1151,7 +1153,7 @@ impl Shared {
         let new_name = leaf.default_name();
         let taken = (0..2 * self.health.n)
             .any(|i| self.health.name(i) == new_name && self.health.devices()[i].is_some());
-        if taken || new_name == crate::config::MISSING {
+        if taken || new_name == MISSING {
             return Err(format!(
                 "'{name}' already has a member named '{new_name}': give the new one another file name",
                 name = self.name

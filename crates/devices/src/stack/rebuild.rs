@@ -214,7 +214,7 @@ pub(super) struct Job {
     pub metadata: Arc<Metadata>,
     pub data_offset: u64,
     pub stop: Arc<AtomicBool>,
-    pub rate: crate::config::ArrayOptions,
+    pub rate: super::ArrayOptions,
 }
 
 /// Whether the array has anything to rebuild, resync or replace.

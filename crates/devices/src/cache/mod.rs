@@ -41,7 +41,9 @@ use cairn_core::{
     QueueStats, Sink, SinkId, Switches,
 };
 
-use crate::writeback::{Budget, Paced, Pacer};
+pub mod writeback;
+
+use writeback::{Budget, Paced, Pacer};
 
 /// Cache page size.
 pub const PAGE: u64 = 4096;

@@ -21,9 +21,7 @@
 
 use std::time::Duration;
 
-use cairn_core::size::{parse_duration, parse_size};
 use cairn_core::Error;
-use toml::{Table, Value};
 
 /// A level of dirty data: bytes, or a percentage of the cache memory of all caches.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -40,33 +38,6 @@ impl Amount {
         match self {
             Amount::Bytes(b) => b,
             Amount::Percent(p) => (cache_bytes as f64 * p / 100.0) as u64,
-        }
-    }
-
-    fn parse(key: &str, v: &Value) -> Result<Amount, Error> {
-        let bad = || {
-            Error::Invalid(format!(
-                "writeback: key '{key}' must be a size such as \"64M\" or a percentage such as \"10%\""
-            ))
-        };
-        match v {
-            Value::String(s) if s.trim_end().ends_with('%') => {
-                let p: f64 = s
-                    .trim_end()
-                    .trim_end_matches('%')
-                    .trim()
-                    .parse()
-                    .map_err(|_| bad())?;
-                if !(0.0..=100.0).contains(&p) {
-                    return Err(Error::Invalid(format!(
-                        "writeback: key '{key}' is {p}%, not from 0% to 100%"
-                    )));
-                }
-                Ok(Amount::Percent(p))
-            }
-            Value::String(s) => parse_size(s).map(Amount::Bytes).map_err(|_| bad()),
-            Value::Integer(n) if *n >= 0 => Ok(Amount::Bytes(*n as u64)),
-            _ => Err(bad()),
         }
     }
 }
@@ -96,55 +67,7 @@ impl Default for Writeback {
     }
 }
 
-const KEYS: [&str; 4] = ["background", "limit", "expire", "interval"];
-
 impl Writeback {
-    /// Parses a `[writeback]` table; missing keys keep the defaults.
-    pub fn parse(table: &Table) -> Result<Writeback, Error> {
-        let mut w = Writeback::default();
-        for (k, v) in table {
-            match k.as_str() {
-                "background" => w.background = Amount::parse(k, v)?,
-                "limit" => w.limit = Amount::parse(k, v)?,
-                "expire" | "interval" => {
-                    let Value::String(s) = v else {
-                        return Err(Error::Invalid(format!(
-                            "writeback: key '{k}' must be a duration such as \"5s\""
-                        )));
-                    };
-                    let d = parse_duration(s)
-                        .map_err(|e| Error::Invalid(format!("writeback: key '{k}' is {e}")))?;
-                    let range = if k == "expire" {
-                        crate::config::limits::EXPIRE
-                    } else {
-                        crate::config::limits::INTERVAL
-                    };
-                    if !range.contains(&d) {
-                        return Err(Error::Invalid(format!(
-                            "writeback: key '{k}' = \"{}\" is out of range (from {} to {})",
-                            crate::config::shown(s),
-                            crate::config::format_duration(*range.start()),
-                            crate::config::format_duration(*range.end())
-                        )));
-                    }
-                    if k == "expire" {
-                        w.expire = d;
-                    } else {
-                        w.interval = d;
-                    }
-                }
-                _ => {
-                    return Err(Error::Invalid(format!(
-                        "writeback: unknown key '{}' (known: {})",
-                        crate::config::shown(k),
-                        KEYS.join(", ")
-                    )))
-                }
-            }
-        }
-        Ok(w)
-    }
-
     /// Levels given in bytes fit in the caches' memory (`cache_bytes` in all), and the
     /// background level is below the limit.
     pub fn check_for(&self, cache_bytes: u64) -> Result<(), Error> {
@@ -198,9 +121,9 @@ pub struct Budget {
     /// Flushers wake at least this often.
     pub interval: Duration,
     /// The shared write-back pool, with `--writeback shared`.
-    pub(crate) pool: std::sync::OnceLock<std::sync::Arc<crate::cache::Pool>>,
+    pub(crate) pool: std::sync::OnceLock<std::sync::Arc<super::Pool>>,
     /// The caches sharing the budget, to wake all their flushers.
-    pub(crate) members: std::sync::Mutex<Vec<std::sync::Weak<crate::cache::Shared>>>,
+    pub(crate) members: std::sync::Mutex<Vec<std::sync::Weak<super::Shared>>>,
     /// Bytes that became dirty, and bytes written back, since the start.
     dirtied: std::sync::atomic::AtomicU64,
     cleaned: std::sync::atomic::AtomicU64,
@@ -510,45 +433,6 @@ impl Ratelimit {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn table(text: &str) -> Table {
-        text.parse().unwrap()
-    }
-
-    #[test]
-    fn parses_bytes_percentages_and_durations() {
-        let w = Writeback::parse(&table(
-            "background = \"64M\"\nlimit = \"25%\"\nexpire = \"3s\"\ninterval = \"500ms\"",
-        ))
-        .unwrap();
-        assert_eq!(w.background, Amount::Bytes(64 << 20));
-        assert_eq!(w.limit, Amount::Percent(25.0));
-        assert_eq!(w.expire, Duration::from_secs(3));
-        assert_eq!(w.interval, Duration::from_millis(500));
-        assert_eq!(Writeback::parse(&table("")).unwrap(), Writeback::default());
-        let t = w.throttle(1 << 30).unwrap();
-        assert_eq!((t.background, t.limit), (64 << 20, 256 << 20));
-    }
-
-    #[test]
-    fn every_mistake_names_its_key() {
-        for (text, key) in [
-            ("background = \"lots\"", "background"),
-            ("limit = \"120%\"", "limit"),
-            ("expire = 5", "expire"),
-            ("interval = \"0s\"", "interval"),
-            ("speed = 1", "speed"),
-        ] {
-            let e = Writeback::parse(&table(text)).unwrap_err().to_string();
-            assert!(e.contains(key), "{text}: {e}");
-        }
-        let w = Writeback::parse(&table("background = \"30%\"\nlimit = \"20%\"")).unwrap();
-        assert!(w
-            .throttle(1 << 30)
-            .unwrap_err()
-            .to_string()
-            .contains("below"));
-    }
 
     fn throttle() -> Throttle {
         Throttle {
