@@ -812,6 +812,7 @@ mod tests {
             match next(3) {
                 0 => {
                     let data = vec![(step % 250 + 1) as u8; len as usize];
+                    // SAFETY: the buffer holds the bytes named, and the range lies inside the store.
                     unsafe { store.write(offset, len, data.as_ptr()) };
                     hole_due[first as usize..end as usize].fill(false);
                 }
@@ -825,6 +826,7 @@ mod tests {
                     }
                 }
             }
+            // SAFETY: the buffer holds the bytes named, and the range lies inside the store.
             unsafe { store.read(0, size, buf.as_mut_ptr()) };
             let mut map = Vec::new();
             store.extents(0, size, PAGE_BYTES, &mut map);
@@ -857,16 +859,20 @@ mod tests {
     fn sparse_read_write_zero() {
         let store = MemStore::new(1 << 20);
         let mut buf = vec![0xffu8; 10000];
+        // SAFETY: the buffer holds the bytes named, and the range lies inside the store.
         unsafe { store.read(1000, 10000, buf.as_mut_ptr()) };
         assert!(buf.iter().all(|&b| b == 0));
         assert_eq!(store.allocated_bytes(), 0);
         let data: Vec<u8> = (0..10000).map(|i| (i % 251) as u8).collect();
+        // SAFETY: the buffer holds the bytes named, and the range lies inside the store.
         unsafe { store.write(1000, 10000, data.as_ptr()) };
         // 1000..11000 lies in the first region.
         assert_eq!(store.allocated_bytes(), REGION_BYTES);
+        // SAFETY: the buffer holds the bytes named, and the range lies inside the store.
         unsafe { store.read(1000, 10000, buf.as_mut_ptr()) };
         assert_eq!(buf, data);
         store.zero(2000, 512);
+        // SAFETY: the buffer holds the bytes named, and the range lies inside the store.
         unsafe { store.read(1000, 10000, buf.as_mut_ptr()) };
         assert!(buf[1000..1512].iter().all(|&b| b == 0));
         assert_eq!(buf[..1000], data[..1000]);
@@ -878,10 +884,12 @@ mod tests {
         let store = MemStore::new(8 << 20);
         let data = vec![0xabu8; 3 * REGION_BYTES as usize];
         let base = REGION_BYTES - 8192;
+        // SAFETY: the buffer holds the bytes named, and the range lies inside the store.
         unsafe { store.write(base, 16384 + 1024, data.as_ptr()) };
         // Crosses a region boundary; whole pages inside it go back to the kernel.
         store.zero(base + 512, 16384 - 512);
         let mut out = vec![0xffu8; 16384 + 1024];
+        // SAFETY: the buffer holds the bytes named, and the range lies inside the store.
         unsafe { store.read(base, 16384 + 1024, out.as_mut_ptr()) };
         assert!(out[..512].iter().all(|&b| b == 0xab));
         assert!(out[512..16384].iter().all(|&b| b == 0));
@@ -916,9 +924,11 @@ mod tests {
         let (at, fua_at) = (REGION_BYTES - PAGE_BYTES, REGION_BYTES - 512);
         let read = |offset: u64, len: u64| {
             let mut b = vec![0xeeu8; len as usize];
+            // SAFETY: the buffer holds the bytes named, and the range lies inside the store.
             unsafe { store.read(offset, len, b.as_mut_ptr()) };
             b
         };
+        // SAFETY: the buffer holds the bytes named, and the range lies inside the store.
         unsafe {
             store.write(at, plain.len() as u64, plain.as_ptr());
             v.wrote(at, plain.len() as u64);
@@ -939,6 +949,7 @@ mod tests {
             "plain write lost"
         );
         assert!(read(size - 512, 512).iter().all(|&b| b == 0));
+        // SAFETY: the buffer holds the bytes named, and the range lies inside the store.
         unsafe {
             store.write(size - 512, 512, plain.as_ptr());
             v.wrote(size - 512, 512);
@@ -953,8 +964,10 @@ mod tests {
         let size = 3 * PAGE_BYTES + 512;
         let store = MemStore::new(size);
         let data = [7u8; 512];
+        // SAFETY: the buffer holds the bytes named, and the range lies inside the store.
         unsafe { store.write(size - 512, 512, data.as_ptr()) };
         let mut out = [0u8; 512];
+        // SAFETY: the buffer holds the bytes named, and the range lies inside the store.
         unsafe { store.read(size - 512, 512, out.as_mut_ptr()) };
         assert_eq!(out, data);
     }

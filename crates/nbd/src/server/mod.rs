@@ -262,6 +262,7 @@ fn activated() -> Vec<(Listener, String)> {
                 };
                 (l, format!("fd:{fd} (unix)"))
             } else {
+                // SAFETY: as above: the descriptor is ours (systemd's convention).
                 let l = unsafe { TcpListener::from_raw_fd(fd) };
                 (Listener::Tcp(l), format!("fd:{fd} (tcp)"))
             }
