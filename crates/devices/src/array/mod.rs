@@ -80,29 +80,11 @@ impl Examined {
                 g.block_bytes, self.name
             ));
         }
-        let wipe = "zero it first to use it (a new file, or blkdiscard -z for a disk)";
         let q = queue(device, &self.name, name).map_err(|e| e.to_string())?;
         let mut area = vec![0u8; SLOTS * SLOT_BYTES];
         q.read(0, &mut area)
             .map_err(|e| format!("'{name}': reading its superblocks failed: {e}"))?;
-        match superblock::pick(&area) {
-            Found::Blank => match data_found(&q, device, &area).map_err(|e| e.to_string())? {
-                None => Ok(()),
-                Some(why) => Err(format!(
-                    "'{name}' holds data but no superblock of this array ({why}; it may be someone's data): {wipe}"
-                )),
-            },
-            Found::Valid { sb, .. } if sb.array_uuid == self.plan.array_uuid => Ok(()),
-            Found::Valid { sb, .. } => Err(format!(
-                "'{name}' is a {} of another array ('{}', {}): {wipe}",
-                if sb.spare() { "spare" } else { "member" },
-                sb.name,
-                superblock::uuid_text(&sb.array_uuid)
-            )),
-            Found::Foreign { .. } => Err(format!(
-                "'{name}' holds data but no superblock of this array (it may be someone's data): {wipe}"
-            )),
-        }
+        joinable(&q, device, &area, name, &self.plan.array_uuid)
     }
 }
 
@@ -778,7 +760,7 @@ impl Metadata {
     /// array (a member that left, added back). Anything else could be someone's data.
     pub fn may_join(&self, device: &Arc<dyn Device>, name: &str) -> Result<(), String> {
         let (q, area) = self.read_area(device, name)?;
-        self.joinable(&q, device, &area, name)?;
+        joinable(&q, device, &area, name, &self.array_uuid)?;
         // It must keep what is written (a null device does not): a pattern over its
         // metadata area (blank, or this array's), read back, then the area as it was.
         let pattern: Vec<u8> = (0..area.len()).map(|i| (i % 251) as u8 ^ 0x5a).collect();
@@ -795,46 +777,13 @@ impl Metadata {
         Ok(())
     }
 
-    /// What [`Metadata::may_join`] reads: blank (with no data past its metadata area
-    /// either), or carrying a superblock of this array. Nothing is written.
-    fn joinable(
-        &self,
-        q: &BlockingQueue,
-        device: &Arc<dyn Device>,
-        area: &[u8],
-        name: &str,
-    ) -> Result<(), String> {
-        let wipe = "zero it first to use it (a new file, or blkdiscard -z for a disk)";
-        match superblock::pick(area) {
-            Found::Blank => {
-                if let Some(why) = data_found(q, device, area).map_err(|e| e.to_string())? {
-                    return Err(format!(
-                        "'{name}' holds data but no superblock of this array ({why}; it may be someone's data): {wipe}"
-                    ));
-                }
-                Ok(())
-            }
-            Found::Valid { sb, .. } if sb.array_uuid == self.array_uuid => Ok(()),
-            // Refused before anything is written to it.
-            Found::Valid { sb, .. } => Err(format!(
-                "'{name}' is a {} of another array ('{}', {}): {wipe}",
-                if sb.spare() { "spare" } else { "member" },
-                sb.name,
-                superblock::uuid_text(&sb.array_uuid)
-            )),
-            Found::Foreign { .. } => Err(format!(
-                "'{name}' holds data but no superblock of this array (it may be someone's data): {wipe}"
-            )),
-        }
-    }
-
     /// Makes `device` a spare of this array: it must be fit to join
     /// ([`Metadata::may_join`]) and not a member in use; then it gets a spare's
     /// superblock in both slots ([`superblock::FLAG_SPARE`]), so that a restart knows it
     /// for one. Examined only ([`Metadata::dry`]): checked, nothing written.
     pub fn make_spare(&self, device: &Arc<dyn Device>, name: &str) -> Result<(), String> {
         let (q, area) = self.read_area(device, name)?;
-        self.joinable(&q, device, &area, name)?;
+        joinable(&q, device, &area, name, &self.array_uuid)?;
         let generation = match superblock::pick(&area) {
             Found::Valid { sb, .. } => {
                 let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
@@ -1206,6 +1155,38 @@ impl Metadata {
             )));
         }
         Ok(failed)
+    }
+}
+
+/// Whether a device whose metadata area is `area` may join the array `array_uuid`, read
+/// only: blank (with no data past its metadata area either), or carrying a superblock of
+/// that array. Anything else may be someone's data.
+fn joinable(
+    q: &BlockingQueue,
+    device: &Arc<dyn Device>,
+    area: &[u8],
+    name: &str,
+    array_uuid: &[u8; 16],
+) -> Result<(), String> {
+    let wipe = "zero it first to use it (a new file, or blkdiscard -z for a disk)";
+    match superblock::pick(area) {
+        Found::Blank => match data_found(q, device, area).map_err(|e| e.to_string())? {
+            None => Ok(()),
+            Some(why) => Err(format!(
+                "'{name}' holds data but no superblock of this array ({why}; it may be someone's data): {wipe}"
+            )),
+        },
+        Found::Valid { sb, .. } if sb.array_uuid == *array_uuid => Ok(()),
+        // Refused before anything is written to it.
+        Found::Valid { sb, .. } => Err(format!(
+            "'{name}' is a {} of another array ('{}', {}): {wipe}",
+            if sb.spare() { "spare" } else { "member" },
+            sb.name,
+            superblock::uuid_text(&sb.array_uuid)
+        )),
+        Found::Foreign { .. } => Err(format!(
+            "'{name}' holds data but no superblock of this array (it may be someone's data): {wipe}"
+        )),
     }
 }
 
