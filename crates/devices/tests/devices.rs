@@ -979,6 +979,29 @@ mod opening {
         }
     }
 
+    /// A file whose device is closed is free at once, even when the device did I/O
+    /// through a ring: the kernel drops a ring's (or a fixed-file slot's) reference to
+    /// the file some time after, and the lock must not wait for it. `cairn serve` opens
+    /// a stack once to check it and then for real, in one process (CI saw the second
+    /// open refused: "in use by this cairn").
+    #[test]
+    fn a_file_is_free_as_soon_as_its_device_is_closed_after_io() {
+        let dir = scratch_dir();
+        let path = dir.path().join("reopened");
+        for engine in ENGINES {
+            for round in 0..100u64 {
+                let device = open_spec(&file_spec(&path, engine, ",size=64k"))
+                    .unwrap_or_else(|e| panic!("{engine}: round {round}: {e}"));
+                let q = BlockingQueue::open(&device, Switches::default()).unwrap();
+                let data = pattern(round, 4096);
+                q.write(4096 * (round % 16), &data, IoFlags::NONE).unwrap();
+                assert_eq!(read_vec(&q, 4096 * (round % 16), 4096), data);
+                drop(q);
+                drop(device);
+            }
+        }
+    }
+
     #[test]
     fn file_created_with_size() {
         let dir = scratch_dir();

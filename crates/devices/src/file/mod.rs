@@ -43,6 +43,17 @@ pub struct FileShared {
     fua_syncs: std::sync::atomic::AtomicU64,
 }
 
+/// The `flock` taken at open belongs to the open file, which the kernel keeps open
+/// as long as anything refers to it: an io_uring ring (or a fixed-file slot) drops its
+/// reference some time after the ring is closed. So the lock is given back by hand when
+/// the file is closed, and the file is free for the next opener at once.
+impl Drop for FileShared {
+    fn drop(&mut self) {
+        // SAFETY: flock on the descriptor `self.file` owns, still open here.
+        unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
 impl FileShared {
     /// The raw descriptor (kept open as long as this value lives).
     pub fn fd(&self) -> RawFd {
