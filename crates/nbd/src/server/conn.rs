@@ -27,17 +27,17 @@ use io_uring::{opcode, types};
 
 use cairn_core::buf::MAP_MIN;
 use cairn_core::{
-    AlignedBuf, Core, Device, Geometry, Io, IoFlags, IoStatus, Op, Poller, Queue, RingUser, Sink,
-    SinkId,
+    AlignedBuf, Core, Device, Io, IoFlags, IoStatus, Op, Poller, Queue, RingUser, Sink, SinkId,
 };
 
 use crate::gather::{self, Segment};
+use crate::proto::command::{self, Command, Refusal, Terms, Wide};
 use crate::proto::{self, cflags, chunk, cmd, errno, tflags};
 use crate::server::admit::Admission;
+use crate::server::gate::{Gate, Pass, Wake};
 use crate::server::handshake::{ExportInfo, Session};
 use crate::server::observe::{Client, ConnInfo, Observer};
 use crate::server::pool::{Budget, Buf, BufPool, Mem};
-use crate::server::rmw::{Gate, Pass, Wake, Wide};
 
 /// A served export: what clients see, and the device behind it.
 pub struct Export {
@@ -475,17 +475,27 @@ struct Conn {
     fd: OwnedFd,
     export: usize,
     queue: Rc<dyn Queue>,
-    geometry: Geometry,
     session: Session,
-    /// Requests of any alignment are served: the client did not ask for block sizes and
-    /// the export does not insist on them.
-    relaxed: bool,
+    /// What its requests are checked against.
+    terms: Terms,
     /// The export's gate, which its writes pass (`None` when it has none).
     gate: Option<Arc<Gate>>,
     peer: String,
     /// What operators see of it.
     info: Arc<ConnInfo>,
     st: RefCell<ConnState>,
+}
+
+impl Conn {
+    /// Bytes of a request header on this connection.
+    #[inline]
+    fn header_len(&self) -> usize {
+        if self.session.extended {
+            proto::EXTENDED_HEADER
+        } else {
+            proto::REQUEST_HEADER
+        }
+    }
 }
 
 /// What `next_request` wants the caller to do (outside the state borrow).
@@ -605,6 +615,21 @@ impl ServerLoop {
         Ok(q)
     }
 
+    /// What requests on a connection to `export` with `session` are checked against.
+    fn terms(&self, export: usize, session: &Session) -> Terms {
+        let e = &self.exports[export];
+        Terms {
+            flags: session.flags,
+            structured: session.structured,
+            extended: session.extended,
+            base_allocation: session.base_allocation,
+            relaxed: !e.strict_alignment && !session.block_sizes_agreed,
+            fast_zero: e.info.flags & tflags::SEND_FAST_ZERO != 0,
+            max_payload: self.limits.max_payload,
+            geometry: e.device.geometry(),
+        }
+    }
+
     fn accept(&self, nc: NewConn) {
         let export = nc.session.export;
         let queue = match self.queue_for(export) {
@@ -652,8 +677,7 @@ impl ServerLoop {
             fd: nc.fd,
             export,
             queue,
-            geometry: self.exports[export].device.geometry(),
-            relaxed: !self.exports[export].strict_alignment && !nc.session.block_sizes_agreed,
+            terms: self.terms(export, &nc.session),
             gate: self.gates.of_export[export].clone(),
             session: nc.session,
             peer: nc.peer,
@@ -965,62 +989,8 @@ impl ServerLoop {
             return Next::Stop;
         }
         match st.rx {
-            Rx::Payload { req, got } => {
-                // Payload bytes that came with the header (or through TLS) are in the
-                // input buffer; the rest is received straight into the request buffer.
-                let want = st.reqs[req as usize].len as usize - got as usize;
-                let n = (st.re - st.rs).min(want);
-                if n == 0 {
-                    return Next::Stop;
-                }
-                let (rs, got_us) = (st.rs, got as usize);
-                let ConnState {
-                    inbuf, reqs, pool, ..
-                } = &mut *st;
-                let r = &mut reqs[req as usize];
-                let at = r.data_off as usize + got_us;
-                if let Some(b) = r.buf.as_mut() {
-                    if !pool.ensure(b, at + n) {
-                        return self.wait_memory(conn, st);
-                    }
-                    b.as_mut_slice()[at..at + n].copy_from_slice(&inbuf[rs..rs + n]);
-                }
-                st.rs += n;
-                if n < want {
-                    st.rx = Rx::Payload {
-                        req,
-                        got: got + n as u32,
-                    };
-                    return Next::Stop;
-                }
-                st.rx = Rx::Header;
-                return match self.payload_done(conn, st, req) {
-                    Some(io) => Next::Submit(io),
-                    None => Next::Again,
-                };
-            }
-            Rx::Skip {
-                left,
-                cookie,
-                offset,
-                error,
-            } => {
-                let avail = (st.re - st.rs) as u64;
-                let n = avail.min(left);
-                st.rs += n as usize;
-                if n < left {
-                    st.rx = Rx::Skip {
-                        left: left - n,
-                        cookie,
-                        offset,
-                        error,
-                    };
-                    return Next::Stop;
-                }
-                st.rx = Rx::Header;
-                self.reply_error(conn, st, cmd::WRITE, (cookie, offset), error);
-                return Next::Again;
-            }
+            Rx::Payload { req, got } => return self.take_payload(conn, st, req, got),
+            Rx::Skip { .. } => return self.skip_payload(conn, st),
             Rx::Header => {}
         }
         if st.eof && !self.shutting.get() {
@@ -1030,20 +1000,113 @@ impl ServerLoop {
             st.blocked = true;
             return Next::Stop;
         }
-        let extended = conn.session.extended;
-        let hl = if extended {
-            proto::EXTENDED_HEADER
-        } else {
-            proto::REQUEST_HEADER
+        let Some(r) = self.frame(conn, st) else {
+            return Next::Stop;
         };
+        // A request parsed again after waiting for a buffer was counted the first time.
+        if !std::mem::take(&mut st.recounted) {
+            conn.info.request(r.command, r.len);
+            st.progress_ns = self.core.now_ns();
+        }
+        match command::check(&r, &conn.terms, self.shutting.get()) {
+            Ok(Command::Io {
+                op,
+                flags,
+                then_flush,
+            }) => self.start_io(conn, st, &r, (op, flags), then_flush),
+            Ok(Command::Unaligned { op, wide }) => self.unaligned(conn, st, &r, op, wide),
+            Ok(Command::BlockStatus) => self.block_status(conn, st, &r),
+            Ok(Command::Cache) => {
+                // A hint; every device here reads at memory or page-cache speed.
+                st.rs += conn.header_len();
+                self.reply_simple(conn, st, r.cookie, r.offset, 0);
+                Next::Again
+            }
+            Ok(Command::Disconnect) => {
+                st.rs += conn.header_len();
+                st.end("the client disconnected");
+                st.eof = true;
+                Next::Stop
+            }
+            Err(why) => self.refuse(conn, st, &r, why),
+        }
+    }
+
+    /// Payload bytes of write `req` (`got` of them in so far) that came with the header
+    /// (or through TLS) are in the input buffer; the rest is received straight into the
+    /// request's buffer.
+    fn take_payload(&self, conn: &Conn, st: &mut ConnState, req: u32, got: u32) -> Next {
+        let want = st.reqs[req as usize].len as usize - got as usize;
+        let n = (st.re - st.rs).min(want);
+        if n == 0 {
+            return Next::Stop;
+        }
+        let (rs, got_us) = (st.rs, got as usize);
+        let ConnState {
+            inbuf, reqs, pool, ..
+        } = &mut *st;
+        let r = &mut reqs[req as usize];
+        let at = r.data_off as usize + got_us;
+        if let Some(b) = r.buf.as_mut() {
+            if !pool.ensure(b, at + n) {
+                return self.wait_memory(conn, st);
+            }
+            b.as_mut_slice()[at..at + n].copy_from_slice(&inbuf[rs..rs + n]);
+        }
+        st.rs += n;
+        if n < want {
+            st.rx = Rx::Payload {
+                req,
+                got: got + n as u32,
+            };
+            return Next::Stop;
+        }
+        st.rx = Rx::Header;
+        match self.payload_done(conn, st, req) {
+            Some(io) => Next::Submit(io),
+            None => Next::Again,
+        }
+    }
+
+    /// Skips what is in the input of a refused request's payload; once all of it has
+    /// gone by, the error reply.
+    fn skip_payload(&self, conn: &Conn, st: &mut ConnState) -> Next {
+        let Rx::Skip {
+            left,
+            cookie,
+            offset,
+            error,
+        } = st.rx
+        else {
+            return Next::Again;
+        };
+        let n = ((st.re - st.rs) as u64).min(left);
+        st.rs += n as usize;
+        if n < left {
+            st.rx = Rx::Skip {
+                left: left - n,
+                cookie,
+                offset,
+                error,
+            };
+            return Next::Stop;
+        }
+        st.rx = Rx::Header;
+        self.reply_error(conn, st, cmd::WRITE, (cookie, offset), error);
+        Next::Again
+    }
+
+    /// The request header at the head of the input, if a whole one is there (not yet
+    /// consumed). A bad magic ends the connection: nothing after it can be trusted.
+    fn frame(&self, conn: &Conn, st: &mut ConnState) -> Option<proto::Request> {
         let input = &st.inbuf[st.rs..st.re];
-        let decoded = if extended {
+        let decoded = if conn.session.extended {
             proto::parse_extended_request(input)
         } else {
             proto::parse_request(input)
         };
-        let r = match decoded {
-            proto::Decoded::Incomplete => return Next::Stop,
+        match decoded {
+            proto::Decoded::Incomplete => None,
             proto::Decoded::BadMagic(m) => {
                 log::warn!(
                     "cairn: serve: {}: bad request magic {m:#010x}; disconnecting",
@@ -1051,241 +1114,87 @@ impl ServerLoop {
                 );
                 st.end("a protocol error (bad request magic)");
                 st.dead = true;
-                return Next::Stop;
+                None
             }
-            proto::Decoded::Request(r) => r,
-        };
-        // A request parsed again after waiting for a buffer was counted the first time.
-        if !std::mem::take(&mut st.recounted) {
-            conn.info.request(r.command, r.len);
-            st.progress_ns = self.core.now_ns();
+            proto::Decoded::Request(r) => Some(r),
         }
-        let info = &self.exports[conn.export].info;
-        // A write's length is its payload's. With extended headers another command has a
-        // payload when it sets PAYLOAD_LEN (and is refused after it is skipped). A write
-        // is taken with or without the flag: the extension's drafts differ, and qemu's
-        // client leaves it out.
-        let payload = if r.command == cmd::WRITE || (extended && r.flags & cflags::PAYLOAD_LEN != 0)
-        {
-            r.len
-        } else {
-            0
+    }
+
+    /// Refuses request `r`: skips its payload if it has one (never parsed as requests),
+    /// then the error reply.
+    #[cold]
+    fn refuse(&self, conn: &Conn, st: &mut ConnState, r: &proto::Request, why: Refusal) -> Next {
+        if why == Refusal::OverMaxPayload && !st.warned {
+            // Once per connection: a client that ignores the maximum keeps sending.
+            st.warned = true;
+            log::warn!(
+                "cairn: serve: {}: a {} of {} bytes is over --max-payload ({} bytes): refused with EINVAL",
+                conn.peer,
+                if r.command == cmd::READ { "read" } else { "write" },
+                r.len,
+                self.limits.max_payload
+            );
+        }
+        st.rs += conn.header_len();
+        let payload = command::payload_len(r, conn.session.extended);
+        if payload == 0 {
+            self.reply_error(conn, st, r.command, (r.cookie, r.offset), why.errno());
+            return Next::Again;
+        }
+        if payload > SKIP_MAX {
+            log::warn!(
+                "cairn: serve: {}: write payload of {payload} bytes is over any limit; disconnecting",
+                conn.peer
+            );
+            st.end("a protocol error (write payload over any limit)");
+            st.dead = true;
+            return Next::Stop;
+        }
+        st.rx = Rx::Skip {
+            left: payload,
+            cookie: r.cookie,
+            offset: r.offset,
+            error: why.errno(),
         };
-        // Reads are bounded like writes: the advertised maximum is for both directions.
-        let data_len = if matches!(r.command, cmd::WRITE | cmd::READ) {
-            r.len
-        } else {
-            0
-        };
-        // Refusals: skip a write's payload (never parse it as requests), then reply.
-        let refuse = |st: &mut ConnState, this: &ServerLoop, error: u32| {
-            st.rs += hl;
-            if payload > 0 {
-                if payload > SKIP_MAX {
-                    log::warn!(
-                        "cairn: serve: {}: write payload of {payload} bytes is over any limit; disconnecting",
-                        conn.peer
-                    );
-                    st.end("a protocol error (write payload over any limit)");
-                    st.dead = true;
-                    return Next::Stop;
-                }
-                st.rx = Rx::Skip {
-                    left: payload,
-                    cookie: r.cookie,
-                    offset: r.offset,
-                    error,
-                };
+        Next::Again
+    }
+
+    /// Starts checked request `r` on whole blocks: its buffer, then the device request
+    /// (a write's once its payload is in).
+    #[inline]
+    fn start_io(
+        &self,
+        conn: &Conn,
+        st: &mut ConnState,
+        r: &proto::Request,
+        (op, flags): (Op, IoFlags),
+        then_flush: bool,
+    ) -> Next {
+        let hl = conn.header_len();
+        let mut buf = None;
+        if op.has_data() {
+            // A read's buffer is filled at once; a write's as its payload arrives: for
+            // now, what came with the header.
+            let touched = if op == Op::Read {
+                r.len as usize
             } else {
-                this.reply_error(conn, st, r.command, (r.cookie, r.offset), error);
-            }
-            Next::Again
-        };
-        if self.shutting.get() {
-            if r.command == cmd::DISC {
-                st.rs += hl;
-                st.end("the client disconnected");
-                st.eof = true;
-                return Next::Stop;
-            }
-            return refuse(st, self, errno::ESHUTDOWN);
-        }
-        let allowed = match r.command {
-            cmd::READ => {
-                cflags::FUA
-                    | if conn.session.structured {
-                        cflags::DF
-                    } else {
-                        0
-                    }
-            }
-            cmd::WRITE if extended => cflags::FUA | cflags::PAYLOAD_LEN,
-            cmd::WRITE | cmd::FLUSH | cmd::TRIM | cmd::CACHE => cflags::FUA,
-            cmd::WRITE_ZEROES => {
-                // On a read-only export FAST_ZERO is not offered, but the request is
-                // refused for being a write (EPERM), as every write is there.
-                cflags::FUA
-                    | cflags::NO_HOLE
-                    | if conn.session.flags & (tflags::SEND_FAST_ZERO | tflags::READ_ONLY) != 0 {
-                        cflags::FAST_ZERO
-                    } else {
-                        0
-                    }
-            }
-            cmd::BLOCK_STATUS => cflags::FUA | cflags::REQ_ONE,
-            cmd::DISC => 0,
-            _ => return refuse(st, self, errno::EINVAL),
-        };
-        if r.flags & !allowed != 0 {
-            return refuse(st, self, errno::EINVAL);
-        }
-        let read_only = conn.session.flags & tflags::READ_ONLY != 0;
-        let op = match r.command {
-            cmd::DISC => {
-                st.rs += hl;
-                st.end("the client disconnected");
-                st.eof = true;
-                return Next::Stop;
-            }
-            cmd::READ => Op::Read,
-            cmd::WRITE => Op::Write,
-            cmd::FLUSH => Op::Flush,
-            cmd::TRIM => Op::Discard,
-            cmd::WRITE_ZEROES => Op::WriteZeroes,
-            _ => Op::Read, // CACHE and BLOCK_STATUS: range checks as a read
-        };
-        if read_only && op.is_write() {
-            return refuse(st, self, errno::EPERM);
-        }
-        if data_len > u64::from(self.limits.max_payload) {
-            if !st.warned {
-                // Once per connection: a client that ignores the maximum keeps sending.
-                st.warned = true;
-                log::warn!(
-                    "cairn: serve: {}: a {} of {data_len} bytes is over --max-payload ({} bytes): refused with EINVAL",
-                    conn.peer,
-                    if r.command == cmd::READ { "read" } else { "write" },
-                    self.limits.max_payload
-                );
-            }
-            return refuse(st, self, errno::EINVAL);
-        }
-        if op == Op::Flush {
-            // A flush's offset and length are reserved: both must be 0.
-            if r.offset != 0 || r.len != 0 {
-                return refuse(st, self, errno::EINVAL);
-            }
-        } else if r.len == 0 {
-            // The spec leaves requests of length 0 open; like nbdkit, cairn refuses them.
-            return refuse(st, self, errno::EINVAL);
-        }
-        if matches!(r.command, cmd::CACHE | cmd::BLOCK_STATUS) {
-            // Like a read, but any length: only the range and the alignment matter.
-            let block = u64::from(conn.geometry.block_bytes);
-            let end = r.offset.checked_add(r.len);
-            if end.is_none_or(|e| e > conn.geometry.size_bytes)
-                || (!conn.relaxed && (r.offset % block != 0 || r.len % block != 0))
-            {
-                return refuse(st, self, errno::EINVAL);
-            }
-        } else if op != Op::Flush {
-            if let Err(e) = conn.geometry.check(op, r.offset, r.len) {
-                if conn.relaxed && matches!(e, cairn_core::IoError::Misaligned { .. }) {
-                    return match self.unaligned(conn, st, &r, hl, op) {
-                        Ok(next) => next,
-                        Err(error) => refuse(st, self, error),
-                    };
-                }
-                let error = match e {
-                    cairn_core::IoError::Unsupported(_) => errno::EINVAL,
-                    e => errno::from_local(e.errno()),
-                };
-                return refuse(st, self, error);
+                (st.re - st.rs - hl).min(r.len as usize)
+            };
+            match self.take_buffer(conn, st, r.len as usize, touched) {
+                Ok(b) => buf = Some(b),
+                Err(next) => return next,
             }
         }
-        match r.command {
-            cmd::CACHE => {
-                // A hint; every device here reads at memory or page-cache speed.
-                st.rs += hl;
-                self.reply_simple(conn, st, r.cookie, r.offset, 0);
-                return Next::Again;
-            }
-            cmd::BLOCK_STATUS => {
-                if !conn.session.base_allocation {
-                    st.rs += hl;
-                    self.reply_error(conn, st, r.command, (r.cookie, r.offset), errno::EINVAL);
-                    return Next::Again;
-                }
-                return self.block_status(conn, st, &r, hl);
-            }
-            cmd::WRITE_ZEROES if r.flags & cflags::FAST_ZERO != 0 && !info_fast_zero(info) => {
-                return refuse(st, self, errno::ENOTSUP);
-            }
-            _ => {}
-        }
-        let needs_buf = op.has_data();
-        let buf = if needs_buf {
-            match st.pool.get(r.len as usize) {
-                Some(mut b) => {
-                    // A read's buffer is filled at once; a write's as its payload
-                    // arrives: for now, what came with the header.
-                    let touched = if op == Op::Read {
-                        r.len as usize
-                    } else {
-                        (st.re - st.rs - hl).min(r.len as usize)
-                    };
-                    if !st.pool.ensure(&mut b, touched) {
-                        st.pool.put(b);
-                        st.recounted = true;
-                        return self.wait_memory(conn, st);
-                    }
-                    Some(b)
-                }
-                None => {
-                    st.blocked = true;
-                    st.recounted = true;
-                    return Next::Stop;
-                }
-            }
-        } else {
-            None
-        };
         st.rs += hl;
-        let mut flags = IoFlags::NONE;
-        if r.flags & cflags::FUA != 0 && op == Op::Write {
-            flags = flags.with(IoFlags::FUA);
-        }
-        if r.command == cmd::WRITE_ZEROES && r.flags & cflags::NO_HOLE != 0 {
-            flags = flags.with(IoFlags::NO_HOLE);
-        }
-        let then_flush = r.flags & cflags::FUA != 0 && matches!(op, Op::Discard | Op::WriteZeroes);
         let index = Self::alloc_req(
             st,
             Req {
                 then_flush,
-                ..Req::of(&r, buf)
+                ..Req::of(r, buf)
             },
         );
         if op == Op::Write {
-            // The payload follows the header: take what has arrived, receive the rest.
-            let avail = (st.re - st.rs).min(r.len as usize);
-            let (rs, re) = (st.rs, st.rs + avail);
-            let ConnState { inbuf, reqs, .. } = &mut *st;
-            if let Some(b) = reqs[index as usize].buf.as_mut() {
-                b.as_mut_slice()[..avail].copy_from_slice(&inbuf[rs..re]);
-            }
-            st.rs += avail;
-            if avail < r.len as usize {
-                st.rx = Rx::Payload {
-                    req: index,
-                    got: avail as u32,
-                };
-                return Next::Stop;
-            }
-            return match self.payload_done(conn, st, index) {
-                Some(io) => Next::Submit(io),
-                None => Next::Again,
-            };
+            return self.take_write_payload(conn, st, index, 0);
         }
         let token = (u64::from(conn.index) << 32) | u64::from(index);
         let (ptr, len) = if op == Op::Flush {
@@ -1315,6 +1224,54 @@ impl ServerLoop {
             };
         }
         Next::Submit(io)
+    }
+
+    /// A data buffer of `len` bytes for the request at the head of the input, `touched`
+    /// of them charged to the memory budget now. `Err` is what to do while there is none
+    /// (the request is parsed again then, not counted twice).
+    #[inline]
+    fn take_buffer(
+        &self,
+        conn: &Conn,
+        st: &mut ConnState,
+        len: usize,
+        touched: usize,
+    ) -> Result<Buf, Next> {
+        let Some(mut b) = st.pool.get(len) else {
+            st.blocked = true;
+            st.recounted = true;
+            return Err(Next::Stop);
+        };
+        if !st.pool.ensure(&mut b, touched) {
+            st.pool.put(b);
+            st.recounted = true;
+            return Err(self.wait_memory(conn, st));
+        }
+        Ok(b)
+    }
+
+    /// Write `index`'s payload follows its header: takes what has arrived (into its
+    /// buffer at `at`), and receives the rest; once all is in, the device request.
+    fn take_write_payload(&self, conn: &Conn, st: &mut ConnState, index: u32, at: usize) -> Next {
+        let len = st.reqs[index as usize].len as usize;
+        let avail = (st.re - st.rs).min(len);
+        let (rs, re) = (st.rs, st.rs + avail);
+        let ConnState { inbuf, reqs, .. } = &mut *st;
+        if let Some(b) = reqs[index as usize].buf.as_mut() {
+            b.as_mut_slice()[at..at + avail].copy_from_slice(&inbuf[rs..re]);
+        }
+        st.rs += avail;
+        if avail < len {
+            st.rx = Rx::Payload {
+                req: index,
+                got: avail as u32,
+            };
+            return Next::Stop;
+        }
+        match self.payload_done(conn, st, index) {
+            Some(io) => Next::Submit(io),
+            None => Next::Again,
+        }
     }
 
     /// Write `req`'s payload has fully arrived: the device request to submit now, if any.
@@ -1459,9 +1416,10 @@ impl ServerLoop {
     }
 
     /// A request not aligned to the device's blocks, from a client that did not ask for
-    /// block sizes. A read reads the whole blocks around it; a write or write-zeroes is a
-    /// read-modify-write of its edge blocks; a trim trims the whole blocks inside it (the
-    /// spec lets a server ignore the rest). `Err` is the errno to refuse it with.
+    /// block sizes (checked: `wide`, its blocks, are inside the export). A read reads the
+    /// whole blocks around it; a write or write-zeroes is a read-modify-write of its edge
+    /// blocks; a trim trims the whole blocks inside it (the spec lets a server ignore the
+    /// rest).
     #[cold]
     #[inline(never)]
     fn unaligned(
@@ -1469,53 +1427,26 @@ impl ServerLoop {
         conn: &Conn,
         st: &mut ConnState,
         r: &proto::Request,
-        hl: usize,
         op: Op,
-    ) -> Result<Next, u32> {
-        let g = &conn.geometry;
-        let block = u64::from(g.block_bytes);
-        if r.offset.checked_add(r.len).is_none_or(|e| e > g.size_bytes) {
-            let e = cairn_core::IoError::OutOfRange {
-                op,
-                offset: r.offset,
-                len: r.len,
-                size: g.size_bytes,
-            };
-            return Err(errno::from_local(e.errno()));
-        }
-        let w = Wide::new(r.offset, r.len, block);
-        if let Err(e) = g.check(op, w.offset, w.len) {
-            return Err(errno::from_local(e.errno()));
-        }
-        if r.command == cmd::WRITE_ZEROES && r.flags & cflags::FAST_ZERO != 0 {
-            // Zeroing part of a block means writing it: not fast.
-            return Err(errno::ENOTSUP);
-        }
+        w: Wide,
+    ) -> Next {
+        let block = w.block;
         let buf_len = match op {
             Op::Read => w.len,
             // The blocks, then room to read the edge blocks into.
             Op::Write => w.len + 2 * block,
             Op::WriteZeroes => 2 * block,
             _ => 0,
-        };
+        } as usize;
         let mut buf = None;
         if buf_len > 0 {
-            buf = st.pool.get(buf_len as usize);
-            let Some(b) = buf.as_mut() else {
-                st.blocked = true;
-                st.recounted = true;
-                return Ok(Next::Stop);
-            };
             // Rare (clients that did not ask for block sizes): charged whole at once.
-            if !st.pool.ensure(b, buf_len as usize) {
-                if let Some(b) = buf {
-                    st.pool.put(b);
-                }
-                st.recounted = true;
-                return Ok(self.wait_memory(conn, st));
+            match self.take_buffer(conn, st, buf_len, buf_len) {
+                Ok(b) => buf = Some(b),
+                Err(next) => return next,
             }
         }
-        st.rs += hl;
+        st.rs += conn.header_len();
         if st.counts.unaligned == 0 {
             log::info!(
                 "cairn: serve: {}: the client sends requests not aligned to the export's {block}-byte blocks (it did not ask for block sizes); serving them by read-modify-write",
@@ -1527,7 +1458,7 @@ impl ServerLoop {
         if op == Op::Discard && whole_len == 0 {
             // No whole block to trim: nothing to do.
             self.reply_ok(conn, st, r.command, (r.cookie, r.offset));
-            return Ok(Next::Again);
+            return Next::Again;
         }
         let index = Self::alloc_req(
             st,
@@ -1556,7 +1487,7 @@ impl ServerLoop {
                     .as_mut()
                     .map_or(std::ptr::null_mut(), |b| b.as_mut_ptr());
                 st.in_flight += 1;
-                Ok(Next::Submit(Io {
+                Next::Submit(Io {
                     op,
                     flags: IoFlags::NONE,
                     offset: w.offset,
@@ -1564,42 +1495,22 @@ impl ServerLoop {
                     buf,
                     sink: self.sink.get(),
                     token,
-                }))
+                })
             }
             Op::Discard => {
                 st.in_flight += 1;
                 let io = Io::nodata(Op::Discard, whole_off, whole_len, self.sink.get(), token);
-                Ok(match self.pass_gate(conn, st, index, io) {
+                match self.pass_gate(conn, st, index, io) {
                     Some(io) => Next::Submit(io),
                     None => Next::Again,
-                })
-            }
-            Op::Write => {
-                // Like an aligned write's payload, but into the middle of the blocks.
-                let avail = (st.re - st.rs).min(r.len as usize);
-                let (rs, re) = (st.rs, st.rs + avail);
-                let ConnState { inbuf, reqs, .. } = &mut *st;
-                if let Some(b) = reqs[index as usize].buf.as_mut() {
-                    let at = w.head as usize;
-                    b.as_mut_slice()[at..at + avail].copy_from_slice(&inbuf[rs..re]);
                 }
-                st.rs += avail;
-                if avail < r.len as usize {
-                    st.rx = Rx::Payload {
-                        req: index,
-                        got: avail as u32,
-                    };
-                    return Ok(Next::Stop);
-                }
-                Ok(match self.payload_done(conn, st, index) {
-                    Some(io) => Next::Submit(io),
-                    None => Next::Again,
-                })
             }
+            // Like an aligned write's payload, but into the middle of the blocks.
+            Op::Write => self.take_write_payload(conn, st, index, w.head as usize),
             _ => {
                 st.in_flight += 1;
                 self.rmw_start(conn, st, index);
-                Ok(Next::Again)
+                Next::Again
             }
         }
     }
@@ -1809,13 +1720,14 @@ impl ServerLoop {
 
     /// Answers a block status request from the device's allocation map.
     /// The request's header (`hl` bytes) is consumed here, once its reply has memory.
-    fn block_status(&self, conn: &Conn, st: &mut ConnState, r: &proto::Request, hl: usize) -> Next {
+    fn block_status(&self, conn: &Conn, st: &mut ConnState, r: &proto::Request) -> Next {
+        let hl = conn.header_len();
         let device = &self.exports[conn.export].device;
         let mut extents = Vec::new();
         let len = r.len;
         // Unaligned (only from a relaxed client): ask about the whole blocks, then drop
         // the bytes before the request's start.
-        let w = Wide::new(r.offset, len, u64::from(conn.geometry.block_bytes));
+        let w = Wide::new(r.offset, len, u64::from(conn.terms.geometry.block_bytes));
         if let Err(e) = device.extents(w.offset, w.len, &mut extents) {
             if !st.warned {
                 // Once per connection: a client asking again does not flood the log.
@@ -2358,10 +2270,6 @@ impl ServerLoop {
             self.process(&c);
         }
     }
-}
-
-fn info_fast_zero(info: &ExportInfo) -> bool {
-    info.flags & tflags::SEND_FAST_ZERO != 0
 }
 
 impl Sink for ServerLoop {

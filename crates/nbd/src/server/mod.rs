@@ -14,10 +14,10 @@
 
 mod admit;
 pub mod conn;
+mod gate;
 pub mod handshake;
 pub mod observe;
 pub mod pool;
-mod rmw;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};

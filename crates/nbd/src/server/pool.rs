@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use cairn_core::AlignedBuf;
 
-use crate::server::rmw::Wake;
+use crate::server::gate::Wake;
 
 /// Smallest buffer handed out (one page: O_DIRECT devices need page alignment anyway).
 const MIN_SHIFT: u32 = 12;

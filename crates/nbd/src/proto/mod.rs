@@ -4,6 +4,8 @@
 //! NetworkBlockDevice/nbd repository). Nothing here does I/O or keeps state beyond its
 //! arguments, so the decoders can be fuzzed on their own.
 
+pub mod command;
+
 /// "NBDMAGIC", the first 8 bytes the server sends.
 pub const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
 /// "IHAVEOPT": newstyle negotiation, and the magic of every option request.

@@ -1,6 +1,7 @@
 //! Requests that are not aligned to the device's blocks, from clients that never asked for
-//! block sizes: the arithmetic of widening them to whole blocks, and the gate that orders
-//! the read-modify-writes they need against every other write to the same blocks.
+//! block sizes, are widened to whole blocks ([`Wide`](crate::proto::command::Wide)); here
+//! is the gate that orders the read-modify-writes they need against every other write to
+//! the same blocks.
 //!
 //! A read-modify-write (RMW) reads the partly covered blocks at its edges, lays the new
 //! bytes over them and writes the blocks back whole. Anything else that writes one of those
@@ -23,76 +24,6 @@
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-
-/// A request's byte range and the whole blocks around it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Wide {
-    /// First byte of the first block touched.
-    pub offset: u64,
-    /// Bytes of whole blocks from there to the end of the last block touched.
-    pub len: u64,
-    /// Where the request's bytes start in the widened range.
-    pub head: u64,
-    /// The request's length.
-    pub inner: u64,
-    /// The block size.
-    pub block: u64,
-}
-
-impl Wide {
-    /// `offset..offset + len` widened to multiples of `block` (a power of two). The caller
-    /// has checked that the end does not overflow.
-    pub fn new(offset: u64, len: u64, block: u64) -> Wide {
-        let start = offset & !(block - 1);
-        let end = (offset + len).next_multiple_of(block);
-        Wide {
-            offset: start,
-            len: end - start,
-            head: offset - start,
-            inner: len,
-            block,
-        }
-    }
-
-    /// The edge blocks only partly covered by the request, as offsets into the widened
-    /// range: none, one (the first or the last, or both when they are the same block) or
-    /// two.
-    pub fn edges(&self) -> ([u64; 2], usize) {
-        let mut e = [0u64; 2];
-        let mut n = 0;
-        if self.head != 0 {
-            e[n] = 0;
-            n += 1;
-        }
-        let tail = self.len - self.block;
-        if !(self.head + self.inner).is_multiple_of(self.block) && (n == 0 || tail != 0) {
-            e[n] = tail;
-            n += 1;
-        }
-        (e, n)
-    }
-
-    /// The whole blocks inside the request: (offset on the device, length), the length 0
-    /// when there are none.
-    pub fn whole(&self) -> (u64, u64) {
-        let start = (self.offset + self.head).next_multiple_of(self.block);
-        let end = (self.offset + self.head + self.inner) & !(self.block - 1);
-        if end > start {
-            (start, end - start)
-        } else {
-            (start, 0)
-        }
-    }
-
-    /// The parts of the edge block at `at` (an offset into the widened range) that the
-    /// request does not cover, as ranges of the widened range: what a read-modify-write
-    /// keeps from the old block.
-    pub fn kept(&self, at: u64) -> [(u64, u64); 2] {
-        let (b0, b1) = (at, at + self.block);
-        let (r0, r1) = (self.head, self.head + self.inner);
-        [(b0, r0.clamp(b0, b1)), (r1.clamp(b0, b1), b1)]
-    }
-}
 
 /// A counter on its own cache line, written by one reactor.
 #[repr(align(64))]
@@ -286,83 +217,6 @@ mod tests {
                 .map(|_| cairn_core::event::eventfd("test").unwrap())
                 .collect(),
         ))
-    }
-
-    #[test]
-    fn widening() {
-        let w = Wide::new(1, 1_048_590, 512);
-        assert_eq!((w.offset, w.len, w.head), (0, 1_049_088, 1));
-        assert_eq!(w.edges(), ([0, 1_048_576], 2));
-        assert_eq!(w.whole(), (512, 1_048_576 - 512));
-        // Inside one block: one edge, both ends partial.
-        let w = Wide::new(4100, 10, 4096);
-        assert_eq!((w.offset, w.len, w.head), (4096, 4096, 4));
-        assert_eq!(w.edges(), ([0, 0], 1));
-        assert_eq!(w.whole(), (8192, 0));
-        assert_eq!(w.kept(0), [(0, 4), (14, 4096)]);
-        // Aligned start, partial end.
-        let w = Wide::new(4096, 5000, 4096);
-        assert_eq!(w.edges(), ([4096, 0], 1));
-        assert_eq!(w.whole(), (4096, 4096));
-        assert_eq!(w.kept(4096), [(4096, 4096), (5000, 8192)]);
-        // Partial start, aligned end, two blocks.
-        let w = Wide::new(100, 8092, 4096);
-        assert_eq!(w.edges(), ([0, 0], 1));
-        assert_eq!(w.whole(), (4096, 4096));
-        assert_eq!(w.kept(0), [(0, 100), (4096, 4096)]);
-        // Two adjacent partial blocks.
-        let w = Wide::new(4000, 200, 4096);
-        assert_eq!(w.edges(), ([0, 4096], 2));
-        assert_eq!(w.whole(), (4096, 0));
-        assert_eq!(w.kept(4096), [(4096, 4096), (4200, 8192)]);
-        // Aligned: no edges.
-        let w = Wide::new(8192, 4096, 512);
-        assert_eq!(w.edges().1, 0);
-        assert_eq!(w.whole(), (8192, 4096));
-    }
-
-    #[test]
-    fn kept_and_covered_bytes_add_up() {
-        for block in [512u64, 4096] {
-            for offset in [0u64, 1, 511, 512, 4095, 4097, 9000] {
-                for len in [1u64, 2, 511, 512, 513, 4096, 5000, 12_345] {
-                    let w = Wide::new(offset, len, block);
-                    let (e, n) = w.edges();
-                    let mut covered = vec![false; w.len as usize];
-                    for at in &e[..n] {
-                        for (a, b) in w.kept(*at) {
-                            for c in &mut covered[a as usize..b as usize] {
-                                assert!(!*c, "{w:?}: kept twice");
-                                *c = true;
-                            }
-                        }
-                    }
-                    for c in &mut covered[w.head as usize..(w.head + len) as usize] {
-                        assert!(!*c, "{w:?}: kept a written byte");
-                        *c = true;
-                    }
-                    let (ws, wl) = w.whole();
-                    for i in 0..w.len {
-                        let dev = w.offset + i;
-                        let in_whole = dev >= ws && dev < ws + wl;
-                        let in_edge = e[..n].iter().any(|at| i >= *at && i < at + block);
-                        // Every byte is either kept from an edge or written, and the
-                        // blocks are either edges or whole blocks of the request.
-                        assert!(in_whole != in_edge, "{w:?}: byte {i}");
-                        if in_whole {
-                            assert!(covered[i as usize], "{w:?}: byte {i}");
-                        }
-                    }
-                    assert!(
-                        covered.iter().enumerate().all(|(i, c)| *c
-                            || e[..n]
-                                .iter()
-                                .all(|at| (i as u64) < *at || (i as u64) >= at + block)),
-                        "{w:?}"
-                    );
-                }
-            }
-        }
     }
 
     #[test]
