@@ -7,11 +7,14 @@
 //! taken once per connection, never per request.
 
 use std::collections::HashMap;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::server::conn::Msg;
 use crate::server::observe::{Client, ConnInfo};
+use crate::server::{Config, Shared};
 
 /// Connection counts against their limits.
 pub(crate) struct Admission {
@@ -134,6 +137,128 @@ pub(crate) fn victim(
         .filter_map(|c| Some((&**c, c.idle_for(now_ns)?)))
         .filter(|(c, idle)| patience.of(c).is_some_and(|p| *idle >= p))
         .max_by_key(|(c, idle)| (held.get(&c.client).copied().unwrap_or(0), *idle))
+}
+
+/// Whether a new connection from `client` may be served; if so it is counted. At a limit,
+/// an idle connection is closed to make room (see [`crate::server::admit::victim`]): a quiet one
+/// idle for `--evict-idle-after` (or `--idle-timeout`, if shorter), one in the middle of
+/// a request or reply idle for `--idle-timeout`; else the new one is refused.
+pub(super) fn admit(config: &Config, shared: &Shared, peer: &str, client: Client) -> bool {
+    let adm = &shared.admission;
+    let full = match adm.check(client) {
+        Ok(()) => {
+            adm.enter(client);
+            return true;
+        }
+        Err(full) => full,
+    };
+    let (only, limit, flag) = match full {
+        Full::Client => (
+            Some(client),
+            format!(
+                "{} connections from {client} already",
+                config.max_connections_per_address
+            ),
+            "--max-connections-per-address",
+        ),
+        Full::Total => (
+            None,
+            format!("{} connections already", config.max_connections),
+            "--max-connections",
+        ),
+    };
+    let patience = Patience {
+        quiet: match (config.evict_idle_after, config.idle_timeout) {
+            (Some(e), Some(t)) => Some(e.min(t)),
+            (e, t) => e.or(t),
+        },
+        moving: config.idle_timeout,
+    };
+    let conns = config.observer.connections();
+    let now = cairn_core::clock::monotonic_ns();
+    if let Some((victim, idle)) = victim(&conns, now, patience, only) {
+        // The rule that let it go: the short one for a quiet connection (unless the idle
+        // timeout is shorter still), the idle timeout for one in mid-transfer.
+        let need = patience.of(victim).unwrap_or_default();
+        let (rule, why) = if Some(need) == config.idle_timeout {
+            (
+                "--idle-timeout",
+                "closed: idle past --idle-timeout, its slot was needed",
+            )
+        } else {
+            (
+                "--evict-idle-after",
+                "closed: idle for --evict-idle-after, its slot was needed",
+            )
+        };
+        log::info!(
+            "cairn: serve: {peer}: {limit} ({flag}): closing {} (idle {:.0} s, over {rule}) to make room",
+            victim.peer,
+            idle.as_secs_f64()
+        );
+        evict(shared, victim, need, why);
+        adm.enter(client);
+        return true;
+    }
+    log::warn!("cairn: serve: {peer}: refused, {limit} ({flag})");
+    false
+}
+
+/// Asks the reactor of `victim` to close it (see [`Msg::Evict`]).
+fn evict(
+    shared: &Shared,
+    victim: &crate::server::observe::ConnInfo,
+    idle: Duration,
+    why: &'static str,
+) {
+    victim.evicting.store(true, Ordering::Relaxed);
+    if let Some((tx, w)) = shared.reactors.get(victim.reactor) {
+        let msg = Msg::Evict {
+            slot: victim.slot,
+            id: victim.id,
+            idle,
+            why,
+        };
+        if tx.send(msg).is_ok() {
+            cairn_core::event::signal(w.as_raw_fd());
+        }
+    }
+}
+
+/// Closes every connection idle for `timeout`: with `--idle-close`, or (`holding`) those
+/// that hold buffer memory while other connections wait for it.
+pub(super) fn close_idle(
+    observer: &crate::Observer,
+    shared: &Shared,
+    timeout: Duration,
+    holding: bool,
+) {
+    let now = cairn_core::clock::monotonic_ns();
+    for c in observer.connections() {
+        if c.evicting.load(Ordering::Relaxed)
+            || c.idle_for(now).is_none_or(|d| d < timeout)
+            || (holding && c.held() == 0)
+        {
+            continue;
+        }
+        let why = if holding {
+            log::info!(
+                "cairn: serve: {}: closing, idle for {:?} (--idle-timeout) with {} bytes of buffers that other connections wait for (--memory-budget)",
+                c.peer,
+                timeout,
+                c.held()
+            );
+            "closed: idle past --idle-timeout, holding memory others waited for"
+        } else {
+            log::info!(
+                "cairn: serve: {}: closing, idle for {:?} (--idle-timeout, --idle-close)",
+                c.peer,
+                timeout
+            );
+            "closed: idle for --idle-timeout (--idle-close)"
+        };
+        evict(shared, &c, timeout, why);
+    }
 }
 
 #[cfg(test)]

@@ -292,11 +292,7 @@ mod tests {
 
     /// Whether the eventfd fired (and resets it).
     fn fired(fd: &OwnedFd) -> bool {
-        let mut value = 0u64;
-        // SAFETY: reads 8 bytes into `value` from a non-blocking eventfd we own.
-        let n = unsafe { libc::read(fd.as_raw_fd(), (&mut value as *mut u64).cast(), 8) };
-        n == 8 && value > 0
+        let mut value = [0u8; 8];
+        rustix::io::read(fd, &mut value).is_ok_and(|n| n == 8 && u64::from_ne_bytes(value) > 0)
     }
-
-    use std::os::fd::AsRawFd;
 }

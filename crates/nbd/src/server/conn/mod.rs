@@ -732,8 +732,7 @@ impl ServerLoop {
         if st.dead || (st.eof && finished) {
             if st.recv_armed || st.send_armed {
                 // Make a pending receive or send finish now; we are called again then.
-                // SAFETY: shutdown on our own socket; it stays open until `close`.
-                unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+                let _ = rustix::net::shutdown(&conn.fd, rustix::net::Shutdown::Both);
             } else if st.in_flight == 0 {
                 drop(st);
                 self.close(conn);
