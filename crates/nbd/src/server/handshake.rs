@@ -169,37 +169,8 @@ impl<'a> Negotiator<'a> {
             // A client with extended headers must finish with GO.
             opt::EXPORT_NAME if self.extended => Step::Close,
             opt::EXPORT_NAME => self.export_name(data, out),
-            opt::LIST => {
-                if !data.is_empty() {
-                    return error(out, rep::ERR_INVALID, "LIST takes no data");
-                }
-                for e in &self.catalog.exports {
-                    let mut d = Vec::with_capacity(4 + e.name.len() + e.description.len());
-                    d.extend_from_slice(&(e.name.len() as u32).to_be_bytes());
-                    d.extend_from_slice(e.name.as_bytes());
-                    d.extend_from_slice(e.description.as_bytes());
-                    proto::put_option_reply(out, o, rep::SERVER, &d);
-                }
-                proto::put_option_reply(out, o, rep::ACK, &[]);
-                Step::Continue
-            }
-            opt::STARTTLS => {
-                if !data.is_empty() {
-                    return error(out, rep::ERR_INVALID, "STARTTLS takes no data");
-                }
-                if self.tls_active {
-                    return error(out, rep::ERR_INVALID, "TLS is already active");
-                }
-                if self.tls == TlsMode::Off {
-                    return error(
-                        out,
-                        rep::ERR_POLICY,
-                        "TLS is not configured on this server (see --tls-certificates)",
-                    );
-                }
-                proto::put_option_reply(out, o, rep::ACK, &[]);
-                Step::StartTls
-            }
+            opt::LIST => self.list(data, out),
+            opt::STARTTLS => self.starttls(data, out),
             opt::INFO | opt::GO => self.info_or_go(o, data, out),
             opt::STRUCTURED_REPLY => {
                 if !data.is_empty() {
@@ -232,6 +203,47 @@ impl<'a> Negotiator<'a> {
                 &format!("option {o} ({}) is not supported", opt::name(o)),
             ),
         }
+    }
+
+    /// `NBD_OPT_LIST`: one `NBD_REP_SERVER` per export, then the ACK.
+    fn list(&self, data: &[u8], out: &mut Vec<u8>) -> Step {
+        let o = opt::LIST;
+        if !data.is_empty() {
+            proto::put_option_reply(out, o, rep::ERR_INVALID, b"LIST takes no data");
+            return Step::Continue;
+        }
+        for e in &self.catalog.exports {
+            let mut d = Vec::with_capacity(4 + e.name.len() + e.description.len());
+            d.extend_from_slice(&(e.name.len() as u32).to_be_bytes());
+            d.extend_from_slice(e.name.as_bytes());
+            d.extend_from_slice(e.description.as_bytes());
+            proto::put_option_reply(out, o, rep::SERVER, &d);
+        }
+        proto::put_option_reply(out, o, rep::ACK, &[]);
+        Step::Continue
+    }
+
+    /// `NBD_OPT_STARTTLS`: acknowledged (then the TLS handshake) if TLS is configured
+    /// and not active yet.
+    fn starttls(&self, data: &[u8], out: &mut Vec<u8>) -> Step {
+        let refusal = if !data.is_empty() {
+            Some((rep::ERR_INVALID, "STARTTLS takes no data"))
+        } else if self.tls_active {
+            Some((rep::ERR_INVALID, "TLS is already active"))
+        } else if self.tls == TlsMode::Off {
+            Some((
+                rep::ERR_POLICY,
+                "TLS is not configured on this server (see --tls-certificates)",
+            ))
+        } else {
+            None
+        };
+        if let Some((code, msg)) = refusal {
+            proto::put_option_reply(out, opt::STARTTLS, code, msg.as_bytes());
+            return Step::Continue;
+        }
+        proto::put_option_reply(out, opt::STARTTLS, rep::ACK, &[]);
+        Step::StartTls
     }
 
     /// Transmission flags of export `i` for this connection.
