@@ -12,12 +12,16 @@
 //! (bits 2-3), the catalog (bits 4-5) and whether the server starts shutting down before
 //! option number `shutdown at` (bit 6). The handshake part is a sequence of option
 //! headers and their data, run through a [`Negotiator`] the way `server::negotiate` does;
-//! the transmission part is decoded with [`proto::parse_request`] the way the connection
-//! loop does, skipping each write's payload by its length. Every reply and every decoded
+//! the transmission part is decoded with [`proto::parse_request`] (or, with extended
+//! headers, [`proto::parse_extended_request`]) the way the connection loop does, each
+//! request checked with [`command::check`] against the session's terms when the
+//! handshake reached one, skipping each payload by its length. Every reply and every decoded
 //! request is checked by a [`Checker`]; a broken rule panics.
 
 #![allow(dead_code)]
 
+use cairn_core::{Caps, Geometry, Op};
+use cairn_nbd::proto::command::{self, Command, Terms};
 use cairn_nbd::proto::{self, cmd, info, opt, rep, tflags, Decoded, OptionHeader};
 use cairn_nbd::server::handshake::{Catalog, ExportInfo, Negotiator, Session, Step, TlsMode};
 
@@ -471,8 +475,71 @@ pub fn drive(bytes: &[u8]) -> Report {
     let client_flags = u32::from((cfg >> 2) & 3);
     let catalog = catalog(cfg >> 4);
     handshake(&catalog, tls, client_flags, shutdown_at, hs, &mut report);
-    transmission(tx, &mut report);
+    let terms = report.session.as_ref().map(|s| terms(&catalog, s));
+    transmission(tx, terms.as_ref(), &mut report);
     report
+}
+
+/// What the server checks the requests of `session` against (as `server::conn` builds
+/// them: every export here is served by a device with every capability).
+fn terms(catalog: &Catalog, session: &Session) -> Terms {
+    let e = &catalog.exports[session.export];
+    Terms {
+        flags: session.flags,
+        structured: session.structured,
+        extended: session.extended,
+        base_allocation: session.base_allocation,
+        relaxed: !session.block_sizes_agreed,
+        fast_zero: e.flags & tflags::SEND_FAST_ZERO != 0,
+        max_payload: e.max_payload,
+        geometry: Geometry {
+            size_bytes: e.size,
+            block_bytes: e.min_block,
+            caps: Caps::ALL,
+        },
+    }
+}
+
+/// The rules every request [`command::check`] accepts must keep: the range inside the
+/// export, whole blocks unless widened (only on relaxed terms), at most the maximum
+/// payload, no write to a read-only export.
+fn check_command(r: &proto::Request, t: &Terms) {
+    let g = t.geometry;
+    let read_only = t.flags & tflags::READ_ONLY != 0;
+    let Ok(c) = command::check(r, t, false) else {
+        return;
+    };
+    match c {
+        Command::Disconnect => assert_eq!(r.command, cmd::DISC),
+        Command::Cache | Command::BlockStatus => {
+            assert!(
+                r.len > 0 && r.offset + r.len <= g.size_bytes,
+                "{r:?}: out of range"
+            );
+        }
+        Command::Io { op, .. } => {
+            assert!(
+                !(read_only && op.is_write()),
+                "{r:?}: a write to a read-only export"
+            );
+            if op != Op::Flush {
+                assert!(
+                    g.check(op, r.offset, r.len).is_ok(),
+                    "{r:?}: accepted as {op:?}"
+                );
+            }
+            if op.has_data() {
+                assert!(r.len <= u64::from(t.max_payload), "{r:?}: over the maximum");
+            }
+        }
+        Command::Unaligned { op, wide } => {
+            assert!(t.relaxed && !(read_only && op.is_write()), "{r:?}: widened");
+            assert!(
+                g.check(op, wide.offset, wide.len).is_ok(),
+                "{r:?}: widened out of range"
+            );
+        }
+    }
 }
 
 fn handshake(
@@ -521,37 +588,55 @@ fn handshake(
     }
 }
 
-fn transmission(tx: &[u8], report: &mut Report) {
+fn transmission(tx: &[u8], terms: Option<&Terms>, report: &mut Report) {
+    let extended = terms.is_some_and(|t| t.extended);
+    let header = if extended {
+        proto::EXTENDED_HEADER
+    } else {
+        proto::REQUEST_HEADER
+    };
     let mut pos = 0;
     loop {
         let rest = &tx[pos..];
-        match proto::parse_request(rest) {
+        let decoded = if extended {
+            proto::parse_extended_request(rest)
+        } else {
+            proto::parse_request(rest)
+        };
+        match decoded {
             Decoded::Incomplete => {
-                assert!(
-                    rest.len() < proto::REQUEST_HEADER,
-                    "Incomplete with a header"
-                );
+                assert!(rest.len() < header, "Incomplete with a header");
                 return;
             }
             Decoded::BadMagic(m) => {
-                assert!(rest.len() >= proto::REQUEST_HEADER);
+                assert!(rest.len() >= header);
                 assert_eq!(m, be32(rest), "BadMagic reports another magic");
-                assert_ne!(m, proto::REQUEST_MAGIC, "BadMagic for the good magic");
+                let good = if extended {
+                    proto::EXTENDED_REQUEST_MAGIC
+                } else {
+                    proto::REQUEST_MAGIC
+                };
+                assert_ne!(m, good, "BadMagic for the good magic");
                 return;
             }
             Decoded::Request(r) => {
-                let mut enc = Vec::with_capacity(proto::REQUEST_HEADER);
-                proto::put_request(&mut enc, &r);
-                assert_eq!(enc, &rest[..proto::REQUEST_HEADER], "request re-encoding");
-                pos += proto::REQUEST_HEADER;
+                if !extended {
+                    let mut enc = Vec::with_capacity(proto::REQUEST_HEADER);
+                    proto::put_request(&mut enc, &r);
+                    assert_eq!(enc, &rest[..proto::REQUEST_HEADER], "request re-encoding");
+                }
+                pos += header;
                 report.requests += 1;
+                if let Some(t) = terms {
+                    check_command(&r, t);
+                }
                 if r.command == cmd::DISC && r.flags == 0 {
                     return;
                 }
-                if r.command == cmd::WRITE {
-                    // The payload follows the header whether the write is served or
-                    // refused; it is never decoded as requests.
-                    let n = r.len;
+                // The payload follows the header whether the request is served or
+                // refused; it is never decoded as requests.
+                let n = command::payload_len(&r, extended);
+                if n > 0 {
                     if n > SKIP_MAX || ((tx.len() - pos) as u64) < n {
                         return;
                     }
