@@ -42,7 +42,8 @@ pub struct Usage {
 impl Usage {
     /// The whole process's usage so far (every thread, workers included).
     pub fn now() -> Usage {
-        // SAFETY: getrusage fills the zeroed struct.
+        // SAFETY: rusage is plain data (all zeros is a valid value), and getrusage writes
+        // one into it. (rustix has no getrusage.)
         let ru = unsafe {
             let mut ru: libc::rusage = std::mem::zeroed();
             libc::getrusage(libc::RUSAGE_SELF, &mut ru);

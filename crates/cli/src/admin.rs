@@ -84,11 +84,12 @@ impl Bound {
 /// The thread holds the devices weakly: when serving ends, they close (and caches write
 /// back) as if there were no admin socket.
 pub struct Admin {
-    /// Removed after the thread has ended (fields drop after `drop`).
+    /// The listening socket, shared with the thread: shut down to wake its accept, and
+    /// closed after the thread has ended (fields drop after `drop`, in this order).
+    listener: Arc<UnixListener>,
+    /// Removed after the thread has ended, and the socket closed.
     _file: SocketFile,
     stop: Arc<AtomicBool>,
-    /// The listening socket's descriptor (owned by the thread), to wake its accept.
-    fd: std::os::fd::RawFd,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -97,8 +98,7 @@ impl Drop for Admin {
         self.stop.store(true, Ordering::SeqCst);
         // Wakes the accept (even if the socket file is gone): on Linux, shutting a
         // listening socket down makes a blocked accept return.
-        // SAFETY: the descriptor stays open until the thread, joined below, returns.
-        unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
+        let _ = rustix::net::shutdown(&*self.listener, rustix::net::Shutdown::Both);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -111,11 +111,9 @@ impl Drop for Admin {
 /// socket, is refused and left as it is (see [`cairn_core::socket`]).
 pub fn bind(path: &Path) -> Result<Bound, String> {
     // Owner only from the start (no moment when others could connect).
-    // SAFETY: umask only changes this process's file creation mask.
-    let old = unsafe { libc::umask(0o177) };
+    let old = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o177));
     let bound = cairn_core::socket::bind(path, &format!("--admin {}", path.display()));
-    // SAFETY: as above.
-    unsafe { libc::umask(old) };
+    rustix::process::umask(old);
     let (listener, mut file) = bound.map_err(|e| e.to_string())?;
     // The umask does it, unless a default ACL of the directory overrides it.
     file.set_mode(0o600)
@@ -127,14 +125,15 @@ pub fn bind(path: &Path) -> Result<Bound, String> {
 /// its own.
 pub fn start(bound: Bound, view: Arc<View>) -> Result<Admin, String> {
     let Bound { listener, file } = bound;
-    let fd = std::os::fd::AsRawFd::as_raw_fd(&listener);
+    let listener = Arc::new(listener);
+    let l = listener.clone();
     let stop = Arc::new(AtomicBool::new(false));
     let s = stop.clone();
     let thread = std::thread::Builder::new()
         .name("cairn-admin".into())
         .spawn(move || {
             cairn_core::reactor::block_signals_in_this_thread();
-            for conn in listener.incoming() {
+            for conn in l.incoming() {
                 if s.load(Ordering::SeqCst) {
                     return;
                 }
@@ -155,9 +154,9 @@ pub fn start(bound: Bound, view: Arc<View>) -> Result<Admin, String> {
         })
         .map_err(|e| format!("--admin: cannot start its thread: {e}"))?;
     Ok(Admin {
+        listener,
         _file: file,
         stop,
-        fd,
         thread: Some(thread),
     })
 }

@@ -197,26 +197,17 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
     }
 }
 
-/// Blocks SIGINT and SIGTERM in this thread (and so in every thread it starts) and
-/// waits for them on one of its own, which ends the bench's jobs when one comes.
+/// Takes SIGINT and SIGTERM (signal-hook's handler, which only wakes its iterator) and
+/// waits for them on a thread of its own, which ends the bench's jobs when one comes.
 fn interrupt_ends_bench() {
-    // SAFETY: plain libc signal-set calls on a local set; the mask changes this thread's
-    // only (threads started after inherit it).
-    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
-    unsafe {
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        if libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) != 0 {
-            return;
-        }
-    }
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let Ok(mut signals) = signal_hook::iterator::Signals::new([SIGINT, SIGTERM]) else {
+        return;
+    };
     let _ = std::thread::Builder::new()
         .name("cairn-signals".into())
-        .spawn(move || loop {
-            let mut sig = 0;
-            // SAFETY: waits for a signal of `set`, which every thread blocks.
-            if unsafe { libc::sigwait(&set, &mut sig) } == 0 {
+        .spawn(move || {
+            for _ in signals.forever() {
                 if cairn_bench::INTERRUPTED.swap(true, std::sync::atomic::Ordering::Relaxed) {
                     // A second one: give up at once.
                     std::process::exit(130);
@@ -492,27 +483,24 @@ fn keep_stack_file(view: &std::sync::Arc<view::View>) -> Result<Option<stackfile
 /// connection holds one, and soft limits are often 1,024. `cairn serve` then lowers
 /// --max-connections to what the limit allows (saying so in the log).
 fn raise_descriptor_limit() {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes one rlimit into `lim`.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
-        return;
-    }
-    let before = lim.rlim_cur;
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let lim = getrlimit(Resource::Nofile);
+    // `None` is RLIM_INFINITY.
+    let before = lim.current.unwrap_or(u64::MAX);
     // The kernel refuses more than fs.nr_open, which an unlimited hard limit stands for.
     let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open")
         .ok()
-        .and_then(|n| n.trim().parse::<libc::rlim_t>().ok())
+        .and_then(|n| n.trim().parse::<u64>().ok())
         .unwrap_or(1 << 20);
-    let want = lim.rlim_max.min(nr_open);
+    let want = lim.maximum.unwrap_or(u64::MAX).min(nr_open);
     if before >= want {
         return;
     }
-    lim.rlim_cur = want;
-    // SAFETY: setrlimit reads one valid rlimit.
-    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } == 0 {
+    let raised = Rlimit {
+        current: Some(want),
+        ..lim
+    };
+    if setrlimit(Resource::Nofile, raised).is_ok() {
         log::info!("cairn: serve: descriptor limit (RLIMIT_NOFILE) raised from {before} to {want}");
     }
 }

@@ -94,17 +94,19 @@ pub fn bind(spec: &str) -> Result<Bound, String> {
 
 /// Starts serving metrics of `view` on the endpoint `bound`.
 pub fn start(bound: Bound, view: Arc<View>) -> Result<Metrics, String> {
-    // tiny_http starts threads of its own, which inherit this thread's signal mask: they
-    // must not take the signals the server waits for (SIGTERM's default would kill it).
-    // SAFETY: saves this thread's mask, blocks signals as the reactors do, and puts the
-    // saved mask back below.
-    let mut saved: libc::sigset_t = unsafe { std::mem::zeroed() };
-    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, std::ptr::null(), &mut saved) };
-    cairn_core::reactor::block_signals_in_this_thread();
-    let started = start_masked(bound, view);
-    // SAFETY: as above.
-    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &saved, std::ptr::null_mut()) };
-    started
+    // tiny_http starts threads of its own, which inherit the signal mask of the thread
+    // that starts them: they must not take the signals the server waits for (SIGTERM's
+    // default would kill it). So it is started from a short-lived thread that blocks
+    // signals as the reactors do; the caller's mask is left as it is.
+    std::thread::Builder::new()
+        .name("cairn-metrics".into())
+        .spawn(move || {
+            cairn_core::reactor::block_signals_in_this_thread();
+            start_masked(bound, view)
+        })
+        .map_err(|e| format!("--metrics: {e}"))?
+        .join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
 fn start_masked(bound: Bound, view: Arc<View>) -> Result<Metrics, String> {

@@ -562,15 +562,13 @@ impl ServeArgs {
 
 /// The machine's memory in bytes (1 GiB if the kernel does not say).
 fn physical_memory() -> u64 {
-    // SAFETY: sysconf reads system constants.
-    let (pages, size) = unsafe {
-        (
-            libc::sysconf(libc::_SC_PHYS_PAGES),
-            libc::sysconf(libc::_SC_PAGESIZE),
-        )
-    };
-    if pages > 0 && size > 0 {
-        pages as u64 * size as u64
+    // What sysconf(_SC_PHYS_PAGES) * sysconf(_SC_PAGESIZE) gives: the total RAM sysinfo
+    // reports, in whole pages.
+    let info = rustix::system::sysinfo();
+    let size = rustix::param::page_size() as u64;
+    let pages = (info.totalram as u64).saturating_mul(u64::from(info.mem_unit)) / size;
+    if pages > 0 {
+        pages * size
     } else {
         1 << 30
     }

@@ -1,32 +1,42 @@
 //! Eventfds for waking a reactor from another thread (one write per batch, not per
 //! request); the reactor polls them through its ring as [`Poller`](crate::Poller)s.
 
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::Arc;
+
+use rustix::event::EventfdFlags;
 
 use crate::error::Error;
 
 /// A fresh non-blocking eventfd, shareable between the waker and the woken.
 pub fn eventfd(context: &str) -> Result<Arc<OwnedFd>, Error> {
-    // SAFETY: plain syscall; the fd is owned by the OwnedFd from here on.
-    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(Error::last_os(format!("{context}: eventfd")));
-    }
-    // SAFETY: fd is a fresh descriptor nobody else owns.
-    Ok(Arc::new(unsafe { OwnedFd::from_raw_fd(fd) }))
+    let fd = rustix::event::eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC)
+        .map_err(|e| Error::os(format!("{context}: eventfd"), e.into()))?;
+    Ok(Arc::new(fd))
 }
 
 /// Makes the eventfd `fd` readable.
-pub fn signal(fd: RawFd) {
-    let one = 1u64;
-    // SAFETY: writes 8 bytes from `one` to an eventfd the caller owns.
-    unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+pub fn wake(fd: impl AsFd) {
+    let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
 }
 
 /// Resets the non-blocking eventfd `fd` after it fired.
+pub fn reset(fd: impl AsFd) {
+    let mut value = [0u8; 8];
+    let _ = rustix::io::read(fd, &mut value);
+}
+
+/// [`wake`] for a caller that holds the eventfd by its number only, and keeps it open
+/// across the call.
+pub fn signal(fd: RawFd) {
+    // SAFETY: the caller keeps `fd` open across the call (the contract of this
+    // function); the borrow ends with it.
+    wake(unsafe { BorrowedFd::borrow_raw(fd) });
+}
+
+/// [`reset`] for a caller that holds the eventfd by its number only, and keeps it open
+/// across the call.
 pub fn clear(fd: RawFd) {
-    let mut value = 0u64;
-    // SAFETY: reads 8 bytes into `value` from a non-blocking eventfd the caller owns.
-    unsafe { libc::read(fd, (&mut value as *mut u64).cast(), 8) };
+    // SAFETY: as in `signal`.
+    reset(unsafe { BorrowedFd::borrow_raw(fd) });
 }

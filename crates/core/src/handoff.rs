@@ -110,7 +110,7 @@ impl Drop for HandoffQueue {
         // what it has in flight and exits (it would otherwise sleep for ever: a thread
         // leaked per queue).
         self.to_worker = None;
-        crate::event::signal(self.worker_wake.as_raw_fd());
+        crate::event::wake(&self.worker_wake);
     }
 }
 
@@ -118,7 +118,7 @@ impl Poller for HandoffQueue {
     fn unplug(&self) {
         // One wake-up of the worker per batch.
         if self.unsent.replace(false) {
-            crate::event::signal(self.worker_wake.as_raw_fd());
+            crate::event::wake(&self.worker_wake);
         }
     }
 
@@ -143,7 +143,7 @@ impl Poller for HandoffQueue {
     }
 
     fn clear_event(&self) {
-        crate::event::clear(self.my_wake.as_raw_fd());
+        crate::event::reset(&self.my_wake);
     }
 }
 
@@ -172,7 +172,7 @@ impl Sink for Worker {
 impl Poller for Worker {
     fn unplug(&self) {
         if self.unsent.replace(false) {
-            crate::event::signal(self.wake_submitter.as_raw_fd());
+            crate::event::wake(&self.wake_submitter);
         }
         if self.closed.get() && self.in_flight.get() == 0 {
             self.core.stop();
@@ -215,7 +215,7 @@ impl Poller for Worker {
     }
 
     fn clear_event(&self) {
-        crate::event::clear(self.wake_me.as_raw_fd());
+        crate::event::reset(&self.wake_me);
     }
 }
 

@@ -362,6 +362,7 @@ impl Core {
                 // letting completions drain; this cannot loop forever because the ring
                 // only holds our own requests.
                 self.enter(&ring, 1, true, None);
+                // SAFETY: as above.
                 let _ = unsafe { ring.submission().push(&entry) };
             }
         }

@@ -12,7 +12,7 @@
 //! Not for sockets passed by a service manager (`LISTEN_FDS`): they are bound already.
 
 use std::io::ErrorKind;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::os::unix::net::UnixListener;
@@ -210,48 +210,26 @@ fn probe(path: &Path) -> std::io::Result<Found> {
 /// Unix stream connect completes or fails at once (never `EINPROGRESS`); a listener
 /// whose backlog is full gives `EAGAIN`.
 fn connect_nonblocking(path: &Path) -> std::io::Result<OwnedFd> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
     let bytes = path.as_os_str().as_bytes();
-    // SAFETY: sockaddr_un is plain data; all zeros is a valid (empty) address.
-    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    // One byte is kept for the terminating NUL.
-    if bytes.is_empty() || bytes.len() >= addr.sun_path.len() {
+    // The room in a `sockaddr_un`'s `sun_path`; one byte is kept for the terminating NUL.
+    const SUN_PATH: usize = std::mem::size_of::<libc::sockaddr_un>()
+        - std::mem::offset_of!(libc::sockaddr_un, sun_path);
+    if bytes.is_empty() || bytes.len() >= SUN_PATH {
         return Err(std::io::Error::new(
             ErrorKind::InvalidInput,
             "the path is empty or too long for a Unix socket",
         ));
     }
-    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
-        *d = *s as libc::c_char;
-    }
-    let len = std::mem::offset_of!(libc::sockaddr_un, sun_path) + bytes.len() + 1;
-    // SAFETY: plain system call; the descriptor is owned by `fd` from here on.
-    let raw = unsafe {
-        libc::socket(
-            libc::AF_UNIX,
-            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-            0,
-        )
-    };
-    if raw < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: `raw` is a fresh descriptor nobody else owns.
-    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-    // SAFETY: `addr` is a valid sockaddr_un whose first `len` bytes hold the family and
-    // the NUL-terminated path; `fd` is open for the call.
-    let r = unsafe {
-        libc::connect(
-            fd.as_raw_fd(),
-            (&addr as *const libc::sockaddr_un).cast(),
-            len as libc::socklen_t,
-        )
-    };
-    if r == 0 {
-        Ok(fd)
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
+    let addr = SocketAddrUnix::new(path)?;
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::NONBLOCK | SocketFlags::CLOEXEC,
+        None,
+    )?;
+    rustix::net::connect(&fd, &addr)?;
+    Ok(fd)
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! A FUSE export: the mount, the `FUSE_INIT` handshake, the state every reactor's part
 //! shares, and the orderly end (flush, unmount, final flush).
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
@@ -225,27 +225,27 @@ fn possible_cpus() -> u32 {
     std::fs::read_to_string("/sys/devices/system/cpu/possible")
         .ok()
         .and_then(|s| parse(&s))
-        // SAFETY: plain getter.
+        // SAFETY: sysconf takes no pointer and only reads what the C library knows of the
+        // machine. (rustix has no count of configured processors.)
         .unwrap_or_else(|| unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) }.max(1) as u32)
 }
 
 /// Waits up to `timeout` for `fd` to be readable.
 fn wait_readable(fd: &OwnedFd, timeout: Duration) -> bool {
-    let mut p = libc::pollfd {
-        fd: fd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
+    use rustix::event::{PollFd, PollFlags, Timespec};
+    let mut p = [PollFd::new(fd, PollFlags::IN)];
     let end = Instant::now() + timeout;
     loop {
+        // Whole milliseconds, as poll(2) takes them.
         let left = end.saturating_duration_since(Instant::now()).as_millis() as i32;
-        // SAFETY: polls one descriptor we own.
-        let n = unsafe { libc::poll(&mut p, 1, left) };
-        if n > 0 {
-            return true;
-        }
-        if n == 0 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
-            return false;
+        let left = Timespec {
+            tv_sec: i64::from(left / 1000),
+            tv_nsec: i64::from(left % 1000) * 1_000_000,
+        };
+        match rustix::event::poll(&mut p, Some(&left)) {
+            Ok(n) if n > 0 => return true,
+            Err(rustix::io::Errno::INTR) => {}
+            _ => return false,
         }
     }
 }
@@ -360,15 +360,9 @@ fn init(fd: &OwnedFd, uring: bool) -> Result<bool, String> {
         return Err("the kernel sent no FUSE_INIT within 10 s".into());
     }
     let mut buf = vec![0u8; 80 + MAX_WRITE as usize + 4096];
-    // SAFETY: reads into our own buffer of that length.
-    let n = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-    if n < 0 {
-        return Err(format!(
-            "read FUSE_INIT: {}",
-            std::io::Error::last_os_error()
-        ));
-    }
-    let got = &buf[..n as usize];
+    let n = rustix::io::read(fd, &mut buf[..])
+        .map_err(|e| format!("read FUSE_INIT: {}", std::io::Error::from(e)))?;
+    let got = &buf[..n];
     let h: abi::fuse_in_header = abi::read(got).ok_or("a short FUSE_INIT")?;
     if h.opcode != abi::fuse_opcode::FUSE_INIT as u32 {
         return Err(format!("expected FUSE_INIT, got opcode {}", h.opcode));
@@ -386,15 +380,9 @@ fn init(fd: &OwnedFd, uring: bool) -> Result<bool, String> {
         };
         let mut msg = head.as_bytes().to_vec();
         msg.extend_from_slice(out);
-        // SAFETY: writes our own buffer.
-        let w = unsafe { libc::write(fd.as_raw_fd(), msg.as_ptr().cast(), msg.len()) };
-        if w < 0 {
-            return Err(format!(
-                "answer FUSE_INIT: {}",
-                std::io::Error::last_os_error()
-            ));
-        }
-        Ok(())
+        rustix::io::write(fd, &msg)
+            .map(drop)
+            .map_err(|e| format!("answer FUSE_INIT: {}", std::io::Error::from(e)))
     };
     if i.major != 7 || i.minor < abi::MIN_MINOR {
         let _ = reply(-libc::EPROTO, &[]);
@@ -473,7 +461,7 @@ impl Frontend for FuseExport {
             .clone();
         shared.phase.store(FLUSHING, Ordering::Release);
         for w in &parts {
-            cairn_core::event::signal(w.as_raw_fd());
+            cairn_core::event::wake(w);
         }
         // Every part flushes what it acknowledged; then the file goes away.
         let mut done = shared.flushed.lock().unwrap_or_else(|p| p.into_inner());
@@ -499,7 +487,7 @@ impl Frontend for FuseExport {
         }
         shared.phase.store(ENDING, Ordering::Release);
         for w in &parts {
-            cairn_core::event::signal(w.as_raw_fd());
+            cairn_core::event::wake(w);
         }
     }
 }

@@ -5,12 +5,14 @@
 //! behaves as a file of the device's size for `losetup`, `mkfs`, `qemu-img` and `dd`.
 
 use std::ffi::CString;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use cairn_core::Error;
+use rustix::io::Errno;
+use rustix::mount::{MountFlags, UnmountFlags};
 
 /// The file system type (`fuse.cairn` in `/proc/mounts`).
 pub const FS_TYPE: &str = "fuse.cairn";
@@ -90,6 +92,14 @@ fn unescape(field: &str) -> std::ffi::OsString {
     std::ffi::OsString::from(std::ffi::OsStr::from_bytes(&out))
 }
 
+/// This process's effective user and group ids.
+fn effective_ids() -> (u32, u32) {
+    (
+        rustix::process::geteuid().as_raw(),
+        rustix::process::getegid().as_raw(),
+    )
+}
+
 fn c_path(path: &Path) -> Result<CString, Error> {
     CString::new(path.as_os_str().as_bytes())
         .map_err(|_| Error::Invalid(format!("{}: a path with a NUL byte", path.display())))
@@ -116,12 +126,12 @@ fn prepare(path: &Path) -> Result<(PathBuf, bool, Owner), Error> {
                 ) =>
             {
                 let c = c_path(&path)?;
-                // SAFETY: detaches the stale mount at a NUL-terminated path we own.
-                if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
-                    return Err(Error::last_os(format!(
-                        "fuse {shown}: detach the stale mount of a previous run"
-                    )));
-                }
+                rustix::mount::unmount(c.as_c_str(), UnmountFlags::DETACH).map_err(|e| {
+                    Error::os(
+                        format!("fuse {shown}: detach the stale mount of a previous run"),
+                        e.into(),
+                    )
+                })?;
                 log::warn!(
                     "cairn: fuse {shown}: detached the stale mount of a previous cairn that is no longer running"
                 );
@@ -156,8 +166,7 @@ fn prepare(path: &Path) -> Result<(PathBuf, bool, Owner), Error> {
                 .mode(0o600)
                 .open(&path)
                 .map_err(|e| Error::os(format!("fuse {shown}: create the mount point"), e))?;
-            // SAFETY: plain getters.
-            let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+            let (uid, gid) = effective_ids();
             Ok((
                 path,
                 true,
@@ -190,15 +199,14 @@ impl Mount {
             .open("/dev/fuse")
             .map_err(|e| undo(Error::os(format!("fuse {shown}: open /dev/fuse"), e)))?;
         let fd = OwnedFd::from(dev);
-        // SAFETY: plain getters.
-        let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+        let (uid, gid) = effective_ids();
         let options = format!(
             "fd={},rootmode=100000,user_id={uid},group_id={gid},allow_other,default_permissions",
             fd.as_raw_fd()
         );
-        let mut flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOATIME;
+        let mut flags = MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOATIME;
         if read_only {
-            flags |= libc::MS_RDONLY;
+            flags |= MountFlags::RDONLY;
         }
         let c = c_path(&path).map_err(undo)?;
         let (src, ty, opts) = (
@@ -206,23 +214,20 @@ impl Mount {
             CString::new(FS_TYPE).unwrap_or_default(),
             CString::new(options).unwrap_or_default(),
         );
-        // SAFETY: mount(2) with NUL-terminated strings that live across the call.
-        let r = unsafe {
-            libc::mount(
-                src.as_ptr(),
-                c.as_ptr(),
-                ty.as_ptr(),
-                flags,
-                opts.as_ptr().cast(),
-            )
-        };
-        if r != 0 {
-            let e = std::io::Error::last_os_error();
-            let hint = if e.raw_os_error() == Some(libc::EPERM) {
+        let mounted = rustix::mount::mount(
+            src.as_c_str(),
+            c.as_c_str(),
+            ty.as_c_str(),
+            flags,
+            Some(opts.as_c_str()),
+        );
+        if let Err(errno) = mounted {
+            let hint = if errno == Errno::PERM {
                 " (mounting FUSE needs root or CAP_SYS_ADMIN)"
             } else {
                 ""
             };
+            let e = std::io::Error::from(errno);
             return Err(undo(Error::Invalid(format!(
                 "fuse {shown}: mount: {e}{hint}"
             ))));
@@ -243,25 +248,20 @@ impl Mount {
             return Ok(Unmounted::Clean);
         }
         let c = c_path(&self.path)?;
-        // SAFETY: umount2 on our own mount point.
-        let how = if unsafe { libc::umount2(c.as_ptr(), 0) } == 0 {
-            Unmounted::Clean
-        } else {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EBUSY) {
+        let how = match rustix::mount::unmount(c.as_c_str(), UnmountFlags::empty()) {
+            Ok(()) => Unmounted::Clean,
+            Err(Errno::BUSY) => {
+                rustix::mount::unmount(c.as_c_str(), UnmountFlags::DETACH).map_err(|e| {
+                    Error::os(format!("fuse {}: detach", self.path.display()), e.into())
+                })?;
+                Unmounted::Detached
+            }
+            Err(e) => {
                 return Err(Error::os(
                     format!("fuse {}: unmount", self.path.display()),
-                    e,
-                ));
+                    e.into(),
+                ))
             }
-            // SAFETY: as above.
-            if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
-                return Err(Error::last_os(format!(
-                    "fuse {}: detach",
-                    self.path.display()
-                )));
-            }
-            Unmounted::Detached
         };
         self.mounted = false;
         if self.created && how == Unmounted::Clean {
@@ -298,22 +298,15 @@ pub fn clone_session(fd: &OwnedFd) -> Result<OwnedFd, Error> {
     let mut session = fd.as_raw_fd() as u32;
     // _IOR(229, 0, uint32_t)
     const FUSE_DEV_IOC_CLONE: libc::c_ulong = 0x8004_e500;
-    // SAFETY: the ioctl reads one u32 (the session's descriptor) from `session`.
+    // SAFETY: the ioctl reads one u32 (the session's descriptor) through the pointer,
+    // which points at `session`; `clone` keeps its descriptor open across the call.
+    // (rustix has no wrapper for this ioctl.)
     if unsafe { libc::ioctl(clone.as_raw_fd(), FUSE_DEV_IOC_CLONE, &mut session) } != 0 {
         return Err(Error::last_os(
             "fuse: clone the session (FUSE_DEV_IOC_CLONE)",
         ));
     }
     Ok(clone)
-}
-
-/// Wraps a raw descriptor (for tests).
-///
-/// # Safety
-/// `fd` must be an open descriptor nobody else owns.
-pub unsafe fn owned(fd: i32) -> OwnedFd {
-    // SAFETY: the caller's promise.
-    unsafe { OwnedFd::from_raw_fd(fd) }
 }
 
 #[cfg(test)]

@@ -19,6 +19,7 @@ use cairn_core::{
     SinkId,
 };
 use io_uring::{opcode, types};
+use rustix::io::Errno;
 use zerocopy::IntoBytes;
 
 use crate::abi::{self, fuse_opcode as fo};
@@ -326,37 +327,32 @@ impl Part {
             let n = {
                 let mut slots = self.slots.borrow_mut();
                 let slot = &mut slots[s as usize];
-                let len = WRITE_HEADERS + DATA;
-                // SAFETY: reads into the slot's buffer from HEAD - WRITE_HEADERS, which
-                // has `WRITE_HEADERS + DATA` bytes before the scratch area.
-                unsafe {
-                    libc::read(
-                        self.fd(),
-                        slot.buf.as_mut_ptr().add(HEAD - WRITE_HEADERS).cast(),
-                        len,
-                    )
+                // From HEAD - WRITE_HEADERS: `WRITE_HEADERS + DATA` bytes before the
+                // scratch area.
+                let room = &mut slot.buf.as_mut_slice()[HEAD - WRITE_HEADERS..HEAD + DATA];
+                rustix::io::read(&self.dev, room)
+            };
+            let n = match n {
+                Ok(n) => n,
+                Err(e) => {
+                    self.free.borrow_mut().push(s);
+                    match e {
+                        Errno::INTR | Errno::NOENT => continue,
+                        Errno::AGAIN => self.arm_poll(),
+                        Errno::NODEV => self.connection_gone(),
+                        e => {
+                            log::warn!(
+                                "cairn: fuse {}: read /dev/fuse: {}",
+                                self.shared.path.display(),
+                                std::io::Error::from(e)
+                            );
+                            self.connection_gone();
+                        }
+                    }
+                    break;
                 }
             };
-            if n < 0 {
-                self.free.borrow_mut().push(s);
-                match std::io::Error::last_os_error().raw_os_error() {
-                    Some(libc::EINTR) | Some(libc::ENOENT) => continue,
-                    Some(libc::EAGAIN) => {
-                        self.arm_poll();
-                    }
-                    Some(libc::ENODEV) => self.connection_gone(),
-                    e => {
-                        log::warn!(
-                            "cairn: fuse {}: read /dev/fuse: {}",
-                            self.shared.path.display(),
-                            std::io::Error::from_raw_os_error(e.unwrap_or(libc::EIO))
-                        );
-                        self.connection_gone();
-                    }
-                }
-                break;
-            }
-            self.take(s, n as usize);
+            self.take(s, n);
         }
         self.pumping.set(false);
     }
@@ -981,23 +977,15 @@ impl Part {
                     _ => 0,
                 };
                 slot.buf.as_mut_slice()[start..start + OUT_HEADER].copy_from_slice(head.as_bytes());
-                // SAFETY: writes `len` bytes of the slot's own buffer.
-                let w = unsafe {
-                    libc::write(
-                        self.fd(),
-                        slot.buf.as_slice().as_ptr().add(start).cast(),
-                        OUT_HEADER + body,
-                    )
-                };
-                if w < 0 {
-                    let e = std::io::Error::last_os_error();
+                let answer = &slot.buf.as_slice()[start..start + OUT_HEADER + body];
+                match rustix::io::write(&self.dev, answer) {
                     // ENOENT: the request was interrupted or aborted; ENODEV: unmounted.
-                    if !matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ENODEV)) {
-                        log::warn!(
-                            "cairn: fuse {}: answer a request: {e}",
-                            self.shared.path.display()
-                        );
-                    }
+                    Ok(_) | Err(Errno::NOENT) | Err(Errno::NODEV) => {}
+                    Err(e) => log::warn!(
+                        "cairn: fuse {}: answer a request: {}",
+                        self.shared.path.display(),
+                        std::io::Error::from(e)
+                    ),
                 }
                 drop(slots);
                 self.release(s);
@@ -1288,7 +1276,7 @@ impl Poller for Part {
     }
 
     fn clear_event(&self) {
-        cairn_core::event::clear(self.wake.as_raw_fd());
+        cairn_core::event::reset(&self.wake);
     }
 }
 

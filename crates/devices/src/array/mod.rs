@@ -1284,9 +1284,8 @@ fn now_secs() -> u64 {
 /// A random (version 4) UUID from the kernel's generator.
 fn new_uuid() -> [u8; 16] {
     let mut u = [0u8; 16];
-    // SAFETY: getrandom writes at most `u.len()` bytes into `u`.
-    let n = unsafe { libc::getrandom(u.as_mut_ptr().cast(), u.len(), 0) };
-    if n != u.len() as isize {
+    let n = rustix::rand::getrandom(&mut u, rustix::rand::GetRandomFlags::empty());
+    if !matches!(n, Ok(16)) {
         // Not expected on Linux; fall back on the clock and the process so that two
         // arrays still differ.
         let t = std::time::SystemTime::now()

@@ -972,7 +972,7 @@ impl Poller for CacheQueue {
     }
 
     fn clear_event(&self) {
-        cairn_core::event::clear(self.wake.as_raw_fd());
+        cairn_core::event::reset(&self.wake);
     }
 }
 
@@ -1210,7 +1210,7 @@ fn write_runs(
         drop(st);
         for w in done {
             let _ = w.reply.send((w.token, status));
-            cairn_core::event::signal(w.wake.as_raw_fd());
+            cairn_core::event::wake(&w.wake);
         }
     }
     failed

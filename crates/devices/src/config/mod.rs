@@ -110,18 +110,16 @@ pub mod limits {
 
 /// This machine's memory in bytes (the upper end of cache memory is half of it).
 pub fn machine_memory_bytes() -> u64 {
-    // SAFETY: sysconf reads system constants; no memory is passed.
-    let (pages, page) = unsafe {
-        (
-            libc::sysconf(libc::_SC_PHYS_PAGES),
-            libc::sysconf(libc::_SC_PAGESIZE),
-        )
-    };
-    if pages <= 0 || page <= 0 {
+    // What sysconf(_SC_PHYS_PAGES) * sysconf(_SC_PAGESIZE) gives: the total RAM sysinfo
+    // reports, in whole pages.
+    let info = rustix::system::sysinfo();
+    let page = rustix::param::page_size() as u64;
+    let pages = (info.totalram as u64).saturating_mul(u64::from(info.mem_unit)) / page;
+    if pages == 0 {
         // Unknown: no bound from memory beyond what a cache can address.
         return u64::MAX;
     }
-    (pages as u64).saturating_mul(page as u64)
+    pages.saturating_mul(page)
 }
 
 /// What one `[device.NAME]` table describes.
@@ -977,14 +975,11 @@ fn creatable(path: &std::path::Path) -> Result<(), Error> {
     let shown = path.display();
     let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
         .map_err(|_| Error::Invalid(format!("file {shown}: the path holds a NUL byte")))?;
-    // SAFETY: `c` is a NUL-terminated path that lives across the call.
-    if unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
-        return Err(Error::os(
-            format!("file {shown}: open"),
-            std::io::Error::last_os_error(),
-        ));
-    }
-    Ok(())
+    rustix::fs::access(
+        c.as_c_str(),
+        rustix::fs::Access::WRITE_OK | rustix::fs::Access::EXEC_OK,
+    )
+    .map_err(|e| Error::os(format!("file {shown}: open"), e.into()))
 }
 
 /// A file `cairn check` leaves as it is: a stand-in of the size it will have.

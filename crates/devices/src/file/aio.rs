@@ -9,7 +9,7 @@
 //! linux-aio cannot express, run synchronously on the reactor thread.
 
 use std::cell::{Cell, RefCell};
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::rc::Rc;
 use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::sync::Arc;
@@ -71,7 +71,8 @@ pub struct AioQueue {
     stats: QueueStats,
     shared: Arc<FileShared>,
     ctx: u64,
-    eventfd: RawFd,
+    /// Closed after `io_destroy` (fields drop after `drop`).
+    eventfd: OwnedFd,
     user_ring: bool,
     slots: RefCell<Slots>,
     iocbs: RefCell<Box<[Iocb]>>,
@@ -92,14 +93,15 @@ impl AioQueue {
                 "aio: io_setup (see /proc/sys/fs/aio-max-nr)",
             ));
         }
-        // SAFETY: plain syscall.
-        let eventfd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if eventfd < 0 {
-            let err = Error::last_os("aio: eventfd");
-            // SAFETY: ctx came from io_setup.
-            unsafe { libc::syscall(libc::SYS_io_destroy, ctx) };
-            return Err(err);
-        }
+        let flags = rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC;
+        let eventfd = match rustix::event::eventfd(0, flags) {
+            Ok(fd) => fd,
+            Err(e) => {
+                // SAFETY: ctx came from io_setup, and nothing was submitted on it.
+                unsafe { libc::syscall(libc::SYS_io_destroy, ctx) };
+                return Err(Error::os("aio: eventfd", e.into()));
+            }
+        };
         // SAFETY: the context id is the address of the kernel-mapped ring header.
         let user_ring = unsafe {
             let ring = ctx as *const AioRing;
@@ -149,7 +151,7 @@ impl AioQueue {
             aio_nbytes: io.len - done_bytes,
             aio_offset: (io.offset + done_bytes) as i64,
             aio_flags: IOCB_FLAG_RESFD,
-            aio_resfd: self.eventfd as u32,
+            aio_resfd: self.eventfd.as_raw_fd() as u32,
             ..Iocb::default()
         };
         // The table is never resized, so the pointer stays valid while the queue lives.
@@ -310,23 +312,18 @@ impl Poller for AioQueue {
     }
 
     fn event_fd(&self) -> RawFd {
-        self.eventfd
+        self.eventfd.as_raw_fd()
     }
 
     fn clear_event(&self) {
-        let mut value = 0u64;
-        // SAFETY: reads 8 bytes into `value` from our own non-blocking eventfd.
-        unsafe { libc::read(self.eventfd, (&mut value as *mut u64).cast(), 8) };
+        cairn_core::event::reset(&self.eventfd);
     }
 }
 
 impl Drop for AioQueue {
     fn drop(&mut self) {
-        // SAFETY: io_destroy waits for in-flight requests, then unmaps the ring; the
-        // eventfd is ours to close.
-        unsafe {
-            libc::syscall(libc::SYS_io_destroy, self.ctx);
-            libc::close(self.eventfd);
-        }
+        // SAFETY: io_destroy waits for in-flight requests, then unmaps the ring, which
+        // nothing reads after this. The eventfd is closed after it, as a field.
+        unsafe { libc::syscall(libc::SYS_io_destroy, self.ctx) };
     }
 }

@@ -49,8 +49,7 @@ pub struct FileShared {
 /// the file is closed, and the file is free for the next opener at once.
 impl Drop for FileShared {
     fn drop(&mut self) {
-        // SAFETY: flock on the descriptor `self.file` owns, still open here.
-        unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
+        let _ = rustix::fs::flock(&self.file, rustix::fs::FlockOperation::Unlock);
     }
 }
 
@@ -68,9 +67,8 @@ impl FileShared {
         }
         self.fua_syncs
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        // SAFETY: plain syscall on an open fd.
-        if unsafe { libc::fdatasync(self.fd()) } < 0 {
-            return IoStatus::errno(last_errno());
+        if let Err(e) = rustix::fs::fdatasync(&self.file) {
+            return IoStatus::errno(e.raw_os_error());
         }
         status
     }
@@ -127,21 +125,20 @@ impl FileDevice {
             .custom_flags(flags)
             .open(path)
             .map_err(|e| Error::os(format!("file {shown}: open"), e))?;
-        let fd = file.as_raw_fd();
         // Before anything is changed: one user at a time (another cairn, another device
         // of the same stack file, or any program that takes the same lock).
-        lock_exclusive(fd, path)?;
+        lock_exclusive(&file, path)?;
         let (actual, block_bytes) = if block_device {
             (
-                ioctl_u64(fd, BLKGETSIZE64, &shown)?,
-                ioctl_u32(fd, BLKSSZGET, &shown)?,
+                block_device_bytes(&file, &shown)?,
+                logical_block_bytes(&file, &shown)?,
             )
         } else {
             let len = file
                 .metadata()
                 .map_err(|e| Error::os(format!("file {shown}: stat"), e))?
                 .len();
-            (len, if direct { dio_align(fd) } else { 512 })
+            (len, if direct { dio_align(&file) } else { 512 })
         };
         let size = match size_bytes {
             Some(want) if want > actual => {
@@ -196,9 +193,9 @@ impl FileDevice {
     }
 }
 
-/// Takes an exclusive `flock` on `fd` without waiting; when another open file holds it,
+/// Takes an exclusive `flock` on `file` without waiting; when another open file holds it,
 /// the error names the file and, where `/proc/locks` tells, the holder.
-fn lock_exclusive(fd: std::os::fd::RawFd, path: &Path) -> Result<(), Error> {
+fn lock_exclusive(file: &File, path: &Path) -> Result<(), Error> {
     // A process that was killed can hold its locks a little longer than it lives: the
     // kernel closes the files of its io_uring rings after it is gone. So a lock whose
     // holder is dead (or unknown) is tried again for a while, one held by a live process
@@ -206,21 +203,29 @@ fn lock_exclusive(fd: std::os::fd::RawFd, path: &Path) -> Result<(), Error> {
     const DEAD_HOLDER_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
     let deadline = std::time::Instant::now() + DEAD_HOLDER_WAIT;
     let holder = loop {
-        // SAFETY: flock on a descriptor this function's caller owns and keeps open.
-        if unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-            return Ok(());
-        }
-        let e = std::io::Error::last_os_error();
-        if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
-            return Err(Error::os(format!("file {}: lock", path.display()), e));
+        match rustix::fs::flock(file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => return Ok(()),
+            Err(rustix::io::Errno::WOULDBLOCK) => {}
+            Err(e) => {
+                return Err(Error::os(
+                    format!("file {}: lock", path.display()),
+                    e.into(),
+                ))
+            }
         }
         let holder = std::fs::metadata(path)
             .ok()
             .and_then(|m| lock_holder(m.dev(), m.ino()));
-        // SAFETY: kill with signal 0 sends nothing; it asks whether the process exists.
+        // Signal 0 sends nothing: it asks whether the process exists.
         let alive = holder
             .as_ref()
-            .is_some_and(|(pid, _)| unsafe { libc::kill(*pid as libc::pid_t, 0) } == 0);
+            .is_some_and(|(pid, _)| match i32::try_from(*pid) {
+                // kill(0, 0) asks about our own process group, which is always there.
+                Ok(0) => true,
+                Ok(pid) => rustix::process::Pid::from_raw(pid)
+                    .is_some_and(|pid| rustix::process::test_kill_process(pid).is_ok()),
+                Err(_) => false,
+            });
         if alive || std::time::Instant::now() >= deadline {
             break holder;
         }
@@ -297,40 +302,33 @@ impl Device for FileDevice {
             Extent::push(out, Extent::data(len));
             return Ok(());
         }
-        let fd = self.shared.fd();
+        use rustix::fs::SeekFrom;
+        use rustix::io::Errno;
+        // The file position is not used for I/O (every engine reads and writes at
+        // explicit offsets), so these seeks disturb nothing.
+        let file = &self.shared.file;
         let mut at = offset;
         while at < end {
-            // SAFETY: lseek on our own descriptor; the file position is not used for I/O
-            // (every engine reads and writes at explicit offsets).
-            let data = unsafe { libc::lseek(fd, at as libc::off_t, libc::SEEK_DATA) };
-            if data < 0 {
-                let e = std::io::Error::last_os_error();
-                match e.raw_os_error() {
-                    // No data after `at`: the rest is a hole.
-                    Some(libc::ENXIO) => {
-                        Extent::push(out, Extent::hole(end - at));
-                        return Ok(());
-                    }
-                    // The file system cannot tell: call it all data.
-                    Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) => {
-                        Extent::push(out, Extent::data(end - at));
-                        return Ok(());
-                    }
-                    _ => return Err(Error::os(format!("{}: SEEK_DATA", self.name), e)),
+            let data = match rustix::fs::seek(file, SeekFrom::Data(at)) {
+                Ok(data) => data,
+                // No data after `at`: the rest is a hole.
+                Err(Errno::NXIO) => {
+                    Extent::push(out, Extent::hole(end - at));
+                    return Ok(());
                 }
-            }
-            let data = (data as u64).min(end);
+                // The file system cannot tell: call it all data.
+                Err(Errno::INVAL) | Err(Errno::OPNOTSUPP) => {
+                    Extent::push(out, Extent::data(end - at));
+                    return Ok(());
+                }
+                Err(e) => return Err(Error::os(format!("{}: SEEK_DATA", self.name), e.into())),
+            };
+            let data = data.min(end);
             Extent::push(out, Extent::hole(data - at));
             if data >= end {
                 break;
             }
-            // SAFETY: as above.
-            let hole = unsafe { libc::lseek(fd, data as libc::off_t, libc::SEEK_HOLE) };
-            let hole = if hole < 0 {
-                end
-            } else {
-                (hole as u64).min(end)
-            };
+            let hole = rustix::fs::seek(file, SeekFrom::Hole(data)).map_or(end, |h| h.min(end));
             Extent::push(out, Extent::data(hole - data));
             at = hole;
         }
@@ -407,17 +405,14 @@ impl Sink for FlushBatchQueue {
     }
 }
 
-const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
-const BLKSSZGET: libc::c_ulong = 0x1268;
-
-fn ioctl_u64(
-    fd: RawFd,
-    request: libc::c_ulong,
-    path: &impl std::fmt::Display,
-) -> Result<u64, Error> {
+/// A block device's size in bytes (`BLKGETSIZE64`).
+fn block_device_bytes(file: &File, path: &impl std::fmt::Display) -> Result<u64, Error> {
+    // _IOR(0x12, 114, size_t)
+    const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
     let mut value: u64 = 0;
-    // SAFETY: BLKGETSIZE64 writes one u64 to the pointer.
-    if unsafe { libc::ioctl(fd, request, &mut value) } < 0 {
+    // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which points at `value`;
+    // `file` keeps the descriptor open across the call. (rustix has no wrapper for it.)
+    if unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64, &mut value) } < 0 {
         return Err(Error::last_os(format!(
             "file {path}: read block device size"
         )));
@@ -425,39 +420,24 @@ fn ioctl_u64(
     Ok(value)
 }
 
-fn ioctl_u32(
-    fd: RawFd,
-    request: libc::c_ulong,
-    path: &impl std::fmt::Display,
-) -> Result<u32, Error> {
-    let mut value: libc::c_int = 0;
-    // SAFETY: BLKSSZGET writes one int to the pointer.
-    if unsafe { libc::ioctl(fd, request, &mut value) } < 0 {
-        return Err(Error::last_os(format!(
-            "file {path}: read logical block size"
-        )));
-    }
-    Ok(value.max(512) as u32)
+/// A block device's logical block size (`BLKSSZGET`), 512 at least.
+fn logical_block_bytes(file: &File, path: &impl std::fmt::Display) -> Result<u32, Error> {
+    let value = rustix::fs::ioctl_blksszget(file)
+        .map_err(|e| Error::os(format!("file {path}: read logical block size"), e.into()))?;
+    // The kernel writes an int.
+    Ok((value as i32).max(512) as u32)
 }
 
 /// The O_DIRECT offset alignment of a regular file (statx DIOALIGN), 4096 if unknown.
-fn dio_align(fd: RawFd) -> u32 {
-    // SAFETY: statx with an empty path and AT_EMPTY_PATH describes `fd`; the buffer is a
-    // zeroed statx struct the kernel fills.
-    unsafe {
-        let mut stx: libc::statx = std::mem::zeroed();
-        let rc = libc::statx(
-            fd,
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH,
-            libc::STATX_DIOALIGN,
-            &mut stx,
-        );
-        if rc == 0 && stx.stx_mask & libc::STATX_DIOALIGN != 0 && stx.stx_dio_offset_align > 0 {
+fn dio_align(file: &File) -> u32 {
+    use rustix::fs::{AtFlags, StatxFlags};
+    match rustix::fs::statx(file, "", AtFlags::EMPTY_PATH, StatxFlags::DIOALIGN) {
+        Ok(stx)
+            if stx.stx_mask & StatxFlags::DIOALIGN.bits() != 0 && stx.stx_dio_offset_align > 0 =>
+        {
             stx.stx_dio_offset_align.clamp(512, 65536)
-        } else {
-            4096
         }
+        _ => 4096,
     }
 }
 
@@ -494,32 +474,18 @@ pub(crate) fn do_sync(shared: &FileShared, io: &Io) -> IoStatus {
                 unsafe { libc::pwritev2(fd, &iov, 1, off as libc::off_t, rwf) }
             })
         }
-        Op::Flush => {
-            // SAFETY: plain syscall on an open fd.
-            if unsafe { libc::fdatasync(fd) } < 0 {
-                return IoStatus::errno(last_errno());
-            }
-            IoStatus::OK
-        }
+        Op::Flush => match rustix::fs::fdatasync(&shared.file) {
+            Ok(()) => IoStatus::OK,
+            Err(e) => IoStatus::errno(e.raw_os_error()),
+        },
         Op::Discard | Op::WriteZeroes => {
-            // SAFETY: plain syscall on an open fd.
-            let rc = unsafe {
-                libc::fallocate(
-                    fd,
-                    fallocate_mode(io),
-                    io.offset as libc::off_t,
-                    io.len as libc::off_t,
-                )
-            };
-            let status = if rc == 0 {
-                IoStatus::OK
-            } else {
-                let errno = last_errno();
-                if errno == libc::EOPNOTSUPP || errno == libc::EINVAL {
+            let mode = rustix::fs::FallocateFlags::from_bits_retain(fallocate_mode(io) as u32);
+            let status = match rustix::fs::fallocate(&shared.file, mode, io.offset, io.len) {
+                Ok(()) => IoStatus::OK,
+                Err(rustix::io::Errno::OPNOTSUPP) | Err(rustix::io::Errno::INVAL) => {
                     write_zeros(shared, io.offset, io.len)
-                } else {
-                    IoStatus::errno(errno)
                 }
+                Err(e) => IoStatus::errno(e.raw_os_error()),
             };
             shared.fua_zeroed(io, status)
         }
@@ -532,26 +498,12 @@ pub(crate) fn write_zeros(shared: &FileShared, offset: u64, len: u64) -> IoStatu
     let mut done = 0;
     while done < len {
         let n = (len - done).min(zeros.len() as u64) as usize;
-        // SAFETY: `zeros` is valid for n bytes and only read.
-        let rc = unsafe {
-            libc::pwrite(
-                shared.fd(),
-                zeros.as_slice().as_ptr().cast(),
-                n,
-                (offset + done) as libc::off_t,
-            )
-        };
-        if rc < 0 {
-            let errno = last_errno();
-            if errno == libc::EINTR {
-                continue;
-            }
-            return IoStatus::errno(errno);
+        match rustix::io::pwrite(&shared.file, &zeros.as_slice()[..n], offset + done) {
+            Ok(0) => return IoStatus::errno(libc::EIO),
+            Ok(written) => done += written as u64,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return IoStatus::errno(e.raw_os_error()),
         }
-        if rc == 0 {
-            return IoStatus::errno(libc::EIO);
-        }
-        done += rc as u64;
     }
     IoStatus::OK
 }
