@@ -1,7 +1,7 @@
 //! Eventfds for waking a reactor from another thread (one write per batch, not per
 //! request); the reactor polls them through its ring as [`Poller`](crate::Poller)s.
 
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
 use rustix::event::EventfdFlags;
@@ -24,19 +24,4 @@ pub fn wake(fd: impl AsFd) {
 pub fn reset(fd: impl AsFd) {
     let mut value = [0u8; 8];
     let _ = rustix::io::read(fd, &mut value);
-}
-
-/// [`wake`] for a caller that holds the eventfd by its number only, and keeps it open
-/// across the call.
-pub fn signal(fd: RawFd) {
-    // SAFETY: the caller keeps `fd` open across the call (the contract of this
-    // function); the borrow ends with it.
-    wake(unsafe { BorrowedFd::borrow_raw(fd) });
-}
-
-/// [`reset`] for a caller that holds the eventfd by its number only, and keeps it open
-/// across the call.
-pub fn clear(fd: RawFd) {
-    // SAFETY: as in `signal`.
-    reset(unsafe { BorrowedFd::borrow_raw(fd) });
 }

@@ -429,7 +429,7 @@ impl Hold {
     fn set(&self, on: bool) {
         self.state.lock().unwrap().0 = on;
         if !on {
-            cairn_core::event::signal(std::os::fd::AsRawFd::as_raw_fd(&*self.wake));
+            cairn_core::event::wake(&*self.wake);
         }
     }
 
@@ -546,7 +546,7 @@ impl cairn_core::Poller for HoldQueue {
         std::os::fd::AsRawFd::as_raw_fd(&*self.hold.wake)
     }
     fn clear_event(&self) {
-        cairn_core::event::clear(self.event_fd());
+        cairn_core::event::reset(&*self.hold.wake);
     }
 }
 
@@ -689,7 +689,7 @@ impl Gate {
     fn open(&self) {
         self.state.lock().unwrap().0 = false;
         for w in self.wakes.lock().unwrap().iter() {
-            cairn_core::event::signal(std::os::fd::AsRawFd::as_raw_fd(&**w));
+            cairn_core::event::wake(&**w);
         }
     }
 
@@ -795,7 +795,7 @@ impl cairn_core::Poller for GateQueue {
         std::os::fd::AsRawFd::as_raw_fd(&*self.wake)
     }
     fn clear_event(&self) {
-        cairn_core::event::clear(self.event_fd());
+        cairn_core::event::reset(&*self.wake);
     }
 }
 

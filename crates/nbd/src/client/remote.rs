@@ -210,7 +210,7 @@ impl Ledger {
         self.turnover.fetch_add(1, Ordering::SeqCst);
         let watches = self.watches.lock().unwrap_or_else(|e| e.into_inner());
         for w in watches.iter() {
-            cairn_core::event::signal(w.wake.as_raw_fd());
+            cairn_core::event::wake(&*w.wake);
         }
     }
 
@@ -443,24 +443,11 @@ impl<T: std::io::Read + std::io::Write + Send> Stream for T {}
 
 /// Read and write timeouts on a blocking socket.
 fn set_socket_timeout(file: &File, d: Duration) -> std::io::Result<()> {
-    let tv = libc::timeval {
-        tv_sec: d.as_secs() as libc::time_t,
-        tv_usec: d.subsec_micros() as libc::suseconds_t,
-    };
-    for opt in [libc::SO_RCVTIMEO, libc::SO_SNDTIMEO] {
-        // SAFETY: setsockopt with a valid timeval on a socket we own.
-        let rc = unsafe {
-            libc::setsockopt(
-                file.as_raw_fd(),
-                libc::SOL_SOCKET,
-                opt,
-                (&tv as *const libc::timeval).cast(),
-                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
-            )
-        };
-        if rc < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
+    use rustix::net::sockopt::{set_socket_timeout, Timeout};
+    // Zero is no timeout, as for setsockopt itself.
+    let d = (!d.is_zero()).then_some(d);
+    for which in [Timeout::Recv, Timeout::Send] {
+        set_socket_timeout(file, which, d)?;
     }
     Ok(())
 }
@@ -1384,8 +1371,7 @@ impl NbdQueue {
         c.link = Link::Dying;
         c.why = why;
         if let Some(fd) = &c.fd {
-            // SAFETY: shutdown on our own socket; it stays open until the reset.
-            unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) };
+            let _ = rustix::net::shutdown(fd, rustix::net::Shutdown::Both);
         }
         self.mark_dirty(st, ci);
     }
@@ -2172,7 +2158,7 @@ fn connector(
                 if tx.send(Made::Conn(c)).is_err() {
                     return;
                 }
-                cairn_core::event::signal(wake.as_raw_fd());
+                cairn_core::event::wake(wake);
                 made += 1;
                 delay = Duration::ZERO;
                 failures = 0;
@@ -2193,7 +2179,7 @@ fn connector(
         }
     }
     let _ = tx.send(Made::Done);
-    cairn_core::event::signal(wake.as_raw_fd());
+    cairn_core::event::wake(wake);
 }
 
 impl Queue for NbdQueue {
@@ -2297,7 +2283,7 @@ impl Poller for NbdQueue {
     }
 
     fn clear_event(&self) {
-        cairn_core::event::clear(self.wake.as_raw_fd());
+        cairn_core::event::reset(&*self.wake);
     }
 }
 

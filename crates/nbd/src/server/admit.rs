@@ -7,7 +7,6 @@
 //! taken once per connection, never per request.
 
 use std::collections::HashMap;
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -220,7 +219,7 @@ fn evict(
             why,
         };
         if tx.send(msg).is_ok() {
-            cairn_core::event::signal(w.as_raw_fd());
+            cairn_core::event::wake(&**w);
         }
     }
 }

@@ -187,7 +187,7 @@ impl Wake {
         self.gen.fetch_add(1, Ordering::SeqCst);
         for (w, fd) in self.waiting.iter().zip(self.fds.iter()) {
             if w.load(Ordering::SeqCst) {
-                cairn_core::event::signal(std::os::fd::AsRawFd::as_raw_fd(&**fd));
+                cairn_core::event::wake(&**fd);
             }
         }
     }
@@ -197,7 +197,7 @@ impl Wake {
     pub fn waiting(&self, me: usize, seen: u64) {
         self.waiting[me].store(true, Ordering::SeqCst);
         if self.generation() != seen {
-            cairn_core::event::signal(std::os::fd::AsRawFd::as_raw_fd(&*self.fds[me]));
+            cairn_core::event::wake(&*self.fds[me]);
         }
     }
 

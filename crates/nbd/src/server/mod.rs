@@ -21,7 +21,7 @@ mod negotiate;
 pub mod observe;
 pub mod pool;
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::sync::Arc;
@@ -334,7 +334,7 @@ fn stop(
     shared.shutting.store(true, Ordering::SeqCst);
     for (tx, w) in &shared.reactors {
         let _ = tx.send(Msg::Shutdown);
-        cairn_core::event::signal(w.as_raw_fd());
+        cairn_core::event::wake(&**w);
     }
     for f in frontends {
         f.stop();

@@ -5,7 +5,7 @@
 //! once per connection.
 
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -49,7 +49,7 @@ pub(super) fn handshake(fd: OwnedFd, (peer, client): (&str, Client), shared: &Sh
             if tx.send(Msg::Conn(Box::new(nc))).is_err() {
                 return false;
             }
-            cairn_core::event::signal(w.as_raw_fd());
+            cairn_core::event::wake(&**w);
             true
         }
         Ok(None) => false,

@@ -944,6 +944,6 @@ impl Poller for ServerLoop {
     }
 
     fn clear_event(&self) {
-        cairn_core::event::clear(self.wake.as_raw_fd());
+        cairn_core::event::reset(&*self.wake);
     }
 }
