@@ -9,7 +9,7 @@ use std::sync::Arc;
 use cairn_core::Error;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use rustls::ServerConfig;
+pub use rustls::ServerConfig;
 
 /// Loads the server's certificate chain and key from `dir`; with `verify_peer`, clients
 /// must present a certificate signed by `dir/ca-cert.pem`.
