@@ -6,10 +6,14 @@
 //! moves to one of the reactor threads (round robin) and stays there. That is the only
 //! hand-off between threads, once per connection.
 //!
-//! A request's path, in the order it meets these files: `admit` (a connection slot, or
-//! room made by closing an idle one), [`handshake`] (options, the export chosen), then on
-//! a reactor [`conn`] (bytes received, framed and checked, issued to the device, replies
-//! and TLS), with [`pool`] (buffer memory and its budget), `rmw` (unaligned writes) and
+//! A connection's path, in the order it meets these files: `listen` (accepted),
+//! `admit` (a connection slot, or room made by closing an idle one), `negotiate` (its
+//! handshake thread) driving [`handshake`] (options, the export chosen), then on a reactor
+//! [`conn`]: `recv` (bytes received and framed), `request` (each request checked by
+//! [`command::check`](crate::proto::command::check) and issued to the device, or
+//! refused), `rmw` and `block_status` for the requests that need more, `reply` (replies
+//! and TLS) and `limits` (the memory budget, idle buffers, eviction); with [`pool`]
+//! (buffer memory and its budget), `gate` (unaligned writes ordered against others) and
 //! [`observe`] (what `status` and the metrics see).
 
 mod admit;

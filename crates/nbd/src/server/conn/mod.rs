@@ -14,6 +14,12 @@
 //! connection that wrote it beyond `TRIM_MIN` has been idle for `TRIM_IDLE_NS` (a
 //! second), its pages go back to the kernel, so that idle connections stay cheap whatever
 //! they did before.
+//!
+//! A request's path through the files of this folder: `recv` (a receive completes;
+//! the header at the head of the input is framed), `request` (checked, then refused or
+//! issued: a buffer, the device request, the gate), `rmw` or `block_status` for
+//! requests that need more, then `reply` (the reply queued and sent) once the device
+//! completes; `limits` holds what bounds a connection's memory and time.
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
