@@ -103,7 +103,7 @@ impl Listener {
 
 /// The listening sockets of `cairn serve`: bound by [`Listeners::bind`] before any
 /// device is opened, so that an address in use refuses the start before a file is
-/// created or a superblock written; then served by [`serve`].
+/// created or a superblock written; then served by [`serve`](crate::server::serve).
 pub struct Listeners {
     bound: Vec<(Listener, String)>,
 }
