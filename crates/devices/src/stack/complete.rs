@@ -62,25 +62,7 @@ impl StackQueue {
             return;
         }
         if token & DIRECT != 0 {
-            let index = (token & !DIRECT) as u32;
-            if !status.is_ok() && self.copies > 1 {
-                // A read sent whole to one copy failed: try another; the client never
-                // sees the failure while a healthy copy remains (and the copy that failed
-                // is rewritten once one answers: see `io_done`).
-                let (io, tried) = {
-                    let st = self.state.borrow();
-                    let p = st.parents.get(index);
-                    (p.io, p.tried)
-                };
-                if let Some(k) = self.healthy_copy(io.offset, io.len, 0, tried) {
-                    self.state.borrow_mut().parents.get_mut(index).tried |= 1 << k;
-                    self.send_direct(index, &io, k, self.layout.locate(io.offset, k));
-                    return;
-                }
-            }
-            let p = self.state.borrow_mut().parents.remove(index);
-            self.leave_gate(&p);
-            self.answer(&p, status);
+            self.direct_done((token & !DIRECT) as u32, status);
             return;
         }
         let token = token as u32;
@@ -146,6 +128,29 @@ impl StackQueue {
         if done {
             self.finish_parent(child.parent);
         }
+    }
+
+    /// The reply to a request sent whole to one copy that `io_done` did not finish (it
+    /// failed, on a layout with copies): tries another copy, else completes it.
+    fn direct_done(&self, index: u32, status: IoStatus) {
+        if !status.is_ok() && self.copies > 1 {
+            // A read sent whole to one copy failed: try another; the client never
+            // sees the failure while a healthy copy remains (and the copy that failed
+            // is rewritten once one answers: see `io_done`).
+            let (io, tried) = {
+                let st = self.state.borrow();
+                let p = st.parents.get(index);
+                (p.io, p.tried)
+            };
+            if let Some(k) = self.healthy_copy(io.offset, io.len, 0, tried) {
+                self.state.borrow_mut().parents.get_mut(index).tried |= 1 << k;
+                self.send_direct(index, &io, k, self.layout.locate(io.offset, k));
+                return;
+            }
+        }
+        let p = self.state.borrow_mut().parents.remove(index);
+        self.leave_gate(&p);
+        self.answer(&p, status);
     }
 
     fn finish_parent(&self, parent: u32) {

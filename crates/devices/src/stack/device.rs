@@ -8,7 +8,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::Arc;
 
 use cairn_core::slab::Slab;
@@ -17,7 +17,7 @@ use cairn_core::{Caps, Core, Device, Error, FlushBatcher, Geometry, Queue, Queue
 use super::health::{Gate, Health};
 use super::metadata::{Thread, Threads};
 use super::queue::{State, PARENTS};
-use super::{rebuild, repair, AnyLayout, ArrayOptions, Layout, StackQueue, MISSING};
+use super::{AnyLayout, ArrayOptions, Layout, StackQueue, MISSING};
 
 /// A device made of other devices.
 pub struct StackDevice {
@@ -98,32 +98,7 @@ impl StackDevice {
             )));
         }
         let n = members.len();
-        let slots = 2 * n;
-        let mut names: Vec<String> = members.iter().map(|m| m.name().to_string()).collect();
-        names.resize(slots, String::new());
-        let mut devices: Vec<Option<Arc<dyn Device>>> = members.into_iter().map(Some).collect();
-        devices.resize(slots, None);
-        let health = Arc::new(Health {
-            device: name.into(),
-            n,
-            names: std::sync::Mutex::new(names),
-            // No replacement is being built: those indices are failed.
-            failed: (0..slots).map(|i| AtomicBool::new(i >= n)).collect(),
-            readable: (0..slots).map(|i| AtomicBool::new(i < n)).collect(),
-            one_copy: AtomicBool::new(false),
-            sync: rebuild::WriteCounts::new(),
-            below: (0..slots).map(|_| AtomicU64::new(0)).collect(),
-            partial: (0..slots).map(|_| AtomicBool::new(false)).collect(),
-            bitmap: None,
-            devices: std::sync::Mutex::new(devices),
-            epoch: AtomicU64::new(0),
-            failures: std::sync::Mutex::new(0),
-            failed_now: std::sync::Condvar::new(),
-            gates: std::sync::Mutex::new(Vec::new()),
-            switching: std::sync::Mutex::new(()),
-            repairs: repair::Repairs::new(n),
-            changes: AtomicU64::new(0),
-        });
+        let health = Arc::new(Health::new(name, members));
         if layout.copies() > 1 {
             cairn_core::stats::registry().add_repairs(name, &health.repairs.counters);
         }
@@ -347,34 +322,10 @@ impl Device for StackDevice {
     }
 
     fn array_status(&self) -> Option<String> {
-        use crate::array::superblock::MemberState;
         use cairn_core::size::format_bytes;
         let meta = self.metadata.as_ref()?;
         let states = meta.states();
-        let mut flags = String::new();
-        let mut members = Vec::new();
-        for (m, s) in states.iter().enumerate() {
-            let state = match s {
-                _ if self.given_up.get(m).is_some_and(|g| g.load(Relaxed))
-                    && !self.health.ok(m) =>
-                {
-                    "failed (re-adds given up)"
-                }
-                _ if !self.health.ok(m) && *s != MemberState::Missing => "failed",
-                MemberState::Rebuilding if self.health.readable(m) => "active",
-                s => s.name(),
-            };
-            flags.push(if self.health.readable(m) { 'U' } else { '_' });
-            members.push(format!("{} {state}", self.health.name(m)));
-            if self.health.being_replaced(m) {
-                members.push(format!(
-                    "{} replacing {}",
-                    self.health.name(self.health.n + m),
-                    self.health.name(m)
-                ));
-            }
-        }
-        let sync = &self.health.sync;
+        let (flags, members) = self.member_states(&states);
         let degraded = flags.contains('_');
         let mut out = format!(
             "{}: {} of {} members, {}, metadata 1 {}{}\n    [{flags}] {}\n",
@@ -386,59 +337,9 @@ impl Device for StackDevice {
             if degraded { ", degraded" } else { "" },
             members.join(", ")
         );
-        if sync.running() {
-            let (done, total) = (
-                sync.done_bytes.load(Relaxed),
-                sync.total_bytes.load(Relaxed).max(1),
-            );
-            let rate = sync.rate.load(Relaxed);
-            out += &format!(
-                "    {} {:.1}% ({} of {}, {}/s, {} s left)\n",
-                if sync.resync.load(Relaxed) {
-                    "resync"
-                } else {
-                    "rebuild"
-                },
-                done as f64 * 100.0 / total as f64,
-                format_bytes(done),
-                format_bytes(total),
-                format_bytes(rate),
-                (total - done)
-                    .checked_div(rate)
-                    .map_or_else(|| "?".to_string(), |s| s.to_string())
-            );
-        } else if self.health.one_copy.load(Relaxed) {
-            out += "    not stopped cleanly: reads from one copy until resynced\n";
-        } else if sync.read_bytes.load(Relaxed) > 0 {
-            out += &format!(
-                "    last {}: read {} bytes, wrote {} bytes\n",
-                if sync.resync.load(Relaxed) {
-                    "resync"
-                } else {
-                    "rebuild"
-                },
-                sync.read_bytes.load(Relaxed),
-                sync.written_bytes.load(Relaxed)
-            );
-        }
-        let spares: Vec<String> = self
-            .spares
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .map(|(_, n)| n.clone())
-            .collect();
-        if !spares.is_empty() {
-            out += &format!("    spares: {}\n", spares.join(", "));
-        }
-        if let Some(bm) = &self.health.bitmap {
-            out += &format!(
-                "    bitmap: {} of {} regions of {} dirty\n",
-                bm.dirty_count(),
-                bm.regions(),
-                format_bytes(bm.region_bytes())
-            );
-        }
+        out += &self.sync_line();
+        out += &self.spares_line();
+        out += &self.bitmap_line();
         out += &self.repairs_line();
         Some(out)
     }

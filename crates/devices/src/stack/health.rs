@@ -77,6 +77,38 @@ pub(super) struct Gate {
 }
 
 impl Health {
+    /// The health of a device made of `members`: each takes writes and may be read, and
+    /// no replacement is being built.
+    pub(super) fn new(name: &str, members: Vec<Arc<dyn Device>>) -> Health {
+        let n = members.len();
+        let slots = 2 * n;
+        let mut names: Vec<String> = members.iter().map(|m| m.name().to_string()).collect();
+        names.resize(slots, String::new());
+        let mut devices: Vec<Option<Arc<dyn Device>>> = members.into_iter().map(Some).collect();
+        devices.resize(slots, None);
+        Health {
+            device: name.into(),
+            n,
+            names: std::sync::Mutex::new(names),
+            // No replacement is being built: those indices are failed.
+            failed: (0..slots).map(|i| AtomicBool::new(i >= n)).collect(),
+            readable: (0..slots).map(|i| AtomicBool::new(i < n)).collect(),
+            one_copy: AtomicBool::new(false),
+            sync: rebuild::WriteCounts::new(),
+            below: (0..slots).map(|_| AtomicU64::new(0)).collect(),
+            partial: (0..slots).map(|_| AtomicBool::new(false)).collect(),
+            bitmap: None,
+            devices: std::sync::Mutex::new(devices),
+            epoch: AtomicU64::new(0),
+            failures: std::sync::Mutex::new(0),
+            failed_now: std::sync::Condvar::new(),
+            gates: std::sync::Mutex::new(Vec::new()),
+            switching: std::sync::Mutex::new(()),
+            repairs: repair::Repairs::new(n),
+            changes: AtomicU64::new(0),
+        }
+    }
+
     /// Takes writes and flushes.
     #[inline]
     pub(super) fn ok(&self, member: usize) -> bool {

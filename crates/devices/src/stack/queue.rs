@@ -176,34 +176,7 @@ impl StackQueue {
                 next.push(Some(found.clone()));
                 continue;
             }
-            match cairn_core::handoff::open_member(&self.core, d) {
-                Ok(q) => {
-                    if self.copies == 1 {
-                        if let Some(c) = q.stats().delegate() {
-                            // This member counts for this device the requests only
-                            // remapped to it: under both names, as two queues would.
-                            let registry = cairn_core::stats::registry();
-                            registry.add_counters(d.name(), c.clone(), true);
-                            registry.add_counters(&self.health.device, c.clone(), true);
-                            self.stats.lend(c);
-                        }
-                    }
-                    next.push(Some((d.clone(), q)));
-                }
-                Err(e) if first => return Err(e),
-                Err(e) => {
-                    self.health.fail(i, IoStatus::errno(libc::EIO));
-                    log::warn!(
-                        "cairn: {}: cannot open member '{}' here: {e}",
-                        self.health.device,
-                        d.name()
-                    );
-                    if let (Some(meta), true) = (&self.metadata, i < self.n) {
-                        meta.fail_member(i);
-                    }
-                    next.push(None);
-                }
-            }
+            self.open_new_member(i, d, first, &mut next)?;
         }
         let mut retired = self.retired.borrow_mut();
         for (o, q) in opened.iter().flatten() {
@@ -257,6 +230,48 @@ impl StackQueue {
         // SAFETY: see `member`: no reference from `targets` is held here.
         unsafe { *self.targets.get() = targets };
         self.epoch.set(epoch);
+        Ok(())
+    }
+
+    /// Opens a queue here for member device `d` (index `i`), new to this queue, and
+    /// appends it to `next`; a member whose queue cannot be opened is failed (at open
+    /// time, `first`: an error).
+    #[cold]
+    fn open_new_member(
+        &self,
+        i: usize,
+        d: &Arc<dyn Device>,
+        first: bool,
+        next: &mut Vec<Option<Opened>>,
+    ) -> Result<(), Error> {
+        match cairn_core::handoff::open_member(&self.core, d) {
+            Ok(q) => {
+                if self.copies == 1 {
+                    if let Some(c) = q.stats().delegate() {
+                        // This member counts for this device the requests only
+                        // remapped to it: under both names, as two queues would.
+                        let registry = cairn_core::stats::registry();
+                        registry.add_counters(d.name(), c.clone(), true);
+                        registry.add_counters(&self.health.device, c.clone(), true);
+                        self.stats.lend(c);
+                    }
+                }
+                next.push(Some((d.clone(), q)));
+            }
+            Err(e) if first => return Err(e),
+            Err(e) => {
+                self.health.fail(i, IoStatus::errno(libc::EIO));
+                log::warn!(
+                    "cairn: {}: cannot open member '{}' here: {e}",
+                    self.health.device,
+                    d.name()
+                );
+                if let (Some(meta), true) = (&self.metadata, i < self.n) {
+                    meta.fail_member(i);
+                }
+                next.push(None);
+            }
+        }
         Ok(())
     }
 

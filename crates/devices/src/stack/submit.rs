@@ -194,23 +194,7 @@ impl StackQueue {
                             None => missing = true,
                         }
                     } else {
-                        let mut any = false;
-                        for k in 0..copies {
-                            let (m, member_offset) = self.layout.locate(at, k);
-                            let to = (m, member_offset + self.data_offset);
-                            if self.health.ok(m) {
-                                self.child_to(parent, op, &io, (at, len, buf), k, to);
-                                any = true;
-                            }
-                            if self.replacing.get() && self.shadows.borrow()[m] {
-                                // Its replacement gets every write too.
-                                let r = self.n + m;
-                                if self.health.ok(r) {
-                                    self.child_to(parent, op, &io, (at, len, buf), k, (r, to.1));
-                                }
-                            }
-                        }
-                        missing |= !any;
+                        missing |= !self.send_to_copies(parent, op, io, (at, len, buf));
                     }
                     at += len;
                 }
@@ -245,6 +229,31 @@ impl StackQueue {
             };
             self.core.complete(p.io.sink, p.io.token, status);
         }
+    }
+
+    /// Sends a piece of a change of data of `parent` to every healthy copy, and to the
+    /// replacement being built of each copy's member; whether a copy took it.
+    #[inline(always)]
+    fn send_to_copies(&self, parent: u32, op: Op, io: Io, piece: (u64, u64, *mut u8)) -> bool {
+        let (at, len, buf) = piece;
+        let copies = self.copies;
+        let mut any = false;
+        for k in 0..copies {
+            let (m, member_offset) = self.layout.locate(at, k);
+            let to = (m, member_offset + self.data_offset);
+            if self.health.ok(m) {
+                self.child_to(parent, op, &io, (at, len, buf), k, to);
+                any = true;
+            }
+            if self.replacing.get() && self.shadows.borrow()[m] {
+                // Its replacement gets every write too.
+                let r = self.n + m;
+                if self.health.ok(r) {
+                    self.child_to(parent, op, &io, (at, len, buf), k, (r, to.1));
+                }
+            }
+        }
+        any
     }
 
     /// Records a child of `parent` and submits it to the member copy `copy` lives on

@@ -181,64 +181,90 @@ impl Shared {
             }
             let member = self.health.name(m);
             match r.next_try {
-                None => {
-                    let soon = r.last.is_some_and(|t| t.elapsed() < READD_FLAP_WINDOW);
-                    r.flaps = if soon { r.flaps + 1 } else { 0 };
-                    if r.flaps >= READD_FLAPS_MAX {
-                        self.given_up[m].store(true, Relaxed);
-                        log::warn!(
-                            "cairn: {}: member {member} failed again within {READD_FLAP_WINDOW:?} of each of {} re-adds in a row: \
-                             it is no longer re-added on its own (re-add it by hand once it is fixed: re-add {} {member})",
-                            self.name, r.flaps, self.name
-                        );
-                        r.last = None;
-                        continue;
-                    }
-                    let wait = every
-                        .saturating_mul(1 << r.flaps.min(16))
-                        .min(READD_BACKOFF_MAX.max(every));
-                    if r.flaps == 0 {
-                        log::info!(
-                            "cairn: {}: member {member} will be tried again every {every:?}, and re-added once it answers",
-                            self.name
-                        );
-                    } else {
-                        log::warn!(
-                            "cairn: {}: member {member} failed again {:?} after it was re-added: next try in {wait:?} ({} of {READD_FLAPS_MAX} re-adds in a row)",
-                            self.name,
-                            r.last.map(|t| t.elapsed()).unwrap_or_default(),
-                            r.flaps
-                        );
-                    }
-                    r.next_try = Some(now + wait);
-                }
+                None => self.schedule_readd(m, &member, every, now, r),
                 // Its device is read first without holding up admin actions (a remote
                 // one may take its timeout to answer).
-                Some(t) if t <= now => match meta.probe_member(m).and_then(|()| {
-                    let _changing = self.changing.lock().unwrap_or_else(|p| p.into_inner());
-                    if self.health.ok(m) {
-                        return Err("taken back meanwhile".into());
-                    }
-                    let _seq = self.health.changing();
-                    self.take_back(meta, m)
-                }) {
-                    Ok(how) => {
-                        log::info!(
-                            "cairn: {}: member {member} answers again: re-added; {how}",
-                            self.name
-                        );
-                        r.next_try = None;
-                        r.last = Some(std::time::Instant::now());
-                    }
-                    Err(e) => {
-                        log::debug!("cairn: {}: member {member} not re-added: {e}", self.name);
-                        let wait = every
-                            .saturating_mul(1 << r.flaps.min(16))
-                            .min(READD_BACKOFF_MAX.max(every));
-                        r.next_try = Some(now + wait);
-                    }
-                },
+                Some(t) if t <= now => self.try_readd(meta, m, &member, every, now, r),
                 Some(_) => {}
+            }
+        }
+    }
+
+    /// Failed member `m` (named `member`) is to be tried again: sets when, counting a
+    /// failure soon after its last re-add as a flap (after [`READD_FLAPS_MAX`] in a row it
+    /// is left failed).
+    fn schedule_readd(
+        &self,
+        m: usize,
+        member: &str,
+        every: std::time::Duration,
+        now: std::time::Instant,
+        r: &mut Readd,
+    ) {
+        let soon = r.last.is_some_and(|t| t.elapsed() < READD_FLAP_WINDOW);
+        r.flaps = if soon { r.flaps + 1 } else { 0 };
+        if r.flaps >= READD_FLAPS_MAX {
+            self.given_up[m].store(true, Relaxed);
+            log::warn!(
+                "cairn: {}: member {member} failed again within {READD_FLAP_WINDOW:?} of each of {} re-adds in a row: \
+                 it is no longer re-added on its own (re-add it by hand once it is fixed: re-add {} {member})",
+                self.name, r.flaps, self.name
+            );
+            r.last = None;
+            return;
+        }
+        let wait = every
+            .saturating_mul(1 << r.flaps.min(16))
+            .min(READD_BACKOFF_MAX.max(every));
+        if r.flaps == 0 {
+            log::info!(
+                "cairn: {}: member {member} will be tried again every {every:?}, and re-added once it answers",
+                self.name
+            );
+        } else {
+            log::warn!(
+                "cairn: {}: member {member} failed again {:?} after it was re-added: next try in {wait:?} ({} of {READD_FLAPS_MAX} re-adds in a row)",
+                self.name,
+                r.last.map(|t| t.elapsed()).unwrap_or_default(),
+                r.flaps
+            );
+        }
+        r.next_try = Some(now + wait);
+    }
+
+    /// Tries failed member `m` (named `member`) now: re-adds it if its device answers
+    /// with its superblock, else sets its next try.
+    fn try_readd(
+        self: &Arc<Self>,
+        meta: &crate::array::Metadata,
+        m: usize,
+        member: &str,
+        every: std::time::Duration,
+        now: std::time::Instant,
+        r: &mut Readd,
+    ) {
+        match meta.probe_member(m).and_then(|()| {
+            let _changing = self.changing.lock().unwrap_or_else(|p| p.into_inner());
+            if self.health.ok(m) {
+                return Err("taken back meanwhile".into());
+            }
+            let _seq = self.health.changing();
+            self.take_back(meta, m)
+        }) {
+            Ok(how) => {
+                log::info!(
+                    "cairn: {}: member {member} answers again: re-added; {how}",
+                    self.name
+                );
+                r.next_try = None;
+                r.last = Some(std::time::Instant::now());
+            }
+            Err(e) => {
+                log::debug!("cairn: {}: member {member} not re-added: {e}", self.name);
+                let wait = every
+                    .saturating_mul(1 << r.flaps.min(16))
+                    .min(READD_BACKOFF_MAX.max(every));
+                r.next_try = Some(now + wait);
             }
         }
     }
