@@ -15,7 +15,7 @@ use super::{Shared, StackDevice};
 const READD_FLAP_WINDOW: std::time::Duration = std::time::Duration::from_secs(60);
 /// Re-adds in a row that a flapping member gets before it is left failed (and the log
 /// and `status` say so).
-const READD_FLAPS_MAX: u32 = 5;
+pub(super) const READD_FLAPS_MAX: u32 = 5;
 /// The longest wait between two tries of a flapping member.
 const READD_BACKOFF_MAX: std::time::Duration = std::time::Duration::from_secs(600);
 
