@@ -244,6 +244,7 @@ impl ServerLoop {
 
     /// The request header at the head of the input, if a whole one is there (not yet
     /// consumed). A bad magic ends the connection: nothing after it can be trusted.
+    #[inline]
     pub(super) fn frame(&self, conn: &Conn, st: &mut ConnState) -> Option<proto::Request> {
         let input = &st.inbuf[st.rs..st.re];
         let decoded = if conn.session.extended {
@@ -269,6 +270,7 @@ impl ServerLoop {
     /// Payload bytes of write `req` (`got` of them in so far) that came with the header
     /// (or through TLS) are in the input buffer; the rest is received straight into the
     /// request's buffer.
+    #[inline]
     pub(super) fn take_payload(&self, conn: &Conn, st: &mut ConnState, req: u32, got: u32) -> Next {
         let want = st.reqs[req as usize].len as usize - got as usize;
         let n = (st.re - st.rs).min(want);

@@ -150,6 +150,7 @@ impl ServerLoop {
 
     /// The reply to read `r`, which carries its buffer: a simple reply, or one
     /// `OFFSET_DATA` chunk.
+    #[inline]
     pub(super) fn reply_read(&self, conn: &Conn, st: &mut ConnState, r: Req) {
         let mut head = [0u8; 40];
         let head_len = if conn.session.extended {

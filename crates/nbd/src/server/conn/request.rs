@@ -202,6 +202,7 @@ impl ServerLoop {
 
     /// Write `index`'s payload follows its header: takes what has arrived (into its
     /// buffer at `at`), and receives the rest; once all is in, the device request.
+    #[inline]
     pub(super) fn take_write_payload(
         &self,
         conn: &Conn,
@@ -233,6 +234,7 @@ impl ServerLoop {
     /// Write `req`'s payload has fully arrived: the device request to submit now, if any.
     /// An unaligned write starts its read-modify-write instead, and a write may wait at
     /// the gate.
+    #[inline]
     pub(super) fn payload_done(&self, conn: &Conn, st: &mut ConnState, req: u32) -> Option<Io> {
         st.in_flight += 1;
         if st.reqs[req as usize].wide().is_some() {
@@ -244,6 +246,7 @@ impl ServerLoop {
     }
 
     /// The device write for request `req`, whose payload has fully arrived.
+    #[inline]
     pub(super) fn write_io(&self, conn: &Conn, st: &mut ConnState, req: u32) -> Io {
         let r = &mut st.reqs[req as usize];
         let mut flags = IoFlags::NONE;
@@ -376,6 +379,7 @@ impl ServerLoop {
 
     /// Plain request `index` ended at the device with `status`: frees it, passes the gate
     /// back and queues its reply.
+    #[inline]
     pub(super) fn finish_plain(
         &self,
         conn: &Conn,
