@@ -76,19 +76,18 @@ impl AsFd for Listener {
 }
 
 impl Listener {
-    /// Accepts one connection: its socket, its peer (for logs), whom it counts against,
-    /// and whether it came over TCP. A TCP socket gets `TCP_NODELAY`: replies go out
-    /// as soon as they are sent.
-    pub(super) fn accept(&self) -> std::io::Result<(OwnedFd, String, Client, bool)> {
+    /// Accepts one connection: its socket, its peer (for logs) and whom it counts
+    /// against. A TCP socket gets `TCP_NODELAY`: replies go out as soon as they are sent.
+    pub(super) fn accept(&self) -> std::io::Result<(OwnedFd, String, Client)> {
         match self {
             Listener::Tcp(t) => t.accept().map(|(s, a)| {
                 let _ = s.set_nodelay(true);
                 let client = Client::Ip(a.ip().to_canonical());
-                (OwnedFd::from(s), a.to_string(), client, true)
+                (OwnedFd::from(s), a.to_string(), client)
             }),
             Listener::Unix { listener, .. } => listener.accept().map(|(s, _)| {
                 let client = Client::Uid(peer_uid(&s));
-                (OwnedFd::from(s), "unix".to_string(), client, false)
+                (OwnedFd::from(s), "unix".to_string(), client)
             }),
         }
     }

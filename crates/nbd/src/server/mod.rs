@@ -509,7 +509,7 @@ impl Served<'_> {
     fn accept_all(&self, listener: &Listener) {
         loop {
             match listener.accept() {
-                Ok((fd, peer, client, _tcp)) => {
+                Ok((fd, peer, client)) => {
                     if !admit(self.config, self.shared, &peer, client) {
                         continue;
                     }
