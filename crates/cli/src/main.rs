@@ -6,6 +6,7 @@
 //! during a run ends in exit status 1.
 
 mod admin;
+mod man;
 mod metrics;
 mod serve;
 mod settings;
@@ -175,6 +176,12 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
         }
         Command::Stat(args) => {
             stat::run(&args.socket, args.interval.as_deref(), args.count)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Man(args) => {
+            for page in man::write_pages(&args.dir)? {
+                out(&format!("{}\n", page.display()));
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Check(args) => {

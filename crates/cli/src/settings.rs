@@ -19,33 +19,47 @@ pub const DEFAULT_DEVICE: &str = "mem:1G";
 /// How long `cairn bench` runs when no length is given.
 pub const DEFAULT_RUNTIME_S: u64 = 10;
 
-const ABOUT: &str = "cairn: a userspace block-storage stack.
+const ABOUT: &str = "cairn: userspace block storage, served over NBD.
 
-Devices (null, mem, files through io_uring, linux-aio or plain syscalls), each I/O
-carried end to end by one reactor thread. `cairn bench` measures them the way fio does.";
+Builds disks from files, block devices, memory and other NBD servers, stacks them
+(linear, stripe, mirror, raid10, write-back caches) as a TOML stack file describes,
+serves them over NBD to qemu, libnbd's tools, fio and the kernel (or to the kernel as a
+file through FUSE), and measures them with a fio-style load generator.";
 
-const GLOBAL_HELP: &str =
-    "Switches, before or after the command (each restores a technique's \"before\",
-to measure its gain; a stack file's [tuning] sets them too, under these flags):
-  --clock cached|precise   technique 2: one clock read per batch, or one per timestamp
-  --reap eager|lazy        technique 5: reap completions right after submitting, or only
-                           when the reactor would otherwise block
-  --stats on|off           per-device statistics and latency histograms
-  --dispatch inline|handoff technique 4: stacked devices submit to members on the
-                           caller's thread, or through a worker thread per hop
-  --flush batched|serial   technique 1: one flush covers every flush that arrived before
-                           it started, or one flush per request, one at a time
+const GLOBAL_HELP: &str = "Examples:
+  cairn serve                                   a 1 GiB memory disk on nbd://127.0.0.1
+  cairn serve --device file:disk.img,size=8G    a file (created if missing) as the disk
+  cairn serve stack.toml --admin /tmp/cairn.sock
+                                                a stack file's exports, with an admin socket
+  cairn check stack.toml                        what a stack file would open or create
+  cairn admin /tmp/cairn.sock status            a running server's devices, clients, arrays
+  cairn bench --device null:1G --time_based --runtime 10
+                                                a fio-style load, in process
+
+Performance switches, before or after the command. Each is on by default and turns one
+optimisation off, to measure what it gives; a stack file's [tuning] table sets them too,
+and these flags win (the README's \"The switches\" has their history and figures):
+  --flush batched|serial   one device flush answers every flush request that arrived
+                           before it started, or one flush per request, one at a time
+  --clock cached|precise   read the clock once per batch of I/O, or at every timestamp
   --writeback per-device|shared
-                           technique 3: a flusher thread per cache device writing back in
-                           offset order, or one shared pool taking pages in dirtied order
+                           each cache writes back on a thread of its own, in offset
+                           order, or one shared pool of threads takes pages from every
+                           cache in the order they were dirtied
+  --dispatch inline|handoff
+                           arrays and other stacked devices pass requests to their
+                           members on the caller's thread, or through a worker thread
+                           at each layer
+  --reap eager|lazy        collect completions as soon as they are ready, or only when
+                           the thread would otherwise sleep
+  --stats on|off           per-device statistics and latency histograms (what status,
+                           stat, metrics and bench's report show), or none
 
-Examples:
-  cairn bench                                   10 s of 4 KiB random reads on mem:1G
-  cairn bench --device null:1G --iodepth 32     the engine's own overhead
-  cairn --clock precise bench --device null:1G  technique 2's \"before\"";
+More: `cairn COMMAND --help`, `man cairn-COMMAND` (`cairn man DIR` writes the pages),
+and README.md.";
 
 const BENCH_HELP: &str =
-    "The technique switches (--clock, --reap, --stats, --flush, --dispatch, --writeback)
+    "The performance switches (--flush, --clock, --writeback, --dispatch, --reap, --stats)
 apply here too: see cairn --help.
 
 A stack file (see `cairn check --help`) names devices and how they stack:
@@ -67,11 +81,11 @@ several jobs, each job gets its own slice of the region.
 Exit status: 0 success, 1 an I/O or verification failed, 2 bad arguments.
 
 Examples:
-  cairn bench --device null:1G --rw randread --bs 4k --iodepth 32 --runtime 10
-  cairn bench --device file:/dev/shm/a,size=1G,engine=aio --rw randread --runtime 10
+  cairn bench --device null:1G --rw randread --bs 4k --iodepth 32 --time_based --runtime 10
+  cairn bench --device file:/dev/shm/a,size=1G,engine=aio --rw randread --time_based --runtime 10
   cairn bench --device mem:256M --rw randwrite --verify crc32c --size 64M
-  cairn bench --device file:/tmp/db,size=1G --rw randwrite --iodepth 16 --fsync 1
-  cairn bench --device file:/tmp/db,size=1G --rw randwrite --fua-every 10
+  cairn bench --device file:/tmp/db,size=1G --rw randwrite --iodepth 16 --fsync 1 --time_based --runtime 30
+  cairn bench --device file:/tmp/db,size=1G --rw randwrite --fua-every 10 --time_based --runtime 30
   cairn bench --device null:1G --output-format json | jq '.jobs[0].read.iops'";
 
 /// Raw command line.
@@ -91,26 +105,27 @@ pub struct GlobalArgs {
     /// warn, info (default) or debug; off for none.
     #[arg(long, global = true, value_enum, default_value_t = LogLevel::Info)]
     pub log_level: LogLevel,
-    /// Technique 2: read the clock once per reactor batch (cached, default) or per timestamp.
+    /// Read the clock once per batch of I/O (cached, default) or at every timestamp.
     #[arg(long, global = true, value_enum, hide = true)]
     pub clock: Option<ClockArg>,
-    /// Technique 5: reap completions right after submitting (eager, default) or only when idle.
+    /// Collect completions as soon as they are ready (eager, default) or only when the
+    /// thread would otherwise sleep (lazy).
     #[arg(long, global = true, value_enum, hide = true)]
     pub reap: Option<ReapArg>,
     /// Keep per-device statistics and latency histograms (on, default).
     #[arg(long, global = true, value_enum, hide = true)]
     pub stats: Option<OnOff>,
-    /// Technique 1: one flush covers every flush that arrived before it started (batched,
-    /// default), or one flush per request, one at a time (serial).
+    /// One device flush answers every flush request that arrived before it started
+    /// (batched, default), or one flush per request, one at a time (serial).
     #[arg(long, global = true, value_enum, hide = true)]
     pub flush: Option<FlushArg>,
-    /// Technique 4: stacked devices submit to their members on the caller's thread
-    /// (inline, default) or through a worker thread per hop (handoff).
+    /// Stacked devices pass requests to their members on the caller's thread (inline,
+    /// default) or through a worker thread at each layer (handoff).
     #[arg(long, global = true, value_enum, hide = true)]
     pub dispatch: Option<DispatchArg>,
-    /// Technique 3: each cache device has its own flusher writing back in offset order
-    /// (per-device, default), or one shared pool takes pages from every cache in the
-    /// order they were dirtied (shared).
+    /// Each cache writes back on a thread of its own, in offset order (per-device,
+    /// default), or one shared pool of threads takes pages from every cache in the order
+    /// they were dirtied (shared).
     #[arg(long, global = true, value_enum, hide = true)]
     pub writeback: Option<WritebackArg>,
 }
@@ -230,6 +245,21 @@ pub enum Command {
     /// Watch a running server's devices, like `iostat -x`: rates per device each interval.
     #[command(after_help = STAT_HELP)]
     Stat(StatArgs),
+    /// Write the manual pages (cairn.1, cairn-serve.1, ...) into a directory.
+    #[command(after_help = MAN_HELP)]
+    Man(ManArgs),
+}
+
+const MAN_HELP: &str = "Examples:
+  cairn man ~/.local/share/man/man1             then: man cairn-serve
+  cairn man /usr/local/share/man/man1 && mandb -q";
+
+/// `cairn man DIR`.
+#[derive(Debug, Args)]
+pub struct ManArgs {
+    /// Where to write the pages (created if missing; pages there are replaced).
+    #[arg(value_name = "DIR")]
+    pub dir: PathBuf,
 }
 
 const STAT_HELP: &str = "Columns, per device, over each interval (write-zeroes count as writes):
@@ -300,7 +330,7 @@ pub const DEFAULT_SERVE_DEVICE: &str = "mem:1G";
 pub const DEFAULT_LISTEN: &str = "tcp:127.0.0.1:10809";
 
 const SERVE_HELP: &str =
-    "The technique switches (--clock, --reap, --stats, --flush, --dispatch, --writeback)
+    "The performance switches (--flush, --clock, --writeback, --dispatch, --reap, --stats)
 apply here too: see cairn --help.
 
 Exports:

@@ -409,6 +409,29 @@ mod help {
         assert_no_panic(&["--help"], &out);
     }
 
+    /// The help speaks to a user: it says cairn serves over NBD, and what each switch
+    /// does, leaving the techniques' numbers and history to the README.
+    #[test]
+    fn help_says_what_cairn_does_without_technique_numbers() {
+        let top = text(&cairn(&["--help"]).stdout);
+        assert!(top.contains("NBD"), "cairn --help never says NBD:\n{top}");
+        for args in [
+            vec!["--help"],
+            vec!["bench", "--help"],
+            vec!["serve", "--help"],
+            vec!["check", "--help"],
+            vec!["admin", "--help"],
+            vec!["stat", "--help"],
+            vec!["man", "--help"],
+        ] {
+            let help = text(&cairn(&args).stdout).to_lowercase();
+            assert!(
+                !help.contains("technique"),
+                "cairn {args:?} speaks of techniques:\n{help}"
+            );
+        }
+    }
+
     /// The technique switches are listed once, in the top-level help; check and admin,
     /// which they do not shape, do not list them.
     #[test]
