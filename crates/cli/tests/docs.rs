@@ -268,7 +268,7 @@ fn man_pages_cover_every_command_and_render_cleanly() {
                     text(&out.stderr)
                 );
                 // Piped, man emboldens by overstriking: "N\x08N".
-                let plain = text(&out.stdout).replace(|c: char| c == '\x08', "");
+                let plain = text(&out.stdout).replace('\x08', "");
                 assert!(plain.contains("NNAAMMEE") || plain.contains("NAME"), "{plain}");
             }
         }
