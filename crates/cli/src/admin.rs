@@ -1,30 +1,8 @@
 //! The admin socket of `cairn serve --admin PATH`, and `cairn admin PATH COMMAND`.
 //!
 //! A Unix socket, readable and writable by its owner only. Each connection carries one
-//! command line (at most 1 KiB) and gets one reply, then is closed:
-//!
-//!   devices                 every device served, with its members, one per line
-//!   status [--json]         the device tree with sizes, failed members and what caches
-//!                           wrote back; the exports with their connections (peer, since,
-//!                           requests, bytes) and FUSE files; then every array with
-//!                           metadata, as
-//!                           /proc/mdstat shows md's: members and their state, degraded
-//!                           or not, rebuild progress
-//!   stats [--json]          every device's /proc/diskstats-shaped counters and latency
-//!                           percentiles, summed over reactors, read while I/O runs
-//!   fail ARRAY MEMBER       mark a member of a mirror or raid10 with metadata failed
-//!                           (refused if some data would have no current copy left)
-//!   remove ARRAY MEMBER     record a failed member as missing, and close it
-//!   re-add ARRAY MEMBER     take a failed member back once it answers again: only the
-//!                           regions the bitmap marks are copied (else all of it)
-//!   add ARRAY SPEC          a new device (`file:PATH[,size=N]`) in place of a missing or
-//!                           failed member, rebuilt online; else a spare
-//!   replace ARRAY OLD SPEC  copy OLD's data to a new device, written with every write,
-//!                           then swap it in and close OLD (redundancy never drops)
-//!   power-cut [DEVICE...]   cut the power of these devices (default: every export's):
-//!                           what their volatile layers and caches hold and no flush has
-//!                           made durable is lost, as in a real power cut
-//!   help                    this list
+//! command line (at most 1 KiB) and gets one reply, then is closed. The commands are in
+//! [`COMMANDS`], the one list that help texts and dispatch share.
 //!
 //! A reply starts with `ok` or with `error:`.
 
@@ -43,26 +21,100 @@ use crate::view::{self, all_devices, View};
 /// Longest command line read.
 const MAX_LINE: u64 = 1024;
 
-const HELP: &str = "ok: commands:
-  devices                 every device served, with its members
-  status [--json]         the device tree with sizes, failed members and caches' dirty
-                          bytes; exports and their connections; then arrays with
-                          metadata: members, states, rebuild
-  stats [--json]          every device's /proc/diskstats-shaped counters and latency
-                          percentiles, summed over reactors
-  fail ARRAY MEMBER       mark a member failed (never the last current copy of any data)
-  remove ARRAY MEMBER     record a failed member as missing, and close it
-  re-add ARRAY MEMBER     take a failed member back once it answers again (a remote
-                          one reconnected): only the regions written since it left are
-                          copied, with a bitmap; else all of it
-  add ARRAY SPEC          a new device (file:PATH[,size=N]) in place of a missing or
-                          failed member, rebuilt online; else a spare
-  replace ARRAY OLD SPEC  build a new device from OLD's copies while it works, then
-                          swap it in and close OLD (redundancy never drops)
-  power-cut [DEVICE...]   lose what these devices (default: every export's) hold that no
-                          flush has made durable, as in a power cut
-  help                    this list
-";
+/// Every command the admin socket answers: its name, its usage and what it does. The
+/// one list: `cairn admin help`, `cairn admin --help`, the server's `help` reply and its
+/// refusal of an unknown command are all made from it, and [`command`] dispatches on
+/// these names (a unit test checks that each is dispatched).
+pub const COMMANDS: &[(&str, &str, &str)] = &[
+    (
+        "devices",
+        "devices",
+        "every device served, with its members",
+    ),
+    (
+        "status",
+        "status [--json]",
+        "the device tree with sizes, failed members and caches' write-back; the exports \
+         with their connections and FUSE files; then every array with metadata (members, \
+         states, rebuild), as /proc/mdstat",
+    ),
+    (
+        "stats",
+        "stats [--json]",
+        "every device's /proc/diskstats-shaped counters and latency percentiles, summed \
+         over reactors (`cairn stat` shows rates)",
+    ),
+    (
+        "fail",
+        "fail ARRAY MEMBER",
+        "mark a member of a mirror or raid10 failed (never the last current copy of any data)",
+    ),
+    (
+        "remove",
+        "remove ARRAY MEMBER",
+        "record a failed member as missing, and close it",
+    ),
+    (
+        "re-add",
+        "re-add ARRAY MEMBER",
+        "take a failed member back once its device answers again: only the regions \
+         written since it left are copied (with a bitmap; else all of it)",
+    ),
+    (
+        "add",
+        "add ARRAY SPEC",
+        "a new device (file:PATH[,size=N]) in place of a missing or failed member, rebuilt \
+         online while the array serves; a spare when no member is missing or failed",
+    ),
+    (
+        "replace",
+        "replace ARRAY OLD SPEC",
+        "build a new device from the array while OLD keeps working, then swap it in and \
+         close OLD (redundancy never drops)",
+    ),
+    (
+        "power-cut",
+        "power-cut [DEVICE...]",
+        "lose what these devices (default: every export's) hold that no flush has made \
+         durable (cache memory, volatile mem layers), as in a power cut",
+    ),
+    ("help", "help", "this list"),
+];
+
+/// The command list, usage and description, wrapped under a 26-column usage.
+pub fn help_text() -> String {
+    let mut out = String::new();
+    for (_, usage, what) in COMMANDS {
+        let mut line = format!("  {usage:<24}");
+        let mut width = line.len();
+        for word in what.split_whitespace() {
+            if width + 1 + word.len() > 90 && width > 26 {
+                out += line.trim_end();
+                out.push('\n');
+                line = format!("{:26}", "");
+                width = 26;
+            }
+            if width > 26 {
+                line.push(' ');
+                width += 1;
+            }
+            line += word;
+            width += word.len();
+        }
+        out += line.trim_end();
+        out.push('\n');
+    }
+    out
+}
+
+/// The commands' names, for a refusal.
+fn command_names() -> String {
+    COMMANDS
+        .iter()
+        .map(|(name, _, _)| *name)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
 
 /// The admin socket, bound and not yet answering: [`bind`] comes before any device is
 /// opened (a path in use refuses the start before anything is created), [`start`] once
@@ -314,7 +366,7 @@ fn command(line: &str, view: &View) -> String {
     let roots = &view.roots();
     let mut words = line.split_whitespace();
     match words.next() {
-        Some("help") | None => HELP.into(),
+        Some("help") | None => format!("ok: commands:\n{}", help_text()),
         Some("devices") => {
             let mut out = String::from("ok\n");
             for (depth, d) in all_devices(roots) {
@@ -404,7 +456,10 @@ fn command(line: &str, view: &View) -> String {
             format!("ok: power cut: {}\n", done.join(", "))
         }
         Some(other) => {
-            format!("error: unknown command '{other}' (known: devices, status, stats, fail, remove, add, replace, power-cut, help)\n")
+            format!(
+                "error: unknown command '{other}' (known: {})\n",
+                command_names()
+            )
         }
     }
 }
@@ -418,8 +473,7 @@ pub fn client(path: &Path, words: &[String]) -> Result<(), String> {
 
 /// Sends one command line; the reply's body (after `ok`), or the error it gives.
 pub fn request(path: &Path, line: &str) -> Result<String, String> {
-    let mut conn =
-        UnixStream::connect(path).map_err(|e| format!("admin {}: {e}", path.display()))?;
+    let mut conn = UnixStream::connect(path).map_err(|e| connect_error(path, &e))?;
     let _ = conn.set_read_timeout(Some(Duration::from_secs(60)));
     conn.write_all(format!("{line}\n").as_bytes())
         .map_err(|e| format!("admin {}: {e}", path.display()))?;
@@ -435,4 +489,73 @@ pub fn request(path: &Path, line: &str) -> Result<String, String> {
         .or_else(|| body.strip_prefix('\n'))
         .unwrap_or(body);
     Ok(body.to_string())
+}
+
+/// Why `cairn admin` could not reach a server at `path`, said by what the path is.
+fn connect_error(path: &Path, e: &std::io::Error) -> String {
+    use std::os::unix::fs::FileTypeExt;
+    let shown = path.display();
+    let what = match std::fs::metadata(path) {
+        Err(m) if m.kind() == std::io::ErrorKind::NotFound => {
+            "nothing is there (start the server with --admin PATH)".to_string()
+        }
+        Err(m) => format!("cannot look at it: {m}"),
+        Ok(m) if m.file_type().is_socket() => match e.kind() {
+            std::io::ErrorKind::ConnectionRefused => {
+                "a socket nobody listens on (the server that made it has stopped)".to_string()
+            }
+            _ => format!("a socket, but connecting failed: {e}"),
+        },
+        Ok(m) if m.is_dir() => "a directory, not an admin socket".to_string(),
+        Ok(m) if m.is_file() => "a regular file, not an admin socket".to_string(),
+        Ok(_) => "not a socket".to_string(),
+    };
+    format!("admin {shown}: {what}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view() -> View {
+        let spec = cairn_devices::LeafSpec::parse("null:1M").expect("a spec");
+        let device = cairn_devices::open(&spec, "n").expect("a null device");
+        View::new(&[device], Vec::new(), None)
+    }
+
+    /// Every command of the list is dispatched, and an unknown one is refused naming
+    /// them all.
+    #[test]
+    fn every_listed_command_is_dispatched() {
+        let view = view();
+        for (name, _, _) in COMMANDS {
+            let reply = command(name, &view);
+            assert!(
+                !reply.starts_with("error: unknown command"),
+                "{name}: {reply}"
+            );
+        }
+        let reply = command("frobnicate", &view);
+        assert!(reply.starts_with("error: unknown command 'frobnicate'"));
+        for (name, _, _) in COMMANDS {
+            assert!(reply.contains(name), "{name} missing from: {reply}");
+        }
+        let help = command("help", &view);
+        for (_, usage, _) in COMMANDS {
+            assert!(help.contains(usage), "{usage} missing from: {help}");
+        }
+    }
+
+    #[test]
+    fn help_lines_fit_and_keep_every_word() {
+        let help = help_text();
+        for line in help.lines() {
+            assert!(line.len() <= 92, "{line}");
+        }
+        for (_, _, what) in COMMANDS {
+            for word in what.split_whitespace() {
+                assert!(help.contains(word), "{word}");
+            }
+        }
+    }
 }

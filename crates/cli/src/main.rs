@@ -171,6 +171,16 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
         }
         Command::Serve(args) => serve::serve(&cli.global, &args),
         Command::Admin(args) => {
+            if args.command.is_empty() {
+                if args.socket.as_os_str() == "help" {
+                    out(&format!("commands:\n{}", admin::help_text()));
+                    return Ok(ExitCode::SUCCESS);
+                }
+                return Err(format!(
+                    "admin {}: no command given (`cairn admin help` lists them)",
+                    args.socket.display()
+                ));
+            }
             admin::client(&args.socket, &args.command)?;
             Ok(ExitCode::SUCCESS)
         }

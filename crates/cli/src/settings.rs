@@ -239,8 +239,8 @@ pub enum Command {
     /// Serve devices over NBD (a 1 GiB memory device when no stack file is given).
     #[command(after_help = SERVE_HELP)]
     Serve(Box<ServeArgs>),
-    /// Send a command to a running `cairn serve --admin PATH` (try: help).
-    #[command(after_help = ADMIN_HELP)]
+    /// Send a command to a running `cairn serve --admin PATH` (`cairn admin help` lists them).
+    #[command(after_help = admin_help())]
     Admin(AdminArgs),
     /// Watch a running server's devices, like `iostat -x`: rates per device each interval.
     #[command(after_help = STAT_HELP)]
@@ -290,37 +290,25 @@ pub struct StatArgs {
     pub count: Option<u64>,
 }
 
-const ADMIN_HELP: &str = "Commands:
-  devices                 every device served, with its members
-  status [--json]         the device tree with sizes, failed members and caches' write-back,
-                          the exports with their connections (peer, since, requests, bytes),
-                          then arrays with metadata, as /proc/mdstat: members, states, rebuild
-  stats [--json]          every device's /proc/diskstats-shaped counters and latency
-                          percentiles, summed over reactors (`cairn stat` shows rates)
-  fail ARRAY MEMBER       mark a member of a mirror or raid10 failed (never the last
-                          current copy of any data)
-  remove ARRAY MEMBER     record a failed member as missing, and close it
-  add ARRAY SPEC          a new device (file:PATH[,size=N]) in place of a missing or
-                          failed member, rebuilt online while the array serves;
-                          a spare when no member is missing or failed
-  replace ARRAY OLD SPEC  build a new device from the array while OLD keeps working,
-                          then swap it in and close OLD (redundancy never drops)
-  power-cut [DEVICE...]   lose what these devices (default: every export's) hold that no
-                          flush has made durable: cache memory, volatile mem layers
-  help                    this list
-
-Example:
-  cairn serve --admin /run/cairn.admin examples/hdd-caches.toml &
-  cairn admin /run/cairn.admin power-cut c0";
+/// `cairn admin --help`'s text after the options: the commands, from the one list.
+fn admin_help() -> String {
+    format!(
+        "Commands:\n{}\n`cairn admin help` prints this list without a server.\n\nExample:\n  \
+         cairn serve --admin /run/cairn.admin examples/hdd-caches.toml &\n  \
+         cairn admin /run/cairn.admin power-cut c0",
+        crate::admin::help_text()
+    )
+}
 
 /// `cairn admin` arguments.
 #[derive(Args, Debug)]
 pub struct AdminArgs {
-    /// The socket given to `cairn serve --admin`.
+    /// The socket given to `cairn serve --admin` (or `cairn bench --admin`); `help` alone
+    /// lists the commands.
     #[arg(value_name = "SOCKET")]
     pub socket: PathBuf,
     /// The command and its arguments.
-    #[arg(value_name = "COMMAND", required = true, num_args = 1.., trailing_var_arg = true, allow_hyphen_values = true)]
+    #[arg(value_name = "COMMAND", num_args = 0.., trailing_var_arg = true, allow_hyphen_values = true)]
     pub command: Vec<String>,
 }
 

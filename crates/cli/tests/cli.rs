@@ -92,17 +92,37 @@ mod bad_input {
         assert!(line.contains("<STACK.toml>"), "{line}");
         assert!(line.contains("see cairn check --help"), "{line}");
         let line = bad_input(&["admin"]);
-        assert!(
-            line.contains("<SOCKET>") && line.contains("<COMMAND>"),
-            "{line}"
-        );
+        assert!(line.contains("<SOCKET>"), "{line}");
         let line = bad_input(&["admin", "/tmp/sock"]);
         assert!(
-            line.contains("<COMMAND>") && !line.contains("<SOCKET>"),
+            line.contains("no command given") && line.contains("cairn admin help"),
             "{line}"
         );
         let line = bad_input(&["bench", "--bs"]);
         assert!(line.contains("--bs"), "{line}");
+    }
+
+    /// `cairn admin` on a path where no server answers says what the path is.
+    #[test]
+    fn admin_says_what_the_path_is() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let file = dir.path().join("plain");
+        std::fs::write(&file, b"x").expect("write");
+        let p = |path: &std::path::Path| path.to_str().expect("UTF-8").to_string();
+        let line = bad_input(&["admin", &p(&file), "status"]);
+        assert!(
+            line.contains("a regular file, not an admin socket"),
+            "{line}"
+        );
+        let line = bad_input(&["admin", &p(&dir.path().join("none")), "status"]);
+        assert!(line.contains("nothing is there"), "{line}");
+        let line = bad_input(&["admin", &p(dir.path()), "status"]);
+        assert!(line.contains("a directory"), "{line}");
+        // A socket whose listener has gone.
+        let sock = dir.path().join("stale.sock");
+        drop(std::os::unix::net::UnixListener::bind(&sock).expect("bind"));
+        let line = bad_input(&["admin", &p(&sock), "status"]);
+        assert!(line.contains("nobody listens"), "{line}");
     }
 
     #[test]
@@ -462,6 +482,35 @@ mod help {
             "--clock", "precise", "bench", "--device", "null:1M", "--size", "1M",
         ]);
         assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    }
+
+    /// `cairn admin help` lists the commands without a server, as `cairn admin --help`
+    /// does, `re-add` included.
+    #[test]
+    fn admin_help_needs_no_server() {
+        let out = cairn(&["admin", "help"]);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        let listed = text(&out.stdout);
+        let long = text(&cairn(&["admin", "--help"]).stdout);
+        for command in [
+            "devices",
+            "status",
+            "stats",
+            "fail",
+            "remove",
+            "re-add",
+            "add",
+            "replace",
+            "power-cut",
+            "help",
+        ] {
+            for (what, body) in [("cairn admin help", &listed), ("cairn admin --help", &long)] {
+                assert!(
+                    body.lines().any(|l| l.trim_start().starts_with(command)),
+                    "{what} lacks {command}:\n{body}"
+                );
+            }
+        }
     }
 
     #[test]

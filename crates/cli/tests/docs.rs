@@ -269,7 +269,10 @@ fn man_pages_cover_every_command_and_render_cleanly() {
                 );
                 // Piped, man emboldens by overstriking: "N\x08N".
                 let plain = text(&out.stdout).replace('\x08', "");
-                assert!(plain.contains("NNAAMMEE") || plain.contains("NAME"), "{plain}");
+                assert!(
+                    plain.contains("NNAAMMEE") || plain.contains("NAME"),
+                    "{plain}"
+                );
             }
         }
         None => skip(
