@@ -298,12 +298,9 @@ fn status_text_once(view: &View) -> String {
         out += &device_line(*depth, d);
     }
     out += &view::exports_text(view);
+    // Arrays with metadata (the default) have a status block; nothing is said of the rest.
     let arrays: Vec<String> = all.iter().filter_map(|(_, d)| d.array_status()).collect();
-    if arrays.is_empty() {
-        out += "no array keeps metadata\n";
-    } else {
-        out += &arrays.concat();
-    }
+    out += &arrays.concat();
     if let Some(k) = view.stack_file() {
         // As of now, not of the last look.
         view.sync_stack_file();

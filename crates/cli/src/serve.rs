@@ -39,7 +39,7 @@ fn chosen_exports(
             .device
             .as_deref()
             .unwrap_or(settings::DEFAULT_SERVE_DEVICE);
-        let leaf = cairn_devices::LeafSpec::parse(text).map_err(|e| format!("--device {e}"))?;
+        let leaf = cairn_devices::LeafSpec::parse(text).map_err(|e| format!("--device: {e}"))?;
         let chosen = Chosen {
             name: String::new(),
             device: 0,
@@ -70,11 +70,6 @@ fn chosen_exports(
             strict_alignment: args.strict_alignment,
         }]
     } else {
-        if args.read_only {
-            return Err(
-                "--read-only applies to --device; set read_only in the [export.NAME] tables".into(),
-            );
-        }
         if args.strict_alignment {
             return Err(
                 "--strict-alignment applies to --device; set strict_alignment in the [export.NAME] tables"
@@ -99,7 +94,8 @@ fn chosen_exports(
             v.push(Chosen {
                 name: name.clone(),
                 device,
-                read_only: e.read_only,
+                // --read-only makes every export read-only; it never makes one writable.
+                read_only: e.read_only || args.read_only,
                 description,
                 default: e.default,
                 fuse: e.fuse.clone(),

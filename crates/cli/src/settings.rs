@@ -231,7 +231,7 @@ impl GlobalArgs {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Run a fio-style load against a device and report IOPS, bandwidth and latency.
-    #[command(after_help = BENCH_HELP)]
+    #[command(after_help = BENCH_HELP, allow_negative_numbers = true)]
     Bench(Box<BenchArgs>),
     /// Validate a stack file and print its device tree with sizes.
     #[command(after_help = CHECK_HELP)]
@@ -360,10 +360,12 @@ pub struct ServeArgs {
     /// stack file, a device of the file.
     #[arg(long, value_name = "DEVICE")]
     pub device: Option<String>,
-    /// With --device: refuse writes.
+    /// Serve every export read-only (writes, trims and write-zeroes fail with EPERM),
+    /// whatever the stack file's export tables say.
     #[arg(long)]
     pub read_only: bool,
-    /// With --device: refuse requests not aligned to the device's blocks (EINVAL) even
+    /// With --device, or a stack file without export tables (set strict_alignment in
+    /// the tables otherwise): refuse requests not aligned to the device's blocks (EINVAL) even
     /// from clients that did not ask for block sizes, instead of serving them by
     /// read-modify-write.
     #[arg(long)]
@@ -830,6 +832,18 @@ pub fn read_stack(path: &std::path::Path) -> Result<StackFile, String> {
     Ok(stack.relative_to(path.parent().unwrap_or(std::path::Path::new(""))))
 }
 
+/// `cairn COMMAND` when the command line names one (for errors clap prints no usage
+/// with, such as an invalid value).
+fn command_in_argv() -> Option<String> {
+    use clap::CommandFactory;
+    let cli = Cli::command();
+    std::env::args().skip(1).find_map(|a| {
+        cli.get_subcommands()
+            .any(|c| c.get_name() == a)
+            .then(|| format!("cairn {a}"))
+    })
+}
+
 /// Ends the process for a clap error: help and version go to stdout with status 0;
 /// anything else is one line on stderr with status 2.
 pub fn clap_exit(e: clap::Error) -> ExitCode {
@@ -871,6 +885,7 @@ pub fn clap_exit(e: clap::Error) -> ExitCode {
                         .join(" ")
                 })
                 .filter(|c| !c.is_empty())
+                .or_else(command_in_argv)
                 .unwrap_or_else(|| "cairn".into());
             eprintln!("cairn: {message} (see {command} --help)");
             ExitCode::from(2)

@@ -102,6 +102,23 @@ mod bad_input {
         assert!(line.contains("--bs"), "{line}");
     }
 
+    /// Wording a new user met: a negative duration, a URI without its type, an invalid
+    /// value pointing at the command's own help.
+    #[test]
+    fn wording_points_at_the_fix() {
+        let line = bad_input(&["bench", "--device", "null:1M", "--runtime", "-5"]);
+        assert!(
+            line.contains("--runtime") && line.contains("negative"),
+            "{line}"
+        );
+        for uri in ["nbds://host/x", "nbd+unix:///x?socket=/s", "nbd://host/x"] {
+            let line = bad_input(&["bench", "--device", uri]);
+            assert!(line.contains(&format!("nbd:{uri}")), "{line}");
+        }
+        let line = bad_input(&["bench", "--verify", "md5"]);
+        assert!(line.contains("see cairn bench --help"), "{line}");
+    }
+
     /// `cairn admin` on a path where no server answers says what the path is.
     #[test]
     fn admin_says_what_the_path_is() {

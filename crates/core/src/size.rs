@@ -40,6 +40,11 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 /// seconds.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let t = text.trim();
+    if t.starts_with('-') {
+        return Err(format!(
+            "invalid duration '{text}': must not be negative (e.g. 10s, 500ms or 100us)"
+        ));
+    }
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());

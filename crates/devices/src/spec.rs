@@ -267,6 +267,12 @@ impl LeafSpec {
                         "invalid device '{text}': nbd needs a URI, such as nbd://HOST/EXPORT or nbd+unix:///?socket=PATH"
                     ));
                 }
+                if first.starts_with("//") {
+                    // `nbd://HOST/...` given without the type: `nbd:` was taken as it.
+                    return Err(format!(
+                        "invalid device '{text}': an NBD URI is given after the type: nbd:{text}"
+                    ));
+                }
                 cairn_nbd::uri::NbdUri::parse(first)
                     .map_err(|e| format!("invalid device '{text}': {e}"))?;
                 let mut connections = 1;
@@ -308,6 +314,9 @@ impl LeafSpec {
                     timeout,
                 })
             }
+            "nbds" | "nbd+unix" | "nbds+unix" | "nbd+vsock" | "nbds+vsock" => Err(format!(
+                "invalid device '{text}': an NBD URI is given after the type: nbd:{text}"
+            )),
             _ => Err(format!(
                 "invalid device '{text}': unknown type '{kind}' (use null, mem, file or nbd)"
             )),

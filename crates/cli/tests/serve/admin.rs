@@ -72,6 +72,19 @@ fn status_shows_the_tree_health_and_caches_and_json_for_scripts() {
     c.disconnect();
 }
 
+/// A server without arrays says nothing of arrays or metadata (it ended with "no array
+/// keeps metadata", a hint from before superblocks were the default).
+#[test]
+fn status_without_arrays_says_nothing_of_metadata() {
+    let dir = tmpdir();
+    let ctl = dir.path().join("admin.sock");
+    let srv = Server::start_in(dir, &["--device", "mem:16M", "--admin", path_str(&ctl)]);
+    let out = success("status", &admin(&ctl, &["status"]));
+    assert!(!out.contains("metadata"), "{out}");
+    assert!(out.contains("mem"), "{out}");
+    drop(srv);
+}
+
 /// `power-cut` through the admin socket loses exactly what no flush made durable:
 /// through a cache over a volatile mem, flushed and FUA writes survive, the rest is
 /// gone, even when written before a FUA write. A bad command changes nothing.

@@ -173,6 +173,34 @@ fn map_covers_the_export_and_never_claims_zeroes_over_data() {
     assert_eq!(data, vec![((3 << 20) + (512 << 10), 512 << 10)], "{out}");
 }
 
+/// `--read-only` makes every export of a stack file read-only, whatever its table says
+/// (it was refused with export tables, and said "with --device" only).
+#[test]
+fn read_only_covers_every_export_of_a_stack_file() {
+    const NAME: &str = "nbdinfo::read_only_covers_every_export_of_a_stack_file";
+    let Some([nbdinfo]) = tools(NAME, ["nbdinfo"]) else {
+        return;
+    };
+    let dir = tmpdir();
+    let stack = write_stack(
+        &dir,
+        "[device.a]\ntype = \"mem\"\nsize = \"8M\"\n\n\
+         [export.alpha]\ndevice = \"a\"\nread_only = false\n\n\
+         [export.beta]\ndevice = \"a\"\n",
+    );
+    let srv = Server::start_in(dir, &[path_str(&stack), "--read-only"]);
+    let out = success(
+        "nbdinfo --list --json",
+        &run(Command::new(&nbdinfo).args(["--list", "--json", &srv.uri()])),
+    );
+    let json: Value = serde_json::from_str(&out).expect("JSON");
+    let exports = json["exports"].as_array().expect("exports");
+    assert_eq!(exports.len(), 2, "{out}");
+    for e in exports {
+        assert_eq!(e["is_read_only"], true, "{out}");
+    }
+}
+
 #[test]
 fn list_names_every_export_with_its_description() {
     const NAME: &str = "nbdinfo::list_names_every_export_with_its_description";
