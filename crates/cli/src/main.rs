@@ -29,6 +29,7 @@ fn main() -> ExitCode {
         Err(e) => return settings::clap_exit(e),
     };
     init_logs(cli.global.log_level.filter());
+    let serving = matches!(cli.command, Command::Serve(_));
     let code = match run(cli) {
         Ok(code) => code,
         Err(message) => {
@@ -41,10 +42,18 @@ fn main() -> ExitCode {
     let lost = cairn_devices::cache::unwritten_at_close();
     if lost > 0 {
         log::error!(
-            "cairn: {lost} cached pages ({} bytes) of acknowledged writes could not be written back and are lost",
+            "cairn: {} ({} bytes) of acknowledged writes could not be written back and are lost",
+            cairn_core::size::plural(lost as u64, "cached page", "cached pages"),
             lost * cairn_devices::cache::PAGE
         );
+        if serving {
+            log::error!("cairn: serve: stopped, with acknowledged writes lost (exit status 1)");
+        }
         return ExitCode::from(1);
+    }
+    if serving && code == ExitCode::SUCCESS {
+        // Every device is closed and every cache written back: the last line of a run.
+        log::info!("cairn: serve: stopped");
     }
     code
 }
@@ -201,15 +210,7 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                 .check(args.device.as_deref(), switches)
                 .map_err(|e| format!("{}: {e}", args.stack.display()))?;
             out(&report);
-            out(&format!(
-                "switches: clock={:?} reap={:?} stats={:?} flush={:?} dispatch={:?} writeback={:?}\n",
-                switches.clock,
-                switches.reap,
-                switches.stats,
-                switches.flush,
-                switches.dispatch,
-                switches.writeback
-            ));
+            out(&format!("switches: {switches}\n"));
             Ok(ExitCode::SUCCESS)
         }
     }
@@ -225,12 +226,15 @@ fn interrupt_ends_bench() {
     let _ = std::thread::Builder::new()
         .name("cairn-signals".into())
         .spawn(move || {
-            for _ in signals.forever() {
+            for signo in signals.forever() {
                 if cairn_bench::INTERRUPTED.swap(true, std::sync::atomic::Ordering::Relaxed) {
                     // A second one: give up at once.
                     std::process::exit(130);
                 }
-                log::warn!("cairn: interrupted: ending the job (again to quit at once)");
+                log::warn!(
+                    "cairn: bench: {} received: ending the job (again to quit at once)",
+                    cairn_nbd::signal_name(signo)
+                );
             }
         });
 }

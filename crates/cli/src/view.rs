@@ -5,7 +5,8 @@
 
 use std::sync::{Arc, Weak};
 
-use cairn_core::{size::format_bytes, Device};
+use cairn_core::size::{format_bytes, plural};
+use cairn_core::Device;
 use cairn_core::{DeviceStatsSnapshot, Op};
 use cairn_nbd::Observer;
 
@@ -154,8 +155,11 @@ pub fn rfc3339(t: std::time::SystemTime) -> String {
 /// `N requests: R reads (BYTES), W writes (BYTES)`, as a status line shows them.
 fn io_counts(requests: u64, reads: u64, read_bytes: u64, writes: u64, written: u64) -> String {
     format!(
-        "{requests} requests: {reads} reads ({}), {writes} writes ({})",
+        "{}: {} ({}), {} ({})",
+        plural(requests, "request", "requests"),
+        plural(reads, "read", "reads"),
         format_bytes(read_bytes),
+        plural(writes, "write", "writes"),
         format_bytes(written)
     )
 }
@@ -214,18 +218,18 @@ pub fn exports_text(view: &View) -> String {
         for x in e.fuse.iter().filter_map(Weak::upgrade) {
             let f = x.figures();
             out += &format!(
-                "    fuse {} ({}): {}, {} flushes, {} errors\n",
+                "    fuse {} ({}): {}, {}, {}\n",
                 x.path().display(),
                 fuse_transport(&x),
                 io_counts(f.requests, f.reads, f.read_bytes, f.writes, f.written_bytes),
-                f.flushes,
-                f.errors
+                plural(f.flushes, "flush", "flushes"),
+                plural(f.errors, "error", "errors")
             );
         }
         for c in mine {
             let f = c.figures();
             out += &format!(
-                "    #{} {}{} ({} headers) since {} ({:.1} s), {}, holding {}: {}, {} flushes, {} trims, {} write-zeroes, {} block status, {} errors\n",
+                "    #{} {}{} ({} headers) since {} ({:.1} s), {}, holding {}: {}, {}, {}, {}, {} block status, {}\n",
                 c.id,
                 c.peer,
                 if c.tls { " TLS" } else { "" },
@@ -238,11 +242,11 @@ pub fn exports_text(view: &View) -> String {
                 },
                 format_bytes(c.held()),
                 io_counts(f.requests, f.reads, f.read_bytes, f.writes, f.written_bytes),
-                f.flushes,
-                f.trims,
-                f.write_zeroes,
+                plural(f.flushes, "flush", "flushes"),
+                plural(f.trims, "trim", "trims"),
+                plural(f.write_zeroes, "write-zeroes", "write-zeroes"),
                 f.block_status,
-                f.errors
+                plural(f.errors, "error", "errors")
             );
         }
     }
@@ -254,8 +258,8 @@ pub fn exports_text(view: &View) -> String {
             .map(|(name, n)| format!("{name} {n}"))
             .collect();
         out += &format!(
-            "  {} connections since start; error replies: {}\n",
-            o.accepted(),
+            "  {} since start; error replies: {}\n",
+            plural(o.accepted(), "connection", "connections"),
             if errors.is_empty() {
                 "none".to_string()
             } else {
@@ -466,7 +470,7 @@ pub fn stats_text(view: &View) -> String {
             format!("{}{name}", "  ".repeat(*depth)),
             fields.join(" "),
             if s.errors > 0 {
-                format!("  ({} errors)", s.errors)
+                format!("  ({})", plural(s.errors, "error", "errors"))
             } else {
                 String::new()
             }

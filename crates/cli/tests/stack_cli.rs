@@ -198,10 +198,18 @@ mod check {
         // else.
         let stderr = text(&out.stderr);
         assert!(
-            stderr.lines().all(
-                |l| l.contains(" INFO ") && l.contains("r: would create a raid10 of 4 members")
-            ),
+            stderr
+                .lines()
+                .all(|l| l.contains(" INFO ")
+                    && l.ends_with("r: would create a raid10 of 4 members")),
             "{stderr}"
+        );
+        // The switches as the command line writes them.
+        assert!(
+            stdout.contains(
+                "switches: clock=cached reap=eager stats=on flush=batched dispatch=inline writeback=per-device"
+            ),
+            "{stdout}"
         );
         let lines: Vec<&str> = stdout.lines().collect();
         assert!(lines[0].starts_with("r (8MiB)"), "{stdout}");

@@ -194,6 +194,42 @@ pub struct Core {
     ring: RefCell<IoUring>,
 }
 
+impl std::fmt::Display for Switches {
+    /// As the command line writes them: `clock=cached reap=eager stats=on flush=batched
+    /// dispatch=inline writeback=per-device`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use crate::{ClockMode, FlushMode, StatsMode};
+        write!(
+            f,
+            "clock={} reap={} stats={} flush={} dispatch={} writeback={}",
+            match self.clock {
+                ClockMode::Cached => "cached",
+                ClockMode::Precise => "precise",
+            },
+            match self.reap {
+                ReapMode::Eager => "eager",
+                ReapMode::Lazy => "lazy",
+            },
+            match self.stats {
+                StatsMode::On => "on",
+                StatsMode::Off => "off",
+            },
+            match self.flush {
+                FlushMode::Batched => "batched",
+                FlushMode::Serial => "serial",
+            },
+            match self.dispatch {
+                DispatchMode::Inline => "inline",
+                DispatchMode::Handoff => "handoff",
+            },
+            match self.writeback {
+                WritebackMode::PerDevice => "per-device",
+                WritebackMode::Shared => "shared",
+            },
+        )
+    }
+}
+
 impl Core {
     /// The reactor's clock.
     #[inline]

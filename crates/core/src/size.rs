@@ -89,6 +89,53 @@ pub fn format_bytes(bytes: u64) -> String {
     }
 }
 
+/// Formats a rate in bytes a second the way sizes are written, e.g. `138.6MiB/s`: logs and
+/// status use this one style (bench's reports keep fio's decimal MB/s).
+pub fn format_rate(bytes_per_s: f64) -> String {
+    let whole = if bytes_per_s.is_finite() && bytes_per_s > 0.0 {
+        bytes_per_s.round() as u64
+    } else {
+        0
+    };
+    format!("{}/s", format_bytes(whole))
+}
+
+/// Formats a duration as it is written on the command line: `30s`, `1.5s`, `250ms`,
+/// `10m`, `2h`.
+pub fn format_duration(d: Duration) -> String {
+    let ns = d.as_nanos();
+    let s = d.as_secs();
+    if ns == 0 {
+        "0s".into()
+    } else if ns % 3_600_000_000_000 == 0 {
+        format!("{}h", s / 3600)
+    } else if ns % 60_000_000_000 == 0 {
+        format!("{}m", s / 60)
+    } else if ns >= 1_000_000_000 {
+        let v = d.as_secs_f64();
+        if v.fract() == 0.0 {
+            format!("{s}s")
+        } else {
+            format!("{v:.1}s")
+        }
+    } else if ns >= 1_000_000 {
+        format!("{}ms", d.as_millis())
+    } else if ns >= 1_000 {
+        format!("{}us", d.as_micros())
+    } else {
+        format!("{ns}ns")
+    }
+}
+
+/// `1 request`, `2 requests`: a count with its noun, singular for one.
+pub fn plural(n: u64, singular: &str, plural: &str) -> String {
+    if n == 1 {
+        format!("1 {singular}")
+    } else {
+        format!("{n} {plural}")
+    }
+}
+
 /// Formats a count with a decimal suffix, as fio prints IOPS: `2.85M`, `84.1k`, `950`.
 pub fn format_count(n: f64) -> String {
     if n >= 1e9 {
@@ -125,6 +172,27 @@ mod tests {
             "16777216P",
         ] {
             assert!(parse_size(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn formats() {
+        assert_eq!(format_rate(138.6 * 1024.0 * 1024.0), "138.6MiB/s");
+        assert_eq!(format_rate(0.0), "0B/s");
+        assert_eq!(format_rate(f64::NAN), "0B/s");
+        assert_eq!(format_duration(Duration::from_secs(30)), "30s");
+        assert_eq!(format_duration(Duration::from_millis(1500)), "1.5s");
+        assert_eq!(format_duration(Duration::from_millis(250)), "250ms");
+        assert_eq!(format_duration(Duration::from_secs(600)), "10m");
+        assert_eq!(format_duration(Duration::from_secs(7200)), "2h");
+        assert_eq!(format_duration(Duration::ZERO), "0s");
+        assert_eq!(plural(1, "request", "requests"), "1 request");
+        assert_eq!(plural(0, "request", "requests"), "0 requests");
+        assert_eq!(plural(2, "entry", "entries"), "2 entries");
+        // Round trips through the parser.
+        for text in ["30s", "1.5s", "250ms", "10m", "2h", "100us"] {
+            let d = parse_duration(text).expect("parses");
+            assert_eq!(format_duration(d), text);
         }
     }
 

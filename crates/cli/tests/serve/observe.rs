@@ -344,10 +344,7 @@ fn notify_socket_gets_ready_and_stopping() {
     let n = sock.recv(&mut buf).expect("a STOPPING notification");
     let stopping = text_of(&buf[..n]);
     assert!(stopping.lines().any(|l| l == "STOPPING=1"), "{stopping}");
-    assert!(
-        stopping.contains("STATUS=stopping (signal 15)"),
-        "{stopping}"
-    );
+    assert!(stopping.contains("STATUS=stopping (SIGTERM)"), "{stopping}");
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{}", text_of(&out.stderr));
 }

@@ -48,6 +48,8 @@ fn logs_have_times_levels_and_a_line_per_connect_and_disconnect() {
     let (mut c, _, _) = Raw::go(&srv.sock, "");
     c.write_ok(1, 0, 0, &[3u8; 4096]);
     c.write_ok(2, 0, 4096, &[4u8; 4096]);
+    c.request(0, CMD_FLUSH, 3, 0, 0, &[]).unwrap();
+    c.expect(3, 0);
     c.disconnect();
     let deadline = Instant::now() + IO_TIMEOUT;
     while !srv.stderr().contains("disconnected from export") {
@@ -84,7 +86,18 @@ fn logs_have_times_levels_and_a_line_per_connect_and_disconnect() {
         .lines()
         .find(|l| l.contains("disconnected from export ''"))
         .unwrap_or_else(|| panic!("{log}"));
-    assert!(gone.contains(" 3 requests"), "{gone}");
+    // Counts of one are singular.
+    assert!(
+        gone.contains(" 4 requests (0 reads, 2 writes, 1 flush, 0 trims"),
+        "{gone}"
+    );
+    // The signal by name, and a last line once everything is closed.
+    assert!(log.contains(" SIGTERM received: "), "{log}");
+    let last = log.lines().last().unwrap_or("");
+    assert!(
+        last.contains(" INFO ") && last.ends_with("cairn: serve: stopped"),
+        "{log}"
+    );
     assert!(gone.contains("(the client disconnected)"), "{gone}");
     assert!(gone.contains(" after "), "{gone}");
 }
@@ -108,8 +121,13 @@ fn sigusr1_and_sigusr2_log_a_status_and_serving_goes_on() {
         }
     }
     let log = srv.stderr();
-    assert!(log.contains("1 connection(s)"), "{log}");
-    assert!(log.contains("export '': mem"), "{log}");
+    assert!(log.contains("status: 1 connection;"), "{log}");
+    // A healthy export is logged at info, not as a warning.
+    let export = log
+        .lines()
+        .find(|l| l.contains("export '': mem"))
+        .unwrap_or_else(|| panic!("{log}"));
+    assert!(export.contains(" INFO "), "{export}");
     // Still serving, the connected client and a new one.
     c.write_ok(1, 0, 0, &[7u8; 4096]);
     let (mut d, _, _) = Raw::go(&srv.sock, "");
@@ -135,7 +153,7 @@ fn sigterm_flushes_acknowledged_writes_and_exits_0() {
     // The client stays connected, idle.
     let (status, log) = srv.stop();
     assert!(status.success(), "exit status {status}; stderr:\n{log}");
-    assert!(log.contains("signal 15"), "{log}");
+    assert!(log.contains("SIGTERM received"), "{log}");
     assert_closed(&mut c, "a connected client at SIGTERM");
     assert!(!srv.sock.exists(), "the socket file is removed at exit");
     let file = std::fs::read(&disk).unwrap();
@@ -201,7 +219,7 @@ fn sigterm_finishes_requests_in_flight_and_refuses_later_ones_with_eshutdown() {
     );
     srv.signal(libc::SIGTERM);
     assert!(
-        srv.wait_for_stderr("signal 15", IO_TIMEOUT),
+        srv.wait_for_stderr("SIGTERM received", IO_TIMEOUT),
         "{}",
         srv.stderr()
     );
@@ -281,7 +299,7 @@ fn sigterm_answers_a_write_whose_payload_is_still_arriving() {
     std::thread::sleep(Duration::from_millis(300));
     srv.signal(libc::SIGTERM);
     assert!(
-        srv.wait_for_stderr("signal 15", IO_TIMEOUT),
+        srv.wait_for_stderr("SIGTERM received", IO_TIMEOUT),
         "{}",
         srv.stderr()
     );

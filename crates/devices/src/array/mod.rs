@@ -358,14 +358,24 @@ impl Metadata {
             );
         }
         if examined.plan.created && logged {
-            log::info!(
-                "cairn: {}: {} a {} of {} members ({})",
-                expect.name,
-                if dry { "would create" } else { "created" },
-                expect.level.name(),
-                expect.members.len(),
-                superblock::uuid_text(&examined.plan.array_uuid)
-            );
+            // The UUID is named only once it is written: a dry run's is drawn at random
+            // and is not the one a real start would write.
+            if dry {
+                log::info!(
+                    "cairn: {}: would create a {} of {} members",
+                    expect.name,
+                    expect.level.name(),
+                    expect.members.len()
+                );
+            } else {
+                log::info!(
+                    "cairn: {}: created a {} of {} members ({})",
+                    expect.name,
+                    expect.level.name(),
+                    expect.members.len(),
+                    superblock::uuid_text(&examined.plan.array_uuid)
+                );
+            }
         }
         // The bitmap: the stack file's region (grown to fit), with the recorded bits
         // carried over (converted if the region changed). An array that had none starts

@@ -486,10 +486,12 @@ fn run_to_end(job: Job) {
         if last_log.elapsed() >= Duration::from_secs(5) {
             let rate = done as f64 / secs.max(1e-9);
             log::info!(
-                "cairn: {}: {what} {:.1}% ({done} of {total} bytes, {:.0} MB/s, {:.0} s left)",
+                "cairn: {}: {what} {:.1}% ({} of {}, {}, {:.0} s left)",
                 job.name,
                 done as f64 * 100.0 / total.max(1) as f64,
-                rate / 1e6,
+                cairn_core::size::format_bytes(done),
+                cairn_core::size::format_bytes(total),
+                cairn_core::size::format_rate(rate),
                 (total - done.min(total)) as f64 / rate.max(1.0)
             );
             last_log = Instant::now();
@@ -515,10 +517,10 @@ fn run_to_end(job: Job) {
         .collect();
     let secs = began.elapsed().as_secs_f64();
     log::info!(
-        "cairn: {}: {what} of {} done: {total} bytes in {secs:.3} s ({:.0} MB/s); read {} bytes, wrote {} bytes",
+        "cairn: {}: {what} of {} done: {total} bytes in {secs:.3} s ({}); read {} bytes, wrote {} bytes",
         job.name,
         names(&job, &copied),
-        total as f64 / secs.max(1e-9) / 1e6,
+        cairn_core::size::format_rate(total as f64 / secs.max(1e-9)),
         sync.read_bytes.load(Relaxed),
         sync.written_bytes.load(Relaxed),
     );

@@ -197,16 +197,24 @@ fn notify(states: &[sd_notify::NotifyState<'_>]) {
 /// failed members and, for arrays with metadata, their status.
 fn log_status(exports: &[Export], connections: usize, budget: &crate::server::pool::Budget) {
     log::info!(
-        "cairn: serve: status: {connections} connection(s); buffers {} of {} bytes (--memory-budget), {} waits for memory",
-        budget.used(),
-        budget.limit(),
-        budget.waits()
+        "cairn: serve: status: {}; buffers {} of {} (--memory-budget), {} for memory",
+        cairn_core::size::plural(connections as u64, "connection", "connections"),
+        cairn_core::size::format_bytes(budget.used() as u64),
+        cairn_core::size::format_bytes(budget.limit() as u64),
+        cairn_core::size::plural(budget.waits(), "wait", "waits")
     );
     let mut seen: Vec<String> = Vec::new();
     for e in exports {
         let d = &e.device;
         let failed = d.failed_members();
-        log::warn!(
+        // A healthy export is news at info; a degraded one is a warning.
+        let level = if failed.is_empty() {
+            log::Level::Info
+        } else {
+            log::Level::Warn
+        };
+        log::log!(
+            level,
             "cairn: serve: export '{}': {} ({} bytes){}",
             e.info.name,
             d.name(),
@@ -491,14 +499,15 @@ impl Served<'_> {
             log_status(self.exports, self.shared.admission.live(), self.budget);
             return None;
         }
+        let name = signal_name(signo);
         log::info!(
-            "cairn: serve: signal {signo} received: finishing requests in flight, flushing, closing (at most {:?})",
-            self.config.shutdown_timeout
+            "cairn: serve: {name} received: finishing requests in flight, flushing, closing (at most {})",
+            cairn_core::size::format_duration(self.config.shutdown_timeout)
         );
         notify(&[
             sd_notify::NotifyState::Stopping,
             sd_notify::NotifyState::Status(&format!(
-                "stopping (signal {signo}): finishing requests in flight, flushing, closing"
+                "stopping ({name}): finishing requests in flight, flushing, closing"
             )),
         ]);
         Some(watchdog(self.config, self.exports))
@@ -579,4 +588,11 @@ impl Closing {
     fn now(&self) {
         *self.0.lock().unwrap_or_else(|p| p.into_inner()) = true;
     }
+}
+
+/// A signal's name, as `kill -l` prints it with the SIG prefix (`SIGTERM`), or its number.
+pub fn signal_name(signo: i32) -> String {
+    nix::sys::signal::Signal::try_from(signo)
+        .map(|s| s.as_str().to_string())
+        .unwrap_or_else(|_| format!("signal {signo}"))
 }

@@ -21,6 +21,7 @@
 //! requests that need more, then `reply` (the reply queued and sent) once the device
 //! completes; `limits` holds what bounds a connection's memory and time.
 
+use cairn_core::size::plural;
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -770,16 +771,16 @@ impl ServerLoop {
         let c = &st.counts;
         let f = conn.info.figures();
         log::info!(
-            "cairn: serve: {}: disconnected from export '{}' after {:.3} s: {} requests ({} reads, {} writes, {} flushes, {} trims, {} write-zeroes, {} block status; the longest {} bytes{}), {} bytes received, {} bytes sent ({})",
+            "cairn: serve: {}: disconnected from export '{}' after {:.3} s: {} ({}, {}, {}, {}, {}, {} block status; the longest {} bytes{}), {} bytes received, {} bytes sent ({})",
             conn.peer,
             self.exports[conn.export].info.name,
             st.since.elapsed().as_secs_f64(),
-            f.requests,
-            f.reads,
-            f.writes,
-            f.flushes,
-            f.trims,
-            f.write_zeroes,
+            plural(f.requests, "request", "requests"),
+            plural(f.reads, "read", "reads"),
+            plural(f.writes, "write", "writes"),
+            plural(f.flushes, "flush", "flushes"),
+            plural(f.trims, "trim", "trims"),
+            plural(f.write_zeroes, "write-zeroes", "write-zeroes"),
             f.block_status,
             f.largest,
             if c.unaligned > 0 {
