@@ -107,9 +107,9 @@ pub fn format_duration(d: Duration) -> String {
     let s = d.as_secs();
     if ns == 0 {
         "0s".into()
-    } else if ns % 3_600_000_000_000 == 0 {
+    } else if ns.is_multiple_of(3_600_000_000_000) {
         format!("{}h", s / 3600)
-    } else if ns % 60_000_000_000 == 0 {
+    } else if ns.is_multiple_of(60_000_000_000) {
         format!("{}m", s / 60)
     } else if ns >= 1_000_000_000 {
         let v = d.as_secs_f64();
