@@ -102,6 +102,32 @@ fn logs_have_times_levels_and_a_line_per_connect_and_disconnect() {
     assert!(gone.contains(" after "), "{gone}");
 }
 
+/// A client that leaves during the handshake is logged at info: it is no fault of the
+/// server's (it was a warning).
+#[test]
+fn a_client_leaving_during_the_handshake_is_info() {
+    let srv = Server::start(&["--device", "mem:8M"]);
+    let s = UnixStream::connect(&srv.sock).expect("connect");
+    let mut greeting = [0u8; 18];
+    (&s).read_exact(&mut greeting)
+        .expect("the server's greeting");
+    // Half a client flags word, then gone.
+    (&s).write_all(&[0, 0]).expect("write");
+    drop(s);
+    assert!(
+        srv.wait_for_stderr("closed during the handshake", IO_TIMEOUT),
+        "{}",
+        srv.stderr()
+    );
+    let log = srv.stderr();
+    let line = log
+        .lines()
+        .find(|l| l.contains("closed during the handshake"))
+        .unwrap_or("");
+    assert!(line.contains(" INFO "), "{log}");
+    assert!(!log.contains(" WARN "), "{log}");
+}
+
 /// SIGUSR1 and SIGUSR2 log a status and never stop the server; SIGHUP stops it as
 /// SIGTERM does, with the socket file removed.
 #[test]

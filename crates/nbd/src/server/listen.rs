@@ -86,8 +86,8 @@ impl Listener {
                 (OwnedFd::from(s), a.to_string(), client)
             }),
             Listener::Unix { listener, .. } => listener.accept().map(|(s, _)| {
-                let client = Client::Uid(peer_uid(&s));
-                (OwnedFd::from(s), "unix".to_string(), client)
+                let (uid, name) = unix_peer(&s);
+                (OwnedFd::from(s), name, Client::Uid(uid))
             }),
         }
     }
@@ -202,7 +202,18 @@ fn activated() -> Vec<(Listener, String)> {
         .collect()
 }
 
-/// The user id of a Unix socket's peer (`u32::MAX` if the kernel does not say).
-fn peer_uid(socket: &UnixStream) -> u32 {
-    rustix::net::sockopt::socket_peercred(socket).map_or(u32::MAX, |c| c.uid.as_raw())
+/// A Unix socket's peer: its user id (`u32::MAX` if the kernel does not say), and how
+/// logs and status name it, `unix (uid 1000, pid 4242)` (`SO_PEERCRED`: who connected).
+fn unix_peer(socket: &UnixStream) -> (u32, String) {
+    match rustix::net::sockopt::socket_peercred(socket) {
+        Ok(c) => (
+            c.uid.as_raw(),
+            format!(
+                "unix (uid {}, pid {})",
+                c.uid.as_raw(),
+                c.pid.as_raw_nonzero()
+            ),
+        ),
+        Err(_) => (u32::MAX, "unix".to_string()),
+    }
 }

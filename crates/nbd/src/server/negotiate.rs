@@ -54,7 +54,12 @@ pub(super) fn handshake(fd: OwnedFd, (peer, client): (&str, Client), shared: &Sh
         }
         Ok(None) => false,
         Err(e) => {
-            if e.kind() != std::io::ErrorKind::UnexpectedEof {
+            use std::io::ErrorKind::{BrokenPipe, ConnectionReset, UnexpectedEof};
+            if matches!(e.kind(), UnexpectedEof | ConnectionReset | BrokenPipe) {
+                // A client that leaves mid-handshake (a probe, a port scan, a client
+                // giving up) is not a fault of the server's.
+                log::info!("cairn: serve: {peer}: closed during the handshake");
+            } else {
                 log::warn!("cairn: serve: {peer}: handshake: {e}");
             }
             false
