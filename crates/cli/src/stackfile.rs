@@ -273,15 +273,21 @@ fn update(doc: &mut DocumentMut, arrays: &[Arrays]) -> Vec<String> {
                 quoted_list(&old_spares)
             ));
         }
-        let mut line = format!("[device.{array}] {}", lists.join(", "));
+        // Names as a TOML header writes them: [device."c.img"].
+        let header = |name: &str| format!("[device.{}]", toml_edit::Key::new(name).display_repr());
+        let headers = |names: &[String]| {
+            names
+                .iter()
+                .map(|n| header(n))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let mut line = format!("{} {}", header(array), lists.join(", "));
         if !added.is_empty() {
-            line += &format!("; added [device.{}]", added.join("], [device."));
+            line += &format!("; added {}", headers(&added));
         }
         if !removed.is_empty() {
-            line += &format!(
-                "; removed [device.{}], no longer used",
-                removed.join("], [device.")
-            );
+            line += &format!("; removed {}, no longer used", headers(&removed));
         }
         changes.push(line);
     }
@@ -492,7 +498,7 @@ bitmap = "64M"
         assert_eq!(changes.len(), 1, "{changes:?}");
         assert!(
             changes[0].contains("members = [\"c.img\", \"b\"] (was [\"fa\", \"b\"])")
-                && changes[0].contains("added [device.c.img]")
+                && changes[0].contains("added [device.\"c.img\"]")
                 && changes[0].contains("removed [device.fa], [device.a]"),
             "{}",
             changes[0]
@@ -573,7 +579,7 @@ bitmap = "64M"
         assert!(
             changes[0].contains("spares = [\"s.img\"] (was [])")
                 && !changes[0].contains("members =")
-                && changes[0].contains("added [device.s.img]"),
+                && changes[0].contains("added [device.\"s.img\"]"),
             "{}",
             changes[0]
         );

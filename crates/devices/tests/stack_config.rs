@@ -318,6 +318,12 @@ mod types_and_keys {
     fn missing_type() {
         let m = parse_err("[device.d0]\nsize = \"1M\"\n");
         assert_names(&m, "d0", "'type'");
+        assert!(!m.contains("quoted"), "{m}");
+        // A name with a dot, unquoted (as `admin add` names a file member): the hint
+        // says how to write it.
+        let m = parse_err("[device.c.img]\ntype = \"file\"\npath = \"c.img\"\n");
+        assert_names(&m, "c", "'type'");
+        assert!(m.contains("[device.\"c.img\"]"), "{m}");
     }
 
     #[test]

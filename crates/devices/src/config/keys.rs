@@ -533,7 +533,23 @@ pub(super) fn parse_device(
     let kind = match table.get("type") {
         Some(Value::String(t)) => t.as_str(),
         Some(_) => return Err(err(format!("device '{name}': key 'type' must be a string"))),
-        None => return Err(err(format!("device '{name}': key 'type' is missing"))),
+        None => {
+            // `[device.c.img]` is device `c` holding a table `img`: a name with a dot
+            // must be quoted.
+            let nested: Vec<&String> = table
+                .iter()
+                .filter(|(_, v)| v.is_table())
+                .map(|(k, _)| k)
+                .collect();
+            if !nested.is_empty() && nested.len() == table.len() {
+                let dotted = format!("{name}.{}", nested[0]);
+                return Err(err(format!(
+                    "device '{name}': key 'type' is missing (the header [device.{dotted}] names a device '{name}' with a table '{}' in it: a name with a dot is quoted, [device.\"{dotted}\"])",
+                    nested[0]
+                )));
+            }
+            return Err(err(format!("device '{name}': key 'type' is missing")));
+        }
     };
     let known: &'static [&'static str] = match kind {
         "null" => &["size", "block"],
