@@ -256,6 +256,13 @@ fn device_line(depth: usize, d: &Arc<dyn Device>) -> String {
     )
 }
 
+/// What `status` says, without the reply's `ok`: for a status report in the log (bench's
+/// SIGUSR1).
+pub fn status_report(view: &View) -> String {
+    let text = status_text(view);
+    text.strip_prefix("ok\n").unwrap_or(&text).to_string()
+}
+
 /// `status`: the device tree with sizes and health, then every array with metadata as
 /// /proc/mdstat shows md's.
 fn status_text(view: &View) -> String {

@@ -131,12 +131,13 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                 .pop()
                 .ok_or("bench: no device opened")?;
             let progress = std::io::stderr().is_terminal() && format == OutputFormat::Normal;
-            // SIGINT and SIGTERM end the job early, with its report (as fio's Ctrl-C).
-            interrupt_ends_bench();
             let view = std::sync::Arc::new(
                 view::View::new(std::slice::from_ref(&device), Vec::new(), None)
                     .with_stack_file(stack_path.as_deref()),
             );
+            // SIGINT and SIGTERM end the job early, with its report (as fio's Ctrl-C);
+            // SIGUSR1 and SIGUSR2 log a status, as they do for serve.
+            bench_signals(view.clone());
             let admin = match admin {
                 Some(bound) => Some(admin::start(bound, view.clone())?),
                 None => None,
@@ -216,17 +217,26 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
     }
 }
 
-/// Takes SIGINT and SIGTERM (signal-hook's handler, which only wakes its iterator) and
-/// waits for them on a thread of its own, which ends the bench's jobs when one comes.
-fn interrupt_ends_bench() {
-    use signal_hook::consts::{SIGINT, SIGTERM};
-    let Ok(mut signals) = signal_hook::iterator::Signals::new([SIGINT, SIGTERM]) else {
+/// Takes SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 (signal-hook's handler, which only wakes
+/// its iterator) and waits for them on a thread of its own: the first two end the
+/// bench's jobs, the others log a status of `view` (the device tree, failed members,
+/// arrays) and the job goes on.
+fn bench_signals(view: std::sync::Arc<view::View>) {
+    use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
+    let Ok(mut signals) = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGUSR1, SIGUSR2])
+    else {
         return;
     };
     let _ = std::thread::Builder::new()
         .name("cairn-signals".into())
         .spawn(move || {
             for signo in signals.forever() {
+                if signo == SIGUSR1 || signo == SIGUSR2 {
+                    for line in admin::status_report(&view).lines() {
+                        log::info!("cairn: bench: status: {line}");
+                    }
+                    continue;
+                }
                 if cairn_bench::INTERRUPTED.swap(true, std::sync::atomic::Ordering::Relaxed) {
                     // A second one: give up at once.
                     std::process::exit(130);

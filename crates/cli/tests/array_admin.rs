@@ -758,3 +758,48 @@ fn a_spare_takes_the_place_of_a_member_that_fails_under_load() {
     );
     copies_agree(d, &["s1.img".into(), "s2.img".into()]);
 }
+
+/// SIGUSR1 and SIGUSR2 make `cairn bench` log a status (the device tree and the array's
+/// lines, as `cairn serve` does) and the job goes on; SIGINT then ends it with its
+/// report and the signal named. (SIGUSR1 killed bench, with no report.)
+#[test]
+fn bench_logs_a_status_on_sigusr1_and_goes_on() {
+    let dir = tmpdir();
+    let stack = dir.path().join("stack.toml");
+    std::fs::write(
+        &stack,
+        "[device.a]\ntype = \"mem\"\nsize = \"16M\"\n\
+         [device.b]\ntype = \"mem\"\nsize = \"16M\"\n\
+         [device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"b\"]\n",
+    )
+    .unwrap();
+    let sock = dir.path().join("admin.sock");
+    let mut bench = verifying_bench(&stack, &sock, 4);
+    for signal in [libc::SIGUSR1, libc::SIGUSR2] {
+        // SAFETY: signals our own child, which has not been waited for.
+        unsafe { libc::kill(bench.child().id() as i32, signal) };
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(
+            bench.child().try_wait().unwrap().is_none(),
+            "bench ended on signal {signal}"
+        );
+    }
+    let out = bench.stop(libc::SIGINT);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stdout.contains("verify"), "no report:\n{stdout}");
+    let status: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("cairn: bench: status: "))
+        .collect();
+    assert!(
+        status
+            .iter()
+            .filter(|l| l.contains("m: mirror of 2 members"))
+            .count()
+            == 2,
+        "{stderr}"
+    );
+    assert!(status.iter().any(|l| l.contains("[UU]")), "{stderr}");
+    assert!(stderr.contains("bench: SIGINT received"), "{stderr}");
+}
