@@ -420,13 +420,18 @@ fn export_of(
         flags |= tflags::CAN_MULTI_CONN;
     }
     let preferred = g.block_bytes.max(4096);
+    // The minimum is what cairn serves: any byte (read-modify-write on the blocks
+    // around it), or whole blocks with strict alignment. Advertising the device's block
+    // made clients that honour block sizes (libnbd, qemu) refuse byte-granular requests
+    // themselves, or widen them, although cairn serves them.
+    let minimum = if c.strict_alignment { g.block_bytes } else { 1 };
     cairn_nbd::Export {
         info: cairn_nbd::ExportInfo {
             name: c.name,
             description: c.description,
             size: g.size_bytes,
             flags,
-            min_block: g.block_bytes,
+            min_block: minimum,
             preferred_block: preferred,
             max_payload: limits.max_payload.max(preferred),
             default: c.default,

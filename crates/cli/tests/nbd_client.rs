@@ -116,7 +116,7 @@ fn handshake_with_cairn_serve() {
     let (_fd, n) = connect(&uri(&sock, ""), Want::default(), TIMEOUT).unwrap();
     assert_eq!(n.size, 16 << 20);
     assert!(n.flags & tflags::HAS_FLAGS != 0 && n.flags & tflags::SEND_FLUSH != 0);
-    assert_eq!((n.min_block, n.preferred_block), (512, 4096));
+    assert_eq!((n.min_block, n.preferred_block), (1, 4096));
     assert_eq!(n.max_payload, 64 << 20);
     assert!(n.structured);
     assert!(n.allocation_id.is_some());

@@ -208,11 +208,11 @@ fn refused_writes_skip_their_payload() {
     let stack = write_stack(
         &dir,
         "[device.a]\ntype = \"mem\"\nsize = \"16M\"\n\n\
-             [export.rw]\ndevice = \"a\"\ndefault = true\n\n\
+             [export.rw]\ndevice = \"a\"\ndefault = true\nstrict_alignment = true\n\n\
              [export.ro]\ndevice = \"a\"\nread_only = true\n",
     );
     let srv = Server::start_in(dir, &[path_str(&stack)]);
-    // The client asks for block sizes, so misaligned writes are refused too.
+    // A strict export, so misaligned writes are refused too.
     let (mut c, size, flags) = Raw::go_strict(&srv.sock, "rw");
     assert_eq!(flags & TFLAG_READ_ONLY, 0);
     let head = random_bytes(4096, 4);

@@ -155,7 +155,7 @@ fn refused_requests_get_the_right_errno_and_the_connection_survives() {
     let stack = write_stack(
         &dir,
         "[device.a]\ntype = \"mem\"\nsize = \"16M\"\n\n\
-             [export.rw]\ndevice = \"a\"\ndefault = true\n\n\
+             [export.rw]\ndevice = \"a\"\ndefault = true\nstrict_alignment = true\n\n\
              [export.ro]\ndevice = \"a\"\nread_only = true\n",
     );
     let srv = Server::start_in(dir, &[path_str(&stack)]);

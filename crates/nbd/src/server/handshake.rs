@@ -300,8 +300,9 @@ impl<'a> Negotiator<'a> {
         d.extend_from_slice(&e.size.to_be_bytes());
         d.extend_from_slice(&self.flags(i).to_be_bytes());
         proto::put_option_reply(out, o, rep::INFO, &d);
-        // Block sizes always. Only a client that asked for them (in GO) must honour them;
-        // the others may send any offset and length (served by read-modify-write).
+        // Block sizes always: the minimum is 1 unless the export is strict (any byte is
+        // served, by read-modify-write), the preferred size the device's block (at least
+        // 4 KiB). Only a client that asked for them (in GO) must honour them.
         let mut d = Vec::with_capacity(14);
         d.extend_from_slice(&info::BLOCK_SIZE.to_be_bytes());
         d.extend_from_slice(&e.min_block.to_be_bytes());

@@ -531,7 +531,9 @@ impl ServerLoop {
             structured: session.structured,
             extended: session.extended,
             base_allocation: session.base_allocation,
-            relaxed: !e.strict_alignment && !session.block_sizes_agreed,
+            // The export advertises a minimum block of 1 unless it is strict: every
+            // client may then send any byte, whether it asked for block sizes or not.
+            relaxed: !e.strict_alignment,
             fast_zero: e.info.flags & tflags::SEND_FAST_ZERO != 0,
             max_payload: self.limits.max_payload,
             geometry: e.device.geometry(),
