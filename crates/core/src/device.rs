@@ -253,6 +253,15 @@ impl Extent {
         }
     }
 
+    /// Allocated storage that reads as zeroes (a write-zeroes with `NO_HOLE`).
+    pub fn allocated_zero(len: u64) -> Extent {
+        Extent {
+            len,
+            hole: false,
+            zero: true,
+        }
+    }
+
     /// A hole that reads as zeroes.
     pub fn hole(len: u64) -> Extent {
         Extent {

@@ -46,6 +46,12 @@ struct L2 {
     /// over zeros is allowed (a concurrent zeroing may win), a clear bit over data never
     /// happens: the allocation map may say "data" for zeros, never "hole" for data.
     written: Box<[AtomicU64]>,
+    /// Per region, a bit per page: set by a write-zeroes with `NO_HOLE` of the whole page
+    /// (allocated zeroes), cleared by a discard or plain write-zeroes of it. Writes leave it
+    /// alone (no cost on the write path): a set bit only says "check this page", and
+    /// [`MemStore::extents`] reports allocated zeroes for a unit only after reading that
+    /// its pages hold nothing but zeroes.
+    zeroed: Box<[AtomicU64]>,
 }
 
 /// Sets (or clears) the bits of pages `p0..p1` in a region's page map.
@@ -114,6 +120,19 @@ impl MemStore {
         Some(&l2.written[at..at + MAP_WORDS as usize])
     }
 
+    /// Region `index`'s map of pages zeroed with `NO_HOLE` (see [`L2::zeroed`]).
+    #[inline]
+    fn zeroed_map(&self, index: u64) -> Option<&[AtomicU64]> {
+        let l2 = self.l1[(index / L2_REGIONS) as usize].load(Ordering::Acquire);
+        if l2.is_null() {
+            return None;
+        }
+        let at = (index % L2_REGIONS * MAP_WORDS) as usize;
+        // SAFETY: L2 tables are never freed before the store is dropped.
+        let l2: &L2 = unsafe { &*l2 };
+        Some(&l2.zeroed[at..at + MAP_WORDS as usize])
+    }
+
     fn region_or_map(&self, index: u64) -> *mut u8 {
         let slot = &self.l1[(index / L2_REGIONS) as usize];
         let mut l2 = slot.load(Ordering::Acquire);
@@ -121,6 +140,9 @@ impl MemStore {
             let fresh = Box::into_raw(Box::new(L2 {
                 regions: std::array::from_fn(|_| AtomicPtr::new(ptr::null_mut())),
                 written: (0..L2_REGIONS * MAP_WORDS)
+                    .map(|_| AtomicU64::new(0))
+                    .collect(),
+                zeroed: (0..L2_REGIONS * MAP_WORDS)
                     .map(|_| AtomicU64::new(0))
                     .collect(),
             }));
@@ -219,6 +241,8 @@ impl MemStore {
     /// How `[offset, offset+len)` is allocated, in units of `unit` bytes (a power of two
     /// from 4 KiB to a region): a unit is data if a write put data in one of its pages
     /// since they were last discarded or zeroed whole, else a hole (it reads as zeros).
+    /// A data unit whose every written page was zeroed whole with `NO_HOLE` and reads as
+    /// zeroes now is allocated zeroes (NBD's `STATE_ZERO` without `STATE_HOLE`).
     pub fn extents(&self, offset: u64, len: u64, unit: u64, out: &mut Vec<cairn_core::Extent>) {
         use cairn_core::Extent;
         let unit = unit.clamp(PAGE_BYTES, REGION_BYTES);
@@ -246,9 +270,30 @@ impl MemStore {
                         .iter()
                         .any(|x| x.load(Ordering::Relaxed) != 0)
                 };
+                let zeroed = data && {
+                    let region = self.region(index);
+                    let zmap = self.zeroed_map(index);
+                    let unit_start = pos / unit * unit;
+                    (0..unit_pages).all(|k| {
+                        let p = unit_start / PAGE_BYTES + k;
+                        let bit = 1u64 << (p % 64);
+                        let written = map[(p / 64) as usize].load(Ordering::Relaxed) & bit != 0;
+                        let zeroed = zmap.is_some_and(|z| {
+                            z[(p / 64) as usize].load(Ordering::Relaxed) & bit != 0
+                        });
+                        // SAFETY: the page lies inside the mapped region (data implies it
+                        // is mapped); concurrent writes may change it, and a racing
+                        // write's bytes are data either way.
+                        !written
+                            || (zeroed
+                                && unsafe { page_is_zero(region.add((p * PAGE_BYTES) as usize)) })
+                    })
+                };
                 Extent::push(
                     out,
-                    if data {
+                    if zeroed {
+                        Extent::allocated_zero(step)
+                    } else if data {
                         Extent::data(step)
                     } else {
                         Extent::hole(step)
@@ -310,6 +355,16 @@ impl MemStore {
                     mark_pages(map, first_page / PAGE_BYTES, last_page / PAGE_BYTES, false);
                 }
             }
+            if let Some(zmap) = self.zeroed_map(index) {
+                if first_page < last_page {
+                    mark_pages(
+                        zmap,
+                        first_page / PAGE_BYTES,
+                        last_page / PAGE_BYTES,
+                        allocated,
+                    );
+                }
+            }
             // SAFETY: every range below lies inside the mapped region.
             unsafe {
                 if first_page < last_page {
@@ -331,6 +386,18 @@ impl MemStore {
             }
         }
     }
+}
+
+/// Whether the 4 KiB page at `page` reads as zeroes.
+///
+/// # Safety
+/// `page` is valid for `PAGE_BYTES` reads.
+unsafe fn page_is_zero(page: *const u8) -> bool {
+    let words = page.cast::<u64>();
+    // SAFETY: the caller's promise; u64 reads of a page-aligned address are aligned.
+    // Raw reads, no reference: a concurrent write may change the page meanwhile, as
+    // reads of the store race writes everywhere (see the module's comment).
+    (0..(PAGE_BYTES / 8) as usize).all(|i| unsafe { words.add(i).read() } == 0)
 }
 
 /// Maps one region of zero-filled anonymous memory (backed lazily, page by page).
@@ -786,6 +853,66 @@ impl Queue for MemQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A write-zeroes with NO_HOLE of whole pages is allocated zeroes (STATE_ZERO, not a
+    /// hole, not data) until a write puts a non-zero byte in a page; a plain zeroing
+    /// makes holes; pages zeroed only in part stay data.
+    #[test]
+    fn no_hole_zeroes_are_reported_as_allocated_zeroes() {
+        use cairn_core::Extent;
+        let store = MemStore::new(4 << 20);
+        let map = |store: &MemStore| {
+            let mut out = Vec::new();
+            store.extents(0, 8 * PAGE_BYTES, PAGE_BYTES, &mut out);
+            out
+        };
+        let data = vec![0x5au8; 8 * PAGE_BYTES as usize];
+        // SAFETY: `data` holds the bytes written; the range is inside the store.
+        unsafe { store.write(0, 8 * PAGE_BYTES, data.as_ptr()) };
+        assert_eq!(map(&store), [Extent::data(8 * PAGE_BYTES)]);
+        store.zero_keeping(0, 4 * PAGE_BYTES, true);
+        store.zero_keeping(4 * PAGE_BYTES, PAGE_BYTES, false);
+        // Pages 5 and 6 only in part: they keep data.
+        store.zero_keeping(5 * PAGE_BYTES + 100, PAGE_BYTES, true);
+        assert_eq!(
+            map(&store),
+            [
+                Extent::allocated_zero(4 * PAGE_BYTES),
+                Extent::hole(PAGE_BYTES),
+                Extent::data(3 * PAGE_BYTES),
+            ]
+        );
+        // A non-zero byte in page 1 makes it data; zeros written to page 3 keep it zero.
+        // SAFETY: as above.
+        unsafe {
+            store.write(PAGE_BYTES + 7, 1, data.as_ptr());
+            store.write(3 * PAGE_BYTES, PAGE_BYTES, [0u8; 4096].as_ptr());
+        }
+        assert_eq!(
+            map(&store),
+            [
+                Extent::allocated_zero(PAGE_BYTES),
+                Extent::data(PAGE_BYTES),
+                Extent::allocated_zero(2 * PAGE_BYTES),
+                Extent::hole(PAGE_BYTES),
+                Extent::data(3 * PAGE_BYTES),
+            ]
+        );
+        // Units larger than a page: zero only if every written page is.
+        let mut out = Vec::new();
+        store.extents(0, 8 * PAGE_BYTES, 2 * PAGE_BYTES, &mut out);
+        assert_eq!(
+            out,
+            [
+                Extent::data(2 * PAGE_BYTES),
+                Extent::allocated_zero(2 * PAGE_BYTES),
+                Extent::data(4 * PAGE_BYTES),
+            ]
+        );
+        // A plain zeroing of the zeroed pages makes them holes.
+        store.zero_keeping(0, PAGE_BYTES, false);
+        assert_eq!(map(&store)[0], Extent::hole(PAGE_BYTES));
+    }
 
     /// Random writes and zeroings: the allocation map calls a page a hole only where it
     /// reads as zeros, data wherever it holds a byte that is not, and a hole wherever the

@@ -68,18 +68,23 @@ fn mem_reports_written_pages_as_data_and_trimmed_pages_as_holes() {
     zero(&d, Op::Discard, 5 * MIB, 4096, IoFlags::NONE);
     assert_eq!(map(&*d, 0, 16 * MIB), vec![Extent::hole(16 * MIB)]);
     // Zeroing part of a page keeps it data (it still holds bytes); zeroing all of it
-    // without NO_HOLE makes it a hole; with NO_HOLE it stays allocated.
+    // without NO_HOLE makes it a hole; with NO_HOLE it stays allocated, and reads as
+    // zeroes (NBD_STATE_ZERO without NBD_STATE_HOLE).
     write(&d, 8 * MIB, 3 * 4096);
     zero(&d, Op::WriteZeroes, 8 * MIB + 512, 1024, IoFlags::NONE);
     zero(&d, Op::WriteZeroes, 8 * MIB + 4096, 4096, IoFlags::NONE);
     zero(&d, Op::WriteZeroes, 8 * MIB + 8192, 4096, IoFlags::NO_HOLE);
     assert_eq!(
         map(&*d, 8 * MIB, 3 * 4096),
-        vec![Extent::data(4096), Extent::hole(4096), Extent::data(4096)]
+        vec![
+            Extent::data(4096),
+            Extent::hole(4096),
+            Extent::allocated_zero(4096)
+        ]
     );
     // NO_HOLE provisions even a range never written.
     zero(&d, Op::WriteZeroes, 12 * MIB, 8192, IoFlags::NO_HOLE);
-    assert_eq!(map(&*d, 12 * MIB, 8192), vec![Extent::data(8192)]);
+    assert_eq!(map(&*d, 12 * MIB, 8192), vec![Extent::allocated_zero(8192)]);
 }
 
 #[test]

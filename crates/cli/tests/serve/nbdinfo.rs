@@ -81,6 +81,50 @@ fn json_reports_size_flags_block_sizes_and_base_allocation() {
     }
 }
 
+/// Block status after a write-zeroes with NO_HOLE: allocated zeroes (NBD_STATE_ZERO, 2;
+/// it said data, 0), then data where a write put bytes; a plain write-zeroes is a hole
+/// (3). Through `cairn serve` of a mem export, with Python libnbd.
+const NO_HOLE: &str = r#"
+import os
+import nbd
+
+h = nbd.NBD()
+h.add_meta_context("base:allocation")
+h.connect_unix(os.environ["CAIRN_SOCK"])
+h.pwrite(b"\x5a" * (1 << 20), 0)
+h.zero(256 << 10, 0, nbd.CMD_FLAG_NO_HOLE)
+h.zero(64 << 10, 512 << 10)
+h.pwrite(b"\x01" * 4096, 128 << 10)
+
+def status():
+    found = []
+    def cb(meta, offset, entries, err):
+        if meta == "base:allocation":
+            for i in range(0, len(entries), 2):
+                found.append((entries[i], entries[i + 1]))
+    h.block_status(1 << 20, 0, cb)
+    return found
+
+want = [(128 << 10, 2), (4 << 10, 0), (124 << 10, 2), (256 << 10, 0), (64 << 10, 3),
+        (448 << 10, 0)]
+got = status()
+if got != want:
+    raise SystemExit(f"block status {got}, want {want}")
+if h.pread(4096, 0) != bytes(4096) or h.pread(1, 128 << 10) != b"\x01":
+    raise SystemExit("the data read back is wrong")
+print("zeroes reported")
+"#;
+
+#[test]
+fn a_no_hole_write_zeroes_is_reported_as_zeroes() {
+    const NAME: &str = "nbdinfo::a_no_hole_write_zeroes_is_reported_as_zeroes";
+    let Some(python) = python_with_libnbd(NAME) else {
+        return;
+    };
+    let srv = Server::start(&["--device", "mem:4M,block=4096"]);
+    libnbd_script(&python, NO_HOLE, &srv.sock, &[], "zeroes reported");
+}
+
 #[test]
 fn map_covers_the_export_and_never_claims_zeroes_over_data() {
     const NAME: &str = "nbdinfo::map_covers_the_export_and_never_claims_zeroes_over_data";
