@@ -278,6 +278,26 @@ impl Devices {
         }
     }
 
+    /// The paths of the files and block devices these devices use (`type = "file"`
+    /// leaves), as written.
+    pub(crate) fn file_paths(&self) -> Vec<std::path::PathBuf> {
+        match self {
+            Devices::Leaf(cairn_devices::LeafSpec::File { path, .. }) => vec![path.clone()],
+            Devices::Leaf(_) => Vec::new(),
+            Devices::Stack { stack, .. } => stack
+                .devices
+                .values()
+                .filter_map(|d| match d {
+                    cairn_devices::config::DeviceSpec::Leaf(cairn_devices::LeafSpec::File {
+                        path,
+                        ..
+                    }) => Some(path.clone()),
+                    _ => None,
+                })
+                .collect(),
+        }
+    }
+
     /// Opens them for real (files created or extended, arrays started), in order.
     pub(crate) fn open(
         &self,

@@ -117,6 +117,7 @@ fn chosen_exports(
 fn fuse_wanted(
     args: &settings::ServeArgs,
     chosen: &[Chosen],
+    devices: &Devices,
 ) -> Result<Vec<(std::path::PathBuf, usize)>, String> {
     if !(1..=1024).contains(&args.fuse_depth) {
         return Err(format!("--fuse-depth {}: from 1 to 1024", args.fuse_depth));
@@ -160,6 +161,7 @@ fn fuse_wanted(
     }
     let mut seen = std::collections::HashSet::new();
     for (p, _) in &wanted {
+        refuse_hiding_data(p, devices)?;
         let abs = std::path::absolute(p).map_err(|e| format!("--fuse {}: {e}", p.display()))?;
         if !seen.insert(abs.clone()) {
             return Err(format!(
@@ -169,6 +171,35 @@ fn fuse_wanted(
         }
     }
     Ok(wanted)
+}
+
+/// A FUSE file mounted over a regular file that holds data hides it: reads and writes go
+/// to the export's device, and the file's bytes are out of sight until the unmount (a
+/// user who meant to serve the file would lose every write). Refused, before anything
+/// is opened, unless that file is one the served devices use (mounting an image over
+/// itself, as qemu-storage-daemon's FUSE export allows: cairn keeps it open).
+fn refuse_hiding_data(path: &std::path::Path, devices: &Devices) -> Result<(), String> {
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return Ok(()); // missing (created), or a stale mount: the mount step says
+    };
+    if !meta.is_file() || meta.len() == 0 {
+        return Ok(());
+    }
+    let same = |other: &std::path::Path| {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(other).is_ok_and(|m| m.dev() == meta.dev() && m.ino() == meta.ino())
+    };
+    if devices.file_paths().iter().any(|f| same(f)) {
+        return Ok(());
+    }
+    Err(format!(
+        "--fuse {}: a file of {} bytes is there, and the mount would hide it (the export's \
+         device would be served in its place, and its bytes out of sight). To serve that \
+         file: cairn serve --device file:{} --fuse PATH; to mount here, move it away first",
+        path.display(),
+        meta.len(),
+        path.display()
+    ))
 }
 
 /// Mounts the FUSE files `wanted` (see [`fuse_wanted`]) of the exports `chosen`, whose
@@ -260,7 +291,7 @@ pub(crate) fn serve(
     let limits = args.limits()?;
     let (chosen, devices, switches) = chosen_exports(args, global)?;
     let (tls, tls_config) = tls_settings(args)?;
-    let fuse = fuse_wanted(args, &chosen)?;
+    let fuse = fuse_wanted(args, &chosen, &devices)?;
     let listen = listen_addresses(args, &fuse)?;
 
     // The devices, opened without changing anything: a foreign array member, a file in

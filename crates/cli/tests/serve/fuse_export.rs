@@ -349,6 +349,37 @@ fn fio_io_uring_direct_verify_on_the_file() {
 
 /// A read-only export is mounted read-only: reads work, opening for writing fails.
 /// Bad --fuse arguments are refused before anything is mounted.
+/// `--fuse` over a file that holds data, with another device served, is refused before
+/// anything is opened or mounted, saying how to serve that file; the file is untouched.
+/// (It mounted the default 1 GiB memory disk over the file: everything written was
+/// lost at exit.) Needs no root: the refusal comes first.
+#[test]
+fn a_fuse_path_holding_data_is_refused_unless_it_is_the_served_file() {
+    let dir = tmpdir();
+    let data = dir.path().join("mydisk.img");
+    let bytes = random_bytes(8 << 20, 77);
+    std::fs::write(&data, &bytes).unwrap();
+    for args in [
+        vec!["serve", "--fuse", path_str(&data)],
+        vec!["serve", "--device", "mem:16M", "--fuse", path_str(&data)],
+    ] {
+        let out = run(Command::new(env!("CARGO_BIN_EXE_cairn")).args(&args));
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(
+            err.contains("a file of 8388608 bytes is there")
+                && err.contains(&format!("--device file:{}", data.display())),
+            "{err}"
+        );
+        assert!(mounted(&data).is_none(), "{args:?}: mounted");
+        assert!(
+            std::fs::read(&data).unwrap() == bytes,
+            "{args:?}: the file changed"
+        );
+    }
+}
+
 #[test]
 fn a_read_only_export_is_mounted_read_only_and_bad_arguments_are_refused() {
     const NAME: &str =
