@@ -119,6 +119,48 @@ mod bad_input {
         assert!(line.contains("see cairn bench --help"), "{line}");
     }
 
+    /// A file size larger than its file system's free space is refused before the file
+    /// is created, unless sparse=1 asks for it; a size smaller than an existing file
+    /// serves its start with a warning. (1P on a tmpfs was created silently.)
+    #[test]
+    fn file_sizes_past_the_free_space_or_short_of_the_file_are_said() {
+        let dir = tempfile::tempdir_in("/dev/shm")
+            .or_else(|_| tempfile::tempdir())
+            .expect("a directory");
+        let big = dir.path().join("big.img");
+        let spec = format!("file:{},size=100T", big.display());
+        let line = bad_input(&["bench", "--device", &spec, "--size", "1M"]);
+        assert!(line.contains("free") && line.contains("sparse=1"), "{line}");
+        assert!(!big.exists(), "the refused file was created");
+        let out = cairn(&[
+            "bench",
+            "--device",
+            &format!("{spec},sparse=1"),
+            "--size",
+            "1M",
+            "--rw",
+            "write",
+        ]);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        assert_eq!(std::fs::metadata(&big).expect("created").len(), 100 << 40);
+        std::fs::remove_file(&big).expect("remove");
+        let small = dir.path().join("small.img");
+        std::fs::write(&small, vec![1u8; 16 << 20]).expect("write");
+        let out = cairn(&[
+            "bench",
+            "--device",
+            &format!("file:{},size=8M", small.display()),
+            "--size",
+            "1M",
+        ]);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        let err = text(&out.stderr);
+        assert!(
+            err.contains("holds 16MiB, size=8MiB serves its first 8MiB only"),
+            "{err}"
+        );
+    }
+
     /// `cairn admin` on a path where no server answers says what the path is.
     #[test]
     fn admin_says_what_the_path_is() {

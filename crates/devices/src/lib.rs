@@ -52,12 +52,13 @@ pub fn open(spec: &LeafSpec, name: &str) -> Result<Arc<dyn Device>, Error> {
             engine,
             direct,
             size_bytes,
+            sparse,
         } => Arc::new(file::FileDevice::open(
             name,
             path,
             *engine,
             *direct,
-            *size_bytes,
+            size_bytes.map(|s| (s, *sparse)),
         )?),
         LeafSpec::Nbd {
             uri,

@@ -83,6 +83,9 @@ pub enum LeafSpec {
         direct: bool,
         /// Create or extend to this size; without it the file's own size is used.
         size_bytes: Option<u64>,
+        /// Create or extend past the file system's free space (`sparse=1`): without it,
+        /// a size that would not fit is refused.
+        sparse: bool,
     },
     /// `nbd:URI[,connections=N][,timeout=DURATION]`.
     Nbd {
@@ -131,12 +134,16 @@ impl LeafSpec {
                 engine,
                 direct,
                 size_bytes,
+                sparse,
             } => {
                 let path = std::path::absolute(path).unwrap_or_else(|_| path.clone());
                 out += &format!(
                     "type = \"file\"\npath = {}\nengine = \"{engine}\"\ndirect = {direct}\n",
                     quoted(&path.to_string_lossy())
                 );
+                if *sparse {
+                    out += "sparse = true\n";
+                }
                 if let Some(size) = size_bytes {
                     out += &format!("size = {size}\n");
                 }
@@ -229,6 +236,7 @@ impl LeafSpec {
                 let mut engine = Engine::default();
                 let mut direct = false;
                 let mut size_bytes = None;
+                let mut sparse = false;
                 for (k, v) in options {
                     match k {
                         "engine" => {
@@ -247,9 +255,20 @@ impl LeafSpec {
                             }
                         }
                         "size" => size_bytes = Some(size(v)?),
+                        "sparse" => {
+                            sparse = match v {
+                                "0" | "false" => false,
+                                "1" | "true" => true,
+                                _ => {
+                                    return Err(format!(
+                                        "invalid device '{text}': sparse must be 0 or 1"
+                                    ))
+                                }
+                            }
+                        }
                         _ => {
                             return Err(format!(
-                            "invalid device '{text}': unknown option '{k}' for file (known: engine, direct, size)"
+                            "invalid device '{text}': unknown option '{k}' for file (known: engine, direct, size, sparse)"
                         ))
                         }
                     }
@@ -259,6 +278,7 @@ impl LeafSpec {
                     engine,
                     direct,
                     size_bytes,
+                    sparse,
                 })
             }
             "nbd" => {
@@ -382,7 +402,8 @@ mod tests {
                 path: "/dev/shm/a".into(),
                 engine: Engine::Aio,
                 direct: true,
-                size_bytes: Some(1 << 30)
+                size_bytes: Some(1 << 30),
+                sparse: false,
             })
         );
     }

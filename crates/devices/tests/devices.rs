@@ -428,8 +428,9 @@ mod zeroing {
         let dir = scratch_dir();
         for engine in [Engine::IoUring, Engine::Aio, Engine::Sync] {
             let path = dir.path().join(format!("fua-{engine:?}"));
-            let device =
-                Arc::new(FileDevice::open("f", &path, engine, false, Some(1 << 20)).expect("open"));
+            let device = Arc::new(
+                FileDevice::open("f", &path, engine, false, Some((1 << 20, false))).expect("open"),
+            );
             let dyn_device: Arc<dyn Device> = device.clone();
             let q = BlockingQueue::open(&dyn_device, Switches::default()).expect("queue");
             q.write(0, &pattern(3, 65536), IoFlags::NONE)

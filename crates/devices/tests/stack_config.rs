@@ -109,6 +109,7 @@ mod parses {
                 engine: cairn_devices::Engine::Aio,
                 direct: true,
                 size_bytes: Some(2 << 20),
+                sparse: false,
             })
         );
         assert_eq!(

@@ -554,7 +554,7 @@ pub(super) fn parse_device(
     let known: &'static [&'static str] = match kind {
         "null" => &["size", "block"],
         "mem" => &["size", "block", "volatile"],
-        "file" => &["path", "size", "engine", "direct"],
+        "file" => &["path", "size", "engine", "direct", "sparse"],
         "nbd" => &["uri", "connections", "timeout"],
         "linear" => &["members", "metadata"],
         "mirror" => &[
@@ -647,6 +647,7 @@ pub(super) fn parse_device(
                 },
                 direct: keys.bool("direct")?.unwrap_or(false),
                 size_bytes: keys.size_in("size", limits::FILE_SIZE, "")?,
+                sparse: keys.bool("sparse")?.unwrap_or(false),
             })
         }
         "nbd" => {

@@ -891,6 +891,7 @@ fn open_dry(leaf: &crate::LeafSpec, name: &str) -> Result<Arc<dyn Device>, Error
         path,
         engine,
         size_bytes: Some(want),
+        sparse,
         ..
     } = leaf
     else {
@@ -905,6 +906,7 @@ fn open_dry(leaf: &crate::LeafSpec, name: &str) -> Result<Arc<dyn Device>, Error
     };
     let Some(now) = now else {
         creatable(path)?;
+        crate::file::room_for(path, *want, 0, *sparse)?;
         return Ok(Arc::new(Planned {
             stand_in: Arc::new(crate::null::NullDevice::new(name, *want, 512)?),
             what: format!("file {shown}, to be created by serve or bench"),
@@ -913,6 +915,7 @@ fn open_dry(leaf: &crate::LeafSpec, name: &str) -> Result<Arc<dyn Device>, Error
     if !now.file_type().is_file() || now.len() >= *want {
         return crate::open(leaf, name);
     }
+    crate::file::room_for(path, *want, now.len(), *sparse)?;
     // To be extended: exactly what the file will read once extended (what it holds now,
     // then zeros), in 512-byte blocks as for a file to be created (with `direct=1` the
     // real blocks may be larger; the bytes are the same). Its whole blocks are the file

@@ -89,14 +89,17 @@ pub struct FileDevice {
 }
 
 impl FileDevice {
-    /// Opens `path`; with `size_bytes`, creates the file or extends it to that size.
+    /// Opens `path`; with `sized` (a size, and whether it may be sparse past the file
+    /// system's free space), creates the file or extends it to that size.
     pub fn open(
         name: &str,
         path: &Path,
         engine: Engine,
         direct: bool,
-        size_bytes: Option<u64>,
+        sized: Option<(u64, bool)>,
     ) -> Result<FileDevice, Error> {
+        let size_bytes = sized.map(|(s, _)| s);
+        let sparse = sized.is_some_and(|(_, s)| s);
         let shown = path.display();
         let existing = std::fs::metadata(path).ok();
         let block_device = existing
@@ -147,11 +150,22 @@ impl FileDevice {
                         "file {shown}: size={want} is larger than the block device ({actual} bytes)"
                     )));
                 }
+                room_for(path, want, actual, sparse)?;
                 file.set_len(want)
                     .map_err(|e| Error::os(format!("file {shown}: extend to {want} bytes"), e))?;
                 want
             }
-            Some(want) => want,
+            Some(want) => {
+                if want < actual && !block_device {
+                    log::warn!(
+                        "cairn: file {shown}: holds {}, size={} serves its first {} only",
+                        cairn_core::size::format_bytes(actual),
+                        cairn_core::size::format_bytes(want),
+                        cairn_core::size::format_bytes(want)
+                    );
+                }
+                want
+            }
             None => actual,
         };
         let size = size - size % u64::from(block_bytes);
@@ -439,6 +453,38 @@ fn dio_align(file: &File) -> u32 {
         }
         _ => 4096,
     }
+}
+
+/// Refuses to create or extend `path` from `now` to `want` bytes when the difference is
+/// more than its file system has free (`statvfs`, what an unprivileged writer may use),
+/// unless `sparse`: a sparse file larger than the space behind it fails writes with
+/// ENOSPC once the space runs out.
+pub(crate) fn room_for(path: &Path, want: u64, now: u64, sparse: bool) -> Result<(), Error> {
+    if sparse || want <= now {
+        return Ok(());
+    }
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let at = if path.exists() { path } else { dir };
+    let Ok(fs) = rustix::fs::statvfs(at) else {
+        return Ok(()); // the open that follows says what is wrong
+    };
+    let free = fs.f_bavail.saturating_mul(fs.f_frsize);
+    if want - now > free {
+        use cairn_core::size::format_bytes;
+        return Err(Error::Invalid(format!(
+            "file {}: size={} needs {} more than it holds, and its file system has {} free \
+             (writes past that would fail); add sparse=1 (sparse = true in a stack file) to \
+             make it a sparse file anyway",
+            path.display(),
+            format_bytes(want),
+            format_bytes(want - now),
+            format_bytes(free)
+        )));
+    }
+    Ok(())
 }
 
 /// `fallocate` flags for a discard or write-zeroes request.
