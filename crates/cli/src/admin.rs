@@ -351,8 +351,13 @@ fn status_json_once(view: &View) -> String {
             })
         })
         .collect();
+    let arrays: Vec<serde_json::Value> = all_devices(&view.roots())
+        .iter()
+        .filter_map(|(_, d)| d.array_report().map(|r| array_json(d.name(), &r)))
+        .collect();
     let mut doc = view::exports_json(view);
     doc["devices"] = devices.into();
+    doc["arrays"] = arrays.into();
     if let Some(k) = view.stack_file() {
         view.sync_stack_file();
         let stale = k.stale();
@@ -363,6 +368,62 @@ fn status_json_once(view: &View) -> String {
         });
     }
     format!("ok\n{doc}\n")
+}
+
+/// One array of `status --json`'s `arrays`: its state as fields, after `mdadm --detail
+/// --export` (the README lists them).
+fn array_json(name: &str, r: &cairn_core::ArrayReport) -> serde_json::Value {
+    let state = match (&r.sync, r.degraded, r.unclean) {
+        (Some(s), _, _) if s.kind == "resync" => "resyncing",
+        (Some(_), _, _) => "rebuilding",
+        (None, true, _) => "degraded",
+        (None, false, true) => "unclean",
+        (None, false, false) => "clean",
+    };
+    serde_json::json!({
+        "name": name,
+        "level": r.level,
+        "size_bytes": r.size_bytes,
+        "uuid": r.uuid,
+        "metadata": r.metadata,
+        "events": r.events,
+        "copies": r.copies,
+        "state": state,
+        "degraded": r.degraded,
+        "members": r.members.iter().map(|m| serde_json::json!({
+            "name": m.name,
+            "role": m.role,
+            "state": m.state,
+            "readable": m.readable,
+            "readd_given_up": m.readd_given_up,
+        })).collect::<Vec<_>>(),
+        "spares": r.spares,
+        "sync": r.sync.as_ref().map(|s| serde_json::json!({
+            "kind": s.kind,
+            "done_bytes": s.done_bytes,
+            "total_bytes": s.total_bytes,
+            "percent": if s.total_bytes > 0 {
+                (s.done_bytes as f64 * 1000.0 / s.total_bytes as f64).round() / 10.0
+            } else {
+                0.0
+            },
+            "rate_bytes_per_s": s.rate_bytes_per_s,
+            "eta_seconds": s.total_bytes
+                .saturating_sub(s.done_bytes)
+                .checked_div(s.rate_bytes_per_s),
+        })),
+        "bitmap": r.bitmap.map(|(region, regions, dirty)| serde_json::json!({
+            "region_bytes": region,
+            "regions": regions,
+            "dirty_regions": dirty,
+        })),
+        "read_repairs": {
+            "rewritten": r.read_repairs.0,
+            "rewritten_bytes": r.read_repairs.1,
+            "failed": r.read_repairs.2,
+            "pending": r.read_repairs.3,
+        },
+    })
 }
 
 /// Runs one command line; the reply.

@@ -32,7 +32,9 @@ pub mod stats;
 
 pub use buf::AlignedBuf;
 pub use clock::{Clock, ClockMode};
-pub use device::{Caps, Device, Extent, Geometry, LostWrites, Queue};
+pub use device::{
+    ArrayMember, ArrayReport, ArraySync, Caps, Device, Extent, Geometry, LostWrites, Queue,
+};
 pub use error::{Error, IoError};
 pub use flush::{FlushBatcher, FlushMode};
 pub use frontend::{Frontend, FrontendPart};

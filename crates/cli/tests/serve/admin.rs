@@ -62,6 +62,44 @@ fn status_shows_the_tree_health_and_caches_and_json_for_scripts() {
     assert_eq!(r["depth"], 1);
     assert_eq!(r["failed_members"], serde_json::json!(["f3"]));
     assert_eq!(r["children"], serde_json::json!(["d0", "d1", "d2", "f3"]));
+    // The array as fields, not only as text.
+    let arrays = doc["arrays"].as_array().expect("arrays");
+    assert_eq!(arrays.len(), 1, "{doc:#}");
+    let a = &arrays[0];
+    assert_eq!(a["name"], "r");
+    assert_eq!(a["level"], "raid10");
+    assert_eq!(a["state"], "degraded");
+    assert_eq!(a["degraded"], true);
+    assert_eq!(a["copies"], 2);
+    assert_eq!(a["size_bytes"], 16 << 20);
+    assert!(a["events"].as_u64().unwrap() > 0, "{a:#}");
+    assert_eq!(a["metadata"], 1);
+    assert_eq!(a["uuid"].as_str().unwrap().len(), 36, "{a:#}");
+    let states: Vec<(&str, &str, bool)> = a["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["name"].as_str().unwrap(),
+                m["state"].as_str().unwrap(),
+                m["readable"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        states,
+        [
+            ("d0", "active", true),
+            ("d1", "active", true),
+            ("d2", "active", true),
+            ("f3", "failed", false)
+        ],
+        "{a:#}"
+    );
+    assert!(a["sync"].is_null(), "{a:#}");
+    assert_eq!(a["bitmap"]["regions"], 1, "{a:#}");
+    assert_eq!(a["bitmap"]["region_bytes"], 64 << 20, "{a:#}");
     let cache = devices.iter().find(|d| d["name"] == "c").expect("c");
     assert!(
         cache["written_back_bytes"].as_u64().unwrap() >= 4 << 20,
@@ -70,6 +108,46 @@ fn status_shows_the_tree_health_and_caches_and_json_for_scripts() {
     let out = admin(&ctl, &["status", "x"]);
     assert!(!out.status.success());
     c.disconnect();
+}
+
+/// A rebuild in progress shows in `status --json` as fields: the member being rebuilt,
+/// the progress, the rate and the time left.
+#[test]
+fn a_rebuild_in_progress_is_in_status_json_as_fields() {
+    let dir = tmpdir();
+    let ctl = dir.path().join("admin.sock");
+    let stack = write_stack(
+        &dir,
+        "[device.a]\ntype = \"mem\"\nsize = \"33M\"\n\
+         [device.b]\ntype = \"mem\"\nsize = \"33M\"\n\
+         [device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"b\"]\nrebuild_min = \"1M\"\nrebuild_max = \"2M\"\n",
+    );
+    let srv = Server::start_in(dir, &[path_str(&stack), "--admin", path_str(&ctl)]);
+    success("fail", &admin(&ctl, &["fail", "m", "b"]));
+    success("add", &admin(&ctl, &["add", "m", "mem:33M"]));
+    let deadline = Instant::now() + IO_TIMEOUT;
+    let a = loop {
+        let out = success("status --json", &admin(&ctl, &["status", "--json"]));
+        let doc: serde_json::Value = serde_json::from_str(out.trim()).expect("JSON");
+        let a = doc["arrays"][0].clone();
+        if a["sync"]["done_bytes"].as_u64().unwrap_or(0) > 0 {
+            break a;
+        }
+        assert!(Instant::now() < deadline, "no rebuild progress: {a:#}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(a["state"], "rebuilding", "{a:#}");
+    let sync = &a["sync"];
+    assert_eq!(sync["kind"], "rebuild", "{a:#}");
+    assert_eq!(sync["total_bytes"], 32 << 20, "{a:#}");
+    assert!(sync["done_bytes"].as_u64().unwrap() < 32 << 20, "{a:#}");
+    assert!(sync["rate_bytes_per_s"].as_u64().unwrap() > 0, "{a:#}");
+    assert!(sync["percent"].as_f64().is_some(), "{a:#}");
+    let members = a["members"].as_array().unwrap();
+    assert_eq!(members[0]["state"], "active", "{a:#}");
+    assert_eq!(members[1]["state"], "rebuilding", "{a:#}");
+    assert_eq!(members[1]["role"], 1, "{a:#}");
+    drop(srv);
 }
 
 /// A server without arrays says nothing of arrays or metadata (it ended with "no array

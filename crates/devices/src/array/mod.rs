@@ -601,6 +601,11 @@ impl Metadata {
         superblock::uuid_text(&self.array_uuid)
     }
 
+    /// The event count the superblocks record now.
+    pub fn events(&self) -> u64 {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).events
+    }
+
     /// Where data starts on every member.
     pub fn data_offset(&self) -> u64 {
         self.data_offset

@@ -344,6 +344,41 @@ impl Device for StackDevice {
         Some(out)
     }
 
+    fn array_report(&self) -> Option<cairn_core::ArrayReport> {
+        let meta = self.metadata.as_ref()?;
+        let states = meta.states();
+        let members = self.member_report(&states);
+        let repairs = &self.health.repairs;
+        let r = repairs.counters.snapshot();
+        Some(cairn_core::ArrayReport {
+            level: self.layout.kind(),
+            size_bytes: self.geometry.size_bytes,
+            uuid: meta.uuid_text(),
+            metadata: 1,
+            events: meta.events(),
+            copies: self.layout.copies(),
+            degraded: (0..self.health.n).any(|m| !self.health.readable(m)),
+            unclean: self
+                .health
+                .one_copy
+                .load(std::sync::atomic::Ordering::Relaxed),
+            members,
+            sync: self.sync_report(),
+            spares: self.spare_names(),
+            bitmap: self
+                .health
+                .bitmap
+                .as_ref()
+                .map(|b| (b.region_bytes(), b.regions() as u64, b.dirty_count() as u64)),
+            read_repairs: (
+                r.repaired,
+                r.repaired_bytes,
+                r.failed,
+                repairs.pending_count() as u64,
+            ),
+        })
+    }
+
     fn array_action(&self, action: &str, args: &[&str]) -> Result<String, String> {
         let name = &self.name;
         let Some(meta) = self.metadata.as_ref().filter(|m| !m.dry()) else {

@@ -36,6 +36,61 @@ impl Shared {
         (flags, members)
     }
 
+    /// `array_report`'s members: what [`Shared::member_states`] says, as fields.
+    pub(super) fn member_report(&self, states: &[MemberState]) -> Vec<cairn_core::ArrayMember> {
+        let mut out = Vec::new();
+        for (m, s) in states.iter().enumerate() {
+            let given_up = self.given_up.get(m).is_some_and(|g| g.load(Relaxed));
+            let state = match s {
+                _ if !self.health.ok(m) && *s != MemberState::Missing => "failed",
+                MemberState::Rebuilding if self.health.readable(m) => "active",
+                s => s.name(),
+            };
+            out.push(cairn_core::ArrayMember {
+                name: self.health.name(m).to_string(),
+                role: m,
+                state,
+                readable: self.health.readable(m),
+                readd_given_up: given_up && !self.health.ok(m),
+            });
+            if self.health.being_replaced(m) {
+                out.push(cairn_core::ArrayMember {
+                    name: self.health.name(self.health.n + m).to_string(),
+                    role: m,
+                    state: "replacing",
+                    readable: false,
+                    readd_given_up: false,
+                });
+            }
+        }
+        out
+    }
+
+    /// `array_report`'s rebuild or resync, while one runs.
+    pub(super) fn sync_report(&self) -> Option<cairn_core::ArraySync> {
+        let sync = &self.health.sync;
+        sync.running().then(|| cairn_core::ArraySync {
+            kind: if sync.resync.load(Relaxed) {
+                "resync"
+            } else {
+                "rebuild"
+            },
+            done_bytes: sync.done_bytes.load(Relaxed),
+            total_bytes: sync.total_bytes.load(Relaxed),
+            rate_bytes_per_s: sync.rate.load(Relaxed),
+        })
+    }
+
+    /// `array_report`'s spares, by name.
+    pub(super) fn spare_names(&self) -> Vec<String> {
+        self.spares
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(_, n)| n.clone())
+            .collect()
+    }
+
     /// The rebuild or resync line of `array_status`: its progress while one runs, else
     /// that reads use one copy until a resync, else what the last one did (empty if none
     /// ran).
