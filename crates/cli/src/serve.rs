@@ -293,6 +293,7 @@ pub(crate) fn serve(
     let (tls, tls_config) = tls_settings(args)?;
     let fuse = fuse_wanted(args, &chosen, &devices)?;
     let listen = listen_addresses(args, &fuse)?;
+    let single = stdio_connection(args)?;
 
     // The devices, opened without changing anything: a foreign array member, a file in
     // use or a path that cannot be created refuses the start here.
@@ -301,7 +302,7 @@ pub(crate) fn serve(
     // Every address, bound: one in use refuses the start here. A stale socket is
     // replaced; a live one, or anything else at a socket's path, is refused.
     let listeners = cairn_nbd::Listeners::bind(&listen).map_err(|e| e.to_string())?;
-    if listeners.is_empty() && fuse.is_empty() {
+    if listeners.is_empty() && fuse.is_empty() && single.is_none() {
         return Err("no --listen address and no socket activation".into());
     }
     let admin = args.admin.as_deref().map(admin::bind).transpose()?;
@@ -325,6 +326,7 @@ pub(crate) fn serve(
     let config = cairn_nbd::Config {
         observer,
         on_abandon: remove_sockets(admin.as_ref(), metrics.as_ref()),
+        single,
         ..nbd_config(args, &limits, (tls, tls_config), switches, frontends)
     };
     // Held until serving ends only if a stack file is kept: its last sync needs them.
@@ -347,7 +349,11 @@ pub(crate) fn serve(
         log::info!(
             "cairn: serving {summary} on {}",
             if addrs.is_empty() {
-                "no NBD address (FUSE only)".to_string()
+                if args.stdio {
+                    "standard input (one connection)".to_string()
+                } else {
+                    "no NBD address (FUSE only)".to_string()
+                }
             } else {
                 addrs.join(", ")
             }
@@ -418,10 +424,42 @@ fn listen_addresses(
         .iter()
         .map(|l| cairn_nbd::Listen::parse(l))
         .collect::<Result<Vec<_>, _>>()?;
+    if args.stdio {
+        if !listen.is_empty() {
+            return Err(
+                "--stdio serves one connection on standard input: no --listen with it".into(),
+            );
+        }
+        return Ok(listen);
+    }
     if listen.is_empty() && std::env::var_os("LISTEN_FDS").is_none() && fuse.is_empty() {
         listen.push(cairn_nbd::Listen::parse(settings::DEFAULT_LISTEN)?);
     }
     Ok(listen)
+}
+
+/// With `--stdio`, the connection to serve: standard input, which must be a socket (the
+/// client's end of a socketpair, as libnbd's `connect_command` and nbd-tester-client
+/// give, or an accepted connection from inetd). Replies go back on the same socket.
+fn stdio_connection(
+    args: &settings::ServeArgs,
+) -> Result<Option<Arc<std::os::fd::OwnedFd>>, String> {
+    if !args.stdio {
+        return Ok(None);
+    }
+    let fd =
+        rustix::io::dup(std::io::stdin()).map_err(|e| format!("--stdio: standard input: {e}"))?;
+    let st = rustix::fs::fstat(&fd).map_err(|e| format!("--stdio: standard input: {e}"))?;
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket {
+        return Err(
+            "--stdio: standard input is not a socket (a pipe, a file or a terminal); \
+             run it from a client that passes a socket, as libnbd's connect_command, \
+             nbdsh -c and inetd do"
+                .into(),
+        );
+    }
+    let _ = rustix::io::fcntl_setfd(&fd, rustix::io::FdFlags::CLOEXEC);
+    Ok(Some(Arc::new(fd)))
 }
 
 /// Export `c` of the devices `opened`: what clients are told (flags from the device's
@@ -503,6 +541,7 @@ fn nbd_config(
         idle_poll_ns: limits.idle_poll_ns,
         shutdown_timeout: limits.shutdown_timeout,
         on_abandon: None,
+        single: None,
     }
 }
 

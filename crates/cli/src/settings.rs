@@ -373,6 +373,11 @@ pub struct ServeArgs {
     /// tcp:HOST:PORT or unix:PATH; repeatable.
     #[arg(long, value_name = "ADDR")]
     pub listen: Vec<String>,
+    /// Serve one connection on standard input, a socket (inetd style; nbdkit's -s), and
+    /// exit once it ends: for libnbd's connect_command (nbdsh -c, nbdinfo -- [ CMD ]).
+    /// Nothing is printed on standard output; no address is listened on.
+    #[arg(long, short = 's')]
+    pub stdio: bool,
     /// Reactor threads (default: one per CPU).
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,

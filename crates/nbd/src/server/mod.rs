@@ -94,6 +94,9 @@ pub struct Config {
     /// Other frontends served on the same reactors (FUSE mounts); with one, listening
     /// for NBD is optional.
     pub frontends: Vec<Arc<dyn cairn_core::Frontend>>,
+    /// Serve this one connection (a socket: `cairn serve --stdio`, inetd style) instead
+    /// of accepting any, and stop once it has ended.
+    pub single: Option<Arc<OwnedFd>>,
 }
 
 struct Shared {
@@ -257,7 +260,13 @@ pub fn serve(
     }
     // Before any thread starts: they inherit the blocked signals.
     let signals = signal_fd()?;
-    if listeners.is_empty() && config.frontends.is_empty() {
+    let single = config.single.take();
+    if single.is_some() && !listeners.is_empty() {
+        return Err(Error::Invalid(
+            "--stdio serves one connection on standard input: no --listen with it".into(),
+        ));
+    }
+    if listeners.is_empty() && config.frontends.is_empty() && single.is_none() {
         return Err(Error::Invalid(
             "no --listen address and no socket activation".into(),
         ));
@@ -313,7 +322,10 @@ pub fn serve(
         exports: &exports,
         budget: &budget,
     };
-    let closing = served.accept_until_signal(&listeners, &signals)?;
+    let closing = match single {
+        Some(fd) => served.serve_one(fd, &signals)?,
+        None => served.accept_until_signal(&listeners, &signals)?,
+    };
     stop(listeners, &shared, &config.frontends, threads);
     // The devices are closed when `exports` is dropped, here, on this thread.
     closing.now();
@@ -484,6 +496,50 @@ impl Served<'_> {
                 if !fds[i].revents().is_empty() {
                     self.accept_all(l);
                 }
+            }
+        }
+    }
+
+    /// Serves the one connection `fd` (its handshake on a thread, as for an accepted
+    /// one), until it has ended or a signal stops the server. Returns the shutdown's
+    /// watchdog.
+    fn serve_one(&self, fd: Arc<OwnedFd>, signals: &SignalFd) -> Result<Closing, Error> {
+        // The one descriptor of it (a clone of the settings may hold another).
+        let fd = Arc::try_unwrap(fd)
+            .or_else(|shared| rustix::io::dup(&*shared))
+            .map_err(|e| Error::os("serve: standard input", e.into()))?;
+        let (peer, client) = (
+            "stdio".to_string(),
+            crate::server::observe::Client::Uid(u32::MAX),
+        );
+        self.shared.admission.enter(client);
+        let shared = self.shared.clone();
+        std::thread::Builder::new()
+            .name("cairn-handshake".into())
+            .spawn(move || {
+                if !handshake(fd, (&peer, client), &shared) {
+                    shared.admission.leave(client);
+                }
+            })
+            .map_err(|e| Error::os("serve: start the handshake thread", e))?;
+        loop {
+            let mut fds = [PollFd::new(signals, PollFlags::IN)];
+            let tick = Timespec {
+                tv_sec: 0,
+                tv_nsec: 50_000_000,
+            };
+            match rustix::event::poll(&mut fds, Some(&tick)) {
+                Ok(_) | Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(Error::os("serve: poll", e.into())),
+            }
+            if !fds[0].revents().is_empty() {
+                if let Some(closing) = self.signalled(signals) {
+                    return Ok(closing);
+                }
+            }
+            if self.shared.admission.live() == 0 {
+                log::info!("cairn: serve: the connection on standard input ended: stopping");
+                return Ok(watchdog(self.config, self.exports));
             }
         }
     }

@@ -49,7 +49,7 @@ impl ServerLoop {
         st.rs += conn.header_len();
         if st.counts.unaligned == 0 {
             log::info!(
-                "cairn: serve: {}: the client sends requests not aligned to the export's {block}-byte blocks (it did not ask for block sizes); serving them by read-modify-write",
+                "cairn: serve: {}: the client sends requests not aligned to the export's {block}-byte blocks; serving them by read-modify-write",
                 conn.peer
             );
         }
