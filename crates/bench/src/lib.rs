@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cairn_core::{Device, Switches};
+use cairn_core::{Device, Op, Switches};
 
 pub use job::JobResult;
 pub use report::Report;
@@ -460,6 +460,10 @@ pub fn run(
     }
     let started = Instant::now();
     let usage_before = report::Usage::now();
+    // Every device's I/O from every queue (the jobs', caches' write-back threads,
+    // rebuilds, superblock writes), to tell the jobs' own requests from the rest.
+    let names = tree_names(&*device);
+    let all_before = registry_snapshots(&names);
     let progresses: Vec<Arc<Progress>> = (0..spec.numjobs)
         .map(|_| Arc::new(Progress::default()))
         .collect();
@@ -501,12 +505,70 @@ pub fn run(
         }
     }
     let usage = report::Usage::now().since(&usage_before);
-    Ok(Report::new(
+    let all_after = registry_snapshots(&names);
+    let mut report = Report::new(
         spec.clone(),
         &*device,
         switches,
         results,
         usage,
         started.elapsed(),
-    ))
+    );
+    report.background = background_io(&names, &all_before, &all_after, &report.devices);
+    Ok(report)
+}
+
+/// The names of `device` and every device below it, each once, from the top.
+fn tree_names(device: &dyn Device) -> Vec<String> {
+    // (A stack file's graph is at most 64 levels deep: the recursion is bounded.)
+    fn walk(d: &dyn Device, out: &mut Vec<String>) {
+        if out.iter().any(|n| n == d.name()) {
+            return;
+        }
+        out.push(d.name().to_string());
+        for c in d.children() {
+            walk(&*c, out);
+        }
+    }
+    let mut out = Vec::new();
+    walk(device, &mut out);
+    out
+}
+
+/// Each named device's totals over every queue of this process (`None`: no queue yet).
+fn registry_snapshots(names: &[String]) -> Vec<Option<cairn_core::DeviceStatsSnapshot>> {
+    let now = cairn_core::clock::monotonic_ns();
+    names
+        .iter()
+        .map(|n| cairn_core::stats::registry().device(n, now))
+        .collect()
+}
+
+/// Per device, the I/O done during the run by others than the jobs' own queues: the
+/// caches' write-back, rebuilds and resyncs, superblock and bitmap writes. Devices with
+/// none are left out.
+fn background_io(
+    names: &[String],
+    before: &[Option<cairn_core::DeviceStatsSnapshot>],
+    after: &[Option<cairn_core::DeviceStatsSnapshot>],
+    jobs: &[(String, cairn_core::DeviceStatsSnapshot)],
+) -> Vec<(String, cairn_core::DeviceStatsSnapshot)> {
+    let mut out = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        let Some(total) = &after[i] else { continue };
+        let mut other = match &before[i] {
+            Some(b) => total.since(b),
+            None => total.clone(),
+        };
+        // The jobs' own requests on this device (a name may appear more than once in
+        // the job's tree: each is the same device).
+        if let Some((_, own)) = jobs.iter().find(|(n, _)| n == name) {
+            other = other.since(own);
+        }
+        let (r, w) = (Op::Read.index(), Op::Write.index());
+        if other.ios[r] + other.ios[w] > 0 {
+            out.push((name.clone(), other));
+        }
+    }
+    out
 }

@@ -103,6 +103,9 @@ pub struct Report {
     pub elapsed: Duration,
     /// Blocks read back and checked by `--verify`.
     pub verified_blocks: u64,
+    /// Per device, I/O during the run that the jobs did not send: caches' write-back,
+    /// rebuilds, superblocks (devices with none left out).
+    pub background: Vec<(String, DeviceStatsSnapshot)>,
 }
 
 impl Report {
@@ -152,6 +155,7 @@ impl Report {
             usage,
             elapsed,
             verified_blocks: first.verified_blocks,
+            background: Vec::new(),
         };
         for r in results {
             for (mine, theirs) in report.dirs.iter_mut().zip(&r.dirs) {
@@ -369,7 +373,40 @@ impl Report {
                 );
             }
         }
+        if !self.background.is_empty() {
+            let _ = writeln!(
+                out,
+                "\nBackground I/O (read/write; not the job's requests: caches' write-back, rebuilds, superblocks):"
+            );
+            let (r, w) = (Op::Read.index(), Op::Write.index());
+            for (name, d) in &self.background {
+                let _ = writeln!(
+                    out,
+                    "  {name}: ios={}/{}, sectors={}/{}",
+                    d.ios[r], d.ios[w], d.sectors[r], d.sectors[w]
+                );
+            }
+        }
         out
+    }
+
+    /// [`Report::background`] for the JSON report.
+    fn background_json(&self) -> Value {
+        let (r, w) = (Op::Read.index(), Op::Write.index());
+        Value::Array(
+            self.background
+                .iter()
+                .map(|(name, d)| {
+                    json!({
+                        "name": name,
+                        "read_ios": d.ios[r],
+                        "write_ios": d.ios[w],
+                        "read_bytes": d.sectors[r] * 512,
+                        "write_bytes": d.sectors[w] * 512,
+                    })
+                })
+                .collect(),
+        )
     }
 
     fn dir_json(&self, dir: usize) -> Value {
@@ -526,6 +563,7 @@ impl Report {
                 "verify": { "enabled": s.verify, "blocks_checked": self.verified_blocks },
                 "fua_writes": self.fua_json(),
                 "devices": devices,
+                "background_io": self.background_json(),
             },
         })
     }

@@ -153,6 +153,9 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                 None => None,
             };
             let held = stack_file.as_ref().map(|_| device.clone());
+            // Held past the report: closing the device writes back what its caches hold
+            // dirty, which is said (and can take a while) after the report.
+            let closing = device.clone();
             let report = cairn_bench::run(&spec, device, switches, progress);
             drop(stack_file);
             // A change of members that ended since the last look reaches the stack file
@@ -177,6 +180,7 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                     "cairn: warning: nothing was measured (the job finished during --ramp_time; raise --io_size or use --time_based)"
                 );
             }
+            close_writing_back(closing, switches);
             Ok(ExitCode::from(report.exit_code() as u8))
         }
         Command::Serve(args) => serve::serve(&cli.global, &args),
@@ -217,6 +221,77 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
     }
 }
 
+/// Set while `cairn bench` closes its device after the report, writing its caches back:
+/// a SIGINT or SIGTERM then quits at once, losing what is not written back yet.
+static WRITING_BACK: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Closes `device` (the last reference), saying first how much its caches hold dirty and
+/// will write back, and every 2 s how much is left, until it is done. The write-back is a
+/// flush of the device, sent while this function still holds it (so that its caches can
+/// be watched); closing it then has nothing left to write.
+fn close_writing_back(
+    device: std::sync::Arc<dyn cairn_core::Device>,
+    switches: cairn_core::Switches,
+) {
+    use cairn_core::size::format_bytes;
+    use std::sync::atomic::Ordering::Relaxed;
+    let dirty = |d: &std::sync::Arc<dyn cairn_core::Device>| -> u64 {
+        view::all_devices(std::slice::from_ref(d))
+            .iter()
+            .map(|(_, d)| d.writeback_counters().0)
+            .sum()
+    };
+    let left = dirty(&device);
+    if left == 0 {
+        return;
+    }
+    log::info!(
+        "cairn: bench: writing back the {} the caches hold dirty before exiting (Ctrl-C quits at once: what is not written back yet is lost)",
+        format_bytes(left)
+    );
+    WRITING_BACK.store(true, Relaxed);
+    let began = std::time::Instant::now();
+    let watched = device.clone();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let done = done.clone();
+        std::thread::Builder::new()
+            .name("cairn-writeback-watch".into())
+            .spawn(move || {
+                let mut ticks = 0u32;
+                while !done.load(Relaxed) {
+                    std::thread::sleep(std::time::Duration::from_millis(100));
+                    ticks += 1;
+                    if ticks % 20 != 0 {
+                        continue;
+                    }
+                    log::info!(
+                        "cairn: bench: write-back: {} left",
+                        format_bytes(dirty(&watched))
+                    );
+                }
+            })
+            .ok()
+    };
+    // A failed flush is said; closing the device tries again and counts what is lost.
+    if let Err(e) = cairn_core::blocking::BlockingQueue::open(&device, switches)
+        .map_err(|e| e.to_string())
+        .and_then(|q| q.flush().map_err(|e| format!("{e:?}")))
+    {
+        log::warn!("cairn: bench: the flush before closing failed: {e}");
+    }
+    done.store(true, Relaxed);
+    if let Some(w) = watcher {
+        let _ = w.join();
+    }
+    drop(device);
+    WRITING_BACK.store(false, Relaxed);
+    log::info!(
+        "cairn: bench: written back in {:.1} s",
+        began.elapsed().as_secs_f64()
+    );
+}
+
 /// Takes SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 (signal-hook's handler, which only wakes
 /// its iterator) and waits for them on a thread of its own: the first two end the
 /// bench's jobs, the others log a status of `view` (the device tree, failed members,
@@ -236,6 +311,13 @@ fn bench_signals(view: std::sync::Arc<view::View>) {
                         log::info!("cairn: bench: status: {line}");
                     }
                     continue;
+                }
+                if WRITING_BACK.load(std::sync::atomic::Ordering::Relaxed) {
+                    log::error!(
+                        "cairn: bench: {} received while writing back: quitting; what the caches had not written back is lost",
+                        cairn_nbd::signal_name(signo)
+                    );
+                    std::process::exit(130);
                 }
                 if cairn_bench::INTERRUPTED.swap(true, std::sync::atomic::Ordering::Relaxed) {
                     // A second one: give up at once.

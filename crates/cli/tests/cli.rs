@@ -303,6 +303,57 @@ mod bad_input {
 mod runs {
     use super::*;
 
+    /// A bench over a cache reports the write-back its base received (the base's own
+    /// line counted only the job's requests: ios=0/0), and after Ctrl-C says that the
+    /// caches are written back and how much is left, then exits 0 with nothing lost.
+    #[test]
+    fn caches_write_back_is_reported_and_said_after_ctrl_c() {
+        let dir = tempfile::tempdir_in("/dev/shm")
+            .or_else(|_| tempfile::tempdir())
+            .expect("a directory");
+        let stack = dir.path().join("s.toml");
+        std::fs::write(
+            &stack,
+            "[device.f]\ntype = \"file\"\npath = \"f.img\"\nsize = \"64M\"\n\
+             [device.d]\ntype = \"delay\"\nbase = \"f\"\nbandwidth = \"20M\"\n\
+             [device.c]\ntype = \"cache\"\nbase = \"d\"\nmemory = \"32M\"\n\
+             [writeback]\nbackground = \"90%\"\nlimit = \"95%\"\nexpire = \"1h\"\n",
+        )
+        .expect("write the stack file");
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_cairn"))
+            .args(["bench", "--rw", "randwrite", "--bs", "64k", "--time_based"])
+            .args(["--runtime", "60"])
+            .arg(&stack)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("start cairn bench");
+        std::thread::sleep(std::time::Duration::from_millis(1500));
+        // SAFETY: signals our own child, not yet waited for.
+        unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+        let out = child.wait_with_output().expect("wait");
+        let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+        assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+        assert!(stderr.contains("SIGINT received"), "{stderr}");
+        assert!(
+            stderr.contains("writing back the") && stderr.contains("written back in"),
+            "{stderr}"
+        );
+        assert!(!stderr.contains("could not be written back"), "{stderr}");
+        let line = stdout
+            .lines()
+            .skip_while(|l| !l.starts_with("Background I/O"))
+            .find(|l| l.trim_start().starts_with("f: "))
+            .unwrap_or_else(|| panic!("no background line for f:\n{stdout}"));
+        let writes: u64 = line
+            .split("ios=0/")
+            .nth(1)
+            .and_then(|r| r.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        assert!(writes > 0, "{line}");
+    }
+
     #[test]
     fn json_has_fio_fields() {
         let args = [
