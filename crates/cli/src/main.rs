@@ -262,7 +262,7 @@ fn close_writing_back(
                 while !done.load(Relaxed) {
                     std::thread::sleep(std::time::Duration::from_millis(100));
                     ticks += 1;
-                    if ticks % 20 != 0 {
+                    if !ticks.is_multiple_of(20) {
                         continue;
                     }
                     log::info!(
