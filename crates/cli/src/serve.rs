@@ -459,6 +459,15 @@ fn stdio_connection(
         );
     }
     let _ = rustix::io::fcntl_setfd(&fd, rustix::io::FdFlags::CLOEXEC);
+    // Standard input and output become /dev/null: nothing stray can reach the protocol,
+    // and the connection closes when cairn closes it (not only when cairn exits).
+    let null = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/null")
+        .map_err(|e| format!("--stdio: /dev/null: {e}"))?;
+    rustix::stdio::dup2_stdin(&null).map_err(|e| format!("--stdio: standard input: {e}"))?;
+    rustix::stdio::dup2_stdout(&null).map_err(|e| format!("--stdio: standard output: {e}"))?;
     Ok(Some(Arc::new(fd)))
 }
 

@@ -82,6 +82,11 @@ pub fn format_bytes(bytes: u64) -> String {
         value /= 1024.0;
         unit += 1;
     }
+    // One decimal place: a value that rounds up to 1024 is the next unit's 1.0.
+    if unit > 0 && unit < UNITS.len() - 1 && (value * 10.0).round() >= 10240.0 {
+        value /= 1024.0;
+        unit += 1;
+    }
     if unit == 0 || value.fract() == 0.0 {
         format!("{}{}", value as u64, UNITS[unit])
     } else {
@@ -179,6 +184,9 @@ mod tests {
     fn formats() {
         assert_eq!(format_rate(138.6 * 1024.0 * 1024.0), "138.6MiB/s");
         assert_eq!(format_rate(0.0), "0B/s");
+        assert_eq!(format_bytes((1 << 20) - 1), "1.0MiB");
+        assert_eq!(format_bytes(1023), "1023B");
+        assert_eq!(format_bytes(1536), "1.5KiB");
         assert_eq!(format_rate(f64::NAN), "0B/s");
         assert_eq!(format_duration(Duration::from_secs(30)), "30s");
         assert_eq!(format_duration(Duration::from_millis(1500)), "1.5s");
