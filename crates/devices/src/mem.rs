@@ -107,9 +107,10 @@ impl MemStore {
         unsafe { (*l2).regions[(index % L2_REGIONS) as usize].load(Ordering::Acquire) }
     }
 
-    /// Region `index`'s page map, once its second-level table exists.
+    /// Region `index`'s words of one of its second-level table's page maps (`pick`
+    /// chooses which), once that table exists.
     #[inline]
-    fn page_map(&self, index: u64) -> Option<&[AtomicU64]> {
+    fn map_of(&self, index: u64, pick: fn(&L2) -> &[AtomicU64]) -> Option<&[AtomicU64]> {
         let l2 = self.l1[(index / L2_REGIONS) as usize].load(Ordering::Acquire);
         if l2.is_null() {
             return None;
@@ -117,20 +118,19 @@ impl MemStore {
         let at = (index % L2_REGIONS * MAP_WORDS) as usize;
         // SAFETY: L2 tables are never freed before the store is dropped.
         let l2: &L2 = unsafe { &*l2 };
-        Some(&l2.written[at..at + MAP_WORDS as usize])
+        Some(&pick(l2)[at..at + MAP_WORDS as usize])
+    }
+
+    /// Region `index`'s page map, once its second-level table exists.
+    #[inline]
+    fn page_map(&self, index: u64) -> Option<&[AtomicU64]> {
+        self.map_of(index, |l2| &l2.written)
     }
 
     /// Region `index`'s map of pages zeroed with `NO_HOLE` (see [`L2::zeroed`]).
     #[inline]
     fn zeroed_map(&self, index: u64) -> Option<&[AtomicU64]> {
-        let l2 = self.l1[(index / L2_REGIONS) as usize].load(Ordering::Acquire);
-        if l2.is_null() {
-            return None;
-        }
-        let at = (index % L2_REGIONS * MAP_WORDS) as usize;
-        // SAFETY: L2 tables are never freed before the store is dropped.
-        let l2: &L2 = unsafe { &*l2 };
-        Some(&l2.zeroed[at..at + MAP_WORDS as usize])
+        self.map_of(index, |l2| &l2.zeroed)
     }
 
     fn region_or_map(&self, index: u64) -> *mut u8 {

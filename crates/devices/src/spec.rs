@@ -243,29 +243,9 @@ impl LeafSpec {
                             engine = Engine::parse(v)
                                 .map_err(|e| format!("invalid device '{text}': {e}"))?
                         }
-                        "direct" => {
-                            direct = match v {
-                                "0" | "false" => false,
-                                "1" | "true" => true,
-                                _ => {
-                                    return Err(format!(
-                                        "invalid device '{text}': direct must be 0 or 1"
-                                    ))
-                                }
-                            }
-                        }
+                        "direct" => direct = switch(text, k, v)?,
                         "size" => size_bytes = Some(size(v)?),
-                        "sparse" => {
-                            sparse = match v {
-                                "0" | "false" => false,
-                                "1" | "true" => true,
-                                _ => {
-                                    return Err(format!(
-                                        "invalid device '{text}': sparse must be 0 or 1"
-                                    ))
-                                }
-                            }
-                        }
+                        "sparse" => sparse = switch(text, k, v)?,
                         _ => {
                             return Err(format!(
                             "invalid device '{text}': unknown option '{k}' for file (known: engine, direct, size, sparse)"
@@ -372,6 +352,15 @@ impl LeafSpec {
                 }
             }
         }
+    }
+}
+
+/// An on/off option of a device spec (`direct=1`, `sparse=0`; `true` and `false` too).
+fn switch(text: &str, key: &str, value: &str) -> Result<bool, String> {
+    match value {
+        "0" | "false" => Ok(false),
+        "1" | "true" => Ok(true),
+        _ => Err(format!("invalid device '{text}': {key} must be 0 or 1")),
     }
 }
 
