@@ -589,6 +589,12 @@ pub fn unregistered<T>(f: impl FnOnce() -> T) -> T {
     out
 }
 
+/// Whether this thread is inside [`unregistered`]: devices opened there are only looked
+/// at, and say at open only what they will say again when opened for real.
+pub fn unregistered_here() -> bool {
+    UNREGISTERED.with(std::cell::Cell::get)
+}
+
 impl Registry {
     /// Adds the statistics of one queue of the device `name`.
     pub fn add(&self, name: &str, stats: &QueueStats) {

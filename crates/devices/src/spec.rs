@@ -1,7 +1,7 @@
 //! The command-line form of a leaf device: `null:SIZE`, `mem:SIZE`, `file:PATH[,key=value]`,
 //! `nbd:URI[,key=value]`.
 //!
-//! Options follow the first comma: `block=` for null and mem; `engine=io_uring|aio|sync`,
+//! Options follow the first comma: `block=` for null and mem; `engine=auto|io_uring|aio|sync`,
 //! `direct=0|1` and `size=` for files; `connections=N` and `timeout=` for nbd. Paths and
 //! URIs containing commas are not supported here (a stack file takes them).
 
@@ -16,8 +16,11 @@ use crate::DEFAULT_BLOCK_BYTES;
 /// How a file device talks to the kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Engine {
-    /// io_uring on the reactor's own ring (the default).
+    /// Chosen when the file is opened, from what its file system does without blocking
+    /// (the default; see `file::probe`).
     #[default]
+    Auto,
+    /// io_uring on the reactor's own ring.
     IoUring,
     /// linux-aio (`io_submit`), one context per queue, reaped from user space.
     Aio,
@@ -26,14 +29,15 @@ pub enum Engine {
 }
 
 impl Engine {
-    /// Parses `io_uring`, `aio` or `sync`.
+    /// Parses `auto`, `io_uring`, `aio` or `sync`.
     pub fn parse(text: &str) -> Result<Engine, String> {
         match text {
+            "auto" => Ok(Engine::Auto),
             "io_uring" | "uring" => Ok(Engine::IoUring),
             "aio" | "libaio" => Ok(Engine::Aio),
             "sync" | "psync" => Ok(Engine::Sync),
             _ => Err(format!(
-                "unknown engine '{text}' (use io_uring, aio or sync)"
+                "unknown engine '{text}' (use auto, io_uring, aio or sync)"
             )),
         }
     }
@@ -41,6 +45,7 @@ impl Engine {
     /// The name as written in specs.
     pub fn name(self) -> &'static str {
         match self {
+            Engine::Auto => "auto",
             Engine::IoUring => "io_uring",
             Engine::Aio => "aio",
             Engine::Sync => "sync",

@@ -362,3 +362,296 @@ proptest! {
         run_engines(DIRECT, &steps)?;
     }
 }
+
+/// The engines on every kind of file cairn serves: tmpfs, ext4 and xfs (each on a loop
+/// device with direct I/O and 4 KiB sectors over a sparse image in /dev/shm), and a
+/// loop device itself; buffered and O_DIRECT. Root only (loop devices, mkfs, mount).
+mod kinds {
+    use super::*;
+    use std::io::Write;
+    use std::path::PathBuf;
+    use std::process::Command;
+
+    use cairn_devices::file::probe::{self, Nowait};
+    use cairn_devices::file::FileDevice;
+    use cairn_devices::spec::Engine;
+
+    const KINDS: [&str; 4] = ["tmpfs", "ext4", "xfs", "block"];
+
+    /// Records that `test` could not run (scripts/test.sh counts it as skipped).
+    fn skip(test: &str, reason: &str) {
+        let line = format!("SKIP {test}: {reason}");
+        eprintln!("{line}");
+        if let Some(path) = std::env::var_os("CAIRN_SKIP_LOG") {
+            let _ = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .and_then(|mut f| f.write_all(format!("{line}\n").as_bytes()));
+        }
+    }
+
+    fn run(cmd: &mut Command) -> Result<String, String> {
+        let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "{cmd:?}: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    }
+
+    /// The places, made for one test and taken down when it ends (even by a panic).
+    struct Places {
+        dir: TempDir,
+        mounts: Vec<PathBuf>,
+        loops: Vec<String>,
+        /// The bare loop device, DIRECT.size() bytes of 4 KiB sectors.
+        block: String,
+    }
+
+    impl Places {
+        fn new(test: &str) -> Option<Places> {
+            if !rustix::process::geteuid().is_root() {
+                skip(test, "needs root (loop devices, mkfs, mount)");
+                return None;
+            }
+            for tool in ["losetup", "mkfs.ext4", "mkfs.xfs", "mount", "umount"] {
+                if run(Command::new("sh").args(["-c", &format!("command -v {tool}")])).is_err() {
+                    skip(
+                        test,
+                        &format!("{tool} is not installed (xfsprogs, e2fsprogs)"),
+                    );
+                    return None;
+                }
+            }
+            let mut places = Places {
+                dir: tempfile::tempdir_in("/dev/shm").expect("a directory in /dev/shm"),
+                mounts: Vec::new(),
+                loops: Vec::new(),
+                block: String::new(),
+            };
+            let made = places.make();
+            if let Err(e) = made {
+                // Loop devices exhausted, say: not a fault of cairn's, but say so loudly.
+                skip(test, &format!("could not make the file systems: {e}"));
+                return None;
+            }
+            Some(places)
+        }
+
+        fn make(&mut self) -> Result<(), String> {
+            std::fs::create_dir(self.dir.path().join("tmpfs")).map_err(|e| e.to_string())?;
+            for (kind, mib) in [("ext4", 64u64), ("xfs", 320)] {
+                let dev = self.attach(&format!("{kind}.fs"), mib << 20)?;
+                let mkfs: &[&str] = if kind == "ext4" {
+                    &["mkfs.ext4", "-q", "-F"]
+                } else {
+                    &["mkfs.xfs", "-q", "-f"]
+                };
+                run(Command::new(mkfs[0]).args(&mkfs[1..]).arg(&dev))?;
+                let mnt = self.dir.path().join(kind);
+                std::fs::create_dir(&mnt).map_err(|e| e.to_string())?;
+                run(Command::new("mount").arg(&dev).arg(&mnt))?;
+                self.mounts.push(mnt);
+            }
+            self.block = self.attach("block.img", DIRECT.size())?;
+            Ok(())
+        }
+
+        fn attach(&mut self, name: &str, bytes: u64) -> Result<String, String> {
+            let img = self.dir.path().join(name);
+            std::fs::File::create(&img)
+                .and_then(|f| f.set_len(bytes))
+                .map_err(|e| e.to_string())?;
+            let dev = run(Command::new("losetup")
+                .args([
+                    "--direct-io=on",
+                    "--sector-size",
+                    "4096",
+                    "--find",
+                    "--show",
+                ])
+                .arg(&img))?;
+            self.loops.push(dev.clone());
+            Ok(dev)
+        }
+
+        /// A fresh path on `kind` (for the block kind, the loop device, zeroed).
+        fn path(&self, kind: &str, name: &str) -> PathBuf {
+            if kind == "block" {
+                std::fs::write(&self.block, vec![0u8; DIRECT.size() as usize])
+                    .expect("zero the loop device");
+                return PathBuf::from(&self.block);
+            }
+            let path = self.dir.path().join(kind).join(name);
+            let _ = std::fs::remove_file(&path);
+            path
+        }
+    }
+
+    impl Drop for Places {
+        fn drop(&mut self) {
+            for m in &self.mounts {
+                let _ = run(Command::new("umount").arg(m));
+            }
+            for d in &self.loops {
+                let _ = run(Command::new("losetup").args(["-d", d]));
+            }
+        }
+    }
+
+    /// The shape a kind and mode take: a loop device has 4 KiB blocks either way.
+    fn shape(kind: &str, direct: bool) -> Shape {
+        if direct || kind == "block" {
+            DIRECT
+        } else {
+            BUFFERED
+        }
+    }
+
+    /// What a non-blocking read of the first block gives, asked here independently of the
+    /// probe.
+    fn nowait_read(path: &Path, direct: bool) -> Nowait {
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(if direct { libc::O_DIRECT } else { 0 })
+            .open(path)
+            .expect("open for the test's own probe");
+        let mut buf = cairn_core::AlignedBuf::new(4096);
+        let iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: 4096,
+        };
+        use std::os::fd::AsRawFd;
+        // SAFETY: iov describes the 4096 bytes of `buf`, which outlives the call.
+        let rc = unsafe { libc::preadv2(file.as_raw_fd(), &iov, 1, 0, libc::RWF_NOWAIT) };
+        match std::io::Error::last_os_error().raw_os_error() {
+            _ if rc >= 0 => Nowait::Completes,
+            Some(libc::EAGAIN) => Nowait::WouldBlock,
+            Some(libc::EOPNOTSUPP) => Nowait::Unsupported,
+            e => panic!("{}: preadv2: {e:?}", path.display()),
+        }
+    }
+
+    /// On every kind, buffered and direct: the probe names the file system, its read
+    /// answer is the one the kernel gives this test, the engine in use is the one the
+    /// plan makes of the probe (and `describe` says which and why), the write probe
+    /// leaves the bytes as they were and a hole a hole.
+    #[test]
+    fn the_engine_chosen_is_the_one_the_probe_reports() {
+        let Some(places) = Places::new("the_engine_chosen_is_the_one_the_probe_reports") else {
+            return;
+        };
+        for kind in KINDS {
+            for direct in [false, true] {
+                let shape = shape(kind, direct);
+                let what = format!("{kind} direct={direct}");
+                let path = places.path(kind, "probed");
+                let bytes = data(7, shape.size());
+                if kind != "block" {
+                    // A new sparse file first: block 0 must stay a hole.
+                    drop(open(&file_spec(&path, "auto", shape)));
+                    let file = std::fs::File::open(&path).expect("open");
+                    let data_at = rustix::fs::seek(&file, rustix::fs::SeekFrom::Data(0));
+                    assert!(
+                        !matches!(data_at, Ok(0)),
+                        "{what}: the probe left data in the first block of a sparse file"
+                    );
+                }
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&path)
+                    .and_then(|mut f| f.write_all(&bytes))
+                    .expect("write the pattern");
+                let device = FileDevice::open(
+                    "probed",
+                    &path,
+                    Engine::Auto,
+                    direct,
+                    Some((shape.size(), false)),
+                )
+                .unwrap_or_else(|e| panic!("{what}: open: {e}"));
+                let probe = device.probe().clone();
+                let want_kind = if kind == "block" {
+                    "block device"
+                } else {
+                    kind
+                };
+                assert_eq!(probe.kind, want_kind, "{what}");
+                assert_eq!(probe.direct, direct, "{what}");
+                let plan = probe::plan(&probe, None);
+                assert_eq!(device.plan(), &plan, "{what}");
+                assert_eq!(device.engine(), plan.engine, "{what}");
+                assert_ne!(device.engine(), Engine::Auto, "{what}");
+                let described = device.describe();
+                assert!(
+                    described.contains(&plan.label()) && described.contains(&plan.why),
+                    "{what}: {described}"
+                );
+                // The kernel's answer now, asked by the test (the page cache may have
+                // warmed since: a buffered WouldBlock may have become Completes).
+                let now = nowait_read(&path, direct);
+                let same = now == probe.read
+                    || (!direct && probe.read == Nowait::WouldBlock && now == Nowait::Completes);
+                assert!(
+                    same,
+                    "{what}: probe read {:?}, kernel now {now:?}",
+                    probe.read
+                );
+                if kind == "tmpfs" {
+                    assert_eq!(probe.read, Nowait::Unsupported, "{what}");
+                }
+                let q = BlockingQueue::open(
+                    &(Arc::new(device) as Arc<dyn Device>),
+                    Switches::default(),
+                )
+                .expect("queue");
+                let mut back = vec![0u8; bytes.len()];
+                q.read(0, &mut back).expect("read back");
+                assert!(back == bytes, "{what}: the probe changed the data");
+            }
+        }
+    }
+
+    /// Every engine, and the one chosen, passes the random-operation model test on every
+    /// kind, buffered and direct.
+    #[test]
+    fn every_engine_matches_the_model_on_every_kind_of_file() {
+        let Some(places) = Places::new("every_engine_matches_the_model_on_every_kind_of_file")
+        else {
+            return;
+        };
+        for kind in KINDS {
+            for direct in [false, true] {
+                let shape = shape(kind, direct);
+                for engine in ["auto", "io_uring", "aio", "sync"] {
+                    let mut runner = proptest::test_runner::TestRunner::new(Config {
+                        cases: 12,
+                        failure_persistence: None,
+                        ..Config::default()
+                    });
+                    let result = runner.run(&steps(shape), |steps| {
+                        let path = places.path(kind, engine);
+                        let mut spec = file_spec(&path, engine, shape);
+                        if direct != (shape.block == DIRECT.block) {
+                            spec = spec.replace(",direct=1,", ",direct=0,");
+                        }
+                        let device = open(&spec);
+                        let model = run_model(shape, &device, &steps)?;
+                        drop(device);
+                        let mut file = std::fs::read(&path).expect("read the file back");
+                        file.truncate(model.len());
+                        prop_assert!(file == model, "the file holds other bytes");
+                        Ok(())
+                    });
+                    if let Err(e) = result {
+                        panic!("{kind} direct={direct} engine={engine}: {e}");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,8 +1,11 @@
 //! `file`: a regular file or block device, through one of three engines.
 //!
-//! - [`uring`]: SQEs on the reactor's own io_uring (the default);
+//! - [`uring`]: SQEs on the reactor's own io_uring;
 //! - [`aio`]: linux-aio, one context per queue, reaped from its user-space ring;
 //! - [`sync`]: plain `pread`/`pwrite` on the reactor thread.
+//!
+//! Unless the stack names one, the engine is chosen at open by [`probe`]: what the file
+//! system does without blocking decides which engine serves the file fastest.
 //!
 //! Every engine gives the same bytes: flush is `fdatasync`, FUA is `RWF_DSYNC`, discard
 //! punches a hole (so the range reads as zeros), write-zeroes uses `fallocate` and falls
@@ -10,6 +13,7 @@
 //! is followed by `fdatasync` before it completes (`fallocate` has no flag for it).
 
 pub mod aio;
+pub mod probe;
 pub mod sync;
 pub mod uring;
 
@@ -81,7 +85,8 @@ impl FileShared {
 /// A regular file or block device.
 pub struct FileDevice {
     name: String,
-    engine: Engine,
+    plan: probe::Plan,
+    probe: probe::Probe,
     direct: bool,
     block_device: bool,
     geometry: Geometry,
@@ -156,7 +161,7 @@ impl FileDevice {
                 want
             }
             Some(want) => {
-                if want < actual && !block_device {
+                if want < actual && !block_device && !cairn_core::stats::unregistered_here() {
                     log::warn!(
                         "cairn: file {shown}: holds {}, size={} serves its first {} only",
                         cairn_core::size::format_bytes(actual),
@@ -174,9 +179,20 @@ impl FileDevice {
                 "file {shown}: empty (add size=SIZE to extend it)"
             )));
         }
+        let probe = probe::probe(&file, block_device, direct, block_bytes);
+        let given = (engine != Engine::Auto).then_some(engine);
+        let mut plan = probe::plan(&probe, given);
+        if let Ok(exp) = std::env::var("CAIRN_EXP_SUBMIT") {
+            experiment(&mut plan, &exp);
+        }
+        // Said once, when opened for real (not by a preflight's look).
+        if !cairn_core::stats::unregistered_here() {
+            log::info!("cairn: file {shown}: engine {}: {}", plan.label(), plan.why);
+        }
         Ok(FileDevice {
             name: name.into(),
-            engine,
+            plan,
+            probe,
             direct,
             block_device,
             geometry: Geometry {
@@ -193,9 +209,19 @@ impl FileDevice {
         })
     }
 
-    /// The engine in use.
+    /// The engine in use (never [`Engine::Auto`]: that is resolved at open).
     pub fn engine(&self) -> Engine {
-        self.engine
+        self.plan.engine
+    }
+
+    /// The engine, how it submits, and why.
+    pub fn plan(&self) -> &probe::Plan {
+        &self.plan
+    }
+
+    /// What the file system did with non-blocking requests at open.
+    pub fn probe(&self) -> &probe::Probe {
+        &self.probe
     }
 
     /// How many discards and write-zeroes with FUA were made durable by an `fdatasync`
@@ -205,6 +231,26 @@ impl FileDevice {
             .fua_syncs
             .load(std::sync::atomic::Ordering::Relaxed)
     }
+}
+
+/// Overrides the plan with `CAIRN_EXP_SUBMIT` (comma-separated `r=BYTES` and `w=BYTES`:
+/// reads and writes up to that size inline on io_uring, or `aio`, `sync`): for
+/// bench/files.py's comparisons of submission modes only, and said in the log.
+fn experiment(plan: &mut probe::Plan, exp: &str) {
+    plan.engine = Engine::IoUring;
+    plan.submit = uring::Submit::default();
+    for kv in exp.split(',').filter(|s| !s.is_empty()) {
+        let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+        let n = v.parse().unwrap_or(0);
+        match k {
+            "r" => plan.submit.inline_reads = n,
+            "w" => plan.submit.inline_writes = n,
+            "aio" => plan.engine = Engine::Aio,
+            "sync" => plan.engine = Engine::Sync,
+            _ => {}
+        }
+    }
+    plan.why = format!("CAIRN_EXP_SUBMIT={exp} (an experiment), over: {}", plan.why);
 }
 
 /// Takes an exclusive `flock` on `file` without waiting; when another open file holds it,
@@ -286,17 +332,18 @@ impl Device for FileDevice {
 
     fn describe(&self) -> String {
         format!(
-            "file {} ({}) engine={} direct={} {} bytes, {}-byte blocks",
+            "file {} ({}) engine={} direct={} {} bytes, {}-byte blocks; engine: {}",
             self.shared.path.display(),
             if self.block_device {
                 "block device"
             } else {
                 "regular file"
             },
-            self.engine,
+            self.plan.label(),
             u8::from(self.direct),
             self.geometry.size_bytes,
-            self.geometry.block_bytes
+            self.geometry.block_bytes,
+            self.plan.why
         )
     }
 
@@ -350,8 +397,10 @@ impl Device for FileDevice {
     }
 
     fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
-        let inner = match self.engine {
-            Engine::IoUring => uring::UringQueue::open(core, self.shared.clone())?,
+        let inner = match self.plan.engine {
+            Engine::IoUring | Engine::Auto => {
+                uring::UringQueue::open(core, self.shared.clone(), self.plan.submit)?
+            }
             Engine::Aio => aio::AioQueue::open(core, self.shared.clone())?,
             Engine::Sync => sync::SyncQueue::open(core, self.shared.clone()),
         };

@@ -4,6 +4,10 @@
 //! the kernel a file-reference round trip per request. Short reads and writes are resumed
 //! where they stopped; ranges the file system cannot zero with `fallocate` are zeroed by
 //! writing.
+//!
+//! With `inline_writes` (chosen where the file system has no non-blocking buffered
+//! writes, see [`super::probe`]), writes are `pwritev2` calls on the reactor thread
+//! instead: io_uring would hand each one to a kernel worker.
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -12,7 +16,37 @@ use std::sync::Arc;
 use cairn_core::{Core, Error, Io, IoFlags, IoStatus, Op, Queue, QueueStats, RingUser};
 use io_uring::{opcode, squeue, types};
 
-use super::{fallocate_mode, write_zeros, FileShared, Slots, Step, QUEUE_DEPTH};
+use super::{do_sync, fallocate_mode, write_zeros, FileShared, Slots, Step, QUEUE_DEPTH};
+
+/// What a queue does with system calls on the reactor instead of io_uring.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Submit {
+    /// Reads of up to this many bytes are `preadv2` calls on the reactor (0: none).
+    pub inline_reads: u64,
+    /// Writes of up to this many bytes are `pwritev2` calls on the reactor (0: none).
+    pub inline_writes: u64,
+}
+
+impl Submit {
+    /// How it reads in a log line: empty (all through io_uring), `writes inline up to
+    /// 64.0KiB`, `reads and writes inline up to 64.0KiB`, ...
+    pub fn describe(&self) -> String {
+        let size = |n: u64| {
+            if n == u64::MAX {
+                String::new()
+            } else {
+                format!(" up to {}", cairn_core::size::format_bytes(n))
+            }
+        };
+        match (self.inline_reads, self.inline_writes) {
+            (0, 0) => String::new(),
+            (0, w) => format!("writes inline{}", size(w)),
+            (r, 0) => format!("reads inline{}", size(r)),
+            (r, w) if r == w => format!("reads and writes inline{}", size(r)),
+            (r, w) => format!("reads inline{}, writes inline{}", size(r), size(w)),
+        }
+    }
+}
 
 /// One file's queue on one reactor's io_uring.
 pub struct UringQueue {
@@ -20,19 +54,25 @@ pub struct UringQueue {
     stats: QueueStats,
     shared: Arc<FileShared>,
     fixed: Option<u32>,
+    submit: Submit,
     user: Cell<u16>,
     slots: RefCell<Slots>,
 }
 
 impl UringQueue {
     /// Opens a queue on `core`.
-    pub fn open(core: &Rc<Core>, shared: Arc<FileShared>) -> Result<Rc<dyn Queue>, Error> {
+    pub fn open(
+        core: &Rc<Core>,
+        shared: Arc<FileShared>,
+        submit: Submit,
+    ) -> Result<Rc<dyn Queue>, Error> {
         let fixed = core.register_file(shared.fd());
         let queue = Rc::new(UringQueue {
             core: core.clone(),
             stats: QueueStats::leaf(core.switches().stats),
             shared,
             fixed,
+            submit,
             user: Cell::new(0),
             slots: RefCell::new(Slots::new(QUEUE_DEPTH)),
         });
@@ -131,6 +171,18 @@ impl Queue for UringQueue {
             0
         };
         self.stats.start(io.flags, start);
+        let inline = match io.op {
+            Op::Write => io.len <= self.submit.inline_writes,
+            Op::Read => io.len <= self.submit.inline_reads,
+            _ => false,
+        };
+        if inline {
+            let status = do_sync(&self.shared, &io);
+            self.stats
+                .finish(&io, start, || self.core.now_ns(), status.is_ok());
+            self.core.complete(io.sink, io.token, status);
+            return;
+        }
         let slot = self.slots.borrow_mut().take(io, start);
         if let Some(slot) = slot {
             self.push(slot, &io, 0);
