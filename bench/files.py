@@ -30,9 +30,11 @@ Workloads (--only): randread and randwrite (4 KiB, iodepth 32), seqread and seqw
 (1 MiB, iodepth 8).
 
 --local adds cairn bench on the file itself against fio with each of its engines there
-(io_uring, libaio, psync with 4 threads), the faster of fio's set being the peer.
+(io_uring, libaio, psync), one job each at the workload's iodepth (psync: one request at
+a time), the fastest of fio's being the peer.
 
-Variants run in interleaved rounds; medians are reported with the ratio to the best peer,
+Variants run in interleaved rounds (odd rounds in reverse order, so that none always
+follows another's writes still being written back); medians are reported with the ratio to the best peer,
 and server CPU seconds per 100k requests against the peer with the least. Targets
 (issue 35): >= 1.5x the best peer with cairn's client, >= 1.1x with fio's, server CPU per
 request <= 0.6x the best peer's, cairn bench >= 1.0x fio's best engine. The script
@@ -224,7 +226,8 @@ def local_run(tool, workload, path, direct, runtime):
                "--time_based", "--output-format=json"]
     else:
         engine = tool.removeprefix("fio-")
-        jobs = ["--numjobs=4", "--iodepth=1"] if engine == "psync" else ["--numjobs=1", f"--iodepth={depth}"]
+        # psync has one request in flight per job whatever the iodepth.
+        jobs = ["--numjobs=1", f"--iodepth={depth}"]
         cmd = ["fio", "--name=local", f"--ioengine={engine}", f"--filename={path}",
                f"--size={SIZE}", f"--rw={rw}", f"--bs={bs}", *jobs, f"--direct={int(direct)}",
                f"--runtime={runtime}", "--time_based", "--norandommap", "--randrepeat=0",
@@ -357,14 +360,14 @@ def main():
                             s, c, w, path, direct, t, cairn_args))
                             for s in servers for c in clients]
                         res = compare(f"{k}-{m}-{w}", variants, n, summarize=serve_summary,
-                                      prefix="files")
+                                      prefix="files", alternate=True)
                         out += serve_table(k, m, w, res, servers, clients)
                     if args.local:
                         tools = ["cairn", "fio-io_uring", "fio-libaio", "fio-psync"]
                         variants = [(tl, lambda tl=tl, w=w: local_run(tl, w, path, direct, t))
                                     for tl in tools]
                         res = compare(f"{k}-{m}-{w}-local", variants, n,
-                                      summarize=local_summary, prefix="files")
+                                      summarize=local_summary, prefix="files", alternate=True)
                         out += local_table(k, m, w, res, tools)
                     print("\n".join(out), file=sys.stderr)
     finally:

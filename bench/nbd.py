@@ -23,7 +23,7 @@ Workloads (--only):
 
 Servers (--servers), all on the same 1 GiB of random data:
   cairn-mem       cairn serve --device mem:1G
-  cairn-file      cairn serve --device file:/dev/shm/cairn-nbd.img,engine=io_uring,size=1G
+  cairn-file      cairn serve --device file:/dev/shm/cairn-nbd.img,size=1G (the engine it picks)
   nbdkit-memory   nbdkit -f memory 1G                (sparse allocator, 16 threads)
   nbdkit-file     nbdkit -f file /dev/shm/cairn-nbd.img   (pread/pwrite, 16 threads)
   qemu-nbd        qemu-nbd -f raw -t --cache=writeback --aio=io_uring /dev/shm/cairn-nbd.img
@@ -138,7 +138,7 @@ class Server:
             return [cairn, *self.cairn_args, "serve", "--listen", f"unix:{s}", "--device", "mem:1G"]
         if name == "cairn-file":
             return [cairn, *self.cairn_args, "serve", "--listen", f"unix:{s}", "--device",
-                    f"file:{IMG},engine=io_uring,size=1G"]
+                    f"file:{IMG},size=1G"]
         if self.name == "nbdkit-memory":
             return ["nbdkit", "-U", s, "-f", "memory", "1G"]
         if self.name == "nbdkit-file":

@@ -5,9 +5,9 @@
 //! where they stopped; ranges the file system cannot zero with `fallocate` are zeroed by
 //! writing.
 //!
-//! With `inline_writes` (chosen where the file system has no non-blocking buffered
-//! writes, see [`super::probe`]), writes are `pwritev2` calls on the reactor thread
-//! instead: io_uring would hand each one to a kernel worker.
+//! Where io_uring would hand every request to a kernel worker (see [`super::probe`]),
+//! small reads and writes are `preadv2`/`pwritev2` calls on the reactor thread instead
+//! ([`Submit`]); writes with FUA never are (they wait for the disk).
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -171,8 +171,9 @@ impl Queue for UringQueue {
             0
         };
         self.stats.start(io.flags, start);
+        // A write with FUA waits for the disk: never on the reactor.
         let inline = match io.op {
-            Op::Write => io.len <= self.submit.inline_writes,
+            Op::Write => io.len <= self.submit.inline_writes && !io.flags.contains(IoFlags::FUA),
             Op::Read => io.len <= self.submit.inline_reads,
             _ => false,
         };
