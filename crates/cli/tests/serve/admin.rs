@@ -448,3 +448,63 @@ fn an_admin_socket_in_use_is_refused() {
     let out = admin(&dir.path().join("none.sock"), &["help"]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// The engine a file gets is said once in the log and in `status`, with the reason: on
+/// tmpfs (the test directory), requests up to 64 KiB are system calls on the reactor; an
+/// engine named in the stack file is used as it is and said to be given. Data written
+/// through either export reads back.
+#[test]
+fn status_and_the_log_say_which_engine_a_file_got_and_why() {
+    let dir = tmpdir();
+    let on_tmpfs = rustix::fs::statfs(dir.path()).is_ok_and(|s| s.f_type as u64 == 0x0102_1994);
+    let ctl = dir.path().join("admin.sock");
+    let stack = write_stack(
+        &dir,
+        "[device.picked]\ntype = \"file\"\npath = \"picked.img\"\nsize = \"4M\"\n\
+         [device.named]\ntype = \"file\"\npath = \"named.img\"\nsize = \"4M\"\nengine = \"aio\"\n\
+         [export.picked]\ndevice = \"picked\"\n[export.named]\ndevice = \"named\"\n",
+    );
+    let mut srv = Server::start_in(dir, &[path_str(&stack), "--admin", path_str(&ctl)]);
+    for (i, export) in ["picked", "named"].into_iter().enumerate() {
+        let (mut c, _, _) = Raw::go(&srv.sock, export);
+        let small = random_bytes(4096, 40 + i as u64);
+        let large = random_bytes(1 << 20, 50 + i as u64);
+        c.write_ok(1, 0, 8192, &small);
+        c.write_ok(2, 0, 1 << 20, &large);
+        assert!(
+            c.read_ok(3, 8192, 4096) == small,
+            "{export}: 4 KiB read back"
+        );
+        assert!(
+            c.read_ok(4, 1 << 20, 1 << 20) == large,
+            "{export}: 1 MiB read back"
+        );
+    }
+    let out = success("status", &admin(&ctl, &["status"]));
+    let line = |name: &str| {
+        out.lines()
+            .find(|l| l.trim_start().starts_with(&format!("{name} (4MiB) file")))
+            .unwrap_or_else(|| panic!("no line for {name}: {out}"))
+            .to_string()
+    };
+    let (picked, named) = (line("picked"), line("named"));
+    assert!(named.contains("engine=aio direct=0"), "{named}");
+    assert!(named.contains("engine: engine=aio given ("), "{named}");
+    assert!(picked.contains("engine=io_uring"), "{picked}");
+    assert!(picked.contains("non-blocking reads"), "{picked}");
+    if on_tmpfs {
+        let chosen = "engine=io_uring (reads and writes inline up to 64KiB) direct=0";
+        assert!(picked.contains(chosen), "{picked}");
+        assert!(
+            picked.contains("tmpfs buffered, non-blocking reads unsupported"),
+            "{picked}"
+        );
+    }
+    let (_, log) = srv.stop();
+    for name in [
+        "picked.img: engine io_uring",
+        "named.img: engine aio: engine=aio given",
+    ] {
+        assert_eq!(log.matches(name).count(), 1, "{name} once in:\n{log}");
+    }
+}

@@ -192,7 +192,8 @@ pub fn plan(probe: &Probe, given: Option<Engine>) -> Plan {
         inline_reads: if reads { INLINE_MAX_BYTES } else { 0 },
         inline_writes: INLINE_MAX_BYTES,
     };
-    let (submit, reason) = if probe.read == Nowait::Unsupported {
+    let in_memory = matches!(probe.kind.as_str(), "tmpfs" | "ramfs");
+    let (submit, reason) = if probe.read == Nowait::Unsupported && in_memory {
         (
             inline(true),
             "io_uring would hand every request to a kernel worker, so requests up to 64 KiB \
@@ -204,7 +205,10 @@ pub fn plan(probe: &Probe, given: Option<Engine>) -> Plan {
             "io_uring would hand every buffered write to a kernel worker, so writes up to \
              64 KiB are system calls on the reactor",
         )
-    } else if probe.write == Nowait::Unsupported && !probe.direct {
+    } else if probe.write == Nowait::Unsupported
+        && !probe.direct
+        && probe.read != Nowait::Unsupported
+    {
         (
             Submit::default(),
             "buffered writes go to io_uring's kernel workers, which run a journaling file \
@@ -232,6 +236,7 @@ fn fs_name(file: &File) -> String {
     #[allow(clippy::unreadable_literal)]
     let name = match st.f_type as u64 {
         0x01021994 => "tmpfs",
+        0x858458f6 => "ramfs",
         0xEF53 => "ext4",
         0x58465342 => "xfs",
         0x9123683E => "btrfs",
@@ -289,6 +294,10 @@ mod tests {
             // tmpfs, buffered and O_DIRECT: small requests inline.
             (probe("tmpfs", Unsupported, Unsupported, false), all),
             (probe("tmpfs", Unsupported, Unsupported, true), all),
+            (probe("ramfs", Unsupported, Unsupported, false), all),
+            // Not in memory: a request on the reactor could wait for a disk or a network.
+            (probe("nfs", Unsupported, Unsupported, false), none),
+            (probe("fuse", Unsupported, Unsupported, false), none),
             // A block device's buffered writes: inline.
             (probe(BLOCK_DEVICE, WouldBlock, Unsupported, false), writes),
             (probe(BLOCK_DEVICE, Completes, Completes, true), none),

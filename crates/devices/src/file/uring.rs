@@ -29,7 +29,7 @@ pub struct Submit {
 
 impl Submit {
     /// How it reads in a log line: empty (all through io_uring), `writes inline up to
-    /// 64.0KiB`, `reads and writes inline up to 64.0KiB`, ...
+    /// 64KiB`, `reads and writes inline up to 64KiB`, ...
     pub fn describe(&self) -> String {
         let size = |n: u64| {
             if n == u64::MAX {

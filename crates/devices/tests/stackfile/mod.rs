@@ -267,7 +267,7 @@ const ERRNO: Pool = Pool {
     bad: &["\"EFOO\"", "0", "5000", "-5"],
 };
 const ENGINES: Pool = Pool {
-    good: &["\"io_uring\"", "\"aio\"", "\"sync\""],
+    good: &["\"auto\"", "\"io_uring\"", "\"aio\"", "\"sync\""],
     bad: &["\"spdk\"", "1"],
 };
 const METADATA: Pool = Pool {
