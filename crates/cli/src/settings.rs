@@ -69,8 +69,9 @@ A stack file (see `cairn check --help`) names devices and how they stack:
 Devices (--device, without a stack file):
   null:SIZE[,block=N]          completes at once, reads return zeros
   mem:SIZE[,block=N]           sparse RAM disk
-  file:PATH[,engine=io_uring|aio|sync][,direct=0|1][,size=SIZE]
-                               regular file or block device; size= creates or extends
+  file:PATH[,engine=auto|io_uring|aio|sync][,direct=0|1][,size=SIZE]
+                               regular file or block device; size= creates or extends;
+                               auto (the default) picks the engine for its file system
 
 Options keep fio's names and meanings. The job runs until --runtime passes or each job
 has transferred --io_size bytes (default: the region's size), whichever comes first;

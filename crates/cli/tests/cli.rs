@@ -662,8 +662,11 @@ mod exclusive {
             .spawn()
             .expect("start cairn serve");
         let mut lines = BufReader::new(server.stderr.take().expect("stderr")).lines();
-        let first = lines.next().expect("a line").expect("text");
-        assert!(first.contains("serving"), "{first}");
+        // The file's engine is said first, then that it is served.
+        let engine = lines.next().expect("a line").expect("text");
+        assert!(engine.contains("shared.img: engine "), "{engine}");
+        let serving = lines.next().expect("a line").expect("text");
+        assert!(serving.contains("serving"), "{serving}");
 
         let holder = format!("in use by pid {} (cairn)", server.id());
         let line = bad_input(&["bench", "--device", &spec, "--runtime", "1"]);
