@@ -124,6 +124,9 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             // or written: the device opened as `cairn check` opens it, then the admin
             // and metrics sockets bound; only then is the device opened for real.
             devices.preflight(switches)?;
+            // Caught from here on (queued until the thread below takes them), so that a
+            // signal sent as soon as the admin socket appears finds them caught.
+            let signals = bench_signals_caught();
             let admin = args.admin.as_deref().map(admin::bind).transpose()?;
             let metrics = args.metrics.as_deref().map(metrics::bind).transpose()?;
             let device = devices
@@ -137,7 +140,7 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             );
             // SIGINT and SIGTERM end the job early, with its report (as fio's Ctrl-C);
             // SIGUSR1 and SIGUSR2 log a status, as they do for serve.
-            bench_signals(view.clone());
+            bench_signals(signals, view.clone());
             let admin = match admin {
                 Some(bound) => Some(admin::start(bound, view.clone())?),
                 None => None,
@@ -292,14 +295,22 @@ fn close_writing_back(
     );
 }
 
-/// Takes SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 (signal-hook's handler, which only wakes
-/// its iterator) and waits for them on a thread of its own: the first two end the
-/// bench's jobs, the others log a status of `view` (the device tree, failed members,
-/// arrays) and the job goes on.
-fn bench_signals(view: std::sync::Arc<view::View>) {
+/// Catches SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 (signal-hook's handler, which only wakes
+/// its iterator): from here on they are queued, not acted on, until [`bench_signals`].
+fn bench_signals_caught() -> Option<signal_hook::iterator::Signals> {
     use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
-    let Ok(mut signals) = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGUSR1, SIGUSR2])
-    else {
+    signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGUSR1, SIGUSR2]).ok()
+}
+
+/// Waits for the caught signals on a thread of its own: SIGINT and SIGTERM end the
+/// bench's jobs, SIGUSR1 and SIGUSR2 log a status of `view` (the device tree, failed
+/// members, arrays) and the job goes on.
+fn bench_signals(
+    signals: Option<signal_hook::iterator::Signals>,
+    view: std::sync::Arc<view::View>,
+) {
+    use signal_hook::consts::{SIGUSR1, SIGUSR2};
+    let Some(mut signals) = signals else {
         return;
     };
     let _ = std::thread::Builder::new()
