@@ -6,7 +6,7 @@ use std::time::Duration;
 use cairn_bench::{JobSpec, Pattern};
 use cairn_core::size::{parse_duration, parse_size};
 use cairn_core::{
-    ClockMode, DispatchMode, FlushMode, ReapMode, StatsMode, Switches, WritebackMode,
+    ClockMode, CoalesceMode, DispatchMode, FlushMode, ReapMode, StatsMode, Switches, WritebackMode,
 };
 use std::path::PathBuf;
 
@@ -129,6 +129,10 @@ pub struct GlobalArgs {
     /// they were dirtied (shared).
     #[arg(long, global = true, value_enum, hide = true)]
     pub writeback: Option<WritebackArg>,
+    /// With many storage requests in flight, a waiting thread wakes when a quarter of
+    /// them are done or 10 us have passed (on, default), or at every completion (off).
+    #[arg(long, global = true, value_enum, hide = true)]
+    pub coalesce: Option<OnOff>,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -223,6 +227,11 @@ impl GlobalArgs {
                 Some(WritebackArg::PerDevice) => WritebackMode::PerDevice,
                 Some(WritebackArg::Shared) => WritebackMode::Shared,
                 None => file.writeback,
+            },
+            coalesce: match self.coalesce {
+                Some(OnOff::On) => CoalesceMode::On,
+                Some(OnOff::Off) => CoalesceMode::Off,
+                None => file.coalesce,
             },
         })
     }

@@ -207,7 +207,7 @@ mod check {
         // The switches as the command line writes them.
         assert!(
             stdout.contains(
-                "switches: clock=cached reap=eager stats=on flush=batched dispatch=inline writeback=per-device"
+                "switches: clock=cached reap=eager stats=on flush=batched dispatch=inline writeback=per-device coalesce=on"
             ),
             "{stdout}"
         );

@@ -40,6 +40,7 @@ pub use flush::{FlushBatcher, FlushMode};
 pub use frontend::{Frontend, FrontendPart};
 pub use io::{Io, IoFlags, IoStatus, Op, SinkId};
 pub use reactor::{
-    Core, DispatchMode, Poller, Reactor, ReapMode, RingUser, Sink, Switches, WritebackMode,
+    CoalesceMode, Core, DispatchMode, Poller, Reactor, ReapMode, RingUser, Sink, Switches,
+    WritebackMode,
 };
 pub use stats::{DeviceStatsSnapshot, QueueStats, StatsMode};

@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use cairn_core::blocking::{BlockingError, BlockingQueue, Request};
 use cairn_core::{
-    AlignedBuf, ClockMode, Device, Error, IoError, IoFlags, Op, ReapMode, StatsMode, Switches,
+    AlignedBuf, ClockMode, CoalesceMode, Device, Error, IoError, IoFlags, Op, ReapMode, StatsMode,
+    Switches,
 };
 use cairn_devices::LeafSpec;
 use tempfile::TempDir;
@@ -1169,10 +1170,16 @@ mod switches {
         for reap in [ReapMode::Eager, ReapMode::Lazy] {
             for clock in [ClockMode::Cached, ClockMode::Precise] {
                 for stats in [StatsMode::On, StatsMode::Off] {
+                    // Completion coalescing off with the precise clock, on with the cached.
+                    let coalesce = match clock {
+                        ClockMode::Cached => CoalesceMode::On,
+                        ClockMode::Precise => CoalesceMode::Off,
+                    };
                     out.push(Switches {
                         clock,
                         reap,
                         stats,
+                        coalesce,
                         ..Switches::default()
                     });
                 }

@@ -78,7 +78,7 @@ mod parses {
     #[test]
     fn a_raid10_of_files_and_mems_with_defaults() {
         let text = format!(
-            "[tuning]\nclock = \"precise\"\n\n\
+            "[tuning]\nclock = \"precise\"\ncoalesce = \"off\"\n\n\
              [device.f]\ntype = \"file\"\npath = \"/dev/shm/x\"\nsize = \"2M\"\nengine = \"aio\"\ndirect = true\n\n\
              {}\
              [device.r]\ntype = \"raid10\"\nmembers = [\"f\", \"d1\", \"d2\", \"d3\"]\n",
@@ -87,6 +87,11 @@ mod parses {
         let file = StackFile::parse(&text).unwrap();
         assert_eq!(file.tuning.clock, Some(cairn_core::ClockMode::Precise));
         assert_eq!(file.tuning.reap, None);
+        assert_eq!(file.tuning.coalesce, Some(cairn_core::CoalesceMode::Off));
+        assert_eq!(
+            file.tuning.over(cairn_core::Switches::default()).coalesce,
+            cairn_core::CoalesceMode::Off
+        );
         assert_eq!(file.roots(), vec!["r".to_string()]);
         assert_eq!(file.pick(None).unwrap(), "r");
         assert_eq!(file.pick(Some("d1")).unwrap(), "d1");
@@ -715,6 +720,8 @@ mod file_level {
             m.contains("tuning") && m.contains("flush") && m.contains("batched, serial"),
             "{m}"
         );
+        let m = parse_err(&format!("[tuning]\ncoalesce = \"yes\"\n\n{}", mem("d0")));
+        assert!(m.contains("coalesce") && m.contains("on, off"), "{m}");
     }
 
     #[test]

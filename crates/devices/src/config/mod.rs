@@ -34,7 +34,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use cairn_core::{
-    ClockMode, Device, DispatchMode, Error, FlushMode, ReapMode, StatsMode, Switches, WritebackMode,
+    ClockMode, CoalesceMode, Device, DispatchMode, Error, FlushMode, ReapMode, StatsMode, Switches,
+    WritebackMode,
 };
 use toml::{Table, Value};
 
@@ -251,6 +252,8 @@ pub struct Tuning {
     pub dispatch: Option<DispatchMode>,
     /// `writeback = "per-device" | "shared"`.
     pub writeback: Option<WritebackMode>,
+    /// `coalesce = "on" | "off"`.
+    pub coalesce: Option<CoalesceMode>,
 }
 
 impl Tuning {
@@ -263,6 +266,7 @@ impl Tuning {
             flush: self.flush.unwrap_or(defaults.flush),
             dispatch: self.dispatch.unwrap_or(defaults.dispatch),
             writeback: self.writeback.unwrap_or(defaults.writeback),
+            coalesce: self.coalesce.unwrap_or(defaults.coalesce),
         }
     }
 
@@ -345,6 +349,13 @@ impl Tuning {
                         ],
                     )?)
                 }
+                "coalesce" => {
+                    t.coalesce = Some(pick(
+                        k,
+                        s,
+                        &[("on", CoalesceMode::On), ("off", CoalesceMode::Off)],
+                    )?)
+                }
                 _ => return Err(unknown_tuning_key(k)),
             }
         }
@@ -352,7 +363,15 @@ impl Tuning {
     }
 }
 
-const TUNING_KEYS: [&str; 6] = ["clock", "reap", "stats", "dispatch", "flush", "writeback"];
+const TUNING_KEYS: [&str; 7] = [
+    "clock",
+    "reap",
+    "stats",
+    "dispatch",
+    "flush",
+    "writeback",
+    "coalesce",
+];
 
 fn unknown_tuning_key(key: &str) -> Error {
     err(format!(

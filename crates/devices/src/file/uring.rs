@@ -93,7 +93,10 @@ impl UringQueue {
         let entry = self.sqe(io, done_bytes);
         // SAFETY: the buffer belongs to the submitter until we deliver the completion; the
         // fd lives in `shared`, which this queue (registered with the ring) keeps alive.
-        unsafe { self.core.push_sqe(self.user.get(), u64::from(slot), entry) };
+        unsafe {
+            self.core
+                .push_storage_sqe(self.user.get(), u64::from(slot), entry)
+        };
     }
 
     fn sqe(&self, io: &Io, done_bytes: u64) -> squeue::Entry {
