@@ -31,7 +31,8 @@ Workloads (--only): randread and randwrite (4 KiB, iodepth 32), seqread and seqw
 
 --local adds cairn bench on the file itself against fio with each of its engines there
 (io_uring, libaio, psync), one job each at the workload's iodepth (psync: one request at
-a time), the fastest of fio's being the peer.
+a time), the fastest of fio's being the peer. --local-tools picks them; cairn-coalesce-off
+is cairn bench with completion coalescing off (`cairn --coalesce off bench`), its "before".
 
 Variants run in interleaved rounds (odd rounds in reverse order, so that none always
 follows another's writes still being written back); medians are reported with the ratio to the best peer,
@@ -217,12 +218,17 @@ def serve_summary(j):
     return out
 
 
+# --local tools that are cairn bench, with their global flags.
+LOCAL_CAIRN = {"cairn": [], "cairn-coalesce-off": ["--coalesce", "off"]}
+LOCAL_TOOLS = [*LOCAL_CAIRN, "fio-io_uring", "fio-libaio", "fio-psync"]
+
+
 def local_run(tool, workload, path, direct, runtime):
     """cairn bench or fio with one engine on the file itself; CPU is the tool's own."""
     rw, bs, depth, _ = WORKLOADS[workload]
-    if tool == "cairn":
+    if tool in LOCAL_CAIRN:
         spec = f"file:{path}" + (",direct=1" if direct else "")
-        cmd = [CAIRN, "bench", "--log-level", "warn", "--device", spec, f"--rw={rw}",
+        cmd = [CAIRN, *LOCAL_CAIRN[tool], "bench", "--log-level", "warn", "--device", spec, f"--rw={rw}",
                f"--bs={bs}", f"--iodepth={depth}", "--numjobs=1", f"--runtime={runtime}s",
                "--time_based", "--output-format=json"]
     else:
@@ -329,6 +335,8 @@ def main():
     ap.add_argument("--clients", default="fio,cairn")
     ap.add_argument("--local", action="store_true", help="also cairn bench against fio on the file")
     ap.add_argument("--no-serve", action="store_true", help="only the --local comparison")
+    ap.add_argument("--local-tools", default="cairn,fio-io_uring,fio-libaio,fio-psync",
+                    help=f"known: {', '.join(LOCAL_TOOLS)}")
     ap.add_argument("--runtime", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cairn-args", default="")
@@ -339,7 +347,8 @@ def main():
     servers, clients = split(args.servers), split(args.clients)
     for name, got, known in [("kind", kinds, KINDS), ("mode", modes, MODES),
                              ("workload", only, WORKLOADS), ("server", servers, SERVERS),
-                             ("client", clients, ["fio", "cairn"])]:
+                             ("client", clients, ["fio", "cairn"]),
+                             ("local tool", split(args.local_tools), LOCAL_TOOLS)]:
         for g in got:
             if g not in known and not (name == "server" and g.startswith("cairn~")):
                 sys.exit(f"unknown {name} {g!r}; known: {', '.join(known)}")
@@ -353,7 +362,8 @@ def main():
     made = Kinds(kinds)
     out = [f"Median of {n} interleaved rounds of {t} s each (`bench/files.py --kinds {args.kinds} "
            f"--modes {args.modes} --only {args.only} --servers {args.servers} --clients {args.clients}"
-           + (" --local" if args.local else "") + f" --rounds {n} --runtime {t}`); "
+           + (f" --local --local-tools {args.local_tools}" if args.local else "")
+           + f" --rounds {n} --runtime {t}`); "
            f"{sh('fio', '--version')}, {sh('nbdkit', '--version')}, "
            f"{sh('qemu-nbd', '--version').splitlines()[0]}; {os.cpu_count()} CPUs.", ""]
     try:
@@ -370,7 +380,7 @@ def main():
                                       prefix="files", alternate=True)
                         out += serve_table(k, m, w, res, servers, clients)
                     if args.local:
-                        tools = ["cairn", "fio-io_uring", "fio-libaio", "fio-psync"]
+                        tools = split(args.local_tools)
                         variants = [(tl, lambda tl=tl, w=w: local_run(tl, w, path, direct, t))
                                     for tl in tools]
                         res = compare(f"{k}-{m}-{w}-local", variants, n,
