@@ -193,26 +193,22 @@ pub fn plan(probe: &Probe, given: Option<Engine>) -> Plan {
         inline_writes: INLINE_MAX_BYTES,
     };
     let in_memory = matches!(probe.kind.as_str(), "tmpfs" | "ramfs");
+    // A buffered write there lands in the page cache; none of these waits on a server.
+    let on_local_disk = matches!(probe.kind.as_str(), "ext4" | "xfs" | "btrfs" | "f2fs");
     let (submit, reason) = if probe.read == Nowait::Unsupported && in_memory {
         (
             inline(true),
             "io_uring would hand every request to a kernel worker, so requests up to 64 KiB \
              are system calls on the reactor and larger ones go to the workers",
         )
-    } else if probe.write == Nowait::Unsupported && !probe.direct && probe.kind == BLOCK_DEVICE {
+    } else if probe.write == Nowait::Unsupported
+        && !probe.direct
+        && (probe.kind == BLOCK_DEVICE || on_local_disk)
+    {
         (
             inline(false),
             "io_uring would hand every buffered write to a kernel worker, so writes up to \
              64 KiB are system calls on the reactor",
-        )
-    } else if probe.write == Nowait::Unsupported
-        && !probe.direct
-        && probe.read != Nowait::Unsupported
-    {
-        (
-            Submit::default(),
-            "buffered writes go to io_uring's kernel workers, which run a journaling file \
-             system's write path in parallel with the reactor",
         )
     } else {
         (
@@ -301,8 +297,14 @@ mod tests {
             // A block device's buffered writes: inline.
             (probe(BLOCK_DEVICE, WouldBlock, Unsupported, false), writes),
             (probe(BLOCK_DEVICE, Completes, Completes, true), none),
-            // ext4 buffered: writes to the workers.
-            (probe("ext4", Completes, Unsupported, false), none),
+            // ext4 buffered (no non-blocking writes): writes inline, reads through io_uring.
+            (probe("ext4", Completes, Unsupported, false), writes),
+            (probe("btrfs", WouldBlock, Unsupported, false), writes),
+            // A file system not known to be local keeps its writes off the reactor.
+            (
+                probe("file system 0x1234", Completes, Unsupported, false),
+                none,
+            ),
             // xfs buffered, anything O_DIRECT.
             (probe("xfs", Completes, WouldBlock, false), none),
             (probe("xfs", WouldBlock, WouldBlock, true), none),
