@@ -5,8 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Debian packages the integration tests drive (peers and real clients; prometheus for
-# promtool, which checks the metrics endpoint's text; xfsprogs for the engine tests on xfs).
-PACKAGES=(fio nbdkit libnbd-bin python3-libnbd qemu-utils fuse3 dbench nbd-server openssl prometheus iproute2 xfsprogs)
+# promtool, which checks the metrics endpoint's text; xfsprogs for the engine tests on xfs;
+# Ceph's monitor, OSD and client for the rbd tests' throw-away cluster, scripts/ceph-cluster).
+PACKAGES=(fio nbdkit libnbd-bin python3-libnbd qemu-utils fuse3 dbench nbd-server openssl prometheus iproute2 xfsprogs
+          ceph-mon ceph-osd ceph-common)
 missing=()
 for p in "${PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -16,6 +16,7 @@ pub mod config;
 pub mod file;
 pub mod mem;
 pub mod null;
+pub mod rbd;
 pub mod spec;
 pub mod stack;
 pub mod wrap;

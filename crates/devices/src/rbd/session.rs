@@ -1,0 +1,272 @@
+//! A cluster connection, a pool and an open image, each closed when dropped.
+//!
+//! These calls block (connecting waits for the monitors, opening reads the image's header):
+//! they run when a device opens, never on a reactor. Every wait is bounded by the timeout
+//! given to [`Cluster::connect`], which is also set as librados' operation timeouts, so a
+//! request to an OSD that is gone fails with ETIMEDOUT instead of waiting for ever.
+
+use std::ffi::{c_int, CString};
+use std::path::Path;
+use std::time::Duration;
+
+use cairn_core::Error;
+
+use super::ffi::{self, Api, ImageT, IoCtxT, RadosT};
+
+/// `-errno` as an [`Error`] saying what was being done.
+pub(crate) fn fail(context: String, rc: c_int) -> Error {
+    Error::os(context, std::io::Error::from_raw_os_error(-rc))
+}
+
+fn cstr(what: &str, s: &str) -> Result<CString, Error> {
+    CString::new(s).map_err(|_| Error::Invalid(format!("rbd: {what} '{s}' holds a NUL byte")))
+}
+
+/// A connection to a cluster (`rados_t`).
+pub struct Cluster {
+    api: &'static Api,
+    handle: RadosT,
+    /// The monitors it was told to reach, for error messages.
+    monitors: String,
+}
+
+// SAFETY: librados' cluster handle may be used from any thread (its calls take their own
+// locks); cairn opens and closes it on one thread and only shares it read-only.
+unsafe impl Send for Cluster {}
+// SAFETY: as above; no `&self` method mutates cairn-side state.
+unsafe impl Sync for Cluster {}
+
+impl Cluster {
+    /// Connects as client `id` (`admin` when `None`) with the configuration at `conf`
+    /// (librados' default search when `None`), failing after `timeout`.
+    pub fn connect(
+        conf: Option<&Path>,
+        id: Option<&str>,
+        timeout: Duration,
+    ) -> Result<Cluster, Error> {
+        let api = ffi::api().map_err(Error::Invalid)?;
+        let id_c = id.map(|i| cstr("id", i)).transpose()?;
+        let mut handle: RadosT = std::ptr::null_mut();
+        // SAFETY: `handle` is a live out-pointer; the id string outlives the call.
+        let rc = unsafe {
+            (api.rados_create)(
+                &mut handle,
+                id_c.as_ref().map_or(std::ptr::null(), |c| c.as_ptr()),
+            )
+        };
+        if rc < 0 {
+            return Err(fail("rbd: rados_create".into(), rc));
+        }
+        let mut cluster = Cluster {
+            api,
+            handle,
+            monitors: String::new(),
+        };
+        let conf_text = conf.map(|p| p.display().to_string());
+        let conf_c = conf_text.as_deref().map(|p| cstr("conf", p)).transpose()?;
+        // SAFETY: a live handle; a NUL-terminated path or NULL (the default search).
+        let rc = unsafe {
+            (api.rados_conf_read_file)(
+                handle,
+                conf_c.as_ref().map_or(std::ptr::null(), |c| c.as_ptr()),
+            )
+        };
+        if rc < 0 {
+            let shown = conf_text
+                .as_deref()
+                .unwrap_or("the default places ($CEPH_CONF, /etc/ceph/ceph.conf)");
+            return Err(fail(
+                format!("rbd: read the Ceph configuration {shown}"),
+                rc,
+            ));
+        }
+        let secs = timeout.as_secs().max(1).to_string();
+        for (key, value) in [
+            // librados writes its own log lines to stderr unless told not to.
+            ("log_to_stderr", "false"),
+            ("err_to_stderr", "false"),
+            ("client_mount_timeout", secs.as_str()),
+            ("rados_mon_op_timeout", secs.as_str()),
+            ("rados_osd_op_timeout", secs.as_str()),
+            // librbd's cache acknowledges writes before the OSDs hold them once a flush has
+            // been seen; cairn's writes complete when they are durable.
+            ("rbd_cache", "false"),
+        ] {
+            cluster.set(key, value)?;
+        }
+        cluster.monitors = cluster.get("mon_host").unwrap_or_default();
+        // SAFETY: a live, configured handle.
+        let rc = unsafe { (api.rados_connect)(handle) };
+        if rc < 0 {
+            let mons = if cluster.monitors.is_empty() {
+                "no monitors configured".to_string()
+            } else {
+                format!("monitors {}", cluster.monitors)
+            };
+            return Err(fail(
+                format!("rbd: connect to the cluster ({mons}, within {secs} s)"),
+                rc,
+            ));
+        }
+        Ok(cluster)
+    }
+
+    fn set(&self, key: &str, value: &str) -> Result<(), Error> {
+        let (k, v) = (cstr("option", key)?, cstr("value", value)?);
+        // SAFETY: a live handle and two NUL-terminated strings.
+        let rc = unsafe { (self.api.rados_conf_set)(self.handle, k.as_ptr(), v.as_ptr()) };
+        if rc < 0 {
+            return Err(fail(format!("rbd: set {key}={value}"), rc));
+        }
+        Ok(())
+    }
+
+    fn get(&self, key: &str) -> Option<String> {
+        let k = cstr("option", key).ok()?;
+        let mut buf = [0u8; 1024];
+        // SAFETY: a live handle, a NUL-terminated key, a buffer of the length given.
+        let rc = unsafe {
+            (self.api.rados_conf_get)(self.handle, k.as_ptr(), buf.as_mut_ptr().cast(), buf.len())
+        };
+        if rc < 0 {
+            return None;
+        }
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        Some(String::from_utf8_lossy(&buf[..end]).into_owned())
+    }
+
+    /// An I/O context on `pool`, in `namespace` when given.
+    pub fn pool(&self, pool: &str, namespace: Option<&str>) -> Result<Pool<'_>, Error> {
+        let pool_c = cstr("pool", pool)?;
+        let mut ioctx: IoCtxT = std::ptr::null_mut();
+        // SAFETY: a connected handle, a NUL-terminated name, a live out-pointer.
+        let rc = unsafe { (self.api.rados_ioctx_create)(self.handle, pool_c.as_ptr(), &mut ioctx) };
+        if rc < 0 {
+            return Err(fail(format!("rbd: open pool '{pool}'"), rc));
+        }
+        let p = Pool {
+            cluster: self,
+            ioctx,
+            name: pool.to_string(),
+        };
+        if let Some(ns) = namespace {
+            let ns_c = cstr("namespace", ns)?;
+            // SAFETY: a live ioctx not yet shared; the string is copied by librados.
+            unsafe { (self.api.rados_ioctx_set_namespace)(ioctx, ns_c.as_ptr()) };
+        }
+        Ok(p)
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // SAFETY: every pool and image borrowed from it is gone (lifetimes), so nothing
+        // uses the handle any more.
+        unsafe { (self.api.rados_shutdown)(self.handle) };
+    }
+}
+
+/// An I/O context on one pool.
+pub struct Pool<'c> {
+    cluster: &'c Cluster,
+    ioctx: IoCtxT,
+    name: String,
+}
+
+impl Pool<'_> {
+    /// Creates image `name` of `size` bytes (the default features and object size).
+    pub fn create(&self, name: &str, size: u64) -> Result<(), Error> {
+        let name_c = cstr("image", name)?;
+        let mut order: c_int = 0;
+        // SAFETY: a live ioctx, a NUL-terminated name, a live out-pointer.
+        let rc =
+            unsafe { (self.cluster.api.rbd_create)(self.ioctx, name_c.as_ptr(), size, &mut order) };
+        if rc < 0 {
+            return Err(fail(format!("rbd: create image {}/{name}", self.name), rc));
+        }
+        Ok(())
+    }
+
+    /// Removes image `name`.
+    pub fn remove(&self, name: &str) -> Result<(), Error> {
+        let name_c = cstr("image", name)?;
+        // SAFETY: a live ioctx and a NUL-terminated name.
+        let rc = unsafe { (self.cluster.api.rbd_remove)(self.ioctx, name_c.as_ptr()) };
+        if rc < 0 {
+            return Err(fail(format!("rbd: remove image {}/{name}", self.name), rc));
+        }
+        Ok(())
+    }
+
+    /// Opens image `name`, read-only at `snapshot` when one is named.
+    pub fn open(&self, name: &str, snapshot: Option<&str>) -> Result<Image<'_>, Error> {
+        let name_c = cstr("image", name)?;
+        let snap_c = snapshot.map(|s| cstr("snapshot", s)).transpose()?;
+        let snap_p = snap_c.as_ref().map_or(std::ptr::null(), |c| c.as_ptr());
+        let mut image: ImageT = std::ptr::null_mut();
+        let api = self.cluster.api;
+        // SAFETY: a live ioctx, NUL-terminated strings (or NULL), a live out-pointer.
+        let rc = unsafe {
+            if snapshot.is_some() {
+                (api.rbd_open_read_only)(self.ioctx, name_c.as_ptr(), &mut image, snap_p)
+            } else {
+                (api.rbd_open)(self.ioctx, name_c.as_ptr(), &mut image, snap_p)
+            }
+        };
+        if rc < 0 {
+            let what = match snapshot {
+                Some(s) => format!("{}/{name}@{s}", self.name),
+                None => format!("{}/{name}", self.name),
+            };
+            return Err(fail(format!("rbd: open image {what}"), rc));
+        }
+        Ok(Image {
+            pool: self,
+            handle: image,
+        })
+    }
+}
+
+impl Drop for Pool<'_> {
+    fn drop(&mut self) {
+        // SAFETY: images opened from it are gone (lifetimes).
+        unsafe { (self.cluster.api.rados_ioctx_destroy)(self.ioctx) };
+    }
+}
+
+/// An open image.
+pub struct Image<'p> {
+    pool: &'p Pool<'p>,
+    handle: ImageT,
+}
+
+impl Image<'_> {
+    /// The raw handle, for the asynchronous calls.
+    pub fn handle(&self) -> ImageT {
+        self.handle
+    }
+
+    /// The API the image was opened with.
+    pub fn api(&self) -> &'static Api {
+        self.pool.cluster.api
+    }
+
+    /// The image's size in bytes.
+    pub fn size(&self) -> Result<u64, Error> {
+        let mut size = 0u64;
+        // SAFETY: a live image and out-pointer.
+        let rc = unsafe { (self.api().rbd_get_size)(self.handle, &mut size) };
+        if rc < 0 {
+            return Err(fail("rbd: image size".into(), rc));
+        }
+        Ok(size)
+    }
+}
+
+impl Drop for Image<'_> {
+    fn drop(&mut self) {
+        // SAFETY: the owner has collected every request it submitted (the device drains
+        // before it drops the image), so librbd holds no buffer of ours.
+        unsafe { (self.api().rbd_close)(self.handle) };
+    }
+}
