@@ -29,6 +29,8 @@ pub mod size;
 pub mod slab;
 pub mod socket;
 pub mod stats;
+#[doc(hidden)]
+pub mod testing;
 
 pub use buf::AlignedBuf;
 pub use clock::{Clock, ClockMode};

@@ -372,24 +372,12 @@ mod kinds {
     use std::path::PathBuf;
     use std::process::Command;
 
+    use cairn_core::testing::skip;
     use cairn_devices::file::probe::{self, Nowait};
     use cairn_devices::file::FileDevice;
     use cairn_devices::spec::Engine;
 
     const KINDS: [&str; 4] = ["tmpfs", "ext4", "xfs", "block"];
-
-    /// Records that `test` could not run (scripts/test.sh counts it as skipped).
-    fn skip(test: &str, reason: &str) {
-        let line = format!("SKIP {test}: {reason}");
-        eprintln!("{line}");
-        if let Some(path) = std::env::var_os("CAIRN_SKIP_LOG") {
-            let _ = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)
-                .and_then(|mut f| f.write_all(format!("{line}\n").as_bytes()));
-        }
-    }
 
     fn run(cmd: &mut Command) -> Result<String, String> {
         let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;

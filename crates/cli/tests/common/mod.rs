@@ -2,27 +2,12 @@
 
 #![allow(dead_code)] // each test binary uses some of them
 
-use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 
 use tempfile::TempDir;
 
-/// Records that `test` could not run: one line on stderr and in `$CAIRN_SKIP_LOG`.
-pub fn skip(test: &str, reason: &str) {
-    let line = format!("SKIP {test}: {reason}");
-    eprintln!("{line}");
-    if let Some(path) = std::env::var_os("CAIRN_SKIP_LOG") {
-        let appended = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .and_then(|mut f| f.write_all(format!("{line}\n").as_bytes()));
-        if let Err(e) = appended {
-            eprintln!("cannot append to CAIRN_SKIP_LOG {}: {e}", path.display());
-        }
-    }
-}
+pub use cairn_core::testing::skip;
 
 /// The executable `name` on PATH (or in the sbin directories, which a non-root PATH may
 /// lack).

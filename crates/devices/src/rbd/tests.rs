@@ -2,7 +2,6 @@
 //! directory of its own, and it is stopped by pid when the test ends, even by a panic.
 //! Without root, the Ceph packages or librbd, the tests record a skip.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -10,17 +9,7 @@ use std::time::Duration;
 use super::ffi;
 use super::session::Cluster;
 
-fn skip(test: &str, reason: &str) {
-    let line = format!("SKIP {test}: {reason}");
-    eprintln!("{line}");
-    if let Some(path) = std::env::var_os("CAIRN_SKIP_LOG") {
-        let _ = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .and_then(|mut f| f.write_all(format!("{line}\n").as_bytes()));
-    }
-}
+use cairn_core::testing::skip;
 
 fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/ceph-cluster")
