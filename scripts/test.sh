@@ -5,15 +5,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Debian packages the integration tests drive (peers and real clients; prometheus for
-# promtool, which checks the metrics endpoint's text; xfsprogs for the engine tests on xfs;
-# Ceph's monitor, OSD and client for the rbd tests' throw-away cluster, scripts/ceph-cluster).
-PACKAGES=(fio nbdkit libnbd-bin python3-libnbd qemu-utils fuse3 dbench nbd-server openssl prometheus iproute2 xfsprogs
-          ceph-mon ceph-osd ceph-common)
-missing=()
-for p in "${PACKAGES[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
+# promtool, which checks the metrics endpoint's text; xfsprogs for the engine tests on xfs),
+# and Ceph's monitor, OSD and client for the rbd tests' throw-away cluster
+# (scripts/ceph-cluster), installed on their own so that a failure there costs only them.
+install_missing() {
+    local missing=() p
+    for p in "$@"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+    done
+    [ ${#missing[@]} -gt 0 ] || return 0
     if [ "$(id -u)" = 0 ]; then
         echo "test.sh: installing ${missing[*]}"
         { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null; } \
@@ -21,7 +21,9 @@ if [ ${#missing[@]} -gt 0 ]; then
     else
         echo "test.sh: not root, not installing ${missing[*]}; tests that need them say so"
     fi
-fi
+}
+install_missing fio nbdkit libnbd-bin python3-libnbd qemu-utils fuse3 dbench nbd-server openssl prometheus iproute2 xfsprogs
+install_missing ceph-mon ceph-osd ceph-common
 
 # FUSE over io_uring is off by default in the fuse module; the FUSE export's tests run
 # with it and without (they record a skip for the io_uring half when it stays off).
