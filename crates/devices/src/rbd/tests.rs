@@ -115,6 +115,44 @@ fn collect(
     got
 }
 
+/// Submits `n` vectored requests of `chunk` bytes each, writes or reads: the k-th covers
+/// `buf[k * chunk..]` at image offset `k * 3 * chunk` (gaps between them), and its
+/// completion carries k as its argument.
+///
+/// # Safety
+/// `buf` holds `n * chunk` bytes and stays valid until every completion is collected.
+unsafe fn submit_chunks(
+    api: &ffi::Api,
+    image: ffi::ImageT,
+    buf: *mut u8,
+    n: usize,
+    chunk: usize,
+    write: bool,
+) {
+    let op = if write {
+        api.rbd_aio_writev
+    } else {
+        api.rbd_aio_readv
+    };
+    for k in 0..n {
+        let iov = libc::iovec {
+            // SAFETY: k < n, so the chunk lies inside the caller's buffer.
+            iov_base: unsafe { buf.add(k * chunk) }.cast(),
+            iov_len: chunk,
+        };
+        let mut c = std::ptr::null_mut();
+        // SAFETY: the caller's promise for the buffer; librbd copies the iovec at
+        // submission; the completion is released by `collect`.
+        unsafe {
+            assert_eq!(
+                (api.rbd_aio_create_completion)(k as *mut _, None, &mut c),
+                0
+            );
+            assert_eq!(op(image, &iov, 1, (k * 3 * chunk) as u64, c), 0);
+        }
+    }
+}
+
 #[test]
 fn an_image_is_created_opened_written_and_read_back_through_the_eventfd() {
     let Some(tc) =
@@ -143,25 +181,17 @@ fn an_image_is_created_opened_written_and_read_back_through_the_eventfd() {
     // Eight 64 KiB writes of distinct bytes, then a flush, then the same ranges read back.
     let chunk = 64 << 10;
     let data: Vec<u8> = (0..8 * chunk).map(|i| (i * 7 + i / 4096) as u8).collect();
-    for i in 0..8 {
-        let iov = libc::iovec {
-            iov_base: data[i * chunk..].as_ptr() as *mut _,
-            iov_len: chunk,
-        };
-        let mut c = std::ptr::null_mut();
-        // SAFETY: `data` outlives the requests (collected below); the iovec is copied by
-        // librbd at submission; the completion is released by `collect`.
-        unsafe {
-            assert_eq!(
-                (api.rbd_aio_create_completion)(i as *mut _, None, &mut c),
-                0
-            );
-            assert_eq!(
-                (api.rbd_aio_writev)(image.handle(), &iov, 1, (i * 3 * chunk) as u64, c),
-                0
-            );
-        }
-    }
+    // SAFETY: `data` outlives the requests (collected next); librbd only reads it.
+    unsafe {
+        submit_chunks(
+            api,
+            image.handle(),
+            data.as_ptr().cast_mut(),
+            8,
+            chunk,
+            true,
+        )
+    };
     let done = collect(api, image.handle(), &efd, 8);
     assert!(done.iter().all(|&(_, r)| r == 0), "writes: {done:?}");
     let mut c = std::ptr::null_mut();
@@ -176,24 +206,8 @@ fn an_image_is_created_opened_written_and_read_back_through_the_eventfd() {
     assert_eq!(collect(api, image.handle(), &efd, 1), vec![(99, 0)]);
 
     let mut back = vec![0u8; 8 * chunk];
-    for i in 0..8 {
-        let iov = libc::iovec {
-            iov_base: back[i * chunk..].as_mut_ptr().cast(),
-            iov_len: chunk,
-        };
-        let mut c = std::ptr::null_mut();
-        // SAFETY: `back` outlives the requests (collected below).
-        unsafe {
-            assert_eq!(
-                (api.rbd_aio_create_completion)(i as *mut _, None, &mut c),
-                0
-            );
-            assert_eq!(
-                (api.rbd_aio_readv)(image.handle(), &iov, 1, (i * 3 * chunk) as u64, c),
-                0
-            );
-        }
-    }
+    // SAFETY: `back` outlives the requests (collected next).
+    unsafe { submit_chunks(api, image.handle(), back.as_mut_ptr(), 8, chunk, false) };
     let done = collect(api, image.handle(), &efd, 8);
     assert!(
         done.iter().all(|&(_, r)| r == chunk as isize),
