@@ -5,6 +5,7 @@
 //! - [`file`]: a regular file or block device through io_uring, linux-aio or plain
 //!   syscalls.
 //! - `nbd` ([`cairn_nbd::client::remote`]): an export of an NBD server.
+//! - [`rbd`]: a Ceph RBD image through librbd (loaded when the first one opens).
 //!
 //! [`spec`] turns the command-line form (`file:/dev/shm/a,engine=aio,size=1G`) into a
 //! typed [`LeafSpec`] once, at the edge; [`open`] turns that into a device.
@@ -73,6 +74,7 @@ pub fn open(spec: &LeafSpec, name: &str) -> Result<Arc<dyn Device>, Error> {
                 timeout: *timeout,
             },
         )?),
+        LeafSpec::Rbd(target) => Arc::new(rbd::RbdDevice::open(name, target)?),
     })
 }
 

@@ -102,6 +102,39 @@ pub enum LeafSpec {
         /// How long a request may wait for its reply or a lost connection.
         timeout: Duration,
     },
+    /// `rbd:POOL/[NAMESPACE/]IMAGE[,conf=PATH][,id=NAME][,snapshot=SNAP][,timeout=T][,connection=shared|image]`.
+    Rbd(crate::rbd::RbdTarget),
+}
+
+/// The least an rbd device's `timeout` may be (librados counts whole seconds).
+pub const RBD_TIMEOUT_MIN: Duration = Duration::from_secs(1);
+/// The most an rbd device's `timeout` may be.
+pub const RBD_TIMEOUT_MAX: Duration = Duration::from_secs(24 * 3600);
+
+/// Checks an rbd device's timeout: whole seconds from 1 s to 24 h.
+pub fn rbd_timeout(d: Duration) -> Result<Duration, String> {
+    if (RBD_TIMEOUT_MIN..=RBD_TIMEOUT_MAX).contains(&d) && d.subsec_nanos() == 0 {
+        Ok(d)
+    } else {
+        Err("timeout must be whole seconds from 1s to 24h, such as 30s".into())
+    }
+}
+
+/// Checks one name of an rbd image's path (pool, namespace, image, snapshot).
+pub fn rbd_name(what: &str, name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err(format!("the {what} name is empty"));
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|c| c.is_control() || (*c == '@' && what != "snapshot") || *c == '/')
+    {
+        return Err(format!(
+            "the {what} name '{}' holds {c:?}",
+            name.escape_default()
+        ));
+    }
+    Ok(())
 }
 
 /// The least an nbd device's `timeout` may be.
@@ -164,6 +197,28 @@ impl LeafSpec {
                     timeout.as_millis()
                 );
             }
+            LeafSpec::Rbd(t) => {
+                out += &format!("type = \"rbd\"\npool = {}\n", quoted(&t.pool));
+                if let Some(ns) = &t.namespace {
+                    out += &format!("namespace = {}\n", quoted(ns));
+                }
+                out += &format!("image = {}\n", quoted(&t.image));
+                if let Some(conf) = &t.conf {
+                    let conf = std::path::absolute(conf).unwrap_or_else(|_| conf.clone());
+                    out += &format!("conf = {}\n", quoted(&conf.to_string_lossy()));
+                }
+                if let Some(id) = &t.id {
+                    out += &format!("id = {}\n", quoted(id));
+                }
+                if let Some(snap) = &t.snapshot {
+                    out += &format!("snapshot = {}\n", quoted(snap));
+                }
+                out += &format!(
+                    "timeout = \"{}s\"\nconnection = \"{}\"\n",
+                    t.timeout.as_secs(),
+                    t.connection.as_str()
+                );
+            }
         }
         out
     }
@@ -171,7 +226,7 @@ impl LeafSpec {
     /// Parses the command-line form.
     pub fn parse(text: &str) -> Result<LeafSpec, String> {
         let (kind, rest) = text.split_once(':').ok_or_else(|| {
-            format!("invalid device '{text}': expected null:SIZE, mem:SIZE, file:PATH or nbd:URI")
+            format!("invalid device '{text}': expected null:SIZE, mem:SIZE, file:PATH, nbd:URI or rbd:POOL/IMAGE")
         })?;
         let mut parts = rest.split(',');
         let first = parts.next().unwrap_or("");
@@ -319,11 +374,12 @@ impl LeafSpec {
                     timeout,
                 })
             }
+            "rbd" => parse_rbd(text, first, &options).map(LeafSpec::Rbd),
             "nbds" | "nbd+unix" | "nbds+unix" | "nbd+vsock" | "nbds+vsock" => Err(format!(
                 "invalid device '{text}': an NBD URI is given after the type: nbd:{text}"
             )),
             _ => Err(format!(
-                "invalid device '{text}': unknown type '{kind}' (use null, mem, file or nbd)"
+                "invalid device '{text}': unknown type '{kind}' (use null, mem, file, nbd or rbd)"
             )),
         }
     }
@@ -356,8 +412,82 @@ impl LeafSpec {
                     format!("nbd-{place}-{}", u.export)
                 }
             }
+            LeafSpec::Rbd(t) => match &t.snapshot {
+                Some(snap) => format!("rbd-{}@{snap}", t.image),
+                None => format!("rbd-{}", t.image),
+            },
         }
     }
+}
+
+/// The rest of `rbd:POOL/[NS/]IMAGE,...`: the path `first` and the options.
+fn parse_rbd(
+    text: &str,
+    first: &str,
+    options: &[(&str, &str)],
+) -> Result<crate::rbd::RbdTarget, String> {
+    let bad = |e: String| format!("invalid device '{text}': {e}");
+    let parts: Vec<&str> = first.split('/').collect();
+    let (pool, namespace, image) = match parts[..] {
+        [pool, image] => (pool, None, image),
+        [pool, ns, image] => (pool, Some(ns), image),
+        _ => {
+            return Err(bad(
+                "rbd needs POOL/IMAGE or POOL/NAMESPACE/IMAGE, such as rbd:rbd/disk0".into(),
+            ))
+        }
+    };
+    if image.contains('@') {
+        return Err(bad(
+            "a snapshot is named with snapshot=SNAP, not IMAGE@SNAP".into(),
+        ));
+    }
+    rbd_name("pool", pool).map_err(bad)?;
+    if let Some(ns) = namespace {
+        rbd_name("namespace", ns).map_err(bad)?;
+    }
+    rbd_name("image", image).map_err(bad)?;
+    let mut t = crate::rbd::RbdTarget {
+        pool: pool.into(),
+        namespace: namespace.map(Into::into),
+        image: image.into(),
+        conf: None,
+        id: None,
+        snapshot: None,
+        timeout: crate::rbd::DEFAULT_TIMEOUT,
+        connection: crate::rbd::Connection::default(),
+    };
+    for &(k, v) in options {
+        match k {
+            "conf" => {
+                if v.is_empty() {
+                    return Err(bad("conf needs a path".into()));
+                }
+                t.conf = Some(PathBuf::from(v));
+            }
+            "id" => {
+                rbd_name("client id", v).map_err(bad)?;
+                t.id = Some(v.strip_prefix("client.").unwrap_or(v).into());
+            }
+            "snapshot" => {
+                rbd_name("snapshot", v).map_err(bad)?;
+                t.snapshot = Some(v.into());
+            }
+            "timeout" => {
+                t.timeout = parse_duration(v)
+                    .map_err(|_| "timeout must be whole seconds from 1s to 24h, such as 30s".into())
+                    .and_then(rbd_timeout)
+                    .map_err(bad)?
+            }
+            "connection" => t.connection = crate::rbd::Connection::parse(v).map_err(bad)?,
+            _ => {
+                return Err(bad(format!(
+                    "unknown option '{k}' for rbd (known: conf, id, snapshot, timeout, connection)"
+                )))
+            }
+        }
+    }
+    Ok(t)
 }
 
 /// An on/off option of a device spec (`direct=1`, `sparse=0`; `true` and `false` too).
@@ -423,6 +553,35 @@ mod tests {
     }
 
     #[test]
+    fn parses_rbd() {
+        let t = match LeafSpec::parse(
+            "rbd:rbd/ns1/disk,conf=/etc/ceph/c.conf,id=client.cairn,snapshot=s1,timeout=5s,connection=image",
+        ) {
+            Ok(LeafSpec::Rbd(t)) => t,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(t.path(), "rbd/ns1/disk@s1");
+        assert_eq!(
+            t.conf.as_deref(),
+            Some(std::path::Path::new("/etc/ceph/c.conf"))
+        );
+        assert_eq!(t.id.as_deref(), Some("cairn"));
+        assert_eq!(t.timeout, Duration::from_secs(5));
+        assert_eq!(t.connection, crate::rbd::Connection::Image);
+        let t = match LeafSpec::parse("rbd:p/img") {
+            Ok(LeafSpec::Rbd(t)) => t,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            (t.pool.as_str(), t.namespace.as_deref(), t.image.as_str()),
+            ("p", None, "img")
+        );
+        assert_eq!(t.timeout, crate::rbd::DEFAULT_TIMEOUT);
+        assert_eq!(t.connection, crate::rbd::Connection::Shared);
+        assert_eq!(LeafSpec::Rbd(t).default_name(), "rbd-img");
+    }
+
+    #[test]
     fn refuses() {
         for bad in [
             "null",
@@ -442,6 +601,19 @@ mod tests {
             "nbd:nbd://h/e,timeout=1ms",
             "nbd:nbd://h/e,timeout=x",
             "nbd:nbd://h/e,tls=1",
+            "rbd:",
+            "rbd:disk",
+            "rbd:a/b/c/d",
+            "rbd:rbd/",
+            "rbd:/disk",
+            "rbd:rbd/disk@s1",
+            "rbd:rbd/disk,snapshot=",
+            "rbd:rbd/disk,timeout=0s",
+            "rbd:rbd/disk,timeout=1500ms",
+            "rbd:rbd/disk,timeout=2d",
+            "rbd:rbd/disk,connection=pooled",
+            "rbd:rbd/disk,conf=",
+            "rbd:rbd/disk,size=1G",
         ] {
             assert!(LeafSpec::parse(bad).is_err(), "{bad}");
         }

@@ -107,6 +107,55 @@ impl Keys<'_> {
         Ok(())
     }
 
+    /// The keys of `type = "rbd"`: `pool`, `image` (both needed), `namespace`, `conf`,
+    /// `id`, `snapshot`, `timeout` and `connection`.
+    fn rbd(&self) -> Result<crate::rbd::RbdTarget, Error> {
+        use crate::spec::rbd_name;
+        let name = |key: &str, what: &str, needed: bool| -> Result<Option<String>, Error> {
+            match self.string(key)? {
+                Some(v) => {
+                    rbd_name(what, v).map_err(|e| self.bad(key, &format!("is wrong: {e}")))?;
+                    Ok(Some(v.to_string()))
+                }
+                None if needed => Err(self.bad(key, "is missing")),
+                None => Ok(None),
+            }
+        };
+        let pool = name("pool", "pool", true)?.unwrap_or_default();
+        let image = name("image", "image", true)?.unwrap_or_default();
+        let conf = match self.string("conf")? {
+            Some(p) if p.is_empty() || p.contains('\0') => {
+                return Err(self.bad("conf", "must be a file's path (not empty, no NUL)"))
+            }
+            p => p.map(PathBuf::from),
+        };
+        let timeout = match self.duration_in(
+            "timeout",
+            crate::spec::RBD_TIMEOUT_MIN..=crate::spec::RBD_TIMEOUT_MAX,
+            true,
+        )? {
+            Some(d) => crate::spec::rbd_timeout(d).map_err(|e| self.bad("timeout", &e))?,
+            None => crate::rbd::DEFAULT_TIMEOUT,
+        };
+        Ok(crate::rbd::RbdTarget {
+            pool,
+            namespace: name("namespace", "namespace", false)?,
+            image,
+            conf,
+            id: name("id", "client id", false)?.map(|id| {
+                id.strip_prefix("client.")
+                    .map_or(id.clone(), str::to_string)
+            }),
+            snapshot: name("snapshot", "snapshot", false)?,
+            timeout,
+            connection: match self.string("connection")? {
+                Some(c) => crate::rbd::Connection::parse(c)
+                    .map_err(|e| self.bad("connection", &format!("is wrong: {e}")))?,
+                None => crate::rbd::Connection::default(),
+            },
+        })
+    }
+
     fn bad(&self, key: &str, what: &str) -> Error {
         err(format!("device '{}': key '{key}' {what}", self.device))
     }
@@ -556,6 +605,16 @@ pub(super) fn parse_device(
         "mem" => &["size", "block", "volatile"],
         "file" => &["path", "size", "engine", "direct", "sparse"],
         "nbd" => &["uri", "connections", "timeout"],
+        "rbd" => &[
+            "pool",
+            "namespace",
+            "image",
+            "conf",
+            "id",
+            "snapshot",
+            "timeout",
+            "connection",
+        ],
         "linear" => &["members", "metadata"],
         "mirror" => &[
             "members",
@@ -595,7 +654,7 @@ pub(super) fn parse_device(
         "cache" => &["base", "memory"],
         _ => {
             return Err(err(format!(
-                "device '{name}': unknown type '{}' (known: null, mem, file, nbd, linear, stripe, mirror, raid10, fault, delay, cache)",
+                "device '{name}': unknown type '{}' (known: null, mem, file, nbd, rbd, linear, stripe, mirror, raid10, fault, delay, cache)",
                 shown(kind)
             )))
         }
@@ -682,6 +741,7 @@ pub(super) fn parse_device(
                     .unwrap_or(cairn_nbd::client::remote::DEFAULT_TIMEOUT),
             })
         }
+        "rbd" => DeviceSpec::Leaf(LeafSpec::Rbd(keys.rbd()?)),
         "linear" => DeviceSpec::Linear {
             members: keys.members(1, limits::MEMBERS_MAX)?,
             metadata: keys.metadata(false)?,

@@ -33,6 +33,12 @@ pub type DiffCallbackT = Option<unsafe extern "C" fn(u64, usize, c_int, *mut c_v
 /// `rbd_poll_io_events`.
 pub const EVENT_TYPE_EVENTFD: c_int = 2;
 
+/// `RBD_FEATURE_FAST_DIFF`: the image keeps an object map that says which objects hold
+/// data, so `rbd_diff_iterate2` with `whole_object` reads that map instead of every object.
+pub const FEATURE_FAST_DIFF: u64 = 1 << 4;
+/// `RBD_FLAG_FAST_DIFF_INVALID`: the fast-diff map needs a rebuild and cannot be trusted.
+pub const FLAG_FAST_DIFF_INVALID: u64 = 1 << 1;
+
 /// The soname of librbd, and the Debian package that ships it.
 pub const LIBRBD: &str = "librbd.so.1";
 /// The soname of librados, and the Debian package that ships it.
@@ -86,6 +92,8 @@ api! {
     rbd rbd_open_read_only: fn(IoCtxT, *const c_char, *mut ImageT, *const c_char) -> c_int;
     rbd rbd_close: fn(ImageT) -> c_int;
     rbd rbd_get_size: fn(ImageT, *mut u64) -> c_int;
+    rbd rbd_get_features: fn(ImageT, *mut u64) -> c_int;
+    rbd rbd_get_flags: fn(ImageT, *mut u64) -> c_int;
     rbd rbd_aio_create_completion: fn(*mut c_void, CallbackT, *mut CompletionT) -> c_int;
     rbd rbd_aio_release: fn(CompletionT);
     rbd rbd_aio_get_return_value: fn(CompletionT) -> isize;

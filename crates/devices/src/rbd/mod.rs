@@ -1,11 +1,12 @@
 //! Ceph RBD images (librbd, loaded when first needed).
 //!
 //! [`ffi`] loads librados and librbd and resolves the calls cairn makes; [`session`]
-//! connects to a cluster and opens pools and images, each closed when dropped. The device
-//! that serves an image's requests from a reactor is built on these.
+//! connects to a cluster and opens pools and images, each closed when dropped;
+//! [`RbdDevice`] serves an image's requests from every reactor on one image handle.
 
+mod device;
 pub mod ffi;
+mod queue;
 pub mod session;
 
-#[cfg(test)]
-mod tests;
+pub use device::{Connection, RbdDevice, RbdTarget, DEFAULT_TIMEOUT};

@@ -6,7 +6,8 @@
 //! request to an OSD that is gone fails with ETIMEDOUT instead of waiting for ever.
 
 use std::ffi::{c_int, CString};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use cairn_core::Error;
@@ -43,7 +44,7 @@ impl Cluster {
         conf: Option<&Path>,
         id: Option<&str>,
         timeout: Duration,
-    ) -> Result<Cluster, Error> {
+    ) -> Result<Arc<Cluster>, Error> {
         let api = ffi::api().map_err(Error::Invalid)?;
         let id_c = id.map(|i| cstr("id", i)).transpose()?;
         let mut handle: RadosT = std::ptr::null_mut();
@@ -91,6 +92,9 @@ impl Cluster {
             // librbd's cache acknowledges writes before the OSDs hold them once a flush has
             // been seen; cairn's writes complete when they are durable.
             ("rbd_cache", "false"),
+            // A discard reads back as zeroes, also where it covers part of an object (by
+            // default librbd skips those parts and leaves the old bytes).
+            ("rbd_skip_partial_discard", "false"),
         ] {
             cluster.set(key, value)?;
         }
@@ -108,7 +112,37 @@ impl Cluster {
                 rc,
             ));
         }
-        Ok(cluster)
+        Ok(Arc::new(cluster))
+    }
+
+    /// The connection for (`conf`, `id`, `timeout`) that another device already holds, or
+    /// a new one that later devices with the same three share.
+    pub fn shared(
+        conf: Option<&Path>,
+        id: Option<&str>,
+        timeout: Duration,
+    ) -> Result<Arc<Cluster>, Error> {
+        type Key = (Option<PathBuf>, Option<String>, Duration);
+        static OPEN: Mutex<Vec<(Key, Weak<Cluster>)>> = Mutex::new(Vec::new());
+        let key: Key = (conf.map(Path::to_path_buf), id.map(str::to_string), timeout);
+        // Held across the connect, so that two devices opening at once share one too.
+        let mut open = OPEN.lock().unwrap_or_else(|e| e.into_inner());
+        open.retain(|(_, c)| c.strong_count() > 0);
+        if let Some(c) = open
+            .iter()
+            .find(|(k, _)| *k == key)
+            .and_then(|(_, c)| c.upgrade())
+        {
+            return Ok(c);
+        }
+        let c = Cluster::connect(conf, id, timeout)?;
+        open.push((key, Arc::downgrade(&c)));
+        Ok(c)
+    }
+
+    /// The monitors it was told to reach (`mon_host`).
+    pub fn monitors(&self) -> &str {
+        &self.monitors
     }
 
     fn set(&self, key: &str, value: &str) -> Result<(), Error> {
@@ -136,7 +170,7 @@ impl Cluster {
     }
 
     /// An I/O context on `pool`, in `namespace` when given.
-    pub fn pool(&self, pool: &str, namespace: Option<&str>) -> Result<Pool<'_>, Error> {
+    pub fn pool(self: &Arc<Self>, pool: &str, namespace: Option<&str>) -> Result<Arc<Pool>, Error> {
         let pool_c = cstr("pool", pool)?;
         let mut ioctx: IoCtxT = std::ptr::null_mut();
         // SAFETY: a connected handle, a NUL-terminated name, a live out-pointer.
@@ -144,8 +178,8 @@ impl Cluster {
         if rc < 0 {
             return Err(fail(format!("rbd: open pool '{pool}'"), rc));
         }
-        let p = Pool {
-            cluster: self,
+        let mut p = Pool {
+            cluster: self.clone(),
             ioctx,
             name: pool.to_string(),
         };
@@ -153,27 +187,35 @@ impl Cluster {
             let ns_c = cstr("namespace", ns)?;
             // SAFETY: a live ioctx not yet shared; the string is copied by librados.
             unsafe { (self.api.rados_ioctx_set_namespace)(ioctx, ns_c.as_ptr()) };
+            p.name = format!("{pool}/{ns}");
         }
-        Ok(p)
+        Ok(Arc::new(p))
     }
 }
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        // SAFETY: every pool and image borrowed from it is gone (lifetimes), so nothing
+        // SAFETY: every pool and image holds an Arc of it, so all are gone and nothing
         // uses the handle any more.
         unsafe { (self.api.rados_shutdown)(self.handle) };
     }
 }
 
-/// An I/O context on one pool.
-pub struct Pool<'c> {
-    cluster: &'c Cluster,
+/// An I/O context on one pool (and namespace).
+pub struct Pool {
+    cluster: Arc<Cluster>,
     ioctx: IoCtxT,
+    /// `POOL` or `POOL/NAMESPACE`, for messages.
     name: String,
 }
 
-impl Pool<'_> {
+// SAFETY: an ioctx may be used from several threads for I/O (librados locks inside);
+// cairn only changes it (the namespace) before sharing it.
+unsafe impl Send for Pool {}
+// SAFETY: as above.
+unsafe impl Sync for Pool {}
+
+impl Pool {
     /// Creates image `name` of `size` bytes (the default features and object size).
     pub fn create(&self, name: &str, size: u64) -> Result<(), Error> {
         let name_c = cstr("image", name)?;
@@ -199,7 +241,7 @@ impl Pool<'_> {
     }
 
     /// Opens image `name`, read-only at `snapshot` when one is named.
-    pub fn open(&self, name: &str, snapshot: Option<&str>) -> Result<Image<'_>, Error> {
+    pub fn open(self: &Arc<Self>, name: &str, snapshot: Option<&str>) -> Result<Image, Error> {
         let name_c = cstr("image", name)?;
         let snap_c = snapshot.map(|s| cstr("snapshot", s)).transpose()?;
         let snap_p = snap_c.as_ref().map_or(std::ptr::null(), |c| c.as_ptr());
@@ -221,26 +263,42 @@ impl Pool<'_> {
             return Err(fail(format!("rbd: open image {what}"), rc));
         }
         Ok(Image {
-            pool: self,
+            pool: self.clone(),
             handle: image,
         })
     }
+
+    /// The cluster connection it is on.
+    pub fn cluster(&self) -> &Arc<Cluster> {
+        &self.cluster
+    }
+
+    /// `POOL` or `POOL/NAMESPACE`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
 }
 
-impl Drop for Pool<'_> {
+impl Drop for Pool {
     fn drop(&mut self) {
-        // SAFETY: images opened from it are gone (lifetimes).
+        // SAFETY: images opened from it hold an Arc of it, so all are gone.
         unsafe { (self.cluster.api.rados_ioctx_destroy)(self.ioctx) };
     }
 }
 
 /// An open image.
-pub struct Image<'p> {
-    pool: &'p Pool<'p>,
+pub struct Image {
+    pool: Arc<Pool>,
     handle: ImageT,
 }
 
-impl Image<'_> {
+// SAFETY: librbd's image calls are thread-safe (SPDK and rbd-nbd submit on one handle from
+// several threads); cairn closes the handle once, when the last owner drops it.
+unsafe impl Send for Image {}
+// SAFETY: as above.
+unsafe impl Sync for Image {}
+
+impl Image {
     /// The raw handle, for the asynchronous calls.
     pub fn handle(&self) -> ImageT {
         self.handle
@@ -261,9 +319,26 @@ impl Image<'_> {
         }
         Ok(size)
     }
+
+    /// The pool it was opened in.
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pool
+    }
+
+    /// Whether `rbd_diff_iterate2` can tell holes from the object map: fast-diff on and
+    /// its map valid. Without it, the walk would read every object.
+    pub fn fast_diff(&self) -> bool {
+        let (mut features, mut flags) = (0u64, 0u64);
+        // SAFETY: a live image and out-pointers.
+        let ok = unsafe {
+            (self.api().rbd_get_features)(self.handle, &mut features) == 0
+                && (self.api().rbd_get_flags)(self.handle, &mut flags) == 0
+        };
+        ok && features & ffi::FEATURE_FAST_DIFF != 0 && flags & ffi::FLAG_FAST_DIFF_INVALID == 0
+    }
 }
 
-impl Drop for Image<'_> {
+impl Drop for Image {
     fn drop(&mut self) {
         // SAFETY: the owner has collected every request it submitted (the device drains
         // before it drops the image), so librbd holds no buffer of ours.
