@@ -19,6 +19,7 @@ use proptest::prelude::*;
 use proptest::test_runner::Config;
 use tempfile::TempDir;
 
+mod ceph;
 mod common;
 use common::{check_all, data, Step};
 
@@ -361,6 +362,39 @@ proptest! {
     fn the_three_engines_leave_identical_direct_files(steps in steps(DIRECT)) {
         run_engines(DIRECT, &steps)?;
     }
+}
+
+/// An RBD image (tests/ceph: the run's cluster or one of this test's own), a fresh one
+/// per case. Fewer cases than the local devices: each creates and removes an image.
+#[test]
+fn rbd_matches_the_model() {
+    let test = "rbd_matches_the_model";
+    let Some(tc) = ceph::TestCluster::shared(test) else {
+        return;
+    };
+    let cluster = cairn_devices::rbd::session::Cluster::connect(
+        Some(tc.conf()),
+        None,
+        std::time::Duration::from_secs(30),
+    )
+    .expect("connect");
+    let pool = cluster.pool("rbd", None).expect("pool rbd");
+    let case = std::cell::Cell::new(0);
+    let mut runner = proptest::test_runner::TestRunner::new(Config {
+        cases: 24,
+        ..config()
+    });
+    runner
+        .run(&steps(BUFFERED), |steps| {
+            case.set(case.get() + 1);
+            let name = tc.name(&format!("m{}", case.get()));
+            pool.create(&name, BUFFERED.size()).expect("create an image");
+            let spec = format!("rbd:rbd/{name},conf={}", tc.conf().display());
+            let result = run_model(BUFFERED, &open(&spec), &steps);
+            pool.remove(&name).expect("remove the image");
+            result.map(|_| ())
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// The engines on every kind of file cairn serves: tmpfs, ext4 and xfs (each on a loop
