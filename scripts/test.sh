@@ -38,7 +38,26 @@ cargo clippy --workspace --all-targets -- -D warnings
 echo "== cargo test"
 log=$(mktemp)
 skips=$(mktemp)
-trap 'rm -f "$log" "$skips"' EXIT
+ceph_dir=""
+cleanup() {
+    rm -f "$log" "$skips"
+    if [ -n "$ceph_dir" ]; then
+        scripts/ceph-cluster stop "$ceph_dir/c" || true
+        rm -rf "$ceph_dir"
+    fi
+}
+trap cleanup EXIT
+# One Ceph cluster for the rbd tests that leave its daemons alone (each uses images of
+# its own); tests that stop an OSD start their own. Without it they start their own too.
+if [ "$(id -u)" = 0 ] && command -v ceph-mon >/dev/null && command -v ceph-osd >/dev/null; then
+    ceph_dir=$(mktemp -d /dev/shm/cairn-test-ceph.XXXXXX)
+    if conf=$(scripts/ceph-cluster start "$ceph_dir/c" | tail -n 1); then
+        export CAIRN_TEST_CEPH_CONF="$conf"
+        echo "test.sh: a Ceph cluster for the rbd tests: $conf"
+    else
+        echo "test.sh: warning: the shared Ceph cluster did not start; rbd tests start their own"
+    fi
+fi
 # A test that cannot run here (a tool missing, not root) appends "SKIP <test>: <reason>" to
 # $CAIRN_SKIP_LOG and returns, which cargo counts as passed.
 status=0

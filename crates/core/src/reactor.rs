@@ -743,6 +743,23 @@ pub fn block_signals_in_this_thread() {
     }
 }
 
+/// Runs `f` with every asynchronous signal blocked in this thread, then puts the mask
+/// back: threads that `f` starts (a C library's own, such as librados' messengers)
+/// inherit the blocked mask and never take a SIGTERM meant for `cairn serve`'s main thread.
+pub fn with_signals_blocked<T>(f: impl FnOnce() -> T) -> T {
+    // SAFETY: the old mask is read into a local (restored below), for this thread only.
+    let old = unsafe {
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::pthread_sigmask(libc::SIG_SETMASK, std::ptr::null(), &mut old);
+        old
+    };
+    block_signals_in_this_thread();
+    let out = f();
+    // SAFETY: as above.
+    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
+    out
+}
+
 /// Longest a reactor blocks without a timer (it then looks at its stop flag again).
 const IDLE_WAIT_NS: u64 = 100_000_000;
 

@@ -388,7 +388,8 @@ fn rbd_matches_the_model() {
         .run(&steps(BUFFERED), |steps| {
             case.set(case.get() + 1);
             let name = tc.name(&format!("m{}", case.get()));
-            pool.create(&name, BUFFERED.size()).expect("create an image");
+            pool.create(&name, BUFFERED.size())
+                .expect("create an image");
             let spec = format!("rbd:rbd/{name},conf={}", tc.conf().display());
             let result = run_model(BUFFERED, &open(&spec), &steps);
             pool.remove(&name).expect("remove the image");

@@ -16,7 +16,8 @@
 //! `unaligned`), real clients (`nbdinfo`, `clients`, `filesystem`), limits and hostile
 //! clients (`hostile`), TLS (`tls`), starting and stopping (`activation`, `sockets`,
 //! `refused_starts`, `shutdown`), arrays through serve (`arrays`, `array_defaults`), the
-//! operator's view (`admin`, `observe`) and the FUSE export (`fuse_export`).
+//! operator's view (`admin`, `observe`), the FUSE export (`fuse_export`) and Ceph RBD
+//! images (`rbd`, on a cluster from tests/ceph).
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
@@ -31,6 +32,8 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use tempfile::TempDir;
 
+#[path = "../../../devices/tests/ceph/mod.rs"]
+mod ceph;
 #[path = "../common/mod.rs"]
 mod common;
 use common::{skip, text, tmpdir, tool, tools};
@@ -882,3 +885,8 @@ mod fuse_export;
 // Hostile clients: idle slots, connections per address, memory
 
 mod hostile;
+
+// ---------------------------------------------------------------------------------------
+// Ceph RBD images: served, cached, mirrored with a local file (a cluster from tests/ceph)
+
+mod rbd;

@@ -48,13 +48,14 @@ impl Cluster {
         let api = ffi::api().map_err(Error::Invalid)?;
         let id_c = id.map(|i| cstr("id", i)).transpose()?;
         let mut handle: RadosT = std::ptr::null_mut();
-        // SAFETY: `handle` is a live out-pointer; the id string outlives the call.
-        let rc = unsafe {
+        // SAFETY: `handle` is a live out-pointer; the id string outlives the call. Signals
+        // blocked for the threads librados may start (see `rados_connect` below).
+        let rc = cairn_core::reactor::with_signals_blocked(|| unsafe {
             (api.rados_create)(
                 &mut handle,
                 id_c.as_ref().map_or(std::ptr::null(), |c| c.as_ptr()),
             )
-        };
+        });
         if rc < 0 {
             return Err(fail("rbd: rados_create".into(), rc));
         }
@@ -99,8 +100,10 @@ impl Cluster {
             cluster.set(key, value)?;
         }
         cluster.monitors = cluster.get("mon_host").unwrap_or_default();
-        // SAFETY: a live, configured handle.
-        let rc = unsafe { (api.rados_connect)(handle) };
+        // SAFETY: a live, configured handle. librados starts its threads here: with the
+        // signals blocked, as every thread of cairn's but the one that waits for them.
+        let rc =
+            cairn_core::reactor::with_signals_blocked(|| unsafe { (api.rados_connect)(handle) });
         if rc < 0 {
             let mons = if cluster.monitors.is_empty() {
                 "no monitors configured".to_string()
@@ -248,13 +251,14 @@ impl Pool {
         let mut image: ImageT = std::ptr::null_mut();
         let api = self.cluster.api;
         // SAFETY: a live ioctx, NUL-terminated strings (or NULL), a live out-pointer.
-        let rc = unsafe {
+        // librbd starts threads of its own at the first open: signals blocked, as above.
+        let rc = cairn_core::reactor::with_signals_blocked(|| unsafe {
             if snapshot.is_some() {
                 (api.rbd_open_read_only)(self.ioctx, name_c.as_ptr(), &mut image, snap_p)
             } else {
                 (api.rbd_open)(self.ioctx, name_c.as_ptr(), &mut image, snap_p)
             }
-        };
+        });
         if rc < 0 {
             let what = match snapshot {
                 Some(s) => format!("{}/{name}@{s}", self.name),
