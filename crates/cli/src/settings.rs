@@ -72,6 +72,10 @@ Devices (--device, without a stack file):
   file:PATH[,engine=auto|io_uring|aio|sync][,direct=0|1][,size=SIZE]
                                regular file or block device; size= creates or extends;
                                auto (the default) picks the engine for its file system
+  nbd:URI[,connections=N][,timeout=T]
+                               an export of an NBD server (nbd+unix:///?socket=PATH)
+  rbd:POOL/[NS/]IMAGE[,conf=PATH][,id=NAME][,snapshot=SNAP][,timeout=T]
+                               a Ceph RBD image through librbd (snapshot: read-only)
 
 Options keep fio's names and meanings. The job runs until --runtime passes or each job
 has transferred --io_size bytes (default: the region's size), whichever comes first;

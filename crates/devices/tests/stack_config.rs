@@ -276,6 +276,49 @@ mod types_and_keys {
     use super::*;
 
     #[test]
+    fn an_rbd_table_gives_the_image_and_how_to_reach_it() {
+        let text = "[device.img]\ntype = \"rbd\"\npool = \"rbd\"\nnamespace = \"vm\"\n\
+                    image = \"disk0\"\nconf = \"/etc/ceph/ceph.conf\"\nid = \"client.cairn\"\n\
+                    snapshot = \"s1\"\ntimeout = \"5s\"\nconnection = \"image\"\n";
+        let file = StackFile::parse(text).unwrap();
+        let Some(DeviceSpec::Leaf(LeafSpec::Rbd(t))) = file.devices.get("img") else {
+            panic!("{file:?}");
+        };
+        assert_eq!(t.path(), "rbd/vm/disk0@s1");
+        assert_eq!(t.id.as_deref(), Some("cairn"));
+        assert_eq!(t.timeout, std::time::Duration::from_secs(5));
+        assert_eq!(t.connection, cairn_devices::rbd::Connection::Image);
+        // What `stack_table` writes parses back to the same.
+        let again = format!("[device.img]\n{}", LeafSpec::Rbd(t.clone()).stack_table());
+        let file = StackFile::parse(&again).unwrap();
+        let Some(DeviceSpec::Leaf(LeafSpec::Rbd(back))) = file.devices.get("img") else {
+            panic!("{again}");
+        };
+        assert_eq!(back, t);
+    }
+
+    #[test]
+    fn a_bad_rbd_table_names_the_key() {
+        let base = "[device.img]\ntype = \"rbd\"\n";
+        for (keys, key) in [
+            ("image = \"d\"\n", "pool"),
+            ("pool = \"rbd\"\n", "image"),
+            ("pool = \"rbd\"\nimage = \"a/b\"\n", "image"),
+            ("pool = \"\"\nimage = \"d\"\n", "pool"),
+            ("pool = \"rbd\"\nimage = \"d@s\"\n", "image"),
+            ("pool = \"rbd\"\nimage = \"d\"\ntimeout = \"0s\"\n", "timeout"),
+            ("pool = \"rbd\"\nimage = \"d\"\ntimeout = \"1500ms\"\n", "timeout"),
+            ("pool = \"rbd\"\nimage = \"d\"\ntimeout = \"2d\"\n", "timeout"),
+            ("pool = \"rbd\"\nimage = \"d\"\nconnection = \"pooled\"\n", "connection"),
+            ("pool = \"rbd\"\nimage = \"d\"\nconf = \"\"\n", "conf"),
+            ("pool = \"rbd\"\nimage = \"d\"\nsize = \"1G\"\n", "size"),
+            ("pool = 5\nimage = \"d\"\n", "pool"),
+        ] {
+            assert_names(&parse_err(&format!("{base}{keys}")), "img", key);
+        }
+    }
+
+    #[test]
     fn unknown_type() {
         let m = parse_err("[device.x]\ntype = \"disk\"\nsize = \"1M\"\n");
         assert_names(&m, "x", "type");
