@@ -306,10 +306,22 @@ mod types_and_keys {
             ("pool = \"rbd\"\nimage = \"a/b\"\n", "image"),
             ("pool = \"\"\nimage = \"d\"\n", "pool"),
             ("pool = \"rbd\"\nimage = \"d@s\"\n", "image"),
-            ("pool = \"rbd\"\nimage = \"d\"\ntimeout = \"0s\"\n", "timeout"),
-            ("pool = \"rbd\"\nimage = \"d\"\ntimeout = \"1500ms\"\n", "timeout"),
-            ("pool = \"rbd\"\nimage = \"d\"\ntimeout = \"2d\"\n", "timeout"),
-            ("pool = \"rbd\"\nimage = \"d\"\nconnection = \"pooled\"\n", "connection"),
+            (
+                "pool = \"rbd\"\nimage = \"d\"\ntimeout = \"0s\"\n",
+                "timeout",
+            ),
+            (
+                "pool = \"rbd\"\nimage = \"d\"\ntimeout = \"1500ms\"\n",
+                "timeout",
+            ),
+            (
+                "pool = \"rbd\"\nimage = \"d\"\ntimeout = \"2d\"\n",
+                "timeout",
+            ),
+            (
+                "pool = \"rbd\"\nimage = \"d\"\nconnection = \"pooled\"\n",
+                "connection",
+            ),
             ("pool = \"rbd\"\nimage = \"d\"\nconf = \"\"\n", "conf"),
             ("pool = \"rbd\"\nimage = \"d\"\nsize = \"1G\"\n", "size"),
             ("pool = 5\nimage = \"d\"\n", "pool"),
