@@ -17,8 +17,12 @@ mod ceph;
 use ceph::TestCluster;
 
 fn open(spec: &str) -> Result<Arc<dyn Device>, String> {
+    open_named(spec, "r")
+}
+
+fn open_named(spec: &str, name: &str) -> Result<Arc<dyn Device>, String> {
     let spec = LeafSpec::parse(spec)?;
-    cairn_devices::open(&spec, "r").map_err(|e| e.to_string())
+    cairn_devices::open(&spec, name).map_err(|e| e.to_string())
 }
 
 /// Waits for `n` completions on the image's eventfd and takes them from librbd:
@@ -281,7 +285,7 @@ fn two_reactors_on_one_image_each_get_their_completions() {
     else {
         return;
     };
-    let device = open(&tc.image("two", 64 << 20, "")).expect("open");
+    let device = open_named(&tc.image("two", 64 << 20, ""), "rbd-two-reactors").expect("open");
     // Each reactor keeps 64 requests in flight (more than the queue's slots would need
     // to wait for) many times over; whichever wakes for the image's eventfd takes the
     // other's completions too and must hand them over.
@@ -305,6 +309,13 @@ fn two_reactors_on_one_image_each_get_their_completions() {
     assert_eq!(a[4], 1 ^ 4);
     q.read(32 << 20, &mut a).expect("read");
     assert_eq!(a[4], 2 ^ 4);
+    // Every queue's requests are counted under the device's name (admin stats, metrics).
+    let s = cairn_core::stats::registry()
+        .device("rbd-two-reactors", u64::MAX)
+        .expect("the device is in the statistics registry");
+    assert_eq!(s.ios[Op::Write.index()], 2 * 20 * 64);
+    assert_eq!(s.ios[Op::Read.index()], 2 * 20 * 64 + 2);
+    assert_eq!(s.errors, 0);
 }
 
 #[test]

@@ -361,12 +361,10 @@ impl Device for RbdDevice {
 
     fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
         let index = self.shared.claim()?;
-        Ok(super::queue::RbdQueue::open(
-            core,
-            self.shared.clone(),
-            index,
-            self.read_only,
-        ))
+        let queue = super::queue::RbdQueue::open(core, self.shared.clone(), index, self.read_only);
+        // Operators see every queue's I/O under the device's name (admin stats, metrics).
+        cairn_core::stats::registry().add(self.name(), queue.stats());
+        Ok(queue)
     }
 
     fn extents(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<(), Error> {
