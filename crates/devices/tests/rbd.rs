@@ -468,3 +468,85 @@ fn a_stopped_osd_fails_requests_with_eio_and_they_work_again_once_it_is_back() {
     q.read(8192, &mut back).expect("read");
     assert!(back.iter().all(|&b| b == 7));
 }
+
+#[test]
+fn a_denied_key_and_a_key_without_caps_are_one_line_each() {
+    let test = "a_denied_key_and_a_key_without_caps_are_one_line_each";
+    let Some(tc) = TestCluster::own_cephx(test) else {
+        return;
+    };
+    let spec = tc.image("cephx", 8 << 20, "");
+    let name = tc.name("cephx");
+    // A conf for client NAME whose keyring is `keyring`.
+    let conf_for = |client: &str, keyring: &std::path::Path| {
+        let conf = tc.dir().join(format!("{client}.conf"));
+        let text = std::fs::read_to_string(tc.conf()).unwrap()
+            + &format!("\n[client.{client}]\nkeyring = {}\n", keyring.display());
+        std::fs::write(&conf, text).unwrap();
+        conf
+    };
+    let ceph = |args: &[&str]| {
+        let out = std::process::Command::new("ceph")
+            .arg("-c")
+            .arg(tc.conf())
+            .args(args)
+            .output()
+            .expect("run ceph");
+        assert!(
+            out.status.success(),
+            "ceph {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    // A key the cluster has never seen.
+    let bad = tc.dir().join("bad.keyring");
+    let key = std::process::Command::new("ceph-authtool")
+        .arg("--gen-print-key")
+        .output()
+        .expect("ceph-authtool");
+    std::fs::write(
+        &bad,
+        format!(
+            "[client.stranger]\n\tkey = {}\n",
+            String::from_utf8_lossy(&key.stdout).trim()
+        ),
+    )
+    .unwrap();
+    let conf = conf_for("stranger", &bad);
+    let e = open(&format!(
+        "rbd:rbd/{name},conf={},id=stranger,timeout=5",
+        conf.display()
+    ))
+    .err()
+    .expect("a stranger's key opened the image");
+    assert!(e.contains("client.stranger"), "{e}");
+    assert!(!e.contains('\n'), "{e}");
+    // A key the cluster knows, allowed to read the monitors and nothing else.
+    let nocaps = tc.dir().join("nocaps.keyring");
+    ceph(&[
+        "auth",
+        "get-or-create",
+        "client.nocaps",
+        "mon",
+        "allow r",
+        "-o",
+        nocaps.to_str().unwrap(),
+    ]);
+    let conf = conf_for("nocaps", &nocaps);
+    let e = open(&format!(
+        "rbd:rbd/{name},conf={},id=nocaps,timeout=5",
+        conf.display()
+    ))
+    .err()
+    .expect("a key without caps opened the image");
+    assert!(e.contains(&format!("rbd/{name}")), "{e}");
+    assert!(!e.contains('\n'), "{e}");
+    // client.admin (the conf's keyring) reads and writes it.
+    let device = open(&spec).expect("admin opens the image");
+    let q = BlockingQueue::open(&device, Switches::default()).expect("queue");
+    q.write(0, &[9u8; 4096], IoFlags::NONE).expect("write");
+    let mut back = vec![0u8; 4096];
+    q.read(0, &mut back).expect("read");
+    assert!(back.iter().all(|&b| b == 9));
+}

@@ -110,8 +110,9 @@ impl Cluster {
             } else {
                 format!("monitors {}", cluster.monitors)
             };
+            let who = id.map_or("client.admin".to_string(), |i| format!("client.{i}"));
             return Err(fail(
-                format!("rbd: connect to the cluster ({mons}, within {secs} s)"),
+                format!("rbd: connect to the cluster as {who} ({mons}, within {secs} s)"),
                 rc,
             ));
         }

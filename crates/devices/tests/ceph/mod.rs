@@ -71,13 +71,23 @@ impl TestCluster {
 
     /// A cluster of this test's own (for tests that stop its OSD).
     pub fn own(test: &str) -> Option<TestCluster> {
-        can_run(test).then(|| TestCluster::start(test))
+        can_run(test).then(|| TestCluster::start_with(test, "start"))
+    }
+
+    /// A cluster of this test's own with cephx authentication (its keys in
+    /// [`TestCluster::dir`]`/keyring`, client.admin's among them).
+    pub fn own_cephx(test: &str) -> Option<TestCluster> {
+        can_run(test).then(|| TestCluster::start_with(test, "start-cephx"))
     }
 
     fn start(test: &str) -> TestCluster {
+        TestCluster::start_with(test, "start")
+    }
+
+    fn start_with(test: &str, how: &str) -> TestCluster {
         let dir = tempfile::tempdir_in("/dev/shm").expect("a directory in /dev/shm");
         let out = Command::new(script())
-            .arg("start")
+            .arg(how)
             .arg(dir.path().join("c"))
             .output()
             .expect("run scripts/ceph-cluster");
@@ -97,6 +107,11 @@ impl TestCluster {
     /// Its ceph.conf.
     pub fn conf(&self) -> &Path {
         &self.conf
+    }
+
+    /// The directory of its files (ceph.conf, keyring, logs).
+    pub fn dir(&self) -> &Path {
+        self.conf.parent().expect("ceph.conf is in a directory")
     }
 
     /// An image name of this test's own.
