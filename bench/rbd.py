@@ -258,24 +258,31 @@ def serve_run(cl, server, client, workload, runtime):
     return j
 
 
-def cache_run(cl, variant):
-    d = tempfile.mkdtemp(prefix="cairn-rbd-cache-", dir="/dev/shm")
+def stack_bench(tool, text, device, args):
+    """cairn bench on `device` of a stack file holding `text`; its JSON, with the wall time
+    from start to exit and the CPU of the whole process."""
+    d = tempfile.mkdtemp(prefix="cairn-rbd-stack-", dir="/dev/shm")
     stack = os.path.join(d, "stack.toml")
     with open(stack, "w") as f:
-        if variant == "cache-roomy":
-            f.write('[writeback]\nbackground = "50%"\nlimit = "100%"\n')
-        f.write(f'[device.img]\ntype = "rbd"\npool = "rbd"\nimage = "{IMAGE}"\nconf = "{cl.conf}"\n'
-                '[device.c]\ntype = "cache"\nbase = "img"\nmemory = "128M"\n')
-    device = "img" if variant == "image" else "c"
-    cmd = [CAIRN, "bench", "--log-level", "warn", stack, "--device", device, "--rw=randwrite",
-           "--bs=4k", "--iodepth=32", "--size=64M", "--io_size=256M", "--output-format=json"]
+        f.write(text)
+    cmd = [CAIRN, "bench", "--log-level", "warn", stack, "--device", device, *args,
+           "--output-format=json"]
     c0 = children_cpu()
-    out, wall = timed(cmd)
-    cpu = children_cpu() - c0
-    shutil.rmtree(d, ignore_errors=True)
+    try:
+        out, wall = timed(cmd)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
     j = json.loads(out)
-    j["bench"] = {"tool": variant, "cmd": cmd, "cpu_s": cpu, "wall_s": wall}
+    j["bench"] = {"tool": tool, "cmd": cmd, "cpu_s": children_cpu() - c0, "wall_s": wall}
     return j
+
+
+def cache_run(cl, variant):
+    text = '[writeback]\nbackground = "50%"\nlimit = "100%"\n' if variant == "cache-roomy" else ""
+    text += (f'[device.img]\ntype = "rbd"\npool = "rbd"\nimage = "{IMAGE}"\nconf = "{cl.conf}"\n'
+             '[device.c]\ntype = "cache"\nbase = "img"\nmemory = "128M"\n')
+    return stack_bench(variant, text, "img" if variant == "image" else "c",
+                       ["--rw=randwrite", "--bs=4k", "--iodepth=32", "--size=64M", "--io_size=256M"])
 
 
 def cache_summary(j):
@@ -300,24 +307,12 @@ def rss_run(cl, server, n):
 
 def connection_run(cl, mode, workload, runtime):
     rw, bs, depth = WORKLOADS[workload]
-    d = tempfile.mkdtemp(prefix="cairn-rbd-conn-", dir="/dev/shm")
-    stack = os.path.join(d, "stack.toml")
-    with open(stack, "w") as f:
-        for i, img in enumerate(SMALL):
-            f.write(f'[device.d{i}]\ntype = "rbd"\npool = "rbd"\nimage = "{img}"\n'
-                    f'conf = "{cl.conf}"\nconnection = "{mode}"\n')
-        members = ", ".join(f'"d{i}"' for i in range(len(SMALL)))
-        f.write(f'[device.s]\ntype = "stripe"\nmembers = [{members}]\nchunk = "64K"\nmetadata = "none"\n')
-    cmd = [CAIRN, "bench", "--log-level", "warn", stack, "--device", "s", f"--rw={rw}", f"--bs={bs}",
-           f"--iodepth={depth}", "--numjobs=2", f"--runtime={runtime}s", "--time_based",
-           "--output-format=json"]
-    c0 = children_cpu()
-    out, wall = timed(cmd)
-    cpu = children_cpu() - c0
-    shutil.rmtree(d, ignore_errors=True)
-    j = json.loads(out)
-    j["bench"] = {"tool": mode, "cmd": cmd, "cpu_s": cpu, "wall_s": wall}
-    return j
+    text = "".join(f'[device.d{i}]\ntype = "rbd"\npool = "rbd"\nimage = "{img}"\n'
+                   f'conf = "{cl.conf}"\nconnection = "{mode}"\n' for i, img in enumerate(SMALL))
+    members = ", ".join(f'"d{i}"' for i in range(len(SMALL)))
+    text += f'[device.s]\ntype = "stripe"\nmembers = [{members}]\nchunk = "64K"\nmetadata = "none"\n'
+    return stack_bench(mode, text, "s", [f"--rw={rw}", f"--bs={bs}", f"--iodepth={depth}", "--numjobs=2",
+                                         f"--runtime={runtime}s", "--time_based"])
 
 
 def total_iops(j):

@@ -387,6 +387,16 @@ impl QueueStats {
         &self.counters
     }
 
+    /// A request with `flags` starts now: reads the clock (`now`) only when counting,
+    /// records the start and returns its time (0 when not counting), for
+    /// [`QueueStats::done`] or [`QueueStats::finish`].
+    #[inline]
+    pub fn begin(&self, flags: IoFlags, now: impl FnOnce() -> u64) -> u64 {
+        let start = if self.enabled { now() } else { 0 };
+        self.start(flags, start);
+        start
+    }
+
     /// A request with `flags` was started at `now_ns`.
     #[inline]
     pub fn start(&self, flags: IoFlags, now_ns: u64) {

@@ -807,12 +807,7 @@ struct MemQueue {
 
 impl Queue for MemQueue {
     fn submit(&self, io: Io) {
-        let start = if self.stats.enabled() {
-            self.core.now_ns()
-        } else {
-            0
-        };
-        self.stats.start(io.flags, start);
+        let start = self.stats.begin(io.flags, || self.core.now_ns());
         let fua = io.flags.contains(IoFlags::FUA);
         let allocated = io.op == Op::WriteZeroes && io.flags.contains(IoFlags::NO_HOLE);
         // SAFETY: the request passed Geometry::check at the edge (so it is in range), and

@@ -231,6 +231,25 @@ fn an_unreachable_cluster_fails_the_connect_naming_its_monitors() {
     assert!(e.contains("missing.conf"), "{e}");
 }
 
+/// `op` (a read or a write) of each buffer in `bufs`, all in flight at once, the k-th at
+/// `base + k * len`; panics if one fails.
+fn run_all(q: &BlockingQueue, op: Op, base: u64, bufs: &mut [Vec<u8>]) {
+    let mut reqs: Vec<Request<'_>> = bufs
+        .iter_mut()
+        .enumerate()
+        .map(|(k, b)| Request {
+            op,
+            flags: IoFlags::NONE,
+            offset: base + (k * b.len()) as u64,
+            len: 0,
+            buf: Some(b.as_mut_slice()),
+        })
+        .collect();
+    for r in q.run(&mut reqs) {
+        r.unwrap_or_else(|e| panic!("{op:?}: {e}"));
+    }
+}
+
 /// `n` writes of `chunk` bytes in flight at once from `q`, at `base + k * chunk`, each
 /// filled with `tag` and k; then the same ranges read back, also all in flight.
 fn write_and_read_back(q: &BlockingQueue, base: u64, n: usize, chunk: usize, tag: u8) {
@@ -242,35 +261,9 @@ fn write_and_read_back(q: &BlockingQueue, base: u64, n: usize, chunk: usize, tag
         })
         .collect();
     let want = bufs.clone();
-    let mut reqs: Vec<Request<'_>> = bufs
-        .iter_mut()
-        .enumerate()
-        .map(|(k, b)| Request {
-            op: Op::Write,
-            flags: IoFlags::NONE,
-            offset: base + (k * chunk) as u64,
-            len: 0,
-            buf: Some(b.as_mut_slice()),
-        })
-        .collect();
-    for r in q.run(&mut reqs) {
-        r.expect("write");
-    }
+    run_all(q, Op::Write, base, &mut bufs);
     let mut back = vec![vec![0u8; chunk]; n];
-    let mut reqs: Vec<Request<'_>> = back
-        .iter_mut()
-        .enumerate()
-        .map(|(k, b)| Request {
-            op: Op::Read,
-            flags: IoFlags::NONE,
-            offset: base + (k * chunk) as u64,
-            len: 0,
-            buf: Some(b.as_mut_slice()),
-        })
-        .collect();
-    for r in q.run(&mut reqs) {
-        r.expect("read");
-    }
+    run_all(q, Op::Read, base, &mut back);
     for (k, (got, want)) in back.iter().zip(&want).enumerate() {
         assert!(
             got == want,
@@ -485,20 +478,6 @@ fn a_denied_key_and_a_key_without_caps_are_one_line_each() {
         std::fs::write(&conf, text).unwrap();
         conf
     };
-    let ceph = |args: &[&str]| {
-        let out = std::process::Command::new("ceph")
-            .arg("-c")
-            .arg(tc.conf())
-            .args(args)
-            .output()
-            .expect("run ceph");
-        assert!(
-            out.status.success(),
-            "ceph {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
     // A key the cluster has never seen.
     let bad = tc.dir().join("bad.keyring");
     let key = std::process::Command::new("ceph-authtool")
@@ -524,7 +503,7 @@ fn a_denied_key_and_a_key_without_caps_are_one_line_each() {
     assert!(!e.contains('\n'), "{e}");
     // A key the cluster knows, allowed to read the monitors and nothing else.
     let nocaps = tc.dir().join("nocaps.keyring");
-    ceph(&[
+    tc.ceph(&[
         "auth",
         "get-or-create",
         "client.nocaps",

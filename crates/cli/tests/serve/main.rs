@@ -409,6 +409,29 @@ fn fio_randwrite_verify(fio: &Path, srv: &Server, extra: &[&str]) -> Output {
         .args(extra))
 }
 
+/// `nbdinfo --map --json URI`: its runs as (offset, length, type), and its output.
+fn map_runs(nbdinfo: &Path, uri: &str) -> (Vec<(u64, u64, u64)>, String) {
+    let out = success(
+        "nbdinfo --map --json",
+        &run(Command::new(nbdinfo).args(["--map", "--json", uri])),
+    );
+    let json: Value = serde_json::from_str(&out)
+        .unwrap_or_else(|e| panic!("nbdinfo --map --json is not JSON ({e}): {out}"));
+    let runs = json
+        .as_array()
+        .unwrap_or_else(|| panic!("not an array: {out}"))
+        .iter()
+        .map(|r| {
+            (
+                r["offset"].as_u64().unwrap(),
+                r["length"].as_u64().unwrap(),
+                r["type"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    (runs, out)
+}
+
 fn write_stack(dir: &TempDir, text: &str) -> PathBuf {
     let path = dir.path().join("stack.toml");
     std::fs::write(&path, text).expect("write the stack file");

@@ -134,24 +134,7 @@ fn map_covers_the_export_and_never_claims_zeroes_over_data() {
     const SIZE: u64 = 16 << 20;
     let srv = Server::start(&["--device", "mem:16M"]);
     let map = |srv: &Server| -> Vec<(u64, u64, u64)> {
-        let out = success(
-            "nbdinfo --map --json",
-            &run(Command::new(&nbdinfo).args(["--map", "--json", &srv.uri()])),
-        );
-        let json: Value = serde_json::from_str(&out)
-            .unwrap_or_else(|e| panic!("nbdinfo --map --json is not JSON ({e}): {out}"));
-        let runs: Vec<(u64, u64, u64)> = json
-            .as_array()
-            .unwrap_or_else(|| panic!("not an array: {out}"))
-            .iter()
-            .map(|r| {
-                (
-                    r["offset"].as_u64().unwrap(),
-                    r["length"].as_u64().unwrap(),
-                    r["type"].as_u64().unwrap(),
-                )
-            })
-            .collect();
+        let (runs, out) = map_runs(&nbdinfo, &srv.uri());
         // Contiguous from 0 to the end of the export.
         let mut at = 0;
         for &(offset, length, _) in &runs {

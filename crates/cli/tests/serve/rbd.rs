@@ -44,23 +44,7 @@ fn an_image_served_round_trips_maps_holes_and_compares() {
         &std::fs::read(&back).unwrap(),
         &std::fs::read(&src).unwrap(),
     );
-    let out = success(
-        "nbdinfo --map --json",
-        &run(Command::new(&nbdinfo).args(["--map", "--json", &srv.uri()])),
-    );
-    let json: Value = serde_json::from_str(&out).unwrap();
-    let runs: Vec<(u64, u64, u64)> = json
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| {
-            (
-                r["offset"].as_u64().unwrap(),
-                r["length"].as_u64().unwrap(),
-                r["type"].as_u64().unwrap(),
-            )
-        })
-        .collect();
+    let (runs, out) = map_runs(&nbdinfo, &srv.uri());
     // Type 3: hole and zero; 0: data.
     assert_eq!(
         runs,
@@ -86,16 +70,9 @@ fn an_image_served_round_trips_maps_holes_and_compares() {
         ])),
     );
     drop(srv);
-    let exported = work.path().join("export.img");
-    tc.rbd(&[
-        "export",
-        "--no-progress",
-        &format!("rbd/{}", tc.name("served")),
-        path_str(&exported),
-    ]);
     assert_same(
         "rbd export",
-        &std::fs::read(&exported).unwrap(),
+        &tc.export("served"),
         &std::fs::read(&src).unwrap(),
     );
 }
@@ -165,15 +142,7 @@ fn a_cache_over_an_image_keeps_what_was_flushed_through_kill_9() {
     }
     srv.signal(libc::SIGKILL);
     let _ = srv.wait_exit();
-    let export = tmpdir();
-    let exported = export.path().join("export.img");
-    tc.rbd(&[
-        "export",
-        "--no-progress",
-        &format!("rbd/{}", tc.name("cached")),
-        path_str(&exported),
-    ]);
-    let image = std::fs::read(&exported).unwrap();
+    let image = tc.export("cached");
     for p in 0..PAGES {
         let at = (p * 8192) as usize;
         let v = version_of(p, &image[at..at + 4096], "after kill -9");
@@ -254,18 +223,7 @@ fn a_mirror_of_a_file_and_an_image_rides_out_a_stopped_osd() {
     assert!(status.success(), "{log}");
     assert!(log.contains("re-added"), "{log}");
     // Both copies' data areas (after the superblocks) hold the same bytes.
-    let export = tmpdir();
-    let exported = export.path().join("export.img");
-    tc.rbd(&[
-        "export",
-        "--no-progress",
-        &format!("rbd/{}", tc.name("mirrored")),
-        path_str(&exported),
-    ]);
-    let (a, b) = (
-        std::fs::read(&file).unwrap(),
-        std::fs::read(&exported).unwrap(),
-    );
+    let (a, b) = (std::fs::read(&file).unwrap(), tc.export("mirrored"));
     let data_offset = u64::from_le_bytes(a[80..88].try_into().unwrap()) as usize;
     assert_eq!(
         data_offset,

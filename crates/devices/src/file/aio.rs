@@ -238,12 +238,7 @@ impl AioQueue {
 
 impl Queue for AioQueue {
     fn submit(&self, io: Io) {
-        let start = if self.stats.enabled() {
-            self.core.now_ns()
-        } else {
-            0
-        };
-        self.stats.start(io.flags, start);
+        let start = self.stats.begin(io.flags, || self.core.now_ns());
         let slot = self.slots.borrow_mut().take(io, start);
         if let Some(slot) = slot {
             self.prepare(slot, &io, 0);

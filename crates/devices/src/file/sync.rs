@@ -30,12 +30,7 @@ impl SyncQueue {
 
 impl Queue for SyncQueue {
     fn submit(&self, io: Io) {
-        let start = if self.stats.enabled() {
-            self.core.now_ns()
-        } else {
-            0
-        };
-        self.stats.start(io.flags, start);
+        let start = self.stats.begin(io.flags, || self.core.now_ns());
         let status = do_sync(&self.shared, &io);
         self.stats
             .finish(&io, start, || self.core.now_ns(), status.is_ok());

@@ -168,12 +168,7 @@ enum Target {
 
 impl Queue for UringQueue {
     fn submit(&self, io: Io) {
-        let start = if self.stats.enabled() {
-            self.core.now_ns()
-        } else {
-            0
-        };
-        self.stats.start(io.flags, start);
+        let start = self.stats.begin(io.flags, || self.core.now_ns());
         // A write with FUA waits for the disk: never on the reactor.
         let inline = match io.op {
             Op::Write => io.len <= self.submit.inline_writes && !io.flags.contains(IoFlags::FUA),

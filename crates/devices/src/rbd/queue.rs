@@ -204,12 +204,7 @@ fn take_events(shared: &Shared, own_index: usize, mut own: impl FnMut(u32, i64))
 
 impl Queue for RbdQueue {
     fn submit(&self, io: Io) {
-        let start = if self.stats.enabled() {
-            self.core.now_ns()
-        } else {
-            0
-        };
-        self.stats.start(io.flags, start);
+        let start = self.stats.begin(io.flags, || self.core.now_ns());
         let slot = self.slots.borrow_mut().take(io, start);
         if let Some(slot) = slot {
             self.start(slot, &io);

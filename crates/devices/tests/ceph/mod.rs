@@ -121,18 +121,26 @@ impl TestCluster {
 
     /// Runs the `rbd` tool on this cluster; panics with its stderr if it fails.
     pub fn rbd(&self, args: &[&str]) -> Output {
-        let out = Command::new("rbd")
-            .arg("-c")
-            .arg(&self.conf)
-            .args(args)
-            .output()
-            .expect("run rbd");
-        assert!(
-            out.status.success(),
-            "rbd {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        out
+        run_ok(Command::new("rbd").arg("-c").arg(&self.conf).args(args))
+    }
+
+    /// Runs the `ceph` tool on this cluster; its stdout. Panics if it fails.
+    pub fn ceph(&self, args: &[&str]) -> String {
+        let out = run_ok(Command::new("ceph").arg("-c").arg(&self.conf).args(args));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// The bytes of image `rbd/NAME` (NAME from [`TestCluster::name`]), by `rbd export`.
+    pub fn export(&self, what: &str) -> Vec<u8> {
+        let dir = tempfile::tempdir_in("/dev/shm").expect("a directory in /dev/shm");
+        let file = dir.path().join("export.img");
+        self.rbd(&[
+            "export",
+            "--no-progress",
+            &format!("rbd/{}", self.name(what)),
+            file.to_str().expect("a UTF-8 path"),
+        ]);
+        std::fs::read(&file).expect("read the export")
     }
 
     /// Creates image `rbd/NAME` (NAME from [`TestCluster::name`]) of `bytes`; returns the
@@ -163,17 +171,19 @@ impl TestCluster {
             .own
             .as_ref()
             .expect("only a test's own cluster is stopped and started");
-        let out = Command::new(script())
-            .arg(cmd)
-            .arg(dir.path().join("c"))
-            .output()
-            .expect("run scripts/ceph-cluster");
-        assert!(
-            out.status.success(),
-            "scripts/ceph-cluster {cmd}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        run_ok(Command::new(script()).arg(cmd).arg(dir.path().join("c")));
     }
+}
+
+/// Runs `cmd`; panics with its stderr if it fails.
+fn run_ok(cmd: &mut Command) -> Output {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
 }
 
 /// Image names: the test's name and the process id, so tests sharing a cluster (and
