@@ -47,6 +47,9 @@ cleanup() {
     fi
 }
 trap cleanup EXIT
+# Interrupted, it still stops the cluster (bash runs the EXIT trap on exit, not on a signal).
+trap 'exit 130' INT
+trap 'exit 143' TERM
 # One Ceph cluster for the rbd tests that leave its daemons alone (each uses images of
 # its own); tests that stop an OSD start their own. Without it they start their own too.
 if [ "$(id -u)" = 0 ] && command -v ceph-mon >/dev/null && command -v ceph-osd >/dev/null; then

@@ -390,6 +390,21 @@ fn a_snapshot_opens_read_only_with_the_bytes_it_had() {
         q.zero(Op::Discard, 0, 4096, IoFlags::NONE),
         Err(BlockingError::Refused(_))
     ));
+    // More writes in flight than the queue has slots: each waiting one fails in turn.
+    let mut bufs = vec![vec![3u8; 512]; 1000];
+    let mut reqs: Vec<Request<'_>> = bufs
+        .iter_mut()
+        .map(|b| Request {
+            op: Op::Write,
+            flags: IoFlags::NONE,
+            offset: 0,
+            len: 0,
+            buf: Some(b.as_mut_slice()),
+        })
+        .collect();
+    for r in q.run(&mut reqs) {
+        assert_eq!(r, Err(BlockingError::Failed(IoStatus::errno(libc::EROFS))));
+    }
     // The image itself has the later bytes, the snapshot's write changed nothing.
     let q = BlockingQueue::open(&device, Switches::default()).expect("queue");
     q.read(4096, &mut back).expect("read the image");
@@ -528,4 +543,49 @@ fn a_denied_key_and_a_key_without_caps_are_one_line_each() {
     let mut back = vec![0u8; 4096];
     q.read(0, &mut back).expect("read");
     assert!(back.iter().all(|&b| b == 9));
+}
+
+#[test]
+fn librbds_cache_stays_off_unless_the_image_turns_it_on() {
+    let Some(tc) = TestCluster::shared("librbds_cache_stays_off_unless_the_image_turns_it_on")
+    else {
+        return;
+    };
+    let spec = tc.image("cache", 8 << 20, "");
+    let device = open(&spec).expect("open");
+    assert!(
+        !device.describe().contains("cache on"),
+        "{}",
+        device.describe()
+    );
+    drop(device);
+    // An image-level override wins over what cairn sets on its connection: the device
+    // sees it, and its FUA writes (each followed by a flush) still read back.
+    tc.rbd(&[
+        "config",
+        "image",
+        "set",
+        &format!("rbd/{}", tc.name("cache")),
+        "rbd_cache",
+        "true",
+    ]);
+    let device = open(&spec).expect("open");
+    assert!(
+        device.describe().contains("librbd's cache on"),
+        "{}",
+        device.describe()
+    );
+    let q = BlockingQueue::open(&device, Switches::default()).expect("queue");
+    q.write(4096, &[4u8; 8192], IoFlags::FUA)
+        .expect("FUA write");
+    let mut back = vec![0u8; 8192];
+    q.read(4096, &mut back).expect("read");
+    assert!(back.iter().all(|&b| b == 4));
+    drop(q);
+    drop(device);
+    let image = tc.export("cache");
+    assert!(
+        image[4096..12288].iter().all(|&b| b == 4),
+        "the FUA write is not in the image"
+    );
 }

@@ -161,6 +161,8 @@ pub(super) struct Shared {
     /// Which indexes open queues hold.
     taken: Box<[AtomicBool]>,
     pub(super) timeout: Duration,
+    /// librbd's cache is on for the image: a FUA write needs a flush after it.
+    pub(super) cache_on: bool,
 }
 
 impl Shared {
@@ -208,6 +210,8 @@ pub struct RbdDevice {
     monitors: String,
     read_only: bool,
     geometry: Geometry,
+    /// The image's object size: block status asks from an object's start.
+    object_bytes: u64,
     shared: Arc<Shared>,
 }
 
@@ -224,6 +228,16 @@ impl RbdDevice {
         let pool = cluster.pool(&target.pool, target.namespace.as_deref())?;
         let image = pool.open(&target.image, target.snapshot.as_deref())?;
         let size = image.size()?;
+        let object_bytes = image.object_bytes()?;
+        // cairn turns librbd's cache off; a pool's or the image's own configuration can
+        // turn it back on, and then a completed write is not yet on the OSDs.
+        let cache_on = image.config("rbd_cache").is_none_or(|v| v != "false");
+        if cache_on {
+            log::warn!(
+                "cairn: rbd: {}: librbd's cache is on for this image (a pool or image override of rbd_cache): writes are durable after a flush, and each FUA write is followed by one",
+                target.path()
+            );
+        }
         let api = image.api();
         if size < u64::from(BLOCK_BYTES) {
             return Err(Error::Invalid(format!(
@@ -256,6 +270,7 @@ impl RbdDevice {
             monitors: cluster.monitors().to_string(),
             target: target.clone(),
             read_only,
+            object_bytes,
             geometry: Geometry {
                 // Whole blocks: a tail shorter than a block is not served.
                 size_bytes: size - size % u64::from(BLOCK_BYTES),
@@ -278,6 +293,7 @@ impl RbdDevice {
                 inboxes: (0..MAX_QUEUES).map(|_| OnceLock::new()).collect(),
                 taken: (0..MAX_QUEUES).map(|_| AtomicBool::new(false)).collect(),
                 timeout: target.timeout,
+                cache_on,
             }),
         })
     }
@@ -288,40 +304,42 @@ impl RbdDevice {
     }
 }
 
-/// What `rbd_diff_iterate2` reports to [`RbdDevice::extents`]: the walk's position and
-/// the extents so far.
-struct DiffWalk<'a> {
-    at: u64,
-    end: u64,
-    out: &'a mut Vec<Extent>,
-}
-
-/// `rbd_diff_iterate2`'s callback: a hole up to `offset`, then data for `len` bytes.
+/// `rbd_diff_iterate2`'s callback: collects the ranges that hold data into the
+/// `Vec<(u64, u64)>` (offset, length) at `arg`, in whatever order they come.
 unsafe extern "C" fn diff_extent(
     offset: u64,
     len: usize,
     exists: std::ffi::c_int,
     arg: *mut std::ffi::c_void,
 ) -> std::ffi::c_int {
-    // SAFETY: `arg` is the DiffWalk that `extents` passed, alive for the call.
-    let walk = unsafe { &mut *arg.cast::<DiffWalk<'_>>() };
-    if offset > walk.at {
-        Extent::push(walk.out, Extent::hole(offset.min(walk.end) - walk.at));
-        walk.at = offset.min(walk.end);
-    }
-    // With `whole_object` an extent is a whole object, which may reach past the range.
-    let start = offset.max(walk.at);
-    let end = (offset + len as u64).min(walk.end);
-    if end > start {
-        let e = if exists != 0 {
-            Extent::data(end - start)
-        } else {
-            Extent::hole(end - start)
-        };
-        Extent::push(walk.out, e);
-        walk.at = end;
+    // SAFETY: `arg` is the Vec that `extents` passed, alive and not otherwise borrowed
+    // for the call (the walk's callbacks run one at a time, and before it returns).
+    let ranges = unsafe { &mut *arg.cast::<Vec<(u64, u64)>>() };
+    if exists != 0 && len > 0 {
+        ranges.push((offset, len as u64));
     }
     0
+}
+
+/// The extents of `[offset, end)` given the data ranges `ranges` (any order, may overlap
+/// or reach outside it): holes between them.
+fn extents_from(mut ranges: Vec<(u64, u64)>, offset: u64, end: u64, out: &mut Vec<Extent>) {
+    ranges.sort_unstable();
+    let mut at = offset;
+    for (o, l) in ranges {
+        let (start, stop) = (o.max(at), o.saturating_add(l).min(end));
+        if stop <= start {
+            continue;
+        }
+        if start > at {
+            Extent::push(out, Extent::hole(start - at));
+        }
+        Extent::push(out, Extent::data(stop - start));
+        at = stop;
+    }
+    if at < end {
+        Extent::push(out, Extent::hole(end - at));
+    }
 }
 
 impl Device for RbdDevice {
@@ -331,7 +349,7 @@ impl Device for RbdDevice {
 
     fn describe(&self) -> String {
         format!(
-            "rbd {}{} ({}{}, monitors {}) {} bytes, {}-byte blocks; connection {}, timeout {} s",
+            "rbd {}{} ({}{}, monitors {}) {} bytes, {}-byte blocks; connection {}, timeout {} s{}",
             self.target.path(),
             if self.read_only { " read-only" } else { "" },
             match &self.target.conf {
@@ -352,6 +370,11 @@ impl Device for RbdDevice {
             self.geometry.block_bytes,
             self.target.connection.as_str(),
             self.target.timeout.as_secs(),
+            if self.shared.cache_on {
+                "; librbd's cache on (a pool or image override): FUA writes are flushed"
+            } else {
+                ""
+            },
         )
     }
 
@@ -374,24 +397,24 @@ impl Device for RbdDevice {
             Extent::push(out, Extent::data(len));
             return Ok(());
         }
+        // Asked from an object's start: librbd before 1.17 (Pacific's) reports a range
+        // that starts inside an object at the wrong offset on this path (Ceph bug 53784).
         let end = offset + len;
-        let mut walk = DiffWalk {
-            at: offset,
-            end,
-            out,
-        };
-        // SAFETY: a live image; the callback gets `walk`, which outlives the call, and
-        // the call returns only after its last callback.
+        let from = offset - offset % self.object_bytes;
+        let mut ranges: Vec<(u64, u64)> = Vec::new();
+        // SAFETY: a live image; the callback gets `ranges`, which outlives the call, and
+        // the call returns only after its last callback. Without fast-diff (not called
+        // then) the callbacks could come from a librbd thread while this one waits.
         let rc = unsafe {
             (self.shared.api.rbd_diff_iterate2)(
                 image.handle(),
                 std::ptr::null(),
-                offset,
-                len,
+                from,
+                end - from,
                 1,
                 1,
                 Some(diff_extent),
-                (&mut walk as *mut DiffWalk<'_>).cast(),
+                (&mut ranges as *mut Vec<(u64, u64)>).cast(),
             )
         };
         if rc < 0 {
@@ -400,9 +423,7 @@ impl Device for RbdDevice {
                 rc,
             ));
         }
-        if walk.at < end {
-            Extent::push(walk.out, Extent::hole(end - walk.at));
-        }
+        extents_from(ranges, offset, end, out);
         Ok(())
     }
 }
@@ -424,5 +445,36 @@ impl Drop for Shared {
                 unsafe { (self.api.rbd_aio_release)(*c) };
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(ranges: &[(u64, u64)], offset: u64, end: u64) -> Vec<Extent> {
+        let mut out = Vec::new();
+        extents_from(ranges.to_vec(), offset, end, &mut out);
+        out
+    }
+
+    #[test]
+    fn data_ranges_become_extents_of_the_range_asked() {
+        // Out of order, overlapping, reaching before and past the range.
+        let ranges = [(40, 20), (0, 10), (5, 10), (90, 50)];
+        assert_eq!(
+            map(&ranges, 8, 100),
+            vec![
+                Extent::data(7),
+                Extent::hole(25),
+                Extent::data(20),
+                Extent::hole(30),
+                Extent::data(10),
+            ]
+        );
+        assert_eq!(map(&[], 0, 64), vec![Extent::hole(64)]);
+        assert_eq!(map(&[(0, 4096)], 0, 4096), vec![Extent::data(4096)]);
+        // Ranges wholly outside: all hole.
+        assert_eq!(map(&[(0, 8), (200, 8)], 100, 150), vec![Extent::hole(50)]);
     }
 }

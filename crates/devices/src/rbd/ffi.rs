@@ -28,6 +28,19 @@ pub type CallbackT = Option<unsafe extern "C" fn(CompletionT, *mut c_void)>;
 /// the walk and is returned by it.
 pub type DiffCallbackT = Option<unsafe extern "C" fn(u64, usize, c_int, *mut c_void) -> c_int>;
 
+/// One of an image's configuration options as it applies to the image
+/// (`rbd_config_option_t`): the client's, or a pool's or the image's own override.
+#[repr(C)]
+pub struct ConfigOption {
+    /// The option's name (`rbd_cache`), owned by librbd until the list's cleanup.
+    pub name: *mut c_char,
+    /// Its value as text.
+    pub value: *mut c_char,
+    /// Where it comes from (`rbd_config_source_t`: 0 the client's configuration, 1 the
+    /// pool, 2 the image).
+    pub source: c_int,
+}
+
 /// `rbd_set_image_notification`'s type for an eventfd: librbd adds 1 to it per completed
 /// request that was submitted after the registration, and queues the completion for
 /// `rbd_poll_io_events`.
@@ -36,6 +49,9 @@ pub const EVENT_TYPE_EVENTFD: c_int = 2;
 /// `RBD_FEATURE_FAST_DIFF`: the image keeps an object map that says which objects hold
 /// data, so `rbd_diff_iterate2` with `whole_object` reads that map instead of every object.
 pub const FEATURE_FAST_DIFF: u64 = 1 << 4;
+/// `RBD_FEATURE_STRIPINGV2`: "fancy" striping, where librbd before 1.17 reports
+/// `rbd_diff_iterate2`'s extents per object, not in image order.
+pub const FEATURE_STRIPINGV2: u64 = 1 << 1;
 /// `RBD_FLAG_FAST_DIFF_INVALID`: the fast-diff map needs a rebuild and cannot be trusted.
 pub const FLAG_FAST_DIFF_INVALID: u64 = 1 << 1;
 
@@ -94,6 +110,9 @@ api! {
     rbd rbd_get_size: fn(ImageT, *mut u64) -> c_int;
     rbd rbd_get_features: fn(ImageT, *mut u64) -> c_int;
     rbd rbd_get_flags: fn(ImageT, *mut u64) -> c_int;
+    rbd rbd_get_stripe_unit: fn(ImageT, *mut u64) -> c_int;
+    rbd rbd_config_image_list: fn(ImageT, *mut ConfigOption, *mut c_int) -> c_int;
+    rbd rbd_config_image_list_cleanup: fn(*mut ConfigOption, c_int);
     rbd rbd_aio_create_completion: fn(*mut c_void, CallbackT, *mut CompletionT) -> c_int;
     rbd rbd_aio_release: fn(CompletionT);
     rbd rbd_aio_get_return_value: fn(CompletionT) -> isize;

@@ -12,7 +12,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::rc::Rc;
 use std::sync::Arc;
 
-use cairn_core::{Core, Io, IoStatus, Op, Poller, Queue, QueueStats};
+use cairn_core::{Core, Io, IoFlags, IoStatus, Op, Poller, Queue, QueueStats};
 
 use super::device::{Shared, MAX_QUEUES, QUEUE_DEPTH};
 use crate::file::Slots;
@@ -30,6 +30,11 @@ pub(super) struct RbdQueue {
     slots: RefCell<Slots>,
     /// Requests handed to librbd and not yet finished here.
     in_librbd: Cell<usize>,
+    /// Per slot: its FUA request's write is done and the flush after it is in librbd.
+    flushing: Box<[Cell<bool>]>,
+    /// The image's eventfd was reset by [`ImageWatch`]: whatever woke it must be taken
+    /// from librbd, even with nothing of this queue's in flight (it may be another's).
+    image_cleared: Cell<bool>,
 }
 
 /// Watches the image's eventfd for one queue (a second poller of the same reactor).
@@ -53,6 +58,8 @@ impl RbdQueue {
             read_only,
             slots: RefCell::new(Slots::new(QUEUE_DEPTH)),
             in_librbd: Cell::new(0),
+            flushing: (0..QUEUE_DEPTH).map(|_| Cell::new(false)).collect(),
+            image_cleared: Cell::new(false),
         });
         core.register_poller(queue.clone());
         core.register_poller(Rc::new(ImageWatch {
@@ -61,13 +68,19 @@ impl RbdQueue {
         queue
     }
 
-    /// Hands the request in `slot` to librbd.
-    fn start(&self, slot: u32, io: &Io) {
+    /// Hands the request in `slot` to librbd, or says why it could not start.
+    fn start(&self, slot: u32, io: &Io) -> Result<(), IoStatus> {
         if self.read_only && io.op.is_write() {
             // librbd would say EROFS too, after a completion allocation; say it here.
-            self.finish(slot, IoStatus::errno(libc::EROFS));
-            return;
+            return Err(IoStatus::errno(libc::EROFS));
         }
+        self.flushing[slot as usize].set(false);
+        self.to_librbd(slot, io.op, io)
+    }
+
+    /// Submits `op` for the request in `slot` (its own operation, or the flush after a
+    /// FUA write).
+    fn to_librbd(&self, slot: u32, op: Op, io: &Io) -> Result<(), IoStatus> {
         let api = self.shared.api;
         let image = self.shared.image.handle();
         let arg = ((self.index as u64) << 32 | u64::from(slot)) as usize;
@@ -76,22 +89,20 @@ impl RbdQueue {
         // through the image's eventfd and `rbd_poll_io_events`.
         let rc = unsafe { (api.rbd_aio_create_completion)(arg as *mut _, None, &mut c) };
         if rc < 0 {
-            self.finish(slot, IoStatus::errno(-rc));
-            return;
+            return Err(IoStatus::errno(-rc));
         }
         let iov = libc::iovec {
             iov_base: io.buf.cast(),
             iov_len: io.len as usize,
         };
         // SAFETY: a live image; the submitter keeps `io.buf` (io.len bytes) alive until
-        // the completion is delivered, which is after librbd's completion; librbd copies
-        // the iovec array before returning. The completion is released by whoever takes
-        // it from `rbd_poll_io_events`, or below if the submission fails.
+        // the completion is delivered, which is after librbd's completion. With one iovec
+        // librbd copies the iovec itself before returning (with several, a read keeps the
+        // array until it completes: cairn passes one). The completion is released by
+        // whoever takes it from `rbd_poll_io_events`, or below if the submission fails.
         let rc = unsafe {
-            match io.op {
+            match op {
                 Op::Read => (api.rbd_aio_readv)(image, &iov, 1, io.offset, c),
-                // FUA needs nothing more: with librbd's cache off (session.rs) a write
-                // completes once the OSDs have it on disk.
                 Op::Write => (api.rbd_aio_writev)(image, &iov, 1, io.offset, c),
                 Op::Flush => (api.rbd_aio_flush)(image, c),
                 Op::Discard => (api.rbd_aio_discard)(image, io.offset, io.len, c),
@@ -103,20 +114,27 @@ impl RbdQueue {
         if rc < 0 {
             // SAFETY: librbd refused the request, so the completion is still ours.
             unsafe { (api.rbd_aio_release)(c) };
-            self.finish(slot, IoStatus::errno(-rc));
-            return;
+            return Err(IoStatus::errno(-rc));
         }
         self.in_librbd.set(self.in_librbd.get() + 1);
+        Ok(())
     }
 
-    /// Completes the request in `slot` and starts the next waiting one in it.
-    fn finish(&self, slot: u32, status: IoStatus) {
-        let next = self
-            .slots
-            .borrow_mut()
-            .finish(slot, status, &self.stats, &self.core);
-        if let Some((i, io)) = next {
-            self.start(i, &io);
+    /// Completes the request in `slot`, then starts waiting ones in the slot it frees
+    /// (a loop, not recursion: a long wait of writes refused at once stays flat).
+    fn finish(&self, mut slot: u32, mut status: IoStatus) {
+        loop {
+            let next = self
+                .slots
+                .borrow_mut()
+                .finish(slot, status, &self.stats, &self.core);
+            let Some((i, io)) = next else {
+                return;
+            };
+            match self.start(i, &io) {
+                Ok(()) => return,
+                Err(s) => (slot, status) = (i, s),
+            }
         }
     }
 
@@ -124,11 +142,14 @@ impl RbdQueue {
     fn event(&self, slot: u32, res: i64) {
         self.in_librbd.set(self.in_librbd.get() - 1);
         let io = self.slots.borrow().entries[slot as usize].io;
-        let status = if res < 0 {
+        let flushing = self.flushing[slot as usize].replace(false);
+        let mut status = if res < 0 {
             match (-res) as i32 {
-                // An OSD or monitor that did not answer within `timeout`: EIO, as a disk
-                // that stopped answering would give (an array fails the member).
-                libc::ETIMEDOUT => IoStatus::errno(libc::EIO),
+                // An OSD or monitor that did not answer within `timeout`, a client the
+                // cluster blocklisted (ESHUTDOWN), a range past an image that shrank
+                // (EINVAL): EIO, as a disk that stopped answering would give (an array
+                // fails the member).
+                libc::ETIMEDOUT | libc::ESHUTDOWN | libc::EINVAL => IoStatus::errno(libc::EIO),
                 errno => IoStatus::errno(errno),
             }
         } else if io.op == Op::Read && res as u64 != io.len {
@@ -137,6 +158,22 @@ impl RbdQueue {
         } else {
             IoStatus::OK
         };
+        if status.is_ok()
+            && !flushing
+            && self.shared.cache_on
+            && io.op.is_write()
+            && io.flags.contains(IoFlags::FUA)
+        {
+            // A FUA request is durable when it completes. With librbd's cache off (what
+            // session.rs asks) a completed write already is; a pool's or an image's own
+            // configuration may turn the cache back on (seen at open): then a flush
+            // after it makes sure.
+            self.flushing[slot as usize].set(true);
+            match self.to_librbd(slot, Op::Flush, &io) {
+                Ok(()) => return,
+                Err(s) => status = s,
+            }
+        }
         self.finish(slot, status);
     }
 
@@ -207,7 +244,9 @@ impl Queue for RbdQueue {
         let start = self.stats.begin(io.flags, || self.core.now_ns());
         let slot = self.slots.borrow_mut().take(io, start);
         if let Some(slot) = slot {
-            self.start(slot, &io);
+            if let Err(status) = self.start(slot, &io) {
+                self.finish(slot, status);
+            }
         }
     }
 
@@ -247,7 +286,10 @@ impl Poller for ImageWatch {
     fn unplug(&self) {}
 
     fn reap(&self) -> usize {
-        if self.queue.in_librbd.get() == 0 {
+        // Having reset the image's eventfd, this queue owes a look at librbd's queue even
+        // when nothing of its own is in flight: the completions that woke it may be
+        // another queue's, and no other queue will be woken for them.
+        if self.queue.in_librbd.get() == 0 && !self.queue.image_cleared.replace(false) {
             return 0;
         }
         self.queue.take_from_librbd() + self.queue.take_from_inbox()
@@ -263,27 +305,35 @@ impl Poller for ImageWatch {
 
     fn clear_event(&self) {
         cairn_core::event::reset(&self.queue.shared.eventfd);
+        self.queue.image_cleared.set(true);
     }
 }
 
 impl Drop for RbdQueue {
     fn drop(&mut self) {
-        // librbd may still write into buffers of requests in flight: wait for them (each
-        // ends within the timeout, librados' op timeout), then give the index back. Their
-        // submitters are gone, so nothing is delivered.
-        let deadline = std::time::Instant::now() + self.shared.timeout * 2;
-        while self.in_librbd.get() > 0 && std::time::Instant::now() < deadline {
+        // librbd may still write into buffers of requests in flight: wait for them, for
+        // as long as it takes (librados' op timeout ends most within `timeout`; a lock
+        // hand-over or a refresh may take longer), saying so each `timeout`. Their
+        // submitters are gone, so nothing is delivered. `cairn serve`'s shutdown deadline
+        // ends the process if this lasts too long.
+        let mut warn_at = std::time::Instant::now() + self.shared.timeout;
+        while self.in_librbd.get() > 0 {
             let mut got = take_events(&self.shared, self.index, |_, _| {});
             if let Some(inbox) = self.shared.inbox(self.index) {
                 got += inbox.take(|_, _| {});
             }
             self.in_librbd.set(self.in_librbd.get().saturating_sub(got));
             if got == 0 {
+                if std::time::Instant::now() >= warn_at {
+                    log::warn!(
+                        "cairn: rbd: {} requests still in librbd; waiting for them before the queue closes",
+                        self.in_librbd.get()
+                    );
+                    warn_at += self.shared.timeout;
+                }
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
         }
-        if self.in_librbd.get() == 0 {
-            self.shared.release(self.index);
-        }
+        self.shared.release(self.index);
     }
 }

@@ -331,7 +331,8 @@ impl Image {
     }
 
     /// Whether `rbd_diff_iterate2` can tell holes from the object map: fast-diff on and
-    /// its map valid. Without it, the walk would read every object.
+    /// its map valid (without it, the walk would read every object), and no fancy
+    /// striping (whose extents come per object, out of image order).
     pub fn fast_diff(&self) -> bool {
         let (mut features, mut flags) = (0u64, 0u64);
         // SAFETY: a live image and out-pointers.
@@ -339,7 +340,60 @@ impl Image {
             (self.api().rbd_get_features)(self.handle, &mut features) == 0
                 && (self.api().rbd_get_flags)(self.handle, &mut flags) == 0
         };
-        ok && features & ffi::FEATURE_FAST_DIFF != 0 && flags & ffi::FLAG_FAST_DIFF_INVALID == 0
+        ok && features & ffi::FEATURE_FAST_DIFF != 0
+            && features & ffi::FEATURE_STRIPINGV2 == 0
+            && flags & ffi::FLAG_FAST_DIFF_INVALID == 0
+    }
+
+    /// The value of librbd option `name` as it applies to this image (a pool's or the
+    /// image's own override wins over the client's setting), if librbd lists it.
+    pub fn config(&self, name: &str) -> Option<String> {
+        let api = self.api();
+        let mut max: c_int = 0;
+        // SAFETY: with room for none, librbd only writes how many there are to `max`.
+        let rc =
+            unsafe { (api.rbd_config_image_list)(self.handle, std::ptr::null_mut(), &mut max) };
+        if rc != -libc::ERANGE || max <= 0 {
+            return None;
+        }
+        let mut options: Vec<ffi::ConfigOption> = (0..max)
+            .map(|_| ffi::ConfigOption {
+                name: std::ptr::null_mut(),
+                value: std::ptr::null_mut(),
+                source: 0,
+            })
+            .collect();
+        // SAFETY: room for `max` entries; librbd fills them and sets `max` to how many.
+        let rc =
+            unsafe { (api.rbd_config_image_list)(self.handle, options.as_mut_ptr(), &mut max) };
+        if rc < 0 {
+            return None;
+        }
+        let found = options[..max.max(0) as usize].iter().find_map(|o| {
+            // SAFETY: librbd set both to NUL-terminated strings, alive until the cleanup.
+            let (n, v) = unsafe {
+                (
+                    std::ffi::CStr::from_ptr(o.name),
+                    std::ffi::CStr::from_ptr(o.value),
+                )
+            };
+            (n.to_bytes() == name.as_bytes()).then(|| v.to_string_lossy().into_owned())
+        });
+        // SAFETY: the entries librbd filled, given back once.
+        unsafe { (api.rbd_config_image_list_cleanup)(options.as_mut_ptr(), max) };
+        found
+    }
+
+    /// The size of the image's objects in bytes (its stripe unit, which is the object
+    /// size unless fancy striping is on).
+    pub fn object_bytes(&self) -> Result<u64, Error> {
+        let mut unit = 0u64;
+        // SAFETY: a live image and out-pointer.
+        let rc = unsafe { (self.api().rbd_get_stripe_unit)(self.handle, &mut unit) };
+        if rc < 0 || unit == 0 {
+            return Err(fail("rbd: image object size".into(), rc.min(-libc::EINVAL)));
+        }
+        Ok(unit)
     }
 }
 
