@@ -255,3 +255,30 @@ fn a_missing_image_refuses_the_start_in_one_line() {
     let listed = text(&tc.rbd(&["ls", "rbd"]).stdout);
     assert!(!listed.contains(&name), "{listed}");
 }
+
+/// SIGTERM while requests wait on a stopped OSD (the device's timeout is the default
+/// 30 s): the server gives up on them after `--shutdown-timeout`, says so, and exits 1.
+#[test]
+fn sigterm_with_requests_stuck_on_a_stopped_osd_ends_at_the_shutdown_timeout() {
+    const NAME: &str =
+        "rbd::sigterm_with_requests_stuck_on_a_stopped_osd_ends_at_the_shutdown_timeout";
+    let Some(tc) = TestCluster::own(NAME) else {
+        return;
+    };
+    let spec = tc.image("stuck", 8 * MIB, "");
+    let mut srv = Server::start(&["--device", &spec, "--shutdown-timeout", "2s"]);
+    let (mut c, _, _) = Raw::go(&srv.sock, "");
+    c.write_ok(1, 0, 0, &block(0, 1));
+    tc.osd_stop();
+    // Sent, never answered while the OSD is down.
+    for p in 1..5u64 {
+        c.request(0, CMD_WRITE, p + 1, p * 4096, 4096, &block(p, 1))
+            .unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    srv.signal(libc::SIGTERM);
+    // wait_exit gives it 20 s: less than the 30 s the requests would take to time out.
+    let (status, log) = srv.wait_exit();
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(log.contains("abandoned"), "{log}");
+}
