@@ -332,20 +332,26 @@ def run(server_name, client, workload, runtime, cairn_args):
             srv.fill()
         fill_s = time.monotonic() - t0
         cmd = client_command(client, srv.uri, rw, bs, depth, runtime)
-        before = srv.cpu_ticks()
-        wall0 = time.monotonic()
-        r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        wall = time.monotonic() - wall0
-        after = srv.cpu_ticks()
-        if r.returncode != 0:
-            sys.exit(f"{client} against {server_name} failed ({r.returncode}):\n{r.stderr}\n{r.stdout[-2000:]}")
-        j = parse_fio(r.stdout)
+        j, cpu_s, wall = measured_client(srv, cmd, f"{client} against {server_name}")
     finally:
         status = srv.stop()
     j["client"] = {"name": client, "cmd": cmd}
-    j["server"] = {"name": server_name, "cmd": srv.cmd, "cpu_s": (after - before) / CLK_TCK,
+    j["server"] = {"name": server_name, "cmd": srv.cmd, "cpu_s": cpu_s,
                    "fio_wall_s": wall, "fill_s": fill_s, "exit_status": status}
     return j
+
+
+def measured_client(srv, cmd, what):
+    """Runs the client `cmd` against `srv` (anything with cpu_ticks()); returns its JSON,
+    the server's CPU seconds over the run and the run's wall seconds."""
+    before = srv.cpu_ticks()
+    wall0 = time.monotonic()
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wall = time.monotonic() - wall0
+    after = srv.cpu_ticks()
+    if r.returncode != 0:
+        sys.exit(f"{what} failed ({r.returncode}):\n{r.stderr}\n{r.stdout[-2000:]}")
+    return parse_fio(r.stdout), (after - before) / CLK_TCK, wall
 
 
 def summary(j):

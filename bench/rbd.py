@@ -242,17 +242,10 @@ def serve_run(cl, server, client, workload, runtime):
     try:
         srv.start()
         cmd = nbd.client_command(client, srv.uri(), rw, bs, depth, runtime)
-        before = srv.cpu_ticks()
-        wall0 = time.monotonic()
-        r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        wall = time.monotonic() - wall0
-        after = srv.cpu_ticks()
-        if r.returncode != 0:
-            sys.exit(f"{client} against {server} failed:\n{r.stderr[-3000:]}")
-        j = nbd.parse_fio(r.stdout)
+        j, cpu_s, wall = nbd.measured_client(srv, cmd, f"{client} against {server}")
     finally:
         srv.stop()
-    j["server"] = {"name": server, "cmd": srv.cmd, "cpu_s": (after - before) / nbd.CLK_TCK,
+    j["server"] = {"name": server, "cmd": srv.cmd, "cpu_s": cpu_s,
                    "fio_wall_s": wall, "fill_s": 0, "exit_status": srv.proc.returncode}
     j["client"] = {"name": client, "cmd": cmd}
     return j

@@ -297,11 +297,6 @@ impl RbdDevice {
             }),
         })
     }
-
-    /// Whether the image was opened at a snapshot (writes fail with EROFS).
-    pub fn read_only(&self) -> bool {
-        self.read_only
-    }
 }
 
 /// `rbd_diff_iterate2`'s callback: collects the ranges that hold data into the

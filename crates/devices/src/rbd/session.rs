@@ -272,16 +272,6 @@ impl Pool {
             handle: image,
         })
     }
-
-    /// The cluster connection it is on.
-    pub fn cluster(&self) -> &Arc<Cluster> {
-        &self.cluster
-    }
-
-    /// `POOL` or `POOL/NAMESPACE`.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
 }
 
 impl Drop for Pool {
@@ -323,11 +313,6 @@ impl Image {
             return Err(fail("rbd: image size".into(), rc));
         }
         Ok(size)
-    }
-
-    /// The pool it was opened in.
-    pub fn pool(&self) -> &Arc<Pool> {
-        &self.pool
     }
 
     /// Whether `rbd_diff_iterate2` can tell holes from the object map: fast-diff on and
