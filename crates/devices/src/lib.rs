@@ -20,6 +20,7 @@ pub mod null;
 pub mod rbd;
 pub mod spec;
 pub mod stack;
+pub mod thin;
 pub mod wrap;
 
 use std::sync::Arc;
