@@ -1,4 +1,6 @@
 //! Thin pools (issue 37, work in progress on the thin-37 branch): volumes that allocate
-//! on write, snapshots and clones. [`format`] is the metadata log's on-disk format.
+//! on write, snapshots and clones. [`superblock`] says where everything is; [`format`] is
+//! the metadata log.
 
 pub mod format;
+pub mod superblock;
