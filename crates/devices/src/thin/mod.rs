@@ -3,4 +3,5 @@
 //! the metadata log.
 
 pub mod format;
+pub mod state;
 pub mod superblock;

@@ -1,0 +1,368 @@
+//! A thin pool's state as its log describes it: volumes, their mappings, and a reference
+//! count per data block. Replay applies records to it in order, checking each one's
+//! preconditions, and `cairn check` compares the counts it derives with the ones a
+//! checkpoint stored. Pure logic, no I/O; the reactors' lock-free tables are built from
+//! it at open. (WORK IN PROGRESS on the thin-37 branch.)
+
+use std::collections::BTreeMap;
+
+use super::format::Record;
+
+/// A mapping entry's bit meaning "this volume holds the block alone" (a hint for the hot
+/// path; the reference count is the truth).
+pub const OWNED: u32 = 1 << 31;
+
+/// The data block an entry names, if any (entries are block + 1, 0 a hole).
+pub fn block_of(entry: u32) -> Option<u64> {
+    match entry & !OWNED {
+        0 => None,
+        b => Some(u64::from(b - 1)),
+    }
+}
+
+/// One volume (a thin volume, a snapshot or a clone).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Volume {
+    /// Its name.
+    pub name: String,
+    /// Virtual size in bytes.
+    pub size: u64,
+    /// Bit 0: read-only.
+    pub flags: u32,
+    /// Virtual block -> entry, holes left out.
+    pub map: BTreeMap<u64, u32>,
+}
+
+/// What a data block is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockState {
+    /// Free and zeroed.
+    Free,
+    /// Handed to a reactor for allocation, not mapped yet.
+    Reserved,
+    /// Mapped by this many volumes.
+    Used(u32),
+    /// Unmapped by its last volume, waiting to be zeroed.
+    FreeDirty,
+}
+
+/// The pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolState {
+    /// Block size in bytes.
+    pub block_bytes: u64,
+    /// The volumes by id.
+    pub volumes: BTreeMap<u32, Volume>,
+    /// One per data block.
+    pub blocks: Vec<BlockState>,
+}
+
+impl PoolState {
+    /// An empty pool of `data_blocks` blocks of `block_bytes`.
+    pub fn new(block_bytes: u64, data_blocks: usize) -> PoolState {
+        PoolState {
+            block_bytes,
+            volumes: BTreeMap::new(),
+            blocks: vec![BlockState::Free; data_blocks],
+        }
+    }
+
+    fn block(&mut self, b: u64) -> Result<&mut BlockState, String> {
+        let n = self.blocks.len();
+        self.blocks
+            .get_mut(b as usize)
+            .ok_or_else(|| format!("block {b} is past the pool's {n} blocks"))
+    }
+
+    /// One more volume shares block `b` (a snapshot's copy).
+    fn add_ref(&mut self, b: u64) -> Result<(), String> {
+        let s = self.block(b)?;
+        *s = match *s {
+            BlockState::Used(n) => BlockState::Used(n + 1),
+            other => return Err(format!("block {b} is mapped while {other:?}")),
+        };
+        Ok(())
+    }
+
+    fn drop_ref(&mut self, b: u64) -> Result<(), String> {
+        let s = self.block(b)?;
+        *s = match *s {
+            BlockState::Used(1) => BlockState::FreeDirty,
+            BlockState::Used(n) => BlockState::Used(n - 1),
+            other => return Err(format!("block {b} is unmapped while {other:?}")),
+        };
+        Ok(())
+    }
+
+    fn volume(&mut self, vol: u32) -> Result<&mut Volume, String> {
+        self.volumes
+            .get_mut(&vol)
+            .ok_or_else(|| format!("volume {vol} does not exist"))
+    }
+
+    /// Applies one record, or says which precondition it breaks (and changes nothing).
+    pub fn apply(&mut self, r: &Record) -> Result<(), String> {
+        let before = self.clone();
+        let out = self.apply_inner(r);
+        if out.is_err() {
+            *self = before;
+        }
+        out
+    }
+
+    fn apply_inner(&mut self, r: &Record) -> Result<(), String> {
+        match r {
+            Record::Set { vol, vblock, entry } => {
+                let bs = self.block_bytes;
+                let v = self.volume(*vol)?;
+                if vblock.saturating_mul(bs) >= v.size {
+                    return Err(format!("volume {vol}: block {vblock} is past its end"));
+                }
+                let old = if *entry == 0 {
+                    v.map.remove(vblock)
+                } else {
+                    v.map.insert(*vblock, *entry)
+                };
+                let (old, new) = (old.and_then(block_of), block_of(*entry));
+                if old == new {
+                    return Ok(());
+                }
+                if let Some(b) = new {
+                    // Only a block just reserved is mapped by a write: a block already
+                    // in use is shared by snapshots, never by a second write.
+                    let s = self.block(b)?;
+                    if *s != BlockState::Reserved {
+                        return Err(format!("block {b} is mapped while {s:?}, not reserved"));
+                    }
+                    *s = BlockState::Used(1);
+                }
+                if let Some(b) = old {
+                    self.drop_ref(b)?;
+                }
+            }
+            Record::Reserve { start, len } | Record::Zeroed { start, len } => {
+                let (from, to) = if matches!(r, Record::Reserve { .. }) {
+                    (BlockState::Free, BlockState::Reserved)
+                } else {
+                    (BlockState::FreeDirty, BlockState::Free)
+                };
+                for b in *start..start.saturating_add(*len) {
+                    let s = self.block(b)?;
+                    if *s != from {
+                        return Err(format!("block {b} is {s:?}, not {from:?}"));
+                    }
+                    *s = to;
+                }
+            }
+            Record::Create {
+                vol,
+                size,
+                flags,
+                name,
+            } => {
+                self.new_volume(*vol, name)?;
+                self.volumes.insert(
+                    *vol,
+                    Volume {
+                        name: name.clone(),
+                        size: *size,
+                        flags: *flags,
+                        map: BTreeMap::new(),
+                    },
+                );
+            }
+            Record::Snapshot {
+                src,
+                new,
+                flags,
+                name,
+            } => {
+                self.new_volume(*new, name)?;
+                let mut copy = self.volume(*src)?.clone();
+                for e in copy.map.values_mut() {
+                    *e &= !OWNED;
+                }
+                for b in copy.map.values().filter_map(|&e| block_of(e)) {
+                    self.add_ref(b)?;
+                }
+                // The origin shares every block now: no entry is owned any more.
+                for e in self.volume(*src)?.map.values_mut() {
+                    *e &= !OWNED;
+                }
+                copy.name = name.clone();
+                copy.flags = *flags;
+                self.volumes.insert(*new, copy);
+            }
+            Record::Delete { vol } => {
+                let v = self
+                    .volumes
+                    .remove(vol)
+                    .ok_or_else(|| format!("volume {vol} does not exist"))?;
+                for b in v.map.values().filter_map(|&e| block_of(e)) {
+                    self.drop_ref(b)?;
+                }
+            }
+            Record::Grow { vol, size } => {
+                let v = self.volume(*vol)?;
+                if *size < v.size {
+                    return Err(format!(
+                        "volume {vol}: {size} bytes is smaller than its {}",
+                        v.size
+                    ));
+                }
+                v.size = *size;
+            }
+        }
+        Ok(())
+    }
+
+    fn new_volume(&self, vol: u32, name: &str) -> Result<(), String> {
+        if self.volumes.contains_key(&vol) {
+            return Err(format!("volume {vol} exists already"));
+        }
+        if self.volumes.values().any(|v| v.name == name) {
+            return Err(format!("a volume is named '{name}' already"));
+        }
+        Ok(())
+    }
+
+    /// What `cairn check` finds wrong: every block's count against the mappings that
+    /// name it, and every mapping's block in range. Empty when all agree.
+    pub fn check(&self) -> Vec<String> {
+        let mut counted = vec![0u32; self.blocks.len()];
+        let mut problems = Vec::new();
+        for (id, v) in &self.volumes {
+            for (vb, &e) in &v.map {
+                match block_of(e) {
+                    Some(b) if (b as usize) < counted.len() => counted[b as usize] += 1,
+                    Some(b) => {
+                        problems.push(format!("volume {id} block {vb} maps to {b}, past the pool"))
+                    }
+                    None => problems.push(format!("volume {id} block {vb} holds an empty entry")),
+                }
+            }
+        }
+        for (b, (&n, s)) in counted.iter().zip(&self.blocks).enumerate() {
+            let ok = match s {
+                BlockState::Used(m) => *m == n,
+                _ => n == 0,
+            };
+            if !ok {
+                problems.push(format!("block {b} is {s:?} but {n} mappings name it"));
+            }
+        }
+        problems
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(vol: u32, vblock: u64, block: u64) -> Record {
+        Record::Set {
+            vol,
+            vblock,
+            entry: (block as u32 + 1) | OWNED,
+        }
+    }
+
+    fn create(vol: u32, name: &str) -> Record {
+        Record::Create {
+            vol,
+            size: 64 << 20,
+            flags: 0,
+            name: name.into(),
+        }
+    }
+
+    fn pool(records: &[Record]) -> PoolState {
+        let mut p = PoolState::new(64 << 10, 64);
+        for r in records {
+            p.apply(r).unwrap_or_else(|e| panic!("{r:?}: {e}"));
+        }
+        assert_eq!(p.check(), Vec::<String>::new());
+        p
+    }
+
+    #[test]
+    fn snapshots_share_blocks_and_deletes_in_any_order_free_them() {
+        let mut p = pool(&[
+            Record::Reserve { start: 0, len: 4 },
+            create(1, "vm"),
+            set(1, 0, 0),
+            set(1, 1, 1),
+            Record::Snapshot {
+                src: 1,
+                new: 2,
+                flags: 1,
+                name: "snap".into(),
+            },
+        ]);
+        assert_eq!(p.blocks[0], BlockState::Used(2));
+        assert!(p.volumes[&1].map.values().all(|e| e & OWNED == 0));
+        // The origin's copy on write: block 0 replaced by block 2.
+        p.apply(&set(1, 0, 2)).unwrap();
+        assert_eq!(p.blocks[0], BlockState::Used(1));
+        assert_eq!(p.blocks[2], BlockState::Used(1));
+        // A clone of the snapshot, then the snapshot deleted before the clone.
+        p.apply(&Record::Snapshot {
+            src: 2,
+            new: 3,
+            flags: 0,
+            name: "clone".into(),
+        })
+        .unwrap();
+        p.apply(&Record::Delete { vol: 2 }).unwrap();
+        assert_eq!(p.blocks[0], BlockState::Used(1));
+        p.apply(&Record::Delete { vol: 1 }).unwrap();
+        assert_eq!(p.blocks[1], BlockState::Used(1));
+        assert_eq!(p.blocks[2], BlockState::FreeDirty);
+        p.apply(&Record::Delete { vol: 3 }).unwrap();
+        assert!(p.blocks[..3].iter().all(|&s| s == BlockState::FreeDirty));
+        p.apply(&Record::Zeroed { start: 0, len: 3 }).unwrap();
+        assert_eq!(p.check(), Vec::<String>::new());
+    }
+
+    #[test]
+    fn a_record_breaking_a_rule_is_refused_and_changes_nothing() {
+        let p = pool(&[
+            Record::Reserve { start: 0, len: 2 },
+            create(1, "vm"),
+            set(1, 0, 0),
+        ]);
+        for bad in [
+            set(1, 1, 5),                         // block 5 was never reserved
+            set(1, 1, 100),                       // past the pool
+            set(9, 0, 1),                         // no such volume
+            set(1, 1 << 20, 1),                   // past the volume's end
+            create(1, "other"),                   // id taken
+            create(2, "vm"),                      // name taken
+            Record::Reserve { start: 0, len: 1 }, // block 0 is in use
+            Record::Zeroed { start: 1, len: 1 },  // block 1 is reserved, not dirty
+            Record::Delete { vol: 7 },
+            Record::Grow {
+                vol: 1,
+                size: 1 << 20,
+            }, // shrinking
+        ] {
+            let mut q = p.clone();
+            assert!(q.apply(&bad).is_err(), "{bad:?} was taken");
+            assert_eq!(q, p, "{bad:?} changed the state");
+        }
+    }
+
+    #[test]
+    fn check_finds_counts_that_disagree_with_the_mappings() {
+        let mut p = pool(&[
+            Record::Reserve { start: 0, len: 2 },
+            create(1, "vm"),
+            set(1, 0, 0),
+        ]);
+        p.blocks[0] = BlockState::Used(2);
+        p.blocks[1] = BlockState::Used(1);
+        let problems = p.check();
+        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert!(problems[0].contains("block 0"), "{problems:?}");
+    }
+}
