@@ -365,4 +365,106 @@ mod tests {
         assert_eq!(problems.len(), 2, "{problems:?}");
         assert!(problems[0].contains("block 0"), "{problems:?}");
     }
+
+    mod model {
+        use super::*;
+        use proptest::prelude::*;
+
+        #[derive(Debug, Clone)]
+        enum Op {
+            Create,
+            Write(usize, u64),
+            Discard(usize, u64),
+            Snapshot(usize),
+            Delete(usize),
+            ZeroFreed,
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                1 => Just(Op::Create),
+                8 => (0..6usize, 0..16u64).prop_map(|(v, b)| Op::Write(v, b)),
+                2 => (0..6usize, 0..16u64).prop_map(|(v, b)| Op::Discard(v, b)),
+                2 => (0..6usize).prop_map(Op::Snapshot),
+                2 => (0..6usize).prop_map(Op::Delete),
+                1 => Just(Op::ZeroFreed),
+            ]
+        }
+
+        proptest! {
+            // Failures are printed with their minimal case; nothing is written to the tree.
+            #![proptest_config(ProptestConfig { failure_persistence: None, ..ProptestConfig::default() })]
+
+            /// Random creates, writes, discards, snapshots, deletes and zeroing over a
+            /// 24-block pool: after every record the counts agree with the mappings, and
+            /// every volume maps exactly the data a plain model says it holds.
+            #[test]
+            fn the_state_follows_a_model_of_every_volume(ops in prop::collection::vec(op(), 1..80)) {
+                let mut p = PoolState::new(64 << 10, 24);
+                // Volume id -> (vblock -> the write that put its data there).
+                let mut model: BTreeMap<u32, BTreeMap<u64, u64>> = BTreeMap::new();
+                // Data block -> the write whose data it holds.
+                let mut disk: BTreeMap<u64, u64> = BTreeMap::new();
+                let (mut next_vol, mut next_write) = (1u32, 1u64);
+                let pick = |model: &BTreeMap<u32, BTreeMap<u64, u64>>, i: usize| {
+                    let ids: Vec<u32> = model.keys().copied().collect();
+                    (!ids.is_empty()).then(|| ids[i % ids.len()])
+                };
+                for op in ops {
+                    let records = match op {
+                        Op::Create => {
+                            next_vol += 1;
+                            model.insert(next_vol, BTreeMap::new());
+                            vec![create(next_vol, &format!("v{next_vol}"))]
+                        }
+                        Op::Write(i, vb) => {
+                            let Some(vol) = pick(&model, i) else { continue };
+                            let Some(b) = p.blocks.iter().position(|&s| s == BlockState::Free) else {
+                                continue; // a full pool: ENOSPC, nothing changes
+                            };
+                            let b = b as u64;
+                            next_write += 1;
+                            disk.insert(b, next_write);
+                            model.get_mut(&vol).unwrap().insert(vb, next_write);
+                            vec![Record::Reserve { start: b, len: 1 }, set(vol, vb, b)]
+                        }
+                        Op::Discard(i, vb) => {
+                            let Some(vol) = pick(&model, i) else { continue };
+                            model.get_mut(&vol).unwrap().remove(&vb);
+                            vec![Record::Set { vol, vblock: vb, entry: 0 }]
+                        }
+                        Op::Snapshot(i) => {
+                            let Some(src) = pick(&model, i) else { continue };
+                            next_vol += 1;
+                            let copy = model[&src].clone();
+                            model.insert(next_vol, copy);
+                            vec![Record::Snapshot { src, new: next_vol, flags: 1, name: format!("s{next_vol}") }]
+                        }
+                        Op::Delete(i) => {
+                            let Some(vol) = pick(&model, i) else { continue };
+                            model.remove(&vol);
+                            vec![Record::Delete { vol }]
+                        }
+                        Op::ZeroFreed => (0..p.blocks.len() as u64)
+                            .filter(|&b| p.blocks[b as usize] == BlockState::FreeDirty)
+                            .map(|b| Record::Zeroed { start: b, len: 1 })
+                            .collect(),
+                    };
+                    for r in &records {
+                        prop_assert!(p.apply(r).is_ok(), "{:?} refused: {:?}", r, p.apply(r));
+                    }
+                    prop_assert_eq!(p.check(), Vec::<String>::new());
+                    prop_assert_eq!(p.volumes.len(), model.len());
+                    for (vol, want) in &model {
+                        let got: BTreeMap<u64, u64> = p.volumes[vol]
+                            .map
+                            .iter()
+                            .map(|(&vb, &e)| (vb, disk[&block_of(e).unwrap()]))
+                            .collect();
+                        prop_assert_eq!(&got, want, "volume {}", vol);
+                    }
+                }
+            }
+        }
+    }
 }
