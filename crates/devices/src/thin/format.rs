@@ -14,6 +14,9 @@
 pub const BLOCK_BYTES: usize = 4096;
 /// The log block's magic: its first 8 bytes.
 pub const MAGIC: [u8; 8] = *b"CAIRNTL\0";
+/// A checkpoint page's magic (the same layout as a log block: `seq` is the page's
+/// index, `commit` the checkpoint's generation, `last` its final page).
+pub const CHECKPOINT_MAGIC: [u8; 8] = *b"CAIRNTC\0";
 /// Longest volume name a record carries.
 pub const NAME_MAX: usize = 255;
 
@@ -96,6 +99,31 @@ pub enum Record {
         /// Its new size in bytes.
         size: u64,
     },
+    /// Checkpoints only: `len` consecutive virtual blocks from `vblock` map to
+    /// consecutive entries from `entry` (same ownership bit).
+    Run {
+        /// The volume.
+        vol: u32,
+        /// The first virtual block.
+        vblock: u64,
+        /// The first one's entry.
+        entry: u32,
+        /// How many.
+        len: u32,
+    },
+    /// Checkpoints only: data blocks `[start, start + len)` are in `state` (1 reserved,
+    /// 2 used by `count` volumes, 3 freed and not yet zeroed); blocks named by no such
+    /// record are free.
+    Blocks {
+        /// The first block.
+        start: u64,
+        /// How many.
+        len: u64,
+        /// The state.
+        state: u8,
+        /// With state 2: how many volumes map each.
+        count: u32,
+    },
 }
 
 mod tag {
@@ -106,6 +134,8 @@ mod tag {
     pub const SNAPSHOT: u8 = 5;
     pub const DELETE: u8 = 6;
     pub const GROW: u8 = 7;
+    pub const RUN: u8 = 8;
+    pub const BLOCKS: u8 = 9;
 }
 
 /// Why bytes are not a valid log block (or record).
@@ -133,6 +163,8 @@ impl Record {
             Record::Snapshot { name, .. } => 4 + 4 + 4 + 1 + name.len(),
             Record::Delete { .. } => 4,
             Record::Grow { .. } => 4 + 8,
+            Record::Run { .. } => 4 + 8 + 4 + 4,
+            Record::Blocks { .. } => 8 + 8 + 1 + 4,
         }
     }
 
@@ -191,6 +223,30 @@ impl Record {
                 out.extend_from_slice(&vol.to_le_bytes());
                 out.extend_from_slice(&size.to_le_bytes());
             }
+            Record::Run {
+                vol,
+                vblock,
+                entry,
+                len,
+            } => {
+                out.push(tag::RUN);
+                out.extend_from_slice(&vol.to_le_bytes());
+                out.extend_from_slice(&vblock.to_le_bytes());
+                out.extend_from_slice(&entry.to_le_bytes());
+                out.extend_from_slice(&len.to_le_bytes());
+            }
+            Record::Blocks {
+                start,
+                len,
+                state,
+                count,
+            } => {
+                out.push(tag::BLOCKS);
+                out.extend_from_slice(&start.to_le_bytes());
+                out.extend_from_slice(&len.to_le_bytes());
+                out.push(*state);
+                out.extend_from_slice(&count.to_le_bytes());
+            }
         }
     }
 
@@ -228,6 +284,18 @@ impl Record {
             tag::GROW => Record::Grow {
                 vol: r.u32()?,
                 size: r.u64()?,
+            },
+            tag::RUN => Record::Run {
+                vol: r.u32()?,
+                vblock: r.u64()?,
+                entry: r.u32()?,
+                len: r.u32()?,
+            },
+            tag::BLOCKS => Record::Blocks {
+                start: r.u64()?,
+                len: r.u64()?,
+                state: r.take(1)?[0],
+                count: r.u32()?,
             },
             _ => return Err(Invalid::Field("record type")),
         };
@@ -288,13 +356,23 @@ pub struct LogBlock {
 impl LogBlock {
     /// The block's bytes. Panics if the records do not fit (see [`pack`]).
     pub fn encode(&self) -> Vec<u8> {
+        self.encode_as(&MAGIC)
+    }
+
+    /// [`LogBlock::decode`] of a log block.
+    pub fn decode(b: &[u8], pool_uuid: &[u8; 16]) -> Result<LogBlock, Invalid> {
+        LogBlock::decode_as(b, pool_uuid, &MAGIC)
+    }
+
+    /// The bytes of a block with `magic` (a log block or a checkpoint page).
+    pub fn encode_as(&self, magic: &[u8; 8]) -> Vec<u8> {
         let mut recs = Vec::new();
         for r in &self.records {
             r.encode(&mut recs);
         }
         assert!(recs.len() <= RECORDS_MAX_BYTES, "records fit one block");
         let mut b = vec![0u8; BLOCK_BYTES];
-        b[at::MAGIC..at::MAGIC + 8].copy_from_slice(&MAGIC);
+        b[at::MAGIC..at::MAGIC + 8].copy_from_slice(magic);
         b[at::UUID..at::UUID + 16].copy_from_slice(&self.pool_uuid);
         b[at::SEQ..at::SEQ + 8].copy_from_slice(&self.seq.to_le_bytes());
         b[at::COMMIT..at::COMMIT + 8].copy_from_slice(&self.commit.to_le_bytes());
@@ -308,12 +386,12 @@ impl LogBlock {
         b
     }
 
-    /// Reads a block of pool `pool_uuid`; every record is checked.
-    pub fn decode(b: &[u8], pool_uuid: &[u8; 16]) -> Result<LogBlock, Invalid> {
+    /// Reads a block with `magic` of pool `pool_uuid`; every record is checked.
+    pub fn decode_as(b: &[u8], pool_uuid: &[u8; 16], magic: &[u8; 8]) -> Result<LogBlock, Invalid> {
         if b.len() != BLOCK_BYTES {
             return Err(Invalid::Field("block length"));
         }
-        if b[at::MAGIC..at::MAGIC + 8] != MAGIC {
+        if b[at::MAGIC..at::MAGIC + 8] != magic[..] {
             return Err(if b.iter().all(|&x| x == 0) {
                 Invalid::Blank
             } else {

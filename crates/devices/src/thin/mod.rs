@@ -2,6 +2,7 @@
 //! on write, snapshots and clones. [`superblock`] says where everything is; [`format`] is
 //! the metadata log.
 
+pub mod checkpoint;
 pub mod format;
 pub mod state;
 pub mod superblock;

@@ -202,6 +202,9 @@ impl PoolState {
                     self.drop_ref(b)?;
                 }
             }
+            Record::Run { .. } | Record::Blocks { .. } => {
+                return Err("a checkpoint's record in the log".into());
+            }
             Record::Grow { vol, size } => {
                 let v = self.volume(*vol)?;
                 if *size < v.size {
