@@ -6,3 +6,4 @@ pub mod checkpoint;
 pub mod format;
 pub mod state;
 pub mod superblock;
+pub mod table;

@@ -1,0 +1,169 @@
+//! A volume's mapping table as the reactors use it: virtual block -> entry, read and
+//! changed without a lock. A directory of leaves of 1024 entries each; a lookup is two
+//! dependent loads, a change one compare-and-swap. Leaves are made by the control plane
+//! ([`Table::ensure_leaf`], never on a reactor) and live as long as the table.
+//! (WORK IN PROGRESS on the thin-37 branch.)
+
+use std::sync::atomic::{AtomicPtr, AtomicU32, Ordering};
+
+/// Entries per leaf (one 4 KiB page of u32s).
+pub const LEAF_ENTRIES: usize = 1024;
+
+type Leaf = [AtomicU32; LEAF_ENTRIES];
+
+/// One volume's table.
+pub struct Table {
+    dir: Box<[AtomicPtr<Leaf>]>,
+    blocks: u64,
+}
+
+impl Table {
+    /// A table of `blocks` virtual blocks, all holes, with no leaf yet.
+    pub fn new(blocks: u64) -> Table {
+        let leaves = (blocks as usize).div_ceil(LEAF_ENTRIES);
+        Table {
+            dir: (0..leaves)
+                .map(|_| AtomicPtr::new(std::ptr::null_mut()))
+                .collect(),
+            blocks,
+        }
+    }
+
+    /// Virtual blocks it maps.
+    pub fn blocks(&self) -> u64 {
+        self.blocks
+    }
+
+    fn leaf(&self, vblock: u64) -> Option<&Leaf> {
+        let p = self
+            .dir
+            .get(vblock as usize / LEAF_ENTRIES)?
+            .load(Ordering::Acquire);
+        // SAFETY: a non-null pointer in the directory is a leaf made by `ensure_leaf`
+        // from a Box, never freed or replaced before the table drops.
+        (!p.is_null()).then(|| unsafe { &*p })
+    }
+
+    /// The entry of `vblock` (0: a hole, or past the end).
+    #[inline]
+    pub fn get(&self, vblock: u64) -> u32 {
+        self.leaf(vblock).map_or(0, |l| {
+            l[vblock as usize % LEAF_ENTRIES].load(Ordering::Acquire)
+        })
+    }
+
+    /// Whether `vblock`'s leaf exists (a write there needs none made first).
+    pub fn has_leaf(&self, vblock: u64) -> bool {
+        self.leaf(vblock).is_some()
+    }
+
+    /// Makes the leaf holding `vblock` if it is missing. Control plane only: it allocates.
+    pub fn ensure_leaf(&self, vblock: u64) {
+        let Some(slot) = self.dir.get(vblock as usize / LEAF_ENTRIES) else {
+            return;
+        };
+        if !slot.load(Ordering::Acquire).is_null() {
+            return;
+        }
+        let fresh: Box<Leaf> = Box::new(std::array::from_fn(|_| AtomicU32::new(0)));
+        let p = Box::into_raw(fresh);
+        if slot
+            .compare_exchange(std::ptr::null_mut(), p, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            // SAFETY: `p` came from Box::into_raw above and was never published.
+            drop(unsafe { Box::from_raw(p) });
+        }
+    }
+
+    /// Changes `vblock`'s entry from `old` to `new`; the entry found if it was not `old`
+    /// (or `Err(0)` when the leaf is missing or `vblock` is past the end).
+    #[inline]
+    pub fn swap_if(&self, vblock: u64, old: u32, new: u32) -> Result<(), u32> {
+        let Some(l) = self.leaf(vblock) else {
+            return Err(0);
+        };
+        l[vblock as usize % LEAF_ENTRIES]
+            .compare_exchange(old, new, Ordering::AcqRel, Ordering::Acquire)
+            .map(|_| ())
+    }
+
+    /// Every mapped (vblock, entry), in order (control plane: a snapshot's copy, a
+    /// checkpoint).
+    pub fn mapped(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
+        (0..self.dir.len()).flat_map(move |i| {
+            let leaf = self.leaf((i * LEAF_ENTRIES) as u64);
+            leaf.into_iter().flat_map(move |l| {
+                l.iter().enumerate().filter_map(move |(j, e)| {
+                    let e = e.load(Ordering::Acquire);
+                    (e != 0).then_some(((i * LEAF_ENTRIES + j) as u64, e))
+                })
+            })
+        })
+    }
+}
+
+impl Drop for Table {
+    fn drop(&mut self) {
+        for slot in self.dir.iter() {
+            let p = slot.load(Ordering::Acquire);
+            if !p.is_null() {
+                // SAFETY: made by `ensure_leaf` from a Box; nothing else holds the table.
+                drop(unsafe { Box::from_raw(p) });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn holes_leaves_and_swaps() {
+        let t = Table::new(3000);
+        assert_eq!(t.get(5), 0);
+        assert_eq!(t.swap_if(5, 0, 7), Err(0), "no leaf yet");
+        t.ensure_leaf(5);
+        t.ensure_leaf(6);
+        assert!(t.has_leaf(1023) && !t.has_leaf(1024));
+        assert_eq!(t.swap_if(5, 0, 7), Ok(()));
+        assert_eq!(t.swap_if(5, 0, 9), Err(7));
+        assert_eq!(t.get(5), 7);
+        t.ensure_leaf(2999);
+        assert_eq!(t.swap_if(2999, 0, 1), Ok(()));
+        assert_eq!(t.get(3000), 0);
+        t.ensure_leaf(5000); // past the end: nothing
+        assert_eq!(t.mapped().collect::<Vec<_>>(), vec![(5, 7), (2999, 1)]);
+    }
+
+    #[test]
+    fn concurrent_writers_each_win_their_own_entries_and_readers_see_whole_values() {
+        let t = std::sync::Arc::new(Table::new(4096));
+        for vb in (0..4096).step_by(LEAF_ENTRIES) {
+            t.ensure_leaf(vb);
+        }
+        std::thread::scope(|s| {
+            for w in 0..2u32 {
+                let t = t.clone();
+                s.spawn(move || {
+                    for vb in (w as u64..4096).step_by(2) {
+                        t.swap_if(vb, 0, 0x1234_5678 + w).unwrap();
+                    }
+                });
+            }
+            let t2 = t.clone();
+            s.spawn(move || {
+                for _ in 0..100 {
+                    for vb in 0..4096 {
+                        let e = t2.get(vb);
+                        assert!(e == 0 || e == 0x1234_5678 + (vb % 2) as u32, "{vb}: {e:#x}");
+                    }
+                }
+            });
+        });
+        assert_eq!(t.mapped().count(), 4096);
+        // A second claim of an entry loses and says who has it.
+        assert_eq!(t.swap_if(10, 0, 1), Err(0x1234_5678));
+    }
+}
