@@ -67,31 +67,14 @@ impl PoolState {
         }
     }
 
-    fn block(&mut self, b: u64) -> Result<&mut BlockState, String> {
-        let n = self.blocks.len();
-        self.blocks
-            .get_mut(b as usize)
-            .ok_or_else(|| format!("block {b} is past the pool's {n} blocks"))
-    }
-
-    /// One more volume shares block `b` (a snapshot's copy).
-    fn add_ref(&mut self, b: u64) -> Result<(), String> {
-        let s = self.block(b)?;
-        *s = match *s {
-            BlockState::Used(n) => BlockState::Used(n + 1),
-            other => return Err(format!("block {b} is mapped while {other:?}")),
-        };
-        Ok(())
-    }
-
-    fn drop_ref(&mut self, b: u64) -> Result<(), String> {
-        let s = self.block(b)?;
+    /// One volume less maps block `b` (checked to be in use by the caller).
+    fn drop_ref(&mut self, b: u64) {
+        let s = &mut self.blocks[b as usize];
         *s = match *s {
             BlockState::Used(1) => BlockState::FreeDirty,
             BlockState::Used(n) => BlockState::Used(n - 1),
-            other => return Err(format!("block {b} is unmapped while {other:?}")),
+            other => other,
         };
-        Ok(())
     }
 
     fn volume(&mut self, vol: u32) -> Result<&mut Volume, String> {
@@ -100,44 +83,53 @@ impl PoolState {
             .ok_or_else(|| format!("volume {vol} does not exist"))
     }
 
-    /// Applies one record, or says which precondition it breaks (and changes nothing).
+    /// Applies one record, or says which precondition it breaks (and changes nothing:
+    /// every check comes before the first change).
     pub fn apply(&mut self, r: &Record) -> Result<(), String> {
-        let before = self.clone();
-        let out = self.apply_inner(r);
-        if out.is_err() {
-            *self = before;
-        }
-        out
-    }
-
-    fn apply_inner(&mut self, r: &Record) -> Result<(), String> {
         match r {
             Record::Set { vol, vblock, entry } => {
                 let bs = self.block_bytes;
-                let v = self.volume(*vol)?;
+                let nblocks = self.blocks.len();
+                let v = self
+                    .volumes
+                    .get(vol)
+                    .ok_or_else(|| format!("volume {vol} does not exist"))?;
                 if vblock.saturating_mul(bs) >= v.size {
                     return Err(format!("volume {vol}: block {vblock} is past its end"));
                 }
-                let old = if *entry == 0 {
-                    v.map.remove(vblock)
-                } else {
-                    v.map.insert(*vblock, *entry)
-                };
-                let (old, new) = (old.and_then(block_of), block_of(*entry));
-                if old == new {
-                    return Ok(());
-                }
-                if let Some(b) = new {
-                    // Only a block just reserved is mapped by a write: a block already
-                    // in use is shared by snapshots, never by a second write.
-                    let s = self.block(b)?;
-                    if *s != BlockState::Reserved {
-                        return Err(format!("block {b} is mapped while {s:?}, not reserved"));
+                let old = v.map.get(vblock).copied().and_then(block_of);
+                let new = block_of(*entry);
+                if old != new {
+                    if let Some(b) = new {
+                        // Only a block just reserved is mapped by a write: a block
+                        // already in use is shared by snapshots, never by a second write.
+                        match self.blocks.get(b as usize) {
+                            Some(BlockState::Reserved) => {}
+                            Some(s) => {
+                                return Err(format!("block {b} is mapped while {s:?}, not reserved"))
+                            }
+                            None => return Err(format!("block {b} is past the pool's {nblocks} blocks")),
+                        }
                     }
-                    *s = BlockState::Used(1);
+                    if let Some(b) = old {
+                        if !matches!(self.blocks.get(b as usize), Some(BlockState::Used(_))) {
+                            return Err(format!("block {b} is unmapped while not in use"));
+                        }
+                    }
                 }
-                if let Some(b) = old {
-                    self.drop_ref(b)?;
+                let v = self.volumes.get_mut(vol).expect("checked above");
+                if *entry == 0 {
+                    v.map.remove(vblock);
+                } else {
+                    v.map.insert(*vblock, *entry);
+                }
+                if old != new {
+                    if let Some(b) = new {
+                        self.blocks[b as usize] = BlockState::Used(1);
+                    }
+                    if let Some(b) = old {
+                        self.drop_ref(b);
+                    }
                 }
             }
             Record::Reserve { start, len } | Record::Zeroed { start, len } => {
@@ -146,12 +138,15 @@ impl PoolState {
                 } else {
                     (BlockState::FreeDirty, BlockState::Free)
                 };
-                for b in *start..start.saturating_add(*len) {
-                    let s = self.block(b)?;
-                    if *s != from {
-                        return Err(format!("block {b} is {s:?}, not {from:?}"));
-                    }
-                    *s = to;
+                let end = start
+                    .checked_add(*len)
+                    .filter(|&e| e <= self.blocks.len() as u64)
+                    .ok_or_else(|| format!("blocks {start}+{len} are past the pool's {} blocks", self.blocks.len()))?;
+                if let Some(b) = (*start..end).find(|&b| self.blocks[b as usize] != from) {
+                    return Err(format!("block {b} is {:?}, not {from:?}", self.blocks[b as usize]));
+                }
+                for b in *start..end {
+                    self.blocks[b as usize] = to;
                 }
             }
             Record::Create {
@@ -178,15 +173,26 @@ impl PoolState {
                 name,
             } => {
                 self.new_volume(*new, name)?;
-                let mut copy = self.volume(*src)?.clone();
+                let source = self
+                    .volumes
+                    .get(src)
+                    .ok_or_else(|| format!("volume {src} does not exist"))?;
+                for b in source.map.values().filter_map(|&e| block_of(e)) {
+                    if !matches!(self.blocks.get(b as usize), Some(BlockState::Used(_))) {
+                        return Err(format!("volume {src} maps block {b}, which is not in use"));
+                    }
+                }
+                let mut copy = source.clone();
                 for e in copy.map.values_mut() {
                     *e &= !OWNED;
                 }
                 for b in copy.map.values().filter_map(|&e| block_of(e)) {
-                    self.add_ref(b)?;
+                    if let BlockState::Used(n) = &mut self.blocks[b as usize] {
+                        *n += 1;
+                    }
                 }
                 // The origin shares every block now: no entry is owned any more.
-                for e in self.volume(*src)?.map.values_mut() {
+                for e in self.volumes.get_mut(src).expect("checked").map.values_mut() {
                     *e &= !OWNED;
                 }
                 copy.name = name.clone();
@@ -196,10 +202,19 @@ impl PoolState {
             Record::Delete { vol } => {
                 let v = self
                     .volumes
-                    .remove(vol)
+                    .get(vol)
                     .ok_or_else(|| format!("volume {vol} does not exist"))?;
+                if let Some(b) = v
+                    .map
+                    .values()
+                    .filter_map(|&e| block_of(e))
+                    .find(|&b| !matches!(self.blocks.get(b as usize), Some(BlockState::Used(_))))
+                {
+                    return Err(format!("volume {vol} maps block {b}, which is not in use"));
+                }
+                let v = self.volumes.remove(vol).expect("checked");
                 for b in v.map.values().filter_map(|&e| block_of(e)) {
-                    self.drop_ref(b)?;
+                    self.drop_ref(b);
                 }
             }
             Record::Run { .. } | Record::Blocks { .. } => {

@@ -4,7 +4,7 @@
 //! ([`Table::ensure_leaf`], never on a reactor) and live as long as the table.
 //! (WORK IN PROGRESS on the thin-37 branch.)
 
-use std::sync::atomic::{AtomicPtr, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, Ordering};
 
 /// Entries per leaf (one 4 KiB page of u32s).
 pub const LEAF_ENTRIES: usize = 1024;
@@ -14,6 +14,8 @@ type Leaf = [AtomicU32; LEAF_ENTRIES];
 /// One volume's table.
 pub struct Table {
     dir: Box<[AtomicPtr<Leaf>]>,
+    /// Per leaf: an entry changed since the commit thread last looked ([`Table::take_dirty`]).
+    dirty: Box<[AtomicBool]>,
     blocks: u64,
 }
 
@@ -25,6 +27,7 @@ impl Table {
             dir: (0..leaves)
                 .map(|_| AtomicPtr::new(std::ptr::null_mut()))
                 .collect(),
+            dirty: (0..leaves).map(|_| AtomicBool::new(false)).collect(),
             blocks,
         }
     }
@@ -86,6 +89,48 @@ impl Table {
         l[vblock as usize % LEAF_ENTRIES]
             .compare_exchange(old, new, Ordering::AcqRel, Ordering::Acquire)
             .map(|_| ())
+    }
+
+    /// Notes that `vblock`'s entry changed, for the next commit (after the change, so that
+    /// the commit thread, which clears the flag before it reads the entries, sees it).
+    #[inline]
+    pub fn mark(&self, vblock: u64) {
+        if let Some(d) = self.dirty.get(vblock as usize / LEAF_ENTRIES) {
+            if !d.load(Ordering::Relaxed) {
+                d.store(true, Ordering::Release);
+            }
+        }
+    }
+
+    /// Leaves in the directory.
+    pub fn leaves(&self) -> usize {
+        self.dir.len()
+    }
+
+    /// Whether leaf `i` changed since the last call, clearing the flag (commit thread).
+    pub fn take_dirty(&self, i: usize) -> bool {
+        self.dirty[i].load(Ordering::Relaxed) && self.dirty[i].swap(false, Ordering::AcqRel)
+    }
+
+    /// Leaf `i`'s entries as they are now (all holes if it has no leaf).
+    pub fn leaf_entries(&self, i: usize, out: &mut [u32; LEAF_ENTRIES]) {
+        match self.leaf((i * LEAF_ENTRIES) as u64) {
+            Some(l) => {
+                for (o, e) in out.iter_mut().zip(l.iter()) {
+                    *o = e.load(Ordering::Acquire);
+                }
+            }
+            None => out.fill(0),
+        }
+    }
+
+    /// Sets `vblock`'s entry without looking (control plane, with no reactor writing the
+    /// volume: a snapshot's copy, opening). Makes the leaf if needed.
+    pub fn set(&self, vblock: u64, entry: u32) {
+        self.ensure_leaf(vblock);
+        if let Some(l) = self.leaf(vblock) {
+            l[vblock as usize % LEAF_ENTRIES].store(entry, Ordering::Release);
+        }
     }
 
     /// Every mapped (vblock, entry), in order (control plane: a snapshot's copy, a
