@@ -236,6 +236,17 @@ pub trait Device: Send + Sync {
     /// missed): losses of those writes, found now or later, are no longer reported. Writes
     /// acknowledged after this call are reported as before. The default does nothing.
     fn lost_writes_made_up(&self) {}
+
+    /// Whether writes are refused whatever the export says (a thin pool's snapshot).
+    fn read_only(&self) -> bool {
+        false
+    }
+
+    /// The device as `Any`, for the few callers that need its concrete type (the admin
+    /// finding a thin pool). `None` for most devices.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
 }
 
 /// An array's state as fields ([`Device::array_report`]): what `/proc/mdstat` and

@@ -1297,7 +1297,7 @@ fn now_secs() -> u64 {
 }
 
 /// A random (version 4) UUID from the kernel's generator.
-fn new_uuid() -> [u8; 16] {
+pub(crate) fn new_uuid() -> [u8; 16] {
     let mut u = [0u8; 16];
     let n = rustix::rand::getrandom(&mut u, rustix::rand::GetRandomFlags::empty());
     if !matches!(n, Ok(16)) {

@@ -4,6 +4,8 @@
 
 pub mod checkpoint;
 pub mod format;
+pub mod pool;
+pub mod queue;
 pub mod state;
 pub mod superblock;
 pub mod table;

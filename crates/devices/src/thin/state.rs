@@ -47,7 +47,7 @@ pub enum BlockState {
 }
 
 /// The pool.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct PoolState {
     /// Block size in bytes.
     pub block_bytes: u64,
@@ -55,7 +55,20 @@ pub struct PoolState {
     pub volumes: BTreeMap<u32, Volume>,
     /// One per data block.
     pub blocks: Vec<BlockState>,
+    /// Blocks that became [`BlockState::FreeDirty`] since the owner last took them (the
+    /// commit thread zeroes them once the commit is durable). Not part of the state.
+    pub freed: Vec<u64>,
 }
+
+impl PartialEq for PoolState {
+    fn eq(&self, other: &PoolState) -> bool {
+        self.block_bytes == other.block_bytes
+            && self.volumes == other.volumes
+            && self.blocks == other.blocks
+    }
+}
+
+impl Eq for PoolState {}
 
 impl PoolState {
     /// An empty pool of `data_blocks` blocks of `block_bytes`.
@@ -64,6 +77,7 @@ impl PoolState {
             block_bytes,
             volumes: BTreeMap::new(),
             blocks: vec![BlockState::Free; data_blocks],
+            freed: Vec::new(),
         }
     }
 
@@ -71,7 +85,10 @@ impl PoolState {
     fn drop_ref(&mut self, b: u64) {
         let s = &mut self.blocks[b as usize];
         *s = match *s {
-            BlockState::Used(1) => BlockState::FreeDirty,
+            BlockState::Used(1) => {
+                self.freed.push(b);
+                BlockState::FreeDirty
+            }
             BlockState::Used(n) => BlockState::Used(n - 1),
             other => other,
         };
@@ -106,9 +123,15 @@ impl PoolState {
                         match self.blocks.get(b as usize) {
                             Some(BlockState::Reserved) => {}
                             Some(s) => {
-                                return Err(format!("block {b} is mapped while {s:?}, not reserved"))
+                                return Err(format!(
+                                    "block {b} is mapped while {s:?}, not reserved"
+                                ))
                             }
-                            None => return Err(format!("block {b} is past the pool's {nblocks} blocks")),
+                            None => {
+                                return Err(format!(
+                                    "block {b} is past the pool's {nblocks} blocks"
+                                ))
+                            }
                         }
                     }
                     if let Some(b) = old {
@@ -141,9 +164,17 @@ impl PoolState {
                 let end = start
                     .checked_add(*len)
                     .filter(|&e| e <= self.blocks.len() as u64)
-                    .ok_or_else(|| format!("blocks {start}+{len} are past the pool's {} blocks", self.blocks.len()))?;
+                    .ok_or_else(|| {
+                        format!(
+                            "blocks {start}+{len} are past the pool's {} blocks",
+                            self.blocks.len()
+                        )
+                    })?;
                 if let Some(b) = (*start..end).find(|&b| self.blocks[b as usize] != from) {
-                    return Err(format!("block {b} is {:?}, not {from:?}", self.blocks[b as usize]));
+                    return Err(format!(
+                        "block {b} is {:?}, not {from:?}",
+                        self.blocks[b as usize]
+                    ));
                 }
                 for b in *start..end {
                     self.blocks[b as usize] = to;
@@ -204,11 +235,10 @@ impl PoolState {
                     .volumes
                     .get(vol)
                     .ok_or_else(|| format!("volume {vol} does not exist"))?;
-                if let Some(b) = v
-                    .map
-                    .values()
-                    .filter_map(|&e| block_of(e))
-                    .find(|&b| !matches!(self.blocks.get(b as usize), Some(BlockState::Used(_))))
+                if let Some(b) =
+                    v.map.values().filter_map(|&e| block_of(e)).find(|&b| {
+                        !matches!(self.blocks.get(b as usize), Some(BlockState::Used(_)))
+                    })
                 {
                     return Err(format!("volume {vol} maps block {b}, which is not in use"));
                 }

@@ -1,0 +1,854 @@
+//! A thin volume as a block device: [`ThinDevice`], and its queue on each reactor.
+//!
+//! A request is cut at block boundaries into pieces. Per piece, by its entry:
+//! - **read**: a hole reads as zeros (no I/O); a mapped block is read where it is.
+//! - **write** to a block the volume owns alone: in place. To a hole: a block from the
+//!   queue's stash is mapped (one compare-and-swap), then written; the rest of it is
+//!   zeros already. To a shared block (a snapshot holds it too): copy on write into a
+//!   new block (the old one read into a buffer and the piece merged, unless the piece is
+//!   the whole block), then the entry is swapped to it. A swap that loses to another
+//!   request gives its block back and the piece runs again.
+//! - **discard, write-zeroes** of a whole block: unmapped (its space comes back at the
+//!   next commit). Of part of one: passed down if owned, copied with zeros if shared.
+//!
+//! Consecutive pieces that land on consecutive data blocks go down as one request.
+//! Flushes and FUA writes wait for the pool's next commit. Every request except a flush
+//! is counted in the pool's gate while it runs (see [`Inner::grace`]).
+
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::rc::Rc;
+use std::sync::atomic::Ordering::{Relaxed, SeqCst};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
+
+use cairn_core::buf::AlignedBuf;
+use cairn_core::reactor::{Core, Poller, Sink};
+use cairn_core::slab::Slab;
+use cairn_core::stats::QueueStats;
+use cairn_core::{Caps, Device, Error, Extent, Geometry, Io, IoFlags, IoStatus, Op, Queue, SinkId};
+
+use super::pool::{Gate, Inner, Take, ThinPool, Volume, Waiter};
+use super::state::OWNED;
+
+/// Copy-on-write buffers per queue (each one block).
+const COW_BUFFERS: usize = 4;
+/// A parked request is looked at again after this long.
+const RETRY_NS: u64 = 50_000;
+/// Timer token.
+const RETRY: u64 = u64::MAX;
+
+/// A thin volume (or snapshot, or clone) of a pool.
+pub struct ThinDevice {
+    name: String,
+    pool: Arc<ThinPool>,
+    vol: Arc<Volume>,
+    geometry: Geometry,
+}
+
+impl ThinDevice {
+    /// Volume `volume` of `pool`, created when absent if `size` is given and `create`
+    /// (else a stand-in for `cairn check`).
+    pub fn open(
+        name: &str,
+        pool: Arc<ThinPool>,
+        volume: &str,
+        size: Option<u64>,
+        create: bool,
+    ) -> Result<ThinDevice, Error> {
+        let vol = pool.attach(volume, size, create)?;
+        let block = pool.inner().data.geometry().block_bytes.max(512);
+        let caps = if vol.read_only {
+            Caps {
+                flush: true,
+                fua: false,
+                discard: false,
+                write_zeroes: false,
+            }
+        } else {
+            Caps::ALL
+        };
+        let size_bytes = vol.size.load(SeqCst) / u64::from(block) * u64::from(block);
+        Ok(ThinDevice {
+            name: name.to_string(),
+            geometry: Geometry {
+                size_bytes,
+                block_bytes: block,
+                caps,
+            },
+            pool,
+            vol,
+        })
+    }
+}
+
+impl Drop for ThinDevice {
+    fn drop(&mut self) {
+        self.vol.users.fetch_sub(1, SeqCst);
+    }
+}
+
+impl Device for ThinDevice {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "thin volume={}{}",
+            self.vol.name,
+            if self.vol.read_only {
+                " read-only (a snapshot)"
+            } else {
+                ""
+            }
+        )
+    }
+
+    fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    fn read_only(&self) -> bool {
+        self.vol.read_only
+    }
+
+    fn children(&self) -> Vec<Arc<dyn Device>> {
+        vec![self.pool.clone()]
+    }
+
+    fn extents(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<(), Error> {
+        let inner = self.pool.inner();
+        let shift = inner.block_shift;
+        let bs = 1u64 << shift;
+        let mut at = offset;
+        let end = offset + len;
+        while at < end {
+            let vb = at >> shift;
+            let n = ((vb + 1) << shift).min(end) - at;
+            let e = self.vol.table.get(vb);
+            Extent::push(
+                out,
+                if e == 0 {
+                    Extent::hole(n)
+                } else {
+                    Extent::data(n)
+                },
+            );
+            at += n;
+            if out.len() >= 1024 && at.is_multiple_of(bs) {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
+        let inner = self.pool.inner().clone();
+        if !inner.running {
+            return Err(Error::Invalid(format!(
+                "thin pool '{}' is only examined, not running",
+                inner.name
+            )));
+        }
+        let data = cairn_core::handoff::open_member(core, &inner.data)?;
+        let wake = cairn_core::event::eventfd("thin")?;
+        let (tx, rx) = mpsc::channel();
+        let gate = Arc::new(Gate::default());
+        inner.add_gate(&gate);
+        let data_caps = inner.data.geometry().caps;
+        let q = Rc::new(ThinQueue {
+            core: core.clone(),
+            stats: QueueStats::named(core.switches().stats, &self.name),
+            data,
+            data_caps,
+            vol: self.vol.clone(),
+            inner,
+            gate,
+            sink: Cell::new(SinkId(u32::MAX)),
+            parents: RefCell::new(Slab::with_capacity(256)),
+            children: RefCell::new(Slab::with_capacity(256)),
+            stash: RefCell::new(Vec::with_capacity(4 * super::pool::STASH)),
+            bufs: RefCell::new(Vec::with_capacity(COW_BUFFERS)),
+            free_bufs: RefCell::new(Vec::with_capacity(COW_BUFFERS)),
+            waiting_buf: RefCell::new(VecDeque::new()),
+            parked: RefCell::new(VecDeque::new()),
+            timer: Cell::new(false),
+            waits: Cell::new(0),
+            reply_tx: tx,
+            reply_rx: rx,
+            wake,
+        });
+        q.sink.set(core.register_sink(q.clone()));
+        core.register_poller(q.clone());
+        Ok(q)
+    }
+}
+
+/// A request in progress.
+#[derive(Clone, Copy)]
+struct Parent {
+    io: Io,
+    start: u64,
+    /// Pieces in flight.
+    pending: u32,
+    status: IoStatus,
+    /// Counted in the gate: 0 no, else 1 + parity.
+    gate: u8,
+}
+
+/// One piece of a parent: `len` bytes at `off` in virtual block `vb`, at `at` in the
+/// parent's buffer.
+#[derive(Clone, Copy)]
+struct Piece {
+    parent: u32,
+    vb: u64,
+    off: u64,
+    len: u64,
+    at: u64,
+}
+
+/// What a request sent to the data device is for.
+#[derive(Clone, Copy)]
+enum Child {
+    /// Counts for its parent only.
+    Plain { parent: u32 },
+    /// A whole-block write into `new` replacing shared `old`: swap when done.
+    CowWhole { piece: Piece, old: u32, new: u32 },
+    /// The read of shared `old` into buffer `buf` for a partial copy on write.
+    CowRead {
+        piece: Piece,
+        old: u32,
+        new: u32,
+        buf: u32,
+    },
+    /// The merged block written to `new`.
+    CowWrite {
+        piece: Piece,
+        old: u32,
+        new: u32,
+        buf: u32,
+    },
+}
+
+struct ThinQueue {
+    core: Rc<Core>,
+    stats: QueueStats,
+    data: Rc<dyn Queue>,
+    data_caps: Caps,
+    vol: Arc<Volume>,
+    inner: Arc<Inner>,
+    gate: Arc<Gate>,
+    sink: Cell<SinkId>,
+    parents: RefCell<Slab<Parent>>,
+    children: RefCell<Slab<Child>>,
+    /// Free zeroed blocks taken from the pool.
+    stash: RefCell<Vec<u32>>,
+    /// Copy-on-write buffers (made when first needed, at most [`COW_BUFFERS`]), and the
+    /// indices of those not in use.
+    bufs: RefCell<Vec<AlignedBuf>>,
+    free_bufs: RefCell<Vec<u32>>,
+    /// Pieces waiting for a copy-on-write buffer.
+    waiting_buf: RefCell<VecDeque<Piece>>,
+    /// Requests waiting (a snapshot holds writes, or freed space is on its way).
+    parked: RefCell<VecDeque<(Io, u64)>>,
+    timer: Cell<bool>,
+    /// Flushes and FUA writes waiting for a commit.
+    waits: Cell<u64>,
+    reply_tx: Sender<(u64, IoStatus)>,
+    reply_rx: Receiver<(u64, IoStatus)>,
+    wake: Arc<OwnedFd>,
+}
+
+impl Drop for ThinQueue {
+    fn drop(&mut self) {
+        self.inner.give_back(&self.stash.borrow());
+    }
+}
+
+impl ThinQueue {
+    fn shift(&self) -> u32 {
+        self.inner.block_shift
+    }
+
+    /// Where data block `entry` names starts on the data device.
+    fn phys(&self, entry: u32) -> u64 {
+        let b = u64::from((entry & !OWNED) - 1);
+        self.inner.data_offset + (b << self.shift())
+    }
+
+    fn finish(&self, io: &Io, start: u64, status: IoStatus) {
+        self.stats
+            .finish(io, start, || self.core.now_ns(), status.is_ok());
+    }
+
+    fn park(&self, io: Io, start: u64) {
+        self.parked.borrow_mut().push_back((io, start));
+        if !self.timer.replace(true) {
+            self.core
+                .add_timer(self.core.now_ns() + RETRY_NS, self.sink.get(), RETRY);
+        }
+    }
+
+    /// Blocks for `need` more allocations in the stash: whether there are (else the
+    /// request waits or fails, per `Take`).
+    fn stock(&self, need: usize) -> Take {
+        let mut stash = self.stash.borrow_mut();
+        while stash.len() < need {
+            match self.inner.take_blocks(&mut stash) {
+                Take::Got => {}
+                other => return other,
+            }
+        }
+        Take::Got
+    }
+
+    /// Starts `io` (submit, or again after it waited).
+    fn start(&self, io: Io, start: u64) {
+        if io.op == Op::Flush {
+            self.wait_commit(io, start, None);
+            return;
+        }
+        if io.op.is_write() && self.vol.read_only {
+            self.finish(&io, start, IoStatus::errno(libc::EROFS));
+            self.core
+                .complete(io.sink, io.token, IoStatus::errno(libc::EROFS));
+            return;
+        }
+        let parity = self.inner.enter(&self.gate);
+        if io.op.is_write() {
+            if self.vol.frozen.load(SeqCst) {
+                self.inner.leave(&self.gate, parity);
+                self.park(io, start);
+                return;
+            }
+            // Blocks for every piece that may need one, before anything is changed: a
+            // request that cannot have them all changes nothing.
+            let need = self.needs_blocks(&io);
+            if need > 0 {
+                let failed = self.inner.failed.load(Relaxed);
+                let take = if failed { Take::Full } else { self.stock(need) };
+                match take {
+                    Take::Got => {}
+                    Take::Wait => {
+                        self.inner.leave(&self.gate, parity);
+                        self.park(io, start);
+                        return;
+                    }
+                    Take::Full => {
+                        self.inner.leave(&self.gate, parity);
+                        let errno = if failed { libc::EIO } else { libc::ENOSPC };
+                        self.finish(&io, start, IoStatus::errno(errno));
+                        self.core
+                            .complete(io.sink, io.token, IoStatus::errno(errno));
+                        return;
+                    }
+                }
+            }
+        }
+        let p = self.parents.borrow_mut().insert(Parent {
+            io,
+            start,
+            pending: 1, // held until every piece is started
+            status: IoStatus::OK,
+            gate: 1 + parity as u8,
+        });
+        self.pieces(p, &io);
+        self.piece_done(p, IoStatus::OK);
+    }
+
+    /// How many pieces of write `io` may take a new block.
+    fn needs_blocks(&self, io: &Io) -> usize {
+        let shift = self.shift();
+        let bs = 1u64 << shift;
+        let mut n = 0;
+        let mut at = io.offset;
+        while at < io.end() {
+            let vb = at >> shift;
+            let next = ((vb + 1) << shift).min(io.end());
+            let e = self.vol.table.get(vb);
+            let whole = at & (bs - 1) == 0 && next - at == bs;
+            let takes = match io.op {
+                Op::Write => e & OWNED == 0,
+                // Zeroing: a whole block is unmapped; part of a shared one is copied; a
+                // hole is left alone unless NO_HOLE asks for storage.
+                _ => {
+                    let keep = io.op == Op::WriteZeroes && io.flags.contains(IoFlags::NO_HOLE);
+                    (e != 0 && e & OWNED == 0 && (!whole || keep)) || (e == 0 && keep)
+                }
+            };
+            n += usize::from(takes);
+            at = next;
+        }
+        n
+    }
+
+    /// Cuts `io` (parent `p`) into pieces and starts them; consecutive pieces that go to
+    /// consecutive places on the data device go as one request.
+    fn pieces(&self, p: u32, io: &Io) {
+        let shift = self.shift();
+        let mut run: Option<(u64, u64, u64)> = None; // (phys, len, at)
+        let mut at = io.offset;
+        while at < io.end() {
+            let vb = at >> shift;
+            let next = ((vb + 1) << shift).min(io.end());
+            let piece = Piece {
+                parent: p,
+                vb,
+                off: at - (vb << shift),
+                len: next - at,
+                at: at - io.offset,
+            };
+            match self.place(piece, io) {
+                Some(phys) => match &mut run {
+                    Some((s, l, _)) if *s + *l == phys => *l += piece.len,
+                    _ => {
+                        if let Some(r) = run.take() {
+                            self.send(p, io, r);
+                        }
+                        run = Some((phys, piece.len, piece.at));
+                    }
+                },
+                None => {
+                    if let Some(r) = run.take() {
+                        self.send(p, io, r);
+                    }
+                }
+            }
+            at = next;
+        }
+        if let Some(r) = run {
+            self.send(p, io, r);
+        }
+    }
+
+    /// Sends `io`'s op for `(phys, len, at)` to the data device for parent `p`.
+    fn send(&self, p: u32, io: &Io, (phys, len, at): (u64, u64, u64)) {
+        let op = match io.op {
+            Op::Discard if !self.data_caps.discard => Op::WriteZeroes,
+            Op::WriteZeroes if !self.data_caps.write_zeroes => Op::Discard,
+            op => op,
+        };
+        let buf = if op.has_data() {
+            // SAFETY: `at + len` lies inside the parent's buffer of `io.len` bytes.
+            unsafe { io.buf.add(at as usize) }
+        } else {
+            std::ptr::null_mut()
+        };
+        self.child(
+            Child::Plain { parent: p },
+            Io {
+                op,
+                flags: if io.flags.contains(IoFlags::NO_HOLE) {
+                    IoFlags::NO_HOLE
+                } else {
+                    IoFlags::NONE
+                },
+                offset: phys,
+                len,
+                buf,
+                sink: self.sink.get(),
+                token: 0,
+            },
+        );
+    }
+
+    /// Sends `io` down for `child`, counted in its parent.
+    fn child(&self, child: Child, io: Io) {
+        let parent = match child {
+            Child::Plain { parent } => parent,
+            Child::CowWhole { piece, .. }
+            | Child::CowRead { piece, .. }
+            | Child::CowWrite { piece, .. } => piece.parent,
+        };
+        self.parents.borrow_mut().get_mut(parent).pending += 1;
+        let token = self.children.borrow_mut().insert(child);
+        self.data.submit(Io {
+            token: u64::from(token),
+            ..io
+        });
+    }
+
+    /// Decides one piece: returns where on the data device it goes as it is (to be
+    /// merged with its neighbours), or `None` when it was handled here (a hole read, an
+    /// unmap, a copy on write started, a failure).
+    fn place(&self, piece: Piece, io: &Io) -> Option<u64> {
+        let bs = 1u64 << self.shift();
+        let t = &self.vol.table;
+        let whole = piece.off == 0 && piece.len == bs;
+        loop {
+            let e = t.get(piece.vb);
+            match io.op {
+                Op::Read => {
+                    if e == 0 {
+                        // SAFETY: the piece lies inside the parent's buffer.
+                        unsafe {
+                            std::ptr::write_bytes(
+                                io.buf.add(piece.at as usize),
+                                0,
+                                piece.len as usize,
+                            )
+                        };
+                        return None;
+                    }
+                    return Some(self.phys(e) + piece.off);
+                }
+                Op::Write => {
+                    if e & OWNED != 0 {
+                        return Some(self.phys(e) + piece.off);
+                    }
+                    let Some(new) = self.stash.borrow_mut().pop() else {
+                        self.fail_piece(piece.parent, libc::ENOSPC);
+                        return None;
+                    };
+                    if e == 0 {
+                        if !t.has_leaf(piece.vb) {
+                            // Once per 1024 blocks of virtual space, on its first write.
+                            t.ensure_leaf(piece.vb);
+                        }
+                        let entry = (new + 1) | OWNED;
+                        match t.swap_if(piece.vb, 0, entry) {
+                            Ok(()) => {
+                                t.mark(piece.vb);
+                                return Some(self.phys(entry) + piece.off);
+                            }
+                            Err(_) => {
+                                // Mapped by another request meanwhile: look again.
+                                self.stash.borrow_mut().push(new);
+                                continue;
+                            }
+                        }
+                    }
+                    self.cow(piece, io, e, new, whole);
+                    return None;
+                }
+                _ => {
+                    let keep = io.op == Op::WriteZeroes && io.flags.contains(IoFlags::NO_HOLE);
+                    if e == 0 {
+                        if !keep {
+                            return None;
+                        }
+                        // Storage asked for: a new block is zeros already.
+                        let Some(new) = self.stash.borrow_mut().pop() else {
+                            self.fail_piece(piece.parent, libc::ENOSPC);
+                            return None;
+                        };
+                        t.ensure_leaf(piece.vb);
+                        if t.swap_if(piece.vb, 0, (new + 1) | OWNED).is_err() {
+                            self.stash.borrow_mut().push(new);
+                            continue;
+                        }
+                        t.mark(piece.vb);
+                        return None;
+                    }
+                    if whole && !keep {
+                        // Unmapped: the block (or this volume's share of it) is freed at
+                        // the next commit.
+                        if t.swap_if(piece.vb, e, 0).is_err() {
+                            continue;
+                        }
+                        t.mark(piece.vb);
+                        return None;
+                    }
+                    if e & OWNED != 0 {
+                        return Some(self.phys(e) + piece.off);
+                    }
+                    let Some(new) = self.stash.borrow_mut().pop() else {
+                        self.fail_piece(piece.parent, libc::ENOSPC);
+                        return None;
+                    };
+                    if whole {
+                        // NO_HOLE over a shared block: a new block is zeros already.
+                        if t.swap_if(piece.vb, e, (new + 1) | OWNED).is_err() {
+                            self.stash.borrow_mut().push(new);
+                            continue;
+                        }
+                        t.mark(piece.vb);
+                        return None;
+                    }
+                    self.cow(piece, io, e, new, false);
+                    return None;
+                }
+            }
+        }
+    }
+
+    fn fail_piece(&self, parent: u32, errno: i32) {
+        let mut parents = self.parents.borrow_mut();
+        let p = parents.get_mut(parent);
+        if p.status.is_ok() {
+            p.status = IoStatus::errno(errno);
+        }
+    }
+
+    /// Copies shared entry `old` into block `new` with the piece's data (or zeros) over
+    /// it, then swaps the entry.
+    fn cow(&self, piece: Piece, io: &Io, old: u32, new: u32, whole: bool) {
+        let to = self.phys((new + 1) | OWNED);
+        if whole {
+            // SAFETY: the piece lies inside the parent's buffer.
+            let buf = unsafe { io.buf.add(piece.at as usize) };
+            self.child(
+                Child::CowWhole { piece, old, new },
+                Io {
+                    op: Op::Write,
+                    flags: IoFlags::NONE,
+                    offset: to,
+                    len: piece.len,
+                    buf,
+                    sink: self.sink.get(),
+                    token: 0,
+                },
+            );
+            return;
+        }
+        let Some((index, ptr)) = self.take_buf() else {
+            // Held by the parent until a buffer comes back.
+            self.parents.borrow_mut().get_mut(piece.parent).pending += 1;
+            self.stash.borrow_mut().push(new);
+            self.waiting_buf.borrow_mut().push_back(piece);
+            return;
+        };
+        self.child(
+            Child::CowRead {
+                piece,
+                old,
+                new,
+                buf: index,
+            },
+            Io {
+                op: Op::Read,
+                flags: IoFlags::NONE,
+                offset: self.phys(old),
+                len: 1 << self.shift(),
+                buf: ptr,
+                sink: self.sink.get(),
+                token: 0,
+            },
+        );
+    }
+
+    /// A copy-on-write buffer: its index and where it is.
+    fn take_buf(&self) -> Option<(u32, *mut u8)> {
+        let mut bufs = self.bufs.borrow_mut();
+        if let Some(i) = self.free_bufs.borrow_mut().pop() {
+            return Some((i, bufs[i as usize].as_mut_ptr()));
+        }
+        if bufs.len() >= COW_BUFFERS {
+            return None;
+        }
+        // Made once, on the queue's first partial copy on write.
+        bufs.push(AlignedBuf::new(1 << self.shift()));
+        let i = bufs.len() - 1;
+        Some((i as u32, bufs[i].as_mut_ptr()))
+    }
+
+    /// Buffer `i` is free again: a piece waiting for one runs now.
+    fn put_buf(&self, i: u32) {
+        self.free_bufs.borrow_mut().push(i);
+        let next = self.waiting_buf.borrow_mut().pop_front();
+        if let Some(piece) = next {
+            self.rerun(piece);
+            // The hold taken when it began to wait.
+            self.piece_done(piece.parent, IoStatus::OK);
+        }
+    }
+
+    /// Runs a piece again (its entry changed under it, or it waited for a buffer).
+    fn rerun(&self, piece: Piece) {
+        let io = self.parents.borrow().get(piece.parent).io;
+        if let Some(phys) = self.place(piece, &io) {
+            self.send(piece.parent, &io, (phys, piece.len, piece.at));
+        }
+    }
+
+    /// A piece of parent `p` ended with `status`; the parent completes after its last.
+    fn piece_done(&self, p: u32, status: IoStatus) {
+        let mut parents = self.parents.borrow_mut();
+        let par = parents.get_mut(p);
+        if !status.is_ok() && par.status.is_ok() {
+            par.status = status;
+        }
+        par.pending -= 1;
+        if par.pending > 0 {
+            return;
+        }
+        let par = parents.remove(p);
+        drop(parents);
+        if par.gate != 0 {
+            self.inner.leave(&self.gate, usize::from(par.gate - 1));
+        }
+        if par.status.is_ok() && par.io.flags.contains(IoFlags::FUA) && par.io.op.is_write() {
+            // Durable with its mapping at the next commit.
+            self.wait_commit(par.io, par.start, None);
+            return;
+        }
+        self.finish(&par.io, par.start, par.status);
+        self.core.complete(par.io.sink, par.io.token, par.status);
+    }
+
+    /// `io` completes once the pool's next commit is durable.
+    fn wait_commit(&self, io: Io, start: u64, _: Option<()>) {
+        let index = self.parents.borrow_mut().insert(Parent {
+            io,
+            start,
+            pending: 0,
+            status: IoStatus::OK,
+            gate: 0,
+        });
+        self.waits.set(self.waits.get() + 1);
+        self.inner.wait_commit(Waiter {
+            token: u64::from(index),
+            reply: self.reply_tx.clone(),
+            wake: self.wake.clone(),
+        });
+    }
+
+    /// The retry timer: parked requests start again (and may park again).
+    fn retry(&self) {
+        self.timer.set(false);
+        let parked = std::mem::take(&mut *self.parked.borrow_mut());
+        for (io, start) in parked {
+            self.start(io, start);
+        }
+    }
+
+    /// A copy on write's swap of `old` for `new` (written) in the piece's entry.
+    fn cow_swap(&self, piece: Piece, old: u32, new: u32) {
+        let t = &self.vol.table;
+        if t.swap_if(piece.vb, old, (new + 1) | OWNED).is_ok() {
+            t.mark(piece.vb);
+            return;
+        }
+        // Changed meanwhile (another copy won, or an unmap): the written block is not
+        // used, and the piece runs again on what is there now.
+        self.inner.give_back_dirty(new);
+        self.rerun(piece);
+    }
+}
+
+impl Queue for ThinQueue {
+    fn submit(&self, io: Io) {
+        let start = self.stats.begin(io.flags, || self.core.now_ns());
+        self.start(io, start);
+    }
+
+    fn stats(&self) -> &QueueStats {
+        &self.stats
+    }
+
+    fn children(&self) -> Vec<Rc<dyn Queue>> {
+        vec![self.data.clone()]
+    }
+}
+
+impl Sink for ThinQueue {
+    fn io_done(&self, token: u64, status: IoStatus) {
+        if token == RETRY {
+            self.retry();
+            return;
+        }
+        let child = self.children.borrow_mut().remove(token as u32);
+        match child {
+            Child::Plain { parent } => self.piece_done(parent, status),
+            Child::CowWhole { piece, old, new } => {
+                if status.is_ok() {
+                    self.cow_swap(piece, old, new);
+                } else {
+                    self.inner.give_back_dirty(new);
+                }
+                self.piece_done(piece.parent, status);
+            }
+            Child::CowRead {
+                piece,
+                old,
+                new,
+                buf,
+            } => {
+                if !status.is_ok() {
+                    self.stash.borrow_mut().push(new);
+                    self.put_buf(buf);
+                    self.piece_done(piece.parent, status);
+                    return;
+                }
+                let io = self.parents.borrow().get(piece.parent).io;
+                let dst = self.bufs.borrow_mut()[buf as usize].as_mut_ptr();
+                // SAFETY: the buffer holds a block; the piece lies inside it at `off`,
+                // and inside the parent's buffer at `at`.
+                unsafe {
+                    let to = dst.add(piece.off as usize);
+                    if io.op == Op::Write {
+                        std::ptr::copy_nonoverlapping(
+                            io.buf.add(piece.at as usize),
+                            to,
+                            piece.len as usize,
+                        );
+                    } else {
+                        std::ptr::write_bytes(to, 0, piece.len as usize);
+                    }
+                }
+                self.child(
+                    Child::CowWrite {
+                        piece,
+                        old,
+                        new,
+                        buf,
+                    },
+                    Io {
+                        op: Op::Write,
+                        flags: IoFlags::NONE,
+                        offset: self.phys((new + 1) | OWNED),
+                        len: 1 << self.shift(),
+                        buf: dst,
+                        sink: self.sink.get(),
+                        token: 0,
+                    },
+                );
+                self.piece_done(piece.parent, IoStatus::OK);
+            }
+            Child::CowWrite {
+                piece,
+                old,
+                new,
+                buf,
+            } => {
+                if status.is_ok() {
+                    self.cow_swap(piece, old, new);
+                } else {
+                    self.inner.give_back_dirty(new);
+                }
+                self.put_buf(buf);
+                self.piece_done(piece.parent, status);
+            }
+        }
+    }
+}
+
+impl Poller for ThinQueue {
+    fn unplug(&self) {}
+
+    fn reap(&self) -> usize {
+        let mut n = 0;
+        while let Ok((token, status)) = self.reply_rx.try_recv() {
+            let par = self.parents.borrow_mut().remove(token as u32);
+            self.waits.set(self.waits.get() - 1);
+            self.finish(&par.io, par.start, status);
+            self.core.complete(par.io.sink, par.io.token, status);
+            n += 1;
+        }
+        n
+    }
+
+    fn busy(&self) -> bool {
+        self.waits.get() > 0
+    }
+
+    fn event_fd(&self) -> RawFd {
+        self.wake.as_raw_fd()
+    }
+
+    fn clear_event(&self) {
+        cairn_core::event::reset(&self.wake);
+    }
+}
