@@ -135,6 +135,10 @@ pub(super) struct Free {
     /// Written but never mapped (a queue lost a race for an entry): zeroed by the commit
     /// thread before reuse.
     dirty: Vec<u32>,
+    /// Owned blocks a queue unmapped (a discard): those no commit recorded as mapped
+    /// are zeroed and freed by the commit thread (the others are freed by the commit
+    /// that records the unmapping).
+    unmapped: Vec<u32>,
     /// Freed by a commit and being zeroed: space that is coming (a write waits for it
     /// rather than failing).
     coming: u64,
@@ -320,6 +324,11 @@ impl Inner {
     pub(super) fn give_back_dirty(&self, block: u32) {
         lock(&self.free).dirty.push(block);
         self.kick();
+    }
+
+    /// A queue unmapped owned block `block` (see [`Free::unmapped`]).
+    pub(super) fn unmapped(&self, block: u32) {
+        lock(&self.free).unmapped.push(block);
     }
 
     /// Counts a request of a queue in flight: returns the parity to leave with.
@@ -510,13 +519,22 @@ impl Committer {
         if self.inner.failed.load(Relaxed) {
             return Err(format!("thin pool '{}' has failed", self.inner.name));
         }
+        // Pending records are in the state already; then the operation's own (a
+        // snapshot's come before any change made to its source after it), then what the
+        // tables changed since the last capture.
         let mut all = std::mem::take(&mut self.pending);
-        self.capture(&mut all);
-        all.append(&mut records);
-        for r in &all {
-            if let Err(e) = self.state.apply(r) {
-                return Err(self.fail(format!("a record the pool cannot take ({e}): {r:?}")));
+        let mut captured = Vec::new();
+        for pass in 0..2 {
+            if pass == 1 {
+                self.capture(&mut captured);
+                records = std::mem::take(&mut captured);
             }
+            for r in &records {
+                if let Err(e) = self.state.apply(r) {
+                    return Err(self.fail(format!("a record the pool cannot take ({e}): {r:?}")));
+                }
+            }
+            all.append(&mut records);
         }
         self.data
             .flush()
@@ -629,16 +647,28 @@ impl Committer {
     /// wrote and could not map, and frees them.
     fn release(&mut self) {
         let freed = std::mem::take(&mut self.state.freed);
-        let dirty = std::mem::take(&mut lock(&self.inner.free).dirty);
-        if freed.is_empty() && dirty.is_empty() {
-            return;
-        }
-        if !freed.is_empty() {
+        let some_unmapped = !lock(&self.inner.free).unmapped.is_empty();
+        if !freed.is_empty() || some_unmapped {
             lock(&self.inner.free).coming += freed.len() as u64;
             self.inner.grace();
         }
+        // Taken after the grace period: a queue notes a block after it unmapped it, in
+        // the same request, so every block whose unmapping a commit recorded is noted by
+        // now, and is told apart by its state (freed, not free).
+        let (dirty, unmapped) = {
+            let mut free = lock(&self.inner.free);
+            (std::mem::take(&mut free.dirty), std::mem::take(&mut free.unmapped))
+        };
+        // Unmapped before any commit recorded them mapped: no record frees them.
+        let leaked: Vec<u32> = unmapped
+            .into_iter()
+            .filter(|&b| self.state.blocks.get(b as usize) == Some(&BlockState::Free))
+            .collect();
+        if freed.is_empty() && dirty.is_empty() && leaked.is_empty() {
+            return;
+        }
         let mut all: Vec<u64> = freed.iter().copied().collect();
-        all.extend(dirty.iter().map(|&b| u64::from(b)));
+        all.extend(dirty.iter().chain(&leaked).map(|&b| u64::from(b)));
         if let Err(e) = self.zero(&all) {
             self.fail(format!("zeroing freed blocks failed: {e}"));
             return;

@@ -549,6 +549,9 @@ impl ThinQueue {
                             continue;
                         }
                         t.mark(piece.vb);
+                        if e & OWNED != 0 {
+                            self.inner.unmapped((e & !OWNED) - 1);
+                        }
                         return None;
                     }
                     if e & OWNED != 0 {

@@ -1,0 +1,169 @@
+//! Thin pools: volumes that allocate on write, snapshots and clones, space given back,
+//! the pool reopened from its metadata.
+
+use std::sync::Arc;
+
+use cairn_core::blocking::BlockingQueue;
+use cairn_core::{Device, Extent, IoFlags, Op, Switches};
+use cairn_devices::thin::pool::{Admin, LowWater, PoolOptions, ThinPool};
+use cairn_devices::thin::queue::ThinDevice;
+use cairn_devices::LeafSpec;
+
+fn mem(size: &str, volatile: bool) -> Arc<dyn Device> {
+    let s = LeafSpec::parse(&format!("mem:{size},volatile={}", u8::from(volatile))).unwrap();
+    cairn_devices::open(&s, "data").unwrap()
+}
+
+fn opts() -> PoolOptions {
+    PoolOptions {
+        block_bytes: Some(64 << 10),
+        low_water: LowWater::Percent(10),
+    }
+}
+
+fn pool(data: &Arc<dyn Device>) -> Arc<ThinPool> {
+    Arc::new(ThinPool::open("pool", data.clone(), None, opts(), Switches::default(), false).unwrap())
+}
+
+fn volume(p: &Arc<ThinPool>, name: &str, size: Option<u64>) -> (Arc<dyn Device>, BlockingQueue) {
+    let d: Arc<dyn Device> = Arc::new(ThinDevice::open(name, p.clone(), name, size, true).unwrap());
+    let q = BlockingQueue::open(&d, Switches::default()).unwrap();
+    (d, q)
+}
+
+fn read(q: &BlockingQueue, offset: u64, len: usize) -> Vec<u8> {
+    let mut b = vec![0u8; len];
+    q.read(offset, &mut b).unwrap();
+    b
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| seed.wrapping_add((i % 251) as u8))
+        .collect()
+}
+
+#[test]
+fn writes_read_back_holes_read_zero_and_a_reopen_keeps_everything() {
+    let data = mem("64M", false);
+    let p = pool(&data);
+    let (d, q) = volume(&p, "vm", Some(1 << 30));
+    assert_eq!(d.geometry().size_bytes, 1 << 30);
+    assert!(read(&q, 0, 8192).iter().all(|&b| b == 0));
+    let a = pattern(1, 4096);
+    let b = pattern(2, 200 << 10); // spans four blocks, none whole at the ends
+    q.write(8192, &a, IoFlags::NONE).unwrap();
+    q.write((300 << 20) + 512 * 3, &b, IoFlags::FUA).unwrap();
+    assert_eq!(read(&q, 8192, 4096), a);
+    assert_eq!(read(&q, (300 << 20) + 1536, b.len()), b);
+    let around = read(&q, 0, 64 << 10);
+    assert!(around[..8192].iter().all(|&x| x == 0) && around[12288..].iter().all(|&x| x == 0));
+    q.flush().unwrap();
+    let mut ext = Vec::new();
+    d.extents(0, 1 << 30, &mut ext).unwrap();
+    assert_eq!(ext[0], Extent::data(64 << 10));
+    assert!(ext[1].hole);
+    let used = p.inner().report();
+    assert_eq!(used.volumes[0].2, 5 * (64 << 10), "five blocks mapped: {used:?}");
+    drop((q, d));
+    drop(p);
+    let p = pool(&data);
+    let (_d, q) = volume(&p, "vm", None);
+    assert_eq!(read(&q, 8192, 4096), a);
+    assert_eq!(read(&q, (300 << 20) + 1536, b.len()), b);
+}
+
+#[test]
+fn snapshots_keep_what_was_and_clones_write_apart() {
+    let data = mem("64M", false);
+    let p = pool(&data);
+    let (_d, q) = volume(&p, "vm", Some(256 << 20));
+    let a = pattern(10, 128 << 10);
+    q.write(0, &a, IoFlags::NONE).unwrap();
+    let said = p
+        .inner()
+        .admin(Admin::Snapshot {
+            src: "vm".into(),
+            name: "s1".into(),
+            read_only: true,
+        })
+        .unwrap();
+    assert!(said.contains("snapshot 's1'"), "{said}");
+    let b = pattern(20, 4096);
+    q.write(4096, &b, IoFlags::NONE).unwrap(); // partial copy on write
+    let c = pattern(30, 64 << 10);
+    q.write(64 << 10, &c, IoFlags::NONE).unwrap(); // whole-block copy on write
+    let (sd, sq) = volume(&p, "s1", None);
+    assert!(sd.read_only());
+    assert_eq!(read(&sq, 0, a.len()), a, "the snapshot reads as when taken");
+    assert!(sq.write(0, &b, IoFlags::NONE).is_err(), "a snapshot is read-only");
+    let mut now = a.clone();
+    now[4096..8192].copy_from_slice(&b);
+    now[64 << 10..].copy_from_slice(&c);
+    assert_eq!(read(&q, 0, a.len()), now);
+    // A clone of the snapshot, written apart from both.
+    p.inner()
+        .admin(Admin::Snapshot {
+            src: "s1".into(),
+            name: "c1".into(),
+            read_only: false,
+        })
+        .unwrap();
+    let (_cd, cq) = volume(&p, "c1", None);
+    let e = pattern(40, 8192);
+    cq.write(16384, &e, IoFlags::NONE).unwrap();
+    let mut cl = a.clone();
+    cl[16384..16384 + 8192].copy_from_slice(&e);
+    assert_eq!(read(&cq, 0, a.len()), cl);
+    assert_eq!(read(&sq, 0, a.len()), a);
+    assert_eq!(read(&q, 0, a.len()), now);
+    // The snapshot cannot go while open; once closed it can, in any order.
+    assert!(p.inner().admin(Admin::Delete { name: "s1".into() }).is_err());
+    drop((sq, sd));
+    p.inner().admin(Admin::Delete { name: "s1".into() }).unwrap();
+    assert_eq!(read(&cq, 0, a.len()), cl);
+    assert_eq!(read(&q, 0, a.len()), now);
+    q.flush().unwrap();
+    drop((cq, _cd, q, _d));
+    drop(p);
+    let p = pool(&data);
+    let (_d, q) = volume(&p, "vm", None);
+    let (_cd, cq) = volume(&p, "c1", None);
+    assert_eq!(read(&q, 0, a.len()), now);
+    assert_eq!(read(&cq, 0, a.len()), cl);
+}
+
+#[test]
+fn a_full_pool_says_enospc_and_space_freed_lets_writes_go_on() {
+    let data = mem("16M", false);
+    let p = pool(&data);
+    let blocks = p.inner().report().data_blocks;
+    let (_d, q) = volume(&p, "vm", Some(1 << 30));
+    let block = 64 << 10;
+    let full = pattern(5, block);
+    for i in 0..blocks {
+        q.write(i * block as u64, &full, IoFlags::NONE).unwrap();
+    }
+    let err = q.write(blocks * block as u64, &full, IoFlags::NONE).unwrap_err();
+    assert!(err.to_string().contains("space"), "{err}");
+    // Overwrites of owned blocks and reads go on.
+    q.write(0, &pattern(6, 4096), IoFlags::NONE).unwrap();
+    assert_eq!(read(&q, 4096, 4096), full[4096..8192].to_vec());
+    // A discard of whole blocks gives them back (after the next commit).
+    q.zero(Op::Discard, 0, 4 * block as u64, IoFlags::NONE).unwrap();
+    q.flush().unwrap();
+    let mut ok = false;
+    for _ in 0..200 {
+        match q.write(blocks * block as u64, &full, IoFlags::NONE) {
+            Ok(()) => {
+                ok = true;
+                break;
+            }
+            Err(e) => eprintln!("DBG {e} {:?}", p.inner().report()),
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(ok, "space freed is used again");
+    assert!(read(&q, 0, 8192).iter().all(|&x| x == 0), "discarded reads as zeros");
+    assert_eq!(read(&q, blocks * block as u64, block), full);
+}
