@@ -196,14 +196,9 @@ impl Devices {
             Devices::Leaf(leaf) => Ok(vec![
                 cairn_devices::open(leaf, &leaf.default_name()).map_err(|e| e.to_string())?
             ]),
-            Devices::Stack { stack, path, names } => names
-                .iter()
-                .map(|name| {
-                    stack
-                        .open_with(name, switches)
-                        .map_err(|e| format!("{}: {e}", path.display()))
-                })
-                .collect(),
+            Devices::Stack { stack, path, names } => stack
+                .open_all(names, switches)
+                .map_err(|e| format!("{}: {e}", path.display())),
         }
     }
 }

@@ -21,11 +21,38 @@ fn opts() -> PoolOptions {
     }
 }
 
-fn pool(data: &Arc<dyn Device>) -> Arc<ThinPool> {
-    Arc::new(ThinPool::open("pool", data.clone(), None, opts(), Switches::default(), false).unwrap())
+struct Pool(Arc<dyn Device>);
+
+impl Pool {
+    fn inner(&self) -> &cairn_devices::thin::pool::Inner {
+        self.0
+            .as_any()
+            .unwrap()
+            .downcast_ref::<ThinPool>()
+            .unwrap()
+            .inner()
+    }
+
+    fn clone(&self) -> Arc<dyn Device> {
+        self.0.clone()
+    }
 }
 
-fn volume(p: &Arc<ThinPool>, name: &str, size: Option<u64>) -> (Arc<dyn Device>, BlockingQueue) {
+fn pool(data: &Arc<dyn Device>) -> Pool {
+    Pool(Arc::new(
+        ThinPool::open(
+            "pool",
+            data.clone(),
+            None,
+            opts(),
+            Switches::default(),
+            false,
+        )
+        .unwrap(),
+    ))
+}
+
+fn volume(p: &Pool, name: &str, size: Option<u64>) -> (Arc<dyn Device>, BlockingQueue) {
     let d: Arc<dyn Device> = Arc::new(ThinDevice::open(name, p.clone(), name, size, true).unwrap());
     let q = BlockingQueue::open(&d, Switches::default()).unwrap();
     (d, q)
@@ -64,7 +91,11 @@ fn writes_read_back_holes_read_zero_and_a_reopen_keeps_everything() {
     assert_eq!(ext[0], Extent::data(64 << 10));
     assert!(ext[1].hole);
     let used = p.inner().report();
-    assert_eq!(used.volumes[0].2, 5 * (64 << 10), "five blocks mapped: {used:?}");
+    assert_eq!(
+        used.volumes[0].2,
+        5 * (64 << 10),
+        "five blocks mapped: {used:?}"
+    );
     drop((q, d));
     drop(p);
     let p = pool(&data);
@@ -96,7 +127,10 @@ fn snapshots_keep_what_was_and_clones_write_apart() {
     let (sd, sq) = volume(&p, "s1", None);
     assert!(sd.read_only());
     assert_eq!(read(&sq, 0, a.len()), a, "the snapshot reads as when taken");
-    assert!(sq.write(0, &b, IoFlags::NONE).is_err(), "a snapshot is read-only");
+    assert!(
+        sq.write(0, &b, IoFlags::NONE).is_err(),
+        "a snapshot is read-only"
+    );
     let mut now = a.clone();
     now[4096..8192].copy_from_slice(&b);
     now[64 << 10..].copy_from_slice(&c);
@@ -118,9 +152,14 @@ fn snapshots_keep_what_was_and_clones_write_apart() {
     assert_eq!(read(&sq, 0, a.len()), a);
     assert_eq!(read(&q, 0, a.len()), now);
     // The snapshot cannot go while open; once closed it can, in any order.
-    assert!(p.inner().admin(Admin::Delete { name: "s1".into() }).is_err());
+    assert!(p
+        .inner()
+        .admin(Admin::Delete { name: "s1".into() })
+        .is_err());
     drop((sq, sd));
-    p.inner().admin(Admin::Delete { name: "s1".into() }).unwrap();
+    p.inner()
+        .admin(Admin::Delete { name: "s1".into() })
+        .unwrap();
     assert_eq!(read(&cq, 0, a.len()), cl);
     assert_eq!(read(&q, 0, a.len()), now);
     q.flush().unwrap();
@@ -144,13 +183,16 @@ fn a_full_pool_says_enospc_and_space_freed_lets_writes_go_on() {
     for i in 0..blocks {
         q.write(i * block as u64, &full, IoFlags::NONE).unwrap();
     }
-    let err = q.write(blocks * block as u64, &full, IoFlags::NONE).unwrap_err();
+    let err = q
+        .write(blocks * block as u64, &full, IoFlags::NONE)
+        .unwrap_err();
     assert!(err.to_string().contains("space"), "{err}");
     // Overwrites of owned blocks and reads go on.
     q.write(0, &pattern(6, 4096), IoFlags::NONE).unwrap();
     assert_eq!(read(&q, 4096, 4096), full[4096..8192].to_vec());
     // A discard of whole blocks gives them back (after the next commit).
-    q.zero(Op::Discard, 0, 4 * block as u64, IoFlags::NONE).unwrap();
+    q.zero(Op::Discard, 0, 4 * block as u64, IoFlags::NONE)
+        .unwrap();
     q.flush().unwrap();
     let mut ok = false;
     for _ in 0..200 {
@@ -164,6 +206,9 @@ fn a_full_pool_says_enospc_and_space_freed_lets_writes_go_on() {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     assert!(ok, "space freed is used again");
-    assert!(read(&q, 0, 8192).iter().all(|&x| x == 0), "discarded reads as zeros");
+    assert!(
+        read(&q, 0, 8192).iter().all(|&x| x == 0),
+        "discarded reads as zeros"
+    );
     assert_eq!(read(&q, blocks * block as u64, block), full);
 }

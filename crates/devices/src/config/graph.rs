@@ -56,6 +56,24 @@ pub(super) fn check(devices: &BTreeMap<String, DeviceSpec>) -> Result<(), Error>
                     "device '{name}': key '{key}' names the device itself"
                 )));
             }
+            if key == "pool" && matches!(devices[m], DeviceSpec::ThinPool { .. }) {
+                // A pool serves many volumes.
+                used_by.entry(m).or_insert(name);
+                continue;
+            }
+            if key == "pool" {
+                return Err(err(format!(
+                    "device '{name}': key 'pool' names '{}', which is not a thin-pool device",
+                    shown(m)
+                )));
+            }
+            if matches!(spec, DeviceSpec::ThinPool { .. })
+                && matches!(devices[m], DeviceSpec::Thin { .. })
+            {
+                return Err(err(format!(
+                    "device '{name}': key '{key}' names thin volume '{m}'; a pool's data and metadata are not thin volumes"
+                )));
+            }
             if let Some(other) = used_by.insert(m, name) {
                 let other_key = devices[other]
                     .uses()

@@ -156,6 +156,45 @@ impl Keys<'_> {
         })
     }
 
+    /// A `thin-pool` device's keys.
+    fn thin_pool(&self) -> Result<DeviceSpec, Error> {
+        use crate::thin::pool::{LowWater, PoolOptions};
+        use crate::thin::superblock::{BLOCK_MAX, BLOCK_MIN};
+        let data = self
+            .string("data")?
+            .ok_or_else(|| self.bad("data", "is missing"))?
+            .to_string();
+        let mut devices = vec![data];
+        devices.extend(self.string("metadata")?.map(str::to_string));
+        let block_bytes = self.size_in("block", BLOCK_MIN..=BLOCK_MAX, "")?;
+        if let Some(b) = block_bytes {
+            if !b.is_power_of_two() {
+                return Err(self.bad(
+                    "block",
+                    &format!("= {} must be a power of two", self.written("block")),
+                ));
+            }
+        }
+        let low_water = match self.table.get("low_water") {
+            None => LowWater::default(),
+            Some(Value::String(s)) if s.trim_end().ends_with('%') => {
+                let n = s.trim_end().trim_end_matches('%').trim();
+                match n.parse::<u8>() {
+                    Ok(p) if p <= 100 => LowWater::Percent(p),
+                    _ => return Err(self.out_of_range("low_water", "a percentage from 0% to 100%")),
+                }
+            }
+            Some(_) => LowWater::Bytes(self.required("low_water", self.size("low_water")?)?),
+        };
+        Ok(DeviceSpec::ThinPool {
+            devices,
+            options: PoolOptions {
+                block_bytes,
+                low_water,
+            },
+        })
+    }
+
     fn bad(&self, key: &str, what: &str) -> Error {
         err(format!("device '{}': key '{key}' {what}", self.device))
     }
@@ -652,9 +691,11 @@ pub(super) fn parse_device(
         ],
         "delay" => &["base", "read", "write", "flush", "bandwidth", "seek"],
         "cache" => &["base", "memory"],
+        "thin-pool" => &["data", "metadata", "block", "low_water"],
+        "thin" => &["pool", "volume", "size"],
         _ => {
             return Err(err(format!(
-                "device '{name}': unknown type '{}' (known: null, mem, file, nbd, rbd, linear, stripe, mirror, raid10, fault, delay, cache)",
+                "device '{name}': unknown type '{}' (known: null, mem, file, nbd, rbd, linear, stripe, mirror, raid10, fault, delay, cache, thin-pool, thin)",
                 shown(kind)
             )))
         }
@@ -777,6 +818,30 @@ pub(super) fn parse_device(
                 memory: keys.required("memory", memory)?,
             }
         }
+        "thin-pool" => keys.thin_pool()?,
+        "thin" => DeviceSpec::Thin {
+            pool: keys
+                .string("pool")?
+                .ok_or_else(|| keys.bad("pool", "is missing"))?
+                .to_string(),
+            volume: match keys.string("volume")? {
+                Some(v) => {
+                    crate::thin::pool::check_name(v)
+                        .map_err(|e| keys.bad("volume", &format!("is wrong: {e}")))?;
+                    v.to_string()
+                }
+                None => {
+                    crate::thin::pool::check_name(name).map_err(|e| {
+                        keys.bad(
+                            "volume",
+                            &format!("is missing, and the device's name will not do: {e}"),
+                        )
+                    })?;
+                    name.to_string()
+                }
+            },
+            size: keys.size("size")?,
+        },
         "delay" => DeviceSpec::Delay {
             base: keys.base()?,
             delays: Delays {

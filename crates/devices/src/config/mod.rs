@@ -191,6 +191,22 @@ pub enum DeviceSpec {
         /// Cache memory in bytes.
         memory: u64,
     },
+    /// A thin pool: its data device, then its metadata device if it has one of its own.
+    ThinPool {
+        /// `data`, then `metadata` if set.
+        devices: Vec<String>,
+        /// Allocation unit and low-water mark.
+        options: crate::thin::pool::PoolOptions,
+    },
+    /// A volume of a thin pool.
+    Thin {
+        /// The pool device.
+        pool: String,
+        /// The volume's name in the pool.
+        volume: String,
+        /// Its virtual size (created with it when absent; grown when larger).
+        size: Option<u64>,
+    },
 }
 
 impl DeviceSpec {
@@ -205,6 +221,8 @@ impl DeviceSpec {
             DeviceSpec::Fault { base, .. }
             | DeviceSpec::Delay { base, .. }
             | DeviceSpec::Cache { base, .. } => std::slice::from_ref(base),
+            DeviceSpec::ThinPool { devices, .. } => devices,
+            DeviceSpec::Thin { pool, .. } => std::slice::from_ref(pool),
         }
     }
 
@@ -220,9 +238,11 @@ impl DeviceSpec {
     /// spares.
     pub fn uses(&self) -> impl Iterator<Item = (&'static str, &String)> {
         let key = self.members_key();
+        let pool = matches!(self, DeviceSpec::ThinPool { .. });
         self.members()
             .iter()
-            .map(move |m| (key, m))
+            .enumerate()
+            .map(move |(i, m)| (if pool && i == 1 { "metadata" } else { key }, m))
             .chain(self.spares().iter().map(|s| ("spares", s)))
     }
 
@@ -232,6 +252,8 @@ impl DeviceSpec {
             DeviceSpec::Fault { .. } | DeviceSpec::Delay { .. } | DeviceSpec::Cache { .. } => {
                 "base"
             }
+            DeviceSpec::ThinPool { .. } => "data",
+            DeviceSpec::Thin { .. } => "pool",
             _ => "members",
         }
     }
@@ -571,6 +593,12 @@ impl StackFile {
                     e.device
                 )));
             }
+            if matches!(self.devices[&e.device], DeviceSpec::ThinPool { .. }) {
+                return Err(err(format!(
+                    "export '{name}': key 'device' names '{}', which is a thin pool; export a 'thin' device on it",
+                    e.device
+                )));
+            }
             if !roots.contains(&e.device) {
                 return Err(err(format!(
                     "export '{name}': key 'device' names '{}', which is a member of another device; export the device at the top instead",
@@ -666,10 +694,7 @@ impl StackFile {
         };
         // Arrays are examined, not started: `check` writes no superblock, and creates or
         // extends no file.
-        let devices = names
-            .iter()
-            .map(|name| self.open_inner(name, switches, Start::Dry))
-            .collect::<Result<Vec<_>, _>>()?;
+        let devices = self.open_many(&names, switches, Start::Dry)?;
         let mut out = String::new();
         for device in devices {
             out += &tree(&*device);
@@ -748,10 +773,7 @@ impl StackFile {
     /// their locks are free for the real open.
     pub fn preflight(&self, names: &[String], switches: Switches) -> Result<(), Error> {
         cairn_core::stats::unregistered(|| {
-            let mut opened = Vec::with_capacity(names.len());
-            for name in names {
-                opened.push(self.open_inner(name, switches, Start::Silent)?);
-            }
+            let opened = self.open_many(names, switches, Start::Silent)?;
             drop(opened);
             Ok(())
         })
@@ -767,6 +789,18 @@ impl StackFile {
         switches: Switches,
         how: Start,
     ) -> Result<Arc<dyn Device>, Error> {
+        let mut all = self.open_many(&[name.to_string()], switches, how)?;
+        Ok(all.remove(0))
+    }
+
+    /// Opens every device of `names` and everything below them, each device once (two
+    /// volumes of one thin pool share the pool).
+    fn open_many(
+        &self,
+        names: &[String],
+        switches: Switches,
+        how: Start,
+    ) -> Result<Vec<Arc<dyn Device>>, Error> {
         graph::check_paths(&self.devices)?;
         let mut opened = HashMap::new();
         // Every cache of the file shares one dirty budget, sized on their memory together.
@@ -780,7 +814,20 @@ impl StackFile {
         } else {
             None
         };
-        self.open_rec(name, &mut opened, &budget, (switches, how), 1)
+        names
+            .iter()
+            .map(|name| self.open_rec(name, &mut opened, &budget, (switches, how), 1))
+            .collect()
+    }
+
+    /// [`StackFile::open_with`] for several devices at once, each device below them
+    /// opened once.
+    pub fn open_all(
+        &self,
+        names: &[String],
+        switches: Switches,
+    ) -> Result<Vec<Arc<dyn Device>>, Error> {
+        self.open_many(names, switches, Start::Write)
     }
 
     fn open_rec(
@@ -888,6 +935,27 @@ impl StackFile {
                     Raid10::new(members.len(), *copies, *chunk, smallest, block).map_err(named)?;
                 stacked(name, Arc::new(layout.into()), members).map_err(named)?
             }
+            DeviceSpec::ThinPool { options, .. } => Arc::new(
+                crate::thin::pool::ThinPool::open(
+                    name,
+                    members[0].clone(),
+                    members.get(1).cloned(),
+                    *options,
+                    switches,
+                    how != Start::Write,
+                )
+                .map_err(named)?,
+            ),
+            DeviceSpec::Thin { volume, size, .. } => Arc::new(
+                crate::thin::queue::ThinDevice::open(
+                    name,
+                    members[0].clone(),
+                    volume,
+                    *size,
+                    how == Start::Write,
+                )
+                .map_err(named)?,
+            ),
         };
         opened.insert(name.to_string(), device.clone());
         Ok(device)

@@ -421,6 +421,68 @@ impl Inner {
             .unwrap_or_else(|_| Err(format!("thin pool '{}' stopped", self.name)))
     }
 
+    /// Opens (or, with `create`, creates when absent) volume `name` of `size` bytes
+    /// (`None`: as it is; larger: grown). Returns it with its user count raised.
+    pub fn attach(
+        &self,
+        name: &str,
+        size: Option<u64>,
+        create: bool,
+    ) -> Result<Arc<Volume>, Error> {
+        let bad = |m: String| Error::Invalid(m);
+        if self.volume(name).is_none() {
+            let Some(size) = size else {
+                return Err(bad(format!(
+                    "thin pool '{}' has no volume '{name}', and no 'size' to create it with",
+                    self.name
+                )));
+            };
+            if !create {
+                check_name(name).map_err(bad)?;
+                check_size(size, self.block_bytes(), VOLUME_BLOCKS_MAX).map_err(bad)?;
+                // Examined only: a stand-in that `cairn check` prints.
+                let v = Arc::new(Volume {
+                    id: 0,
+                    name: name.into(),
+                    read_only: false,
+                    size: AtomicU64::new(size),
+                    table: Table::new(1),
+                    frozen: AtomicBool::new(false),
+                    users: AtomicU32::new(1),
+                    mapped: AtomicU64::new(0),
+                });
+                return Ok(v);
+            }
+            self.admin(Admin::Create {
+                name: name.into(),
+                size,
+            })
+            .map_err(bad)?;
+        }
+        let v = self
+            .volume(name)
+            .ok_or_else(|| bad(format!("volume '{name}' went away")))?;
+        if let Some(size) = size {
+            let now = v.size.load(SeqCst);
+            if size < now {
+                return Err(bad(format!(
+                    "volume '{name}' is {}; 'size' says {} (a volume never shrinks)",
+                    format_bytes(now),
+                    format_bytes(size)
+                )));
+            }
+            if size > now && create {
+                self.admin(Admin::Grow {
+                    name: name.into(),
+                    size,
+                })
+                .map_err(bad)?;
+            }
+        }
+        v.users.fetch_add(1, SeqCst);
+        Ok(v)
+    }
+
     /// Status facts.
     pub fn report(&self) -> PoolReport {
         let mut r = lock(&self.report).clone();
@@ -657,7 +719,10 @@ impl Committer {
         // now, and is told apart by its state (freed, not free).
         let (dirty, unmapped) = {
             let mut free = lock(&self.inner.free);
-            (std::mem::take(&mut free.dirty), std::mem::take(&mut free.unmapped))
+            (
+                std::mem::take(&mut free.dirty),
+                std::mem::take(&mut free.unmapped),
+            )
         };
         // Unmapped before any commit recorded them mapped: no record frees them.
         let leaked: Vec<u32> = unmapped
@@ -1058,11 +1123,41 @@ impl ThinPool {
         dry: bool,
     ) -> Result<ThinPool, Error> {
         if dry {
-            let (c, examined, describe) = prepare(name, data, meta.clone(), opts, switches, true)?;
+            let (c, mut examined, mut describe) =
+                prepare(name, data, meta.clone(), opts, switches, true)?;
+            // What thin_check does: every count against the mappings that name it.
+            let problems = c.state.check();
+            if !problems.is_empty() {
+                return Err(Error::Invalid(format!(
+                    "thin pool '{name}': the metadata check found {} problem{}: {}",
+                    problems.len(),
+                    if problems.len() == 1 { "" } else { "s" },
+                    problems.iter().take(10).cloned().collect::<Vec<_>>().join("; ")
+                )));
+            }
+            let used = c
+                .state
+                .blocks
+                .iter()
+                .filter(|b| **b != BlockState::Free)
+                .count() as u64;
+            examined.push(format!(
+                "check: clean; {} of {} data in use",
+                format_bytes(used << c.inner.block_shift),
+                format_bytes(c.inner.data_blocks << c.inner.block_shift)
+            ));
             for (id, v) in &c.state.volumes {
                 let vol = c.add_volume(*id, &v.name, v.size, v.flags & 1 != 0);
                 vol.mapped.store(v.map.len() as u64, Relaxed);
+                examined.push(format!(
+                    "volume '{}' {}{}: {} mapped",
+                    v.name,
+                    format_bytes(v.size),
+                    if v.flags & 1 != 0 { " (snapshot)" } else { "" },
+                    format_bytes((v.map.len() as u64) << c.inner.block_shift)
+                ));
             }
+            describe = format!("{describe}; {}", examined.join("; "));
             return Ok(ThinPool {
                 inner: c.inner.clone(),
                 meta,
@@ -1122,71 +1217,6 @@ impl ThinPool {
     /// The shared run-time pool.
     pub fn inner(&self) -> &Arc<Inner> {
         &self.inner
-    }
-
-    /// Opens (or, with `create`, creates when absent) volume `name` of `size` bytes
-    /// (`None`: as it is; larger: grown). Returns it with its user count raised.
-    pub fn attach(
-        &self,
-        name: &str,
-        size: Option<u64>,
-        create: bool,
-    ) -> Result<Arc<Volume>, Error> {
-        let bad = |m: String| Error::Invalid(m);
-        if self.inner.volume(name).is_none() {
-            let Some(size) = size else {
-                return Err(bad(format!(
-                    "thin pool '{}' has no volume '{name}', and no 'size' to create it with",
-                    self.inner.name
-                )));
-            };
-            if !create {
-                check_name(name).map_err(bad)?;
-                check_size(size, self.inner.block_bytes(), VOLUME_BLOCKS_MAX).map_err(bad)?;
-                // Examined only: a stand-in that `cairn check` prints.
-                let v = Arc::new(Volume {
-                    id: 0,
-                    name: name.into(),
-                    read_only: false,
-                    size: AtomicU64::new(size),
-                    table: Table::new(1),
-                    frozen: AtomicBool::new(false),
-                    users: AtomicU32::new(1),
-                    mapped: AtomicU64::new(0),
-                });
-                return Ok(v);
-            }
-            self.inner
-                .admin(Admin::Create {
-                    name: name.into(),
-                    size,
-                })
-                .map_err(bad)?;
-        }
-        let v = self
-            .inner
-            .volume(name)
-            .ok_or_else(|| bad(format!("volume '{name}' went away")))?;
-        if let Some(size) = size {
-            let now = v.size.load(SeqCst);
-            if size < now {
-                return Err(bad(format!(
-                    "volume '{name}' is {}; 'size' says {} (a volume never shrinks)",
-                    format_bytes(now),
-                    format_bytes(size)
-                )));
-            }
-            if size > now && create {
-                self.inner
-                    .admin(Admin::Grow {
-                        name: name.into(),
-                        size,
-                    })
-                    .map_err(bad)?;
-            }
-        }
-        v.users.fetch_add(1, SeqCst);
-        Ok(v)
     }
 }
 

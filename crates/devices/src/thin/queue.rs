@@ -42,7 +42,9 @@ const RETRY: u64 = u64::MAX;
 /// A thin volume (or snapshot, or clone) of a pool.
 pub struct ThinDevice {
     name: String,
-    pool: Arc<ThinPool>,
+    /// The pool's device (kept open while any of its volumes is).
+    pool: Arc<dyn Device>,
+    inner: Arc<Inner>,
     vol: Arc<Volume>,
     geometry: Geometry,
 }
@@ -52,13 +54,18 @@ impl ThinDevice {
     /// (else a stand-in for `cairn check`).
     pub fn open(
         name: &str,
-        pool: Arc<ThinPool>,
+        pool: Arc<dyn Device>,
         volume: &str,
         size: Option<u64>,
         create: bool,
     ) -> Result<ThinDevice, Error> {
-        let vol = pool.attach(volume, size, create)?;
-        let block = pool.inner().data.geometry().block_bytes.max(512);
+        let inner = pool
+            .as_any()
+            .and_then(|a| a.downcast_ref::<ThinPool>())
+            .map(|p| p.inner().clone())
+            .ok_or_else(|| Error::Invalid(format!("'{}' is not a thin pool", pool.name())))?;
+        let vol = inner.attach(volume, size, create)?;
+        let block = inner.data.geometry().block_bytes.max(512);
         let caps = if vol.read_only {
             Caps {
                 flush: true,
@@ -78,6 +85,7 @@ impl ThinDevice {
                 caps,
             },
             pool,
+            inner,
             vol,
         })
     }
@@ -119,8 +127,7 @@ impl Device for ThinDevice {
     }
 
     fn extents(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<(), Error> {
-        let inner = self.pool.inner();
-        let shift = inner.block_shift;
+        let shift = self.inner.block_shift;
         let bs = 1u64 << shift;
         let mut at = offset;
         let end = offset + len;
@@ -145,7 +152,7 @@ impl Device for ThinDevice {
     }
 
     fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
-        let inner = self.pool.inner().clone();
+        let inner = self.inner.clone();
         if !inner.running {
             return Err(Error::Invalid(format!(
                 "thin pool '{}' is only examined, not running",
