@@ -259,6 +259,8 @@ pub struct Inner {
     report: Mutex<PoolReport>,
     /// The pool runs (a dry open for `cairn check` has no thread and takes no writes).
     pub(super) running: bool,
+    /// Tests: stop as a crash would, with no last commit or checkpoint.
+    crashed: AtomicBool,
 }
 
 /// A thin pool: a [`Device`] only so that the stack can hold and print it (it serves no
@@ -483,6 +485,13 @@ impl Inner {
         Ok(v)
     }
 
+    /// For crash tests: the commit thread stops at once when the pool closes, as if the
+    /// process died (no last commit, no checkpoint; nothing is written after this call
+    /// returns except a commit already under way).
+    pub fn crash_on_close(&self) {
+        self.crashed.store(true, SeqCst);
+    }
+
     /// Status facts.
     pub fn report(&self) -> PoolReport {
         let mut r = lock(&self.report).clone();
@@ -578,7 +587,7 @@ impl Committer {
     /// One commit of `records` (and the pending ones, and whatever the tables changed):
     /// see the module's documentation for the order.
     fn commit(&mut self, mut records: Vec<Record>) -> Result<(), String> {
-        if self.inner.failed.load(Relaxed) {
+        if self.inner.failed.load(Relaxed) || self.inner.crashed.load(SeqCst) {
             return Err(format!("thin pool '{}' has failed", self.inner.name));
         }
         // Pending records are in the state already; then the operation's own (a
@@ -642,6 +651,9 @@ impl Committer {
     /// Writes the whole state to the checkpoint area not in use, then a superblock that
     /// points at it (the log starts afresh after it). `clean`: the pool stops.
     fn checkpoint(&mut self, clean: bool) -> Result<(), String> {
+        if self.inner.crashed.load(SeqCst) {
+            return Err("crashed".into());
+        }
         let generation = self.sb.checkpoint_generation + 1;
         let pages = checkpoint::pages(self.sb.pool_uuid, generation, &self.state);
         let bytes = pages.len() as u64 * sbk::PAGE;
@@ -760,6 +772,9 @@ impl Committer {
 
     /// Makes `blocks` read as zeros (discard where the data device has it).
     fn zero(&self, blocks: &[u64]) -> Result<(), String> {
+        if self.inner.crashed.load(SeqCst) {
+            return Err("crashed".into());
+        }
         let mut sorted = blocks.to_vec();
         sorted.sort_unstable();
         zero_runs(&self.data, &self.inner, &runs(&sorted))
@@ -1132,7 +1147,12 @@ impl ThinPool {
                     "thin pool '{name}': the metadata check found {} problem{}: {}",
                     problems.len(),
                     if problems.len() == 1 { "" } else { "s" },
-                    problems.iter().take(10).cloned().collect::<Vec<_>>().join("; ")
+                    problems
+                        .iter()
+                        .take(10)
+                        .cloned()
+                        .collect::<Vec<_>>()
+                        .join("; ")
                 )));
             }
             let used = c
@@ -1575,6 +1595,7 @@ fn prepare(
         low_said: AtomicBool::new(false),
         report: Mutex::new(report),
         running: !dry,
+        crashed: AtomicBool::new(false),
     });
     let describe = format!(
         "thin-pool block={} data={} blocks metadata={}",
