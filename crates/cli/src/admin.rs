@@ -78,6 +78,13 @@ pub const COMMANDS: &[(&str, &str, &str)] = &[
         "lose what these devices (default: every export's) hold that no flush has made \
          durable (cache memory, volatile mem layers), as in a power cut",
     ),
+    (
+        "thin",
+        "thin ACTION POOL ...",
+        "a thin pool's volumes: list POOL [--json], create POOL NAME SIZE, delete POOL \
+         NAME, grow POOL NAME SIZE, snapshot POOL VOLUME NAME (read-only, online: holds \
+         every write acknowledged before it), clone POOL SNAPSHOT NAME (writable)",
+    ),
     ("help", "help", "this list"),
 ];
 
@@ -298,6 +305,142 @@ fn consistent(view: &View, build: impl Fn(&View) -> String) -> String {
     out
 }
 
+/// The thin pools served, by name.
+fn pools(roots: &[Arc<dyn Device>]) -> Vec<Arc<dyn Device>> {
+    all_devices(roots)
+        .into_iter()
+        .map(|(_, d)| d)
+        .filter(|d| pool_of(d).is_some())
+        .collect()
+}
+
+fn pool_of(d: &Arc<dyn Device>) -> Option<&cairn_devices::thin::pool::Inner> {
+    d.as_any()
+        .and_then(|a| a.downcast_ref::<cairn_devices::thin::pool::ThinPool>())
+        .map(|p| &**p.inner())
+}
+
+/// `thin ACTION POOL ...`.
+fn thin_command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
+    use cairn_devices::thin::pool::Admin;
+    const USAGE: &str = "usage: thin list POOL [--json] | create POOL NAME SIZE | delete POOL NAME | grow POOL NAME SIZE | snapshot POOL VOLUME NAME | clone POOL SNAPSHOT NAME";
+    let (Some(&action), Some(&pool)) = (args.first(), args.get(1)) else {
+        return format!("error: {USAGE}\n");
+    };
+    let all = pools(roots);
+    let Some(d) = all.iter().find(|d| d.name() == pool) else {
+        let names: Vec<&str> = all.iter().map(|d| d.name()).collect();
+        return format!(
+            "error: no thin pool '{pool}' is served (pools: {})\n",
+            if names.is_empty() {
+                "none".to_string()
+            } else {
+                names.join(", ")
+            }
+        );
+    };
+    let inner = pool_of(d).expect("a pool");
+    let size =
+        |s: &str| cairn_core::size::parse_size(s).map_err(|e| format!("error: size '{s}': {e}\n"));
+    let rest = &args[2..];
+    let op = match (action, rest) {
+        ("list", []) => return format!("ok\n{}", thin_list(inner)),
+        ("list", ["--json"]) => return format!("ok\n{}\n", thin_json(inner)),
+        ("create", [name, s]) => match size(s) {
+            Ok(size) => Admin::Create {
+                name: name.to_string(),
+                size,
+            },
+            Err(e) => return e,
+        },
+        ("grow", [name, s]) => match size(s) {
+            Ok(size) => Admin::Grow {
+                name: name.to_string(),
+                size,
+            },
+            Err(e) => return e,
+        },
+        ("delete", [name]) => Admin::Delete {
+            name: name.to_string(),
+        },
+        ("snapshot" | "clone", [src, name]) => Admin::Snapshot {
+            src: src.to_string(),
+            name: name.to_string(),
+            read_only: action == "snapshot",
+        },
+        _ => return format!("error: {USAGE}\n"),
+    };
+    match inner.admin(op) {
+        Ok(done) => format!("ok: {done}\n"),
+        Err(why) => format!("error: {why}\n"),
+    }
+}
+
+/// A pool's volumes, a line each, under a line for the pool.
+fn thin_list(inner: &cairn_devices::thin::pool::Inner) -> String {
+    use cairn_core::size::format_bytes;
+    let r = inner.report();
+    let mut out = thin_pool_line(&r);
+    for (name, size, mapped, ro, users) in &r.volumes {
+        out += &format!(
+            "  {name}: {} virtual, {} mapped{}{}\n",
+            format_bytes(*size),
+            format_bytes(*mapped),
+            if *ro { ", snapshot (read-only)" } else { "" },
+            if *users > 0 { ", open" } else { "" }
+        );
+    }
+    out
+}
+
+fn thin_pool_line(r: &cairn_devices::thin::pool::PoolReport) -> String {
+    use cairn_core::size::format_bytes;
+    let total = r.data_blocks * r.block_bytes;
+    let used = r.used_blocks * r.block_bytes;
+    format!(
+        "thin pool {}: data {} of {} used ({}%), block {}, low water {}; metadata: checkpoint {} of {}, log {} of {}; {} volume{}{}\n",
+        r.name,
+        format_bytes(used),
+        format_bytes(total),
+        if total == 0 { 0 } else { used * 100 / total },
+        format_bytes(r.block_bytes),
+        format_bytes(r.low_water_blocks * r.block_bytes),
+        format_bytes(r.checkpoint_bytes),
+        format_bytes(r.checkpoint_capacity),
+        format_bytes(r.log_used),
+        format_bytes(r.log_bytes / 2),
+        r.volumes.len(),
+        if r.volumes.len() == 1 { "" } else { "s" },
+        if r.failed { "; FAILED (a metadata write failed: no more changes are taken)" } else { "" }
+    )
+}
+
+fn thin_json(inner: &cairn_devices::thin::pool::Inner) -> serde_json::Value {
+    let r = inner.report();
+    serde_json::json!({
+        "name": r.name,
+        "block_bytes": r.block_bytes,
+        "data_bytes": r.data_blocks * r.block_bytes,
+        "used_bytes": r.used_blocks * r.block_bytes,
+        "low_water_bytes": r.low_water_blocks * r.block_bytes,
+        "metadata": {
+            "checkpoint_bytes": r.checkpoint_bytes,
+            "checkpoint_capacity_bytes": r.checkpoint_capacity,
+            "log_used_bytes": r.log_used,
+            "log_bytes": r.log_bytes,
+        },
+        "commits": r.commits,
+        "failed": r.failed,
+        "volumes": r.volumes.iter().map(|(name, size, mapped, ro, users)| serde_json::json!({
+            "name": name,
+            "size_bytes": size,
+            "mapped_bytes": mapped,
+            "read_only": ro,
+            "open": *users > 0,
+        })).collect::<Vec<_>>(),
+    })
+}
+
 fn status_text_once(view: &View) -> String {
     let all = all_devices(&view.roots());
     let mut out = String::from("ok\n");
@@ -308,6 +451,9 @@ fn status_text_once(view: &View) -> String {
     // Arrays with metadata (the default) have a status block; nothing is said of the rest.
     let arrays: Vec<String> = all.iter().filter_map(|(_, d)| d.array_status()).collect();
     out += &arrays.concat();
+    for p in pools(&view.roots()) {
+        out += &thin_list(pool_of(&p).expect("a pool"));
+    }
     if let Some(k) = view.stack_file() {
         // As of now, not of the last look.
         view.sync_stack_file();
@@ -358,6 +504,11 @@ fn status_json_once(view: &View) -> String {
     let mut doc = view::exports_json(view);
     doc["devices"] = devices.into();
     doc["arrays"] = arrays.into();
+    doc["thin_pools"] = pools(&view.roots())
+        .iter()
+        .map(|p| thin_json(pool_of(p).expect("a pool")))
+        .collect::<Vec<_>>()
+        .into();
     if let Some(k) = view.stack_file() {
         view.sync_stack_file();
         let stale = k.stale();
@@ -489,6 +640,10 @@ fn command(line: &str, view: &View) -> String {
                 }
                 Err(why) => format!("error: {why}\n"),
             }
+        }
+        Some("thin") => {
+            let args: Vec<&str> = words.collect();
+            thin_command(&args, roots)
         }
         Some("power-cut") => {
             let names: Vec<&str> = words.collect();

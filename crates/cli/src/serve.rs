@@ -480,6 +480,11 @@ fn export_of(
 ) -> cairn_nbd::Export {
     let device = opened[c.device].clone();
     let g = device.geometry();
+    // A thin pool's snapshot is read-only whatever the export says.
+    let c = Chosen {
+        read_only: c.read_only || device.read_only(),
+        ..c
+    };
     let mut flags = tflags::HAS_FLAGS | tflags::SEND_FLUSH | tflags::SEND_CACHE;
     if c.read_only {
         flags |= tflags::READ_ONLY;

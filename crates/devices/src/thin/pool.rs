@@ -838,7 +838,7 @@ impl Committer {
                 let users = v.users.load(SeqCst);
                 if users > 0 {
                     return Err(format!(
-                        "volume '{name}' is open ({users} device{} use it): stop serving it first",
+                        "volume '{name}' is open ({users} device{} on it): stop serving it first",
                         if users == 1 { "" } else { "s" }
                     ));
                 }
