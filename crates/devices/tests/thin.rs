@@ -212,3 +212,87 @@ fn a_full_pool_says_enospc_and_space_freed_lets_writes_go_on() {
     );
     assert_eq!(read(&q, blocks * block as u64, block), full);
 }
+
+#[test]
+fn bad_stack_files_are_refused_in_one_line() {
+    use cairn_devices::config::StackFile;
+    let base = "[device.m]\ntype = \"mem\"\nsize = \"64M\"\n";
+    let cases = [
+        ("[device.p]\ntype = \"thin-pool\"\ndata = \"m\"\nblock = \"96K\"\n", "power of two"),
+        ("[device.p]\ntype = \"thin-pool\"\ndata = \"m\"\nblock = \"4K\"\n", "out of range"),
+        ("[device.p]\ntype = \"thin-pool\"\n", "'data' is missing"),
+        ("[device.p]\ntype = \"thin-pool\"\ndata = \"m\"\nlow_water = \"150%\"\n", "percentage"),
+        ("[device.v]\ntype = \"thin\"\npool = \"m\"\nsize = \"1G\"\n", "not a thin-pool"),
+        ("[device.v]\ntype = \"thin\"\npool = \"nope\"\nsize = \"1G\"\n", "not defined"),
+        (
+            "[device.p]\ntype = \"thin-pool\"\ndata = \"m\"\n[device.v]\ntype = \"thin\"\npool = \"p\"\nvolume = \"a/b\"\n",
+            "not a volume name",
+        ),
+        (
+            "[device.p]\ntype = \"thin-pool\"\ndata = \"m\"\n[export.e]\ndevice = \"p\"\n",
+            "thin pool",
+        ),
+    ];
+    for (text, want) in cases {
+        let e = StackFile::parse(&format!("{base}{text}"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(want) && !e.contains('\n'), "{text}: {e}");
+    }
+}
+
+#[test]
+fn a_metadata_device_too_small_or_a_volume_too_large_is_refused_and_nothing_is_written() {
+    let data = mem("64M", false);
+    let meta = mem("64K", false);
+    let e = ThinPool::open(
+        "pool",
+        data.clone(),
+        Some(meta.clone()),
+        opts(),
+        Switches::default(),
+        false,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("needs at least"), "{e}");
+    let q = BlockingQueue::open(&meta, Switches::default()).unwrap();
+    assert!(
+        read(&q, 0, 64 << 10).iter().all(|&b| b == 0),
+        "nothing written"
+    );
+    let p = pool(&data);
+    let e = p
+        .inner()
+        .admin(Admin::Create {
+            name: "huge".into(),
+            size: 1 << 60,
+        })
+        .unwrap_err();
+    assert!(e.contains("larger than"), "{e}");
+    let e = p
+        .inner()
+        .admin(Admin::Snapshot {
+            src: "nope".into(),
+            name: "s".into(),
+            read_only: true,
+        })
+        .unwrap_err();
+    assert!(e.contains("no volume 'nope'"), "{e}");
+    p.inner()
+        .admin(Admin::Create {
+            name: "a".into(),
+            size: 1 << 20,
+        })
+        .unwrap();
+    let e = p
+        .inner()
+        .admin(Admin::Create {
+            name: "a".into(),
+            size: 1 << 20,
+        })
+        .unwrap_err();
+    assert!(e.contains("already"), "{e}");
+    assert_eq!(p.inner().report().volumes.len(), 1);
+}
