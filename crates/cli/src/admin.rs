@@ -402,7 +402,7 @@ fn thin_pool_line(r: &cairn_devices::thin::pool::PoolReport) -> String {
         r.name,
         format_bytes(used),
         format_bytes(total),
-        if total == 0 { 0 } else { used * 100 / total },
+        (used * 100).checked_div(total).unwrap_or(0),
         format_bytes(r.block_bytes),
         format_bytes(r.low_water_blocks * r.block_bytes),
         format_bytes(r.checkpoint_bytes),

@@ -146,7 +146,7 @@ impl World {
         let p = ThinPool::open(
             "pool",
             self.data.clone(),
-            None,
+            self.meta.clone(),
             opts(),
             Switches::default(),
             false,
@@ -211,7 +211,7 @@ impl World {
         ThinPool::open(
             "pool",
             self.data.clone(),
-            None,
+            self.meta.clone(),
             opts(),
             Switches::default(),
             true,

@@ -744,7 +744,7 @@ impl Committer {
         if freed.is_empty() && dirty.is_empty() && leaked.is_empty() {
             return;
         }
-        let mut all: Vec<u64> = freed.iter().copied().collect();
+        let mut all: Vec<u64> = freed.to_vec();
         all.extend(dirty.iter().chain(&leaked).map(|&b| u64::from(b)));
         if let Err(e) = self.zero(&all) {
             self.fail(format!("zeroing freed blocks failed: {e}"));
