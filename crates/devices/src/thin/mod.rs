@@ -3,7 +3,9 @@
 //! the metadata log.
 
 pub mod checkpoint;
+mod commit;
 pub mod format;
+mod open;
 pub mod pool;
 pub mod queue;
 pub mod state;

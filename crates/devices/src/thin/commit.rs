@@ -1,0 +1,580 @@
+//! The commit thread of a thin pool (see [`super::pool`] for the whole picture): it
+//! captures what the reactors changed in the tables, makes it durable in the log (data
+//! flushed first), writes checkpoints, frees and zeroes blocks after a grace period, and
+//! runs the admin operations.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cairn_core::blocking::BlockingQueue;
+use cairn_core::size::format_bytes;
+use cairn_core::{IoFlags, IoStatus, Op};
+
+use super::checkpoint;
+use super::format::{self, Record, BLOCK_BYTES as LOG_PAGE};
+use super::pool::{
+    check_name, check_size, lock, now_secs, table_blocks, Admin, Inner, Volume, COMMIT_PERIOD,
+    VOLUME_BLOCKS_MAX,
+};
+use super::state::{block_of, BlockState, PoolState, OWNED};
+use super::superblock::{self as sbk, PoolSuperblock};
+use super::table::{Table, LEAF_ENTRIES};
+
+/// The commit thread's own state: the committed pool state and where the metadata is.
+pub(super) struct Committer {
+    pub(super) inner: Arc<Inner>,
+    pub(super) state: PoolState,
+    pub(super) sb: PoolSuperblock,
+    /// The slot the newest superblock is in.
+    pub(super) sb_slot: usize,
+    pub(super) next_seq: u64,
+    pub(super) commit_id: u64,
+    /// Log pages written since the checkpoint.
+    pub(super) log_used: u64,
+    /// Records for the next commit (blocks zeroed).
+    pub(super) pending: Vec<Record>,
+    pub(super) checkpoint_bytes: u64,
+    pub(super) data: BlockingQueue,
+    /// The metadata device's queue (`None`: the metadata is on the data device).
+    pub(super) meta: Option<BlockingQueue>,
+    pub(super) leaf: Box<[u32; LEAF_ENTRIES]>,
+    pub(super) commits: u64,
+    /// The pool was created by this open.
+    pub(super) new: bool,
+}
+
+impl Committer {
+    pub(super) fn meta(&self) -> &BlockingQueue {
+        self.meta.as_ref().unwrap_or(&self.data)
+    }
+
+    pub(super) fn log_pages(&self) -> u64 {
+        self.sb.log_bytes / LOG_PAGE as u64
+    }
+
+    /// Compares every changed leaf with the committed state: a record per entry that
+    /// differs (with the reservation of a block mapped for the first time).
+    pub(super) fn capture(&mut self, out: &mut Vec<Record>) {
+        let volumes: Vec<Arc<Volume>> = lock(&self.inner.volumes).values().cloned().collect();
+        for v in volumes {
+            let Some(st) = self.state.volumes.get(&v.id) else {
+                continue;
+            };
+            for i in 0..v.table.leaves() {
+                if !v.table.take_dirty(i) {
+                    continue;
+                }
+                v.table.leaf_entries(i, &mut self.leaf);
+                let base = (i * LEAF_ENTRIES) as u64;
+                let mut old = [0u32; LEAF_ENTRIES];
+                for (&vb, &e) in st.map.range(base..base + LEAF_ENTRIES as u64) {
+                    old[(vb - base) as usize] = e;
+                }
+                for (j, (&now, &was)) in self.leaf.iter().zip(old.iter()).enumerate() {
+                    if now == was {
+                        continue;
+                    }
+                    if let Some(b) = block_of(now) {
+                        if block_of(was) != Some(b)
+                            && self.state.blocks.get(b as usize) == Some(&BlockState::Free)
+                        {
+                            out.push(Record::Reserve { start: b, len: 1 });
+                        }
+                    }
+                    out.push(Record::Set {
+                        vol: v.id,
+                        vblock: base + j as u64,
+                        entry: now,
+                    });
+                }
+            }
+        }
+    }
+
+    /// One commit of `records` (and the pending ones, and whatever the tables changed):
+    /// see the module's documentation for the order.
+    pub(super) fn commit(&mut self, mut records: Vec<Record>) -> Result<(), String> {
+        if self.inner.failed.load(Relaxed) || self.inner.crashed.load(SeqCst) {
+            return Err(format!("thin pool '{}' has failed", self.inner.name));
+        }
+        // Pending records are in the state already; then the operation's own (a
+        // snapshot's come before any change made to its source after it), then what the
+        // tables changed since the last capture.
+        let mut all = std::mem::take(&mut self.pending);
+        let mut captured = Vec::new();
+        for pass in 0..2 {
+            if pass == 1 {
+                self.capture(&mut captured);
+                records = std::mem::take(&mut captured);
+            }
+            for r in &records {
+                if let Err(e) = self.state.apply(r) {
+                    return Err(self.fail(format!("a record the pool cannot take ({e}): {r:?}")));
+                }
+            }
+            all.append(&mut records);
+        }
+        self.data
+            .flush()
+            .map_err(|e| self.fail(format!("data flush failed: {e}")))?;
+        if all.is_empty() {
+            return Ok(());
+        }
+        let blocks = format::pack(self.sb.pool_uuid, self.next_seq, self.commit_id, &all);
+        let room = self.log_pages() / 2;
+        if self.log_used + blocks.len() as u64 > room {
+            // Too much for the log: the whole state goes into a checkpoint instead.
+            return self.checkpoint(false);
+        }
+        let pages = self.log_pages();
+        for b in &blocks {
+            let at = self.sb.log_offset + (b.seq % pages) * LOG_PAGE as u64;
+            self.meta()
+                .write(at, &b.encode(), IoFlags::NONE)
+                .map_err(|e| self.fail(format!("log write failed: {e}")))?;
+        }
+        self.meta()
+            .flush()
+            .map_err(|e| self.fail(format!("metadata flush failed: {e}")))?;
+        self.next_seq += blocks.len() as u64;
+        self.commit_id += 1;
+        self.log_used += blocks.len() as u64;
+        self.commits += 1;
+        self.publish();
+        Ok(())
+    }
+
+    /// Marks the pool failed (logged once); returns `why`.
+    pub(super) fn fail(&self, why: String) -> String {
+        if !self.inner.failed.swap(true, SeqCst) {
+            log::error!(
+                "cairn: {}: thin pool failed, it takes no more changes: {why}",
+                self.inner.name
+            );
+        }
+        why
+    }
+
+    /// Writes the whole state to the checkpoint area not in use, then a superblock that
+    /// points at it (the log starts afresh after it). `clean`: the pool stops.
+    pub(super) fn checkpoint(&mut self, clean: bool) -> Result<(), String> {
+        if self.inner.crashed.load(SeqCst) {
+            return Err("crashed".into());
+        }
+        let generation = self.sb.checkpoint_generation + 1;
+        let pages = checkpoint::pages(self.sb.pool_uuid, generation, &self.state);
+        let bytes = pages.len() as u64 * sbk::PAGE;
+        if bytes > self.sb.checkpoint_capacity {
+            return Err(self.fail(format!(
+                "the metadata is full: a checkpoint needs {} and has room for {}",
+                format_bytes(bytes),
+                format_bytes(self.sb.checkpoint_capacity)
+            )));
+        }
+        let slot = if self.sb.checkpoint_in_use == 1 { 1 } else { 0 };
+        let mut area = Vec::with_capacity(bytes as usize);
+        let mut crcs = Vec::with_capacity(pages.len() * 4);
+        for p in &pages {
+            area.extend_from_slice(p);
+            crcs.extend_from_slice(&p[p.len() - 4..]);
+        }
+        self.meta()
+            .write(self.sb.checkpoints[slot], &area, IoFlags::NONE)
+            .and_then(|()| self.meta().flush())
+            .map_err(|e| self.fail(format!("checkpoint write failed: {e}")))?;
+        let mut sb = self.sb.clone();
+        sb.generation += 1;
+        sb.checkpoint_in_use = slot as u32 + 1;
+        sb.checkpoint_generation = generation;
+        sb.checkpoint_pages = pages.len() as u64;
+        sb.checkpoint_crc = crc32c::crc32c(&crcs);
+        sb.log_start_seq = self.next_seq;
+        sb.log_start_offset = (self.next_seq % self.log_pages()) * LOG_PAGE as u64;
+        sb.updated_secs = now_secs();
+        if clean {
+            sb.flags |= sbk::FLAG_CLEAN;
+        } else {
+            sb.flags &= !sbk::FLAG_CLEAN;
+        }
+        let to = 1 - self.sb_slot;
+        self.meta()
+            .write((to * sbk::SLOT_BYTES) as u64, &sb.encode(), IoFlags::NONE)
+            .and_then(|()| self.meta().flush())
+            .map_err(|e| self.fail(format!("superblock write failed: {e}")))?;
+        self.sb = sb;
+        self.sb_slot = to;
+        self.log_used = 0;
+        self.checkpoint_bytes = bytes;
+        self.commits += 1;
+        self.publish();
+        Ok(())
+    }
+
+    /// Updates what `status` shows and each volume's mapped count.
+    pub(super) fn publish(&self) {
+        let mut r = lock(&self.inner.report);
+        r.checkpoint_bytes = self.checkpoint_bytes;
+        r.log_used = self.log_used * LOG_PAGE as u64;
+        r.commits = self.commits;
+        drop(r);
+        for v in lock(&self.inner.volumes).values() {
+            if let Some(st) = self.state.volumes.get(&v.id) {
+                v.mapped.store(st.map.len() as u64, Relaxed);
+            }
+        }
+    }
+
+    /// Zeroes the blocks the last commits freed (after a grace period) and those queues
+    /// wrote and could not map, and frees them.
+    pub(super) fn release(&mut self) {
+        let freed = std::mem::take(&mut self.state.freed);
+        let some_unmapped = !lock(&self.inner.free).unmapped.is_empty();
+        if !freed.is_empty() || some_unmapped {
+            lock(&self.inner.free).coming += freed.len() as u64;
+            self.inner.grace();
+        }
+        // Taken after the grace period: a queue notes a block after it unmapped it, in
+        // the same request, so every block whose unmapping a commit recorded is noted by
+        // now, and is told apart by its state (freed, not free).
+        let (dirty, unmapped) = {
+            let mut free = lock(&self.inner.free);
+            (
+                std::mem::take(&mut free.dirty),
+                std::mem::take(&mut free.unmapped),
+            )
+        };
+        // Unmapped before any commit recorded them mapped: no record frees them.
+        let leaked: Vec<u32> = unmapped
+            .into_iter()
+            .filter(|&b| self.state.blocks.get(b as usize) == Some(&BlockState::Free))
+            .collect();
+        if freed.is_empty() && dirty.is_empty() && leaked.is_empty() {
+            return;
+        }
+        let mut all: Vec<u64> = freed.to_vec();
+        all.extend(dirty.iter().chain(&leaked).map(|&b| u64::from(b)));
+        if let Err(e) = self.zero(&all) {
+            self.fail(format!("zeroing freed blocks failed: {e}"));
+            return;
+        }
+        for (start, len) in runs(&freed) {
+            let r = Record::Zeroed { start, len };
+            if let Err(e) = self.state.apply(&r) {
+                self.fail(format!("a record the pool cannot take ({e}): {r:?}"));
+                return;
+            }
+            self.pending.push(r);
+        }
+        let mut free = lock(&self.inner.free);
+        free.coming -= freed.len() as u64;
+        free.zeroed.extend(all.iter().map(|&b| b as u32));
+        free.zeroed.sort_unstable_by(|a, b| b.cmp(a));
+        let left = free.zeroed.len() as u64;
+        drop(free);
+        self.inner.used_blocks.fetch_sub(all.len() as u64, Relaxed);
+        if left >= self.inner.low_water_blocks {
+            self.inner.low_said.store(false, Relaxed);
+        }
+    }
+
+    /// Makes `blocks` read as zeros (discard where the data device has it).
+    pub(super) fn zero(&self, blocks: &[u64]) -> Result<(), String> {
+        if self.inner.crashed.load(SeqCst) {
+            return Err("crashed".into());
+        }
+        let mut sorted = blocks.to_vec();
+        sorted.sort_unstable();
+        zero_runs(&self.data, &self.inner, &runs(&sorted))
+    }
+
+    /// Runs one admin operation: checks, then its record in a commit of its own.
+    pub(super) fn admin(&mut self, op: Admin) -> Result<String, String> {
+        if self.inner.failed.load(Relaxed) {
+            return Err(format!("thin pool '{}' has failed", self.inner.name));
+        }
+        let pool = self.inner.name.clone();
+        let find = |name: &str| {
+            self.inner
+                .volume(name)
+                .ok_or_else(|| format!("thin pool '{pool}' has no volume '{name}'"))
+        };
+        match op {
+            Admin::Create { name, size } => {
+                self.check_new(&name, size, 0)?;
+                let id = self.next_volume();
+                self.add_volume(id, &name, size, false);
+                self.commit(vec![Record::Create {
+                    vol: id,
+                    size,
+                    flags: 0,
+                    name: name.clone(),
+                }])?;
+                Ok(format!(
+                    "created volume '{name}' ({}) in thin pool '{pool}'",
+                    format_bytes(size)
+                ))
+            }
+            Admin::Snapshot {
+                src,
+                name,
+                read_only,
+            } => {
+                let source = find(&src)?;
+                if !read_only && !source.read_only {
+                    return Err(format!(
+                        "'{src}' is writable: clone a snapshot (take one with 'thin snapshot' first)"
+                    ));
+                }
+                let mapped = self
+                    .state
+                    .volumes
+                    .get(&source.id)
+                    .map_or(0, |v| v.map.len());
+                self.check_new(&name, source.size.load(Relaxed), mapped as u64)?;
+                let began = Instant::now();
+                let frozen = self.snapshot(&source, &name, read_only)?;
+                let kind = if read_only { "snapshot" } else { "clone" };
+                Ok(format!(
+                    "{kind} '{name}' of '{src}' taken (writes held for {} us, {} us in all)",
+                    frozen.as_micros(),
+                    began.elapsed().as_micros()
+                ))
+            }
+            Admin::Delete { name } => {
+                let v = find(&name)?;
+                let users = v.users.load(SeqCst);
+                if users > 0 {
+                    return Err(format!(
+                        "volume '{name}' is open ({users} device{} on it): stop serving it first",
+                        if users == 1 { "" } else { "s" }
+                    ));
+                }
+                // Its last changes are captured before it leaves the tables.
+                let mut records = Vec::new();
+                self.capture(&mut records);
+                lock(&self.inner.volumes).remove(&v.id);
+                records.push(Record::Delete { vol: v.id });
+                self.commit(records)?;
+                Ok(format!("deleted volume '{name}' from thin pool '{pool}'"))
+            }
+            Admin::Grow { name, size } => {
+                let v = find(&name)?;
+                let now = v.size.load(Relaxed);
+                if size < now {
+                    return Err(format!(
+                        "volume '{name}' is {} and cannot shrink to {}",
+                        format_bytes(now),
+                        format_bytes(size)
+                    ));
+                }
+                check_size(size, self.inner.block_bytes(), v.table.blocks())?;
+                self.commit(vec![Record::Grow { vol: v.id, size }])?;
+                v.size.store(size, SeqCst);
+                Ok(format!(
+                    "volume '{name}' grown to {} (clients see it when they connect again)",
+                    format_bytes(size)
+                ))
+            }
+        }
+    }
+
+    /// Refuses a new volume named `name` of `size` bytes that would bring `entries`
+    /// mappings with it, when the name is taken or bad, or the next checkpoint could not
+    /// hold it.
+    pub(super) fn check_new(&self, name: &str, size: u64, entries: u64) -> Result<(), String> {
+        check_name(name)?;
+        if self.inner.volume(name).is_some() {
+            return Err(format!(
+                "thin pool '{}' has a volume '{name}' already",
+                self.inner.name
+            ));
+        }
+        check_size(size, self.inner.block_bytes(), VOLUME_BLOCKS_MAX)?;
+        // The next checkpoint: every mapping a run, every block a state, and room for a
+        // mapping of every free block (writes to come).
+        let mapped: u64 = self
+            .state
+            .volumes
+            .values()
+            .map(|v| v.map.len() as u64)
+            .sum();
+        let volumes = self.state.volumes.len() as u64 + 1;
+        let need = (mapped + entries + self.inner.data_blocks) * 21
+            + self.inner.data_blocks * 22
+            + volumes * 300;
+        if need > self.sb.checkpoint_capacity {
+            return Err(format!(
+                "thin pool '{}': the metadata has room for {} and would need up to {} with this volume",
+                self.inner.name,
+                format_bytes(self.sb.checkpoint_capacity),
+                format_bytes(need)
+            ));
+        }
+        Ok(())
+    }
+
+    pub(super) fn next_volume(&mut self) -> u32 {
+        let id = self.sb.next_volume.max(1);
+        self.sb.next_volume = id + 1;
+        id
+    }
+
+    pub(super) fn add_volume(
+        &self,
+        id: u32,
+        name: &str,
+        size: u64,
+        read_only: bool,
+    ) -> Arc<Volume> {
+        let blocks = size.div_ceil(self.inner.block_bytes()).max(1);
+        let v = Arc::new(Volume {
+            id,
+            name: name.to_string(),
+            read_only,
+            size: AtomicU64::new(size),
+            table: Table::new(table_blocks(blocks)),
+            frozen: AtomicBool::new(false),
+            users: AtomicU32::new(0),
+            mapped: AtomicU64::new(0),
+        });
+        lock(&self.inner.volumes).insert(id, v.clone());
+        v
+    }
+
+    /// A snapshot or clone of `source` named `name`: writes to the source wait while
+    /// its table is copied (see [`Inner::grace`]); returns how long they waited.
+    pub(super) fn snapshot(
+        &mut self,
+        source: &Arc<Volume>,
+        name: &str,
+        read_only: bool,
+    ) -> Result<Duration, String> {
+        let id = self.next_volume();
+        let size = source.size.load(SeqCst);
+        let began = Instant::now();
+        source.frozen.store(true, SeqCst);
+        self.inner.grace();
+        // Every write to the source acknowledged so far is in its table, and none is in
+        // flight: capture it, copy it, and let writes go on (they copy on write now).
+        let mut records = Vec::new();
+        self.capture(&mut records);
+        let copy = self.add_volume(id, name, size, read_only);
+        for (vb, e) in source.table.mapped() {
+            copy.table.set(vb, e & !OWNED);
+            if e & OWNED != 0 {
+                let _ = source.table.swap_if(vb, e, e & !OWNED);
+            }
+        }
+        source.frozen.store(false, SeqCst);
+        let frozen = began.elapsed();
+        records.push(Record::Snapshot {
+            src: source.id,
+            new: id,
+            flags: u32::from(read_only),
+            name: name.to_string(),
+        });
+        if let Err(e) = self.commit(records) {
+            lock(&self.inner.volumes).remove(&id);
+            return Err(e);
+        }
+        Ok(frozen)
+    }
+
+    /// The commit thread's loop: see the module's documentation.
+    pub(super) fn run(mut self) {
+        loop {
+            let (waiters, admin, stop) = {
+                let mut w = lock(&self.inner.work);
+                if w.waiters.is_empty() && w.admin.is_empty() && !w.kicked && !w.stop {
+                    w = self
+                        .inner
+                        .work_cv
+                        .wait_timeout(w, COMMIT_PERIOD)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+                w.kicked = false;
+                (
+                    std::mem::take(&mut w.waiters),
+                    std::mem::take(&mut w.admin),
+                    w.stop,
+                )
+            };
+            let result = self.commit(Vec::new());
+            let status = match &result {
+                Ok(()) => IoStatus::OK,
+                Err(_) => IoStatus::errno(libc::EIO),
+            };
+            for w in waiters {
+                let _ = w.reply.send((w.token, status));
+                cairn_core::event::wake(&*w.wake);
+            }
+            for (op, reply) in admin {
+                let _ = reply.send(self.admin(op));
+            }
+            self.release();
+            if !self.inner.failed.load(Relaxed) && self.log_used * 4 > self.log_pages() {
+                let _ = self.checkpoint(false);
+            }
+            if stop {
+                break;
+            }
+        }
+        // Stopping: the last changes, then a checkpoint marked clean.
+        if self.commit(Vec::new()).is_ok() {
+            self.release();
+            let _ = self.commit(Vec::new());
+            let _ = self.checkpoint(true);
+        }
+        let left = std::mem::take(&mut lock(&self.inner.work).admin);
+        for (_, reply) in left {
+            let _ = reply.send(Err(format!("thin pool '{}' stopped", self.inner.name)));
+        }
+    }
+}
+
+/// Consecutive runs of sorted `blocks`.
+pub(super) fn runs(blocks: &[u64]) -> Vec<(u64, u64)> {
+    let mut sorted = blocks.to_vec();
+    sorted.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for b in sorted {
+        match out.last_mut() {
+            Some((s, l)) if *s + *l == b => *l += 1,
+            _ => out.push((b, 1)),
+        }
+    }
+    out
+}
+
+/// Makes every block of `runs` read as zeros through `q` (the data device).
+pub(super) fn zero_runs(
+    q: &BlockingQueue,
+    inner: &Inner,
+    runs: &[(u64, u64)],
+) -> Result<(), String> {
+    let caps = q.geometry().caps;
+    let op = if caps.discard {
+        Op::Discard
+    } else if caps.write_zeroes {
+        Op::WriteZeroes
+    } else {
+        Op::Write
+    };
+    for &(start, len) in runs {
+        let mut at = inner.data_offset + (start << inner.block_shift);
+        let end = at + (len << inner.block_shift);
+        while at < end {
+            let n = (end - at).min(1 << 30);
+            let r = if op == Op::Write {
+                q.write(at, &vec![0u8; n.min(8 << 20) as usize], IoFlags::NONE)
+                    .map(|()| n.min(8 << 20))
+            } else {
+                q.zero(op, at, n, IoFlags::NONE).map(|()| n)
+            };
+            at += r.map_err(|e| format!("zeroing at {at}: {e}"))?;
+        }
+    }
+    Ok(())
+}
