@@ -913,3 +913,8 @@ mod hostile;
 // Ceph RBD images: served, cached, mirrored with a local file (a cluster from tests/ceph)
 
 mod rbd;
+
+// ---------------------------------------------------------------------------------------
+// Thin pools: snapshots while a client writes, kill -9, check and restart
+
+mod thin;

@@ -591,6 +591,8 @@ impl ThinPool {
         let thread = std::thread::Builder::new()
             .name(format!("thin-{name}"))
             .spawn(move || {
+                // SIGTERM and SIGINT are for `cairn serve`'s main thread.
+                cairn_core::reactor::block_signals_in_this_thread();
                 let started = prepare(&n, d, m, opts, switches, false).and_then(
                     |(mut c, words, describe)| {
                         recover(&mut c)

@@ -177,6 +177,7 @@ impl Device for ThinDevice {
             parents: RefCell::new(Slab::with_capacity(256)),
             children: RefCell::new(Slab::with_capacity(256)),
             stash: RefCell::new(Vec::with_capacity(4 * super::pool::STASH)),
+            reserved: Cell::new(0),
             bufs: RefCell::new(Vec::with_capacity(COW_BUFFERS)),
             free_bufs: RefCell::new(Vec::with_capacity(COW_BUFFERS)),
             waiting_buf: RefCell::new(VecDeque::new()),
@@ -203,6 +204,8 @@ struct Parent {
     status: IoStatus,
     /// Counted in the gate: 0 no, else 1 + parity.
     gate: u8,
+    /// Blocks of the stash promised to its pieces and not taken yet.
+    blocks: u32,
 }
 
 /// One piece of a parent: `len` bytes at `off` in virtual block `vb`, at `at` in the
@@ -252,6 +255,8 @@ struct ThinQueue {
     children: RefCell<Slab<Child>>,
     /// Free zeroed blocks taken from the pool.
     stash: RefCell<Vec<u32>>,
+    /// Blocks of the stash promised to requests in progress.
+    reserved: Cell<usize>,
     /// Copy-on-write buffers (made when first needed, at most [`COW_BUFFERS`]), and the
     /// indices of those not in use.
     bufs: RefCell<Vec<AlignedBuf>>,
@@ -302,13 +307,44 @@ impl ThinQueue {
     /// request waits or fails, per `Take`).
     fn stock(&self, need: usize) -> Take {
         let mut stash = self.stash.borrow_mut();
-        while stash.len() < need {
+        let want = self.reserved.get() + need;
+        while stash.len() < want {
             match self.inner.take_blocks(&mut stash) {
                 Take::Got => {}
                 other => return other,
             }
         }
+        self.reserved.set(want);
         Take::Got
+    }
+
+    /// A block for a piece of parent `p` (one promised to it, or, when its promises are
+    /// used up by pieces that ran again, any the pool still has).
+    fn pop_block(&self, p: u32) -> Option<u32> {
+        {
+            let mut parents = self.parents.borrow_mut();
+            let par = parents.get_mut(p);
+            if par.blocks > 0 {
+                par.blocks -= 1;
+                self.reserved.set(self.reserved.get() - 1);
+            }
+        }
+        let mut stash = self.stash.borrow_mut();
+        if stash.len() <= self.reserved.get() {
+            // Everything left is promised to other requests: ask the pool.
+            let _ = self.inner.take_blocks(&mut stash);
+        }
+        if stash.len() <= self.reserved.get() {
+            return None;
+        }
+        stash.pop()
+    }
+
+    /// Block `b`, unused, goes back to the stash, promised to parent `p` again.
+    fn push_block(&self, p: u32, b: u32) {
+        self.stash.borrow_mut().push(b);
+        self.parents.borrow_mut().get_mut(p).blocks += 1;
+        self.reserved.set(self.reserved.get() + 1);
     }
 
     /// Starts `io` (submit, or again after it waited).
@@ -324,6 +360,7 @@ impl ThinQueue {
             return;
         }
         let parity = self.inner.enter(&self.gate);
+        let mut need = 0;
         if io.op.is_write() {
             if self.vol.frozen.load(SeqCst) {
                 self.inner.leave(&self.gate, parity);
@@ -332,7 +369,7 @@ impl ThinQueue {
             }
             // Blocks for every piece that may need one, before anything is changed: a
             // request that cannot have them all changes nothing.
-            let need = self.needs_blocks(&io);
+            need = self.needs_blocks(&io);
             if need > 0 {
                 let failed = self.inner.failed.load(Relaxed);
                 let take = if failed { Take::Full } else { self.stock(need) };
@@ -360,6 +397,7 @@ impl ThinQueue {
             pending: 1, // held until every piece is started
             status: IoStatus::OK,
             gate: 1 + parity as u8,
+            blocks: need as u32,
         });
         self.pieces(p, &io);
         self.piece_done(p, IoStatus::OK);
@@ -505,7 +543,7 @@ impl ThinQueue {
                     if e & OWNED != 0 {
                         return Some(self.phys(e) + piece.off);
                     }
-                    let Some(new) = self.stash.borrow_mut().pop() else {
+                    let Some(new) = self.pop_block(piece.parent) else {
                         self.fail_piece(piece.parent, libc::ENOSPC);
                         return None;
                     };
@@ -522,7 +560,7 @@ impl ThinQueue {
                             }
                             Err(_) => {
                                 // Mapped by another request meanwhile: look again.
-                                self.stash.borrow_mut().push(new);
+                                self.push_block(piece.parent, new);
                                 continue;
                             }
                         }
@@ -537,13 +575,13 @@ impl ThinQueue {
                             return None;
                         }
                         // Storage asked for: a new block is zeros already.
-                        let Some(new) = self.stash.borrow_mut().pop() else {
+                        let Some(new) = self.pop_block(piece.parent) else {
                             self.fail_piece(piece.parent, libc::ENOSPC);
                             return None;
                         };
                         t.ensure_leaf(piece.vb);
                         if t.swap_if(piece.vb, 0, (new + 1) | OWNED).is_err() {
-                            self.stash.borrow_mut().push(new);
+                            self.push_block(piece.parent, new);
                             continue;
                         }
                         t.mark(piece.vb);
@@ -564,14 +602,14 @@ impl ThinQueue {
                     if e & OWNED != 0 {
                         return Some(self.phys(e) + piece.off);
                     }
-                    let Some(new) = self.stash.borrow_mut().pop() else {
+                    let Some(new) = self.pop_block(piece.parent) else {
                         self.fail_piece(piece.parent, libc::ENOSPC);
                         return None;
                     };
                     if whole {
                         // NO_HOLE over a shared block: a new block is zeros already.
                         if t.swap_if(piece.vb, e, (new + 1) | OWNED).is_err() {
-                            self.stash.borrow_mut().push(new);
+                            self.push_block(piece.parent, new);
                             continue;
                         }
                         t.mark(piece.vb);
@@ -616,7 +654,7 @@ impl ThinQueue {
         let Some((index, ptr)) = self.take_buf() else {
             // Held by the parent until a buffer comes back.
             self.parents.borrow_mut().get_mut(piece.parent).pending += 1;
-            self.stash.borrow_mut().push(new);
+            self.push_block(piece.parent, new);
             self.waiting_buf.borrow_mut().push_back(piece);
             return;
         };
@@ -686,6 +724,8 @@ impl ThinQueue {
         }
         let par = parents.remove(p);
         drop(parents);
+        // Promises its pieces did not need (they found the block owned when they ran).
+        self.reserved.set(self.reserved.get() - par.blocks as usize);
         if par.gate != 0 {
             self.inner.leave(&self.gate, usize::from(par.gate - 1));
         }
@@ -706,6 +746,7 @@ impl ThinQueue {
             pending: 0,
             status: IoStatus::OK,
             gate: 0,
+            blocks: 0,
         });
         self.waits.set(self.waits.get() + 1);
         self.inner.wait_commit(Waiter {
