@@ -185,7 +185,10 @@ fn kill_9_after_snapshots_with_writes_in_flight_keeps_every_flushed_write_and_sn
     let text = success("cairn check", &out);
     assert!(text.contains("check: clean"), "{text}");
     assert!(text.contains("volume 's2'"), "{text}");
-    assert!(std::fs::read(&data).unwrap() == before, "cairn check wrote to the pool");
+    assert!(
+        std::fs::read(&data).unwrap() == before,
+        "cairn check wrote to the pool"
+    );
 
     let srv = Server::start_in(tmpdir(), &[path_str(&stack), "--admin", path_str(&ctl)]);
     libnbd_script(

@@ -42,6 +42,8 @@ pub(super) struct Committer {
     pub(super) commits: u64,
     /// The pool was created by this open.
     pub(super) new: bool,
+    /// A snapshot's source, whose writes wait until the snapshot's reply is sent.
+    pub(super) thaw: Option<Arc<Volume>>,
 }
 
 impl Committer {
@@ -332,13 +334,11 @@ impl Committer {
                     .get(&source.id)
                     .map_or(0, |v| v.map.len());
                 self.check_new(&name, source.size.load(Relaxed), mapped as u64)?;
-                let began = Instant::now();
-                let frozen = self.snapshot(&source, &name, read_only)?;
+                let held = self.snapshot(&source, &name, read_only)?;
                 let kind = if read_only { "snapshot" } else { "clone" };
                 Ok(format!(
-                    "{kind} '{name}' of '{src}' taken (writes held for {} us, {} us in all)",
-                    frozen.as_micros(),
-                    began.elapsed().as_micros()
+                    "{kind} '{name}' of '{src}' taken (writes to '{src}' held for {} us)",
+                    held.as_micros()
                 ))
             }
             Admin::Delete { name } => {
@@ -466,19 +466,20 @@ impl Committer {
                 let _ = source.table.swap_if(vb, e, e & !OWNED);
             }
         }
-        source.frozen.store(false, SeqCst);
-        let frozen = began.elapsed();
         records.push(Record::Snapshot {
             src: source.id,
             new: id,
             flags: u32::from(read_only),
             name: name.to_string(),
         });
+        // Writes wait until the reply is on its way (see `run`): none acknowledged
+        // before it is missing from the snapshot.
+        self.thaw = Some(source.clone());
         if let Err(e) = self.commit(records) {
             lock(&self.inner.volumes).remove(&id);
             return Err(e);
         }
-        Ok(frozen)
+        Ok(began.elapsed())
     }
 
     /// The commit thread's loop: see the module's documentation.
@@ -512,6 +513,9 @@ impl Committer {
             }
             for (op, reply) in admin {
                 let _ = reply.send(self.admin(op));
+                if let Some(v) = self.thaw.take() {
+                    v.frozen.store(false, SeqCst);
+                }
             }
             self.release();
             if !self.inner.failed.load(Relaxed) && self.log_used * 4 > self.log_pages() {

@@ -401,6 +401,7 @@ pub(super) fn prepare(
         leaf: Box::new([0; LEAF_ENTRIES]),
         commits: 0,
         new: false,
+        thaw: None,
     };
     c.next_seq = fresh.unwrap_or(1);
     c.commit_id = c.next_seq;
