@@ -322,11 +322,12 @@ fn snapshots_under_load_hold_what_was_acknowledged_before_and_nothing_started_af
     use std::time::Instant;
     const PAGES: u64 = 1; // per writer: after its first copy on write, writes go in place
     const SNAPS: usize = 8;
-    // Writes take 20 ms to land, so that a snapshot taken without holding them would see
-    // one land in a block it shares after it was taken.
+    // Data writes take 20 ms to land (metadata writes none), so that a snapshot taken
+    // without holding writes would see one land in a block it shares after it was taken.
     let text = "[device.m]\ntype = \"mem\"\nsize = \"256M\"\n\
         [device.slow]\ntype = \"delay\"\nbase = \"m\"\nwrite = \"20ms\"\n\
-        [device.pool]\ntype = \"thin-pool\"\ndata = \"slow\"\n\
+        [device.meta]\ntype = \"mem\"\nsize = \"64M\"\n\
+        [device.pool]\ntype = \"thin-pool\"\ndata = \"slow\"\nmetadata = \"meta\"\n\
         [device.vm]\ntype = \"thin\"\npool = \"pool\"\nsize = \"64M\"\n";
     let stack = cairn_devices::config::StackFile::parse(text).unwrap();
     let vm = stack
