@@ -306,7 +306,7 @@ fn consistent(view: &View, build: impl Fn(&View) -> String) -> String {
 }
 
 /// The thin pools served, by name.
-fn pools(roots: &[Arc<dyn Device>]) -> Vec<Arc<dyn Device>> {
+pub(crate) fn pools(roots: &[Arc<dyn Device>]) -> Vec<Arc<dyn Device>> {
     all_devices(roots)
         .into_iter()
         .map(|(_, d)| d)
@@ -314,7 +314,7 @@ fn pools(roots: &[Arc<dyn Device>]) -> Vec<Arc<dyn Device>> {
         .collect()
 }
 
-fn pool_of(d: &Arc<dyn Device>) -> Option<&cairn_devices::thin::pool::Inner> {
+pub(crate) fn pool_of(d: &Arc<dyn Device>) -> Option<&cairn_devices::thin::pool::Inner> {
     d.as_any()
         .and_then(|a| a.downcast_ref::<cairn_devices::thin::pool::ThinPool>())
         .map(|p| &**p.inner())

@@ -345,6 +345,7 @@ fn families(view: &View) -> Vec<MetricFamily> {
             }
         }
     }
+    let thin = thin_families(&view.roots());
     let mut out = vec![
         requests,
         bytes,
@@ -364,6 +365,7 @@ fn families(view: &View) -> Vec<MetricFamily> {
         repaired_bytes,
         repair_failed,
     ];
+    out.extend(thin);
     if let Some(o) = view.observer() {
         let conns = o.connections();
         let mut open = family(
@@ -419,6 +421,54 @@ fn families(view: &View) -> Vec<MetricFamily> {
     }
     out.retain(|f| !f.get_metric().is_empty());
     out
+}
+
+/// Thin pools: data and metadata use, and each volume's mapped bytes.
+fn thin_families(roots: &[Arc<dyn cairn_core::Device>]) -> Vec<MetricFamily> {
+    let mut data = family(
+        "cairn_thin_pool_data_bytes",
+        "A thin pool's data space, and the part in use (state=\"used\").",
+        MetricType::GAUGE,
+    );
+    let mut meta = family(
+        "cairn_thin_pool_metadata_bytes",
+        "A thin pool's metadata: checkpoint capacity and log size (state=\"total\"), the last checkpoint and the log since (state=\"used\").",
+        MetricType::GAUGE,
+    );
+    let mut mapped = family(
+        "cairn_thin_volume_mapped_bytes",
+        "Bytes a thin volume (or snapshot, or clone) maps.",
+        MetricType::GAUGE,
+    );
+    let mut vsize = family(
+        "cairn_thin_volume_size_bytes",
+        "A thin volume's virtual size.",
+        MetricType::GAUGE,
+    );
+    for d in crate::admin::pools(roots) {
+        let Some(inner) = crate::admin::pool_of(&d) else {
+            continue;
+        };
+        let r = inner.report();
+        let total = (r.data_blocks * r.block_bytes) as f64;
+        let used = (r.used_blocks * r.block_bytes) as f64;
+        data.mut_metric()
+            .push(gauge(&[("pool", &r.name), ("state", "total")], total));
+        data.mut_metric()
+            .push(gauge(&[("pool", &r.name), ("state", "used")], used));
+        let mtotal = (r.checkpoint_capacity + r.log_bytes / 2) as f64;
+        let mused = (r.checkpoint_bytes + r.log_used) as f64;
+        meta.mut_metric()
+            .push(gauge(&[("pool", &r.name), ("state", "total")], mtotal));
+        meta.mut_metric()
+            .push(gauge(&[("pool", &r.name), ("state", "used")], mused));
+        for (name, size, m, _, _) in &r.volumes {
+            let l = [("pool", r.name.as_str()), ("volume", name.as_str())];
+            mapped.mut_metric().push(gauge(&l, *m as f64));
+            vsize.mut_metric().push(gauge(&l, *size as f64));
+        }
+    }
+    vec![data, meta, mapped, vsize]
 }
 
 /// One scrape's text.

@@ -60,7 +60,7 @@ fn done(c: &mut std::process::Child) {
     assert_eq!(line.trim(), "done", "the client failed");
 }
 
-fn json(what: &str, out: &Output) -> Value {
+pub(super) fn json(what: &str, out: &Output) -> Value {
     let text = success(what, out);
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{what}: {e}: {text}"))
 }
@@ -73,7 +73,7 @@ fn sample(scrape: &str, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-fn scrape(py: &Path, url: &str) -> String {
+pub(super) fn scrape(py: &Path, url: &str) -> String {
     let out = run(Command::new(py).args([
             "-c",
             "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())",

@@ -190,7 +190,16 @@ fn kill_9_after_snapshots_with_writes_in_flight_keeps_every_flushed_write_and_sn
         "cairn check wrote to the pool"
     );
 
-    let srv = Server::start_in(tmpdir(), &[path_str(&stack), "--admin", path_str(&ctl)]);
+    let srv = Server::start_in(
+        tmpdir(),
+        &[
+            path_str(&stack),
+            "--admin",
+            path_str(&ctl),
+            "--metrics",
+            "tcp:127.0.0.1:0",
+        ],
+    );
     libnbd_script(
         &python,
         CHECKER,
@@ -203,6 +212,35 @@ fn kill_9_after_snapshots_with_writes_in_flight_keeps_every_flushed_write_and_sn
     for v in ["vm:", "s1:", "s2:"] {
         assert!(text.contains(v), "{text}");
     }
+    // Status and the metrics show the pool and what each volume maps.
+    let status = super::observe::json(
+        "status --json",
+        &super::admin::admin(&ctl, &["status", "--json"]),
+    );
+    let pool = &status["thin_pools"][0];
+    assert_eq!(pool["name"], "pool", "{status:#}");
+    let s1 = pool["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "s1")
+        .expect("s1 in status");
+    assert_eq!(s1["mapped_bytes"], 16 << 20, "{status:#}");
+    assert_eq!(s1["read_only"], true);
+    let log = srv.stderr();
+    let url = log
+        .split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .unwrap_or_else(|| panic!("no metrics URL in the log:\n{log}"));
+    let metrics = super::observe::scrape(&python, url);
+    assert!(
+        metrics.contains("cairn_thin_volume_mapped_bytes{pool=\"pool\",volume=\"s1\"} 16777216"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("cairn_thin_pool_data_bytes{pool=\"pool\",state=\"used\"}"),
+        "{metrics}"
+    );
     // A served snapshot cannot go; one that is not served can.
     let out = super::admin::admin(&ctl, &["thin", "delete", "pool", "s1"]);
     assert!(!out.status.success(), "deleted a served snapshot");
