@@ -427,3 +427,61 @@ fn snapshots_under_load_hold_what_was_acknowledged_before_and_nothing_started_af
         }
     }
 }
+
+#[test]
+fn a_full_pool_with_a_snapshot_says_enospc_until_the_snapshot_is_deleted() {
+    let data = mem("16M", false);
+    let p = pool(&data);
+    let blocks = p.inner().report().data_blocks;
+    let block = 64usize << 10;
+    let (_d, q) = volume(&p, "vm", Some(1 << 30));
+    let half = blocks * 3 / 4; // filled; copies of a quarter fill the rest
+    for i in 0..half {
+        q.write(i * block as u64, &pattern(1, block), IoFlags::NONE)
+            .unwrap();
+    }
+    p.inner()
+        .admin(Admin::Snapshot {
+            src: "vm".into(),
+            name: "s".into(),
+            read_only: true,
+        })
+        .unwrap();
+    // Copies on write take the rest of the pool, then the next one fails alone.
+    let mut i = 0;
+    let err = loop {
+        match q.write(i * block as u64, &pattern(2, 4096), IoFlags::NONE) {
+            Ok(()) => i += 1,
+            Err(e) => break e,
+        }
+        assert!(i < half, "copied more blocks than the pool has");
+    };
+    assert!(err.to_string().contains("space"), "{err}");
+    assert!(
+        i >= blocks - half - 16,
+        "stopped early at {i} of {}",
+        blocks - half
+    );
+    assert!(
+        read(&q, i * block as u64 + 4096, 4096) == pattern(1, block)[4096..8192],
+        "the failed write changed block {i}"
+    );
+    // The snapshot goes: the volume owns its blocks alone again, so overwrites go in
+    // place at once (no copy, no space needed).
+    p.inner().admin(Admin::Delete { name: "s".into() }).unwrap();
+    for j in 0..half {
+        q.write(j * block as u64 + 8192, &pattern(3, 4096), IoFlags::NONE)
+            .unwrap_or_else(|e| panic!("block {j}: {e} after the snapshot went"));
+    }
+    q.flush().unwrap();
+    for j in 0..half {
+        let got = read(&q, j * block as u64, 12288);
+        let first = if j < i {
+            pattern(2, 4096)
+        } else {
+            pattern(1, block)[..4096].to_vec()
+        };
+        assert_eq!(got[..4096], first[..], "block {j}");
+        assert_eq!(got[8192..], pattern(3, 4096)[..], "block {j}");
+    }
+}

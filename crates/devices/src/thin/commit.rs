@@ -356,6 +356,8 @@ impl Committer {
                 lock(&self.inner.volumes).remove(&v.id);
                 records.push(Record::Delete { vol: v.id });
                 self.commit(records)?;
+                let owned = self.reown();
+                self.commit(owned)?;
                 Ok(format!("deleted volume '{name}' from thin pool '{pool}'"))
             }
             Admin::Grow { name, size } => {
@@ -480,6 +482,33 @@ impl Committer {
             return Err(e);
         }
         Ok(began.elapsed())
+    }
+
+    /// After a delete: entries whose block no other volume maps any more are owned again,
+    /// so that writes to them go in place instead of copying (a full pool could not
+    /// copy). Returns the records; the tables are changed already (an entry a queue
+    /// changed meanwhile is left to the next capture).
+    fn reown(&mut self) -> Vec<Record> {
+        let live = lock(&self.inner.volumes).clone();
+        let mut out = Vec::new();
+        for (id, v) in &self.state.volumes {
+            let Some(table) = live.get(id).map(|l| &l.table) else {
+                continue;
+            };
+            for (&vb, &e) in &v.map {
+                let alone = block_of(e).is_some_and(|b| {
+                    self.state.blocks.get(b as usize) == Some(&BlockState::Used(1))
+                });
+                if e & OWNED == 0 && alone && table.swap_if(vb, e, e | OWNED).is_ok() {
+                    out.push(Record::Set {
+                        vol: *id,
+                        vblock: vb,
+                        entry: e | OWNED,
+                    });
+                }
+            }
+        }
+        out
     }
 
     /// The commit thread's loop: see the module's documentation.
