@@ -104,6 +104,9 @@ struct Vol {
     /// What a power cut may leave.
     allowed: Vec<BTreeSet<u32>>,
     open: Option<(Arc<dyn Device>, BlockingQueue)>,
+    /// Made or deleted by an operation the power cut interrupted: it may or may not be
+    /// there after the cut (if it is, it reads as `allowed` says).
+    maybe: bool,
 }
 
 impl Vol {
@@ -115,6 +118,7 @@ impl Vol {
             now,
             allowed,
             open: None,
+            maybe: false,
         }
     }
 }
@@ -127,6 +131,10 @@ struct World {
     vols: Vec<Vol>,
     next_value: u32,
     next_name: u32,
+    /// With a cut at a random request: the mem under it (the pool opens there after).
+    raw: Option<Arc<dyn Device>>,
+    /// The cut happened (an operation failed): the machine is off until `cut`.
+    dead: bool,
 }
 
 fn opts() -> PoolOptions {
@@ -143,6 +151,10 @@ impl World {
     }
 
     fn open_pool(&mut self) {
+        self.try_open_pool().unwrap();
+    }
+
+    fn try_open_pool(&mut self) -> Result<(), cairn_core::Error> {
         let p = ThinPool::open(
             "pool",
             self.data.clone(),
@@ -150,9 +162,25 @@ impl World {
             opts(),
             Switches::default(),
             false,
-        )
-        .unwrap();
+        )?;
         self.pool = Some(Arc::new(p));
+        Ok(())
+    }
+
+    /// Opens volume `i` (creating it), or says why not.
+    fn try_open(&mut self, i: usize) -> Result<(), cairn_core::Error> {
+        let pool = self.pool.clone().unwrap();
+        let name = self.vols[i].name.clone();
+        let d: Arc<dyn Device> = Arc::new(ThinDevice::open(
+            &name,
+            pool,
+            &name,
+            Some(PAGES * PAGE as u64),
+            true,
+        )?);
+        let q = BlockingQueue::open(&d, Switches::default())?;
+        self.vols[i].open = Some((d, q));
+        Ok(())
     }
 
     fn q(&mut self, i: usize) -> &BlockingQueue {
@@ -201,12 +229,19 @@ impl World {
     /// The pool stops as a crash stops it, the mem loses what was not flushed, and the
     /// pool opens again: every page holds a value it was allowed to.
     fn cut(&mut self) -> Result<(), TestCaseError> {
-        self.pool().inner().crash_on_close();
+        if self.pool.is_some() {
+            self.pool().inner().crash_on_close();
+        }
         for v in &mut self.vols {
             v.open = None;
         }
         self.pool = None;
         self.data.power_cut();
+        if let Some(raw) = self.raw.take() {
+            // The machine comes back without the dying device.
+            self.data = raw;
+        }
+        self.dead = false;
         // The metadata checks clean (what `cairn check` does), then the pool runs again.
         ThinPool::open(
             "pool",
@@ -218,6 +253,31 @@ impl World {
         )
         .map_err(|e| TestCaseError::fail(format!("check after the cut: {e}")))?;
         self.open_pool();
+        let there: Vec<String> = self
+            .pool()
+            .inner()
+            .report()
+            .volumes
+            .into_iter()
+            .map(|v| v.0)
+            .collect();
+        for v in &self.vols {
+            prop_assert!(
+                v.maybe || there.contains(&v.name),
+                "{} is gone after the cut",
+                v.name
+            );
+        }
+        prop_assert!(
+            there.iter().all(|n| self.vols.iter().any(|v| &v.name == n)),
+            "after the cut the pool has {:?}, the model {:?}",
+            there,
+            self.vols.iter().map(|v| &v.name).collect::<Vec<_>>()
+        );
+        self.vols.retain(|v| there.contains(&v.name));
+        for v in &mut self.vols {
+            v.maybe = false;
+        }
         for i in 0..self.vols.len() {
             let mut b = vec![0u8; PAGES as usize * PAGE];
             self.q(i).read(0, &mut b).unwrap();
@@ -242,9 +302,27 @@ impl World {
     }
 }
 
-fn run(steps: &[Step], separate: bool) -> Result<(), TestCaseError> {
+/// Runs `steps`; with `cut_at`, the power goes at that request to the data device (and
+/// the machine stays off: every later request fails), the operation under way fails,
+/// and the run ends with the check after the cut.
+fn run(steps: &[Step], separate: bool, cut_at: Option<u64>) -> Result<(), TestCaseError> {
     let mem = |s: &str, name| cairn_devices::open(&LeafSpec::parse(s).unwrap(), name).unwrap();
-    let (data, meta) = if separate {
+    let mut raw = None;
+    let (data, meta) = if let Some(n) = cut_at {
+        let text = format!(
+            "[device.m]\ntype = \"mem\"\nsize = \"8M\"\nvolatile = true\n\
+             [device.cut]\ntype = \"fault\"\nbase = \"m\"\npower_cut = true\nafter_ios = {n}\n\
+             [device.off]\ntype = \"fault\"\nbase = \"cut\"\nfail = [\"read\", \"write\", \"flush\"]\nafter_ios = {}\n",
+            n + 1
+        );
+        let stack = cairn_devices::config::StackFile::parse(&text).unwrap();
+        let off = stack
+            .open_all(&["off".to_string()], Switches::default())
+            .unwrap()
+            .remove(0);
+        raw = Some(off.children()[0].children()[0].clone());
+        (off, None)
+    } else if separate {
         (
             mem("mem:6M,volatile=1", "data"),
             Some(mem("mem:4M,volatile=1", "meta")),
@@ -259,11 +337,24 @@ fn run(steps: &[Step], separate: bool) -> Result<(), TestCaseError> {
         vols: vec![Vol::new("v0".into(), false, vec![0; PAGES as usize])],
         next_value: 1,
         next_name: 1,
+        raw,
+        dead: false,
     };
-    w.open_pool();
-    w.q(0);
+    if cut_at.is_some() {
+        // The cut may come while the pool or the volume is made.
+        if w.try_open_pool().is_err() || w.try_open(0).is_err() {
+            w.vols[0].maybe = true;
+            w.dead = true;
+        }
+    } else {
+        w.open_pool();
+        w.q(0);
+    }
     w.all_durable();
     for step in steps {
+        if w.dead {
+            break;
+        }
         let pick = |v: usize, n: usize| v % n;
         match *step {
             Step::Write { v, page, n, fua } => {
@@ -291,6 +382,13 @@ fn run(steps: &[Step], separate: bool) -> Result<(), TestCaseError> {
                             }
                         }
                         prop_assert!(!vol.read_only, "a write to snapshot {} succeeded", vol.name);
+                    }
+                    Err(e) if cut_at.is_some() && e.to_string().contains("Input/output") => {
+                        // The cut: it may have landed.
+                        for k in 0..n {
+                            vol.allowed[(page + k) as usize].insert(val);
+                        }
+                        w.dead = true;
                     }
                     Err(e) => {
                         let s = e.to_string();
@@ -337,6 +435,12 @@ fn run(steps: &[Step], separate: bool) -> Result<(), TestCaseError> {
                             vol.allowed[p].insert(0);
                         }
                     }
+                    Err(e) if cut_at.is_some() && e.to_string().contains("Input/output") => {
+                        for k in 0..n {
+                            vol.allowed[(page + k) as usize].insert(0);
+                        }
+                        w.dead = true;
+                    }
                     Err(e) => {
                         let s = e.to_string();
                         prop_assert!(
@@ -350,12 +454,17 @@ fn run(steps: &[Step], separate: bool) -> Result<(), TestCaseError> {
             }
             Step::Flush { v } => {
                 let i = pick(v, w.vols.len());
-                w.q(i).flush().unwrap();
-                w.all_durable();
+                match w.q(i).flush() {
+                    Ok(()) => w.all_durable(),
+                    Err(_) if cut_at.is_some() => w.dead = true,
+                    Err(e) => prop_assert!(false, "flush: {}", e),
+                }
             }
             Step::Read { v, page, n } => {
                 let i = pick(v, w.vols.len());
-                w.check(i, page, n, "now")?;
+                if cut_at.is_none() {
+                    w.check(i, page, n, "now")?;
+                }
             }
             Step::Snapshot { v } | Step::Clone { v } => {
                 let clone = matches!(step, Step::Clone { .. });
@@ -376,6 +485,13 @@ fn run(steps: &[Step], separate: bool) -> Result<(), TestCaseError> {
                         let now = w.vols[i].now.clone();
                         w.vols.push(Vol::new(name, !clone, now));
                     }
+                    Err(_) if cut_at.is_some() && may && w.pool().inner().report().failed => {
+                        // Cut during the snapshot: it may be there, as it was taken.
+                        let mut s = Vol::new(name, !clone, w.vols[i].now.clone());
+                        s.maybe = true;
+                        w.vols.push(s);
+                        w.dead = true;
+                    }
                     Err(e) => prop_assert!(!may || e.contains("metadata"), "{}: {}", name, e),
                 }
             }
@@ -390,16 +506,30 @@ fn run(steps: &[Step], separate: bool) -> Result<(), TestCaseError> {
                 let r = w.pool().inner().admin(Admin::Delete { name: name.clone() });
                 prop_assert!(r.is_err(), "{} deleted while open", name);
                 w.vols[i].open = None;
-                w.pool().inner().admin(Admin::Delete { name }).unwrap();
-                w.vols.remove(i);
-                w.all_durable();
+                match w.pool().inner().admin(Admin::Delete { name }) {
+                    Ok(_) => {
+                        w.vols.remove(i);
+                        w.all_durable();
+                    }
+                    Err(_) if cut_at.is_some() => {
+                        w.vols[i].maybe = true;
+                        w.dead = true;
+                    }
+                    Err(e) => prop_assert!(false, "delete: {}", e),
+                }
             }
-            Step::Cut => w.cut()?,
+            Step::Cut if cut_at.is_none() => w.cut()?,
+            Step::Cut => {}
+        }
+        if w.dead {
+            break;
         }
     }
     // The end: every volume reads as the model says, then once more after a cut.
-    for i in 0..w.vols.len() {
-        w.check(i, 0, PAGES, "at the end")?;
+    if cut_at.is_none() {
+        for i in 0..w.vols.len() {
+            w.check(i, 0, PAGES, "at the end")?;
+        }
     }
     w.cut()?;
     Ok(())
@@ -420,8 +550,11 @@ proptest! {
     #![proptest_config(config())]
 
     #[test]
-    fn metadata_on_the_data_device(s in steps()) { run(&s, false)?; }
+    fn metadata_on_the_data_device(s in steps()) { run(&s, false, None)?; }
 
     #[test]
-    fn metadata_on_a_device_of_its_own(s in steps()) { run(&s, true)?; }
+    fn metadata_on_a_device_of_its_own(s in steps()) { run(&s, true, None)?; }
+
+    #[test]
+    fn the_power_goes_at_a_random_request(s in steps(), n in 0..600u64) { run(&s, false, Some(n))?; }
 }

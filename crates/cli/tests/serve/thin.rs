@@ -8,7 +8,8 @@ use super::*;
 /// bytes (tag 0: zeros). Phase 1 fills the first half with tag 1 and flushes; snapshot
 /// s1; phase 2 writes 2000 random pages with tag 2 and flushes; snapshot s2; 500 more
 /// with tag 2 and a flush (durable by that flush's commit alone); phase 3
-/// writes random pages, each with a tag of its own, 64 in flight, and once 1500 are done
+/// writes random pages (of the first three quarters: the last stays unwritten), each with
+/// a tag of its own, 64 in flight, and once 1500 are done
 /// kills the server. What every page may read afterwards goes to CAIRN_EXPECT (JSON).
 const WRITER: &str = r#"
 import json
@@ -54,7 +55,7 @@ for p in range(pages // 2):
     now[p] = 1
 s1 = list(now)
 snapshot("s1")
-batch = [(rng.randrange(pages), 2) for _ in range(2000)]
+batch = [(rng.randrange(pages * 3 // 4), 2) for _ in range(2000)]
 write_all(batch)
 h.flush()
 for p, t in batch:
@@ -63,7 +64,7 @@ s2 = list(now)
 snapshot("s2")
 # Right after the snapshot's commit: writes made durable by a flush alone (no other
 # commit comes before the kill, unless the pool's 1 s timer fires).
-batch = [(rng.randrange(pages), 2) for _ in range(500)]
+batch = [(rng.randrange(pages * 3 // 4), 2) for _ in range(500)]
 write_all(batch)
 h.flush()
 for p, t in batch:
@@ -76,7 +77,7 @@ done = 0
 tag = 3
 while done < 1500:
     while len(pending) < 64:
-        p = rng.randrange(pages)
+        p = rng.randrange(pages * 3 // 4)
         allowed[p].append(tag)
         pending.append(h.aio_pwrite(content(p, tag), p * PAGE))
         tag += 1
@@ -97,7 +98,8 @@ print(f"SIGKILL after {done} unflushed writes: killed")
 "#;
 
 /// Reads every page of exports vm, s1 and s2 and compares with CAIRN_EXPECT: the
-/// snapshots exactly, vm a value each page was allowed. Then writes to vm and reads back.
+/// snapshots exactly, vm a value each page was allowed. Then writes a page into blocks
+/// of vm never written, and reads the rest of each block: zeros.
 const CHECKER: &str = r#"
 import json
 import os
@@ -128,6 +130,21 @@ for name in ("s1", "s2", "vm"):
     h.shutdown()
 print(len(bad), "pages wrong", bad[:5])
 assert not bad
+# Blocks never written read as zeros even once a write lands in them: space the killed
+# server took for writes it never committed was zeroed before reuse.
+h = nbd.NBD()
+h.set_export_name("vm")
+h.connect_unix(os.environ["CAIRN_SOCK"])
+vm = expect["vm"]
+holes = [b for b in range(len(vm) // 16) if all(vm[b * 16 + i] == [0] for i in range(16))]
+assert len(holes) >= 8, len(holes)
+stale = 0
+for b in holes[:64]:
+    h.pwrite(struct.pack("<Q", (b * 16 << 32) | 99) * (PAGE // 8), b * 16 * PAGE)
+    rest = h.pread(15 * PAGE, (b * 16 + 1) * PAGE)
+    stale += rest != bytes(15 * PAGE)
+print(stale, "new blocks held stale data")
+assert stale == 0
 print("checked")
 "#;
 
