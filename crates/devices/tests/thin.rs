@@ -487,3 +487,63 @@ fn a_full_pool_with_a_snapshot_says_enospc_until_the_snapshot_is_deleted() {
         assert_eq!(got[8192..], pattern(3, 4096)[..], "block {j}");
     }
 }
+
+/// Many partial writes at once into blocks a snapshot shares: more than the queue has
+/// copy-on-write buffers, several per block, so that pieces wait for a buffer and some
+/// find their block copied by the time one is free. Every write completes (it once
+/// hung: a piece that went in place left its buffer unused and the others waiting) and
+/// reads back.
+#[test]
+fn many_copies_on_write_at_once_all_complete() {
+    use cairn_core::blocking::Request;
+    let data = mem("64M", false);
+    let p = pool(&data);
+    let (_d, q) = volume(&p, "vm", Some(64 << 20));
+    let block = 64u64 << 10;
+    for b in 0..8 {
+        q.write(b * block, &pattern(1, block as usize), IoFlags::NONE)
+            .unwrap();
+    }
+    p.inner()
+        .admin(Admin::Snapshot {
+            src: "vm".into(),
+            name: "s".into(),
+            read_only: true,
+        })
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let d = _d.clone();
+    std::thread::spawn(move || {
+        let q = BlockingQueue::open(&d, Switches::default()).unwrap();
+        // 8 blocks x 8 pages, all in flight together.
+        let mut bufs: Vec<Vec<u8>> = (0..64).map(|i| pattern(10 + i as u8, 4096)).collect();
+        let mut reqs: Vec<Request> = bufs
+            .iter_mut()
+            .enumerate()
+            .map(|(i, b)| Request {
+                op: Op::Write,
+                flags: IoFlags::NONE,
+                offset: (i as u64 % 8) * block + (i as u64 / 8) * 4096,
+                len: 0,
+                buf: Some(b.as_mut_slice()),
+            })
+            .collect();
+        let out = q.run(&mut reqs);
+        let _ = tx.send(out.iter().all(Result::is_ok));
+    });
+    let done = rx.recv_timeout(std::time::Duration::from_secs(20));
+    assert_eq!(
+        done,
+        Ok(true),
+        "64 writes in flight together did not all complete"
+    );
+    for i in 0..64u64 {
+        let at = (i % 8) * block + (i / 8) * 4096;
+        assert!(
+            read(&q, at, 4096) == pattern(10 + i as u8, 4096),
+            "write {i}"
+        );
+    }
+    let (_s, sq) = volume(&p, "s", None);
+    assert!(read(&sq, 0, 8 * block as usize) == pattern(1, block as usize).repeat(8));
+}

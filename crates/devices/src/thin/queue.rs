@@ -692,11 +692,15 @@ impl ThinQueue {
         Some((i as u32, bufs[i].as_mut_ptr()))
     }
 
-    /// Buffer `i` is free again: a piece waiting for one runs now.
+    /// Buffer `i` is free again: pieces waiting for one run now, as long as one is free
+    /// (a piece that finds its block copied meanwhile writes in place and leaves the
+    /// buffer for the next).
     fn put_buf(&self, i: u32) {
         self.free_bufs.borrow_mut().push(i);
-        let next = self.waiting_buf.borrow_mut().pop_front();
-        if let Some(piece) = next {
+        while !self.free_bufs.borrow().is_empty() {
+            let Some(piece) = self.waiting_buf.borrow_mut().pop_front() else {
+                break;
+            };
             self.rerun(piece);
             // The hold taken when it began to wait.
             self.piece_done(piece.parent, IoStatus::OK);
