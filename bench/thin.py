@@ -144,7 +144,31 @@ def reap(p):
     LOADS.discard(p.pid)
 
 
+def descendants(pid):
+    """Every process below `pid` (fio's job processes call setsid: killing fio's group
+    does not reach them, and they hold its output pipes)."""
+    kids = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                kids.setdefault(int(nbd.stat_fields(d)[1]), []).append(int(d))
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.append(k)
+            todo.append(k)
+    return out
+
+
 def killgroup(p, sig=signal.SIGKILL):
+    """Sends `sig` to p's process group and to every process below it."""
+    for pid in descendants(p.pid):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
     try:
         os.killpg(p.pid, sig)
     except (ProcessLookupError, PermissionError):
@@ -165,7 +189,10 @@ def run(cmd, timeout, what, load=False):
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         killgroup(p)
-        out, err = p.communicate()
+        try:
+            out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            err = ""
         reap(p)
         raise Failed(f"{what}: still running after {timeout:.0f} s, killed{tail(err)}")
     reap(p)
@@ -235,6 +262,10 @@ def size_str(n):
 
 
 def mib(n):
+    if n < 10 * 1024:
+        return f"{n:.0f} B"
+    if n < 10 * MiB:
+        return f"{n / 1024:.0f} KiB"
     return f"{n / MiB:.0f} MiB" if n < 10 * GiB else f"{n / GiB:.1f} GiB"
 
 
@@ -357,6 +388,7 @@ class Cairn(Server):
         self.sock = os.path.join(d, "nbd.sock")
         self.admin_sock = os.path.join(d, "admin.sock")
         self.uri = f"nbd+unix:///vm?socket={self.sock}"
+        self.stuck = None
 
     def start(self):
         self.cmd = [CAIRN, "serve", self.stack, "--listen", f"unix:{self.sock}",
@@ -368,9 +400,18 @@ class Cairn(Server):
         return [CAIRN, "admin", self.admin_sock, *args]
 
     def admin(self, *args, timeout=60):
-        """Runs an admin command; returns (stdout, wall seconds)."""
+        """Runs an admin command; returns (stdout, wall seconds). Once one got no answer,
+        the others are not tried (the server answers admin commands one at a time)."""
+        what = f"cairn admin {' '.join(args)}"
+        if self.stuck:
+            raise Failed(f"{what}: not tried: {self.stuck}")
         t0 = time.monotonic()
-        out, _ = run(self.admin_cmd(*args), timeout, f"cairn admin {' '.join(args)}")
+        try:
+            out, _ = run(self.admin_cmd(*args), timeout, what)
+        except Failed as e:
+            if "still running after" in str(e):
+                self.stuck = f"an earlier admin command got no answer ({what})"
+            raise
         return out, time.monotonic() - t0
 
     def connections(self):
@@ -784,7 +825,7 @@ def snapshot_run(a, block):
                   stderr=subprocess.PIPE, text=True)
         # Pipes drained by threads: fio's stderr can fill with errors while we are busy.
         got = {}
-        readers = [threading.Thread(target=lambda k=k, s=s: got.__setitem__(k, s.read()))
+        readers = [threading.Thread(target=lambda k=k, s=s: got.__setitem__(k, s.read()), daemon=True)
                    for k, s in (("out", p.stdout), ("err", p.stderr))]
         for r in readers:
             r.start()
@@ -830,7 +871,7 @@ def snapshot_run(a, block):
             rec["fio_error"] = (f"fio still running {duration + 60:.0f} s after it started "
                                 "(requests never answered?): killed")
         for r in readers:
-            r.join()
+            r.join(30)
         reap(p)
         guard = GUARD_KILLED.pop(p.pid, None)
         if guard:

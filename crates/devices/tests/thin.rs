@@ -547,3 +547,34 @@ fn many_copies_on_write_at_once_all_complete() {
     let (_s, sq) = volume(&p, "s", None);
     assert!(read(&sq, 0, 8 * block as usize) == pattern(1, block as usize).repeat(8));
 }
+
+#[test]
+fn grow_takes_a_volume_up_to_four_times_its_size_and_never_shrinks_it() {
+    let data = mem("64M", false);
+    let p = pool(&data);
+    let (d, q) = volume(&p, "vm", Some(1 << 20));
+    q.write(0, &pattern(1, 4096), IoFlags::NONE).unwrap();
+    drop((q, d));
+    let grow = |size: u64| {
+        p.inner().admin(Admin::Grow {
+            name: "vm".into(),
+            size,
+        })
+    };
+    assert!(grow(512 << 10).unwrap_err().contains("cannot shrink"));
+    assert!(grow(5 << 20).unwrap_err().contains("larger than"));
+    grow(4 << 20).unwrap();
+    let (d, q) = volume(&p, "vm", None);
+    assert_eq!(d.geometry().size_bytes, 4 << 20);
+    q.write((4 << 20) - 4096, &pattern(2, 4096), IoFlags::NONE)
+        .unwrap();
+    q.flush().unwrap();
+    drop((q, d));
+    drop(p);
+    // The size is durable, and from the new size the volume may grow four times again.
+    let p = pool(&data);
+    let (d, q) = volume(&p, "vm", Some(16 << 20));
+    assert_eq!(d.geometry().size_bytes, 16 << 20);
+    assert_eq!(read(&q, 0, 4096), pattern(1, 4096));
+    assert_eq!(read(&q, (4 << 20) - 4096, 4096), pattern(2, 4096));
+}
