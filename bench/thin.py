@@ -241,7 +241,7 @@ def cleanup():
         shutil.rmtree(WORK["dir"], ignore_errors=True)
 
 
-def on_sigterm(signum, frame):
+def on_signal(signum, frame):
     raise KeyboardInterrupt
 
 
@@ -652,7 +652,11 @@ def spread(per):
     return f"{statistics.median(per):.2f}x ({min(per):.2f}..{max(per):.2f})"
 
 
-def cell(v, f=fmt_iops):
+def iops(v):
+    return fmt_iops(v) if v >= 1000 else f"{v:.0f}"
+
+
+def cell(v, f=iops):
     return "-" if v is None else f(v)
 
 
@@ -997,7 +1001,7 @@ def snap_tables(a, res, blocks, timeline_table=True):
             for k in range(n):
                 marks = ok[0]["marks"][k] if k < len(ok[0]["marks"]) else 0
                 out(f"| {k} | {marks or ''} | " + " | ".join(
-                    fmt_iops(r["seconds"][k]) if k < len(r["seconds"]) else "" for r in ok) + " |")
+                    iops(r["seconds"][k]) if k < len(r["seconds"]) else "" for r in ok) + " |")
             out("")
     if notes:
         out("Notes:\n", *notes, "")
@@ -1291,7 +1295,9 @@ def binary_check():
         sys.exit(f"{CAIRN} is missing: build it (cargo build --release) or set CAIRN_BIN")
     if os.environ.get("CAIRN_BIN"):
         return
-    srcs = glob.glob(os.path.join(ROOT, "crates", "**", "*.rs"), recursive=True)
+    # What the binary is built from (tests are not).
+    srcs = glob.glob(os.path.join(ROOT, "crates", "*", "src", "**", "*.rs"), recursive=True)
+    srcs += glob.glob(os.path.join(ROOT, "crates", "*", "build.rs"))
     srcs += glob.glob(os.path.join(ROOT, "crates", "*", "Cargo.toml"))
     srcs += [os.path.join(ROOT, "Cargo.toml"), os.path.join(ROOT, "Cargo.lock")]
     newer = [p for p in srcs if os.path.exists(p) and os.path.getmtime(p) > os.path.getmtime(CAIRN)]
@@ -1342,7 +1348,10 @@ def main():
     if missing:
         sys.exit(f"missing: {', '.join(missing)}")
     os.makedirs(OUT, exist_ok=True)
-    signal.signal(signal.SIGTERM, on_sigterm)
+    # Ctrl-C and SIGTERM stop the script the same way (even where SIGINT came in ignored,
+    # as for a background job of a shell script).
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     WORK["dir"] = tempfile.mkdtemp(prefix="cairn-thin-bench-", dir=SHM)
     stop = threading.Event()
     guard = threading.Thread(target=watchdog, args=(a.shm_reserve, stop), daemon=True)

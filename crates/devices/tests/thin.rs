@@ -58,6 +58,17 @@ fn volume(p: &Pool, name: &str, size: Option<u64>) -> (Arc<dyn Device>, Blocking
     (d, q)
 }
 
+/// `thin snapshot` (read-only) or `thin clone` of `src` as `name`.
+fn snapshot(p: &Pool, src: &str, name: &str, read_only: bool) -> String {
+    p.inner()
+        .admin(Admin::Snapshot {
+            src: src.into(),
+            name: name.into(),
+            read_only,
+        })
+        .unwrap()
+}
+
 fn read(q: &BlockingQueue, offset: u64, len: usize) -> Vec<u8> {
     let mut b = vec![0u8; len];
     q.read(offset, &mut b).unwrap();
@@ -111,14 +122,7 @@ fn snapshots_keep_what_was_and_clones_write_apart() {
     let (_d, q) = volume(&p, "vm", Some(256 << 20));
     let a = pattern(10, 128 << 10);
     q.write(0, &a, IoFlags::NONE).unwrap();
-    let said = p
-        .inner()
-        .admin(Admin::Snapshot {
-            src: "vm".into(),
-            name: "s1".into(),
-            read_only: true,
-        })
-        .unwrap();
+    let said = snapshot(&p, "vm", "s1", true);
     assert!(said.contains("snapshot 's1'"), "{said}");
     let b = pattern(20, 4096);
     q.write(4096, &b, IoFlags::NONE).unwrap(); // partial copy on write
@@ -136,13 +140,7 @@ fn snapshots_keep_what_was_and_clones_write_apart() {
     now[64 << 10..].copy_from_slice(&c);
     assert_eq!(read(&q, 0, a.len()), now);
     // A clone of the snapshot, written apart from both.
-    p.inner()
-        .admin(Admin::Snapshot {
-            src: "s1".into(),
-            name: "c1".into(),
-            read_only: false,
-        })
-        .unwrap();
+    snapshot(&p, "s1", "c1", false);
     let (_cd, cq) = volume(&p, "c1", None);
     let e = pattern(40, 8192);
     cq.write(16384, &e, IoFlags::NONE).unwrap();
@@ -442,13 +440,7 @@ fn a_full_pool_with_a_snapshot_says_enospc_until_the_snapshot_is_deleted() {
         q.write(i * block as u64, &pattern(1, block), IoFlags::NONE)
             .unwrap();
     }
-    p.inner()
-        .admin(Admin::Snapshot {
-            src: "vm".into(),
-            name: "s".into(),
-            read_only: true,
-        })
-        .unwrap();
+    snapshot(&p, "vm", "s", true);
     // Copies on write take the rest of the pool, then the next one fails alone.
     let mut i = 0;
     let err = loop {
@@ -504,13 +496,7 @@ fn many_copies_on_write_at_once_all_complete() {
         q.write(b * block, &pattern(1, block as usize), IoFlags::NONE)
             .unwrap();
     }
-    p.inner()
-        .admin(Admin::Snapshot {
-            src: "vm".into(),
-            name: "s".into(),
-            read_only: true,
-        })
-        .unwrap();
+    snapshot(&p, "vm", "s", true);
     let (tx, rx) = std::sync::mpsc::channel();
     let d = _d.clone();
     std::thread::spawn(move || {

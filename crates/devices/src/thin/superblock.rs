@@ -9,6 +9,8 @@
 //!
 //! All integers are little-endian.
 
+use crate::array::superblock::{get32, get64, put32, put64};
+
 /// Bytes of one slot.
 pub const SLOT_BYTES: usize = 8192;
 /// Slots at the start of the metadata area.
@@ -123,22 +125,6 @@ pub struct PoolSuperblock {
     pub updated_secs: u64,
     /// The id the next volume gets.
     pub next_volume: u32,
-}
-
-fn put32(b: &mut [u8], at: usize, v: u32) {
-    b[at..at + 4].copy_from_slice(&v.to_le_bytes());
-}
-
-fn put64(b: &mut [u8], at: usize, v: u64) {
-    b[at..at + 8].copy_from_slice(&v.to_le_bytes());
-}
-
-fn get32(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
-}
-
-fn get64(b: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
 }
 
 impl PoolSuperblock {
