@@ -24,15 +24,19 @@ Parts (--parts, default all):
               (c) randread of the same 4 GiB. Target >= 0.95x.
   snapshot  cairn serve --admin with a 1 GiB volume, filled through the NBD export (fio
             rw=write bs=1M); then fio (ioengine=nbd) randwrite 4 KiB iodepth 32 for 20 s
-            (--snapshot-runtime), its IOPS logged every 100 ms; from its 2nd second, 21
+            (--snapshot-runtime), its IOPS logged every 100 ms (--write_iops_log,
+            --log_unix_epoch); 2 s after fio's connection shows in `status --json`, 21
             snapshots (--snapshots), one every 0.5 s (--snapshot-every): `cairn admin
             SOCK thin snapshot pool vm sN`, each timed twice: the command's wall clock
-            (starting `cairn admin` included) and the "writes held for N us, M us in
-            all" it prints. The first write to a block after a snapshot copies it (copy
-            on write): reported as the IOPS in the second after each snapshot (the
-            admin command's return) against the run's median second, the lowest 100 ms
-            after a snapshot, and a per-second timeline. Also cairn serve's VmRSS once
-            filled and after the run, and the pool's data in use after it.
+            (starting `cairn admin` included; the median of 5 `thin list` commands
+            before the load shows what that start costs) and the time writes were held
+            that its reply gives ("writes to 'vm' held for N us"; builds that print
+            "writes held for N us, M us in all" fill the "in all" column too). The
+            first write to a block after a snapshot copies it (copy on write): reported
+            as the IOPS in the second after each snapshot (from the admin command's
+            return) against the run's median second, the lowest 100 ms after a
+            snapshot, and a per-second timeline. Also cairn serve's VmRSS once filled
+            and after the run, and the pool's data in use after it.
             Target: < 10 ms per snapshot (writes held).
             Each snapshot can pin up to a volume's worth of copied blocks. When /dev/shm
             (less --shm-reserve) cannot hold the volume (snapshots + 1) times, the oldest
@@ -47,7 +51,10 @@ Parts (--parts, default all):
                      bench/rbd.py runs qsd); the snapshot taken live over QMP
                      (blockdev-snapshot-internal-sync)
             Every run starts its server afresh (fill, snapshot, randwrite, randread),
-            one server at a time. Server CPU: utime+stime of all its threads
+            one server at a time. The randwrite starts right after the snapshot, so its
+            first write to each block copies it: a server that copies faster is sooner
+            past the copies (both are measured over the same --runtime; the qcow2 is
+            left with qemu's defaults otherwise). Server CPU: utime+stime of all its threads
             (/proc/PID/stat), in seconds per 100k requests. Target: cairn >= 2x qsd on
             both.
   metadata  metadata bytes per TiB mapped, for two fills: a 16 GiB volume written
@@ -72,8 +79,8 @@ Parts (--parts, default all):
             default.
 
 --quick (smoke runs; figures mean little): 256 MiB in place of 4 GiB and 1 GiB, 1 GiB in
-place of 16, 5 snapshots one per 0.2 s in a 4 s run, 10 snapshots with 256 KiB after
-each and 2 check runs in the check part. --iodepth sets the measured loads' depth (32),
+place of 16, 5 snapshots one per 0.2 s from 1.5 s into a 4 s run, 10 snapshots with
+256 KiB after each and 2 check runs in the check part. --iodepth sets the measured loads' depth (32),
 --setup-iodepth that of the libnbd writers that prepare pools (32).
 
 Interleaved rounds (odd rounds in reverse order); medians, with the spread (min..max of
@@ -81,8 +88,11 @@ the per-round ratios). JSON of every run goes to bench/out/thin-*.json, server l
 bench/out/thin-serve.log and thin-qsd.log; tables to stdout (Markdown), progress to
 stderr. The script reports what it measured; it asserts nothing. A run that fails (an
 error from a client or an admin command, or no answer within its time limit: then the
-script kills it) is counted as failed with its error, and the rest goes on. While a load
-runs, a watchdog kills it if /dev/shm has less than --shm-reserve (2G) free.
+script kills it, fio's job processes included) is counted as failed with its error, and
+the rest goes on; once an admin command got no answer, the server's later admin commands
+are not tried. While a load runs, a watchdog kills it if /dev/shm has less than
+--shm-reserve (2G) free. Every cairn serve is stopped with SIGTERM (the tables note an
+exit status other than 0).
 
 The libnbd writers need Python's `nbd` module (python3-libnbd); the script looks for an
 interpreter that has it (this one, then /usr/bin/python3).
@@ -131,7 +141,7 @@ class Failed(Exception):
 
 def spawn(cmd, load=False, **kw):
     # A session of its own: a terminal's Ctrl-C reaches this script only, which then
-    # stops everything in order (fio's job processes are in the same group as fio).
+    # stops everything in order (see killgroup for fio's job processes).
     p = subprocess.Popen(cmd, start_new_session=True, **kw)
     PROCS[p.pid] = p
     if load:
@@ -217,10 +227,11 @@ def watchdog(reserve, stop):
         if free < reserve:
             why = f"/dev/shm down to {free >> 20} MiB free (--shm-reserve {reserve >> 20} MiB)"
             for pid in list(LOADS):
-                if pid in PROCS:
+                p = PROCS.get(pid)
+                if p is not None and pid not in GUARD_KILLED:
                     GUARD_KILLED[pid] = why
-                    killgroup(PROCS[pid])
-            print(f"  watchdog: {why}: load killed", file=sys.stderr)
+                    killgroup(p)
+                    print(f"  watchdog: {why}: {' '.join(p.args[:2])} killed", file=sys.stderr)
 
 
 def cleanup():
@@ -358,9 +369,14 @@ class Server:
         return status
 
     def stop(self):
-        """SIGTERM, wait; returns the exit status (negative: killed by that signal)."""
-        if self.proc is None or self.proc.returncode is not None:
-            return None if self.proc is None else self.proc.returncode
+        """SIGTERM, wait; returns the exit status (negative: killed by that signal; a
+        string when it had exited before)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is not None:
+            if self.log is None:
+                return self.proc.returncode  # stopped already
+            return self._ended(f"{self.proc.returncode} (it had exited before the SIGTERM)")
         self.proc.send_signal(signal.SIGTERM)
         try:
             status = self.proc.wait(60)
@@ -371,8 +387,10 @@ class Server:
         return self._ended(status)
 
     def kill9(self):
-        if self.proc is None or self.proc.returncode is not None:
+        if self.proc is None or self.log is None:
             return None
+        if self.proc.poll() is not None:
+            return self._ended(f"{self.proc.returncode} (it had exited before the kill -9)")
         killgroup(self.proc)
         return self._ended(self.proc.wait())
 
@@ -661,7 +679,7 @@ def cell(v, f=iops):
 
 
 def failures(res):
-    """Lines naming each failed run (the first of identical errors in full)."""
+    """A line per variant with failed runs: which rounds, and the first one's error."""
     lines = []
     for label, rs in res.items():
         bad = [(i, r["error"]) for i, r in enumerate(rs) if "error" in r]
@@ -1048,7 +1066,8 @@ def qcow2_run(a, kind):
 
 
 def qcow2_summary(rec):
-    s = {"snapshot_ms": rec["snapshot_s"] * 1e3, "fill_s": rec["fill_s"]}
+    s = {"snapshot_ms": rec["snapshot_s"] * 1e3, "fill_s": rec["fill_s"],
+         "exit_status": rec.get("exit_status")}
     for rw in ("randwrite", "randread"):
         j = rec[rw]
         if "error" in j:
@@ -1090,6 +1109,10 @@ def qcow2_part(a):
                 f"{'>= 2x' if k == 'cairn' else ''} | {met if k == 'cairn' else ''} |")
             notes += failures({f"{k} {rw}": rs})
         out("")
+    for k in servers:
+        for i, r in enumerate(res[k]):
+            if r.get("exit_status") not in (None, 0):
+                notes.append(f"- {k} round {i + 1}: exited with status {r['exit_status']} after SIGTERM")
     if notes:
         out("Failed runs:\n", *dict.fromkeys(notes), "")
 

@@ -564,3 +564,29 @@ fn grow_takes_a_volume_up_to_four_times_its_size_and_never_shrinks_it() {
     assert_eq!(read(&q, 0, 4096), pattern(1, 4096));
     assert_eq!(read(&q, (4 << 20) - 4096, 4096), pattern(2, 4096));
 }
+
+#[test]
+fn a_sequential_fill_lands_in_order_on_the_data_device() {
+    let data = mem("64M", false);
+    let p = pool(&data);
+    let (d, q) = volume(&p, "vm", Some(16 << 20));
+    for b in 0..40u64 {
+        q.write(b << 16, &stamp(b, 7)[..], IoFlags::NONE).unwrap();
+    }
+    q.flush().unwrap();
+    let r = p.inner().report();
+    drop((q, d));
+    // Block b's stamp is at the data area's block b: one run, in order.
+    let dq = BlockingQueue::open(&data, Switches::default()).unwrap();
+    let first = (data.geometry().size_bytes - (r.data_blocks << 16)) & !0xffff;
+    let base = (0..64u64)
+        .map(|i| first + (i << 16))
+        .find(|&at| read(&dq, at, 4096) == stamp(0, 7))
+        .expect("block 0's data on the data device");
+    for b in 0..40u64 {
+        assert!(
+            read(&dq, base + (b << 16), 4096) == stamp(b, 7),
+            "block {b} out of place"
+        );
+    }
+}

@@ -262,7 +262,9 @@ impl Inner {
             return Take::Full;
         }
         let at = free.zeroed.len() - n;
-        stash.extend(free.zeroed.drain(at..).rev());
+        // Highest first, as the free list keeps them: the queue pops the lowest first, so
+        // a sequential write lands on consecutive blocks in order.
+        stash.extend(free.zeroed.drain(at..));
         let left = free.zeroed.len() as u64;
         drop(free);
         self.used_blocks.fetch_add(n as u64, Relaxed);
