@@ -452,6 +452,9 @@ impl Committer {
         name: &str,
         read_only: bool,
     ) -> Result<Duration, String> {
+        // What changed so far is committed first, while writes go on: the commit made
+        // while they wait then holds only the last few changes and the snapshot's record.
+        self.commit(Vec::new())?;
         let id = self.next_volume();
         let size = source.size.load(SeqCst);
         let began = Instant::now();

@@ -400,7 +400,7 @@ impl ThinQueue {
             blocks: need as u32,
         });
         self.pieces(p, &io);
-        self.piece_done(p, IoStatus::OK);
+        self.piece_done(p, IoStatus::OK, false);
     }
 
     /// How many pieces of write `io` may take a new block.
@@ -703,7 +703,7 @@ impl ThinQueue {
             };
             self.rerun(piece);
             // The hold taken when it began to wait.
-            self.piece_done(piece.parent, IoStatus::OK);
+            self.piece_done(piece.parent, IoStatus::OK, true);
         }
     }
 
@@ -715,8 +715,10 @@ impl ThinQueue {
         }
     }
 
-    /// A piece of parent `p` ended with `status`; the parent completes after its last.
-    fn piece_done(&self, p: u32, status: IoStatus) {
+    /// A piece of parent `p` ended with `status`; the parent completes after its last:
+    /// at once when `completing` (in a completion's callback), else through the
+    /// reactor's FIFO (never inside `submit`).
+    fn piece_done(&self, p: u32, status: IoStatus, completing: bool) {
         let mut parents = self.parents.borrow_mut();
         let par = parents.get_mut(p);
         if !status.is_ok() && par.status.is_ok() {
@@ -739,7 +741,11 @@ impl ThinQueue {
             return;
         }
         self.finish(&par.io, par.start, par.status);
-        self.core.complete(par.io.sink, par.io.token, par.status);
+        if completing {
+            self.core.deliver(par.io.sink, par.io.token, par.status);
+        } else {
+            self.core.complete(par.io.sink, par.io.token, par.status);
+        }
     }
 
     /// `io` completes once the pool's next commit is durable.
@@ -806,14 +812,14 @@ impl Sink for ThinQueue {
         }
         let child = self.children.borrow_mut().remove(token as u32);
         match child {
-            Child::Plain { parent } => self.piece_done(parent, status),
+            Child::Plain { parent } => self.piece_done(parent, status, true),
             Child::CowWhole { piece, old, new } => {
                 if status.is_ok() {
                     self.cow_swap(piece, old, new);
                 } else {
                     self.inner.give_back_dirty(new);
                 }
-                self.piece_done(piece.parent, status);
+                self.piece_done(piece.parent, status, true);
             }
             Child::CowRead {
                 piece,
@@ -824,7 +830,7 @@ impl Sink for ThinQueue {
                 if !status.is_ok() {
                     self.stash.borrow_mut().push(new);
                     self.put_buf(buf);
-                    self.piece_done(piece.parent, status);
+                    self.piece_done(piece.parent, status, true);
                     return;
                 }
                 let io = self.parents.borrow().get(piece.parent).io;
@@ -860,7 +866,7 @@ impl Sink for ThinQueue {
                         token: 0,
                     },
                 );
-                self.piece_done(piece.parent, IoStatus::OK);
+                self.piece_done(piece.parent, IoStatus::OK, true);
             }
             Child::CowWrite {
                 piece,
@@ -874,7 +880,7 @@ impl Sink for ThinQueue {
                     self.inner.give_back_dirty(new);
                 }
                 self.put_buf(buf);
-                self.piece_done(piece.parent, status);
+                self.piece_done(piece.parent, status, true);
             }
         }
     }
