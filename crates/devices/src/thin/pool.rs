@@ -238,8 +238,6 @@ pub struct ThinPool {
     meta: Option<Arc<dyn Device>>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     describe: String,
-    /// What a dry open found (for `cairn check`).
-    pub examined: Vec<String>,
 }
 
 impl Inner {
@@ -528,7 +526,7 @@ pub fn check_name(name: &str) -> Result<(), String> {
 impl ThinPool {
     /// Opens the pool on `data` (and `meta`, else an area at the start of `data`):
     /// creates it when the metadata is blank, else loads and recovers it. `dry`: examine
-    /// only, writing nothing (`cairn check`); `examined` says what was found.
+    /// only, writing nothing (`cairn check`; what it found is in `describe`).
     pub fn open(
         name: &str,
         data: Arc<dyn Device>,
@@ -583,7 +581,6 @@ impl ThinPool {
                 meta,
                 thread: Mutex::new(None),
                 describe,
-                examined,
             });
         }
         // The commit thread opens its own queues (they stay on one thread), loads and
@@ -622,12 +619,11 @@ impl ThinPool {
             )))
         });
         match started {
-            Ok((inner, examined, describe)) => Ok(ThinPool {
+            Ok((inner, _, describe)) => Ok(ThinPool {
                 inner,
                 meta,
                 thread: Mutex::new(Some(thread)),
                 describe,
-                examined,
             }),
             Err(e) => {
                 let _ = thread.join();

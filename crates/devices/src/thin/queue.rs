@@ -350,7 +350,7 @@ impl ThinQueue {
     /// Starts `io` (submit, or again after it waited).
     fn start(&self, io: Io, start: u64) {
         if io.op == Op::Flush {
-            self.wait_commit(io, start, None);
+            self.wait_commit(io, start);
             return;
         }
         if io.op.is_write() && self.vol.read_only {
@@ -737,7 +737,7 @@ impl ThinQueue {
         }
         if par.status.is_ok() && par.io.flags.contains(IoFlags::FUA) && par.io.op.is_write() {
             // Durable with its mapping at the next commit.
-            self.wait_commit(par.io, par.start, None);
+            self.wait_commit(par.io, par.start);
             return;
         }
         self.finish(&par.io, par.start, par.status);
@@ -749,7 +749,7 @@ impl ThinQueue {
     }
 
     /// `io` completes once the pool's next commit is durable.
-    fn wait_commit(&self, io: Io, start: u64, _: Option<()>) {
+    fn wait_commit(&self, io: Io, start: u64) {
         let index = self.parents.borrow_mut().insert(Parent {
             io,
             start,
