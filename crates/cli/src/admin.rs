@@ -85,6 +85,13 @@ pub const COMMANDS: &[(&str, &str, &str)] = &[
          NAME, grow POOL NAME SIZE, snapshot POOL VOLUME NAME (read-only, online: holds \
          every write acknowledged before it), clone POOL SNAPSHOT NAME (writable)",
     ),
+    (
+        "bitmap",
+        "bitmap ACTION DEVICE ...",
+        "a device's dirty bitmaps (with bitmaps = PATH in its table): list DEVICE \
+         [--json], add DEVICE NAME [GRANULARITY] (64K default), remove DEVICE NAME, clear \
+         DEVICE NAME, merge DEVICE TARGET SOURCE...",
+    ),
     ("help", "help", "this list"),
 ];
 
@@ -644,6 +651,10 @@ fn command(line: &str, view: &View) -> String {
         Some("thin") => {
             let args: Vec<&str> = words.collect();
             thin_command(&args, roots)
+        }
+        Some("bitmap") => {
+            let args: Vec<&str> = words.collect();
+            crate::bitmaps::command(&args, roots)
         }
         Some("power-cut") => {
             let names: Vec<&str> = words.collect();

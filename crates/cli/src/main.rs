@@ -7,6 +7,7 @@
 
 mod admin;
 mod bench;
+mod bitmaps;
 mod man;
 mod metrics;
 mod serve;

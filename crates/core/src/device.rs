@@ -247,6 +247,34 @@ pub trait Device: Send + Sync {
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         None
     }
+
+    /// Names of the dirty bitmaps this device keeps (set by every change of data), in the
+    /// order they were added. Empty for a device without a bitmap store.
+    fn bitmap_names(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// The dirty bitmap `name`, for a reader (an NBD client's `qemu:dirty-bitmap:NAME`
+    /// context). A reader holding it keeps it from being removed.
+    fn bitmap(&self, _name: &str) -> Option<Arc<dyn DirtyMap>> {
+        None
+    }
+}
+
+/// A dirty bitmap as its readers see it: which ranges have changed since it started.
+pub trait DirtyMap: Send + Sync {
+    /// Bytes per bit.
+    fn granularity(&self) -> u64;
+
+    /// Appends the runs of `[offset, offset + len)` as (length, dirty), neighbours of the
+    /// same state merged, at most `most` of them; the first starts at `offset`, and
+    /// unless cut short by `most` they cover `len` bytes (a range past the bitmap's end
+    /// reads as dirty: nothing says it did not change).
+    fn runs(&self, offset: u64, len: u64, most: usize, out: &mut Vec<(u64, bool)>);
+
+    /// Whether the bitmap may miss changes (a mark that could not be written, or a device
+    /// grown past it): such a bitmap must not be trusted for an incremental backup.
+    fn inconsistent(&self) -> bool;
 }
 
 /// An array's state as fields ([`Device::array_report`]): what `/proc/mdstat` and

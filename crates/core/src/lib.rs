@@ -35,7 +35,8 @@ pub mod testing;
 pub use buf::AlignedBuf;
 pub use clock::{Clock, ClockMode};
 pub use device::{
-    ArrayMember, ArrayReport, ArraySync, Caps, Device, Extent, Geometry, LostWrites, Queue,
+    ArrayMember, ArrayReport, ArraySync, Caps, Device, DirtyMap, Extent, Geometry, LostWrites,
+    Queue,
 };
 pub use error::{Error, IoError};
 pub use flush::{FlushBatcher, FlushMode};

@@ -613,6 +613,30 @@ impl Keys<'_> {
 
 /// Parses one `[device.NAME]` table; `memory_bytes` is this machine's memory (the upper
 /// end of a cache's `memory`).
+/// Takes the key every device may have, `bitmaps` (the path of its dirty bitmaps' store),
+/// out of its table: the table without it, and the path.
+pub(super) fn split_bitmaps(name: &str, table: &Table) -> Result<(Table, Option<PathBuf>), Error> {
+    let Some(v) = table.get("bitmaps") else {
+        return Ok((table.clone(), None));
+    };
+    let path = match v {
+        Value::String(p) if !p.is_empty() && !p.contains('\0') => PathBuf::from(p),
+        _ => {
+            return Err(err(format!(
+                "device '{name}': key 'bitmaps' must be the path of a file for its dirty bitmaps (not empty, no NUL)"
+            )))
+        }
+    };
+    if table.get("type").and_then(Value::as_str) == Some("thin-pool") {
+        return Err(err(format!(
+            "device '{name}': a thin pool cannot hold dirty bitmaps (it serves no data of its own): set 'bitmaps' on its thin volumes"
+        )));
+    }
+    let mut rest = table.clone();
+    rest.remove("bitmaps");
+    Ok((rest, Some(path)))
+}
+
 pub(super) fn parse_device(
     name: &str,
     table: &Table,

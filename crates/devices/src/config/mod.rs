@@ -436,6 +436,8 @@ pub struct StackFile {
     pub exports: BTreeMap<String, ExportSpec>,
     /// The `[writeback]` table (the dirty budget of cache devices), if present.
     pub writeback: Option<crate::cache::writeback::Writeback>,
+    /// Devices with dirty bitmaps (`bitmaps = PATH` in their table), and their stores.
+    pub bitmaps: BTreeMap<String, std::path::PathBuf>,
 }
 
 impl StackFile {
@@ -454,6 +456,11 @@ impl StackFile {
         }
         for e in self.exports.values_mut() {
             if let Some(p) = e.fuse.as_mut().filter(|p| p.is_relative()) {
+                *p = dir.join(&*p);
+            }
+        }
+        for p in self.bitmaps.values_mut() {
+            if p.is_relative() {
                 *p = dir.join(&*p);
             }
         }
@@ -481,6 +488,7 @@ impl StackFile {
         let mut tuning = Tuning::default();
         let mut exports = BTreeMap::new();
         let mut writeback = None;
+        let mut bitmaps = BTreeMap::new();
         for (key, value) in &root {
             match (key.as_str(), value) {
                 ("device", Value::Table(t)) => {
@@ -498,7 +506,17 @@ impl StackFile {
                                 "device '{name}' must be a table ([device.{name}])"
                             )));
                         };
-                        devices.insert(name.clone(), keys::parse_device(name, dt, memory_bytes)?);
+                        let (dt, store) = keys::split_bitmaps(name, dt)?;
+                        devices.insert(name.clone(), keys::parse_device(name, &dt, memory_bytes)?);
+                        if let Some(path) = store {
+                            if let Some((other, _)) = bitmaps.iter().find(|(_, p)| **p == path) {
+                                return Err(err(format!(
+                                    "devices '{other}' and '{name}' both keep their bitmaps in {}: each needs a store of its own",
+                                    path.display()
+                                )));
+                            }
+                            bitmaps.insert(name.clone(), path);
+                        }
                     }
                 }
                 ("export", Value::Table(t)) => {
@@ -552,6 +570,7 @@ impl StackFile {
             tuning,
             exports,
             writeback,
+            bitmaps,
         };
         graph::check(&file.devices)?;
         file.check_exports()?;
@@ -956,6 +975,19 @@ impl StackFile {
                 )
                 .map_err(named)?,
             ),
+        };
+        let device = match self.bitmaps.get(name) {
+            Some(path) => {
+                let store = crate::dirty::store::Store::open(
+                    path,
+                    name,
+                    device.geometry().size_bytes,
+                    how != Start::Write,
+                )
+                .map_err(named)?;
+                Arc::new(crate::dirty::device::TrackedDevice::new(device, store))
+            }
+            None => device,
         };
         opened.insert(name.to_string(), device.clone());
         Ok(device)

@@ -255,7 +255,7 @@ fn experiment(plan: &mut probe::Plan, exp: &str) {
 
 /// Takes an exclusive `flock` on `file` without waiting; when another open file holds it,
 /// the error names the file and, where `/proc/locks` tells, the holder.
-fn lock_exclusive(file: &File, path: &Path) -> Result<(), Error> {
+pub(crate) fn lock_exclusive(file: &File, path: &Path) -> Result<(), Error> {
     // A process that was killed can hold its locks a little longer than it lives: the
     // kernel closes the files of its io_uring rings after it is gone. So a lock whose
     // holder is dead (or unknown) is tried again for a while, one held by a live process

@@ -272,12 +272,16 @@ pub mod state {
     pub const HOLE: u32 = 1 << 0;
     /// Reads as zeroes.
     pub const ZERO: u32 = 1 << 1;
+    /// `qemu:dirty-bitmap:NAME`: changed since the bitmap started.
+    pub const DIRTY: u32 = 1 << 0;
 }
 
-/// The one metadata context served.
+/// The allocation context.
 pub const BASE_ALLOCATION: &str = "base:allocation";
 /// Its id in this server's replies.
 pub const BASE_ALLOCATION_ID: u32 = 1;
+/// The prefix of a dirty bitmap's context (qemu's namespace); the bitmap's name follows.
+pub const DIRTY_BITMAP: &str = "qemu:dirty-bitmap:";
 
 /// Bytes in an option request header (magic, option, length).
 pub const OPTION_HEADER: usize = 16;

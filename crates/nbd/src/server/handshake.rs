@@ -88,8 +88,11 @@ pub struct Session {
     /// Extended headers are in use (32-byte requests with 64-bit lengths; every reply an
     /// extended chunk). They imply `structured`.
     pub extended: bool,
-    /// `base:allocation` was selected for this export: BLOCK_STATUS is allowed.
+    /// `base:allocation` was selected for this export.
     pub base_allocation: bool,
+    /// Dirty bitmaps selected for this export (`qemu:dirty-bitmap:NAME`), as (context
+    /// id, bitmap name). With `base_allocation`, any makes BLOCK_STATUS allowed.
+    pub bitmaps: Vec<(u32, String)>,
     /// The client promised to honour the block sizes (GO with NBD_INFO_BLOCK_SIZE).
     pub block_sizes_agreed: bool,
 }
@@ -101,8 +104,11 @@ pub struct Negotiator<'a> {
     tls_active: bool,
     structured: bool,
     extended: bool,
-    /// The export name and whether base:allocation was selected, after SET_META_CONTEXT.
-    meta: Option<(String, bool)>,
+    /// After SET_META_CONTEXT: the export name, whether base:allocation was selected,
+    /// and the bitmaps selected with their ids.
+    meta: Option<(String, bool, Vec<(u32, String)>)>,
+    /// The names of export `i`'s dirty bitmaps, asked when a client asks for contexts.
+    bitmaps: &'a dyn Fn(usize) -> Vec<String>,
     no_zeroes: bool,
     shutting_down: bool,
 }
@@ -120,9 +126,17 @@ impl<'a> Negotiator<'a> {
             structured: false,
             extended: false,
             meta: None,
+            bitmaps: &|_| Vec::new(),
             no_zeroes: client_flags & proto::FLAG_C_NO_ZEROES != 0,
             shutting_down: false,
         }
+    }
+
+    /// Offers each export's dirty bitmaps as `qemu:dirty-bitmap:NAME` contexts: `names(i)`
+    /// lists export `i`'s.
+    pub fn with_bitmaps(mut self, names: &'a dyn Fn(usize) -> Vec<String>) -> Negotiator<'a> {
+        self.bitmaps = names;
+        self
     }
 
     /// From now on every option is refused with `NBD_REP_ERR_SHUTDOWN`.
@@ -257,13 +271,22 @@ impl<'a> Negotiator<'a> {
 
     fn session(&self, i: usize, block_sizes_agreed: bool) -> Session {
         let name = &self.catalog.exports[i].name;
+        // Contexts count for the export they were set for.
+        let (base_allocation, bitmaps) = match &self.meta {
+            Some((n, base, bitmaps))
+                if self.structured && (self.catalog.find(n) == Some(i) || n == name) =>
+            {
+                (*base, bitmaps.clone())
+            }
+            _ => (false, Vec::new()),
+        };
         Session {
             export: i,
             flags: self.flags(i),
             structured: self.structured,
             extended: self.extended,
-            base_allocation: self.structured
-                && matches!(&self.meta, Some((n, true)) if self.catalog.find(n) == Some(i) || n == name),
+            base_allocation,
+            bitmaps,
             block_sizes_agreed,
         }
     }
@@ -345,41 +368,79 @@ impl<'a> Negotiator<'a> {
             proto::put_option_reply(out, o, rep::ERR_INVALID, b"malformed metadata request");
             return Step::Continue;
         };
-        if self.catalog.find(req.name).is_none() {
+        let Some(export) = self.catalog.find(req.name) else {
             let msg = format!("no export named '{}'", req.name);
             proto::put_option_reply(out, o, rep::ERR_UNKNOWN, msg.as_bytes());
             return Step::Continue;
-        }
-        let mut selected = false;
-        if o == opt::LIST_META_CONTEXT {
-            // No query lists everything; "base:" (the whole namespace) matches too.
-            if req.queries.is_empty()
-                || req
-                    .queries
-                    .iter()
-                    .any(|q| *q == proto::BASE_ALLOCATION || *q == "base:")
-            {
-                selected = true;
-            }
-        } else {
-            selected = req.queries.contains(&proto::BASE_ALLOCATION);
-        }
-        if selected {
-            let id = if o == opt::SET_META_CONTEXT {
-                proto::BASE_ALLOCATION_ID
-            } else {
-                0
+        };
+        let set = o == opt::SET_META_CONTEXT;
+        let names = (self.bitmaps)(export);
+        let contexts = select_contexts(&req.queries, &names, set);
+        let mut base = false;
+        let mut bitmaps = Vec::new();
+        for (k, c) in contexts.iter().enumerate() {
+            // Ids in a SET: base:allocation's own, then one per bitmap in query order.
+            let id = match (set, c) {
+                (false, _) => 0,
+                (true, None) => proto::BASE_ALLOCATION_ID,
+                (true, Some(_)) => proto::BASE_ALLOCATION_ID + 1 + k as u32,
+            };
+            let text = match c {
+                None => {
+                    base = true;
+                    proto::BASE_ALLOCATION.to_string()
+                }
+                Some(b) => {
+                    bitmaps.push((id, b.clone()));
+                    format!("{}{b}", proto::DIRTY_BITMAP)
+                }
             };
             let mut d = id.to_be_bytes().to_vec();
-            d.extend_from_slice(proto::BASE_ALLOCATION.as_bytes());
+            d.extend_from_slice(text.as_bytes());
             proto::put_option_reply(out, o, rep::META_CONTEXT, &d);
         }
-        if o == opt::SET_META_CONTEXT {
-            self.meta = Some((req.name.to_string(), selected));
+        if set {
+            self.meta = Some((req.name.to_string(), base, bitmaps));
         }
         proto::put_option_reply(out, o, rep::ACK, &[]);
         Step::Continue
     }
+}
+
+/// The contexts `queries` ask for, in order and each once: `None` for base:allocation,
+/// a bitmap's name for its context. A LIST with no query lists every context; in a LIST
+/// a namespace (`base:`, `qemu:`) or `qemu:dirty-bitmap:` with no name lists all of its
+/// kind. A SET takes whole names only. Queries for anything else are left out, as the
+/// protocol asks (the client sees the context was not selected).
+fn select_contexts(queries: &[&str], bitmaps: &[String], set: bool) -> Vec<Option<String>> {
+    let mut out: Vec<Option<String>> = Vec::new();
+    let mut add = |c: Option<String>| {
+        if !out.contains(&c) {
+            out.push(c);
+        }
+    };
+    let every = |add: &mut dyn FnMut(Option<String>)| {
+        for b in bitmaps {
+            add(Some(b.clone()));
+        }
+    };
+    if !set && queries.is_empty() {
+        add(None);
+        every(&mut add);
+        return out;
+    }
+    for q in queries {
+        if *q == proto::BASE_ALLOCATION || (!set && *q == "base:") {
+            add(None);
+        } else if !set && (*q == "qemu:" || *q == proto::DIRTY_BITMAP) {
+            every(&mut add);
+        } else if let Some(name) = q.strip_prefix(proto::DIRTY_BITMAP) {
+            if bitmaps.iter().any(|b| b == name) {
+                add(Some(name.to_string()));
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]

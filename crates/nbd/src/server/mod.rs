@@ -101,6 +101,8 @@ pub struct Config {
 
 struct Shared {
     catalog: Catalog,
+    /// Each export's device (for the names of its bitmaps).
+    devices: Vec<Arc<dyn cairn_core::Device>>,
     tls: TlsMode,
     tls_config: Option<Arc<rustls::ServerConfig>>,
     max_options: u32,
@@ -306,6 +308,7 @@ pub fn serve(
     }
     let shared = Arc::new(Shared {
         catalog,
+        devices: exports.iter().map(|e| e.device.clone()).collect(),
         tls: config.tls,
         tls_config: config.tls_config.clone(),
         max_options: config.max_options,

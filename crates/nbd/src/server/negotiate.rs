@@ -158,7 +158,8 @@ fn negotiate(
         // Unknown client flags: the protocol says to close.
         return Ok(None);
     }
-    let mut neg = Negotiator::new(&shared.catalog, shared.tls, client_flags);
+    let bitmaps = |i: usize| shared.devices[i].bitmap_names();
+    let mut neg = Negotiator::new(&shared.catalog, shared.tls, client_flags).with_bitmaps(&bitmaps);
     let mut out = Vec::with_capacity(256);
     let mut data = Vec::new();
     for _ in 0..shared.max_options {

@@ -388,6 +388,8 @@ struct Conn {
     terms: Terms,
     /// The export's gate, which its writes pass (`None` when it has none).
     gate: Option<Arc<Gate>>,
+    /// The dirty bitmaps its block status reports, with their context ids.
+    bitmaps: Vec<(u32, Arc<dyn cairn_core::DirtyMap>)>,
     peer: String,
     /// What operators see of it.
     info: Arc<ConnInfo>,
@@ -530,7 +532,7 @@ impl ServerLoop {
             flags: session.flags,
             structured: session.structured,
             extended: session.extended,
-            base_allocation: session.base_allocation,
+            base_allocation: session.base_allocation || !session.bitmaps.is_empty(),
             // The export advertises a minimum block of 1 unless it is strict: every
             // client may then send any byte, whether it asked for block sizes or not.
             relaxed: !e.strict_alignment,
@@ -608,6 +610,23 @@ impl ServerLoop {
                 return;
             }
         };
+        // The bitmaps it asked for, held for as long as it lives (a bitmap being read is
+        // not removed); one removed since the handshake ends it.
+        let mut bitmaps = Vec::with_capacity(nc.session.bitmaps.len());
+        for (id, name) in &nc.session.bitmaps {
+            match self.exports[export].device.bitmap(name) {
+                Some(b) => bitmaps.push((*id, b)),
+                None => {
+                    log::warn!(
+                        "cairn: serve: {}: export '{}': bitmap '{name}' was removed during the handshake",
+                        nc.peer,
+                        self.exports[export].info.name
+                    );
+                    self.admission.leave(nc.client);
+                    return;
+                }
+            }
+        }
         let index = match self.free_conns.borrow_mut().pop() {
             Some(i) => i,
             None => {
@@ -639,6 +658,7 @@ impl ServerLoop {
             queue,
             terms: self.terms(export, &nc.session),
             gate: self.gates.of_export[export].clone(),
+            bitmaps,
             session: nc.session,
             peer: nc.peer,
             st: RefCell::new(self.new_state(nc.tls, id)),

@@ -1,0 +1,186 @@
+//! A device with dirty bitmaps: its own device, plus a store whose enabled bitmaps every
+//! change of data sets before it is sent.
+//!
+//! The queue adds no per-request state and no completion of its own: a change whose
+//! granules are all set already (every one after the first to a granule) costs one
+//! generation load and one bit test per bitmap, then goes to the device's queue as it
+//! came; reads and flushes go straight through.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use cairn_core::{
+    Core, Device, DirtyMap, Error, Extent, Geometry, Io, IoStatus, Op, Queue, QueueStats,
+};
+
+use super::store::{Bitmap, Store};
+
+/// A device and its bitmap store. Named as its device, and shown as it is with its store.
+pub struct TrackedDevice {
+    base: Arc<dyn Device>,
+    store: Arc<Store>,
+}
+
+impl TrackedDevice {
+    /// Tracks the changes of `base` in `store`.
+    pub fn new(base: Arc<dyn Device>, store: Store) -> TrackedDevice {
+        TrackedDevice {
+            base,
+            store: Arc::new(store),
+        }
+    }
+
+    /// Its store.
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    /// The device it tracks.
+    pub fn base(&self) -> &Arc<dyn Device> {
+        &self.base
+    }
+}
+
+impl Device for TrackedDevice {
+    fn name(&self) -> &str {
+        self.base.name()
+    }
+    fn describe(&self) -> String {
+        let n = self.store.names().len();
+        format!(
+            "{}; {} in {}",
+            self.base.describe(),
+            cairn_core::size::plural(n as u64, "dirty bitmap", "dirty bitmaps"),
+            self.store.path().display()
+        )
+    }
+    fn geometry(&self) -> Geometry {
+        self.base.geometry()
+    }
+    fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
+        let base = cairn_core::handoff::open_member(core, &self.base)?;
+        let (generation, enabled) = self.store.enabled();
+        Ok(Rc::new(TrackedQueue {
+            core: core.clone(),
+            base,
+            store: self.store.clone(),
+            enabled: RefCell::new((generation, enabled)),
+        }))
+    }
+    fn children(&self) -> Vec<Arc<dyn Device>> {
+        self.base.children()
+    }
+    fn failed_members(&self) -> Vec<String> {
+        self.base.failed_members()
+    }
+    fn array_status(&self) -> Option<String> {
+        self.base.array_status()
+    }
+    fn array_report(&self) -> Option<cairn_core::ArrayReport> {
+        self.base.array_report()
+    }
+    fn redundant(&self) -> bool {
+        self.base.redundant()
+    }
+    fn sync_progress(&self) -> Option<(u64, u64)> {
+        self.base.sync_progress()
+    }
+    fn array_action(&self, action: &str, args: &[&str]) -> Result<String, String> {
+        self.base.array_action(action, args)
+    }
+    fn change_seq(&self) -> u64 {
+        self.base.change_seq()
+    }
+    fn members_now(&self) -> Option<Vec<(String, Option<String>)>> {
+        self.base.members_now()
+    }
+    fn spares_now(&self) -> Option<Vec<(String, Option<String>)>> {
+        self.base.spares_now()
+    }
+    fn extents(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<(), Error> {
+        self.base.extents(offset, len, out)
+    }
+    fn power_cut(&self) {
+        self.base.power_cut()
+    }
+    fn writeback_counters(&self) -> (u64, u64) {
+        self.base.writeback_counters()
+    }
+    fn writeback_rate(&self) -> u64 {
+        self.base.writeback_rate()
+    }
+    fn coherent_across_queues(&self) -> bool {
+        self.base.coherent_across_queues()
+    }
+    fn lost_writes(&self) -> cairn_core::LostWrites {
+        self.base.lost_writes()
+    }
+    fn lost_writes_made_up(&self) {
+        self.base.lost_writes_made_up()
+    }
+    fn read_only(&self) -> bool {
+        self.base.read_only()
+    }
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+    fn bitmap_names(&self) -> Vec<String> {
+        self.store.names()
+    }
+    fn bitmap(&self, name: &str) -> Option<Arc<dyn DirtyMap>> {
+        self.store
+            .reader(name)
+            .map(|r| Arc::new(r) as Arc<dyn DirtyMap>)
+    }
+}
+
+struct TrackedQueue {
+    core: Rc<Core>,
+    base: Rc<dyn Queue>,
+    store: Arc<Store>,
+    /// The enabled bitmaps as of a store generation.
+    enabled: RefCell<(u64, Vec<Arc<Bitmap>>)>,
+}
+
+impl TrackedQueue {
+    /// Whether every enabled bitmap has `io`'s granules set already.
+    #[inline]
+    fn covered(&self, io: &Io) -> bool {
+        let g = self.store.generation();
+        if self.enabled.borrow().0 != g {
+            // Rarely: a bitmap was added, removed or disabled.
+            *self.enabled.borrow_mut() = self.store.enabled();
+        }
+        self.enabled
+            .borrow()
+            .1
+            .iter()
+            .all(|b| b.covers(io.offset, io.len))
+    }
+}
+
+impl Queue for TrackedQueue {
+    #[inline]
+    fn submit(&self, io: Io) {
+        let changes = matches!(io.op, Op::Write | Op::WriteZeroes | Op::Discard);
+        if changes && io.len > 0 && !self.covered(&io) {
+            if let Err(e) = self.store.mark(io.offset, io.len) {
+                log::error!("cairn: {e}: the write fails");
+                // Never complete inside submit: through the FIFO.
+                self.core
+                    .complete(io.sink, io.token, IoStatus::errno(libc::EIO));
+                return;
+            }
+        }
+        self.base.submit(io);
+    }
+
+    fn stats(&self) -> &QueueStats {
+        self.base.stats()
+    }
+
+    fn children(&self) -> Vec<Rc<dyn Queue>> {
+        self.base.children()
+    }
+}

@@ -1,0 +1,725 @@
+//! A bitmap store: the named dirty bitmaps of one device, in memory and in their file.
+//!
+//! The rule that makes a bitmap exact after any stop, clean or not (the arrays'
+//! write-intent rule): a change of data is sent to the device only once every enabled
+//! bitmap has its bits on disk ([`Store::mark`]). The bits in memory are the ones on
+//! disk; a bit is set in memory only after the page that carries it is synced, so a
+//! queue that finds its bits set may send its write at once, and readers never see a bit
+//! that a crash could take back. Marking runs on the thread of the write that needs it,
+//! under the store's lock: once per granule going from clean to dirty, not per request.
+//!
+//! A mark that cannot be written makes the bitmap inconsistent (in the directory, before
+//! the write goes on); when not even that can be written, the write fails.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cairn_core::{DirtyMap, Error};
+
+use super::format::{self, Directory, Entry, DISABLED, INCONSISTENT, PAGE};
+
+/// Words per page.
+const PAGE_WORDS: usize = (PAGE / 8) as usize;
+
+/// One bitmap in memory.
+pub struct Bitmap {
+    name: String,
+    shift: u32,
+    bits: u64,
+    area: u64,
+    /// The bits on disk.
+    words: Box<[AtomicU64]>,
+    /// [`DISABLED`], [`INCONSISTENT`]; changed under the store's lock.
+    flags: AtomicU32,
+    /// NBD connections reading it.
+    readers: AtomicUsize,
+}
+
+impl Bitmap {
+    fn new(e: &Entry, bytes: &[u8]) -> Bitmap {
+        let words = (0..e.bits.div_ceil(64) as usize)
+            .map(|w| {
+                let mut v = [0u8; 8];
+                if let Some(b) = bytes.get(w * 8..w * 8 + 8) {
+                    v.copy_from_slice(b);
+                }
+                AtomicU64::new(u64::from_le_bytes(v))
+            })
+            .collect();
+        Bitmap {
+            name: e.name.clone(),
+            shift: e.shift,
+            bits: e.bits,
+            area: e.area,
+            words,
+            flags: AtomicU32::new(e.flags),
+            readers: AtomicUsize::new(0),
+        }
+    }
+
+    fn entry(&self) -> Entry {
+        Entry {
+            name: self.name.clone(),
+            shift: self.shift,
+            bits: self.bits,
+            flags: self.flags.load(Ordering::Relaxed),
+            area: self.area,
+        }
+    }
+
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Whether writes set it.
+    pub fn enabled(&self) -> bool {
+        self.flags.load(Ordering::Relaxed) & DISABLED == 0
+    }
+
+    fn bit(&self, i: u64) -> bool {
+        self.words[(i / 64) as usize].load(Ordering::Acquire) & (1 << (i % 64)) != 0
+    }
+
+    /// Whether every bit `[offset, offset + len)` touches is set (on disk). Bytes past
+    /// its end are never covered.
+    #[inline]
+    pub fn covers(&self, offset: u64, len: u64) -> bool {
+        let (first, last) = (offset >> self.shift, (offset + len - 1) >> self.shift);
+        if last >= self.bits {
+            return false;
+        }
+        let (fw, lw) = ((first / 64) as usize, (last / 64) as usize);
+        for w in fw..=lw {
+            let lo = if w == fw { first % 64 } else { 0 };
+            let hi = if w == lw { last % 64 } else { 63 };
+            let mask = (u64::MAX >> (63 - hi)) & (u64::MAX << lo);
+            if self.words[w].load(Ordering::Acquire) & mask != mask {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Bits set.
+    pub fn count(&self) -> u64 {
+        self.words
+            .iter()
+            .map(|w| u64::from(w.load(Ordering::Relaxed).count_ones()))
+            .sum()
+    }
+
+    /// What it lists.
+    pub fn info(&self, device_bytes: u64) -> BitmapInfo {
+        let flags = self.flags.load(Ordering::Relaxed);
+        BitmapInfo {
+            name: self.name.clone(),
+            granularity: 1 << self.shift,
+            dirty_bytes: (self.count() << self.shift).min(device_bytes),
+            enabled: flags & DISABLED == 0,
+            inconsistent: flags & INCONSISTENT != 0,
+            readers: self.readers.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The words `[offset, offset + len)` needs that are not set yet, as (word, bits),
+    /// clipped to its end; and whether the range runs past its end.
+    fn missing(&self, offset: u64, len: u64) -> (Vec<(usize, u64)>, bool) {
+        let first = offset >> self.shift;
+        let last = (offset + len - 1) >> self.shift;
+        let past = last >= self.bits;
+        let mut out = Vec::new();
+        if first >= self.bits {
+            return (out, past);
+        }
+        let last = last.min(self.bits - 1);
+        let (fw, lw) = ((first / 64) as usize, (last / 64) as usize);
+        for w in fw..=lw {
+            let lo = if w == fw { first % 64 } else { 0 };
+            let hi = if w == lw { last % 64 } else { 63 };
+            let mask = (u64::MAX >> (63 - hi)) & (u64::MAX << lo);
+            let need = mask & !self.words[w].load(Ordering::Relaxed);
+            if need != 0 {
+                out.push((w, need));
+            }
+        }
+        (out, past)
+    }
+
+    /// Page `p` of its area with `extra` (word, bits) set too.
+    fn page_image(&self, p: usize, extra: &[(usize, u64)]) -> Vec<u8> {
+        let mut b = vec![0u8; PAGE as usize];
+        let base = p * PAGE_WORDS;
+        for (i, chunk) in b.chunks_mut(8).enumerate() {
+            let w = base + i;
+            let Some(word) = self.words.get(w) else { break };
+            let mut v = word.load(Ordering::Relaxed);
+            for &(ew, bits) in extra {
+                if ew == w {
+                    v |= bits;
+                }
+            }
+            chunk.copy_from_slice(&v.to_le_bytes());
+        }
+        b
+    }
+}
+
+/// A bitmap as `bitmap list` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BitmapInfo {
+    /// Its name.
+    pub name: String,
+    /// Bytes per bit.
+    pub granularity: u64,
+    /// Bytes its set bits cover.
+    pub dirty_bytes: u64,
+    /// Writes set it.
+    pub enabled: bool,
+    /// It may miss changes.
+    pub inconsistent: bool,
+    /// NBD connections reading it.
+    pub readers: usize,
+}
+
+/// A reader's hold on a bitmap: while one lives, the bitmap cannot be removed or cleared.
+pub struct Reader(Arc<Bitmap>);
+
+impl Reader {
+    fn new(b: Arc<Bitmap>) -> Reader {
+        b.readers.fetch_add(1, Ordering::Relaxed);
+        Reader(b)
+    }
+}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        self.0.readers.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl DirtyMap for Reader {
+    fn granularity(&self) -> u64 {
+        1 << self.0.shift
+    }
+
+    fn runs(&self, offset: u64, len: u64, most: usize, out: &mut Vec<(u64, bool)>) {
+        let b = &self.0;
+        let end = offset.saturating_add(len);
+        let mut at = offset;
+        let push = |out: &mut Vec<(u64, bool)>, n: u64, dirty: bool| match out.last_mut() {
+            Some(last) if last.1 == dirty => last.0 += n,
+            _ => out.push((n, dirty)),
+        };
+        while at < end && out.len() <= most {
+            let bit = at >> b.shift;
+            if bit >= b.bits {
+                // Past its end: nothing says those bytes did not change.
+                push(out, end - at, true);
+                break;
+            }
+            // A whole word of one state is skipped at once.
+            let w = b.words[(bit / 64) as usize].load(Ordering::Acquire);
+            let (next, dirty) = if bit % 64 == 0 && (w == 0 || w == u64::MAX) {
+                ((bit + 64).min(b.bits), w != 0)
+            } else {
+                (bit + 1, b.bit(bit))
+            };
+            let stop = (next << b.shift).min(end);
+            push(out, stop - at, dirty);
+            at = stop;
+        }
+        if out.len() > most {
+            out.truncate(most);
+        }
+    }
+
+    fn inconsistent(&self) -> bool {
+        self.0.flags.load(Ordering::Relaxed) & INCONSISTENT != 0
+    }
+}
+
+struct State {
+    /// The directory on disk (the newer copy).
+    dir: Directory,
+    /// Its bitmaps, in the same order.
+    bitmaps: Vec<Arc<Bitmap>>,
+}
+
+/// The bitmaps of one device.
+pub struct Store {
+    path: PathBuf,
+    file: File,
+    device_bytes: u64,
+    /// Examine only: nothing is written.
+    dry: bool,
+    state: Mutex<State>,
+    /// Bumped whenever the enabled bitmaps change, so queues refresh their list.
+    generation: AtomicU64,
+}
+
+fn os(path: &Path, what: &str, e: std::io::Error) -> Error {
+    Error::os(format!("bitmap store {}: {what}", path.display()), e)
+}
+
+impl Store {
+    /// Opens the store at `path` for device `device` of `device_bytes` (created empty
+    /// when the file is absent or empty). `dry`: read only, and an absent file is an
+    /// empty store.
+    pub fn open(path: &Path, device: &str, device_bytes: u64, dry: bool) -> Result<Store, Error> {
+        let invalid = |m: String| Error::Invalid(format!("bitmap store {}: {m}", path.display()));
+        let file = if dry {
+            match File::open(path) {
+                Ok(f) => Some(f),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                Err(e) => return Err(os(path, "open", e)),
+            }
+        } else {
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(path)
+                .map_err(|e| os(path, "open", e))?;
+            crate::file::lock_exclusive(&f, path)?;
+            Some(f)
+        };
+        let len = match &file {
+            Some(f) => f.metadata().map_err(|e| os(path, "stat", e))?.len(),
+            None => 0,
+        };
+        let fresh = Directory {
+            seq: 1,
+            device: format::device_tag(device).to_string(),
+            device_bytes,
+            entries: Vec::new(),
+        };
+        let (file, dir) = match file {
+            Some(f) if len > 0 => {
+                let dir = Self::read_directory(&f, len).map_err(invalid)?;
+                if dir.device != format::device_tag(device) {
+                    return Err(invalid(format!(
+                        "it holds the bitmaps of device '{}', not of '{device}'",
+                        dir.device
+                    )));
+                }
+                (f, dir)
+            }
+            Some(f) => {
+                if !dry {
+                    write_dir(&f, &fresh).map_err(|e| os(path, "write", e))?;
+                }
+                (f, fresh)
+            }
+            None => (
+                File::open("/dev/null").map_err(|e| os(path, "open /dev/null", e))?,
+                fresh,
+            ),
+        };
+        let mut bitmaps = Vec::with_capacity(dir.entries.len());
+        for e in &dir.entries {
+            let mut bytes = vec![0u8; e.bits.div_ceil(8) as usize];
+            if e.area + bytes.len() as u64 > len {
+                return Err(invalid(format!(
+                    "bitmap '{}': its bits are past the end",
+                    e.name
+                )));
+            }
+            file.read_exact_at(&mut bytes, e.area)
+                .map_err(|e| os(path, "read", e))?;
+            bitmaps.push(Arc::new(Bitmap::new(e, &bytes)));
+        }
+        let store = Store {
+            path: path.to_path_buf(),
+            file,
+            device_bytes,
+            dry,
+            state: Mutex::new(State { dir, bitmaps }),
+            generation: AtomicU64::new(1),
+        };
+        // A device grown past an enabled bitmap: the new bytes are not tracked.
+        let short: Vec<String> = store
+            .lock()
+            .bitmaps
+            .iter()
+            .filter(|b| b.enabled() && device_bytes > b.bits << b.shift)
+            .map(|b| b.name.clone())
+            .collect();
+        if !short.is_empty() {
+            log::warn!(
+                "cairn: bitmap store {}: device '{device}' is larger than bitmaps {} cover: they are marked inconsistent",
+                path.display(),
+                short.join(", ")
+            );
+            let mut st = store.lock();
+            store.flag_inconsistent(&mut st, &short)?;
+        }
+        Ok(store)
+    }
+
+    fn read_directory(f: &File, len: u64) -> Result<Directory, String> {
+        let mut best: Option<Directory> = None;
+        let mut why = Vec::new();
+        for slot in 0..2u64 {
+            let at = slot * format::SLOT;
+            if at >= len {
+                why.push(format!("copy {slot}: absent"));
+                continue;
+            }
+            let mut b = vec![0u8; (len - at).min(format::SLOT) as usize];
+            if let Err(e) = f.read_exact_at(&mut b, at) {
+                why.push(format!("copy {slot}: {e}"));
+                continue;
+            }
+            match Directory::decode(&b) {
+                Ok(d) if d.slot_offset() != at => {
+                    why.push(format!(
+                        "copy {slot}: sequence {} belongs in the other copy",
+                        d.seq
+                    ));
+                }
+                Ok(d) => {
+                    if best.as_ref().is_none_or(|b| d.seq > b.seq) {
+                        best = Some(d);
+                    }
+                }
+                Err(e) => why.push(format!("copy {slot}: {e}")),
+            }
+        }
+        best.ok_or_else(|| {
+            format!(
+                "no readable directory ({}); move the file away to start with no bitmaps",
+                why.join("; ")
+            )
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Where the store is.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Bumped whenever the enabled bitmaps change.
+    #[inline]
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// The bitmaps writes set now, and the generation they are of.
+    pub fn enabled(&self) -> (u64, Vec<Arc<Bitmap>>) {
+        let st = self.lock();
+        let g = self.generation();
+        (
+            g,
+            st.bitmaps.iter().filter(|b| b.enabled()).cloned().collect(),
+        )
+    }
+
+    /// Every bitmap, as listed.
+    pub fn list(&self) -> Vec<BitmapInfo> {
+        self.lock()
+            .bitmaps
+            .iter()
+            .map(|b| b.info(self.device_bytes))
+            .collect()
+    }
+
+    /// Names of every bitmap.
+    pub fn names(&self) -> Vec<String> {
+        self.lock().bitmaps.iter().map(|b| b.name.clone()).collect()
+    }
+
+    /// A reader's hold on bitmap `name`.
+    pub fn reader(&self, name: &str) -> Option<Reader> {
+        let st = self.lock();
+        st.bitmaps
+            .iter()
+            .find(|b| b.name == name)
+            .map(|b| Reader::new(b.clone()))
+    }
+
+    /// Sets on disk, then in memory, the bits of every enabled bitmap that
+    /// `[offset, offset + len)` touches. Call before sending a change of that range.
+    pub fn mark(&self, offset: u64, len: u64) -> Result<(), Error> {
+        if self.dry || len == 0 {
+            return Ok(());
+        }
+        let mut st = self.lock();
+        let mut plan: Vec<(Arc<Bitmap>, Vec<(usize, u64)>)> = Vec::new();
+        let mut past = Vec::new();
+        for b in st.bitmaps.iter().filter(|b| b.enabled()) {
+            let (need, beyond) = b.missing(offset, len);
+            if beyond && b.flags.load(Ordering::Relaxed) & INCONSISTENT == 0 {
+                past.push(b.name.clone());
+            }
+            if !need.is_empty() {
+                plan.push((b.clone(), need));
+            }
+        }
+        if !past.is_empty() {
+            self.flag_inconsistent(&mut st, &past)?;
+        }
+        if plan.is_empty() {
+            return Ok(());
+        }
+        let written = (|| -> std::io::Result<()> {
+            for (b, need) in &plan {
+                let mut pages: Vec<usize> = need.iter().map(|(w, _)| w / PAGE_WORDS).collect();
+                pages.dedup();
+                for p in pages {
+                    let image = b.page_image(p, need);
+                    self.file.write_all_at(&image, b.area + p as u64 * PAGE)?;
+                }
+            }
+            self.file.sync_data()
+        })();
+        match written {
+            Ok(()) => {
+                for (b, need) in &plan {
+                    for &(w, bits) in need {
+                        b.words[w].fetch_or(bits, Ordering::Release);
+                    }
+                }
+                Ok(())
+            }
+            Err(e) => {
+                let names: Vec<String> = plan.iter().map(|(b, _)| b.name.clone()).collect();
+                log::error!(
+                    "cairn: bitmap store {}: marking {}: {e}; they are marked inconsistent",
+                    self.path.display(),
+                    names.join(", ")
+                );
+                self.flag_inconsistent(&mut st, &names)
+            }
+        }
+    }
+
+    /// Marks `names` inconsistent, in memory and then on disk.
+    fn flag_inconsistent(&self, st: &mut State, names: &[String]) -> Result<(), Error> {
+        for b in st.bitmaps.iter().filter(|b| names.contains(&b.name)) {
+            b.flags.fetch_or(INCONSISTENT, Ordering::Relaxed);
+        }
+        self.commit(st)
+    }
+
+    /// Writes the directory of what is in memory, as the next sequence number.
+    fn commit(&self, st: &mut State) -> Result<(), Error> {
+        if self.dry {
+            return Ok(());
+        }
+        let dir = Directory {
+            seq: st.dir.seq + 1,
+            device: st.dir.device.clone(),
+            device_bytes: self.device_bytes,
+            entries: st.bitmaps.iter().map(|b| b.entry()).collect(),
+        };
+        write_dir(&self.file, &dir).map_err(|e| os(&self.path, "write the directory", e))?;
+        st.dir = dir;
+        Ok(())
+    }
+
+    fn find<'a>(&self, st: &'a State, name: &str) -> Result<&'a Arc<Bitmap>, String> {
+        st.bitmaps.iter().find(|b| b.name == name).ok_or_else(|| {
+            let names: Vec<&str> = st.bitmaps.iter().map(|b| b.name.as_str()).collect();
+            format!(
+                "no bitmap '{name}' (bitmaps: {})",
+                if names.is_empty() {
+                    "none".to_string()
+                } else {
+                    names.join(", ")
+                }
+            )
+        })
+    }
+
+    fn refuse_dry(&self) -> Result<(), String> {
+        if self.dry {
+            return Err("the store was opened to examine only".into());
+        }
+        Ok(())
+    }
+
+    /// Adds an empty, enabled bitmap `name` of `granularity` bytes per bit.
+    pub fn add(&self, name: &str, granularity: u64) -> Result<(), String> {
+        format::check_name(name)?;
+        self.refuse_dry()?;
+        if !granularity.is_power_of_two()
+            || !(format::GRANULARITY_MIN..=format::GRANULARITY_MAX).contains(&granularity)
+        {
+            return Err(format!(
+                "granularity {granularity}: a power of two from {} to {}",
+                cairn_core::size::format_bytes(format::GRANULARITY_MIN),
+                cairn_core::size::format_bytes(format::GRANULARITY_MAX)
+            ));
+        }
+        let bits = self.device_bytes.div_ceil(granularity).max(1);
+        if format::area_bytes(bits) > format::AREA_MAX {
+            return Err(format!(
+                "granularity {} needs {} of bits for this device; at most {} (pick a coarser one)",
+                cairn_core::size::format_bytes(granularity),
+                cairn_core::size::format_bytes(format::area_bytes(bits)),
+                cairn_core::size::format_bytes(format::AREA_MAX)
+            ));
+        }
+        let mut st = self.lock();
+        if st.bitmaps.iter().any(|b| b.name == name) {
+            return Err(format!("a bitmap '{name}' exists"));
+        }
+        if st.bitmaps.len() >= format::BITMAPS_MAX {
+            return Err(format!(
+                "the store holds {} bitmaps already",
+                format::BITMAPS_MAX
+            ));
+        }
+        // Clear of every area the directory on disk names: should the next directory be
+        // torn, the one before it still finds its bits.
+        let used: Vec<(u64, u64)> = st
+            .dir
+            .entries
+            .iter()
+            .chain(
+                st.bitmaps
+                    .iter()
+                    .map(|b| b.entry())
+                    .collect::<Vec<_>>()
+                    .iter(),
+            )
+            .map(|e| (e.area, e.area_bytes()))
+            .collect();
+        let e = Entry {
+            name: name.to_string(),
+            shift: granularity.trailing_zeros(),
+            bits,
+            flags: 0,
+            area: format::place(&used, format::area_bytes(bits)),
+        };
+        let zeros = vec![0u8; e.area_bytes().min(1 << 20) as usize];
+        let mut at = 0;
+        while at < e.area_bytes() {
+            let n = (e.area_bytes() - at).min(zeros.len() as u64) as usize;
+            self.file
+                .write_all_at(&zeros[..n], e.area + at)
+                .map_err(|err| err.to_string())?;
+            at += n as u64;
+        }
+        st.bitmaps.push(Arc::new(Bitmap::new(&e, &[])));
+        if let Err(err) = self.commit(&mut st) {
+            st.bitmaps.pop();
+            return Err(err.to_string());
+        }
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    fn refuse_read(b: &Bitmap, what: &str) -> Result<(), String> {
+        let n = b.readers.load(Ordering::Relaxed);
+        if n > 0 {
+            return Err(format!(
+                "bitmap '{}' is being read by {} (an NBD client's qemu:dirty-bitmap context): not {what} while it is",
+                b.name,
+                cairn_core::size::plural(n as u64, "connection", "connections")
+            ));
+        }
+        Ok(())
+    }
+
+    /// Removes bitmap `name` (refused while a client reads it).
+    pub fn remove(&self, name: &str) -> Result<(), String> {
+        self.refuse_dry()?;
+        let mut st = self.lock();
+        let b = self.find(&st, name)?.clone();
+        Self::refuse_read(&b, "removed")?;
+        let i = st
+            .bitmaps
+            .iter()
+            .position(|x| Arc::ptr_eq(x, &b))
+            .expect("found");
+        st.bitmaps.remove(i);
+        if let Err(e) = self.commit(&mut st) {
+            st.bitmaps.insert(i, b);
+            return Err(e.to_string());
+        }
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Clears every bit of bitmap `name` (and its inconsistency: it starts afresh).
+    pub fn clear(&self, name: &str) -> Result<(), String> {
+        self.refuse_dry()?;
+        let mut st = self.lock();
+        let b = self.find(&st, name)?.clone();
+        Self::refuse_read(&b, "cleared")?;
+        let zeros = vec![0u8; b.words.len() * 8];
+        self.file
+            .write_all_at(&zeros, b.area)
+            .and_then(|()| self.file.sync_data())
+            .map_err(|e| e.to_string())?;
+        for w in b.words.iter() {
+            w.store(0, Ordering::Release);
+        }
+        b.flags.fetch_and(!INCONSISTENT, Ordering::Relaxed);
+        self.commit(&mut st).map_err(|e| e.to_string())
+    }
+
+    /// Sets in `target` every bit set in `sources` (an inconsistent source makes it
+    /// inconsistent). The bitmaps must have the same granularity and size.
+    pub fn merge(&self, target: &str, sources: &[&str]) -> Result<(), String> {
+        self.refuse_dry()?;
+        let mut st = self.lock();
+        let t = self.find(&st, target)?.clone();
+        let mut srcs = Vec::new();
+        for s in sources {
+            let b = self.find(&st, s)?.clone();
+            if b.shift != t.shift || b.bits != t.bits {
+                return Err(format!(
+                    "bitmap '{s}' ({} per bit) and '{target}' ({} per bit) differ in granularity or size",
+                    cairn_core::size::format_bytes(1 << b.shift),
+                    cairn_core::size::format_bytes(1 << t.shift)
+                ));
+            }
+            srcs.push(b);
+        }
+        let need: Vec<(usize, u64)> = (0..t.words.len())
+            .filter_map(|w| {
+                let or = srcs
+                    .iter()
+                    .fold(0, |a, s| a | s.words[w].load(Ordering::Acquire));
+                let need = or & !t.words[w].load(Ordering::Relaxed);
+                (need != 0).then_some((w, need))
+            })
+            .collect();
+        let mut pages: Vec<usize> = need.iter().map(|(w, _)| w / PAGE_WORDS).collect();
+        pages.dedup();
+        for p in pages {
+            self.file
+                .write_all_at(&t.page_image(p, &need), t.area + p as u64 * PAGE)
+                .map_err(|e| e.to_string())?;
+        }
+        self.file.sync_data().map_err(|e| e.to_string())?;
+        for &(w, bits) in &need {
+            t.words[w].fetch_or(bits, Ordering::Release);
+        }
+        if srcs
+            .iter()
+            .any(|s| s.flags.load(Ordering::Relaxed) & INCONSISTENT != 0)
+        {
+            t.flags.fetch_or(INCONSISTENT, Ordering::Relaxed);
+            self.commit(&mut st).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+}
+
+/// Writes `dir` to its copy and syncs it.
+fn write_dir(f: &File, dir: &Directory) -> std::io::Result<()> {
+    f.write_all_at(&dir.encode(), dir.slot_offset())?;
+    f.sync_data()
+}
