@@ -11,23 +11,67 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use cairn_core::{
-    Core, Device, DirtyMap, Error, Extent, Geometry, Io, IoStatus, Op, Queue, QueueStats,
+    Core, Device, DirtyMap, Error, Extent, Geometry, Io, IoStatus, Queue, QueueStats,
 };
 
 use super::store::{Bitmap, Store};
+
+/// A queue's copy of the enabled bitmaps, as of a store generation.
+pub type Enabled = RefCell<(u64, Vec<Arc<Bitmap>>)>;
+
+/// Sets the bits of `io` in every enabled bitmap of `store` that lacks them: nothing but
+/// a generation load and a bit test per bitmap once they are set.
+#[inline]
+pub fn mark(store: &Store, enabled: &Enabled, io: &Io) -> Result<(), Error> {
+    if io.len == 0 {
+        return Ok(());
+    }
+    if enabled.borrow().0 != store.generation() {
+        // Rarely: a bitmap was added, removed or disabled.
+        *enabled.borrow_mut() = store.enabled();
+    }
+    if enabled.borrow().1.iter().all(|b| b.covers(io.offset, io.len)) {
+        return Ok(());
+    }
+    store.mark(io.offset, io.len)
+}
 
 /// A device and its bitmap store. Named as its device, and shown as it is with its store.
 pub struct TrackedDevice {
     base: Arc<dyn Device>,
     store: Arc<Store>,
+    /// Whose bitmaps it offers readers: empty for the device's own, else a snapshot's.
+    owner: String,
+    /// Its queues set the bitmaps (a thin volume's own queues do instead).
+    marks: bool,
 }
 
 impl TrackedDevice {
-    /// Tracks the changes of `base` in `store`.
+    /// Tracks the changes of `base` in `store`. A thin volume's queues set the bitmaps
+    /// themselves, inside the pool's gate.
     pub fn new(base: Arc<dyn Device>, store: Store) -> TrackedDevice {
+        let store = Arc::new(store);
+        let thin = base
+            .as_any()
+            .and_then(|a| a.downcast_ref::<crate::thin::queue::ThinDevice>());
+        if let Some(t) = thin {
+            t.track(store.clone());
+        }
+        TrackedDevice {
+            marks: thin.is_none(),
+            base,
+            store,
+            owner: String::new(),
+        }
+    }
+
+    /// Snapshot `base` (read-only) offering the bitmaps `store` keeps attached to it.
+    pub fn view(base: Arc<dyn Device>, store: Arc<Store>, owner: &str) -> TrackedDevice {
         TrackedDevice {
             base,
-            store: Arc::new(store),
+            store,
+            owner: owner.to_string(),
+            marks: false,
         }
     }
 
@@ -47,7 +91,7 @@ impl Device for TrackedDevice {
         self.base.name()
     }
     fn describe(&self) -> String {
-        let n = self.store.names().len();
+        let n = self.store.names(&self.owner).len();
         format!(
             "{}; {} in {}",
             self.base.describe(),
@@ -60,12 +104,14 @@ impl Device for TrackedDevice {
     }
     fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
         let base = cairn_core::handoff::open_member(core, &self.base)?;
-        let (generation, enabled) = self.store.enabled();
+        if !self.marks {
+            return Ok(base);
+        }
         Ok(Rc::new(TrackedQueue {
             core: core.clone(),
             base,
             store: self.store.clone(),
-            enabled: RefCell::new((generation, enabled)),
+            enabled: RefCell::new(self.store.enabled()),
         }))
     }
     fn children(&self) -> Vec<Arc<dyn Device>> {
@@ -126,11 +172,11 @@ impl Device for TrackedDevice {
         Some(self)
     }
     fn bitmap_names(&self) -> Vec<String> {
-        self.store.names()
+        self.store.names(&self.owner)
     }
     fn bitmap(&self, name: &str) -> Option<Arc<dyn DirtyMap>> {
         self.store
-            .reader(name)
+            .reader(&self.owner, name)
             .map(|r| Arc::new(r) as Arc<dyn DirtyMap>)
     }
 }
@@ -139,33 +185,14 @@ struct TrackedQueue {
     core: Rc<Core>,
     base: Rc<dyn Queue>,
     store: Arc<Store>,
-    /// The enabled bitmaps as of a store generation.
-    enabled: RefCell<(u64, Vec<Arc<Bitmap>>)>,
-}
-
-impl TrackedQueue {
-    /// Whether every enabled bitmap has `io`'s granules set already.
-    #[inline]
-    fn covered(&self, io: &Io) -> bool {
-        let g = self.store.generation();
-        if self.enabled.borrow().0 != g {
-            // Rarely: a bitmap was added, removed or disabled.
-            *self.enabled.borrow_mut() = self.store.enabled();
-        }
-        self.enabled
-            .borrow()
-            .1
-            .iter()
-            .all(|b| b.covers(io.offset, io.len))
-    }
+    enabled: Enabled,
 }
 
 impl Queue for TrackedQueue {
     #[inline]
     fn submit(&self, io: Io) {
-        let changes = matches!(io.op, Op::Write | Op::WriteZeroes | Op::Discard);
-        if changes && io.len > 0 && !self.covered(&io) {
-            if let Err(e) = self.store.mark(io.offset, io.len) {
+        if io.op.is_write() {
+            if let Err(e) = mark(&self.store, &self.enabled, &io) {
                 log::error!("cairn: {e}: the write fails");
                 // Never complete inside submit: through the FIFO.
                 self.core

@@ -45,7 +45,12 @@ pub const DISABLED: u32 = 1;
 /// Entry flag: the bitmap may miss changes (a mark could not be written, or the device
 /// grew past it); a backup must not trust it.
 pub const INCONSISTENT: u32 = 2;
-const KNOWN_FLAGS: u32 = DISABLED | INCONSISTENT;
+/// Entry flag: made by a checkpoint (the volume's current one, while enabled).
+pub const CHECKPOINT: u32 = 4;
+/// Entry flag: its checkpoint's snapshot may not exist yet. Found at open, the checkpoint
+/// is finished when the snapshot exists and undone when it does not.
+pub const PENDING: u32 = 8;
+const KNOWN_FLAGS: u32 = DISABLED | INCONSISTENT | CHECKPOINT | PENDING;
 
 mod at {
     pub const MAGIC: usize = 0;
@@ -64,6 +69,9 @@ mod at {
 pub struct Entry {
     /// Its name (unique in the store).
     pub name: String,
+    /// Empty for a bitmap of the device itself; else the snapshot it is attached to (a
+    /// checkpoint's: the changes between the previous checkpoint and that snapshot).
+    pub owner: String,
     /// log2 of its granularity.
     pub shift: u32,
     /// Bits it holds (the device's size when it was made, in granules).
@@ -81,7 +89,7 @@ impl Entry {
     }
 
     fn encoded_len(&self) -> usize {
-        1 + self.name.len() + 1 + 3 + 4 + 8 + 8
+        1 + self.name.len() + 1 + self.owner.len() + 1 + 3 + 4 + 8 + 8
     }
 }
 
@@ -124,9 +132,11 @@ impl Directory {
         b[at::NAME + 1..at::NAME + 1 + tag.len()].copy_from_slice(tag.as_bytes());
         let mut p = at::ENTRIES;
         for e in &self.entries {
-            b[p] = e.name.len() as u8;
-            b[p + 1..p + 1 + e.name.len()].copy_from_slice(e.name.as_bytes());
-            p += 1 + e.name.len();
+            for text in [&e.name, &e.owner] {
+                b[p] = text.len() as u8;
+                b[p + 1..p + 1 + text.len()].copy_from_slice(text.as_bytes());
+                p += 1 + text.len();
+            }
             b[p] = e.shift as u8;
             p += 4;
             put32(&mut b, p, e.flags);
@@ -169,17 +179,26 @@ impl Directory {
         let mut entries = Vec::with_capacity(count);
         let mut p = at::ENTRIES;
         let short = || "directory entries run past its length".to_string();
-        for _ in 0..count {
-            let n = *b.get(p).filter(|_| p < len).ok_or_else(short)? as usize;
-            if p + 1 + n + 24 > len {
+        let text = |p: &mut usize| -> Result<String, String> {
+            let n = *b.get(*p).filter(|_| *p < len).ok_or_else(short)? as usize;
+            if *p + 1 + n > len {
                 return Err(short());
             }
-            let name = std::str::from_utf8(&b[p + 1..p + 1 + n])
-                .map_err(|_| "a bitmap name is not UTF-8".to_string())?
+            let t = std::str::from_utf8(&b[*p + 1..*p + 1 + n])
+                .map_err(|_| "a bitmap or owner name is not UTF-8".to_string())?
                 .to_string();
-            p += 1 + n;
+            *p += 1 + n;
+            Ok(t)
+        };
+        for _ in 0..count {
+            let name = text(&mut p)?;
+            let owner = text(&mut p)?;
+            if p + 24 > len {
+                return Err(short());
+            }
             let e = Entry {
                 name,
+                owner,
                 shift: u32::from(b[p]),
                 flags: get32(b, p + 4),
                 bits: get64(b, p + 8),
@@ -215,6 +234,9 @@ pub fn device_tag(name: &str) -> &str {
 
 fn check_entry(e: &Entry) -> Result<(), String> {
     check_name(&e.name)?;
+    if !e.owner.is_empty() {
+        check_name(&e.owner)?;
+    }
     let g = 1u64.checked_shl(e.shift).unwrap_or(0);
     if !(GRANULARITY_MIN..=GRANULARITY_MAX).contains(&g) {
         return Err(format!(
@@ -280,6 +302,7 @@ mod tests {
             entries: vec![
                 Entry {
                     name: "b0".into(),
+                    owner: String::new(),
                     shift: 16,
                     bits: 16384,
                     flags: 0,
@@ -287,6 +310,7 @@ mod tests {
                 },
                 Entry {
                     name: "backup.1".into(),
+                    owner: "snap-2".into(),
                     shift: 12,
                     bits: 1 << 18,
                     flags: DISABLED | INCONSISTENT,

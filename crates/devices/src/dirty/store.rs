@@ -19,14 +19,19 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cairn_core::{DirtyMap, Error};
 
-use super::format::{self, Directory, Entry, DISABLED, INCONSISTENT, PAGE};
+use super::format::{self, Directory, Entry, CHECKPOINT, DISABLED, INCONSISTENT, PAGE, PENDING};
 
 /// Words per page.
 const PAGE_WORDS: usize = (PAGE / 8) as usize;
 
+/// The granularity of a checkpoint's first bitmap: 64 KiB per bit.
+pub const GRANULARITY: u64 = 64 << 10;
+
 /// One bitmap in memory.
 pub struct Bitmap {
     name: String,
+    /// Empty, or the snapshot it is attached to; changed under the store's lock.
+    owner: Mutex<String>,
     shift: u32,
     bits: u64,
     area: u64,
@@ -51,6 +56,7 @@ impl Bitmap {
             .collect();
         Bitmap {
             name: e.name.clone(),
+            owner: Mutex::new(e.owner.clone()),
             shift: e.shift,
             bits: e.bits,
             area: e.area,
@@ -63,6 +69,7 @@ impl Bitmap {
     fn entry(&self) -> Entry {
         Entry {
             name: self.name.clone(),
+            owner: self.owner(),
             shift: self.shift,
             bits: self.bits,
             flags: self.flags.load(Ordering::Relaxed),
@@ -78,6 +85,19 @@ impl Bitmap {
     /// Whether writes set it.
     pub fn enabled(&self) -> bool {
         self.flags.load(Ordering::Relaxed) & DISABLED == 0
+    }
+
+    /// Empty, or the snapshot it is attached to.
+    pub fn owner(&self) -> String {
+        self.owner.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn set_owner(&self, owner: &str) {
+        *self.owner.lock().unwrap_or_else(|p| p.into_inner()) = owner.to_string();
+    }
+
+    fn has(&self, flag: u32) -> bool {
+        self.flags.load(Ordering::Relaxed) & flag != 0
     }
 
     fn bit(&self, i: u64) -> bool {
@@ -115,8 +135,11 @@ impl Bitmap {
     /// What it lists.
     pub fn info(&self, device_bytes: u64) -> BitmapInfo {
         let flags = self.flags.load(Ordering::Relaxed);
+        let owner = self.owner();
         BitmapInfo {
             name: self.name.clone(),
+            snapshot: (!owner.is_empty()).then_some(owner),
+            checkpoint: flags & CHECKPOINT != 0,
             granularity: 1 << self.shift,
             dirty_bytes: (self.count() << self.shift).min(device_bytes),
             enabled: flags & DISABLED == 0,
@@ -173,6 +196,10 @@ impl Bitmap {
 pub struct BitmapInfo {
     /// Its name.
     pub name: String,
+    /// The snapshot it is attached to (`None`: the device's own).
+    pub snapshot: Option<String>,
+    /// Made by a checkpoint.
+    pub checkpoint: bool,
     /// Bytes per bit.
     pub granularity: u64,
     /// Bytes its set bits cover.
@@ -432,18 +459,140 @@ impl Store {
             .collect()
     }
 
-    /// Names of every bitmap.
-    pub fn names(&self) -> Vec<String> {
-        self.lock().bitmaps.iter().map(|b| b.name.clone()).collect()
+    /// Names of the bitmaps of `owner` (empty: the device's own; else a snapshot's).
+    pub fn names(&self, owner: &str) -> Vec<String> {
+        self.lock()
+            .bitmaps
+            .iter()
+            .filter(|b| b.owner() == owner)
+            .map(|b| b.name.clone())
+            .collect()
     }
 
-    /// A reader's hold on bitmap `name`.
-    pub fn reader(&self, name: &str) -> Option<Reader> {
+    /// Whether some bitmap is attached to snapshot `owner`.
+    pub fn owns(&self, owner: &str) -> bool {
+        self.lock().bitmaps.iter().any(|b| b.owner() == owner)
+    }
+
+    /// A reader's hold on bitmap `name` of `owner`.
+    pub fn reader(&self, owner: &str, name: &str) -> Option<Reader> {
         let st = self.lock();
         st.bitmaps
             .iter()
-            .find(|b| b.name == name)
+            .find(|b| b.name == name && b.owner() == owner)
             .map(|b| Reader::new(b.clone()))
+    }
+
+    /// The first step of checkpoint `name`, taken while writes are held and none is in
+    /// flight, before its snapshot: a new enabled bitmap `name` (pending until
+    /// [`Store::checkpoint_end`]), and the volume's current checkpoint bitmap, if any,
+    /// disabled and attached to snapshot `name`. Returns the previous checkpoint's name.
+    pub fn checkpoint_begin(&self, name: &str) -> Result<Option<String>, String> {
+        format::check_name(name)?;
+        self.refuse_dry()?;
+        let mut st = self.lock();
+        if st.bitmaps.iter().any(|b| b.name == name) {
+            return Err(format!("a bitmap '{name}' exists: a checkpoint needs a new name"));
+        }
+        let prev = st
+            .bitmaps
+            .iter()
+            .find(|b| b.enabled() && b.has(CHECKPOINT) && b.owner().is_empty())
+            .cloned();
+        let granularity = prev.as_ref().map_or(GRANULARITY, |p| 1 << p.shift);
+        let e = self.new_entry(&st, name, granularity, CHECKPOINT | PENDING)?;
+        st.bitmaps.push(Arc::new(Bitmap::new(&e, &[])));
+        if let Some(p) = &prev {
+            p.flags.fetch_or(DISABLED, Ordering::Relaxed);
+            p.set_owner(name);
+        }
+        if let Err(err) = self.commit(&mut st) {
+            st.bitmaps.pop();
+            if let Some(p) = &prev {
+                p.flags.fetch_and(!DISABLED, Ordering::Relaxed);
+                p.set_owner("");
+            }
+            return Err(err.to_string());
+        }
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        Ok(prev.map(|p| p.name.clone()))
+    }
+
+    /// The last step of checkpoint `name`: its snapshot was taken (`taken`), or not, and
+    /// then the first step is undone. A failure to write is logged: the next open
+    /// finishes or undoes the checkpoint from what the pool holds.
+    pub fn checkpoint_end(&self, name: &str, taken: bool) {
+        let mut st = self.lock();
+        self.settle(&mut st, name, taken);
+        if let Err(e) = self.commit(&mut st) {
+            log::error!("cairn: {e} (checkpoint '{name}' is settled at the next start)");
+        }
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Finishes (`taken`) or undoes checkpoint `name` in memory.
+    fn settle(&self, st: &mut State, name: &str, taken: bool) {
+        if taken {
+            for b in st.bitmaps.iter().filter(|b| b.name == name) {
+                b.flags.fetch_and(!PENDING, Ordering::Relaxed);
+            }
+            return;
+        }
+        st.bitmaps.retain(|b| b.name != name || !b.owner().is_empty());
+        for b in st.bitmaps.iter().filter(|b| b.owner() == name) {
+            b.flags.fetch_and(!DISABLED, Ordering::Relaxed);
+            b.set_owner("");
+        }
+    }
+
+    /// At open, with the snapshots of the device's pool: checkpoints left pending by a
+    /// stop are finished or undone, and bitmaps of snapshots deleted meanwhile go.
+    pub fn reconcile(&self, exists: &dyn Fn(&str) -> bool) -> Result<(), Error> {
+        if self.dry {
+            return Ok(());
+        }
+        let mut st = self.lock();
+        let pending: Vec<String> = st
+            .bitmaps
+            .iter()
+            .filter(|b| b.has(PENDING))
+            .map(|b| b.name.clone())
+            .collect();
+        let gone: Vec<String> = st
+            .bitmaps
+            .iter()
+            .map(|b| b.owner())
+            .filter(|o| !o.is_empty() && !pending.contains(o) && !exists(o))
+            .collect();
+        if pending.is_empty() && gone.is_empty() {
+            return Ok(());
+        }
+        for name in &pending {
+            let taken = exists(name);
+            log::info!(
+                "cairn: bitmap store {}: checkpoint '{name}' {} at the last stop",
+                self.path.display(),
+                if taken { "finished (its snapshot exists)" } else { "undone (its snapshot was never taken)" }
+            );
+            self.settle(&mut st, name, taken);
+        }
+        st.bitmaps.retain(|b| !gone.contains(&b.owner()));
+        self.commit(&mut st)?;
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Removes the bitmaps attached to snapshot `owner` (it was deleted).
+    pub fn drop_owner(&self, owner: &str) -> Result<(), String> {
+        let mut st = self.lock();
+        if !st.bitmaps.iter().any(|b| b.owner() == owner) {
+            return Ok(());
+        }
+        if let Some(b) = st.bitmaps.iter().find(|b| b.owner() == owner) {
+            Self::refuse_read(b, "removed")?;
+        }
+        st.bitmaps.retain(|b| b.owner() != owner);
+        self.commit(&mut st).map_err(|e| e.to_string())
     }
 
     /// Sets on disk, then in memory, the bits of every enabled bitmap that
@@ -551,6 +700,23 @@ impl Store {
     pub fn add(&self, name: &str, granularity: u64) -> Result<(), String> {
         format::check_name(name)?;
         self.refuse_dry()?;
+        let mut st = self.lock();
+        if st.bitmaps.iter().any(|b| b.name == name) {
+            return Err(format!("a bitmap '{name}' exists"));
+        }
+        let e = self.new_entry(&st, name, granularity, 0)?;
+        st.bitmaps.push(Arc::new(Bitmap::new(&e, &[])));
+        if let Err(err) = self.commit(&mut st) {
+            st.bitmaps.pop();
+            return Err(err.to_string());
+        }
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// An entry for a new bitmap, its area zeroed (not synced: the directory's sync
+    /// covers it, and stale bits there could only add changes).
+    fn new_entry(&self, st: &State, name: &str, granularity: u64, flags: u32) -> Result<Entry, String> {
         if !granularity.is_power_of_two()
             || !(format::GRANULARITY_MIN..=format::GRANULARITY_MAX).contains(&granularity)
         {
@@ -568,10 +734,6 @@ impl Store {
                 cairn_core::size::format_bytes(format::area_bytes(bits)),
                 cairn_core::size::format_bytes(format::AREA_MAX)
             ));
-        }
-        let mut st = self.lock();
-        if st.bitmaps.iter().any(|b| b.name == name) {
-            return Err(format!("a bitmap '{name}' exists"));
         }
         if st.bitmaps.len() >= format::BITMAPS_MAX {
             return Err(format!(
@@ -596,9 +758,10 @@ impl Store {
             .collect();
         let e = Entry {
             name: name.to_string(),
+            owner: String::new(),
             shift: granularity.trailing_zeros(),
             bits,
-            flags: 0,
+            flags,
             area: format::place(&used, format::area_bytes(bits)),
         };
         let zeros = vec![0u8; e.area_bytes().min(1 << 20) as usize];
@@ -610,13 +773,7 @@ impl Store {
                 .map_err(|err| err.to_string())?;
             at += n as u64;
         }
-        st.bitmaps.push(Arc::new(Bitmap::new(&e, &[])));
-        if let Err(err) = self.commit(&mut st) {
-            st.bitmaps.pop();
-            return Err(err.to_string());
-        }
-        self.generation.fetch_add(1, Ordering::AcqRel);
-        Ok(())
+        Ok(e)
     }
 
     fn refuse_read(b: &Bitmap, what: &str) -> Result<(), String> {
@@ -669,32 +826,40 @@ impl Store {
         self.commit(&mut st).map_err(|e| e.to_string())
     }
 
-    /// Sets in `target` every bit set in `sources` (an inconsistent source makes it
-    /// inconsistent). The bitmaps must have the same granularity and size.
+    /// Sets in `target` the bits covering every range set in `sources` (of any
+    /// granularity: a coarser target takes every granule a source range touches). An
+    /// inconsistent source makes the target inconsistent.
     pub fn merge(&self, target: &str, sources: &[&str]) -> Result<(), String> {
         self.refuse_dry()?;
         let mut st = self.lock();
         let t = self.find(&st, target)?.clone();
         let mut srcs = Vec::new();
         for s in sources {
-            let b = self.find(&st, s)?.clone();
-            if b.shift != t.shift || b.bits != t.bits {
-                return Err(format!(
-                    "bitmap '{s}' ({} per bit) and '{target}' ({} per bit) differ in granularity or size",
-                    cairn_core::size::format_bytes(1 << b.shift),
-                    cairn_core::size::format_bytes(1 << t.shift)
-                ));
-            }
-            srcs.push(b);
+            srcs.push(self.find(&st, s)?.clone());
         }
-        let need: Vec<(usize, u64)> = (0..t.words.len())
-            .filter_map(|w| {
-                let or = srcs
-                    .iter()
-                    .fold(0, |a, s| a | s.words[w].load(Ordering::Acquire));
-                let need = or & !t.words[w].load(Ordering::Relaxed);
-                (need != 0).then_some((w, need))
-            })
+        let mut want: std::collections::BTreeMap<usize, u64> = Default::default();
+        for s in &srcs {
+            for (w, word) in s.words.iter().enumerate() {
+                let mut v = word.load(Ordering::Acquire);
+                while v != 0 {
+                    let bit = w as u64 * 64 + u64::from(v.trailing_zeros());
+                    v &= v - 1;
+                    if bit >= s.bits {
+                        break;
+                    }
+                    let (start, end) = (bit << s.shift, (bit + 1) << s.shift);
+                    let first = start >> t.shift;
+                    let last = ((end - 1) >> t.shift).min(t.bits - 1);
+                    for tb in first..=last {
+                        *want.entry((tb / 64) as usize).or_default() |= 1 << (tb % 64);
+                    }
+                }
+            }
+        }
+        let need: Vec<(usize, u64)> = want
+            .into_iter()
+            .map(|(w, bits)| (w, bits & !t.words[w].load(Ordering::Relaxed)))
+            .filter(|&(_, bits)| bits != 0)
             .collect();
         let mut pages: Vec<usize> = need.iter().map(|(w, _)| w / PAGE_WORDS).collect();
         pages.dedup();
@@ -707,10 +872,7 @@ impl Store {
         for &(w, bits) in &need {
             t.words[w].fetch_or(bits, Ordering::Release);
         }
-        if srcs
-            .iter()
-            .any(|s| s.flags.load(Ordering::Relaxed) & INCONSISTENT != 0)
-        {
+        if srcs.iter().any(|s| s.has(INCONSISTENT)) && !t.has(INCONSISTENT) {
             t.flags.fetch_or(INCONSISTENT, Ordering::Relaxed);
             self.commit(&mut st).map_err(|e| e.to_string())?;
         }

@@ -334,10 +334,27 @@ impl Committer {
                     .get(&source.id)
                     .map_or(0, |v| v.map.len());
                 self.check_new(&name, source.size.load(Relaxed), mapped as u64)?;
-                let held = self.snapshot(&source, &name, read_only)?;
+                let held = self.snapshot(&source, &name, read_only, None)?;
                 let kind = if read_only { "snapshot" } else { "clone" };
                 Ok(format!(
                     "{kind} '{name}' of '{src}' taken (writes to '{src}' held for {} us)",
+                    held.as_micros()
+                ))
+            }
+            Admin::Checkpoint { src, name, hook } => {
+                let source = find(&src)?;
+                if source.read_only {
+                    return Err(format!("'{src}' is a snapshot: checkpoints are of writable volumes"));
+                }
+                let mapped = self
+                    .state
+                    .volumes
+                    .get(&source.id)
+                    .map_or(0, |v| v.map.len());
+                self.check_new(&name, source.size.load(Relaxed), mapped as u64)?;
+                let held = self.snapshot(&source, &name, true, Some(&*hook.0))?;
+                Ok(format!(
+                    "checkpoint '{name}' of '{src}' taken (writes to '{src}' held for {} us)",
                     held.as_micros()
                 ))
             }
@@ -451,6 +468,7 @@ impl Committer {
         source: &Arc<Volume>,
         name: &str,
         read_only: bool,
+        hook: Option<&dyn super::pool::SnapshotHook>,
     ) -> Result<Duration, String> {
         // What changed so far is committed first, while writes go on: the commit made
         // while they wait then holds only the last few changes and the snapshot's record.
@@ -460,6 +478,12 @@ impl Committer {
         let began = Instant::now();
         source.frozen.store(true, SeqCst);
         self.inner.grace();
+        if let Some(h) = hook {
+            if let Err(e) = h.held() {
+                source.frozen.store(false, SeqCst);
+                return Err(e);
+            }
+        }
         // Every write to the source acknowledged so far is in its table, and none is in
         // flight: capture it, copy it, and let writes go on (they copy on write now).
         let mut records = Vec::new();
@@ -480,7 +504,11 @@ impl Committer {
         // Writes wait until the reply is on its way (see `run`): none acknowledged
         // before it is missing from the snapshot.
         self.thaw = Some(source.clone());
-        if let Err(e) = self.commit(records) {
+        let committed = self.commit(records);
+        if let Some(h) = hook {
+            h.done(committed.is_ok());
+        }
+        if let Err(e) = committed {
             lock(&self.inner.volumes).remove(&id);
             return Err(e);
         }

@@ -115,6 +115,34 @@ pub enum Admin {
     /// Volume `name` grows to `size` bytes.
     #[allow(missing_docs)]
     Grow { name: String, size: u64 },
+    /// A snapshot `name` of `src` with `hook` run while writes to `src` are held (a
+    /// checkpoint: its bitmaps turn over at the snapshot's instant).
+    #[allow(missing_docs)]
+    Checkpoint {
+        src: String,
+        name: String,
+        hook: Hook,
+    },
+}
+
+/// What a checkpoint does at its snapshot.
+pub trait SnapshotHook: Send + Sync {
+    /// Writes to the source are held and none is in flight; an error cancels the
+    /// snapshot (and nothing changes).
+    fn held(&self) -> Result<(), String>;
+    /// After [`SnapshotHook::held`] succeeded: whether the snapshot was taken. Writes are
+    /// still held.
+    fn done(&self, taken: bool);
+}
+
+/// A [`SnapshotHook`] in an [`Admin`].
+#[derive(Clone)]
+pub struct Hook(pub Arc<dyn SnapshotHook>);
+
+impl std::fmt::Debug for Hook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Hook")
+    }
 }
 
 #[derive(Default)]
@@ -389,6 +417,11 @@ impl Inner {
         self.work_cv.notify_one();
         rx.recv()
             .unwrap_or_else(|_| Err(format!("thin pool '{}' stopped", self.name)))
+    }
+
+    /// Whether the pool has a volume `name` (a snapshot, say).
+    pub fn has_volume(&self, name: &str) -> bool {
+        lock(&self.volumes).values().any(|v| v.name == name)
     }
 
     /// Opens (or, with `create`, creates when absent) volume `name` of `size` bytes

@@ -47,9 +47,27 @@ pub struct ThinDevice {
     inner: Arc<Inner>,
     vol: Arc<Volume>,
     geometry: Geometry,
+    /// Its dirty bitmaps, set by its queues inside the pool's gate (so a checkpoint's
+    /// snapshot and its bitmaps agree on which writes came before it).
+    bitmaps: std::sync::OnceLock<Arc<crate::dirty::store::Store>>,
 }
 
 impl ThinDevice {
+    /// Its queues set the enabled bitmaps of `store` before each change.
+    pub fn track(&self, store: Arc<crate::dirty::store::Store>) {
+        let _ = self.bitmaps.set(store);
+    }
+
+    /// Its volume's name in the pool.
+    pub fn volume(&self) -> &str {
+        &self.vol.name
+    }
+
+    /// Its pool.
+    pub fn pool(&self) -> &Arc<Inner> {
+        &self.inner
+    }
+
     /// Volume `volume` of `pool`, created when absent if `size` is given and `create`
     /// (else a stand-in for `cairn check`).
     pub fn open(
@@ -87,6 +105,7 @@ impl ThinDevice {
             pool,
             inner,
             vol,
+            bitmaps: std::sync::OnceLock::new(),
         })
     }
 }
@@ -124,6 +143,10 @@ impl Device for ThinDevice {
 
     fn children(&self) -> Vec<Arc<dyn Device>> {
         vec![self.pool.clone()]
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
     }
 
     fn extents(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<(), Error> {
@@ -171,6 +194,10 @@ impl Device for ThinDevice {
             data,
             data_caps,
             vol: self.vol.clone(),
+            bitmaps: self.bitmaps.get().cloned().map(|store| {
+                let enabled = store.enabled();
+                (store, RefCell::new(enabled))
+            }),
             inner,
             gate,
             sink: Cell::new(SinkId(u32::MAX)),
@@ -248,6 +275,8 @@ struct ThinQueue {
     data: Rc<dyn Queue>,
     data_caps: Caps,
     vol: Arc<Volume>,
+    /// The volume's bitmap store, and its enabled bitmaps as of a generation.
+    bitmaps: Option<(Arc<crate::dirty::store::Store>, crate::dirty::device::Enabled)>,
     inner: Arc<Inner>,
     gate: Arc<Gate>,
     sink: Cell<SinkId>,
@@ -366,6 +395,18 @@ impl ThinQueue {
                 self.inner.leave(&self.gate, parity);
                 self.park(io, start);
                 return;
+            }
+            // Inside the gate: a checkpoint's snapshot waits for this write, so the
+            // bitmaps it set are the ones the snapshot's bitmap came from.
+            if let Some((store, enabled)) = &self.bitmaps {
+                if let Err(e) = crate::dirty::device::mark(store, enabled, &io) {
+                    self.inner.leave(&self.gate, parity);
+                    log::error!("cairn: {}: {e}: the write fails", self.vol.name);
+                    self.finish(&io, start, IoStatus::errno(libc::EIO));
+                    self.core
+                        .complete(io.sink, io.token, IoStatus::errno(libc::EIO));
+                    return;
+                }
             }
             // Blocks for every piece that may need one, before anything is changed: a
             // request that cannot have them all changes nothing.
