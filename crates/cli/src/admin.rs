@@ -92,6 +92,20 @@ pub const COMMANDS: &[(&str, &str, &str)] = &[
          [--json], add DEVICE NAME [GRANULARITY] (64K default), remove DEVICE NAME, clear \
          DEVICE NAME, merge DEVICE TARGET SOURCE...",
     ),
+    (
+        "checkpoint",
+        "checkpoint POOL VOLUME NAME",
+        "a snapshot NAME of a thin volume served with bitmaps, taken while its writes are \
+         held: the bitmap of the changes since the previous checkpoint goes with the \
+         snapshot (for an incremental backup), and a new bitmap NAME counts from now",
+    ),
+    (
+        "export",
+        "export ACTION ...",
+        "exports while serving: list, add NAME POOL VOLUME (a thin volume, a checkpoint's \
+         snapshot say, read-only with the bitmaps attached to it), remove NAME (clients \
+         connected keep it until they end)",
+    ),
     ("help", "help", "this list"),
 ];
 
@@ -377,8 +391,17 @@ fn thin_command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
         },
         _ => return format!("error: {USAGE}\n"),
     };
+    let deleted = match &op {
+        Admin::Delete { name } => Some(name.clone()),
+        _ => None,
+    };
     match inner.admin(op) {
-        Ok(done) => format!("ok: {done}\n"),
+        Ok(done) => {
+            if let Some(name) = deleted {
+                crate::backup::volume_deleted(pool, &name, roots);
+            }
+            format!("ok: {done}\n")
+        }
         Err(why) => format!("error: {why}\n"),
     }
 }
@@ -655,6 +678,14 @@ fn command(line: &str, view: &View) -> String {
         Some("bitmap") => {
             let args: Vec<&str> = words.collect();
             crate::bitmaps::command(&args, roots)
+        }
+        Some("checkpoint") => {
+            let args: Vec<&str> = words.collect();
+            crate::backup::checkpoint_command(&args, roots)
+        }
+        Some("export") => {
+            let args: Vec<&str> = words.collect();
+            crate::backup::export_command(&args, view)
         }
         Some("power-cut") => {
             let names: Vec<&str> = words.collect();

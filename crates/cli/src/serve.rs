@@ -314,11 +314,14 @@ pub(crate) fn serve(
     let fuse = mount_fuse(args, fuse, &chosen, &opened)?;
     let exports: Vec<cairn_nbd::Export> = chosen
         .into_iter()
-        .map(|c| export_of(c, &opened, &limits))
+        .map(|c| export_of(c, &opened, limits.max_payload))
         .collect();
     drop(opened);
     let observer = Arc::new(cairn_nbd::Observer::default());
-    let view = server_view(args, &exports, &fuse, &observer);
+    let table = cairn_nbd::ExportTable::new();
+    let view = server_view(args, &exports, &fuse, &observer)
+        .with_table(table.clone(), limits.max_payload);
+    let view = Arc::new(view);
     let frontends = fuse
         .into_iter()
         .map(|f| f as Arc<dyn cairn_core::Frontend>)
@@ -327,6 +330,7 @@ pub(crate) fn serve(
         observer,
         on_abandon: remove_sockets(admin.as_ref(), metrics.as_ref()),
         single,
+        table,
         ..nbd_config(args, &limits, (tls, tls_config), switches, frontends)
     };
     // Held until serving ends only if a stack file is kept: its last sync needs them.
@@ -476,7 +480,7 @@ fn stdio_connection(
 fn export_of(
     c: Chosen,
     opened: &[Arc<dyn cairn_core::Device>],
-    limits: &settings::ServeLimits,
+    max_payload: u32,
 ) -> cairn_nbd::Export {
     let device = opened[c.device].clone();
     let g = device.geometry();
@@ -516,7 +520,7 @@ fn export_of(
             flags,
             min_block: minimum,
             preferred_block: preferred,
-            max_payload: limits.max_payload.max(preferred),
+            max_payload: max_payload.max(preferred),
             default: c.default,
         },
         device,
@@ -556,6 +560,7 @@ fn nbd_config(
         shutdown_timeout: limits.shutdown_timeout,
         on_abandon: None,
         single: None,
+        table: cairn_nbd::ExportTable::new(),
     }
 }
 
@@ -566,7 +571,7 @@ fn server_view(
     exports: &[cairn_nbd::Export],
     fuse: &[Arc<cairn_fuse::FuseExport>],
     observer: &Arc<cairn_nbd::Observer>,
-) -> Arc<view::View> {
+) -> view::View {
     let devices: Vec<Arc<dyn cairn_core::Device>> =
         exports.iter().map(|e| e.device.clone()).collect();
     let views = exports
@@ -582,10 +587,26 @@ fn server_view(
                 .collect(),
         })
         .collect();
-    Arc::new(
-        view::View::new(&devices, views, Some(observer.clone()))
-            .with_stack_file(args.stack.as_deref()),
-    )
+    view::View::new(&devices, views, Some(observer.clone())).with_stack_file(args.stack.as_deref())
+}
+
+/// An export added while serving (`cairn admin export add`): device `device`, read-only.
+pub(crate) fn added_export(
+    name: &str,
+    description: String,
+    device: Arc<dyn cairn_core::Device>,
+    max_payload: u32,
+) -> cairn_nbd::Export {
+    let c = Chosen {
+        name: name.to_string(),
+        device: 0,
+        read_only: true,
+        description,
+        default: false,
+        fuse: None,
+        strict_alignment: false,
+    };
+    export_of(c, &[device], max_payload)
 }
 
 /// The exports as the start-up line names them.

@@ -30,6 +30,8 @@ pub struct View {
     observer: Option<Arc<Observer>>,
     /// The stack file the devices were opened from, kept in step with their arrays.
     stack_file: Option<crate::stackfile::Keeper>,
+    /// The server's exports, which `export add` adds to, and the largest payload.
+    table: Option<(Arc<cairn_nbd::ExportTable>, u32)>,
 }
 
 impl View {
@@ -45,7 +47,20 @@ impl View {
             exports,
             observer,
             stack_file: None,
+            table: None,
         }
+    }
+
+    /// Lets the admin add exports to `table` (of a server whose largest payload is
+    /// `max_payload`).
+    pub fn with_table(mut self, table: Arc<cairn_nbd::ExportTable>, max_payload: u32) -> View {
+        self.table = Some((table, max_payload));
+        self
+    }
+
+    /// The server's export table and largest payload, when serving.
+    pub fn table(&self) -> Option<&(Arc<cairn_nbd::ExportTable>, u32)> {
+        self.table.as_ref()
     }
 
     /// Keeps `path`, the stack file the devices were opened from, in step with their

@@ -18,4 +18,5 @@ pub mod uri;
 pub use server::conn::{Export, Limits};
 pub use server::handshake::{Catalog, ExportInfo, TlsMode};
 pub use server::observe::Observer;
+pub use server::table::ExportTable;
 pub use server::{serve, signal_name, Config, Listen, Listeners};

@@ -403,6 +403,11 @@ fn unknown_tuning_key(key: &str) -> Error {
     ))
 }
 
+/// Whether `name` may name an export (as in an `[export.NAME]` table).
+pub fn check_export_name(name: &str) -> Result<(), Error> {
+    graph::check_name("export", name)
+}
+
 fn err(msg: String) -> Error {
     Error::Invalid(msg)
 }
@@ -985,7 +990,9 @@ impl StackFile {
                     how != Start::Write,
                 )
                 .map_err(named)?;
-                Arc::new(crate::dirty::device::TrackedDevice::new(device, store))
+                Arc::new(
+                    crate::dirty::device::TrackedDevice::new(device, store).map_err(named)?,
+                )
             }
             None => device,
         };

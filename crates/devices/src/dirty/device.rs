@@ -48,21 +48,23 @@ pub struct TrackedDevice {
 
 impl TrackedDevice {
     /// Tracks the changes of `base` in `store`. A thin volume's queues set the bitmaps
-    /// themselves, inside the pool's gate.
-    pub fn new(base: Arc<dyn Device>, store: Store) -> TrackedDevice {
+    /// themselves, inside the pool's gate; its checkpoints a stop interrupted are
+    /// settled now, from the snapshots its pool holds.
+    pub fn new(base: Arc<dyn Device>, store: Store) -> Result<TrackedDevice, Error> {
         let store = Arc::new(store);
         let thin = base
             .as_any()
             .and_then(|a| a.downcast_ref::<crate::thin::queue::ThinDevice>());
         if let Some(t) = thin {
+            store.reconcile(&|name| t.pool().has_volume(name))?;
             t.track(store.clone());
         }
-        TrackedDevice {
+        Ok(TrackedDevice {
             marks: thin.is_none(),
             base,
             store,
             owner: String::new(),
-        }
+        })
     }
 
     /// Snapshot `base` (read-only) offering the bitmaps `store` keeps attached to it.
@@ -209,5 +211,57 @@ impl Queue for TrackedQueue {
 
     fn children(&self) -> Vec<Rc<dyn Queue>> {
         self.base.children()
+    }
+}
+
+/// Checkpoint `name` of the thin volume `tracked` serves: its snapshot `name`, taken
+/// while writes to it are held, with the bitmaps turned over at that instant (see
+/// [`Store::checkpoint_begin`]). Returns what was done.
+pub fn checkpoint(tracked: &TrackedDevice, name: &str) -> Result<String, String> {
+    let thin = tracked
+        .base
+        .as_any()
+        .and_then(|a| a.downcast_ref::<crate::thin::queue::ThinDevice>())
+        .ok_or_else(|| format!("device '{}' is not a thin volume", tracked.name()))?;
+    super::format::check_name(name)?;
+    let hook = Arc::new(CheckpointHook {
+        store: tracked.store.clone(),
+        name: name.to_string(),
+        previous: std::sync::Mutex::new(None),
+    });
+    let done = thin.pool().admin(crate::thin::pool::Admin::Checkpoint {
+        src: thin.volume().to_string(),
+        name: name.to_string(),
+        hook: crate::thin::pool::Hook(hook.clone()),
+    })?;
+    let previous = hook
+        .previous
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    Ok(match previous {
+        Some(p) => format!(
+            "{done}; bitmap '{p}' (changes since checkpoint '{p}') is attached to snapshot '{name}', and bitmap '{name}' counts from now"
+        ),
+        None => format!("{done}; bitmap '{name}' counts from now"),
+    })
+}
+
+/// Turns a volume's bitmaps over while its checkpoint's snapshot holds its writes.
+struct CheckpointHook {
+    store: Arc<Store>,
+    name: String,
+    previous: std::sync::Mutex<Option<String>>,
+}
+
+impl crate::thin::pool::SnapshotHook for CheckpointHook {
+    fn held(&self) -> Result<(), String> {
+        let previous = self.store.checkpoint_begin(&self.name)?;
+        *self.previous.lock().unwrap_or_else(|p| p.into_inner()) = previous;
+        Ok(())
+    }
+
+    fn done(&self, taken: bool) {
+        self.store.checkpoint_end(&self.name, taken);
     }
 }

@@ -419,6 +419,11 @@ impl Inner {
             .unwrap_or_else(|_| Err(format!("thin pool '{}' stopped", self.name)))
     }
 
+    /// The pool's name (its device's in the stack file).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     /// Whether the pool has a volume `name` (a snapshot, say).
     pub fn has_volume(&self, name: &str) -> bool {
         lock(&self.volumes).values().any(|v| v.name == name)

@@ -24,6 +24,7 @@ mod listen;
 mod negotiate;
 pub mod observe;
 pub mod pool;
+pub mod table;
 
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -40,7 +41,8 @@ pub use crate::server::listen::{Listen, Listeners};
 
 use crate::server::admit::{admit, close_idle, Admission};
 use crate::server::conn::{Export, Gates, Limits, Msg, ServerLoop};
-use crate::server::handshake::{Catalog, TlsMode};
+use crate::server::handshake::TlsMode;
+use crate::server::table::{ExportTable, Listed};
 use crate::server::listen::Listener;
 use crate::server::negotiate::handshake;
 use crate::server::pool::Budget;
@@ -97,12 +99,12 @@ pub struct Config {
     /// Serve this one connection (a socket: `cairn serve --stdio`, inetd style) instead
     /// of accepting any, and stop once it has ended.
     pub single: Option<Arc<OwnedFd>>,
+    /// The table the exports go in, which an operator may add to while serving.
+    pub table: Arc<ExportTable>,
 }
 
 struct Shared {
-    catalog: Catalog,
-    /// Each export's device (for the names of its bitmaps).
-    devices: Vec<Arc<dyn cairn_core::Device>>,
+    table: Arc<ExportTable>,
     tls: TlsMode,
     tls_config: Option<Arc<rustls::ServerConfig>>,
     max_options: u32,
@@ -144,11 +146,11 @@ fn signal_fd() -> Result<SignalFd, Error> {
 /// closed by whoever drops them last (this thread is never joined, and a device whose last
 /// reference it held would be closed here, or not at all when the process exits first:
 /// an array would miss its clean superblock).
-fn watchdog(config: &Config, exports: &[Export]) -> Closing {
+fn watchdog(config: &Config, exports: &[Arc<Listed>]) -> Closing {
     let devices: Vec<std::sync::Weak<dyn cairn_core::Device>> =
-        exports.iter().map(|e| Arc::downgrade(&e.device)).collect();
+        exports.iter().map(|e| Arc::downgrade(&e.export.device)).collect();
     let mut open: Vec<String> = Vec::new();
-    for e in exports {
+    for e in exports.iter().map(|l| &l.export) {
         if !open.iter().any(|n| n == e.device.name()) {
             open.push(e.device.name().to_string());
         }
@@ -200,7 +202,11 @@ fn notify(states: &[sd_notify::NotifyState<'_>]) {
 
 /// Logs what SIGUSR1 and SIGUSR2 ask for: connections, and each export's device with its
 /// failed members and, for arrays with metadata, their status.
-fn log_status(exports: &[Export], connections: usize, budget: &crate::server::pool::Budget) {
+fn log_status(
+    exports: &[Arc<Listed>],
+    connections: usize,
+    budget: &crate::server::pool::Budget,
+) {
     log::info!(
         "cairn: serve: status: {}; buffers {} of {} (--memory-budget), {} for memory",
         cairn_core::size::plural(connections as u64, "connection", "connections"),
@@ -209,7 +215,7 @@ fn log_status(exports: &[Export], connections: usize, budget: &crate::server::po
         cairn_core::size::plural(budget.waits(), "wait", "waits")
     );
     let mut seen: Vec<String> = Vec::new();
-    for e in exports {
+    for e in exports.iter().map(|l| &l.export) {
         let d = &e.device;
         let failed = d.failed_members();
         // A healthy export is news at info; a degraded one is a warning.
@@ -282,11 +288,10 @@ pub fn serve(
     let reserve = (config.limits.max_payload as usize + (2 << 20)).next_power_of_two();
     let budget = Arc::new(Budget::new(config.memory_budget, reserve, wake_fds.clone()));
     config.observer.set_memory(budget.clone());
-    let catalog = Catalog {
-        exports: exports.iter().map(|e| e.info.clone()).collect(),
-    };
     let gates = Arc::new(Gates::new(&exports, wake_fds.clone()));
-    let exports = Arc::new(exports);
+    let count = exports.len();
+    let table = config.table.clone();
+    table.start(exports.into_iter().zip(gates.of_export.iter().cloned()).collect());
     let admission = Arc::new(Admission::new(
         config.max_connections,
         config.max_connections_per_address,
@@ -299,7 +304,6 @@ pub fn serve(
             index: i,
             inbox: rx,
             wake: wake.clone(),
-            exports: exports.clone(),
             gates: gates.clone(),
             admission: (admission.clone(), budget.clone()),
         };
@@ -307,8 +311,7 @@ pub fn serve(
         reactors.push((tx, wake));
     }
     let shared = Arc::new(Shared {
-        catalog,
-        devices: exports.iter().map(|e| e.device.clone()).collect(),
+        table: table.clone(),
         tls: config.tls,
         tls_config: config.tls_config.clone(),
         max_options: config.max_options,
@@ -318,11 +321,10 @@ pub fn serve(
         reactors,
         next: AtomicUsize::new(0),
     });
-    announce(ready, &listeners, exports.len());
+    announce(ready, &listeners, count);
     let served = Served {
         config: &config,
         shared: &shared,
-        exports: &exports,
         budget: &budget,
     };
     let closing = match single {
@@ -376,7 +378,6 @@ struct ReactorParts {
     index: usize,
     inbox: mpsc::Receiver<Msg>,
     wake: Arc<OwnedFd>,
-    exports: Arc<Vec<Export>>,
     gates: Arc<Gates>,
     admission: (Arc<Admission>, Arc<Budget>),
 }
@@ -395,7 +396,6 @@ fn start_reactor(config: &Config, parts: ReactorParts) -> Result<JoinHandle<()>,
             let started = Reactor::new(switches).and_then(|reactor| {
                 let lp = ServerLoop::start(
                     reactor.core(),
-                    parts.exports,
                     parts.inbox,
                     (i, parts.wake),
                     parts.gates,
@@ -439,7 +439,6 @@ fn start_reactor(config: &Config, parts: ReactorParts) -> Result<JoinHandle<()>,
 struct Served<'a> {
     config: &'a Config,
     shared: &'a Arc<Shared>,
-    exports: &'a [Export],
     budget: &'a Budget,
 }
 
@@ -542,7 +541,7 @@ impl Served<'_> {
             }
             if self.shared.admission.live() == 0 {
                 log::info!("cairn: serve: the connection on standard input ended: stopping");
-                return Ok(watchdog(self.config, self.exports));
+                return Ok(watchdog(self.config, &self.shared.table.snapshot()));
             }
         }
     }
@@ -555,7 +554,11 @@ impl Served<'_> {
             _ => return None,
         };
         if signo == libc::SIGUSR1 || signo == libc::SIGUSR2 {
-            log_status(self.exports, self.shared.admission.live(), self.budget);
+            log_status(
+                &self.shared.table.snapshot(),
+                self.shared.admission.live(),
+                self.budget,
+            );
             return None;
         }
         let name = signal_name(signo);
@@ -569,7 +572,7 @@ impl Served<'_> {
                 "stopping ({name}): finishing requests in flight, flushing, closing"
             )),
         ]);
-        Some(watchdog(self.config, self.exports))
+        Some(watchdog(self.config, &self.shared.table.snapshot()))
     }
 
     /// Accepts every connection waiting on `listener`; each admitted one gets a thread

@@ -26,7 +26,8 @@ const OPTION_SKIP_MAX: u32 = 1 << 20;
 pub(super) fn handshake(fd: OwnedFd, (peer, client): (&str, Client), shared: &Shared) -> bool {
     let ch = Channel::Plain(UnixStream::from(fd));
     let deadline = Instant::now() + shared.handshake_timeout;
-    match negotiate(ch, shared, deadline) {
+    let exports = shared.table.snapshot();
+    match negotiate(ch, shared, &exports, deadline) {
         Ok(Some((ch, session))) => {
             let (s, tls) = match ch {
                 Channel::Plain(s) => (s, None),
@@ -41,6 +42,7 @@ pub(super) fn handshake(fd: OwnedFd, (peer, client): (&str, Client), shared: &Sh
             let (tx, w) = &shared.reactors[i];
             let nc = NewConn {
                 fd: OwnedFd::from(s),
+                export: exports[session.export].clone(),
                 session,
                 peer: peer.to_string(),
                 client,
@@ -144,6 +146,7 @@ impl Channel {
 fn negotiate(
     mut s: Channel,
     shared: &Shared,
+    exports: &[std::sync::Arc<crate::server::table::Listed>],
     deadline: Instant,
 ) -> std::io::Result<Option<(Channel, Session)>> {
     let mut hello = Vec::with_capacity(18);
@@ -158,8 +161,9 @@ fn negotiate(
         // Unknown client flags: the protocol says to close.
         return Ok(None);
     }
-    let bitmaps = |i: usize| shared.devices[i].bitmap_names();
-    let mut neg = Negotiator::new(&shared.catalog, shared.tls, client_flags).with_bitmaps(&bitmaps);
+    let catalog = crate::server::table::ExportTable::catalog(exports);
+    let bitmaps = |i: usize| exports[i].export.device.bitmap_names();
+    let mut neg = Negotiator::new(&catalog, shared.tls, client_flags).with_bitmaps(&bitmaps);
     let mut out = Vec::with_capacity(256);
     let mut data = Vec::new();
     for _ in 0..shared.max_options {

@@ -134,7 +134,7 @@ impl ServerLoop {
         conn: &Conn,
         r: &proto::Request,
     ) -> Result<Vec<cairn_core::Extent>, cairn_core::Error> {
-        let device = &self.exports[conn.export].device;
+        let device = &conn.export.export.device;
         let mut extents = Vec::new();
         // Unaligned (only from a relaxed client): ask about the whole blocks, then drop
         // the bytes before the request's start.

@@ -48,6 +48,7 @@ use crate::server::gate::{Gate, Pass, Wake};
 use crate::server::handshake::{ExportInfo, Session};
 use crate::server::observe::{Client, ConnInfo, Observer};
 use crate::server::pool::{Budget, Buf, BufPool, Mem};
+use crate::server::table::Listed;
 use recv::Input;
 use reply::Seg;
 
@@ -105,6 +106,8 @@ impl Gates {
 pub struct NewConn {
     /// The socket.
     pub fd: OwnedFd,
+    /// The export it chose.
+    pub export: Arc<crate::server::table::Listed>,
     /// What was negotiated.
     pub session: Session,
     /// Where the client is, for logs.
@@ -381,7 +384,7 @@ enum ShutdownFlush {
 struct Conn {
     index: u32,
     fd: OwnedFd,
-    export: usize,
+    export: Arc<crate::server::table::Listed>,
     queue: Rc<dyn Queue>,
     session: Session,
     /// What its requests are checked against.
@@ -421,8 +424,9 @@ pub struct ServerLoop {
     core: Rc<Core>,
     user: Cell<u16>,
     sink: Cell<SinkId>,
-    exports: Arc<Vec<Export>>,
-    queues: RefCell<Vec<Option<Rc<dyn Queue>>>>,
+    /// This reactor's queue of each export it serves, by export id, with the
+    /// connections using it.
+    queues: RefCell<Vec<(u64, Rc<dyn Queue>, usize)>>,
     conns: RefCell<Vec<Option<Rc<Conn>>>>,
     free_conns: RefCell<Vec<u32>>,
     dirty: RefCell<Vec<u32>>,
@@ -462,7 +466,6 @@ impl ServerLoop {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn start(
         core: &Rc<Core>,
-        exports: Arc<Vec<Export>>,
         inbox: Receiver<Msg>,
         (reactor, wake): (usize, Arc<OwnedFd>),
         gates: Arc<Gates>,
@@ -470,13 +473,11 @@ impl ServerLoop {
         limits: Limits,
         observer: Arc<Observer>,
     ) -> Result<Rc<ServerLoop>, cairn_core::Error> {
-        let n = exports.len();
         let lp = Rc::new(ServerLoop {
             core: core.clone(),
             user: Cell::new(0),
             sink: Cell::new(SinkId(u32::MAX)),
-            exports,
-            queues: RefCell::new((0..n).map(|_| None).collect()),
+            queues: RefCell::new(Vec::new()),
             conns: RefCell::new(Vec::new()),
             free_conns: RefCell::new(Vec::new()),
             dirty: RefCell::new(Vec::new()),
@@ -516,18 +517,32 @@ impl ServerLoop {
         }
     }
 
-    fn queue_for(&self, export: usize) -> Result<Rc<dyn Queue>, cairn_core::Error> {
-        if let Some(q) = &self.queues.borrow()[export] {
-            return Ok(q.clone());
+    /// This reactor's queue of `export`, for one more connection.
+    fn queue_for(&self, export: &Listed) -> Result<Rc<dyn Queue>, cairn_core::Error> {
+        let mut queues = self.queues.borrow_mut();
+        if let Some(q) = queues.iter_mut().find(|q| q.0 == export.id) {
+            q.2 += 1;
+            return Ok(q.1.clone());
         }
-        let q = self.exports[export].device.open_queue(&self.core)?;
-        self.queues.borrow_mut()[export] = Some(q.clone());
+        let q = export.export.device.open_queue(&self.core)?;
+        queues.push((export.id, q.clone(), 1));
         Ok(q)
     }
 
+    /// A connection to `export` ended: an added export's queue closes with its last one
+    /// (the device may be closed once the export is removed).
+    fn queue_done(&self, export: &Listed) {
+        let mut queues = self.queues.borrow_mut();
+        if let Some(i) = queues.iter().position(|q| q.0 == export.id) {
+            queues[i].2 -= 1;
+            if queues[i].2 == 0 && export.added {
+                queues.remove(i);
+            }
+        }
+    }
+
     /// What requests on a connection to `export` with `session` are checked against.
-    fn terms(&self, export: usize, session: &Session) -> Terms {
-        let e = &self.exports[export];
+    fn terms(&self, e: &Export, session: &Session) -> Terms {
         Terms {
             flags: session.flags,
             structured: session.structured,
@@ -597,14 +612,14 @@ impl ServerLoop {
     }
 
     fn accept(&self, nc: NewConn) {
-        let export = nc.session.export;
-        let queue = match self.queue_for(export) {
+        let export = nc.export.clone();
+        let queue = match self.queue_for(&export) {
             Ok(q) => q,
             Err(e) => {
                 log::warn!(
                     "cairn: serve: {}: cannot open export '{}': {e}",
                     nc.peer,
-                    self.exports[export].info.name
+                    export.export.info.name
                 );
                 self.admission.leave(nc.client);
                 return;
@@ -614,19 +629,21 @@ impl ServerLoop {
         // not removed); one removed since the handshake ends it.
         let mut bitmaps = Vec::with_capacity(nc.session.bitmaps.len());
         for (id, name) in &nc.session.bitmaps {
-            match self.exports[export].device.bitmap(name) {
+            match export.export.device.bitmap(name) {
                 Some(b) => bitmaps.push((*id, b)),
                 None => {
                     log::warn!(
                         "cairn: serve: {}: export '{}': bitmap '{name}' was removed during the handshake",
                         nc.peer,
-                        self.exports[export].info.name
+                        export.export.info.name
                     );
+                    self.queue_done(&export);
                     self.admission.leave(nc.client);
                     return;
                 }
             }
         }
+        export.conns.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let index = match self.free_conns.borrow_mut().pop() {
             Some(i) => i,
             None => {
@@ -644,7 +661,7 @@ impl ServerLoop {
         };
         let info = self.observer.open(
             (&nc.peer, nc.client),
-            &self.exports[export].info.name,
+            &export.export.info.name,
             nc.tls.is_some(),
             headers,
             (self.reactor, index),
@@ -654,10 +671,10 @@ impl ServerLoop {
             index,
             info,
             fd: nc.fd,
+            terms: self.terms(&export.export, &nc.session),
+            gate: export.gate.clone(),
             export,
             queue,
-            terms: self.terms(export, &nc.session),
-            gate: self.gates.of_export[export].clone(),
             bitmaps,
             session: nc.session,
             peer: nc.peer,
@@ -668,7 +685,7 @@ impl ServerLoop {
         log::info!(
             "cairn: serve: {}: connected to export '{}'{} ({} headers)",
             conn.peer,
-            self.exports[export].info.name,
+            conn.export.export.info.name,
             if st.tls.is_some() { " over TLS" } else { "" },
             conn.info.headers
         );
@@ -795,7 +812,7 @@ impl ServerLoop {
         log::info!(
             "cairn: serve: {}: disconnected from export '{}' after {:.3} s: {} ({}, {}, {}, {}, {}, {} block status; the longest {} bytes{}), {} bytes received, {} bytes sent ({})",
             conn.peer,
-            self.exports[conn.export].info.name,
+            conn.export.export.info.name,
             st.since.elapsed().as_secs_f64(),
             plural(f.requests, "request", "requests"),
             plural(f.reads, "read", "reads"),
@@ -819,6 +836,8 @@ impl ServerLoop {
         self.observer.close(&conn.info);
         self.conns.borrow_mut()[conn.index as usize] = None;
         self.free_conns.borrow_mut().push(conn.index);
+        conn.export.conns.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        self.queue_done(&conn.export);
         self.admission.leave(conn.info.client);
         if self.shutting.get() && self.conns.borrow().iter().all(Option::is_none) {
             self.core.stop();
