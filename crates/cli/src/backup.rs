@@ -38,9 +38,7 @@ pub(crate) fn checkpoint_command(args: &[&str], roots: &[Arc<dyn Device>]) -> St
         (thin.pool().name() == *pool && thin.volume() == *volume).then_some(t)
     });
     let Some(tracked) = found else {
-        let served = crate::admin::pools(roots)
-            .iter()
-            .any(|p| p.name() == *pool);
+        let served = crate::admin::pools(roots).iter().any(|p| p.name() == *pool);
         return if served {
             format!(
                 "error: volume '{volume}' of pool '{pool}' is not served with bitmaps (a [device] table with type = \"thin\", pool = \"{pool}\", volume = \"{volume}\" and bitmaps = \"PATH\")\n"
@@ -61,7 +59,9 @@ pub(crate) fn checkpoint_command(args: &[&str], roots: &[Arc<dyn Device>]) -> St
 /// After volume `name` of pool `pool` was deleted: the bitmaps attached to it go.
 pub(crate) fn volume_deleted(pool: &str, name: &str, roots: &[Arc<dyn Device>]) {
     for d in tracked_volumes(roots) {
-        let Some((t, thin)) = thin_of(&d) else { continue };
+        let Some((t, thin)) = thin_of(&d) else {
+            continue;
+        };
         if thin.pool().name() == pool {
             if let Err(e) = t.store().drop_owner(name) {
                 log::warn!(
@@ -163,7 +163,12 @@ fn add_volume(
         None => (thin, Vec::new()),
     };
     let description = format!("volume {volume} of thin pool {pool}");
-    table.add(crate::serve::added_export(name, description, device, max_payload))?;
+    table.add(crate::serve::added_export(
+        name,
+        description,
+        device,
+        max_payload,
+    ))?;
     Ok(format!(
         "export '{name}' serves volume '{volume}' of pool '{pool}' read-only{}",
         if bitmaps.is_empty() {

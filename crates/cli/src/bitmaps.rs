@@ -78,7 +78,11 @@ fn list_text(bitmaps: &[BitmapInfo]) -> String {
             b.name,
             cairn_core::size::format_bytes(b.granularity),
             cairn_core::size::format_bytes(b.dirty_bytes),
-            if b.enabled { "" } else { ", disabled" },
+            match (&b.snapshot, b.enabled) {
+                (Some(s), _) => format!(", attached to snapshot {s} (the changes up to it)"),
+                (None, true) => String::new(),
+                (None, false) => ", disabled".to_string(),
+            },
             if b.inconsistent {
                 ", INCONSISTENT (may miss changes: take a full backup, then clear it)"
             } else {
@@ -107,6 +111,8 @@ pub(crate) fn list_json(bitmaps: &[BitmapInfo]) -> serde_json::Value {
                 "granularity": b.granularity,
                 "dirty_bytes": b.dirty_bytes,
                 "enabled": b.enabled,
+                "snapshot": b.snapshot,
+                "checkpoint": b.checkpoint,
                 "inconsistent": b.inconsistent,
                 "readers": b.readers,
             })

@@ -319,8 +319,8 @@ pub(crate) fn serve(
     drop(opened);
     let observer = Arc::new(cairn_nbd::Observer::default());
     let table = cairn_nbd::ExportTable::new();
-    let view = server_view(args, &exports, &fuse, &observer)
-        .with_table(table.clone(), limits.max_payload);
+    let view =
+        server_view(args, &exports, &fuse, &observer).with_table(table.clone(), limits.max_payload);
     let view = Arc::new(view);
     let frontends = fuse
         .into_iter()

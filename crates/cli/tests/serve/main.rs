@@ -831,6 +831,11 @@ fn admitted(sock: &Path) -> Raw {
 mod nbdinfo;
 
 // ---------------------------------------------------------------------------------------
+// Incremental backup: dirty bitmaps, checkpoints and their exports
+
+mod backup;
+
+// ---------------------------------------------------------------------------------------
 // Copying and checking data with nbdcopy, qemu-img, qemu-io and fio
 
 mod clients;

@@ -990,9 +990,7 @@ impl StackFile {
                     how != Start::Write,
                 )
                 .map_err(named)?;
-                Arc::new(
-                    crate::dirty::device::TrackedDevice::new(device, store).map_err(named)?,
-                )
+                Arc::new(crate::dirty::device::TrackedDevice::new(device, store).map_err(named)?)
             }
             None => device,
         };

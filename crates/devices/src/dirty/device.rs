@@ -30,7 +30,12 @@ pub fn mark(store: &Store, enabled: &Enabled, io: &Io) -> Result<(), Error> {
         // Rarely: a bitmap was added, removed or disabled.
         *enabled.borrow_mut() = store.enabled();
     }
-    if enabled.borrow().1.iter().all(|b| b.covers(io.offset, io.len)) {
+    if enabled
+        .borrow()
+        .1
+        .iter()
+        .all(|b| b.covers(io.offset, io.len))
+    {
         return Ok(());
     }
     store.mark(io.offset, io.len)

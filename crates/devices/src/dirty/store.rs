@@ -492,7 +492,9 @@ impl Store {
         self.refuse_dry()?;
         let mut st = self.lock();
         if st.bitmaps.iter().any(|b| b.name == name) {
-            return Err(format!("a bitmap '{name}' exists: a checkpoint needs a new name"));
+            return Err(format!(
+                "a bitmap '{name}' exists: a checkpoint needs a new name"
+            ));
         }
         let prev = st
             .bitmaps
@@ -538,7 +540,8 @@ impl Store {
             }
             return;
         }
-        st.bitmaps.retain(|b| b.name != name || !b.owner().is_empty());
+        st.bitmaps
+            .retain(|b| b.name != name || !b.owner().is_empty());
         for b in st.bitmaps.iter().filter(|b| b.owner() == name) {
             b.flags.fetch_and(!DISABLED, Ordering::Relaxed);
             b.set_owner("");
@@ -572,7 +575,11 @@ impl Store {
             log::info!(
                 "cairn: bitmap store {}: checkpoint '{name}' {} at the last stop",
                 self.path.display(),
-                if taken { "finished (its snapshot exists)" } else { "undone (its snapshot was never taken)" }
+                if taken {
+                    "finished (its snapshot exists)"
+                } else {
+                    "undone (its snapshot was never taken)"
+                }
             );
             self.settle(&mut st, name, taken);
         }
@@ -716,7 +723,13 @@ impl Store {
 
     /// An entry for a new bitmap, its area zeroed (not synced: the directory's sync
     /// covers it, and stale bits there could only add changes).
-    fn new_entry(&self, st: &State, name: &str, granularity: u64, flags: u32) -> Result<Entry, String> {
+    fn new_entry(
+        &self,
+        st: &State,
+        name: &str,
+        granularity: u64,
+        flags: u32,
+    ) -> Result<Entry, String> {
         if !granularity.is_power_of_two()
             || !(format::GRANULARITY_MIN..=format::GRANULARITY_MAX).contains(&granularity)
         {

@@ -344,7 +344,9 @@ impl Committer {
             Admin::Checkpoint { src, name, hook } => {
                 let source = find(&src)?;
                 if source.read_only {
-                    return Err(format!("'{src}' is a snapshot: checkpoints are of writable volumes"));
+                    return Err(format!(
+                        "'{src}' is a snapshot: checkpoints are of writable volumes"
+                    ));
                 }
                 let mapped = self
                     .state

@@ -276,7 +276,10 @@ struct ThinQueue {
     data_caps: Caps,
     vol: Arc<Volume>,
     /// The volume's bitmap store, and its enabled bitmaps as of a generation.
-    bitmaps: Option<(Arc<crate::dirty::store::Store>, crate::dirty::device::Enabled)>,
+    bitmaps: Option<(
+        Arc<crate::dirty::store::Store>,
+        crate::dirty::device::Enabled,
+    )>,
     inner: Arc<Inner>,
     gate: Arc<Gate>,
     sink: Cell<SinkId>,

@@ -42,10 +42,10 @@ pub use crate::server::listen::{Listen, Listeners};
 use crate::server::admit::{admit, close_idle, Admission};
 use crate::server::conn::{Export, Gates, Limits, Msg, ServerLoop};
 use crate::server::handshake::TlsMode;
-use crate::server::table::{ExportTable, Listed};
 use crate::server::listen::Listener;
 use crate::server::negotiate::handshake;
 use crate::server::pool::Budget;
+use crate::server::table::{ExportTable, Listed};
 
 /// Everything `serve` needs besides the listeners and the exports.
 #[derive(Clone)]
@@ -147,8 +147,10 @@ fn signal_fd() -> Result<SignalFd, Error> {
 /// reference it held would be closed here, or not at all when the process exits first:
 /// an array would miss its clean superblock).
 fn watchdog(config: &Config, exports: &[Arc<Listed>]) -> Closing {
-    let devices: Vec<std::sync::Weak<dyn cairn_core::Device>> =
-        exports.iter().map(|e| Arc::downgrade(&e.export.device)).collect();
+    let devices: Vec<std::sync::Weak<dyn cairn_core::Device>> = exports
+        .iter()
+        .map(|e| Arc::downgrade(&e.export.device))
+        .collect();
     let mut open: Vec<String> = Vec::new();
     for e in exports.iter().map(|l| &l.export) {
         if !open.iter().any(|n| n == e.device.name()) {
@@ -202,11 +204,7 @@ fn notify(states: &[sd_notify::NotifyState<'_>]) {
 
 /// Logs what SIGUSR1 and SIGUSR2 ask for: connections, and each export's device with its
 /// failed members and, for arrays with metadata, their status.
-fn log_status(
-    exports: &[Arc<Listed>],
-    connections: usize,
-    budget: &crate::server::pool::Budget,
-) {
+fn log_status(exports: &[Arc<Listed>], connections: usize, budget: &crate::server::pool::Budget) {
     log::info!(
         "cairn: serve: status: {}; buffers {} of {} (--memory-budget), {} for memory",
         cairn_core::size::plural(connections as u64, "connection", "connections"),
@@ -291,7 +289,12 @@ pub fn serve(
     let gates = Arc::new(Gates::new(&exports, wake_fds.clone()));
     let count = exports.len();
     let table = config.table.clone();
-    table.start(exports.into_iter().zip(gates.of_export.iter().cloned()).collect());
+    table.start(
+        exports
+            .into_iter()
+            .zip(gates.of_export.iter().cloned())
+            .collect(),
+    );
     let admission = Arc::new(Admission::new(
         config.max_connections,
         config.max_connections_per_address,

@@ -643,7 +643,9 @@ impl ServerLoop {
                 }
             }
         }
-        export.conns.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        export
+            .conns
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let index = match self.free_conns.borrow_mut().pop() {
             Some(i) => i,
             None => {
@@ -836,7 +838,9 @@ impl ServerLoop {
         self.observer.close(&conn.info);
         self.conns.borrow_mut()[conn.index as usize] = None;
         self.free_conns.borrow_mut().push(conn.index);
-        conn.export.conns.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        conn.export
+            .conns
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         self.queue_done(&conn.export);
         self.admission.leave(conn.info.client);
         if self.shutting.get() && self.conns.borrow().iter().all(Option::is_none) {
