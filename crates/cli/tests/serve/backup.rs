@@ -341,3 +341,198 @@ fn kill_9_during_writes_leaves_a_bitmap_that_restores_exactly() {
         "restored",
     );
 }
+
+/// Holds a connection reading bitmap b0 of export d until stdin closes.
+const HOLDER: &str = r#"
+import sys
+h = connect("d", ["qemu:dirty-bitmap:b0"])
+assert h.can_meta_context("qemu:dirty-bitmap:b0")
+print("holding", flush=True)
+sys.stdin.read()
+h.shutdown()
+"#;
+
+/// A bitmap on a plain file device, by hand: added online, set by writes exactly, kept
+/// across a restart; and every kind of bad input refused with a clear line.
+#[test]
+fn bitmaps_by_hand_on_a_file_device_and_bad_input() {
+    const NAME: &str = "backup::bitmaps_by_hand_on_a_file_device_and_bad_input";
+    let Some(python) = python_with_libnbd(NAME) else {
+        return;
+    };
+    let Some([nbdinfo]) = tools(NAME, ["nbdinfo"]) else {
+        return;
+    };
+    let dir = tmpdir();
+    let ctl = dir.path().join("admin.sock");
+    let store = dir.path().join("d.bitmaps");
+    let data = dir.path().join("d.img");
+    let cairn = env!("CARGO_BIN_EXE_cairn");
+
+    // Stack files that cannot hold bitmaps are refused before anything is written.
+    let bad = [
+        (
+            "[device.d]\ntype = \"file\"\npath = \"d.img\"\nsize = \"16M\"\n\
+             [device.p]\ntype = \"thin-pool\"\ndata = \"d\"\nbitmaps = \"p.bitmaps\"\n",
+            "a thin pool cannot hold dirty bitmaps",
+        ),
+        (
+            "[device.a]\ntype = \"mem\"\nsize = \"16M\"\nbitmaps = \"x.bitmaps\"\n\
+             [device.b]\ntype = \"mem\"\nsize = \"16M\"\nbitmaps = \"x.bitmaps\"\n",
+            "each needs a store of its own",
+        ),
+        (
+            "[device.a]\ntype = \"mem\"\nsize = \"16M\"\nbitmaps = 3\n",
+            "key 'bitmaps' must be the path",
+        ),
+    ];
+    for (text, why) in bad {
+        let stack = write_stack(&dir, text);
+        let out = run(Command::new(cairn).args(["check", path_str(&stack)]));
+        assert!(!out.status.success(), "{text}");
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(said.contains(why), "{said}");
+    }
+    assert!(!dir.path().join("x.bitmaps").exists() && !dir.path().join("d.img").exists());
+
+    let stack = write_stack(
+        &dir,
+        &format!(
+            "[device.d]\ntype = \"file\"\npath = \"{}\"\nsize = \"16M\"\nbitmaps = \"{}\"\n\
+             [device.m]\ntype = \"mem\"\nsize = \"16M\"\n\
+             [export.d]\ndevice = \"d\"\n[export.m]\ndevice = \"m\"\n",
+            data.display(),
+            store.display()
+        ),
+    );
+    let mut srv = Server::start_in(tmpdir(), &[path_str(&stack), "--admin", path_str(&ctl)]);
+    let admin = |words: &[&str]| super::admin::admin(&ctl, words);
+    let refused = |words: &[&str], why: &str| {
+        let out = admin(words);
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            !out.status.success() && said.contains(why),
+            "{words:?}: {said}"
+        );
+    };
+    refused(&["bitmap", "add", "m", "b0"], "keeps no dirty bitmaps");
+    refused(&["bitmap", "add", "d", "a:b"], "is not a bitmap name");
+    refused(&["bitmap", "add", "d", "b0", "3k"], "a power of two");
+    refused(&["bitmap", "add", "d", "b0", "1k"], "a power of two");
+    success("bitmap add", &admin(&["bitmap", "add", "d", "b0"]));
+    success("bitmap add", &admin(&["bitmap", "add", "d", "fine", "4k"]));
+    refused(&["bitmap", "add", "d", "b0"], "exists");
+    refused(&["bitmap", "remove", "d", "nope"], "no bitmap 'nope'");
+    refused(&["bitmap", "merge", "d", "b0"], "usage");
+    refused(&["checkpoint", "pool", "d", "c1"], "no thin pool 'pool'");
+    refused(&["export", "add", "x", "pool", "v"], "no thin pool 'pool'");
+    refused(&["export", "remove", "d"], "only exports added");
+
+    // Writes set the bits of exactly the granules they touch.
+    let uri = srv.uri_for("d");
+    let write = format!(
+        "{PRELUDE}\nh = connect('d')\nh.pwrite(b'x' * 5000, 70000)\nh.zero(4096, 1 << 20)\nh.trim(65536, 4 << 20)\nh.flush()\nprint('written')\n"
+    );
+    let env = env_for(dir.path(), &ctl);
+    libnbd_script(&python, &write, &srv.sock, &env, "written");
+    let map = |uri: &str, ctx: &str| -> Vec<(u64, u64)> {
+        let out = success(
+            "nbdinfo --map",
+            &run(Command::new(&nbdinfo).args([&format!("--map={ctx}"), "--json", uri])),
+        );
+        let json: Value = serde_json::from_str(&out).unwrap();
+        json.as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["type"].as_u64() == Some(1))
+            .map(|r| (r["offset"].as_u64().unwrap(), r["length"].as_u64().unwrap()))
+            .collect()
+    };
+    let k = 65536;
+    assert_eq!(
+        map(&uri, "qemu:dirty-bitmap:b0"),
+        [(k, k), (16 * k, k), (64 * k, k)]
+    );
+    assert_eq!(
+        map(&uri, "qemu:dirty-bitmap:fine"),
+        [(69632, 8192), (1 << 20, 4096), (4 << 20, 65536)]
+    );
+    // An unknown bitmap is not offered: the client says so.
+    let out = run(Command::new(&nbdinfo).args(["--map=qemu:dirty-bitmap:nope", &uri]));
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("qemu:dirty-bitmap:nope"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // A bitmap a client reads cannot be removed or cleared until it leaves.
+    let mut holder = Command::new(&python)
+        .args(["-c", &format!("{PRELUDE}{HOLDER}")])
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .env("CAIRN_SOCK", &srv.sock)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(holder.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "holding");
+    refused(&["bitmap", "remove", "d", "b0"], "being read");
+    refused(&["bitmap", "clear", "d", "b0"], "being read");
+    drop(holder.stdin.take());
+    assert!(holder.wait().unwrap().success());
+    let listed = success("bitmap list", &admin(&["bitmap", "list", "d"]));
+    assert!(
+        listed.contains("b0: granularity 64KiB, dirty 192KiB"),
+        "{listed}"
+    );
+
+    // Kept across a restart; a merge of a finer bitmap sets the granules it touches.
+    srv.stop();
+    let srv = Server::start_in(tmpdir(), &[path_str(&stack), "--admin", path_str(&ctl)]);
+    let uri = srv.uri_for("d");
+    assert_eq!(
+        map(&uri, "qemu:dirty-bitmap:b0"),
+        [(k, k), (16 * k, k), (64 * k, k)]
+    );
+    success(
+        "bitmap clear",
+        &super::admin::admin(&ctl, &["bitmap", "clear", "d", "b0"]),
+    );
+    assert_eq!(map(&uri, "qemu:dirty-bitmap:b0"), []);
+    success(
+        "bitmap merge",
+        &super::admin::admin(&ctl, &["bitmap", "merge", "d", "b0", "fine"]),
+    );
+    assert_eq!(
+        map(&uri, "qemu:dirty-bitmap:b0"),
+        [(k, k), (16 * k, k), (64 * k, k)]
+    );
+    success(
+        "bitmap remove",
+        &super::admin::admin(&ctl, &["bitmap", "remove", "d", "fine"]),
+    );
+    drop(srv);
+
+    // A store whose two directory copies are damaged refuses the start, writing nothing.
+    let mut bytes = std::fs::read(&store).unwrap();
+    bytes[20] ^= 1;
+    bytes[(256 << 10) + 20] ^= 1;
+    std::fs::write(&store, &bytes).unwrap();
+    let before = std::fs::read(&data).unwrap();
+    let out = run(Command::new(cairn).args(["check", path_str(&stack)]));
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no readable directory"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(std::fs::read(&data).unwrap() == before && std::fs::read(&store).unwrap() == bytes);
+}
