@@ -84,7 +84,7 @@ fn list_text(bitmaps: &[BitmapInfo]) -> String {
                 (None, false) => ", disabled".to_string(),
             },
             if b.inconsistent {
-                ", INCONSISTENT (may miss changes: take a full backup, then clear it)"
+                ", INCONSISTENT (may miss changes: take a full backup, then remove it and add it again)"
             } else {
                 ""
             },

@@ -835,7 +835,10 @@ impl Store {
         for w in b.words.iter() {
             w.store(0, Ordering::Release);
         }
-        b.flags.fetch_and(!INCONSISTENT, Ordering::Relaxed);
+        // It starts afresh, consistent, unless the device has outgrown it.
+        if b.bits << b.shift >= self.device_bytes {
+            b.flags.fetch_and(!INCONSISTENT, Ordering::Relaxed);
+        }
         self.commit(&mut st).map_err(|e| e.to_string())
     }
 
@@ -897,4 +900,144 @@ impl Store {
 fn write_dir(f: &File, dir: &Directory) -> std::io::Result<()> {
     f.write_all_at(&dir.encode(), dir.slot_offset())?;
     f.sync_data()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MB: u64 = 1 << 20;
+
+    fn open(dir: &tempfile::TempDir, bytes: u64) -> Store {
+        Store::open(&dir.path().join("s"), "vm", bytes, false).unwrap()
+    }
+
+    fn dirty(s: &Store, owner: &str, name: &str, len: u64) -> Vec<(u64, bool)> {
+        let mut out = Vec::new();
+        s.reader(owner, name)
+            .unwrap()
+            .runs(0, len, usize::MAX, &mut out);
+        out
+    }
+
+    #[test]
+    fn marks_reach_the_file_and_read_back_after_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(&dir, 64 * MB);
+        s.add("b0", 64 << 10).unwrap();
+        s.add("fine", 4096).unwrap();
+        s.mark(70_000, 5000).unwrap();
+        s.mark(63 * MB, MB).unwrap();
+        let (_, enabled) = s.enabled();
+        assert!(enabled.iter().all(|b| b.covers(70_000, 5000)));
+        assert!(!enabled.iter().any(|b| b.covers(0, 4096)));
+        drop(s);
+        let s = open(&dir, 64 * MB);
+        assert_eq!(
+            dirty(&s, "", "b0", 64 * MB),
+            [
+                (65536, false),
+                (65536, true),
+                (62 * MB - 131072 + MB, false),
+                (MB, true)
+            ]
+        );
+        assert_eq!(
+            dirty(&s, "", "fine", 128 << 10),
+            [(69632, false), (8192, true), ((128 << 10) - 77824, false)]
+        );
+        // At most `most` runs.
+        let mut out = Vec::new();
+        s.reader("", "fine").unwrap().runs(0, 64 * MB, 2, &mut out);
+        assert_eq!(out.len(), 2);
+    }
+
+    #[test]
+    fn a_torn_directory_leaves_the_one_before() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(&dir, 16 * MB);
+        s.add("b0", 64 << 10).unwrap(); // seq 2
+        s.mark(0, 4096).unwrap();
+        s.add("b1", 64 << 10).unwrap(); // seq 3, copy B
+        drop(s);
+        let path = dir.path().join("s");
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[format::SLOT as usize + 30] ^= 0xff;
+        std::fs::write(&path, &bytes).unwrap();
+        let s = open(&dir, 16 * MB);
+        assert_eq!(s.names(""), ["b0"]);
+        assert_eq!(dirty(&s, "", "b0", 65536), [(65536, true)]);
+        // And new bitmaps never take the area the surviving directory names.
+        s.add("b2", 64 << 10).unwrap();
+        assert_eq!(dirty(&s, "", "b0", 65536), [(65536, true)]);
+        assert_eq!(dirty(&s, "", "b2", 65536), [(65536, false)]);
+    }
+
+    #[test]
+    fn a_checkpoint_settles_from_the_snapshots_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(&dir, 16 * MB);
+        assert_eq!(s.checkpoint_begin("c1").unwrap(), None);
+        s.checkpoint_end("c1", true);
+        s.mark(0, 4096).unwrap();
+        // c2 begun, never ended (a stop before its snapshot): undone at open.
+        assert_eq!(s.checkpoint_begin("c2").unwrap(), Some("c1".into()));
+        assert_eq!(s.names("c2"), ["c1"]);
+        drop(s);
+        let s = open(&dir, 16 * MB);
+        s.reconcile(&|_| false).unwrap();
+        assert_eq!(s.names(""), ["c1"]);
+        assert_eq!(s.names("c2"), Vec::<String>::new());
+        assert_eq!(dirty(&s, "", "c1", 65536), [(65536, true)]);
+        // c2 begun, its snapshot taken, the stop before the end: finished at open.
+        s.checkpoint_begin("c2").unwrap();
+        drop(s);
+        let s = open(&dir, 16 * MB);
+        s.reconcile(&|n| n == "c2").unwrap();
+        assert_eq!(s.names(""), ["c2"]);
+        assert_eq!(s.names("c2"), ["c1"]);
+        assert!(s.enabled().1.iter().all(|b| b.name() == "c2"));
+        // A snapshot deleted meanwhile takes its bitmaps along.
+        s.reconcile(&|_| false).unwrap();
+        assert_eq!(s.names("c2"), Vec::<String>::new());
+        // A checkpoint whose snapshot fails is undone at once.
+        s.mark(MB, 4096).unwrap();
+        s.checkpoint_begin("c3").unwrap();
+        s.checkpoint_end("c3", false);
+        assert_eq!(s.names(""), ["c2"]);
+        assert_eq!(dirty(&s, "", "c2", 2 * MB)[1], (65536, true));
+    }
+
+    #[test]
+    fn past_the_end_is_inconsistent_and_merges_carry_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(&dir, 16 * MB);
+        s.add("b0", 64 << 10).unwrap();
+        s.add("b1", 1 << 20).unwrap();
+        s.mark(4096, 4096).unwrap();
+        s.merge("b1", &["b0"]).unwrap();
+        assert_eq!(dirty(&s, "", "b1", 2 * MB), [(MB, true), (MB, false)]);
+        assert!(!s.list().iter().any(|b| b.inconsistent));
+        drop(s);
+        // The device grew: its bitmaps no longer cover it.
+        let s = open(&dir, 32 * MB);
+        assert!(s.list().iter().all(|b| b.inconsistent));
+        let mut out = Vec::new();
+        s.reader("", "b0")
+            .unwrap()
+            .runs(16 * MB, 16 * MB, 8, &mut out);
+        assert_eq!(out, [(16 * MB, true)]);
+        // Cleared, it still does not cover the device; added again, it does.
+        s.clear("b0").unwrap();
+        assert!(s.list()[0].inconsistent);
+        s.remove("b0").unwrap();
+        s.add("b0", 64 << 10).unwrap();
+        assert!(
+            !s.list()
+                .iter()
+                .find(|b| b.name == "b0")
+                .unwrap()
+                .inconsistent
+        );
+    }
 }

@@ -629,6 +629,81 @@ mod tests {
     }
 
     #[test]
+    fn dirty_bitmaps_are_contexts_listed_and_set_beside_base_allocation() {
+        let c = catalog();
+        let names = |i: usize| {
+            if i == 0 {
+                vec!["b0".to_string(), "c1".to_string()]
+            } else {
+                Vec::new()
+            }
+        };
+        let mut n = Negotiator::new(&c, TlsMode::Off, 3).with_bitmaps(&names);
+        let mut out = Vec::new();
+        n.option(h(opt::STRUCTURED_REPLY, 0), &[], &mut out);
+        let contexts = |n: &mut Negotiator, o: u32, queries: &[&str]| {
+            let d = meta_data("a", queries);
+            let mut out = Vec::new();
+            n.option(h(o, d.len()), &d, &mut out);
+            let r = replies(&out);
+            assert_eq!(r.last().unwrap().1, rep::ACK);
+            r[..r.len() - 1]
+                .iter()
+                .map(|(_, t, d)| {
+                    assert_eq!(*t, rep::META_CONTEXT);
+                    let id = u32::from_be_bytes(d[..4].try_into().unwrap());
+                    (id, String::from_utf8(d[4..].to_vec()).unwrap())
+                })
+                .collect::<Vec<_>>()
+        };
+        let l = opt::LIST_META_CONTEXT;
+        let all = [
+            (0, "base:allocation".to_string()),
+            (0, "qemu:dirty-bitmap:b0".to_string()),
+            (0, "qemu:dirty-bitmap:c1".to_string()),
+        ];
+        assert_eq!(contexts(&mut n, l, &[]), all);
+        assert_eq!(contexts(&mut n, l, &["qemu:"]), all[1..]);
+        assert_eq!(contexts(&mut n, l, &["qemu:dirty-bitmap:"]), all[1..]);
+        assert_eq!(
+            contexts(&mut n, l, &["qemu:dirty-bitmap:c1", "x:y"]),
+            all[2..]
+        );
+        // A SET takes whole names, each once; unknown ones are left out.
+        let set = contexts(
+            &mut n,
+            opt::SET_META_CONTEXT,
+            &[
+                "qemu:dirty-bitmap:c1",
+                "qemu:dirty-bitmap:nope",
+                "qemu:",
+                "base:allocation",
+                "qemu:dirty-bitmap:c1",
+            ],
+        );
+        assert_eq!(
+            set,
+            [
+                (2, "qemu:dirty-bitmap:c1".to_string()),
+                (1, "base:allocation".to_string())
+            ]
+        );
+        let g = go_data("a", &[]);
+        let Step::Go(s) = n.option(h(opt::GO, g.len()), &g, &mut out) else {
+            panic!()
+        };
+        assert!(s.base_allocation);
+        assert_eq!(s.bitmaps, [(2, "c1".to_string())]);
+        // Export "b" has no bitmaps: nothing to select there.
+        let mut n = Negotiator::new(&c, TlsMode::Off, 3).with_bitmaps(&names);
+        n.option(h(opt::STRUCTURED_REPLY, 0), &[], &mut out);
+        let d = meta_data("b", &["qemu:dirty-bitmap:b0"]);
+        out.clear();
+        n.option(h(opt::SET_META_CONTEXT, d.len()), &d, &mut out);
+        assert_eq!(replies(&out).len(), 1);
+    }
+
+    #[test]
     fn tls_required_refuses_everything_but_starttls() {
         let c = catalog();
         let mut n = Negotiator::new(&c, TlsMode::Required, 3);

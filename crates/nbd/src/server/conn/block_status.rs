@@ -279,6 +279,17 @@ mod tests {
     }
 
     #[test]
+    fn dirty_runs_carry_their_context_id() {
+        let runs = [(65536u64, 0u32), (131072, proto::state::DIRTY)];
+        for extended in [false, true] {
+            let body = status_descriptors(7, runs.iter().copied(), 100_000, 16, extended);
+            assert_eq!(&body[..4], &7u32.to_be_bytes());
+            let n = if extended { 8 + 2 * 16 } else { 4 + 2 * 8 };
+            assert_eq!(body.len(), n);
+        }
+    }
+
+    #[test]
     fn compact_descriptors_fit_32_bits_and_end_the_list_when_cut() {
         let map = [Extent::data(8 << 30), Extent::hole(4096)];
         let compact = parse(
