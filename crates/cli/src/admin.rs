@@ -94,10 +94,11 @@ pub const COMMANDS: &[(&str, &str, &str)] = &[
     ),
     (
         "checkpoint",
-        "checkpoint POOL VOLUME NAME",
+        "checkpoint POOL VOLUME NAME [GRANULARITY]",
         "a snapshot NAME of a thin volume served with bitmaps, taken while its writes are \
          held: the bitmap of the changes since the previous checkpoint goes with the \
-         snapshot (for an incremental backup), and a new bitmap NAME counts from now",
+         snapshot (for an incremental backup), and a new bitmap NAME (the previous one's \
+         granularity, else 64K) counts from now",
     ),
     (
         "export",
@@ -484,6 +485,7 @@ fn status_text_once(view: &View) -> String {
     for p in pools(&view.roots()) {
         out += &thin_list(pool_of(&p).expect("a pool"));
     }
+    out += &crate::bitmaps::status_text(&view.roots());
     if let Some(k) = view.stack_file() {
         // As of now, not of the last look.
         view.sync_stack_file();
@@ -539,6 +541,7 @@ fn status_json_once(view: &View) -> String {
         .map(|p| thin_json(pool_of(p).expect("a pool")))
         .collect::<Vec<_>>()
         .into();
+    doc["bitmaps"] = crate::bitmaps::status_json(&view.roots());
     if let Some(k) = view.stack_file() {
         view.sync_stack_file();
         let stale = k.stale();

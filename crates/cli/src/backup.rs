@@ -27,10 +27,15 @@ fn thin_of(d: &Arc<dyn Device>) -> Option<(&TrackedDevice, &ThinDevice)> {
     Some((t, thin))
 }
 
-/// `checkpoint POOL VOLUME NAME`.
+/// `checkpoint POOL VOLUME NAME [GRANULARITY]`.
 pub(crate) fn checkpoint_command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
-    let [pool, volume, name] = args else {
-        return "error: usage: checkpoint POOL VOLUME NAME\n".into();
+    let (pool, volume, name, granularity) = match args {
+        [p, v, n] => (p, v, n, None),
+        [p, v, n, g] => match cairn_core::size::parse_size(g) {
+            Ok(g) => (p, v, n, Some(g)),
+            Err(e) => return format!("error: granularity '{g}': {e}\n"),
+        },
+        _ => return "error: usage: checkpoint POOL VOLUME NAME [GRANULARITY]\n".into(),
     };
     let all = tracked_volumes(roots);
     let found = all.iter().find_map(|d| {
@@ -47,7 +52,7 @@ pub(crate) fn checkpoint_command(args: &[&str], roots: &[Arc<dyn Device>]) -> St
             format!("error: no thin pool '{pool}' is served\n")
         };
     };
-    match cairn_devices::dirty::device::checkpoint(tracked, name) {
+    match cairn_devices::dirty::device::checkpoint(tracked, name, granularity) {
         Ok(done) => {
             log::info!("cairn: admin: {done}");
             format!("ok: {done}\n")

@@ -66,6 +66,34 @@ pub(crate) fn command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
     }
 }
 
+/// Every served device that keeps bitmaps, with its bitmaps.
+pub(crate) fn served(roots: &[Arc<dyn Device>]) -> Vec<(String, Vec<BitmapInfo>)> {
+    all_devices(roots)
+        .iter()
+        .filter_map(|(_, d)| store_of(d).map(|s| (d.name().to_string(), s.list())))
+        .collect()
+}
+
+/// `status`: a block per device that keeps bitmaps.
+pub(crate) fn status_text(roots: &[Arc<dyn Device>]) -> String {
+    let mut out = String::new();
+    for (device, list) in served(roots) {
+        out += &format!("bitmaps of {device}:\n");
+        for line in list_text(&list).lines() {
+            out += &format!("  {line}\n");
+        }
+    }
+    out
+}
+
+/// `status --json`'s `bitmaps`: one object per device that keeps them.
+pub(crate) fn status_json(roots: &[Arc<dyn Device>]) -> serde_json::Value {
+    served(roots)
+        .into_iter()
+        .map(|(device, list)| serde_json::json!({ "device": device, "bitmaps": list_json(&list) }))
+        .collect()
+}
+
 /// A line per bitmap.
 fn list_text(bitmaps: &[BitmapInfo]) -> String {
     if bitmaps.is_empty() {

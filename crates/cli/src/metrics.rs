@@ -346,6 +346,7 @@ fn families(view: &View) -> Vec<MetricFamily> {
         }
     }
     let thin = thin_families(&view.roots());
+    let bitmaps = bitmap_families(&view.roots());
     let mut out = vec![
         requests,
         bytes,
@@ -366,6 +367,7 @@ fn families(view: &View) -> Vec<MetricFamily> {
         repair_failed,
     ];
     out.extend(thin);
+    out.extend(bitmaps);
     if let Some(o) = view.observer() {
         let conns = o.connections();
         let mut open = family(
@@ -469,6 +471,29 @@ fn thin_families(roots: &[Arc<dyn cairn_core::Device>]) -> Vec<MetricFamily> {
         }
     }
     vec![data, meta, mapped, vsize]
+}
+
+/// Dirty bitmaps: what each covers, and whether it may miss changes.
+fn bitmap_families(roots: &[Arc<dyn cairn_core::Device>]) -> Vec<MetricFamily> {
+    let mut dirty = family(
+        "cairn_bitmap_dirty_bytes",
+        "Bytes a dirty bitmap marks as changed since it started (what an incremental backup from it reads).",
+        MetricType::GAUGE,
+    );
+    let mut bad = family(
+        "cairn_bitmap_inconsistent",
+        "1 when a dirty bitmap may miss changes (an incremental backup must not trust it).",
+        MetricType::GAUGE,
+    );
+    for (device, list) in crate::bitmaps::served(roots) {
+        for b in list {
+            let l = [("device", device.as_str()), ("bitmap", b.name.as_str())];
+            dirty.mut_metric().push(gauge(&l, b.dirty_bytes as f64));
+            bad.mut_metric()
+                .push(gauge(&l, if b.inconsistent { 1.0 } else { 0.0 }));
+        }
+    }
+    vec![dirty, bad]
 }
 
 /// One scrape's text.

@@ -181,7 +181,16 @@ fn checkpoints_give_an_incremental_backup_that_restores_the_snapshot() {
         &dir,
         &stack_text(&dir.path().join("pool.img"), &dir.path().join("vm.bitmaps")),
     );
-    let srv = Server::start_in(tmpdir(), &[path_str(&stack), "--admin", path_str(&ctl)]);
+    let srv = Server::start_in(
+        tmpdir(),
+        &[
+            path_str(&stack),
+            "--admin",
+            path_str(&ctl),
+            "--metrics",
+            "tcp:127.0.0.1:0",
+        ],
+    );
     let script = format!("{PRELUDE}{FLOW}");
     libnbd_script(
         &python,
@@ -240,6 +249,30 @@ fn checkpoints_give_an_incremental_backup_that_restores_the_snapshot() {
     assert!(
         text.contains("c1: granularity 64KiB, dirty") && text.contains("snapshot c2"),
         "{text}"
+    );
+    // Status and the metrics show them.
+    let status = super::observe::json(
+        "status --json",
+        &super::admin::admin(&ctl, &["status", "--json"]),
+    );
+    let vm = &status["bitmaps"][0];
+    assert_eq!(vm["device"], "vm", "{status:#}");
+    assert_eq!(vm["bitmaps"][1]["name"], "c2", "{status:#}");
+    assert_eq!(vm["bitmaps"][1]["dirty_bytes"], 65536, "{status:#}");
+    assert_eq!(vm["bitmaps"][0]["snapshot"], "c2", "{status:#}");
+    let log = srv.stderr();
+    let url = log
+        .split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .unwrap_or_else(|| panic!("no metrics URL in the log:\n{log}"));
+    let metrics = super::observe::scrape(&python, url);
+    assert!(
+        metrics.contains("cairn_bitmap_dirty_bytes{device=\"vm\",bitmap=\"c2\"} 65536"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("cairn_bitmap_inconsistent{device=\"vm\",bitmap=\"c1\"} 0"),
+        "{metrics}"
     );
     // Deleting a snapshot takes its bitmaps along (once its export is gone).
     success(

@@ -221,8 +221,12 @@ impl Queue for TrackedQueue {
 
 /// Checkpoint `name` of the thin volume `tracked` serves: its snapshot `name`, taken
 /// while writes to it are held, with the bitmaps turned over at that instant (see
-/// [`Store::checkpoint_begin`]). Returns what was done.
-pub fn checkpoint(tracked: &TrackedDevice, name: &str) -> Result<String, String> {
+/// [`Store::checkpoint_begin`]; `granularity` for its new bitmap). Returns what was done.
+pub fn checkpoint(
+    tracked: &TrackedDevice,
+    name: &str,
+    granularity: Option<u64>,
+) -> Result<String, String> {
     let thin = tracked
         .base
         .as_any()
@@ -232,6 +236,7 @@ pub fn checkpoint(tracked: &TrackedDevice, name: &str) -> Result<String, String>
     let hook = Arc::new(CheckpointHook {
         store: tracked.store.clone(),
         name: name.to_string(),
+        granularity,
         previous: std::sync::Mutex::new(None),
     });
     let done = thin.pool().admin(crate::thin::pool::Admin::Checkpoint {
@@ -256,12 +261,13 @@ pub fn checkpoint(tracked: &TrackedDevice, name: &str) -> Result<String, String>
 struct CheckpointHook {
     store: Arc<Store>,
     name: String,
+    granularity: Option<u64>,
     previous: std::sync::Mutex<Option<String>>,
 }
 
 impl crate::thin::pool::SnapshotHook for CheckpointHook {
     fn held(&self) -> Result<(), String> {
-        let previous = self.store.checkpoint_begin(&self.name)?;
+        let previous = self.store.checkpoint_begin(&self.name, self.granularity)?;
         *self.previous.lock().unwrap_or_else(|p| p.into_inner()) = previous;
         Ok(())
     }

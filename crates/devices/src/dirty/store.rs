@@ -486,8 +486,13 @@ impl Store {
     /// The first step of checkpoint `name`, taken while writes are held and none is in
     /// flight, before its snapshot: a new enabled bitmap `name` (pending until
     /// [`Store::checkpoint_end`]), and the volume's current checkpoint bitmap, if any,
-    /// disabled and attached to snapshot `name`. Returns the previous checkpoint's name.
-    pub fn checkpoint_begin(&self, name: &str) -> Result<Option<String>, String> {
+    /// disabled and attached to snapshot `name`. The new bitmap has `granularity`, else
+    /// the previous one's, else [`GRANULARITY`]. Returns the previous checkpoint's name.
+    pub fn checkpoint_begin(
+        &self,
+        name: &str,
+        granularity: Option<u64>,
+    ) -> Result<Option<String>, String> {
         format::check_name(name)?;
         self.refuse_dry()?;
         let mut st = self.lock();
@@ -501,7 +506,8 @@ impl Store {
             .iter()
             .find(|b| b.enabled() && b.has(CHECKPOINT) && b.owner().is_empty())
             .cloned();
-        let granularity = prev.as_ref().map_or(GRANULARITY, |p| 1 << p.shift);
+        let granularity =
+            granularity.unwrap_or_else(|| prev.as_ref().map_or(GRANULARITY, |p| 1 << p.shift));
         let e = self.new_entry(&st, name, granularity, CHECKPOINT | PENDING)?;
         st.bitmaps.push(Arc::new(Bitmap::new(&e, &[])));
         if let Some(p) = &prev {
@@ -977,11 +983,11 @@ mod tests {
     fn a_checkpoint_settles_from_the_snapshots_at_open() {
         let dir = tempfile::tempdir().unwrap();
         let s = open(&dir, 16 * MB);
-        assert_eq!(s.checkpoint_begin("c1").unwrap(), None);
+        assert_eq!(s.checkpoint_begin("c1", None).unwrap(), None);
         s.checkpoint_end("c1", true);
         s.mark(0, 4096).unwrap();
         // c2 begun, never ended (a stop before its snapshot): undone at open.
-        assert_eq!(s.checkpoint_begin("c2").unwrap(), Some("c1".into()));
+        assert_eq!(s.checkpoint_begin("c2", None).unwrap(), Some("c1".into()));
         assert_eq!(s.names("c2"), ["c1"]);
         drop(s);
         let s = open(&dir, 16 * MB);
@@ -990,7 +996,7 @@ mod tests {
         assert_eq!(s.names("c2"), Vec::<String>::new());
         assert_eq!(dirty(&s, "", "c1", 65536), [(65536, true)]);
         // c2 begun, its snapshot taken, the stop before the end: finished at open.
-        s.checkpoint_begin("c2").unwrap();
+        s.checkpoint_begin("c2", None).unwrap();
         drop(s);
         let s = open(&dir, 16 * MB);
         s.reconcile(&|n| n == "c2").unwrap();
@@ -1002,7 +1008,7 @@ mod tests {
         assert_eq!(s.names("c2"), Vec::<String>::new());
         // A checkpoint whose snapshot fails is undone at once.
         s.mark(MB, 4096).unwrap();
-        s.checkpoint_begin("c3").unwrap();
+        s.checkpoint_begin("c3", Some(4096)).unwrap();
         s.checkpoint_end("c3", false);
         assert_eq!(s.names(""), ["c2"]);
         assert_eq!(dirty(&s, "", "c2", 2 * MB)[1], (65536, true));
