@@ -247,7 +247,7 @@ fn check_entry(e: &Entry) -> Result<(), String> {
     if e.flags & !KNOWN_FLAGS != 0 {
         return Err(format!("bitmap '{}': unknown flags {:#x}", e.name, e.flags));
     }
-    if e.bits == 0 || e.area_bytes() > AREA_MAX || e.area < AREAS || e.area % PAGE != 0 {
+    if e.bits == 0 || e.area_bytes() > AREA_MAX || e.area < AREAS || !e.area.is_multiple_of(PAGE) {
         return Err(format!("bitmap '{}': bits or area out of range", e.name));
     }
     Ok(())

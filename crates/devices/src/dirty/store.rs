@@ -24,6 +24,9 @@ use super::format::{self, Directory, Entry, CHECKPOINT, DISABLED, INCONSISTENT, 
 /// Words per page.
 const PAGE_WORDS: usize = (PAGE / 8) as usize;
 
+/// Bits to set, as (word index, bits of that word).
+type Words = Vec<(usize, u64)>;
+
 /// The granularity of a checkpoint's first bitmap: 64 KiB per bit.
 pub const GRANULARITY: u64 = 64 << 10;
 
@@ -150,7 +153,7 @@ impl Bitmap {
 
     /// The words `[offset, offset + len)` needs that are not set yet, as (word, bits),
     /// clipped to its end; and whether the range runs past its end.
-    fn missing(&self, offset: u64, len: u64) -> (Vec<(usize, u64)>, bool) {
+    fn missing(&self, offset: u64, len: u64) -> (Words, bool) {
         let first = offset >> self.shift;
         let last = (offset + len - 1) >> self.shift;
         let past = last >= self.bits;
@@ -250,7 +253,7 @@ impl DirtyMap for Reader {
             }
             // A whole word of one state is skipped at once.
             let w = b.words[(bit / 64) as usize].load(Ordering::Acquire);
-            let (next, dirty) = if bit % 64 == 0 && (w == 0 || w == u64::MAX) {
+            let (next, dirty) = if bit.is_multiple_of(64) && (w == 0 || w == u64::MAX) {
                 ((bit + 64).min(b.bits), w != 0)
             } else {
                 (bit + 1, b.bit(bit))
@@ -615,7 +618,7 @@ impl Store {
             return Ok(());
         }
         let mut st = self.lock();
-        let mut plan: Vec<(Arc<Bitmap>, Vec<(usize, u64)>)> = Vec::new();
+        let mut plan: Vec<(Arc<Bitmap>, Words)> = Vec::new();
         let mut past = Vec::new();
         for b in st.bitmaps.iter().filter(|b| b.enabled()) {
             let (need, beyond) = b.missing(offset, len);

@@ -104,14 +104,17 @@ pub struct Negotiator<'a> {
     tls_active: bool,
     structured: bool,
     extended: bool,
-    /// After SET_META_CONTEXT: the export name, whether base:allocation was selected,
-    /// and the bitmaps selected with their ids.
-    meta: Option<(String, bool, Vec<(u32, String)>)>,
+    /// After SET_META_CONTEXT: what was selected.
+    meta: Option<Selected>,
     /// The names of export `i`'s dirty bitmaps, asked when a client asks for contexts.
     bitmaps: &'a dyn Fn(usize) -> Vec<String>,
     no_zeroes: bool,
     shutting_down: bool,
 }
+
+/// What a SET_META_CONTEXT selected: the export name, whether base:allocation was
+/// selected, and the bitmaps selected with their context ids.
+type Selected = (String, bool, Vec<(u32, String)>);
 
 /// Most queries one LIST or SET_META_CONTEXT may carry.
 const MAX_META_QUERIES: usize = 64;

@@ -418,6 +418,9 @@ enum Next {
     Stop,
 }
 
+/// A reactor's queue of one export: the export's id, the queue, the connections using it.
+type ExportQueue = (u64, Rc<dyn Queue>, usize);
+
 /// The server side of one reactor: a ring user (socket I/O), a sink (device completions)
 /// and a poller (new connections, and one send per connection per pass).
 pub struct ServerLoop {
@@ -426,7 +429,7 @@ pub struct ServerLoop {
     sink: Cell<SinkId>,
     /// This reactor's queue of each export it serves, by export id, with the
     /// connections using it.
-    queues: RefCell<Vec<(u64, Rc<dyn Queue>, usize)>>,
+    queues: RefCell<Vec<ExportQueue>>,
     conns: RefCell<Vec<Option<Rc<Conn>>>>,
     free_conns: RefCell<Vec<u32>>,
     dirty: RefCell<Vec<u32>>,
