@@ -61,8 +61,8 @@ impl TrackedDevice {
             .as_any()
             .and_then(|a| a.downcast_ref::<crate::thin::queue::ThinDevice>());
         if let Some(t) = thin {
+            t.track(store.clone())?;
             store.reconcile(&|name| t.pool().has_volume(name))?;
-            t.track(store.clone());
         }
         Ok(TrackedDevice {
             marks: thin.is_none(),

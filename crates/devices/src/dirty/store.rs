@@ -108,12 +108,18 @@ impl Bitmap {
     }
 
     /// Whether every bit `[offset, offset + len)` touches is set (on disk). Bytes past
-    /// its end are never covered.
+    /// its end are covered only once it is marked inconsistent (nothing more to say).
     #[inline]
     pub fn covers(&self, offset: u64, len: u64) -> bool {
-        let (first, last) = (offset >> self.shift, (offset + len - 1) >> self.shift);
+        let (first, mut last) = (offset >> self.shift, (offset + len - 1) >> self.shift);
         if last >= self.bits {
-            return false;
+            if !self.has(INCONSISTENT) {
+                return false;
+            }
+            if first >= self.bits {
+                return true;
+            }
+            last = self.bits - 1;
         }
         let (fw, lw) = ((first / 64) as usize, (last / 64) as usize);
         for w in fw..=lw {
@@ -662,7 +668,15 @@ impl Store {
                     self.path.display(),
                     names.join(", ")
                 );
-                self.flag_inconsistent(&mut st, &names)
+                self.flag_inconsistent(&mut st, &names)?;
+                // Set in memory all the same: readers see the change, and the next
+                // writes to these granules do not try again.
+                for (b, need) in &plan {
+                    for &(w, bits) in need {
+                        b.words[w].fetch_or(bits, Ordering::Release);
+                    }
+                }
+                Ok(())
             }
         }
     }

@@ -78,6 +78,10 @@ pub struct Volume {
     pub users: AtomicU32,
     /// Blocks it maps, as of the last commit.
     pub mapped: AtomicU64,
+    /// Its dirty bitmaps, set by every queue of every device on it inside the pool's
+    /// gate (so a checkpoint's snapshot and its bitmaps agree on which writes came
+    /// before it).
+    pub bitmaps: std::sync::OnceLock<Arc<crate::dirty::store::Store>>,
 }
 
 /// A queue's requests in flight, by the parity of the pool's epoch they started under.
@@ -458,6 +462,7 @@ impl Inner {
                     frozen: AtomicBool::new(false),
                     users: AtomicU32::new(1),
                     mapped: AtomicU64::new(0),
+                    bitmaps: std::sync::OnceLock::new(),
                 });
                 return Ok(v);
             }

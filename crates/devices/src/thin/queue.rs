@@ -47,15 +47,19 @@ pub struct ThinDevice {
     inner: Arc<Inner>,
     vol: Arc<Volume>,
     geometry: Geometry,
-    /// Its dirty bitmaps, set by its queues inside the pool's gate (so a checkpoint's
-    /// snapshot and its bitmaps agree on which writes came before it).
-    bitmaps: std::sync::OnceLock<Arc<crate::dirty::store::Store>>,
 }
 
 impl ThinDevice {
-    /// Its queues set the enabled bitmaps of `store` before each change.
-    pub fn track(&self, store: Arc<crate::dirty::store::Store>) {
-        let _ = self.bitmaps.set(store);
+    /// The queues of every device on its volume set the enabled bitmaps of `store`
+    /// before each change. A volume has one store.
+    pub fn track(&self, store: Arc<crate::dirty::store::Store>) -> Result<(), Error> {
+        self.vol.bitmaps.set(store).map_err(|s| {
+            Error::Invalid(format!(
+                "volume '{}' keeps its bitmaps in {} already: one store per volume",
+                self.vol.name,
+                s.path().display()
+            ))
+        })
     }
 
     /// Its volume's name in the pool.
@@ -105,7 +109,6 @@ impl ThinDevice {
             pool,
             inner,
             vol,
-            bitmaps: std::sync::OnceLock::new(),
         })
     }
 }
@@ -194,7 +197,7 @@ impl Device for ThinDevice {
             data,
             data_caps,
             vol: self.vol.clone(),
-            bitmaps: self.bitmaps.get().cloned().map(|store| {
+            bitmaps: self.vol.bitmaps.get().cloned().map(|store| {
                 let enabled = store.enabled();
                 (store, RefCell::new(enabled))
             }),
