@@ -375,6 +375,27 @@ fn kill_9_during_writes_leaves_a_bitmap_that_restores_exactly() {
     );
 }
 
+/// Writes to export d, then asks block status with two contexts at once: one reply
+/// carries a chunk for each.
+const BOTH_CONTEXTS: &str = r#"
+h = connect("d")
+h.pwrite(b"x" * 5000, 70000)
+h.zero(4096, 1 << 20)
+h.trim(65536, 4 << 20)
+h.flush()
+h.shutdown()
+ctx = "qemu:dirty-bitmap:b0"
+h = connect("d", ["base:allocation", ctx])
+seen = {}
+def cb(meta, start, entries, err):
+    seen[meta] = list(entries)
+    return 0
+h.block_status(2 << 20, 0, cb)
+assert sorted(seen) == ["base:allocation", ctx], seen
+assert seen[ctx][:6] == [65536, 0, 65536, 1, (1 << 20) - 131072, 0], seen[ctx]
+print("written")
+"#;
+
 /// Holds a connection reading bitmap b0 of export d until stdin closes.
 const HOLDER: &str = r#"
 import sys
@@ -467,9 +488,7 @@ fn bitmaps_by_hand_on_a_file_device_and_bad_input() {
 
     // Writes set the bits of exactly the granules they touch.
     let uri = srv.uri_for("d");
-    let write = format!(
-        "{PRELUDE}\nh = connect('d')\nh.pwrite(b'x' * 5000, 70000)\nh.zero(4096, 1 << 20)\nh.trim(65536, 4 << 20)\nh.flush()\nprint('written')\n"
-    );
+    let write = format!("{PRELUDE}{BOTH_CONTEXTS}");
     let env = env_for(dir.path(), &ctl);
     libnbd_script(&python, &write, &srv.sock, &env, "written");
     let map = |uri: &str, ctx: &str| -> Vec<(u64, u64)> {
