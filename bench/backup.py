@@ -27,12 +27,16 @@ Parts (--parts, default both):
          libnbd asks block status of qemu:dirty-bitmap:c1 over the whole export, reads
          each dirty extent (up to 32 MiB a read) and writes it at its offset into a copy
          of the full backup (the copy is made before the clock starts); timed from
-         connect to the last write; its bytes read are counted. The rewrite: the volume
+         connect to the last write; its bytes read are counted. It runs twice: one
+         read at a time (as a simple client does), then with 16 reads in flight
+         (aio_pread, into another copy). The rewrite: the volume
          in 64 KiB granules (the bitmaps' granularity), a random --changed of them, each
          rewritten whole with one 64 KiB write (libnbd, 32 in flight), then a flush.
          (Random 4 KiB writes over 1% of the bytes would dirty about 16% of 64 KiB
          granules; that case is the bitmap's granularity, not the backup's cost.) The
          restore (full + incremental) is compared with a full copy of c2 (not timed).
+         Before the first round, 3 x --size is written to /dev/shm and removed (memory
+         the VM touches the first time is slow).
          Targets: the incremental reads <= 1.5% of the volume and takes <= 0.05x the
          full backup; cairn's incremental <= 0.5x qsd's.
   cost   cairn bench in process, 4 KiB randwrite, iodepth 32, --runtime (5 s), over a
@@ -116,15 +120,33 @@ while off < size:
             extents.append((off, n))
         off += n
 t_map = time.monotonic() - t0
+pieces = [(at, min(32 << 20, start + n - at)) for start, n in extents
+          for at in range(start, start + n, 32 << 20)]
 read = 0
 with open(a["target"], "r+b") as f:
-    for start, n in extents:
-        for at in range(start, start + n, 32 << 20):
-            m = min(32 << 20, start + n - at)
+    if a["depth"] == 1:
+        for at, m in pieces:
             data = h.pread(m, at)
             f.seek(at)
             f.write(data)
             read += m
+    else:
+        done = []
+        def landed(buf, at):
+            def cb(err):
+                f.seek(at)
+                f.write(buf.to_bytearray())
+                done.append(len(buf))
+                return 1
+            return cb
+        for at, m in pieces:
+            while h.aio_in_flight() >= a["depth"]:
+                h.poll(-1)
+            buf = nbd.Buffer(m)
+            h.aio_pread(buf, at, completion=landed(buf, at))
+        while h.aio_in_flight() > 0:
+            h.poll(-1)
+        read = sum(done)
 h.shutdown()
 print(json.dumps({"seconds": time.monotonic() - t0, "map_s": t_map, "bytes_read": read,
                   "extents": len(extents)}))
@@ -247,9 +269,17 @@ def flow_run(a, kind):
         shutil.copyfile(full, restored)
         os.remove(full)
         inc = py("incremental.py", INCREMENTAL,
-                 {"uri": uri("c2"), "bitmap": "c1", "target": restored}, 600,
+                 {"uri": uri("c2"), "bitmap": "c1", "target": restored, "depth": 1}, 600,
                  f"{kind}: incremental backup")
         rec.update({f"inc_{k}": v for k, v in inc.items()})
+        # Again with 16 reads in flight (into another copy of the full backup).
+        pipelined = os.path.join(d, "pipelined.img")
+        shutil.copyfile(restored, pipelined)
+        inc = py("incremental.py", INCREMENTAL,
+                 {"uri": uri("c2"), "bitmap": "c1", "target": pipelined, "depth": 16}, 600,
+                 f"{kind}: incremental backup, 16 in flight")
+        rec.update({f"inc16_{k}": v for k, v in inc.items()})
+        os.remove(pipelined)
         c2 = os.path.join(d, "c2.img")
         rec["full2_s"] = nbdcopy(uri("c2"), c2, f"{kind}: full copy of c2")
         rec["restore_matches"] = same_files(restored, c2)
@@ -259,30 +289,46 @@ def flow_run(a, kind):
     return rec
 
 
+def warm_up(size):
+    """Writes and removes `size` bytes in /dev/shm: a VM's memory is slow the first time it
+    is touched (the first run was 5x slower at everything until this)."""
+    path = os.path.join(thin.WORK["dir"], "warm-up")
+    chunk = b"\0" * (16 * MiB)
+    with open(path, "wb") as f:
+        for _ in range(size // len(chunk)):
+            f.write(chunk)
+    os.remove(path)
+
+
 def flow_part(a):
     servers = ["cairn", "qsd"]
+    warm_up(3 * a.size)
     res = thin.rounds("flow", [(k, lambda k=k: flow_run(a, k)) for k in servers], a.rounds,
                       lambda r: r,
                       lambda r: (f"incremental {r['inc_seconds'] * 1000:.0f} ms, "
                                  f"{mib(r['inc_bytes_read'])} read; full {r['full_s']:.2f} s; "
                                  f"restore {'matches' if r['restore_matches'] else 'DIFFERS'}"))
     out(f"## Incremental backup of {mib(a.size)} after {a.changed}% rewritten\n",
-        "| server | full backup s | incremental ms | read % of volume | dirty extents | "
-        "incremental / full | restore matches | checkpoint c2 ms |",
-        "|---|---|---|---|---|---|---|---|")
+        "| server | full backup s | incremental ms | 16 in flight ms | read % of volume | "
+        "dirty extents | incremental / full | restore matches | checkpoint c2 ms |",
+        "|---|---|---|---|---|---|---|---|---|")
     for k in servers:
         rs = good(res[k])
         if not rs:
-            out(f"| {k} | failed | | | | | | |")
+            out(f"| {k} | failed | | | | | | | |")
             continue
         per = [r["inc_seconds"] / r["full_s"] for r in rs]
         out(f"| {k} | {med(rs, 'full_s'):.2f} | {med(rs, 'inc_seconds') * 1000:.0f} | "
+            f"{med(rs, 'inc16_seconds') * 1000:.0f} | "
             f"{100 * med(rs, 'inc_bytes_read') / a.size:.2f}% | {med(rs, 'inc_extents'):.0f} | "
             f"{spread(per)} | {sum(r['restore_matches'] for r in rs)}/{len(rs)} | "
             f"{med(rs, 'checkpoint2_s') * 1000:.0f} |")
     per = [c["inc_seconds"] / q["inc_seconds"] for c, q in zip(res["cairn"], res["qsd"])
            if "error" not in c and "error" not in q]
-    out("", f"cairn's incremental backup / qsd's: {spread(per)} (target <= 0.5x)", "")
+    per16 = [c["inc16_seconds"] / q["inc16_seconds"] for c, q in zip(res["cairn"], res["qsd"])
+             if "error" not in c and "error" not in q]
+    out("", f"cairn's incremental backup / qsd's: {spread(per)} one read at a time, "
+        f"{spread(per16)} with 16 in flight (target <= 0.5x)", "")
     for line in thin.failures(res):
         out(line)
 

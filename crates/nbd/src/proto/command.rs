@@ -25,8 +25,9 @@ pub struct Terms {
     pub structured: bool,
     /// Extended headers are in use (a write may carry `NBD_CMD_FLAG_PAYLOAD_LEN`).
     pub extended: bool,
-    /// `base:allocation` was selected: block status is allowed.
-    pub base_allocation: bool,
+    /// A metadata context was selected (`base:allocation`, a dirty bitmap): block status
+    /// is allowed.
+    pub block_status: bool,
     /// Requests of any alignment are served, on the whole blocks around them: the client
     /// did not ask for block sizes and the export does not insist on them.
     pub relaxed: bool,
@@ -153,7 +154,7 @@ pub fn check(r: &Request, terms: &Terms, shutting_down: bool) -> Result<Command,
         cmd::CACHE => check_range(r, terms).map(|()| Command::Cache),
         cmd::BLOCK_STATUS => {
             check_range(r, terms)?;
-            if !terms.base_allocation {
+            if !terms.block_status {
                 return refuse(errno::EINVAL);
             }
             Ok(Command::BlockStatus)
@@ -335,7 +336,7 @@ mod tests {
             flags: tflags::HAS_FLAGS | tflags::SEND_FLUSH | tflags::SEND_FAST_ZERO,
             structured: true,
             extended: false,
-            base_allocation: true,
+            block_status: true,
             relaxed: false,
             fast_zero: true,
             max_payload: 32 << 20,
@@ -444,7 +445,7 @@ mod tests {
         );
         // Block status without base:allocation, after its range was found good.
         let t2 = Terms {
-            base_allocation: false,
+            block_status: false,
             ..t
         };
         assert_eq!(
@@ -571,7 +572,7 @@ mod tests {
                 flags,
                 structured: b[0] || b[1],
                 extended: b[1],
-                base_allocation: b[2],
+                block_status: b[2],
                 relaxed: b[3],
                 fast_zero: b[4],
                 max_payload,
@@ -660,7 +661,7 @@ mod tests {
                 Command::Cache | Command::BlockStatus => {
                     prop_assert!(r.len > 0 && r.offset + r.len <= g.size_bytes);
                     prop_assert!(t.relaxed || (r.offset % block == 0 && r.len % block == 0));
-                    prop_assert!(c == Command::Cache || t.base_allocation);
+                    prop_assert!(c == Command::Cache || t.block_status);
                 }
                 Command::Io { op, flags, then_flush } => {
                     let want = match r.command {

@@ -488,7 +488,7 @@ fn terms(catalog: &Catalog, session: &Session) -> Terms {
         flags: session.flags,
         structured: session.structured,
         extended: session.extended,
-        base_allocation: session.base_allocation,
+        block_status: session.base_allocation || !session.bitmaps.is_empty(),
         relaxed: !session.block_sizes_agreed,
         fast_zero: e.flags & tflags::SEND_FAST_ZERO != 0,
         max_payload: e.max_payload,

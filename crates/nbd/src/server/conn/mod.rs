@@ -550,7 +550,7 @@ impl ServerLoop {
             flags: session.flags,
             structured: session.structured,
             extended: session.extended,
-            base_allocation: session.base_allocation || !session.bitmaps.is_empty(),
+            block_status: session.base_allocation || !session.bitmaps.is_empty(),
             // The export advertises a minimum block of 1 unless it is strict: every
             // client may then send any byte, whether it asked for block sizes or not.
             relaxed: !e.strict_alignment,
