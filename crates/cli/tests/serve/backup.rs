@@ -154,6 +154,20 @@ fn env_for(dir: &Path, ctl: &Path) -> Vec<(&'static str, String)> {
     ]
 }
 
+/// A test's set-up: libnbd's Python and nbdcopy (else a skip), a directory, the admin
+/// socket's path, and the stack file of a pool with volume vm keeping bitmaps.
+fn set_up(test: &str) -> Option<(PathBuf, TempDir, PathBuf, PathBuf)> {
+    let python = python_with_libnbd(test)?;
+    tools(test, ["nbdcopy"])?;
+    let dir = tmpdir();
+    let ctl = dir.path().join("admin.sock");
+    let stack = write_stack(
+        &dir,
+        &stack_text(&dir.path().join("pool.img"), &dir.path().join("vm.bitmaps")),
+    );
+    Some((python, dir, ctl, stack))
+}
+
 /// Granule runs (offset, length) of the dirty granules `want`, merged.
 fn dirty_runs(want: &[u64], g: u64) -> Vec<(u64, u64)> {
     let mut out: Vec<(u64, u64)> = Vec::new();
@@ -169,18 +183,12 @@ fn dirty_runs(want: &[u64], g: u64) -> Vec<(u64, u64)> {
 #[test]
 fn checkpoints_give_an_incremental_backup_that_restores_the_snapshot() {
     const NAME: &str = "backup::checkpoints_give_an_incremental_backup_that_restores_the_snapshot";
-    let Some(python) = python_with_libnbd(NAME) else {
+    let Some((python, dir, ctl, stack)) = set_up(NAME) else {
         return;
     };
-    let Some([nbdinfo, qemu_img, _]) = tools(NAME, ["nbdinfo", "qemu-img", "nbdcopy"]) else {
+    let Some([nbdinfo, qemu_img]) = tools(NAME, ["nbdinfo", "qemu-img"]) else {
         return;
     };
-    let dir = tmpdir();
-    let ctl = dir.path().join("admin.sock");
-    let stack = write_stack(
-        &dir,
-        &stack_text(&dir.path().join("pool.img"), &dir.path().join("vm.bitmaps")),
-    );
     let srv = Server::start_in(
         tmpdir(),
         &[
@@ -338,18 +346,9 @@ print("read", read, "bytes: restored")
 #[test]
 fn kill_9_during_writes_leaves_a_bitmap_that_restores_exactly() {
     const NAME: &str = "backup::kill_9_during_writes_leaves_a_bitmap_that_restores_exactly";
-    let Some(python) = python_with_libnbd(NAME) else {
+    let Some((python, dir, ctl, stack)) = set_up(NAME) else {
         return;
     };
-    if tools(NAME, ["nbdcopy"]).is_none() {
-        return;
-    }
-    let dir = tmpdir();
-    let ctl = dir.path().join("admin.sock");
-    let stack = write_stack(
-        &dir,
-        &stack_text(&dir.path().join("pool.img"), &dir.path().join("vm.bitmaps")),
-    );
     let mut srv = Server::start_in(tmpdir(), &[path_str(&stack), "--admin", path_str(&ctl)]);
     let pid = srv.child.as_ref().expect("running").id();
     let mut env = env_for(dir.path(), &ctl);
@@ -648,18 +647,9 @@ print(writes, "writes: restored")
 #[test]
 fn checkpoints_under_load_chain_incrementals_exactly() {
     const NAME: &str = "backup::checkpoints_under_load_chain_incrementals_exactly";
-    let Some(python) = python_with_libnbd(NAME) else {
+    let Some((python, dir, ctl, stack)) = set_up(NAME) else {
         return;
     };
-    if tools(NAME, ["nbdcopy"]).is_none() {
-        return;
-    }
-    let dir = tmpdir();
-    let ctl = dir.path().join("admin.sock");
-    let stack = write_stack(
-        &dir,
-        &stack_text(&dir.path().join("pool.img"), &dir.path().join("vm.bitmaps")),
-    );
     let srv = Server::start_in(
         tmpdir(),
         &[

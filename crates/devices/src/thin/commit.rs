@@ -328,12 +328,7 @@ impl Committer {
                         "'{src}' is writable: clone a snapshot (take one with 'thin snapshot' first)"
                     ));
                 }
-                let mapped = self
-                    .state
-                    .volumes
-                    .get(&source.id)
-                    .map_or(0, |v| v.map.len());
-                self.check_new(&name, source.size.load(Relaxed), mapped as u64)?;
+                self.check_copy(&source, &name)?;
                 let held = self.snapshot(&source, &name, read_only, None)?;
                 let kind = if read_only { "snapshot" } else { "clone" };
                 Ok(format!(
@@ -348,12 +343,7 @@ impl Committer {
                         "'{src}' is a snapshot: checkpoints are of writable volumes"
                     ));
                 }
-                let mapped = self
-                    .state
-                    .volumes
-                    .get(&source.id)
-                    .map_or(0, |v| v.map.len());
-                self.check_new(&name, source.size.load(Relaxed), mapped as u64)?;
+                self.check_copy(&source, &name)?;
                 let held = self.snapshot(&source, &name, true, Some(&*hook.0))?;
                 Ok(format!(
                     "checkpoint '{name}' of '{src}' taken (writes to '{src}' held for {} us)",
@@ -462,6 +452,17 @@ impl Committer {
         });
         lock(&self.inner.volumes).insert(id, v.clone());
         v
+    }
+
+    /// Whether a copy of `source` named `name` fits (a new name, room in the next
+    /// checkpoint for its entries).
+    fn check_copy(&self, source: &Volume, name: &str) -> Result<(), String> {
+        let mapped = self
+            .state
+            .volumes
+            .get(&source.id)
+            .map_or(0, |v| v.map.len());
+        self.check_new(name, source.size.load(Relaxed), mapped as u64)
     }
 
     /// A snapshot or clone of `source` named `name`: writes to the source wait while
