@@ -1,6 +1,5 @@
-//! Thin pools (issue 37, work in progress on the thin-37 branch): volumes that allocate
-//! on write, snapshots and clones. [`superblock`] says where everything is; [`format`] is
-//! the metadata log.
+//! Thin pools (issue 37): volumes that allocate on write, snapshots and clones.
+//! [`superblock`] says where everything is; [`format`] is the metadata log.
 
 pub mod checkpoint;
 mod commit;
