@@ -11,6 +11,7 @@ use cairn_core::{DeviceStatsSnapshot, Op};
 use cairn_nbd::Observer;
 
 /// An export as operators see it.
+#[derive(Clone)]
 pub struct ExportView {
     /// The name clients ask for (empty: the default export).
     pub name: String,
@@ -98,8 +99,24 @@ impl View {
     }
 
     /// The exports.
-    pub fn exports(&self) -> &[ExportView] {
-        &self.exports
+    /// The exports: those of the start, then those added while serving (`export add`).
+    pub fn exports(&self) -> Vec<ExportView> {
+        let mut all = self.exports.clone();
+        if let Some((table, _)) = &self.table {
+            all.extend(
+                table
+                    .snapshot()
+                    .iter()
+                    .filter(|l| l.added())
+                    .map(|l| ExportView {
+                        name: l.export.info.name.clone(),
+                        device: l.export.device.name().to_string(),
+                        read_only: true,
+                        fuse: Vec::new(),
+                    }),
+            );
+        }
+        all
     }
 
     /// The server's connections and error replies, if it is a server.
@@ -220,7 +237,7 @@ pub fn exports_text(view: &View) -> String {
     }
     out += "exports:\n";
     let now = cairn_core::clock::monotonic_ns();
-    for e in view.exports() {
+    for e in &view.exports() {
         let mine: Vec<_> = conns.iter().filter(|c| c.export == e.name).collect();
         out += &format!(
             "  '{}' ({}{}): {} connection{}\n",

@@ -268,6 +268,14 @@ fn checkpoints_give_an_incremental_backup_that_restores_the_snapshot() {
     assert_eq!(vm["bitmaps"][1]["name"], "c2", "{status:#}");
     assert_eq!(vm["bitmaps"][1]["dirty_bytes"], 65536, "{status:#}");
     assert_eq!(vm["bitmaps"][0]["snapshot"], "c2", "{status:#}");
+    // Exports added while serving are listed with the others.
+    let exports = status["exports"].as_array().unwrap();
+    let c2 = exports
+        .iter()
+        .find(|e| e["name"] == "c2")
+        .expect("c2 in status");
+    assert_eq!(c2["read_only"], true, "{status:#}");
+    assert!(exports.iter().any(|e| e["name"] == "vm"), "{status:#}");
     let log = srv.stderr();
     let url = log
         .split_whitespace()
@@ -280,6 +288,10 @@ fn checkpoints_give_an_incremental_backup_that_restores_the_snapshot() {
     );
     assert!(
         metrics.contains("cairn_bitmap_inconsistent{device=\"vm\",bitmap=\"c1\"} 0"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("cairn_nbd_connections{export=\"c2\"} 0"),
         "{metrics}"
     );
     // Deleting a snapshot takes its bitmaps along (once its export is gone).

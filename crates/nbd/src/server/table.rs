@@ -29,6 +29,13 @@ pub struct Listed {
     pub(crate) conns: AtomicUsize,
 }
 
+impl Listed {
+    /// Whether it was added while serving.
+    pub fn added(&self) -> bool {
+        self.added
+    }
+}
+
 /// The exports served now.
 #[derive(Default)]
 pub struct ExportTable {
