@@ -22,6 +22,7 @@ pub mod rbd;
 pub mod spec;
 pub mod stack;
 pub mod thin;
+pub mod throttle;
 pub mod wrap;
 
 use std::sync::Arc;
