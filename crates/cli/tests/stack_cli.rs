@@ -434,6 +434,14 @@ mod bench {
                 ),
             ),
             (
+                // Requests wait on their reactor's timers, then go on.
+                "throttle",
+                format!(
+                    "{}[device.t]\ntype = \"throttle\"\nbase = \"d0\"\niops = 5000\nbps_write = \"200M\"\n",
+                    mems(&["d0"], "8M")
+                ),
+            ),
+            (
                 // Unequal members: 3 MiB and 5 MiB of data.
                 "linear",
                 format!(

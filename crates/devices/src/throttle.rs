@@ -193,6 +193,31 @@ impl Limits {
     }
 }
 
+impl std::fmt::Display for Limits {
+    /// `iops 10000, bps_write 50MiB (max 100MiB for 5 s)`: the limits set.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut first = true;
+        for (key, r) in self.rates() {
+            if r.avg == 0 {
+                continue;
+            }
+            let show = |v: u64| {
+                if key.starts_with("bps") {
+                    format!("{}/s", cairn_core::size::format_bytes(v))
+                } else {
+                    format!("{v}/s")
+                }
+            };
+            write!(f, "{}{key} {}", if first { "" } else { ", " }, show(r.avg))?;
+            if r.max != 0 {
+                write!(f, " (max {} for {} s)", show(r.max), r.max_length.max(1))?;
+            }
+            first = false;
+        }
+        Ok(())
+    }
+}
+
 /// A throttle: its limits' buckets, shared by every queue that passes it.
 #[derive(Debug, Default)]
 pub struct Throttle {

@@ -151,6 +151,53 @@ impl Policy for Delay {
     }
 }
 
+/// The `throttle` device's policy: a request starts when its throttle (its own, or its
+/// group's) reserves it a start; until then it waits on its reactor's timer. Flushes are
+/// not limited.
+pub struct ThrottlePolicy {
+    throttle: Arc<crate::throttle::Throttle>,
+    group: Option<String>,
+}
+
+impl ThrottlePolicy {
+    /// Requests pass `throttle`, shared with the group `group` names.
+    pub fn new(throttle: Arc<crate::throttle::Throttle>, group: Option<String>) -> ThrottlePolicy {
+        ThrottlePolicy { throttle, group }
+    }
+
+    /// Its throttle.
+    pub fn throttle(&self) -> &Arc<crate::throttle::Throttle> {
+        &self.throttle
+    }
+}
+
+impl Policy for ThrottlePolicy {
+    fn kind(&self) -> &'static str {
+        "throttle"
+    }
+    fn describe(&self) -> String {
+        let mut out = self.throttle.limits().to_string();
+        if let Some(g) = &self.group {
+            out += &format!(", group {g}");
+        }
+        out
+    }
+    #[inline]
+    fn decide(&self, io: &Io, now_ns: u64, _random: u64) -> Decision {
+        let dir = match io.op {
+            Op::Flush => return Decision::Forward,
+            Op::Read => crate::throttle::Dir::Read,
+            _ => crate::throttle::Dir::Write,
+        };
+        let start = self.throttle.reserve(now_ns, dir, io.len);
+        if start <= now_ns {
+            Decision::Forward
+        } else {
+            Decision::Delay(start - now_ns)
+        }
+    }
+}
+
 /// When a fault device fails requests. Conditions that are set must all hold; with none
 /// set, every request of the chosen operations fails.
 #[derive(Debug, Clone, PartialEq)]

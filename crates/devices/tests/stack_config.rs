@@ -160,6 +160,77 @@ mod parses {
     }
 
     #[test]
+    fn throttles_alone_and_in_a_group() {
+        let text = format!(
+            "{}{}[device.t0]\ntype = \"throttle\"\nbase = \"d0\"\ngroup = \"tenants\"\niops = 10000\nbps_write = \"50M\"\nbps_write_max = \"100M\"\nbps_write_max_length = 5\n\
+             [device.t1]\ntype = \"throttle\"\nbase = \"d1\"\ngroup = \"tenants\"\n",
+            mem("d0"),
+            mem("d1")
+        );
+        let file = StackFile::parse(&text).unwrap();
+        let DeviceSpec::Throttle { group, limits, .. } = &file.devices["t0"] else {
+            panic!("{:?}", file.devices["t0"])
+        };
+        assert_eq!(group.as_deref(), Some("tenants"));
+        let l = limits.unwrap();
+        assert_eq!(
+            (
+                l.iops.avg,
+                l.bps_write.avg,
+                l.bps_write.max,
+                l.bps_write.max_length
+            ),
+            (10_000, 50 << 20, 100 << 20, 5)
+        );
+        let d = file.open("t1").unwrap();
+        assert!(
+            d.describe().contains("iops 10000/s") && d.describe().contains("group tenants"),
+            "{}",
+            d.describe()
+        );
+    }
+
+    #[test]
+    fn a_bad_throttle_names_the_key_or_the_group() {
+        for (keys, key) in [
+            ("iops = 0", "iops"),
+            ("iops = -5", "iops"),
+            ("bps = \"fast\"", "bps"),
+            ("iops = 100\niops_max = 50", "iops_max"),
+            ("iops_max = 50", "iops_max"),
+            ("iops = 100\niops_max_length = 3", "iops_max_length"),
+            (
+                "iops = 100\niops_max = 200\niops_max_length = 0",
+                "iops_max_length",
+            ),
+            ("iops = 100\niops_read = 50", "iops"),
+            ("bps = 1125899906842625", "bps"),
+            ("iops = 5\nburst = 3", "burst"),
+            ("", "limit"),
+        ] {
+            let text = format!(
+                "{}[device.t]\ntype = \"throttle\"\nbase = \"d0\"\n{keys}\n",
+                mem("d0")
+            );
+            assert_names(&parse_err(&text), "t", key);
+        }
+        // A group with no limits, and one given two ways.
+        for (a, b, says) in [
+            ("", "", "has no limits"),
+            ("iops = 100\n", "iops = 200\n", "different limits"),
+        ] {
+            let text = format!(
+                "{}{}[device.t0]\ntype = \"throttle\"\nbase = \"d0\"\ngroup = \"g\"\n{a}\
+                 [device.t1]\ntype = \"throttle\"\nbase = \"d1\"\ngroup = \"g\"\n{b}",
+                mem("d0"),
+                mem("d1")
+            );
+            let m = parse_err(&text);
+            assert!(m.contains("'g'") && m.contains(says), "{m}");
+        }
+    }
+
+    #[test]
     fn a_fault_with_a_bad_times_names_the_key() {
         for value in ["-1", "\"once\"", "1.5"] {
             let text = format!(

@@ -157,6 +157,70 @@ impl Keys<'_> {
     }
 
     /// A `thin-pool` device's keys.
+    /// A `throttle` device: its base, its group, and the limits it gives (none: those of
+    /// its group, given by another device of the group).
+    fn throttle(&self) -> Result<DeviceSpec, Error> {
+        use crate::throttle::{Limits, Rate};
+        let group = match self.string("group")? {
+            Some(g) => {
+                super::graph::check_name("group", g)?;
+                Some(g.to_string())
+            }
+            None => None,
+        };
+        let rate = |key: &str, bytes: bool| -> Result<Rate, Error> {
+            let value = |k: &str| -> Result<u64, Error> {
+                let v = if bytes {
+                    self.size(k)?
+                } else {
+                    self.integer(k)?
+                };
+                match v {
+                    Some(0) => Err(self.bad(k, "is 0: leave the key out for no limit")),
+                    Some(v) => Ok(v),
+                    None => Ok(0),
+                }
+            };
+            let length = format!("{key}_max_length");
+            let r = Rate {
+                avg: value(key)?,
+                max: value(&format!("{key}_max"))?,
+                max_length: match self.integer(&length)? {
+                    Some(0) => return Err(self.bad(&length, "is 0: leave the key out")),
+                    Some(v) => v,
+                    None => 0,
+                },
+            };
+            r.check(key)
+                .map_err(|e| err(format!("device '{}': {e}", self.device)))?;
+            Ok(r)
+        };
+        let limits = Limits {
+            iops: rate("iops", false)?,
+            iops_read: rate("iops_read", false)?,
+            iops_write: rate("iops_write", false)?,
+            bps: rate("bps", true)?,
+            bps_read: rate("bps_read", true)?,
+            bps_write: rate("bps_write", true)?,
+        };
+        let given = limits != Limits::default();
+        if given {
+            limits
+                .check()
+                .map_err(|e| err(format!("device '{}': {e}", self.device)))?;
+        } else if group.is_none() {
+            return Err(err(format!(
+                "device '{}': a throttle needs a limit (iops, iops_read, iops_write, bps, bps_read, bps_write) or a group that has them",
+                self.device
+            )));
+        }
+        Ok(DeviceSpec::Throttle {
+            base: self.base()?,
+            group,
+            limits: given.then_some(limits),
+        })
+    }
+
     fn thin_pool(&self) -> Result<DeviceSpec, Error> {
         use crate::thin::pool::{LowWater, PoolOptions};
         use crate::thin::superblock::{BLOCK_MAX, BLOCK_MIN};
@@ -637,6 +701,30 @@ pub(super) fn split_bitmaps(name: &str, table: &Table) -> Result<(Table, Option<
     Ok((rest, Some(path)))
 }
 
+/// A throttle's keys: `base`, `group`, and each limit with `_max` and `_max_length`.
+const THROTTLE_KEYS: [&str; 20] = [
+    "base",
+    "group",
+    "iops",
+    "iops_max",
+    "iops_max_length",
+    "iops_read",
+    "iops_read_max",
+    "iops_read_max_length",
+    "iops_write",
+    "iops_write_max",
+    "iops_write_max_length",
+    "bps",
+    "bps_max",
+    "bps_max_length",
+    "bps_read",
+    "bps_read_max",
+    "bps_read_max_length",
+    "bps_write",
+    "bps_write_max",
+    "bps_write_max_length",
+];
+
 pub(super) fn parse_device(
     name: &str,
     table: &Table,
@@ -717,9 +805,10 @@ pub(super) fn parse_device(
         "cache" => &["base", "memory"],
         "thin-pool" => &["data", "metadata", "block", "low_water"],
         "thin" => &["pool", "volume", "size"],
+        "throttle" => &THROTTLE_KEYS,
         _ => {
             return Err(err(format!(
-                "device '{name}': unknown type '{}' (known: null, mem, file, nbd, rbd, linear, stripe, mirror, raid10, fault, delay, cache, thin-pool, thin)",
+                "device '{name}': unknown type '{}' (known: null, mem, file, nbd, rbd, linear, stripe, mirror, raid10, fault, delay, cache, thin-pool, thin, throttle)",
                 shown(kind)
             )))
         }
@@ -843,6 +932,7 @@ pub(super) fn parse_device(
             }
         }
         "thin-pool" => keys.thin_pool()?,
+        "throttle" => keys.throttle()?,
         "thin" => DeviceSpec::Thin {
             pool: keys
                 .string("pool")?

@@ -198,6 +198,15 @@ pub enum DeviceSpec {
         /// Allocation unit and low-water mark.
         options: crate::thin::pool::PoolOptions,
     },
+    /// Rate limits on `base`, alone or shared with the other throttles of its group.
+    Throttle {
+        /// The limited device.
+        base: String,
+        /// Throttles of one group share its limits (fairly, in arrival order).
+        group: Option<String>,
+        /// Its limits (`None`: its group's, given by another of its devices).
+        limits: Option<crate::throttle::Limits>,
+    },
     /// A volume of a thin pool.
     Thin {
         /// The pool device.
@@ -220,6 +229,7 @@ impl DeviceSpec {
             | DeviceSpec::Raid10 { members, .. } => members,
             DeviceSpec::Fault { base, .. }
             | DeviceSpec::Delay { base, .. }
+            | DeviceSpec::Throttle { base, .. }
             | DeviceSpec::Cache { base, .. } => std::slice::from_ref(base),
             DeviceSpec::ThinPool { devices, .. } => devices,
             DeviceSpec::Thin { pool, .. } => std::slice::from_ref(pool),
@@ -249,9 +259,10 @@ impl DeviceSpec {
     /// The key that names this device's members (for error messages).
     fn members_key(&self) -> &'static str {
         match self {
-            DeviceSpec::Fault { .. } | DeviceSpec::Delay { .. } | DeviceSpec::Cache { .. } => {
-                "base"
-            }
+            DeviceSpec::Fault { .. }
+            | DeviceSpec::Delay { .. }
+            | DeviceSpec::Cache { .. }
+            | DeviceSpec::Throttle { .. } => "base",
             DeviceSpec::ThinPool { .. } => "data",
             DeviceSpec::Thin { .. } => "pool",
             _ => "members",
@@ -402,6 +413,12 @@ fn unknown_tuning_key(key: &str) -> Error {
         TUNING_KEYS.join(", ")
     ))
 }
+
+/// What every device of one open shares: the caches' dirty budget, the throttle groups.
+type Shared<'a> = (
+    &'a Option<Arc<crate::cache::writeback::Budget>>,
+    &'a HashMap<String, Arc<crate::throttle::Throttle>>,
+);
 
 /// Whether `name` may name an export (as in an `[export.NAME]` table).
 pub fn check_export_name(name: &str) -> Result<(), Error> {
@@ -578,6 +595,7 @@ impl StackFile {
             bitmaps,
         };
         graph::check(&file.devices)?;
+        file.check_throttle_groups()?;
         file.check_exports()?;
         file.check_cache_memory(memory_bytes)?;
         Ok(file)
@@ -838,10 +856,66 @@ impl StackFile {
         } else {
             None
         };
+        let groups = self.throttle_groups();
         names
             .iter()
-            .map(|name| self.open_rec(name, &mut opened, &budget, (switches, how), 1))
+            .map(|name| self.open_rec(name, &mut opened, (&budget, &groups), (switches, how), 1))
             .collect()
+    }
+
+    /// Each throttle group's throttle, with the limits its devices give.
+    fn throttle_groups(&self) -> HashMap<String, Arc<crate::throttle::Throttle>> {
+        let mut out = HashMap::new();
+        for spec in self.devices.values() {
+            if let DeviceSpec::Throttle {
+                group: Some(g),
+                limits: Some(l),
+                ..
+            } = spec
+            {
+                out.entry(g.clone())
+                    .or_insert_with(|| Arc::new(crate::throttle::Throttle::new(*l)));
+            }
+        }
+        out
+    }
+
+    /// Every throttle group has limits, and its devices that give limits give the same.
+    fn check_throttle_groups(&self) -> Result<(), Error> {
+        let mut groups: BTreeMap<&str, Vec<(&str, Option<crate::throttle::Limits>)>> =
+            BTreeMap::new();
+        for (name, spec) in &self.devices {
+            if let DeviceSpec::Throttle {
+                group: Some(g),
+                limits,
+                ..
+            } = spec
+            {
+                groups.entry(g).or_default().push((name, *limits));
+            }
+        }
+        for (g, members) in groups {
+            let given: Vec<_> = members
+                .iter()
+                .filter_map(|(n, l)| l.map(|l| (n, l)))
+                .collect();
+            let Some((first, limits)) = given.first() else {
+                return Err(err(format!(
+                    "throttle group '{g}' has no limits: give them on one of its devices ({})",
+                    members
+                        .iter()
+                        .map(|(n, _)| *n)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
+            };
+            if let Some((other, _)) = given.iter().find(|(_, l)| l != limits) {
+                return Err(err(format!(
+                    "throttle group '{g}': devices '{first}' and '{other}' give different limits (give them once, on one device)"
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// [`StackFile::open_with`] for several devices at once, each device below them
@@ -858,7 +932,7 @@ impl StackFile {
         &self,
         name: &str,
         opened: &mut HashMap<String, Arc<dyn Device>>,
-        budget: &Option<Arc<crate::cache::writeback::Budget>>,
+        shared @ (budget, groups): Shared<'_>,
         (switches, how): (Switches, Start),
         depth: usize,
     ) -> Result<Arc<dyn Device>, Error> {
@@ -881,7 +955,7 @@ impl StackFile {
             present.push(if m == MISSING {
                 None
             } else {
-                Some(self.open_rec(m, opened, budget, (switches, how), depth + 1)?)
+                Some(self.open_rec(m, opened, shared, (switches, how), depth + 1)?)
             });
         }
         let named = |e: Error| match e {
@@ -896,7 +970,7 @@ impl StackFile {
         if let Some(expect) = array_expect(name, spec) {
             let mut spares = Vec::with_capacity(spec.spares().len());
             for s in spec.spares() {
-                let d = self.open_rec(s, opened, budget, (switches, how), depth + 1)?;
+                let d = self.open_rec(s, opened, shared, (switches, how), depth + 1)?;
                 spares.push((d, s.clone()));
             }
             let device = open_array(name, spec, expect, (present, spares), how).map_err(named)?;
@@ -948,6 +1022,18 @@ impl StackFile {
                     )
                     .map_err(named)?,
                 )
+            }
+            DeviceSpec::Throttle { group, limits, .. } => {
+                let throttle = match (group, limits) {
+                    (Some(g), _) => groups[g].clone(),
+                    (None, Some(l)) => Arc::new(crate::throttle::Throttle::new(*l)),
+                    (None, None) => return Err(err(format!("device '{name}': no limits"))),
+                };
+                Arc::new(WrapDevice::new(
+                    name,
+                    members[0].clone(),
+                    Arc::new(crate::wrap::ThrottlePolicy::new(throttle, group.clone())),
+                ))
             }
             DeviceSpec::Delay { delays, .. } => Arc::new(WrapDevice::new(
                 name,
