@@ -107,6 +107,13 @@ pub const COMMANDS: &[(&str, &str, &str)] = &[
          snapshot say, read-only with the bitmaps attached to it), remove NAME (clients \
          connected keep it until they end)",
     ),
+    (
+        "throttle",
+        "throttle ACTION ...",
+        "throttle devices: list [--json] (limits, requests let through and delayed, \
+         waiting now, rates since the last look), set DEVICE KEY=VALUE... (a live change of \
+         its limits, its group's for a group; 0 takes a limit away)",
+    ),
     ("help", "help", "this list"),
 ];
 
@@ -681,6 +688,10 @@ fn command(line: &str, view: &View) -> String {
         Some("bitmap") => {
             let args: Vec<&str> = words.collect();
             crate::bitmaps::command(&args, roots)
+        }
+        Some("throttle") => {
+            let args: Vec<&str> = words.collect();
+            crate::throttle::command(&args, roots)
         }
         Some("checkpoint") => {
             let args: Vec<&str> = words.collect();

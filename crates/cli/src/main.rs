@@ -15,6 +15,7 @@ mod serve;
 mod settings;
 mod stackfile;
 mod stat;
+mod throttle;
 mod view;
 
 use std::process::ExitCode;

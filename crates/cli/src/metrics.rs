@@ -347,6 +347,7 @@ fn families(view: &View) -> Vec<MetricFamily> {
     }
     let thin = thin_families(&view.roots());
     let bitmaps = bitmap_families(&view.roots());
+    let throttles = throttle_families(&view.roots());
     let mut out = vec![
         requests,
         bytes,
@@ -368,6 +369,7 @@ fn families(view: &View) -> Vec<MetricFamily> {
     ];
     out.extend(thin);
     out.extend(bitmaps);
+    out.extend(throttles);
     if let Some(o) = view.observer() {
         let conns = o.connections();
         let mut open = family(
@@ -494,6 +496,39 @@ fn bitmap_families(roots: &[Arc<dyn cairn_core::Device>]) -> Vec<MetricFamily> {
         }
     }
     vec![dirty, bad]
+}
+
+/// Throttle devices: what they let through, delayed, and hold now.
+fn throttle_families(roots: &[Arc<dyn cairn_core::Device>]) -> Vec<MetricFamily> {
+    let mut requests = family(
+        "cairn_throttle_requests_total",
+        "Requests a throttle device let through (flushes not counted).",
+        MetricType::COUNTER,
+    );
+    let mut bytes = family(
+        "cairn_throttle_bytes_total",
+        "Bytes of the requests a throttle device let through.",
+        MetricType::COUNTER,
+    );
+    let mut delayed = family(
+        "cairn_throttle_delayed_total",
+        "Requests a throttle device made wait for its limits.",
+        MetricType::COUNTER,
+    );
+    let mut waiting = family(
+        "cairn_throttle_waiting_requests",
+        "Requests waiting at a throttle device now.",
+        MetricType::GAUGE,
+    );
+    for (name, d) in crate::throttle::throttles(roots) {
+        let c = crate::throttle::policy_of(&d).expect("a throttle").counts();
+        let l = [("device", name.as_str())];
+        requests.mut_metric().push(counter(&l, c.requests as f64));
+        bytes.mut_metric().push(counter(&l, c.bytes as f64));
+        delayed.mut_metric().push(counter(&l, c.delayed as f64));
+        waiting.mut_metric().push(gauge(&l, c.waiting as f64));
+    }
+    vec![requests, bytes, delayed, waiting]
 }
 
 /// One scrape's text.

@@ -37,6 +37,14 @@ pub trait Policy: Send + Sync {
     fn describe(&self) -> String;
     /// The decision for `io`, at `now_ns`, with a per-queue random number `random`.
     fn decide(&self, io: &Io, now_ns: u64, random: u64) -> Decision;
+
+    /// A request it delayed goes to the base now.
+    fn released(&self, _io: &Io) {}
+
+    /// The policy as `Any`, for the admin (a throttle's view and live changes).
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
 }
 
 /// Latency added per operation (discard and write-zeroes count as writes), and
@@ -157,17 +165,52 @@ impl Policy for Delay {
 pub struct ThrottlePolicy {
     throttle: Arc<crate::throttle::Throttle>,
     group: Option<String>,
+    /// Requests and bytes let through, requests delayed, requests waiting now.
+    counts: [AtomicU64; 4],
+}
+
+/// What a throttle device let through (see [`ThrottlePolicy::counts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ThrottleCounts {
+    /// Requests let through (flushes not counted).
+    pub requests: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Of the requests, those that waited.
+    pub delayed: u64,
+    /// Requests waiting now.
+    pub waiting: u64,
 }
 
 impl ThrottlePolicy {
     /// Requests pass `throttle`, shared with the group `group` names.
     pub fn new(throttle: Arc<crate::throttle::Throttle>, group: Option<String>) -> ThrottlePolicy {
-        ThrottlePolicy { throttle, group }
+        ThrottlePolicy {
+            throttle,
+            group,
+            counts: Default::default(),
+        }
     }
 
     /// Its throttle.
     pub fn throttle(&self) -> &Arc<crate::throttle::Throttle> {
         &self.throttle
+    }
+
+    /// Its group, if it is in one.
+    pub fn group(&self) -> Option<&str> {
+        self.group.as_deref()
+    }
+
+    /// What it let through so far.
+    pub fn counts(&self) -> ThrottleCounts {
+        let [requests, bytes, delayed, waiting] = &self.counts;
+        ThrottleCounts {
+            requests: requests.load(Relaxed),
+            bytes: bytes.load(Relaxed),
+            delayed: delayed.load(Relaxed),
+            waiting: waiting.load(Relaxed),
+        }
     }
 }
 
@@ -190,11 +233,25 @@ impl Policy for ThrottlePolicy {
             _ => crate::throttle::Dir::Write,
         };
         let start = self.throttle.reserve(now_ns, dir, io.len);
+        // The throttle's buckets are shared by every reactor anyway: counting here too
+        // costs a shared line's update per request, the price of a shared limit.
+        self.counts[0].fetch_add(1, Relaxed);
+        self.counts[1].fetch_add(io.len, Relaxed);
         if start <= now_ns {
             Decision::Forward
         } else {
+            self.counts[2].fetch_add(1, Relaxed);
+            self.counts[3].fetch_add(1, Relaxed);
             Decision::Delay(start - now_ns)
         }
+    }
+
+    fn released(&self, _io: &Io) {
+        self.counts[3].fetch_sub(1, Relaxed);
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
     }
 }
 
@@ -343,6 +400,13 @@ impl WrapDevice {
     }
 }
 
+impl WrapDevice {
+    /// Its policy.
+    pub fn policy(&self) -> &Arc<dyn Policy> {
+        &self.policy
+    }
+}
+
 impl Device for WrapDevice {
     fn name(&self) -> &str {
         &self.name
@@ -384,6 +448,10 @@ impl Device for WrapDevice {
 
     fn children(&self) -> Vec<Arc<dyn Device>> {
         vec![self.base.clone()]
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
     }
 
     fn lost_writes(&self) -> cairn_core::LostWrites {
@@ -473,6 +541,7 @@ impl Sink for WrapQueue {
         let index = (token & !TIMER) as u32;
         if token & TIMER != 0 {
             let io = self.requests.borrow().get(index).0;
+            self.policy.released(&io);
             self.forward(index, io);
             return;
         }

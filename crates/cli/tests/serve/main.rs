@@ -836,6 +836,11 @@ mod nbdinfo;
 mod backup;
 
 // ---------------------------------------------------------------------------------------
+// Rate limits
+
+mod throttle;
+
+// ---------------------------------------------------------------------------------------
 // Copying and checking data with nbdcopy, qemu-img, qemu-io and fio
 
 mod clients;

@@ -157,16 +157,18 @@ impl Keys<'_> {
     }
 
     /// A `thin-pool` device's keys.
-    /// A `throttle` device: its base, its group, and the limits it gives (none: those of
-    /// its group, given by another device of the group).
-    fn throttle(&self) -> Result<DeviceSpec, Error> {
+    /// The limits of a throttle's table, and which of the six it names. `live`: a
+    /// change to a running throttle, where 0 takes a limit away.
+    fn limits(&self, live: bool) -> Result<(crate::throttle::Limits, [bool; 6]), Error> {
         use crate::throttle::{Limits, Rate};
-        let group = match self.string("group")? {
-            Some(g) => {
-                super::graph::check_name("group", g)?;
-                Some(g.to_string())
-            }
-            None => None,
+        let named = |key: &str| {
+            [
+                key.to_string(),
+                format!("{key}_max"),
+                format!("{key}_max_length"),
+            ]
+            .iter()
+            .any(|k| self.table.contains_key(k))
         };
         let rate = |key: &str, bytes: bool| -> Result<Rate, Error> {
             let value = |k: &str| -> Result<u64, Error> {
@@ -176,6 +178,7 @@ impl Keys<'_> {
                     self.integer(k)?
                 };
                 match v {
+                    Some(0) if live && k == key => Ok(0),
                     Some(0) => Err(self.bad(k, "is 0: leave the key out for no limit")),
                     Some(v) => Ok(v),
                     None => Ok(0),
@@ -203,6 +206,29 @@ impl Keys<'_> {
             bps_read: rate("bps_read", true)?,
             bps_write: rate("bps_write", true)?,
         };
+        let keys = [
+            "iops",
+            "iops_read",
+            "iops_write",
+            "bps",
+            "bps_read",
+            "bps_write",
+        ];
+        Ok((limits, keys.map(named)))
+    }
+
+    /// A `throttle` device: its base, its group, and the limits it gives (none: those of
+    /// its group, given by another device of the group).
+    fn throttle(&self) -> Result<DeviceSpec, Error> {
+        use crate::throttle::Limits;
+        let group = match self.string("group")? {
+            Some(g) => {
+                super::graph::check_name("group", g)?;
+                Some(g.to_string())
+            }
+            None => None,
+        };
+        let limits = self.limits(false)?.0;
         let given = limits != Limits::default();
         if given {
             limits
@@ -724,6 +750,52 @@ const THROTTLE_KEYS: [&str; 20] = [
     "bps_write_max",
     "bps_write_max_length",
 ];
+
+/// A live change of throttle `device`'s `limits`: `words` as `KEY=VALUE` (the stack
+/// file's keys; 0 takes a limit away). Returns the limits after it; the six not named
+/// stay as they are.
+pub(super) fn change_limits(
+    device: &str,
+    limits: crate::throttle::Limits,
+    words: &[&str],
+) -> Result<crate::throttle::Limits, Error> {
+    let mut table = Table::new();
+    for w in words {
+        let Some((k, v)) = w.split_once('=') else {
+            return Err(err(format!("'{}' is not KEY=VALUE", shown(w))));
+        };
+        let value = match v.parse::<i64>() {
+            Ok(n) => Value::Integer(n),
+            Err(_) => Value::String(v.to_string()),
+        };
+        table.insert(k.to_string(), value);
+    }
+    let keys = Keys {
+        device,
+        kind: "throttle",
+        table: &table,
+        known: &THROTTLE_KEYS[2..],
+    };
+    keys.check_unknown()?;
+    let (given, named) = keys.limits(true)?;
+    let mut now = limits;
+    let slots = [
+        (&mut now.iops, given.iops),
+        (&mut now.iops_read, given.iops_read),
+        (&mut now.iops_write, given.iops_write),
+        (&mut now.bps, given.bps),
+        (&mut now.bps_read, given.bps_read),
+        (&mut now.bps_write, given.bps_write),
+    ];
+    for ((slot, new), named) in slots.into_iter().zip(named) {
+        if named {
+            *slot = new;
+        }
+    }
+    now.check()
+        .map_err(|e| err(format!("device '{device}': {e}")))?;
+    Ok(now)
+}
 
 pub(super) fn parse_device(
     name: &str,

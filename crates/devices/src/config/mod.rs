@@ -420,6 +420,16 @@ type Shared<'a> = (
     &'a HashMap<String, Arc<crate::throttle::Throttle>>,
 );
 
+/// Throttle `device`'s `limits` changed by `words` (`KEY=VALUE`, the stack file's keys;
+/// 0 takes a limit away), or why not.
+pub fn change_limits(
+    device: &str,
+    limits: crate::throttle::Limits,
+    words: &[&str],
+) -> Result<crate::throttle::Limits, Error> {
+    keys::change_limits(device, limits, words)
+}
+
 /// Whether `name` may name an export (as in an `[export.NAME]` table).
 pub fn check_export_name(name: &str) -> Result<(), Error> {
     graph::check_name("export", name)

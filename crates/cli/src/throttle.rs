@@ -1,0 +1,135 @@
+//! `cairn admin SOCKET throttle ...`: each throttle's limits, what it let through and
+//! what waits, and live changes of its limits.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use cairn_core::Device;
+use cairn_devices::wrap::{ThrottleCounts, ThrottlePolicy, WrapDevice};
+
+use crate::view::all_devices;
+
+const USAGE: &str = "usage: throttle list [--json] | set DEVICE KEY=VALUE... (iops, iops_read, iops_write, bps, bps_read, bps_write, each with _max and _max_length; 0 takes a limit away)";
+
+/// The throttle devices served, with their policies.
+pub(crate) fn throttles(roots: &[Arc<dyn Device>]) -> Vec<(String, Arc<dyn Device>)> {
+    all_devices(roots)
+        .into_iter()
+        .filter(|(_, d)| policy_of(d).is_some())
+        .map(|(_, d)| (d.name().to_string(), d))
+        .collect()
+}
+
+/// The throttle policy of device `d`, if it is a throttle.
+pub(crate) fn policy_of(d: &Arc<dyn Device>) -> Option<&ThrottlePolicy> {
+    d.as_any()?
+        .downcast_ref::<WrapDevice>()?
+        .policy()
+        .as_any()?
+        .downcast_ref::<ThrottlePolicy>()
+}
+
+/// What each device counted at the last `throttle list`, for the rates since.
+static LAST: Mutex<Vec<(String, Instant, ThrottleCounts)>> = Mutex::new(Vec::new());
+
+/// Requests and bytes a second for `name` since the last look (`None` at the first).
+fn rates(name: &str, now: ThrottleCounts) -> Option<(f64, f64)> {
+    let mut last = LAST.lock().unwrap_or_else(|p| p.into_inner());
+    let at = Instant::now();
+    let before = last
+        .iter()
+        .position(|(n, _, _)| n == name)
+        .map(|i| last.remove(i));
+    last.push((name.to_string(), at, now));
+    let (_, since, before) = before?;
+    let secs = at.duration_since(since).as_secs_f64().max(1e-3);
+    Some((
+        now.requests.saturating_sub(before.requests) as f64 / secs,
+        now.bytes.saturating_sub(before.bytes) as f64 / secs,
+    ))
+}
+
+/// `throttle ACTION ...`.
+pub(crate) fn command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
+    let all = throttles(roots);
+    match args {
+        ["list"] | ["list", "--json"] => {
+            let json = args.len() == 2;
+            let mut text = String::new();
+            let mut items = Vec::new();
+            for (name, d) in &all {
+                let p = policy_of(d).expect("a throttle");
+                let c = p.counts();
+                let rate = rates(name, c);
+                let limits = p.throttle().limits();
+                text +=
+                    &format!(
+                    "{name}{}: {limits}; {} requests ({} waited), {} through; {} waiting now{}\n",
+                    p.group().map(|g| format!(" (group {g})")).unwrap_or_default(),
+                    c.requests,
+                    c.delayed,
+                    cairn_core::size::format_bytes(c.bytes),
+                    c.waiting,
+                    match rate {
+                        Some((r, b)) => format!(
+                            "; since the last look {r:.0} requests/s, {}/s",
+                            cairn_core::size::format_bytes(b as u64)
+                        ),
+                        None => String::new(),
+                    },
+                );
+                items.push(serde_json::json!({
+                    "device": name,
+                    "group": p.group(),
+                    "limits": limits_json(&limits),
+                    "requests": c.requests,
+                    "bytes": c.bytes,
+                    "delayed": c.delayed,
+                    "waiting": c.waiting,
+                    "since_last_look": rate.map(|(r, b)| serde_json::json!({
+                        "requests_per_s": r,
+                        "bytes_per_s": b,
+                    })),
+                }));
+            }
+            if json {
+                format!("ok\n{}\n", serde_json::Value::from(items))
+            } else if text.is_empty() {
+                "ok\nno throttles\n".into()
+            } else {
+                format!("ok\n{text}")
+            }
+        }
+        ["set", device, words @ ..] if !words.is_empty() => {
+            let Some((_, d)) = all.iter().find(|(n, _)| n == device) else {
+                return format!("error: no throttle device '{device}' is served\n");
+            };
+            let p = policy_of(d).expect("a throttle");
+            match cairn_devices::config::change_limits(device, p.throttle().limits(), words) {
+                Ok(limits) => {
+                    p.throttle().set(limits);
+                    let shared = match p.group() {
+                        Some(g) => format!(" (group {g}: every device of it)"),
+                        None => String::new(),
+                    };
+                    log::info!("cairn: admin: throttle {device}{shared}: now {limits}");
+                    format!("ok: throttle {device}{shared}: now {limits}\n")
+                }
+                Err(e) => format!("error: {e}\n"),
+            }
+        }
+        _ => format!("error: {USAGE}\n"),
+    }
+}
+
+fn limits_json(l: &cairn_devices::throttle::Limits) -> serde_json::Value {
+    let r = |r: cairn_devices::throttle::Rate| serde_json::json!({ "avg": r.avg, "max": r.max, "max_length": r.max_length });
+    serde_json::json!({
+        "iops": r(l.iops),
+        "iops_read": r(l.iops_read),
+        "iops_write": r(l.iops_write),
+        "bps": r(l.bps),
+        "bps_read": r(l.bps_read),
+        "bps_write": r(l.bps_write),
+    })
+}
