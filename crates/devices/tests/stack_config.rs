@@ -191,6 +191,42 @@ mod parses {
     }
 
     #[test]
+    fn exports_with_limits_go_through_a_throttle_of_their_own() {
+        let text = format!(
+            "{}[export.a]\ndevice = \"d0\"\niops = 500\ngroup = \"tenants\"\n\
+             [export.b]\ndevice = \"d0\"\ngroup = \"tenants\"\n[export.c]\ndevice = \"d0\"\n",
+            mem("d0")
+        );
+        let file = StackFile::parse(&text).unwrap();
+        assert_eq!(file.exports["a"].device, "export:a");
+        assert_eq!(file.exports["b"].device, "export:b");
+        assert_eq!(file.exports["c"].device, "d0");
+        let DeviceSpec::Throttle {
+            base,
+            group,
+            limits,
+        } = &file.devices["export:a"]
+        else {
+            panic!("{:?}", file.devices)
+        };
+        assert_eq!((base.as_str(), group.as_deref()), ("d0", Some("tenants")));
+        assert_eq!(limits.unwrap().iops.avg, 500);
+        let a = file.open("export:a").unwrap();
+        assert!(a.describe().contains("iops 500/s"), "{}", a.describe());
+        // Bad limits name the export.
+        let m = parse_err(&format!(
+            "{}[export.a]\ndevice = \"d0\"\nbps = 0\n",
+            mem("d0")
+        ));
+        assert!(m.contains("export 'a'") && m.contains("'bps'"), "{m}");
+        let m = parse_err(&format!(
+            "{}[device.\"export:a\"]\ntype = \"mem\"\nsize = \"1M\"\n[export.a]\ndevice = \"d0\"\niops = 5\n",
+            mem("d0")
+        ));
+        assert!(m.contains("taken"), "{m}");
+    }
+
+    #[test]
     fn a_bad_throttle_names_the_key_or_the_group() {
         for (keys, key) in [
             ("iops = 0", "iops"),

@@ -74,6 +74,17 @@ pub(super) fn check(devices: &BTreeMap<String, DeviceSpec>) -> Result<(), Error>
                     "device '{name}': key '{key}' names thin volume '{m}'; a pool's data and metadata are not thin volumes"
                 )));
             }
+            let throttle = |d: &DeviceSpec| matches!(d, DeviceSpec::Throttle { .. });
+            if throttle(spec)
+                && used_by
+                    .get(m.as_str())
+                    .is_none_or(|o| throttle(&devices[*o]))
+            {
+                // Throttles pass requests through unchanged: several may share a device
+                // (each export with limits has one).
+                used_by.entry(m).or_insert(name);
+                continue;
+            }
             if let Some(other) = used_by.insert(m, name) {
                 let other_key = devices[other]
                     .uses()

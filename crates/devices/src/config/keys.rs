@@ -31,10 +31,17 @@ const EXPORT_KEYS: [&str; 6] = [
 /// Parses one `[export.NAME]` table.
 pub(super) fn parse_export(name: &str, table: &Table) -> Result<ExportSpec, Error> {
     let bad = |key: &str, what: &str| err(format!("export '{name}': key '{key}' {what}"));
-    for key in table.keys() {
+    // Limits and a group (a throttle's keys) limit the export.
+    let mut limited = Table::new();
+    for (k, v) in table {
+        if THROTTLE_KEYS[1..].contains(&k.as_str()) {
+            limited.insert(k.clone(), v.clone());
+        }
+    }
+    for key in table.keys().filter(|k| !limited.contains_key(*k)) {
         if !EXPORT_KEYS.contains(&key.as_str()) {
             return Err(err(format!(
-                "export '{name}': unknown key '{}' (known: {})",
+                "export '{name}': unknown key '{}' (known: {}, and a throttle's limits and group)",
                 shown(key),
                 EXPORT_KEYS.join(", ")
             )));
@@ -73,7 +80,24 @@ pub(super) fn parse_export(name: &str, table: &Table) -> Result<ExportSpec, Erro
             ))
         }
     };
+    let throttle = if limited.is_empty() {
+        None
+    } else {
+        limited.insert("base".into(), Value::String(device.clone()));
+        let keys = Keys {
+            device: name,
+            noun: "export",
+            kind: "throttle",
+            table: &limited,
+            known: &THROTTLE_KEYS,
+        };
+        match keys.throttle()? {
+            DeviceSpec::Throttle { group, limits, .. } => Some((group, limits)),
+            _ => None,
+        }
+    };
     Ok(ExportSpec {
+        throttle,
         device,
         read_only: flag("read_only")?,
         description,
@@ -86,6 +110,8 @@ pub(super) fn parse_export(name: &str, table: &Table) -> Result<ExportSpec, Erro
 /// Reads the typed keys of one device table and refuses the rest.
 struct Keys<'a> {
     device: &'a str,
+    /// What `device` names: "device", or "export" (an export's limits).
+    noun: &'static str,
     kind: &'a str,
     table: &'a Table,
     known: &'static [&'static str],
@@ -96,7 +122,8 @@ impl Keys<'_> {
         for key in self.table.keys() {
             if key != "type" && !self.known.contains(&key.as_str()) {
                 return Err(err(format!(
-                    "device '{}': unknown key '{}' for type {} (known: {})",
+                    "{} '{}': unknown key '{}' for type {} (known: {})",
+                    self.noun,
                     self.device,
                     shown(key),
                     self.kind,
@@ -195,7 +222,7 @@ impl Keys<'_> {
                 },
             };
             r.check(key)
-                .map_err(|e| err(format!("device '{}': {e}", self.device)))?;
+                .map_err(|e| err(format!("{} '{}': {e}", self.noun, self.device)))?;
             Ok(r)
         };
         let limits = Limits {
@@ -233,11 +260,11 @@ impl Keys<'_> {
         if given {
             limits
                 .check()
-                .map_err(|e| err(format!("device '{}': {e}", self.device)))?;
+                .map_err(|e| err(format!("{} '{}': {e}", self.noun, self.device)))?;
         } else if group.is_none() {
             return Err(err(format!(
-                "device '{}': a throttle needs a limit (iops, iops_read, iops_write, bps, bps_read, bps_write) or a group that has them",
-                self.device
+                "{} '{}': a throttle needs a limit (iops, iops_read, iops_write, bps, bps_read, bps_write) or a group that has them",
+                self.noun, self.device
             )));
         }
         Ok(DeviceSpec::Throttle {
@@ -286,7 +313,10 @@ impl Keys<'_> {
     }
 
     fn bad(&self, key: &str, what: &str) -> Error {
-        err(format!("device '{}': key '{key}' {what}", self.device))
+        err(format!(
+            "{} '{}': key '{key}' {what}",
+            self.noun, self.device
+        ))
     }
 
     /// The value of `key` as written (TOML syntax, cut short), for messages.
@@ -772,6 +802,7 @@ pub(super) fn change_limits(
     }
     let keys = Keys {
         device,
+        noun: "device",
         kind: "throttle",
         table: &table,
         known: &THROTTLE_KEYS[2..],
@@ -887,6 +918,7 @@ pub(super) fn parse_device(
     };
     let keys = Keys {
         device: name,
+        noun: "device",
         kind,
         table,
         known,

@@ -455,6 +455,9 @@ pub struct ExportSpec {
     /// Requests not aligned to the device's blocks are refused (EINVAL) even from NBD
     /// clients that did not ask for block sizes, instead of served by read-modify-write.
     pub strict_alignment: bool,
+    /// The export's limits and throttle group, if it has any (served through a throttle
+    /// device named `export:NAME`, which parse adds and points `device` at).
+    pub throttle: Option<(Option<String>, Option<crate::throttle::Limits>)>,
 }
 
 /// A parsed stack file.
@@ -604,9 +607,12 @@ impl StackFile {
             writeback,
             bitmaps,
         };
+        let mut file = file;
+        graph::check(&file.devices)?;
+        file.check_exports()?;
+        file.add_export_throttles()?;
         graph::check(&file.devices)?;
         file.check_throttle_groups()?;
-        file.check_exports()?;
         file.check_cache_memory(memory_bytes)?;
         Ok(file)
     }
@@ -871,6 +877,32 @@ impl StackFile {
             .iter()
             .map(|name| self.open_rec(name, &mut opened, (&budget, &groups), (switches, how), 1))
             .collect()
+    }
+
+    /// An export with limits is served through a throttle device of its own,
+    /// `export:NAME`, over the device it names.
+    fn add_export_throttles(&mut self) -> Result<(), Error> {
+        for (name, e) in self.exports.iter_mut() {
+            let Some((group, limits)) = e.throttle.clone() else {
+                continue;
+            };
+            let device = format!("export:{}", if name.is_empty() { "default" } else { name });
+            if self.devices.contains_key(&device) {
+                return Err(err(format!(
+                    "export '{name}' has limits, served through a device named '{device}': that name is taken"
+                )));
+            }
+            self.devices.insert(
+                device.clone(),
+                DeviceSpec::Throttle {
+                    base: e.device.clone(),
+                    group,
+                    limits,
+                },
+            );
+            e.device = device;
+        }
+        Ok(())
     }
 
     /// Each throttle group's throttle, with the limits its devices give.
