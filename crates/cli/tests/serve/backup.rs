@@ -276,12 +276,7 @@ fn checkpoints_give_an_incremental_backup_that_restores_the_snapshot() {
         .expect("c2 in status");
     assert_eq!(c2["read_only"], true, "{status:#}");
     assert!(exports.iter().any(|e| e["name"] == "vm"), "{status:#}");
-    let log = srv.stderr();
-    let url = log
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap_or_else(|| panic!("no metrics URL in the log:\n{log}"));
-    let metrics = super::observe::scrape(&python, url);
+    let metrics = super::observe::scrape(&python, &super::observe::metrics_url(&srv));
     assert!(
         metrics.contains("cairn_bitmap_dirty_bytes{device=\"vm\",bitmap=\"c2\"} 65536"),
         "{metrics}"

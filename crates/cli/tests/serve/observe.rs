@@ -73,6 +73,15 @@ fn sample(scrape: &str, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// The metrics URL a server started with `--metrics tcp:127.0.0.1:0` logged.
+pub(super) fn metrics_url(srv: &Server) -> String {
+    let log = srv.stderr();
+    log.split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .unwrap_or_else(|| panic!("no metrics URL in the log:\n{log}"))
+        .to_string()
+}
+
 pub(super) fn scrape(py: &Path, url: &str) -> String {
     let out = run(Command::new(py).args([
             "-c",
@@ -114,12 +123,7 @@ fn status_stats_stat_and_metrics_count_what_the_clients_did() {
             "tcp:127.0.0.1:0",
         ],
     );
-    let log = srv.stderr();
-    let url = log
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap_or_else(|| panic!("no metrics URL in the log:\n{log}"))
-        .to_string();
+    let url = metrics_url(&srv);
     let (mut a, mut b) = (client(&py, &srv, "A"), client(&py, &srv, "B"));
     done(&mut a);
     done(&mut b);

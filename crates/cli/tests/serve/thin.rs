@@ -244,12 +244,7 @@ fn kill_9_after_snapshots_with_writes_in_flight_keeps_every_flushed_write_and_sn
         .expect("s1 in status");
     assert_eq!(s1["mapped_bytes"], 16 << 20, "{status:#}");
     assert_eq!(s1["read_only"], true);
-    let log = srv.stderr();
-    let url = log
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap_or_else(|| panic!("no metrics URL in the log:\n{log}"));
-    let metrics = super::observe::scrape(&python, url);
+    let metrics = super::observe::scrape(&python, &super::observe::metrics_url(&srv));
     assert!(
         metrics.contains("cairn_thin_volume_mapped_bytes{pool=\"pool\",volume=\"s1\"} 16777216"),
         "{metrics}"

@@ -102,12 +102,7 @@ fn a_throttle_delays_what_is_over_its_limit_and_changes_live() {
         text.contains("t (group g): iops 5000/s, bps_read 64MiB/s"),
         "{text}"
     );
-    let log = srv.stderr();
-    let url = log
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap_or_else(|| panic!("no metrics URL in the log:\n{log}"));
-    let metrics = super::observe::scrape(&python, url);
+    let metrics = super::observe::scrape(&python, &super::observe::metrics_url(&srv));
     assert!(
         metrics.contains("cairn_throttle_requests_total{device=\"t\"} 192"),
         "{metrics}"
