@@ -14,6 +14,7 @@
 pub mod array;
 pub mod cache;
 pub mod config;
+pub mod crypt;
 pub mod dirty;
 pub mod file;
 pub mod mem;

@@ -1,0 +1,331 @@
+//! LUKS version 1: the header cryptsetup and qemu write, the anti-forensic splitter and
+//! opening a key slot with a passphrase. Read from the LUKS1 on-disk format
+//! specification (1.2.3) and checked against images cryptsetup and qemu made.
+//!
+//! Integers are big-endian. The header holds the cipher (only `aes` with `xts-plain64` is
+//! taken), the hash of the key derivation (sha1, sha256, sha512), where the payload
+//! starts (in 512-byte sectors), the master key's length, a digest of the master key
+//! (PBKDF2 of it, 20 bytes) and eight key slots. A slot holds the master key split into
+//! `stripes` pieces (AF), ciphered with a key PBKDF2 derives from the passphrase, in
+//! 512-byte sectors whose IVs count from 0.
+
+use super::xts::{Secret, Xts};
+
+/// The magic of a LUKS header: `LUKS` 0xBA 0xBE.
+pub const MAGIC: [u8; 6] = *b"LUKS\xba\xbe";
+/// A slot in use.
+pub const SLOT_ACTIVE: u32 = 0x00AC_71F3;
+/// A slot not in use.
+pub const SLOT_DISABLED: u32 = 0x0000_DEAD;
+/// Bytes of the master key's digest.
+pub const DIGEST_BYTES: usize = 20;
+
+/// A hash the key derivation and the splitter use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hash {
+    /// SHA-1 (old cryptsetup's default).
+    Sha1,
+    /// SHA-256 (cryptsetup's and qemu's default).
+    Sha256,
+    /// SHA-512.
+    Sha512,
+}
+
+impl Hash {
+    /// From the header's hash spec.
+    pub fn parse(spec: &str) -> Option<Hash> {
+        match spec {
+            "sha1" => Some(Hash::Sha1),
+            "sha256" => Some(Hash::Sha256),
+            "sha512" => Some(Hash::Sha512),
+            _ => None,
+        }
+    }
+
+    fn len(self) -> usize {
+        match self {
+            Hash::Sha1 => 20,
+            Hash::Sha256 => 32,
+            Hash::Sha512 => 64,
+        }
+    }
+
+    fn digest(self, parts: &[&[u8]], out: &mut [u8]) {
+        use sha2::Digest;
+        fn run<D: Digest>(parts: &[&[u8]], out: &mut [u8]) {
+            let mut h = D::new();
+            for p in parts {
+                h.update(p);
+            }
+            let d = h.finalize();
+            let n = out.len().min(d.len());
+            out[..n].copy_from_slice(&d[..n]);
+        }
+        match self {
+            Hash::Sha1 => run::<sha1::Sha1>(parts, out),
+            Hash::Sha256 => run::<sha2::Sha256>(parts, out),
+            Hash::Sha512 => run::<sha2::Sha512>(parts, out),
+        }
+    }
+
+    /// PBKDF2 with HMAC of this hash.
+    pub fn pbkdf2(self, password: &[u8], salt: &[u8], rounds: u32, out: &mut [u8]) {
+        match self {
+            Hash::Sha1 => pbkdf2::pbkdf2_hmac::<sha1::Sha1>(password, salt, rounds, out),
+            Hash::Sha256 => pbkdf2::pbkdf2_hmac::<sha2::Sha256>(password, salt, rounds, out),
+            Hash::Sha512 => pbkdf2::pbkdf2_hmac::<sha2::Sha512>(password, salt, rounds, out),
+        }
+    }
+}
+
+/// Reads bytes at an offset of the device holding the header.
+pub type ReadAt<'a> = dyn FnMut(u64, &mut [u8]) -> Result<(), String> + 'a;
+
+/// One key slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Slot {
+    /// In use.
+    pub active: bool,
+    /// PBKDF2 iterations of the passphrase.
+    pub iterations: u32,
+    /// PBKDF2 salt.
+    pub salt: [u8; 32],
+    /// Where its key material starts, in 512-byte sectors from the start of the device.
+    pub material_sector: u32,
+    /// AF stripes (4000).
+    pub stripes: u32,
+}
+
+/// A LUKS1 header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Header {
+    /// e.g. `aes`.
+    pub cipher_name: String,
+    /// e.g. `xts-plain64`.
+    pub cipher_mode: String,
+    /// The hash spec.
+    pub hash: Hash,
+    /// Where the payload starts, in 512-byte sectors.
+    pub payload_sector: u32,
+    /// Bytes of the master key.
+    pub key_bytes: u32,
+    /// PBKDF2 of the master key.
+    pub digest: [u8; DIGEST_BYTES],
+    /// Its salt.
+    pub digest_salt: [u8; 32],
+    /// Its iterations.
+    pub digest_iterations: u32,
+    /// The UUID, as text.
+    pub uuid: String,
+    /// The eight slots.
+    pub slots: [Slot; 8],
+}
+
+fn be32(b: &[u8], at: usize) -> u32 {
+    u32::from_be_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+fn text(b: &[u8]) -> Result<String, String> {
+    let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
+    std::str::from_utf8(&b[..end])
+        .map(str::to_string)
+        .map_err(|_| "a header string is not text".to_string())
+}
+
+/// Bytes a LUKS1 header takes.
+pub const HEADER_BYTES: usize = 592;
+
+impl Header {
+    /// The header at the start of `b` (at least [`HEADER_BYTES`]), or why it is not one
+    /// cairn can open.
+    pub fn decode(b: &[u8]) -> Result<Header, String> {
+        if b.len() < HEADER_BYTES || b[..6] != MAGIC {
+            return Err("no LUKS header (bad magic)".into());
+        }
+        let version = u16::from_be_bytes([b[6], b[7]]);
+        if version != 1 {
+            return Err(format!("LUKS version {version}, not 1"));
+        }
+        let spec = text(&b[72..104])?;
+        let hash = Hash::parse(&spec)
+            .ok_or_else(|| format!("hash '{spec}' is not supported (sha1, sha256, sha512 are)"))?;
+        let mut slots = Vec::with_capacity(8);
+        for i in 0..8 {
+            let s = &b[208 + 48 * i..208 + 48 * (i + 1)];
+            let state = be32(s, 0);
+            if state != SLOT_ACTIVE && state != SLOT_DISABLED {
+                return Err(format!(
+                    "key slot {i}: state {state:#x} is neither active nor disabled"
+                ));
+            }
+            slots.push(Slot {
+                active: state == SLOT_ACTIVE,
+                iterations: be32(s, 4),
+                salt: s[8..40].try_into().expect("32 bytes"),
+                material_sector: be32(s, 40),
+                stripes: be32(s, 44),
+            });
+        }
+        let h = Header {
+            cipher_name: text(&b[8..40])?,
+            cipher_mode: text(&b[40..72])?,
+            hash,
+            payload_sector: be32(b, 104),
+            key_bytes: be32(b, 108),
+            digest: b[112..132].try_into().expect("20 bytes"),
+            digest_salt: b[132..164].try_into().expect("32 bytes"),
+            digest_iterations: be32(b, 164),
+            uuid: text(&b[168..208])?,
+            slots: slots.try_into().expect("8 slots"),
+        };
+        if h.cipher_name != "aes" || h.cipher_mode != "xts-plain64" {
+            return Err(format!(
+                "cipher {}-{} is not supported (aes-xts-plain64 is)",
+                h.cipher_name, h.cipher_mode
+            ));
+        }
+        if !super::xts::KEY_BYTES.contains(&(h.key_bytes as usize)) {
+            return Err(format!(
+                "a master key of {} bytes (32 or 64 are)",
+                h.key_bytes
+            ));
+        }
+        for (i, s) in h.slots.iter().enumerate().filter(|(_, s)| s.active) {
+            if s.stripes == 0 || s.stripes > 65536 || s.iterations == 0 {
+                return Err(format!("key slot {i}: stripes or iterations out of range"));
+            }
+            if u64::from(s.material_sector) + material_sectors(h.key_bytes, s.stripes)
+                > u64::from(h.payload_sector)
+            {
+                return Err(format!(
+                    "key slot {i}: its key material runs into the payload"
+                ));
+            }
+        }
+        Ok(h)
+    }
+
+    /// Opens the header's first active slot `passphrase` unlocks, reading key material
+    /// with `read(offset, buf)`; returns the slot and the master key.
+    pub fn unlock(
+        &self,
+        passphrase: &[u8],
+        read: &mut ReadAt<'_>,
+    ) -> Result<(usize, Secret), String> {
+        for (i, s) in self.slots.iter().enumerate().filter(|(_, s)| s.active) {
+            let mut key = Secret(vec![0u8; self.key_bytes as usize]);
+            self.hash
+                .pbkdf2(passphrase, &s.salt, s.iterations, &mut key.0);
+            let bytes = material_sectors(self.key_bytes, s.stripes) as usize * 512;
+            let mut material = Secret(vec![0u8; bytes]);
+            read(u64::from(s.material_sector) * 512, &mut material.0)?;
+            Xts::new(&key.0)?.run(&mut material.0, 512, 0, false);
+            let used = self.key_bytes as usize * s.stripes as usize;
+            let mk = af_merge(&material.0[..used], self.key_bytes as usize, self.hash);
+            if self.check(&mk.0) {
+                return Ok((i, mk));
+            }
+        }
+        Err("no key slot opens with this passphrase".into())
+    }
+
+    /// Whether `mk` is the master key the digest describes.
+    pub fn check(&self, mk: &[u8]) -> bool {
+        let mut d = [0u8; DIGEST_BYTES];
+        self.hash
+            .pbkdf2(mk, &self.digest_salt, self.digest_iterations, &mut d);
+        d == self.digest
+    }
+}
+
+/// 512-byte sectors of a slot's key material.
+fn material_sectors(key_bytes: u32, stripes: u32) -> u64 {
+    (u64::from(key_bytes) * u64::from(stripes)).div_ceil(512)
+}
+
+/// The splitter's diffusion: each hash-sized piece of `d` hashed after its index (a
+/// big-endian u32); the last, shorter piece cut to its length.
+fn diffuse(d: &mut [u8], hash: Hash) {
+    let n = hash.len();
+    let mut out = vec![0u8; d.len()];
+    for (i, (piece, o)) in d.chunks(n).zip(out.chunks_mut(n)).enumerate() {
+        hash.digest(&[&(i as u32).to_be_bytes(), piece], o);
+    }
+    d.copy_from_slice(&out);
+}
+
+/// The master key from its `stripes` split pieces (`material`, `len` bytes each).
+pub fn af_merge(material: &[u8], len: usize, hash: Hash) -> Secret {
+    let stripes = material.len() / len;
+    let mut d = Secret(vec![0u8; len]);
+    for s in material.chunks(len).take(stripes - 1) {
+        for (x, y) in d.0.iter_mut().zip(s) {
+            *x ^= y;
+        }
+        diffuse(&mut d.0, hash);
+    }
+    for (x, y) in d.0.iter_mut().zip(&material[(stripes - 1) * len..]) {
+        *x ^= y;
+    }
+    d
+}
+
+/// `key` split into `stripes` pieces, all but the last from `random` (which fills a
+/// buffer): [`af_merge`] gives `key` back.
+pub fn af_split(
+    key: &[u8],
+    stripes: usize,
+    hash: Hash,
+    random: &mut dyn FnMut(&mut [u8]),
+) -> Secret {
+    let len = key.len();
+    let mut out = Secret(vec![0u8; len * stripes]);
+    random(&mut out.0[..len * (stripes - 1)]);
+    let mut d = vec![0u8; len];
+    for s in out.0[..len * (stripes - 1)].chunks(len) {
+        for (x, y) in d.iter_mut().zip(s) {
+            *x ^= y;
+        }
+        diffuse(&mut d, hash);
+    }
+    for ((o, x), k) in out.0[len * (stripes - 1)..].iter_mut().zip(&d).zip(key) {
+        *o = x ^ k;
+    }
+    d.fill(0);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn af_merge_undoes_af_split() {
+        for hash in [Hash::Sha1, Hash::Sha256, Hash::Sha512] {
+            for len in [32, 64, 33] {
+                let key: Vec<u8> = (0..len as u8).collect();
+                let mut seed = 7u8;
+                let mut random = |b: &mut [u8]| {
+                    for x in b {
+                        seed = seed.wrapping_mul(31).wrapping_add(17);
+                        *x = seed;
+                    }
+                };
+                let split = af_split(&key, 40, hash, &mut random);
+                assert_eq!(af_merge(&split.0, len, hash).0, key);
+                let mut broken = split.0.clone();
+                broken[5] ^= 1;
+                assert_ne!(af_merge(&broken, len, hash).0, key);
+            }
+        }
+    }
+
+    #[test]
+    fn bad_headers_are_refused() {
+        assert!(Header::decode(&[0u8; 600]).unwrap_err().contains("magic"));
+        let mut b = vec![0u8; 600];
+        b[..6].copy_from_slice(&MAGIC);
+        b[7] = 2;
+        assert!(Header::decode(&b).unwrap_err().contains("version 2"));
+    }
+}
