@@ -67,28 +67,25 @@ impl Xts {
 
     /// Encrypts `sector` (a whole number of 16-byte blocks) in place, its IV `iv`.
     pub fn encrypt(&self, sector: &mut [u8], iv: u64) {
-        let (blocks, rest) = sector.as_chunks_mut::<16>();
-        debug_assert!(rest.is_empty(), "a sector of whole blocks");
-        let first = self.tweak(iv);
-        self.whiten(blocks, first);
-        let arrays = Array::cast_slice_from_core_mut(blocks);
-        match &self.pair {
-            Pair::Aes128(p) => p.0.encrypt_blocks(arrays),
-            Pair::Aes256(p) => p.0.encrypt_blocks(arrays),
-        }
-        self.whiten(blocks, first);
+        self.sector(sector, iv, true);
     }
 
     /// Decrypts `sector` in place, its IV `iv`.
     pub fn decrypt(&self, sector: &mut [u8], iv: u64) {
+        self.sector(sector, iv, false);
+    }
+
+    fn sector(&self, sector: &mut [u8], iv: u64, encrypt: bool) {
         let (blocks, rest) = sector.as_chunks_mut::<16>();
         debug_assert!(rest.is_empty(), "a sector of whole blocks");
         let first = self.tweak(iv);
         self.whiten(blocks, first);
         let arrays = Array::cast_slice_from_core_mut(blocks);
-        match &self.pair {
-            Pair::Aes128(p) => p.0.decrypt_blocks(arrays),
-            Pair::Aes256(p) => p.0.decrypt_blocks(arrays),
+        match (&self.pair, encrypt) {
+            (Pair::Aes128(p), true) => p.0.encrypt_blocks(arrays),
+            (Pair::Aes128(p), false) => p.0.decrypt_blocks(arrays),
+            (Pair::Aes256(p), true) => p.0.encrypt_blocks(arrays),
+            (Pair::Aes256(p), false) => p.0.decrypt_blocks(arrays),
         }
         self.whiten(blocks, first);
     }
@@ -98,11 +95,7 @@ impl Xts {
     /// size).
     pub fn run(&self, data: &mut [u8], sector: usize, mut iv: u64, encrypt: bool) {
         for s in data.chunks_mut(sector) {
-            if encrypt {
-                self.encrypt(s, iv);
-            } else {
-                self.decrypt(s, iv);
-            }
+            self.sector(s, iv, encrypt);
             iv += (sector / 512) as u64;
         }
     }

@@ -14,7 +14,8 @@ use cairn_core::{
     Core, Device, DirtyMap, Error, Extent, Geometry, Io, IoStatus, Queue, QueueStats,
 };
 
-use super::store::{Bitmap, Store};
+use super::bitmap::Bitmap;
+use super::store::Store;
 
 /// A queue's copy of the enabled bitmaps, as of a store generation.
 pub type Enabled = RefCell<(u64, Vec<Arc<Bitmap>>)>;

@@ -14,287 +14,34 @@
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use cairn_core::{DirtyMap, Error};
+use cairn_core::Error;
 
-use super::format::{self, Directory, Entry, CHECKPOINT, DISABLED, INCONSISTENT, PAGE, PENDING};
-
-/// Words per page.
-const PAGE_WORDS: usize = (PAGE / 8) as usize;
-
-/// Bits to set, as (word index, bits of that word).
-type Words = Vec<(usize, u64)>;
+use super::bitmap::{Bitmap, BitmapInfo, Reader, Words, PAGE_WORDS};
+use super::format::{self, Directory, Entry, INCONSISTENT, PAGE};
 
 /// The granularity of a checkpoint's first bitmap: 64 KiB per bit.
 pub const GRANULARITY: u64 = 64 << 10;
 
-/// One bitmap in memory.
-pub struct Bitmap {
-    name: String,
-    /// Empty, or the snapshot it is attached to; changed under the store's lock.
-    owner: Mutex<String>,
-    shift: u32,
-    bits: u64,
-    area: u64,
-    /// The bits on disk.
-    words: Box<[AtomicU64]>,
-    /// [`DISABLED`], [`INCONSISTENT`]; changed under the store's lock.
-    flags: AtomicU32,
-    /// NBD connections reading it.
-    readers: AtomicUsize,
-}
-
-impl Bitmap {
-    fn new(e: &Entry, bytes: &[u8]) -> Bitmap {
-        let words = (0..e.bits.div_ceil(64) as usize)
-            .map(|w| {
-                let mut v = [0u8; 8];
-                if let Some(b) = bytes.get(w * 8..w * 8 + 8) {
-                    v.copy_from_slice(b);
-                }
-                AtomicU64::new(u64::from_le_bytes(v))
-            })
-            .collect();
-        Bitmap {
-            name: e.name.clone(),
-            owner: Mutex::new(e.owner.clone()),
-            shift: e.shift,
-            bits: e.bits,
-            area: e.area,
-            words,
-            flags: AtomicU32::new(e.flags),
-            readers: AtomicUsize::new(0),
-        }
-    }
-
-    fn entry(&self) -> Entry {
-        Entry {
-            name: self.name.clone(),
-            owner: self.owner(),
-            shift: self.shift,
-            bits: self.bits,
-            flags: self.flags.load(Ordering::Relaxed),
-            area: self.area,
-        }
-    }
-
-    /// Its name.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    /// Whether writes set it.
-    pub fn enabled(&self) -> bool {
-        self.flags.load(Ordering::Relaxed) & DISABLED == 0
-    }
-
-    /// Empty, or the snapshot it is attached to.
-    pub fn owner(&self) -> String {
-        self.owner.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-
-    fn set_owner(&self, owner: &str) {
-        *self.owner.lock().unwrap_or_else(|p| p.into_inner()) = owner.to_string();
-    }
-
-    fn has(&self, flag: u32) -> bool {
-        self.flags.load(Ordering::Relaxed) & flag != 0
-    }
-
-    fn bit(&self, i: u64) -> bool {
-        self.words[(i / 64) as usize].load(Ordering::Acquire) & (1 << (i % 64)) != 0
-    }
-
-    /// Whether every bit `[offset, offset + len)` touches is set (on disk). Bytes past
-    /// its end are covered only once it is marked inconsistent (nothing more to say).
-    #[inline]
-    pub fn covers(&self, offset: u64, len: u64) -> bool {
-        let (first, mut last) = (offset >> self.shift, (offset + len - 1) >> self.shift);
-        if last >= self.bits {
-            if !self.has(INCONSISTENT) {
-                return false;
-            }
-            if first >= self.bits {
-                return true;
-            }
-            last = self.bits - 1;
-        }
-        let (fw, lw) = ((first / 64) as usize, (last / 64) as usize);
-        for w in fw..=lw {
-            let lo = if w == fw { first % 64 } else { 0 };
-            let hi = if w == lw { last % 64 } else { 63 };
-            let mask = (u64::MAX >> (63 - hi)) & (u64::MAX << lo);
-            if self.words[w].load(Ordering::Acquire) & mask != mask {
-                return false;
-            }
-        }
-        true
-    }
-
-    /// Bits set.
-    pub fn count(&self) -> u64 {
-        self.words
-            .iter()
-            .map(|w| u64::from(w.load(Ordering::Relaxed).count_ones()))
-            .sum()
-    }
-
-    /// What it lists.
-    pub fn info(&self, device_bytes: u64) -> BitmapInfo {
-        let flags = self.flags.load(Ordering::Relaxed);
-        let owner = self.owner();
-        BitmapInfo {
-            name: self.name.clone(),
-            snapshot: (!owner.is_empty()).then_some(owner),
-            checkpoint: flags & CHECKPOINT != 0,
-            granularity: 1 << self.shift,
-            dirty_bytes: (self.count() << self.shift).min(device_bytes),
-            enabled: flags & DISABLED == 0,
-            inconsistent: flags & INCONSISTENT != 0,
-            readers: self.readers.load(Ordering::Relaxed),
-        }
-    }
-
-    /// The words `[offset, offset + len)` needs that are not set yet, as (word, bits),
-    /// clipped to its end; and whether the range runs past its end.
-    fn missing(&self, offset: u64, len: u64) -> (Words, bool) {
-        let first = offset >> self.shift;
-        let last = (offset + len - 1) >> self.shift;
-        let past = last >= self.bits;
-        let mut out = Vec::new();
-        if first >= self.bits {
-            return (out, past);
-        }
-        let last = last.min(self.bits - 1);
-        let (fw, lw) = ((first / 64) as usize, (last / 64) as usize);
-        for w in fw..=lw {
-            let lo = if w == fw { first % 64 } else { 0 };
-            let hi = if w == lw { last % 64 } else { 63 };
-            let mask = (u64::MAX >> (63 - hi)) & (u64::MAX << lo);
-            let need = mask & !self.words[w].load(Ordering::Relaxed);
-            if need != 0 {
-                out.push((w, need));
-            }
-        }
-        (out, past)
-    }
-
-    /// Page `p` of its area with `extra` (word, bits) set too.
-    fn page_image(&self, p: usize, extra: &[(usize, u64)]) -> Vec<u8> {
-        let mut b = vec![0u8; PAGE as usize];
-        let base = p * PAGE_WORDS;
-        for (i, chunk) in b.chunks_mut(8).enumerate() {
-            let w = base + i;
-            let Some(word) = self.words.get(w) else { break };
-            let mut v = word.load(Ordering::Relaxed);
-            for &(ew, bits) in extra {
-                if ew == w {
-                    v |= bits;
-                }
-            }
-            chunk.copy_from_slice(&v.to_le_bytes());
-        }
-        b
-    }
-}
-
-/// A bitmap as `bitmap list` shows it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BitmapInfo {
-    /// Its name.
-    pub name: String,
-    /// The snapshot it is attached to (`None`: the device's own).
-    pub snapshot: Option<String>,
-    /// Made by a checkpoint.
-    pub checkpoint: bool,
-    /// Bytes per bit.
-    pub granularity: u64,
-    /// Bytes its set bits cover.
-    pub dirty_bytes: u64,
-    /// Writes set it.
-    pub enabled: bool,
-    /// It may miss changes.
-    pub inconsistent: bool,
-    /// NBD connections reading it.
-    pub readers: usize,
-}
-
-/// A reader's hold on a bitmap: while one lives, the bitmap cannot be removed or cleared.
-pub struct Reader(Arc<Bitmap>);
-
-impl Reader {
-    fn new(b: Arc<Bitmap>) -> Reader {
-        b.readers.fetch_add(1, Ordering::Relaxed);
-        Reader(b)
-    }
-}
-
-impl Drop for Reader {
-    fn drop(&mut self) {
-        self.0.readers.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-impl DirtyMap for Reader {
-    fn granularity(&self) -> u64 {
-        1 << self.0.shift
-    }
-
-    fn runs(&self, offset: u64, len: u64, most: usize, out: &mut Vec<(u64, bool)>) {
-        let b = &self.0;
-        let end = offset.saturating_add(len);
-        let mut at = offset;
-        let push = |out: &mut Vec<(u64, bool)>, n: u64, dirty: bool| match out.last_mut() {
-            Some(last) if last.1 == dirty => last.0 += n,
-            _ => out.push((n, dirty)),
-        };
-        while at < end && out.len() <= most {
-            let bit = at >> b.shift;
-            if bit >= b.bits {
-                // Past its end: nothing says those bytes did not change.
-                push(out, end - at, true);
-                break;
-            }
-            // A whole word of one state is skipped at once.
-            let w = b.words[(bit / 64) as usize].load(Ordering::Acquire);
-            let (next, dirty) = if bit.is_multiple_of(64) && (w == 0 || w == u64::MAX) {
-                ((bit + 64).min(b.bits), w != 0)
-            } else {
-                (bit + 1, b.bit(bit))
-            };
-            let stop = (next << b.shift).min(end);
-            push(out, stop - at, dirty);
-            at = stop;
-        }
-        if out.len() > most {
-            out.truncate(most);
-        }
-    }
-
-    fn inconsistent(&self) -> bool {
-        self.0.flags.load(Ordering::Relaxed) & INCONSISTENT != 0
-    }
-}
-
-struct State {
+pub(super) struct State {
     /// The directory on disk (the newer copy).
-    dir: Directory,
+    pub(super) dir: Directory,
     /// Its bitmaps, in the same order.
-    bitmaps: Vec<Arc<Bitmap>>,
+    pub(super) bitmaps: Vec<Arc<Bitmap>>,
 }
 
 /// The bitmaps of one device.
 pub struct Store {
-    path: PathBuf,
+    pub(super) path: PathBuf,
     file: File,
     device_bytes: u64,
     /// Examine only: nothing is written.
-    dry: bool,
+    pub(super) dry: bool,
     state: Mutex<State>,
     /// Bumped whenever the enabled bitmaps change, so queues refresh their list.
-    generation: AtomicU64,
+    pub(super) generation: AtomicU64,
 }
 
 fn os(path: &Path, what: &str, e: std::io::Error) -> Error {
@@ -434,7 +181,7 @@ impl Store {
         })
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
+    pub(super) fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -490,131 +237,6 @@ impl Store {
             .iter()
             .find(|b| b.name == name && b.owner() == owner)
             .map(|b| Reader::new(b.clone()))
-    }
-
-    /// The first step of checkpoint `name`, taken while writes are held and none is in
-    /// flight, before its snapshot: a new enabled bitmap `name` (pending until
-    /// [`Store::checkpoint_end`]), and the volume's current checkpoint bitmap, if any,
-    /// disabled and attached to snapshot `name`. The new bitmap has `granularity`, else
-    /// the previous one's, else [`GRANULARITY`]. Returns the previous checkpoint's name.
-    pub fn checkpoint_begin(
-        &self,
-        name: &str,
-        granularity: Option<u64>,
-    ) -> Result<Option<String>, String> {
-        format::check_name(name)?;
-        self.refuse_dry()?;
-        let mut st = self.lock();
-        if st.bitmaps.iter().any(|b| b.name == name) {
-            return Err(format!(
-                "a bitmap '{name}' exists: a checkpoint needs a new name"
-            ));
-        }
-        let prev = st
-            .bitmaps
-            .iter()
-            .find(|b| b.enabled() && b.has(CHECKPOINT) && b.owner().is_empty())
-            .cloned();
-        let granularity =
-            granularity.unwrap_or_else(|| prev.as_ref().map_or(GRANULARITY, |p| 1 << p.shift));
-        let e = self.new_entry(&st, name, granularity, CHECKPOINT | PENDING)?;
-        st.bitmaps.push(Arc::new(Bitmap::new(&e, &[])));
-        if let Some(p) = &prev {
-            p.flags.fetch_or(DISABLED, Ordering::Relaxed);
-            p.set_owner(name);
-        }
-        if let Err(err) = self.commit(&mut st) {
-            st.bitmaps.pop();
-            if let Some(p) = &prev {
-                p.flags.fetch_and(!DISABLED, Ordering::Relaxed);
-                p.set_owner("");
-            }
-            return Err(err.to_string());
-        }
-        self.generation.fetch_add(1, Ordering::AcqRel);
-        Ok(prev.map(|p| p.name.clone()))
-    }
-
-    /// The last step of checkpoint `name`: its snapshot was taken (`taken`), or not, and
-    /// then the first step is undone. A failure to write is logged: the next open
-    /// finishes or undoes the checkpoint from what the pool holds.
-    pub fn checkpoint_end(&self, name: &str, taken: bool) {
-        let mut st = self.lock();
-        self.settle(&mut st, name, taken);
-        if let Err(e) = self.commit(&mut st) {
-            log::error!("cairn: {e} (checkpoint '{name}' is settled at the next start)");
-        }
-        self.generation.fetch_add(1, Ordering::AcqRel);
-    }
-
-    /// Finishes (`taken`) or undoes checkpoint `name` in memory.
-    fn settle(&self, st: &mut State, name: &str, taken: bool) {
-        if taken {
-            for b in st.bitmaps.iter().filter(|b| b.name == name) {
-                b.flags.fetch_and(!PENDING, Ordering::Relaxed);
-            }
-            return;
-        }
-        st.bitmaps
-            .retain(|b| b.name != name || !b.owner().is_empty());
-        for b in st.bitmaps.iter().filter(|b| b.owner() == name) {
-            b.flags.fetch_and(!DISABLED, Ordering::Relaxed);
-            b.set_owner("");
-        }
-    }
-
-    /// At open, with the snapshots of the device's pool: checkpoints left pending by a
-    /// stop are finished or undone, and bitmaps of snapshots deleted meanwhile go.
-    pub fn reconcile(&self, exists: &dyn Fn(&str) -> bool) -> Result<(), Error> {
-        if self.dry {
-            return Ok(());
-        }
-        let mut st = self.lock();
-        let pending: Vec<String> = st
-            .bitmaps
-            .iter()
-            .filter(|b| b.has(PENDING))
-            .map(|b| b.name.clone())
-            .collect();
-        let gone: Vec<String> = st
-            .bitmaps
-            .iter()
-            .map(|b| b.owner())
-            .filter(|o| !o.is_empty() && !pending.contains(o) && !exists(o))
-            .collect();
-        if pending.is_empty() && gone.is_empty() {
-            return Ok(());
-        }
-        for name in &pending {
-            let taken = exists(name);
-            log::info!(
-                "cairn: bitmap store {}: checkpoint '{name}' {} at the last stop",
-                self.path.display(),
-                if taken {
-                    "finished (its snapshot exists)"
-                } else {
-                    "undone (its snapshot was never taken)"
-                }
-            );
-            self.settle(&mut st, name, taken);
-        }
-        st.bitmaps.retain(|b| !gone.contains(&b.owner()));
-        self.commit(&mut st)?;
-        self.generation.fetch_add(1, Ordering::AcqRel);
-        Ok(())
-    }
-
-    /// Removes the bitmaps attached to snapshot `owner` (it was deleted).
-    pub fn drop_owner(&self, owner: &str) -> Result<(), String> {
-        let mut st = self.lock();
-        if !st.bitmaps.iter().any(|b| b.owner() == owner) {
-            return Ok(());
-        }
-        if let Some(b) = st.bitmaps.iter().find(|b| b.owner() == owner) {
-            Self::refuse_read(b, "removed")?;
-        }
-        st.bitmaps.retain(|b| b.owner() != owner);
-        self.commit(&mut st).map_err(|e| e.to_string())
     }
 
     /// Sets on disk, then in memory, the bits of every enabled bitmap that
@@ -690,7 +312,7 @@ impl Store {
     }
 
     /// Writes the directory of what is in memory, as the next sequence number.
-    fn commit(&self, st: &mut State) -> Result<(), Error> {
+    pub(super) fn commit(&self, st: &mut State) -> Result<(), Error> {
         if self.dry {
             return Ok(());
         }
@@ -719,7 +341,7 @@ impl Store {
         })
     }
 
-    fn refuse_dry(&self) -> Result<(), String> {
+    pub(super) fn refuse_dry(&self) -> Result<(), String> {
         if self.dry {
             return Err("the store was opened to examine only".into());
         }
@@ -746,7 +368,7 @@ impl Store {
 
     /// An entry for a new bitmap, its area zeroed (not synced: the directory's sync
     /// covers it, and stale bits there could only add changes).
-    fn new_entry(
+    pub(super) fn new_entry(
         &self,
         st: &State,
         name: &str,
@@ -812,7 +434,7 @@ impl Store {
         Ok(e)
     }
 
-    fn refuse_read(b: &Bitmap, what: &str) -> Result<(), String> {
+    pub(super) fn refuse_read(b: &Bitmap, what: &str) -> Result<(), String> {
         let n = b.readers.load(Ordering::Relaxed);
         if n > 0 {
             return Err(format!(
@@ -928,6 +550,7 @@ fn write_dir(f: &File, dir: &Directory) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cairn_core::DirtyMap;
 
     const MB: u64 = 1 << 20;
 
