@@ -7,6 +7,21 @@ pub(super) fn admin(sock: &Path, words: &[&str]) -> Output {
         .args(words))
 }
 
+/// Asserts that admin command `words` fails, saying `why`.
+#[track_caller]
+pub(super) fn refused(sock: &Path, words: &[&str], why: &str) {
+    let out = admin(sock, words);
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !out.status.success() && said.contains(why),
+        "{words:?}: {said}"
+    );
+}
+
 /// `status` prints the device tree with sizes, health and what caches wrote back,
 /// then the arrays; `status --json` gives the same for scripts; a raid10 member that
 /// fails shows as degraded in both. The raid10 keeps superblocks (the default): 8 MiB

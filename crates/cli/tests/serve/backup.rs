@@ -467,18 +467,7 @@ fn bitmaps_by_hand_on_a_file_device_and_bad_input() {
     );
     let mut srv = Server::start_in(tmpdir(), &[path_str(&stack), "--admin", path_str(&ctl)]);
     let admin = |words: &[&str]| super::admin::admin(&ctl, words);
-    let refused = |words: &[&str], why: &str| {
-        let out = admin(words);
-        let said = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(
-            !out.status.success() && said.contains(why),
-            "{words:?}: {said}"
-        );
-    };
+    let refused = |words: &[&str], why: &str| super::admin::refused(&ctl, words, why);
     refused(&["bitmap", "add", "m", "b0"], "keeps no dirty bitmaps");
     refused(&["bitmap", "add", "d", "a:b"], "is not a bitmap name");
     refused(&["bitmap", "add", "d", "b0", "3k"], "a power of two");
