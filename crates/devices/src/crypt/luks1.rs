@@ -42,7 +42,17 @@ impl Hash {
         }
     }
 
-    fn len(self) -> usize {
+    /// Its name in headers.
+    pub fn name(self) -> &'static str {
+        match self {
+            Hash::Sha1 => "sha1",
+            Hash::Sha256 => "sha256",
+            Hash::Sha512 => "sha512",
+        }
+    }
+
+    /// Bytes of its digest.
+    pub fn len(self) -> usize {
         match self {
             Hash::Sha1 => 20,
             Hash::Sha256 => 32,
@@ -50,7 +60,8 @@ impl Hash {
         }
     }
 
-    fn digest(self, parts: &[&[u8]], out: &mut [u8]) {
+    /// The digest of `parts` one after another, cut to `out`'s length.
+    pub fn digest(self, parts: &[&[u8]], out: &mut [u8]) {
         use sha2::Digest;
         fn run<D: Digest>(parts: &[&[u8]], out: &mut [u8]) {
             let mut h = D::new();
@@ -78,8 +89,7 @@ impl Hash {
     }
 }
 
-/// Reads bytes at an offset of the device holding the header.
-pub type ReadAt<'a> = dyn FnMut(u64, &mut [u8]) -> Result<(), String> + 'a;
+pub use super::ReadAt;
 
 /// One key slot.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,0 +1,1 @@
+//! LUKS version 2 (being written).
