@@ -10,6 +10,7 @@
 //! 512-byte sectors whose IVs count from 0.
 
 use super::xts::{Secret, Xts};
+use super::{Kdf, Segment, SlotInfo, WriteAt};
 
 /// The magic of a LUKS header: `LUKS` 0xBA 0xBE.
 pub const MAGIC: [u8; 6] = *b"LUKS\xba\xbe";
@@ -248,6 +249,218 @@ impl Header {
     }
 }
 
+/// AF stripes of every slot cairn makes (what the specification and cryptsetup use).
+pub const STRIPES: u32 = 4000;
+/// PBKDF2 iterations of the master key's digest in headers cairn makes.
+pub const DIGEST_ITERATIONS: u32 = 100_000;
+/// Where cairn puts the payload when the key material ends before it: 2 MiB, as
+/// cryptsetup does (1 MiB alignment).
+const PAYLOAD_ALIGN_SECTORS: u32 = 2048;
+
+impl Header {
+    /// The encoded header: [`HEADER_BYTES`] bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = vec![0u8; HEADER_BYTES];
+        b[..6].copy_from_slice(&MAGIC);
+        b[6..8].copy_from_slice(&1u16.to_be_bytes());
+        let put = |b: &mut [u8], at: usize, len: usize, s: &str| {
+            let n = s.len().min(len - 1);
+            b[at..at + n].copy_from_slice(&s.as_bytes()[..n]);
+        };
+        put(&mut b, 8, 32, &self.cipher_name);
+        put(&mut b, 40, 32, &self.cipher_mode);
+        put(&mut b, 72, 32, self.hash.name());
+        b[104..108].copy_from_slice(&self.payload_sector.to_be_bytes());
+        b[108..112].copy_from_slice(&self.key_bytes.to_be_bytes());
+        b[112..132].copy_from_slice(&self.digest);
+        b[132..164].copy_from_slice(&self.digest_salt);
+        b[164..168].copy_from_slice(&self.digest_iterations.to_be_bytes());
+        put(&mut b, 168, 40, &self.uuid);
+        for (i, s) in self.slots.iter().enumerate() {
+            let at = 208 + 48 * i;
+            let state = if s.active { SLOT_ACTIVE } else { SLOT_DISABLED };
+            b[at..at + 4].copy_from_slice(&state.to_be_bytes());
+            b[at + 4..at + 8].copy_from_slice(&s.iterations.to_be_bytes());
+            b[at + 8..at + 40].copy_from_slice(&s.salt);
+            b[at + 40..at + 44].copy_from_slice(&s.material_sector.to_be_bytes());
+            b[at + 44..at + 48].copy_from_slice(&s.stripes.to_be_bytes());
+        }
+        b
+    }
+
+    /// Formats: a new header for master key `key` with slot 0 opened by `passphrase`
+    /// (PBKDF2 `kdf`), laid out as cryptsetup does (slots from sector 8, each on a 4 KiB
+    /// boundary; the payload at 2 MiB). The header area is zeroed first and the header
+    /// written last; the payload is not touched.
+    pub fn create(
+        write: &mut WriteAt<'_>,
+        key: &Secret,
+        passphrase: &[u8],
+        kdf: Kdf,
+    ) -> Result<Header, String> {
+        let Kdf::Pbkdf2 { hash, iterations } = kdf else {
+            return Err("LUKS1 key slots use pbkdf2 only (argon2id needs LUKS2)".into());
+        };
+        let key_bytes = key.0.len() as u32;
+        if !super::xts::KEY_BYTES.contains(&(key_bytes as usize)) {
+            return Err(format!("a master key of {key_bytes} bytes (32 or 64 are)"));
+        }
+        let stride = (material_sectors(key_bytes, STRIPES) as u32).next_multiple_of(8);
+        let mut slots = Vec::with_capacity(8);
+        for i in 0..8 {
+            slots.push(Slot {
+                active: false,
+                iterations: 0,
+                salt: [0; 32],
+                material_sector: 8 + stride * i,
+                stripes: STRIPES,
+            });
+        }
+        let end = 8 + stride * 8;
+        let mut h = Header {
+            cipher_name: "aes".into(),
+            cipher_mode: "xts-plain64".into(),
+            hash,
+            payload_sector: end.next_multiple_of(PAYLOAD_ALIGN_SECTORS),
+            key_bytes,
+            digest: [0; DIGEST_BYTES],
+            digest_salt: [0; 32],
+            digest_iterations: DIGEST_ITERATIONS,
+            uuid: super::uuid()?,
+            slots: slots.try_into().expect("8 slots"),
+        };
+        super::random(&mut h.digest_salt)?;
+        hash.pbkdf2(&key.0, &h.digest_salt, DIGEST_ITERATIONS, &mut h.digest);
+        write(0, &vec![0u8; h.payload_sector as usize * 512])?;
+        h.fill_slot(write, 0, key, passphrase, iterations)?;
+        write(0, &h.encode())?;
+        Ok(h)
+    }
+
+    /// Writes key material for slot `i` and marks it active in memory (not the header).
+    fn fill_slot(
+        &mut self,
+        write: &mut WriteAt<'_>,
+        i: usize,
+        key: &Secret,
+        passphrase: &[u8],
+        iterations: u32,
+    ) -> Result<(), String> {
+        if iterations == 0 {
+            return Err("pbkdf2 needs at least one iteration".into());
+        }
+        let s = &mut self.slots[i];
+        super::random(&mut s.salt)?;
+        s.iterations = iterations;
+        let mut slot_key = Secret(vec![0u8; self.key_bytes as usize]);
+        self.hash
+            .pbkdf2(passphrase, &s.salt, iterations, &mut slot_key.0);
+        let mut fail = None;
+        let mut split = af_split(&key.0, s.stripes as usize, self.hash, &mut |b| {
+            if let Err(e) = super::random(b) {
+                fail = Some(e);
+            }
+        });
+        if let Some(e) = fail {
+            return Err(e);
+        }
+        let bytes = material_sectors(self.key_bytes, s.stripes) as usize * 512;
+        split.0.resize(bytes, 0);
+        Xts::new(&slot_key.0)?.run(&mut split.0, 512, 0, true);
+        write(u64::from(s.material_sector) * 512, &split.0)?;
+        s.active = true;
+        Ok(())
+    }
+
+    /// Adds a key slot (the lowest free one) holding `key`, which must be the master key,
+    /// opened by `passphrase`: its key material first, then the header.
+    pub fn add_slot(
+        &mut self,
+        write: &mut WriteAt<'_>,
+        key: &Secret,
+        passphrase: &[u8],
+        kdf: Kdf,
+    ) -> Result<usize, String> {
+        let iterations = match kdf {
+            Kdf::Pbkdf2 { hash, iterations } if hash == self.hash => iterations,
+            Kdf::Pbkdf2 { hash, .. } => {
+                return Err(format!(
+                    "this LUKS1 header's slots use {}, not {}",
+                    self.hash.name(),
+                    hash.name()
+                ))
+            }
+            Kdf::Argon2id { .. } => {
+                return Err("LUKS1 key slots use pbkdf2 only (argon2id needs LUKS2)".into())
+            }
+        };
+        if !self.check(&key.0) {
+            return Err("the key is not this header's master key".into());
+        }
+        let i = self
+            .slots
+            .iter()
+            .position(|s| !s.active)
+            .ok_or("all 8 key slots are in use: remove one first")?;
+        let mut next = self.clone();
+        next.fill_slot(write, i, key, passphrase, iterations)?;
+        write(0, &next.encode())?;
+        *self = next;
+        Ok(i)
+    }
+
+    /// Removes key slot `slot`: the header first, then its key material overwritten with
+    /// random bytes.
+    pub fn remove_slot(&mut self, write: &mut WriteAt<'_>, slot: usize) -> Result<(), String> {
+        if !self.slots.get(slot).is_some_and(|s| s.active) {
+            return Err(format!("key slot {slot} is not in use"));
+        }
+        if self.slots.iter().filter(|s| s.active).count() == 1 {
+            return Err(format!(
+                "key slot {slot} is the only key slot: add another first"
+            ));
+        }
+        let mut next = self.clone();
+        let s = &mut next.slots[slot];
+        s.active = false;
+        s.iterations = 0;
+        s.salt = [0; 32];
+        let (at, stripes) = (s.material_sector, s.stripes);
+        write(0, &next.encode())?;
+        let mut noise = vec![0u8; material_sectors(self.key_bytes, stripes) as usize * 512];
+        super::random(&mut noise)?;
+        write(u64::from(at) * 512, &noise)?;
+        *self = next;
+        Ok(())
+    }
+
+    /// Where the payload lies: 512-byte sectors from the payload offset, IVs from 0.
+    pub fn segment(&self) -> Segment {
+        Segment {
+            offset: u64::from(self.payload_sector) * 512,
+            size: None,
+            sector_bytes: 512,
+            iv_tweak: 0,
+        }
+    }
+
+    /// The slots in use.
+    pub fn slot_list(&self) -> Vec<SlotInfo> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.active)
+            .map(|(index, s)| SlotInfo {
+                index,
+                kdf: Kdf::Pbkdf2 {
+                    hash: self.hash,
+                    iterations: s.iterations,
+                },
+            })
+            .collect()
+    }
+}
+
 /// 512-byte sectors of a slot's key material.
 fn material_sectors(key_bytes: u32, stripes: u32) -> u64 {
     (u64::from(key_bytes) * u64::from(stripes)).div_ceil(512)
@@ -328,6 +541,36 @@ mod tests {
                 assert_ne!(af_merge(&broken, len, hash).0, key);
             }
         }
+    }
+
+    #[test]
+    fn a_made_header_opens_and_its_slots_change() {
+        let mut image = vec![0u8; 3 << 20];
+        let mut write = |at: u64, b: &[u8]| {
+            image[at as usize..at as usize + b.len()].copy_from_slice(b);
+            Ok(())
+        };
+        let key = Secret((0..64).collect());
+        let kdf = Kdf::Pbkdf2 {
+            hash: Hash::Sha256,
+            iterations: 1000,
+        };
+        let mut h = Header::create(&mut write, &key, b"one", kdf).unwrap();
+        assert_eq!(h.payload_sector, 4096);
+        assert_eq!(h.add_slot(&mut write, &key, b"two", kdf).unwrap(), 1);
+        let wrong = Secret(vec![1u8; 64]);
+        assert!(h.add_slot(&mut write, &wrong, b"x", kdf).is_err());
+        h.remove_slot(&mut write, 0).unwrap();
+        assert!(h.remove_slot(&mut write, 1).unwrap_err().contains("only"));
+        let decoded = Header::decode(&image).unwrap();
+        assert_eq!(decoded, h);
+        let mut read = |at: u64, b: &mut [u8]| {
+            b.copy_from_slice(&image[at as usize..at as usize + b.len()]);
+            Ok(())
+        };
+        assert!(decoded.unlock(b"one", &mut read).is_err());
+        let (slot, mk) = decoded.unlock(b"two", &mut read).unwrap();
+        assert_eq!((slot, mk.0.clone()), (1, key.0.clone()));
     }
 
     #[test]
