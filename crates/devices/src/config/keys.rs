@@ -19,6 +19,8 @@ use crate::spec::{Engine, LeafSpec};
 use crate::wrap::{Delays, FaultRule};
 use crate::DEFAULT_BLOCK_BYTES;
 
+mod crypt;
+
 const EXPORT_KEYS: [&str; 6] = [
     "device",
     "read_only",
@@ -909,9 +911,10 @@ pub(super) fn parse_device(
         "thin-pool" => &["data", "metadata", "block", "low_water"],
         "thin" => &["pool", "volume", "size"],
         "throttle" => &THROTTLE_KEYS,
+        "crypt" => &crypt::CRYPT_KEYS,
         _ => {
             return Err(err(format!(
-                "device '{name}': unknown type '{}' (known: null, mem, file, nbd, rbd, linear, stripe, mirror, raid10, fault, delay, cache, thin-pool, thin, throttle)",
+                "device '{name}': unknown type '{}' (known: null, mem, file, nbd, rbd, linear, stripe, mirror, raid10, fault, delay, cache, thin-pool, thin, throttle, crypt)",
                 shown(kind)
             )))
         }
@@ -1037,6 +1040,7 @@ pub(super) fn parse_device(
         }
         "thin-pool" => keys.thin_pool()?,
         "throttle" => keys.throttle()?,
+        "crypt" => keys.crypt()?,
         "thin" => DeviceSpec::Thin {
             pool: keys
                 .string("pool")?

@@ -207,6 +207,13 @@ pub enum DeviceSpec {
         /// Its limits (`None`: its group's, given by another of its devices).
         limits: Option<crate::throttle::Limits>,
     },
+    /// Encrypted data on `base`, in LUKS format.
+    Crypt {
+        /// The device holding the ciphertext and the header.
+        base: String,
+        /// Where the key comes from, and what `create` makes.
+        options: crate::crypt::device::CryptOptions,
+    },
     /// A volume of a thin pool.
     Thin {
         /// The pool device.
@@ -230,6 +237,7 @@ impl DeviceSpec {
             DeviceSpec::Fault { base, .. }
             | DeviceSpec::Delay { base, .. }
             | DeviceSpec::Throttle { base, .. }
+            | DeviceSpec::Crypt { base, .. }
             | DeviceSpec::Cache { base, .. } => std::slice::from_ref(base),
             DeviceSpec::ThinPool { devices, .. } => devices,
             DeviceSpec::Thin { pool, .. } => std::slice::from_ref(pool),
@@ -262,6 +270,7 @@ impl DeviceSpec {
             DeviceSpec::Fault { .. }
             | DeviceSpec::Delay { .. }
             | DeviceSpec::Cache { .. }
+            | DeviceSpec::Crypt { .. }
             | DeviceSpec::Throttle { .. } => "base",
             DeviceSpec::ThinPool { .. } => "data",
             DeviceSpec::Thin { .. } => "pool",
@@ -1077,6 +1086,15 @@ impl StackFile {
                     Arc::new(crate::wrap::ThrottlePolicy::new(throttle, group.clone())),
                 ))
             }
+            DeviceSpec::Crypt { options, .. } => Arc::new(
+                crate::crypt::device::CryptDevice::open(
+                    name,
+                    members[0].clone(),
+                    options,
+                    how == Start::Write,
+                )
+                .map_err(named)?,
+            ),
             DeviceSpec::Delay { delays, .. } => Arc::new(WrapDevice::new(
                 name,
                 members[0].clone(),

@@ -3,8 +3,10 @@
 //! [`xts`] ciphers sectors; [`luks1`] and [`luks2`] read, make and change the headers
 //! (key slots, the volume key's digest, where the data starts); what they share is here.
 
+pub mod device;
 pub mod luks1;
 pub mod luks2;
+pub mod volume;
 pub mod xts;
 
 pub use luks1::Hash;

@@ -42,6 +42,14 @@ impl Xts {
         Ok(Xts { pair })
     }
 
+    /// Bits of its key (both halves, as LUKS counts them): 256 or 512.
+    pub fn key_bits(&self) -> u32 {
+        match self.pair {
+            Pair::Aes128(_) => 256,
+            Pair::Aes256(_) => 512,
+        }
+    }
+
     /// The first tweak of the sector whose IV is `iv`.
     fn tweak(&self, iv: u64) -> [u8; 16] {
         let mut t = Array::from([0u8; 16]);

@@ -1,0 +1,675 @@
+//! `type = "crypt"`: a device whose data is encrypted on its base, in LUKS format.
+//!
+//! Opening reads the base's LUKS header (either version) and opens a key slot with the
+//! passphrase, or checks a raw volume key against the header's digest; `create = true`
+//! formats a blank base first. Requests then run on the reactor that submits them: a
+//! read goes to the base into the caller's buffer and is decrypted there when it
+//! completes; a write is encrypted into a bounce buffer of the queue's own (the caller's
+//! buffer is never changed) and sent from it. Write-zeroes and discard write encrypted
+//! zeros, a chunk at a time: zeros on the base would read back as noise, and a trimmed
+//! base would show which blocks are unused.
+
+use std::cell::{Cell, RefCell};
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::sync::{Arc, Mutex};
+
+use cairn_core::blocking::BlockingQueue;
+use cairn_core::buf::AlignedBuf;
+use cairn_core::slab::Slab;
+use cairn_core::{
+    Core, Device, Error, Geometry, Io, IoFlags, IoStatus, Op, Queue, QueueStats, Sink, SinkId,
+    Switches,
+};
+
+use super::volume::{probe, Format, Luks, Probe, PROBE_BYTES};
+use super::xts::{Xts, KEY_BYTES};
+use super::{Kdf, Secret, Segment, SlotInfo};
+
+/// Largest passphrase file read (cryptsetup's limit for key files).
+pub const PASSPHRASE_BYTES_MAX: u64 = 8 << 20;
+
+/// What a `crypt` table says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CryptOptions {
+    /// A file whose bytes, exactly, are the passphrase of a key slot.
+    pub passphrase_file: Option<PathBuf>,
+    /// A file holding the raw volume key (32 or 64 bytes).
+    pub key_file: Option<PathBuf>,
+    /// Format a blank base (all zeros where the header goes).
+    pub create: bool,
+    /// The version to make with `create`; when opening, the version expected.
+    pub format: Option<Format>,
+    /// Bytes per encryption sector for `create` (LUKS2: 4096 by default; LUKS1: 512).
+    pub sector_bytes: Option<u32>,
+    /// How new key slots derive their key (`create` and the admin's `add`).
+    pub kdf: Option<Kdf>,
+    /// Bytes of a new volume key: 64 (AES-256-XTS, the default) or 32 (AES-128-XTS).
+    pub key_bytes: usize,
+}
+
+impl Default for CryptOptions {
+    fn default() -> CryptOptions {
+        CryptOptions {
+            passphrase_file: None,
+            key_file: None,
+            create: false,
+            format: None,
+            sector_bytes: None,
+            kdf: None,
+            key_bytes: 64,
+        }
+    }
+}
+
+impl CryptOptions {
+    /// The key derivation new slots of a `format` header get.
+    pub fn kdf_for(&self, format: Format) -> Kdf {
+        self.kdf.unwrap_or(match format {
+            Format::Luks1 => Kdf::DEFAULT_PBKDF2,
+            Format::Luks2 => Kdf::DEFAULT_ARGON2ID,
+        })
+    }
+}
+
+/// Reads a secret file: the passphrase or a raw key.
+pub fn read_secret(key: &str, path: &Path) -> Result<Secret, String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("{key} '{}': {e}", path.display()))?;
+    if meta.len() > PASSPHRASE_BYTES_MAX {
+        return Err(format!(
+            "{key} '{}' is larger than {} bytes",
+            path.display(),
+            PASSPHRASE_BYTES_MAX
+        ));
+    }
+    let s = Secret(std::fs::read(path).map_err(|e| format!("{key} '{}': {e}", path.display()))?);
+    if s.0.is_empty() {
+        return Err(format!("{key} '{}' is empty", path.display()));
+    }
+    Ok(s)
+}
+
+/// Header I/O on the base through a blocking queue of its own: any offset and length
+/// (read-modify-write around the base's blocks), each write flushed before the next.
+pub struct HeaderIo {
+    q: BlockingQueue,
+    block: u64,
+}
+
+impl HeaderIo {
+    /// A blocking queue on `base`.
+    pub fn open(base: &Arc<dyn Device>) -> Result<HeaderIo, String> {
+        let q = BlockingQueue::open(base, Switches::default()).map_err(|e| e.to_string())?;
+        let block = u64::from(q.geometry().block_bytes);
+        Ok(HeaderIo { q, block })
+    }
+
+    fn span(&self, at: u64, len: usize) -> Result<(u64, usize), String> {
+        let start = at - at % self.block;
+        let end = (at + len as u64).next_multiple_of(self.block);
+        if end > self.q.geometry().size_bytes {
+            return Err(format!(
+                "the header runs past the end of the base ({} bytes)",
+                self.q.geometry().size_bytes
+            ));
+        }
+        Ok((start, (end - start) as usize))
+    }
+
+    /// Reads `buf.len()` bytes at `at`.
+    pub fn read(&self, at: u64, buf: &mut [u8]) -> Result<(), String> {
+        let (start, len) = self.span(at, buf.len())?;
+        let mut b = vec![0u8; len];
+        self.q
+            .read(start, &mut b)
+            .map_err(|e| format!("reading the base: {e}"))?;
+        let from = (at - start) as usize;
+        buf.copy_from_slice(&b[from..from + buf.len()]);
+        Ok(())
+    }
+
+    /// Writes `data` at `at` and flushes.
+    pub fn write(&self, at: u64, data: &[u8]) -> Result<(), String> {
+        let (start, len) = self.span(at, data.len())?;
+        let mut b = vec![0u8; len];
+        if start != at || len != data.len() {
+            self.read(start, &mut b)?;
+        }
+        let from = (at - start) as usize;
+        b[from..from + data.len()].copy_from_slice(data);
+        self.q
+            .write(start, &b, IoFlags::NONE)
+            .and_then(|()| self.q.flush())
+            .map_err(|e| format!("writing the base: {e}"))
+    }
+}
+
+/// The header and the volume key, for changes to the key slots.
+struct Keys {
+    luks: Luks,
+    key: Secret,
+}
+
+/// An open crypt device.
+pub struct CryptDevice {
+    name: String,
+    base: Arc<dyn Device>,
+    xts: Arc<Xts>,
+    segment: Segment,
+    size: u64,
+    block: u32,
+    format: Format,
+    uuid: String,
+    /// The slot that opened it (`None`: a raw key did).
+    opened_by: Option<usize>,
+    keys: Mutex<Keys>,
+    kdf_default: Kdf,
+}
+
+impl CryptDevice {
+    /// Opens (and with `create`, formats) the crypt device `name` over `base`. With
+    /// `write` false nothing is written: a base `create` would format gives a stand-in of
+    /// the size it would have.
+    pub fn open(
+        name: &str,
+        base: Arc<dyn Device>,
+        opts: &CryptOptions,
+        write: bool,
+    ) -> Result<CryptDevice, Error> {
+        let e = |m: String| Error::Invalid(m);
+        let passphrase = match &opts.passphrase_file {
+            Some(p) => Some(read_secret("passphrase_file", p).map_err(e)?),
+            None => None,
+        };
+        let raw = match &opts.key_file {
+            Some(p) => {
+                let k = read_secret("key_file", p).map_err(e)?;
+                if !KEY_BYTES.contains(&k.0.len()) {
+                    return Err(e(format!(
+                        "key_file '{}' holds {} bytes: an aes-xts volume key is 32 or 64",
+                        p.display(),
+                        k.0.len()
+                    )));
+                }
+                Some(k)
+            }
+            None => None,
+        };
+        let io = HeaderIo::open(&base).map_err(e)?;
+        let mut first = vec![0u8; PROBE_BYTES];
+        io.read(0, &mut first).map_err(e)?;
+        let base_name = base.name().to_string();
+        let (luks, key, slot) = match probe(&first) {
+            Probe::Luks(found) => {
+                if let Some(want) = opts.format.filter(|&w| w != found) {
+                    return Err(e(format!(
+                        "base '{base_name}' holds a {} header, not {} as format says",
+                        found.name(),
+                        want.name()
+                    )));
+                }
+                let luks = Luks::read(found, &mut |at, b| io.read(at, b)).map_err(|m| {
+                    e(format!("base '{base_name}': {m}"))
+                })?;
+                match (&raw, &passphrase) {
+                    (Some(k), _) => {
+                        if !luks.check(&k.0) {
+                            return Err(e(format!(
+                                "key_file is not the volume key of base '{base_name}'"
+                            )));
+                        }
+                        (luks, Secret(k.0.clone()), None)
+                    }
+                    (None, Some(p)) => {
+                        let (slot, key) = luks
+                            .unlock(&p.0, &mut |at, b| io.read(at, b))
+                            .map_err(|m| e(format!("base '{base_name}': {m}")))?;
+                        (luks, key, Some(slot))
+                    }
+                    (None, None) => {
+                        return Err(e("passphrase_file or key_file is needed".into()))
+                    }
+                }
+            }
+            Probe::Blank if opts.create => {
+                let format = opts.format.unwrap_or(Format::Luks2);
+                let Some(p) = &passphrase else {
+                    return Err(e(
+                        "create needs passphrase_file (the passphrase of key slot 0)".into()
+                    ));
+                };
+                let key = match &raw {
+                    Some(k) => Secret(k.0.clone()),
+                    None => {
+                        let mut k = Secret(vec![0u8; opts.key_bytes]);
+                        super::random(&mut k.0).map_err(e)?;
+                        k
+                    }
+                };
+                let sector = opts.sector_bytes.unwrap_or(match format {
+                    Format::Luks1 => 512,
+                    Format::Luks2 => 4096,
+                });
+                let kdf = opts.kdf_for(format);
+                let luks = if write {
+                    let luks = Luks::create(
+                        format,
+                        &mut |at, b| io.write(at, b),
+                        &key,
+                        &p.0,
+                        kdf,
+                        sector,
+                    )
+                    .map_err(|m| e(format!("formatting base '{base_name}': {m}")))?;
+                    log::info!(
+                        "cairn: crypt {name}: formatted base '{base_name}' as {} ({}, key slot 0: {kdf})",
+                        format.name(),
+                        luks.uuid()
+                    );
+                    luks
+                } else {
+                    // A stand-in header in memory: nothing reaches the base.
+                    let mut image = vec![0u8; 16 << 20];
+                    let quick = match format {
+                        Format::Luks1 => Kdf::Pbkdf2 {
+                            hash: super::Hash::Sha256,
+                            iterations: 1,
+                        },
+                        Format::Luks2 => Kdf::Pbkdf2 {
+                            hash: super::Hash::Sha256,
+                            iterations: 1,
+                        },
+                    };
+                    Luks::create(
+                        format,
+                        &mut |at, b| {
+                            let at = at as usize;
+                            let end = at + b.len();
+                            if image.len() < end {
+                                image.resize(end, 0);
+                            }
+                            image[at..end].copy_from_slice(b);
+                            Ok(())
+                        },
+                        &key,
+                        b"",
+                        quick,
+                        sector,
+                    )
+                    .map_err(|m| e(format!("formatting base '{base_name}': {m}")))?
+                };
+                (luks, key, Some(0))
+            }
+            Probe::Blank => {
+                return Err(e(format!(
+                    "base '{base_name}' holds no LUKS header (create = true formats a blank one)"
+                )))
+            }
+            Probe::Other => {
+                return Err(e(format!(
+                    "base '{base_name}' holds something that is not a LUKS header{}",
+                    if opts.create {
+                        ": create formats only a blank base (zeros where the header goes)"
+                    } else {
+                        ""
+                    }
+                )))
+            }
+        };
+        let segment = luks.segment();
+        let geo = base.geometry();
+        let block = geo.block_bytes.max(segment.sector_bytes);
+        let end = match segment.size {
+            Some(s) => segment.offset.checked_add(s),
+            None => Some(geo.size_bytes),
+        };
+        let size = match end {
+            Some(end) if end <= geo.size_bytes && end > segment.offset => end - segment.offset,
+            _ => {
+                return Err(e(format!(
+                    "base '{base_name}' ({} bytes) is too small for its data segment (from byte {})",
+                    geo.size_bytes, segment.offset
+                )))
+            }
+        };
+        let size = size - size % u64::from(block);
+        if size == 0 || !segment.offset.is_multiple_of(u64::from(geo.block_bytes)) {
+            return Err(e(format!(
+                "base '{base_name}': the data segment (at {}, {} bytes) does not fit its {}-byte blocks",
+                segment.offset, size, geo.block_bytes
+            )));
+        }
+        let xts = Xts::new(&key.0).map_err(e)?;
+        Ok(CryptDevice {
+            name: name.into(),
+            base,
+            xts: Arc::new(xts),
+            segment,
+            size,
+            block,
+            format: luks.format(),
+            uuid: luks.uuid().to_string(),
+            opened_by: slot,
+            kdf_default: opts.kdf_for(luks.format()),
+            keys: Mutex::new(Keys { luks, key }),
+        })
+    }
+
+    /// Its LUKS version.
+    pub fn format(&self) -> Format {
+        self.format
+    }
+
+    /// The key slots in use.
+    pub fn slots(&self) -> Vec<SlotInfo> {
+        self.keys
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .luks
+            .slots()
+    }
+
+    /// The slot that opened it (`None`: a raw key).
+    pub fn opened_by(&self) -> Option<usize> {
+        self.opened_by
+    }
+
+    /// Where its data lies on the base.
+    pub fn segment(&self) -> Segment {
+        self.segment
+    }
+
+    /// Adds a key slot opened by `passphrase` (with `kdf`, or the device's default).
+    pub fn add_slot(&self, passphrase: &Secret, kdf: Option<Kdf>) -> Result<usize, String> {
+        let io = HeaderIo::open(&self.base)?;
+        let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+        let Keys { luks, key } = &mut *keys;
+        luks.add_slot(
+            &mut |at, b| io.write(at, b),
+            key,
+            &passphrase.0,
+            kdf.unwrap_or(self.kdf_default),
+        )
+    }
+
+    /// Removes key slot `slot` (never the last one).
+    pub fn remove_slot(&self, slot: usize) -> Result<(), String> {
+        let io = HeaderIo::open(&self.base)?;
+        let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+        keys.luks.remove_slot(&mut |at, b| io.write(at, b), slot)
+    }
+}
+
+impl Device for CryptDevice {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn describe(&self) -> String {
+        format!(
+            "crypt over {}: {} aes-xts-plain64, {}-bit key, {}-byte sectors, data at {} ({})",
+            self.base.name(),
+            self.format.name(),
+            self.xts.key_bits(),
+            self.segment.sector_bytes,
+            cairn_core::size::format_bytes(self.segment.offset),
+            self.uuid
+        )
+    }
+    fn geometry(&self) -> Geometry {
+        let base = self.base.geometry();
+        Geometry {
+            size_bytes: self.size,
+            block_bytes: self.block,
+            caps: cairn_core::Caps {
+                discard: true,
+                write_zeroes: true,
+                ..base.caps
+            },
+        }
+    }
+    fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
+        let base = cairn_core::handoff::open_member(core, &self.base)?;
+        let queue = Rc::new(CryptQueue {
+            core: core.clone(),
+            stats: QueueStats::named(core.switches().stats, self.name()),
+            base,
+            xts: self.xts.clone(),
+            segment: self.segment,
+            sink: Cell::new(SinkId(u32::MAX)),
+            requests: RefCell::new(Slab::with_capacity(256)),
+            bounces: RefCell::new(Vec::with_capacity(256)),
+            pool: RefCell::new(Pool::default()),
+        });
+        queue.sink.set(core.register_sink(queue.clone()));
+        Ok(queue)
+    }
+    fn children(&self) -> Vec<Arc<dyn Device>> {
+        vec![self.base.clone()]
+    }
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+    fn lost_writes(&self) -> cairn_core::LostWrites {
+        self.base.lost_writes()
+    }
+    fn lost_writes_made_up(&self) {
+        self.base.lost_writes_made_up()
+    }
+    fn read_only(&self) -> bool {
+        self.base.read_only()
+    }
+}
+
+/// Bounce buffers of a queue, by size class (powers of two from 4 KiB), reused: after
+/// the first requests of each size a write allocates nothing.
+#[derive(Default)]
+struct Pool {
+    free: Vec<Vec<AlignedBuf>>,
+    kept: usize,
+}
+
+/// Bytes of bounce buffers a queue keeps for reuse; more are freed when done.
+const POOL_KEEP_BYTES: usize = 32 << 20;
+/// Largest piece of a write-zeroes or discard encrypted and written at once.
+const ZERO_CHUNK: u64 = 1 << 20;
+
+impl Pool {
+    fn class(len: usize) -> usize {
+        len.max(4096).next_power_of_two().trailing_zeros() as usize - 12
+    }
+
+    fn take(&mut self, len: usize) -> AlignedBuf {
+        let c = Self::class(len);
+        match self.free.get_mut(c).and_then(Vec::pop) {
+            Some(b) => {
+                self.kept -= b.len();
+                b
+            }
+            None => AlignedBuf::new(1 << (c + 12)),
+        }
+    }
+
+    fn give(&mut self, b: AlignedBuf) {
+        if self.kept + b.len() > POOL_KEEP_BYTES {
+            return;
+        }
+        let c = Self::class(b.len());
+        if self.free.len() <= c {
+            self.free.resize_with(c + 1, Vec::new);
+        }
+        self.kept += b.len();
+        self.free[c].push(b);
+    }
+}
+
+/// A request in flight (its bounce buffer, if any, in `CryptQueue::bounces` at the same
+/// index).
+#[derive(Clone, Copy)]
+struct Req {
+    io: Io,
+    start: u64,
+    /// For write-zeroes and discard: bytes sent so far.
+    done: u64,
+}
+
+struct CryptQueue {
+    core: Rc<Core>,
+    stats: QueueStats,
+    base: Rc<dyn Queue>,
+    xts: Arc<Xts>,
+    segment: Segment,
+    sink: Cell<SinkId>,
+    requests: RefCell<Slab<Req>>,
+    /// The bounce buffer of each request in flight, by its index in `requests`.
+    bounces: RefCell<Vec<Option<AlignedBuf>>>,
+    pool: RefCell<Pool>,
+}
+
+impl CryptQueue {
+    /// Records request `r` with bounce buffer `b`; returns its index.
+    fn insert(&self, r: Req, b: Option<AlignedBuf>) -> u32 {
+        let index = self.requests.borrow_mut().insert(r);
+        let mut bounces = self.bounces.borrow_mut();
+        if bounces.len() <= index as usize {
+            bounces.resize_with(index as usize + 1, || None);
+        }
+        bounces[index as usize] = b;
+        index
+    }
+
+    /// The IV of the sector at byte `offset` of the device.
+    fn iv(&self, offset: u64) -> u64 {
+        self.segment.iv_tweak + offset / 512
+    }
+
+    /// Encrypts the next chunk of zeros of request `index` and writes it.
+    fn send_zeros(&self, index: u32) {
+        let mut requests = self.requests.borrow_mut();
+        let r = requests.get_mut(index);
+        let len = (r.io.len - r.done).min(ZERO_CHUNK);
+        let offset = r.io.offset + r.done;
+        let mut bounces = self.bounces.borrow_mut();
+        let b = bounces[index as usize]
+            .as_mut()
+            .expect("a zero request has its bounce buffer");
+        let data = &mut b.as_mut_slice()[..len as usize];
+        data.fill(0);
+        self.xts.run(
+            data,
+            self.segment.sector_bytes as usize,
+            self.iv(offset),
+            true,
+        );
+        let io = Io {
+            op: Op::Write,
+            flags: r.io.flags,
+            offset: self.segment.offset + offset,
+            len,
+            buf: data.as_mut_ptr(),
+            sink: self.sink.get(),
+            token: u64::from(index),
+        };
+        r.done += len;
+        drop((requests, bounces));
+        self.base.submit(io);
+    }
+}
+
+impl Queue for CryptQueue {
+    fn submit(&self, io: Io) {
+        let now = self.core.now_ns();
+        self.stats.start(io.flags, now);
+        let sector = self.segment.sector_bytes as usize;
+        let (bounce, buf) = match io.op {
+            Op::Write => {
+                let mut b = self.pool.borrow_mut().take(io.len as usize);
+                let data = &mut b.as_mut_slice()[..io.len as usize];
+                // SAFETY: the submitter keeps `io.buf` valid for `io.len` bytes until the
+                // request completes; it is only read here.
+                data.copy_from_slice(unsafe { std::slice::from_raw_parts(io.buf, data.len()) });
+                self.xts.run(data, sector, self.iv(io.offset), true);
+                let p = data.as_mut_ptr();
+                (Some(b), p)
+            }
+            Op::Discard | Op::WriteZeroes => {
+                let b = self
+                    .pool
+                    .borrow_mut()
+                    .take(io.len.min(ZERO_CHUNK) as usize);
+                let index = self.insert(
+                    Req {
+                        io,
+                        start: now,
+                        done: 0,
+                    },
+                    Some(b),
+                );
+                self.send_zeros(index);
+                return;
+            }
+            Op::Read | Op::Flush => (None, io.buf),
+        };
+        let index = self.insert(
+            Req {
+                io,
+                start: now,
+                done: 0,
+            },
+            bounce,
+        );
+        let offset = if io.op == Op::Flush {
+            0
+        } else {
+            self.segment.offset + io.offset
+        };
+        self.base.submit(Io {
+            offset,
+            buf,
+            sink: self.sink.get(),
+            token: u64::from(index),
+            ..io
+        });
+    }
+
+    fn stats(&self) -> &QueueStats {
+        &self.stats
+    }
+
+    fn children(&self) -> Vec<Rc<dyn Queue>> {
+        vec![self.base.clone()]
+    }
+}
+
+impl Sink for CryptQueue {
+    fn io_done(&self, token: u64, status: IoStatus) {
+        let index = token as u32;
+        {
+            let requests = self.requests.borrow();
+            let r = requests.get(index);
+            if status.is_ok() && matches!(r.io.op, Op::Discard | Op::WriteZeroes) && r.done < r.io.len
+            {
+                drop(requests);
+                self.send_zeros(index);
+                return;
+            }
+        }
+        let r = self.requests.borrow_mut().remove(index);
+        if let Some(b) = self.bounces.borrow_mut()[index as usize].take() {
+            self.pool.borrow_mut().give(b);
+        }
+        if r.io.op == Op::Read && status.is_ok() {
+            // SAFETY: the submitter's buffer, valid for `len` bytes until this completion,
+            // now holds what the base read.
+            let data = unsafe { std::slice::from_raw_parts_mut(r.io.buf, r.io.len as usize) };
+            self.xts.run(
+                data,
+                self.segment.sector_bytes as usize,
+                self.iv(r.io.offset),
+                false,
+            );
+        }
+        self.stats
+            .finish(&r.io, r.start, || self.core.now_ns(), status.is_ok());
+        self.core.deliver(r.io.sink, r.io.token, status);
+    }
+}
