@@ -114,6 +114,14 @@ pub const COMMANDS: &[(&str, &str, &str)] = &[
          waiting now, rates since the last look), set DEVICE KEY=VALUE... (a live change of \
          its limits, its group's for a group; 0 takes a limit away)",
     ),
+    (
+        "crypt",
+        "crypt ACTION ...",
+        "crypt devices' LUKS key slots: list [--json], add DEVICE PASSPHRASE_FILE \
+         [KEY=VALUE...] (a new slot opened by the file's passphrase; kdf, kdf_iterations, \
+         kdf_memory, kdf_parallel, kdf_hash as in the stack file), remove DEVICE SLOT (never \
+         the last); key rotation is add then remove",
+    ),
     ("help", "help", "this list"),
 ];
 
@@ -692,6 +700,10 @@ fn command(line: &str, view: &View) -> String {
         Some("throttle") => {
             let args: Vec<&str> = words.collect();
             crate::throttle::command(&args, roots)
+        }
+        Some("crypt") => {
+            let args: Vec<&str> = words.collect();
+            crate::crypt::command(&args, roots)
         }
         Some("checkpoint") => {
             let args: Vec<&str> = words.collect();

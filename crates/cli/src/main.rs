@@ -9,6 +9,7 @@ mod admin;
 mod backup;
 mod bench;
 mod bitmaps;
+mod crypt;
 mod man;
 mod metrics;
 mod serve;

@@ -20,6 +20,7 @@ use crate::wrap::{Delays, FaultRule};
 use crate::DEFAULT_BLOCK_BYTES;
 
 mod crypt;
+pub use crypt::crypt_kdf;
 
 const EXPORT_KEYS: [&str; 6] = [
     "device",

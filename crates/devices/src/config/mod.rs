@@ -429,6 +429,8 @@ type Shared<'a> = (
     &'a HashMap<String, Arc<crate::throttle::Throttle>>,
 );
 
+pub use keys::crypt_kdf;
+
 /// Throttle `device`'s `limits` changed by `words` (`KEY=VALUE`, the stack file's keys;
 /// 0 takes a limit away), or why not.
 pub fn change_limits(

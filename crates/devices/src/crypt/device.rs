@@ -208,9 +208,8 @@ impl CryptDevice {
                         want.name()
                     )));
                 }
-                let luks = Luks::read(found, &mut |at, b| io.read(at, b)).map_err(|m| {
-                    e(format!("base '{base_name}': {m}"))
-                })?;
+                let luks = Luks::read(found, &mut |at, b| io.read(at, b))
+                    .map_err(|m| e(format!("base '{base_name}': {m}")))?;
                 match (&raw, &passphrase) {
                     (Some(k), _) => {
                         if !luks.check(&k.0) {
@@ -226,16 +225,14 @@ impl CryptDevice {
                             .map_err(|m| e(format!("base '{base_name}': {m}")))?;
                         (luks, key, Some(slot))
                     }
-                    (None, None) => {
-                        return Err(e("passphrase_file or key_file is needed".into()))
-                    }
+                    (None, None) => return Err(e("passphrase_file or key_file is needed".into())),
                 }
             }
             Probe::Blank if opts.create => {
                 let format = opts.format.unwrap_or(Format::Luks2);
                 let Some(p) = &passphrase else {
                     return Err(e(
-                        "create needs passphrase_file (the passphrase of key slot 0)".into()
+                        "create needs passphrase_file (the passphrase of key slot 0)".into(),
                     ));
                 };
                 let key = match &raw {
@@ -251,6 +248,20 @@ impl CryptDevice {
                     Format::Luks2 => 4096,
                 });
                 let kdf = opts.kdf_for(format);
+                // The headers take 2 MiB (LUKS1) or 16 MiB (LUKS2): refused before any
+                // byte is written.
+                let headers: u64 = match format {
+                    Format::Luks1 => 2 << 20,
+                    Format::Luks2 => 16 << 20,
+                };
+                if base.geometry().size_bytes < headers + u64::from(sector) {
+                    return Err(e(format!(
+                        "base '{base_name}' ({} bytes) is too small: a {} header takes {} and the data at least a sector",
+                        base.geometry().size_bytes,
+                        format.name(),
+                        cairn_core::size::format_bytes(headers)
+                    )));
+                }
                 let luks = if write {
                     let luks = Luks::create(
                         format,
@@ -325,12 +336,10 @@ impl CryptDevice {
         };
         let size = match end {
             Some(end) if end <= geo.size_bytes && end > segment.offset => end - segment.offset,
-            _ => {
-                return Err(e(format!(
-                    "base '{base_name}' ({} bytes) is too small for its data segment (from byte {})",
-                    geo.size_bytes, segment.offset
-                )))
-            }
+            _ => return Err(e(format!(
+                "base '{base_name}' ({} bytes) is too small for its data segment (from byte {})",
+                geo.size_bytes, segment.offset
+            ))),
         };
         let size = size - size % u64::from(block);
         if size == 0 || !segment.offset.is_multiple_of(u64::from(geo.block_bytes)) {
@@ -592,10 +601,7 @@ impl Queue for CryptQueue {
                 (Some(b), p)
             }
             Op::Discard | Op::WriteZeroes => {
-                let b = self
-                    .pool
-                    .borrow_mut()
-                    .take(io.len.min(ZERO_CHUNK) as usize);
+                let b = self.pool.borrow_mut().take(io.len.min(ZERO_CHUNK) as usize);
                 let index = self.insert(
                     Req {
                         io,
@@ -646,7 +652,9 @@ impl Sink for CryptQueue {
         {
             let requests = self.requests.borrow();
             let r = requests.get(index);
-            if status.is_ok() && matches!(r.io.op, Op::Discard | Op::WriteZeroes) && r.done < r.io.len
+            if status.is_ok()
+                && matches!(r.io.op, Op::Discard | Op::WriteZeroes)
+                && r.done < r.io.len
             {
                 drop(requests);
                 self.send_zeros(index);

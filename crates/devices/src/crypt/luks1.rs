@@ -373,7 +373,8 @@ impl Header {
     }
 
     /// Adds a key slot (the lowest free one) holding `key`, which must be the master key,
-    /// opened by `passphrase`: its key material first, then the header.
+    /// opened by `passphrase` (PBKDF2 with the header's hash, whatever `kdf` names): its
+    /// key material first, then the header.
     pub fn add_slot(
         &mut self,
         write: &mut WriteAt<'_>,
@@ -381,15 +382,9 @@ impl Header {
         passphrase: &[u8],
         kdf: Kdf,
     ) -> Result<usize, String> {
+        // A LUKS1 header has one hash, for its digest and every slot.
         let iterations = match kdf {
-            Kdf::Pbkdf2 { hash, iterations } if hash == self.hash => iterations,
-            Kdf::Pbkdf2 { hash, .. } => {
-                return Err(format!(
-                    "this LUKS1 header's slots use {}, not {}",
-                    self.hash.name(),
-                    hash.name()
-                ))
-            }
+            Kdf::Pbkdf2 { iterations, .. } => iterations,
             Kdf::Argon2id { .. } => {
                 return Err("LUKS1 key slots use pbkdf2 only (argon2id needs LUKS2)".into())
             }

@@ -26,6 +26,32 @@ pub(in crate::config) const CRYPT_KEYS: [&str; 12] = [
 /// Argon2id's memory, from 32 KiB to 4 GiB (cryptsetup's bounds).
 const ARGON2_MEMORY: std::ops::RangeInclusive<u64> = (32 << 10)..=(4 << 30);
 
+/// The key derivation `words` (`KEY=VALUE`: kdf, kdf_iterations, kdf_memory,
+/// kdf_parallel, kdf_hash) ask for a new slot of a `format` header on `device`; `None`:
+/// the device's own.
+pub fn crypt_kdf(device: &str, format: Format, words: &[&str]) -> Result<Option<Kdf>, Error> {
+    let mut table = toml::Table::new();
+    for w in words {
+        let Some((k, v)) = w.split_once('=') else {
+            return Err(err(format!("'{}' is not KEY=VALUE", super::shown(w))));
+        };
+        let value = match v.parse::<i64>() {
+            Ok(n) => Value::Integer(n),
+            Err(_) => Value::String(v.to_string()),
+        };
+        table.insert(k.to_string(), value);
+    }
+    let keys = Keys {
+        device,
+        noun: "device",
+        kind: "crypt",
+        table: &table,
+        known: &CRYPT_KEYS[7..],
+    };
+    keys.check_unknown()?;
+    keys.kdf(Some(format))
+}
+
 impl Keys<'_> {
     fn path(&self, key: &str) -> Result<Option<std::path::PathBuf>, Error> {
         match self.string(key)? {
@@ -73,16 +99,18 @@ impl Keys<'_> {
             Some(_) => return Err(self.out_of_range("sector_size", "512 or 4096")),
         };
         if sector_bytes == Some(4096) && format == Some(Format::Luks1) {
-            return Err(self.bad("sector_size", "= 4096 needs format = \"luks2\" (LUKS1 has 512-byte sectors)"));
+            return Err(self.bad(
+                "sector_size",
+                "= 4096 needs format = \"luks2\" (LUKS1 has 512-byte sectors)",
+            ));
         }
         let key_bytes = match self.integer("key_size")? {
             None | Some(512) => 64,
             Some(256) => 32,
             Some(_) => {
-                return Err(self.out_of_range(
-                    "key_size",
-                    "512 (AES-256-XTS) or 256 (AES-128-XTS) bits",
-                ))
+                return Err(
+                    self.out_of_range("key_size", "512 (AES-256-XTS) or 256 (AES-128-XTS) bits")
+                )
             }
         };
         let kdf = self.kdf(format)?;
@@ -118,7 +146,11 @@ impl Keys<'_> {
             ),
         };
         let kind = match self.table.get("kdf") {
-            None if iterations.is_none() && memory.is_none() && parallel.is_none() && hash.is_none() => {
+            None if iterations.is_none()
+                && memory.is_none()
+                && parallel.is_none()
+                && hash.is_none() =>
+            {
                 return Ok(None)
             }
             None if format == Some(Format::Luks1) || hash.is_some() => "pbkdf2",
@@ -129,13 +161,17 @@ impl Keys<'_> {
         if kind == "pbkdf2" {
             for key in ["kdf_memory", "kdf_parallel"] {
                 if self.table.contains_key(key) {
-                    return Err(self.bad(key, "is argon2id's: pbkdf2 has kdf_iterations and kdf_hash"));
+                    return Err(
+                        self.bad(key, "is argon2id's: pbkdf2 has kdf_iterations and kdf_hash")
+                    );
                 }
             }
             let iterations = match iterations {
                 None => 1_000_000,
                 Some(n @ 1000..=0xffff_ffff) => n as u32,
-                Some(_) => return Err(self.out_of_range("kdf_iterations", "from 1000 to 4294967295")),
+                Some(_) => {
+                    return Err(self.out_of_range("kdf_iterations", "from 1000 to 4294967295"))
+                }
             };
             return Ok(Some(Kdf::Pbkdf2 {
                 hash: hash.unwrap_or(Hash::Sha256),
@@ -143,7 +179,10 @@ impl Keys<'_> {
             }));
         }
         if format == Some(Format::Luks1) {
-            return Err(self.bad("kdf", "= \"argon2id\" needs format = \"luks2\" (LUKS1 has pbkdf2 only)"));
+            return Err(self.bad(
+                "kdf",
+                "= \"argon2id\" needs format = \"luks2\" (LUKS1 has pbkdf2 only)",
+            ));
         }
         if hash.is_some() {
             return Err(self.bad("kdf_hash", "is pbkdf2's: argon2id has no hash to choose"));
@@ -159,7 +198,11 @@ impl Keys<'_> {
         let time = match iterations {
             None => t0,
             Some(n @ 1..=1000) => n as u32,
-            Some(_) => return Err(self.out_of_range("kdf_iterations", "from 1 to 1000 passes for argon2id")),
+            Some(_) => {
+                return Err(
+                    self.out_of_range("kdf_iterations", "from 1 to 1000 passes for argon2id")
+                )
+            }
         };
         let parallel = match parallel {
             None => p0,
