@@ -99,8 +99,7 @@ pub struct SlotInfo {
 pub fn random(buf: &mut [u8]) -> Result<(), String> {
     let mut filled = 0;
     while filled < buf.len() {
-        match rustix::rand::getrandom(&mut buf[filled..], rustix::rand::GetRandomFlags::empty())
-        {
+        match rustix::rand::getrandom(&mut buf[filled..], rustix::rand::GetRandomFlags::empty()) {
             Ok(n) => filled += n,
             Err(rustix::io::Errno::INTR) => {}
             Err(e) => return Err(format!("no random bytes from the kernel: {e}")),
