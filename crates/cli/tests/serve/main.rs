@@ -841,6 +841,11 @@ mod backup;
 mod throttle;
 
 // ---------------------------------------------------------------------------------------
+// Encryption: LUKS volumes both ways with qemu and cryptsetup, key slots online
+
+mod crypt;
+
+// ---------------------------------------------------------------------------------------
 // Copying and checking data with nbdcopy, qemu-img, qemu-io and fio
 
 mod clients;
