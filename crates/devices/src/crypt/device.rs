@@ -336,10 +336,12 @@ impl CryptDevice {
         };
         let size = match end {
             Some(end) if end <= geo.size_bytes && end > segment.offset => end - segment.offset,
-            _ => return Err(e(format!(
+            _ => {
+                return Err(e(format!(
                 "base '{base_name}' ({} bytes) is too small for its data segment (from byte {})",
                 geo.size_bytes, segment.offset
-            ))),
+            )))
+            }
         };
         let size = size - size % u64::from(block);
         if size == 0 || !segment.offset.is_multiple_of(u64::from(geo.block_bytes)) {
