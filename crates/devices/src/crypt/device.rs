@@ -597,8 +597,9 @@ impl Queue for CryptQueue {
                 let data = &mut b.as_mut_slice()[..io.len as usize];
                 // SAFETY: the submitter keeps `io.buf` valid for `io.len` bytes until the
                 // request completes; it is only read here.
-                data.copy_from_slice(unsafe { std::slice::from_raw_parts(io.buf, data.len()) });
-                self.xts.run(data, sector, self.iv(io.offset), true);
+                let plain = unsafe { std::slice::from_raw_parts(io.buf, data.len()) };
+                self.xts
+                    .encrypt_from(plain, data, sector, self.iv(io.offset));
                 let p = data.as_mut_ptr();
                 (Some(b), p)
             }
