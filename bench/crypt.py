@@ -2,7 +2,7 @@
 """Encryption (issue 39): what the crypt device costs against the cipher alone, and
 against qemu-storage-daemon's luks driver over NBD.
 
-  bench/crypt.py [--rounds N] [--runtime SECS] [--parts cipher,qsd] [--quick]
+  bench/crypt.py [--rounds N] [--runtime SECS] [--parts cipher,qsd,neighbour] [--quick]
 
 Everything lives in a fresh directory under /dev/shm, removed at the end (also on Ctrl-C
 or SIGTERM) with every process the script started. The script runs target/release/cairn
@@ -20,6 +20,14 @@ or SIGTERM) with every process the script started. The script runs target/releas
           iothread) and by `cairn serve` (crypt over a file device), one after the other;
           the client is cairn's NBD device driven by `cairn bench`: 4 KiB randread and
           randwrite at iodepth 32. Target: cairn >= 1.5x qsd on both.
+
+  neighbour  whether ciphering on the reactor stalls another device's requests more than
+          the cipher's own cost: one `cairn serve --threads 1` (one reactor for both)
+          with export `p` (mem) probed by fio (ioengine=nbd, 4 KiB randread, iodepth 1),
+          while export `n` takes 128 KiB writes at iodepth 8 from a second fio: `n` a
+          crypt over mem, against `n` a plain mem (the same load without the cipher) and
+          no load at all. Reported: the probe's mean and 99th percentile latency, and
+          the cipher's own time per 128 KiB write (from the cipher part's openssl figure).
 
 Medians of --rounds (3) interleaved rounds, with the range of per-round ratios. Tables
 (Markdown) on stdout, JSON in bench/out/crypt-*.json, progress on stderr. The script
@@ -169,24 +177,32 @@ class Qsd(thin.Server):
         return self
 
 
-class CairnCrypt(thin.Server):
+class CairnServe(thin.Server):
+    """`cairn serve STACK` on a Unix socket, `uri` naming `export`."""
+
     kind = "serve-crypt"
 
-    def __init__(self, d, img, passfile):
+    def __init__(self, d, stack, export, extra=()):
         super().__init__(d)
         self.sock = os.path.join(d, "nbd.sock")
-        self.uri = f"nbd+unix:///c?socket={self.sock}"
-        self.stack = os.path.join(d, "serve.toml")
-        with open(self.stack, "w") as f:
-            f.write(f'[device.d]\ntype = "file"\npath = "{img}"\n'
-                    f'[device.c]\ntype = "crypt"\nbase = "d"\npassphrase_file = "{passfile}"\n'
-                    '[export.c]\ndevice = "c"\n')
+        self.uri = f"nbd+unix:///{export}?socket={self.sock}"
+        self.stack, self.extra = stack, list(extra)
 
     def start(self):
-        self.cmd = [CAIRN, "serve", "--log-level", "warn", self.stack, "--listen",
-                    f"unix:{self.sock}"]
+        self.cmd = [CAIRN, "serve", "--log-level", "warn", *self.extra, self.stack,
+                    "--listen", f"unix:{self.sock}"]
         self.launch()
         return self
+
+
+def crypt_file_stack(d, img, passfile):
+    """A stack file serving LUKS image `img` as export `c`."""
+    stack = os.path.join(d, "serve.toml")
+    with open(stack, "w") as f:
+        f.write(f'[device.d]\ntype = "file"\npath = "{img}"\n'
+                f'[device.c]\ntype = "crypt"\nbase = "d"\npassphrase_file = "{passfile}"\n'
+                '[export.c]\ndevice = "c"\n')
+    return stack
 
 
 def client(a, d, srv, rw):
@@ -215,13 +231,15 @@ def qsd_part(a):
     run(["qemu-io", "--object", secret, "--image-opts",
          f"driver=luks,key-secret=sec0,file.filename={img}", "-c", "write -P 0x5a 0 1G"],
         600, "qemu-io fill")
-    servers = [("cairn", lambda: CairnCrypt(d, img, pf)), ("qsd", lambda: Qsd(d, img, pf))]
+    stack = crypt_file_stack(d, img, pf)
+    servers = [("cairn", lambda: CairnServe(d, stack, "c")), ("qsd", lambda: Qsd(d, img, pf))]
     res = {}
     try:
         for rnd in range(a.rounds):
             for label, make in (servers[::-1] if rnd % 2 else servers):
-                srv = make().start()
+                srv = make()
                 try:
+                    srv.start()
                     for rw in ["randread", "randwrite"]:
                         try:
                             r = client(a, d, srv, rw)
@@ -246,21 +264,97 @@ def qsd_part(a):
     out("")
 
 
+# ---------------------------------------------------------------- neighbour
+
+def fio_json(o):
+    return json.loads(o[o.index("{"):])
+
+
+def neighbour_part(a):
+    variants = [("no load", None), ("mem neighbour", "mem"), ("crypt neighbour", "crypt")]
+    res = {}
+    for rnd in range(a.rounds):
+        for label, kind in (variants[::-1] if rnd % 2 else variants):
+            d = fresh("neighbour")
+            pf = os.path.join(d, "pass")
+            with open(pf, "wb") as f:
+                f.write(PASS)
+            text = ('[device.p]\ntype = "mem"\nsize = "256M"\n'
+                    '[device.m]\ntype = "mem"\nsize = "300M"\n[export.p]\ndevice = "p"\n')
+            if kind == "crypt":
+                text += (f'[device.c]\ntype = "crypt"\nbase = "m"\npassphrase_file = "{pf}"\n'
+                         'create = true\nkdf = "pbkdf2"\nkdf_iterations = 1000\n'
+                         '[export.n]\ndevice = "c"\n')
+            else:
+                text += '[export.n]\ndevice = "m"\n'
+            stack = os.path.join(d, "stack.toml")
+            with open(stack, "w") as f:
+                f.write(text)
+            srv = CairnServe(d, stack, "p", ["--threads", "1"])
+            load = None
+            try:
+                srv.start()
+                if kind:
+                    cmd = thin.fio_cmd(f"nbd+unix:///n?socket={srv.sock}", "randwrite", "128k", 8,
+                                       runtime=a.runtime + 3, size="256M")
+                    load = thin.spawn(cmd, load=True, stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                    time.sleep(1)
+                probe = thin.fio_cmd(srv.uri, "randread", "4k", 1, runtime=a.runtime, size="256M")
+                o, _ = run(probe, a.runtime + 60, f"probe fio ({label})", load=True)
+                job = fio_json(o)["jobs"][0]["read"]
+                r = {"probe_mean_us": job["clat_ns"]["mean"] / 1000,
+                     "probe_p99_us": job["clat_ns"]["percentile"]["99.000000"] / 1000,
+                     "probe_iops": job["iops"]}
+                if load:
+                    lo, _ = load.communicate(timeout=a.runtime + 60)
+                    thin.reap(load)
+                    r["load_bytes_per_s"] = fio_json(lo)["jobs"][0]["write"]["bw_bytes"]
+                    load = None
+                save(f"neighbour-{label.replace(' ', '_')}-{rnd}", r)
+                res.setdefault(label, []).append(r)
+                print(f"  {label} round {rnd + 1}: probe mean {r['probe_mean_us']:.1f} us, "
+                      f"p99 {r['probe_p99_us']:.1f} us, load "
+                      f"{r.get('load_bytes_per_s', 0) / 1e6:.0f} MB/s", file=sys.stderr)
+            except (Failed, ValueError, KeyError, subprocess.TimeoutExpired) as e:
+                print(f"  {label} round {rnd + 1}: FAILED: {e}", file=sys.stderr)
+            finally:
+                if load:
+                    thin.killgroup(load)
+                    load.wait()
+                    thin.reap(load)
+                srv.stop()
+                shutil.rmtree(d, ignore_errors=True)
+    out("## A neighbour's cipher on the same reactor\n",
+        "`cairn serve --threads 1`: export `p` (mem) probed with 4 KiB reads at iodepth 1 while "
+        "export `n` takes 128 KiB writes at iodepth 8.\n",
+        "| neighbour | probe mean (µs) | probe p99 (µs) | neighbour MB/s |", "|---|---|---|---|")
+    for label, _ in variants:
+        rs = res.get(label, [])
+        med = lambda k: (f"{statistics.median(r[k] for r in rs):.1f}"  # noqa: E731
+                         if rs and all(k in r for r in rs) else "-")
+        mbs = (f"{statistics.median(r['load_bytes_per_s'] for r in rs) / 1e6:.0f}"
+               if rs and all("load_bytes_per_s" in r for r in rs) else "-")
+        out(f"| {label} | {med('probe_mean_us')} | {med('probe_p99_us')} | {mbs} |")
+    out("")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.splitlines()[2:]))
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--runtime", type=int, default=None)
-    ap.add_argument("--parts", default="cipher,qsd")
+    ap.add_argument("--parts", default="cipher,qsd,neighbour")
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
     a.rounds = a.rounds or (1 if a.quick else 3)
     a.runtime = a.runtime or (2 if a.quick else 5)
     parts = a.parts.split(",")
     thin.binary_check()
-    need = ["openssl"] + (["qemu-img", "qemu-io", "qemu-storage-daemon", "nbdinfo"]
-                          if "qsd" in parts else [])
+    need = ["openssl", "nbdinfo"] + (["qemu-img", "qemu-io", "qemu-storage-daemon"]
+                                     if "qsd" in parts else []) + (
+        ["fio"] if "neighbour" in parts else [])
     missing = [t for t in need if shutil.which(t) is None]
     if missing:
         sys.exit(f"missing: {', '.join(missing)}")
@@ -277,6 +371,8 @@ def main():
             cipher_part(a)
         if "qsd" in parts:
             qsd_part(a)
+        if "neighbour" in parts:
+            neighbour_part(a)
     except KeyboardInterrupt:
         print("interrupted: stopping what runs and removing the files", file=sys.stderr)
         sys.exit(130)

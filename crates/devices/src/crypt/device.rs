@@ -164,6 +164,8 @@ pub struct CryptDevice {
     opened_by: Option<usize>,
     keys: Mutex<Keys>,
     kdf_default: Kdf,
+    /// A stand-in for `cairn check`: the header `create` would write, in memory only.
+    stand_in: bool,
 }
 
 impl CryptDevice {
@@ -199,6 +201,7 @@ impl CryptDevice {
         let mut first = vec![0u8; PROBE_BYTES];
         io.read(0, &mut first).map_err(e)?;
         let base_name = base.name().to_string();
+        let mut stand_in = false;
         let (luks, key, slot) = match probe(&first) {
             Probe::Luks(found) => {
                 if let Some(want) = opts.format.filter(|&w| w != found) {
@@ -280,6 +283,7 @@ impl CryptDevice {
                     luks
                 } else {
                     // A stand-in header in memory: nothing reaches the base.
+                    stand_in = true;
                     let mut image = vec![0u8; 16 << 20];
                     let quick = match format {
                         Format::Luks1 => Kdf::Pbkdf2 {
@@ -363,6 +367,7 @@ impl CryptDevice {
             opened_by: slot,
             kdf_default: opts.kdf_for(luks.format()),
             keys: Mutex::new(Keys { luks, key }),
+            stand_in,
         })
     }
 
@@ -423,7 +428,11 @@ impl Device for CryptDevice {
             self.xts.key_bits(),
             self.segment.sector_bytes,
             cairn_core::size::format_bytes(self.segment.offset),
-            self.uuid
+            if self.stand_in {
+                "to be formatted by serve or bench".to_string()
+            } else {
+                format!("UUID {}", self.uuid)
+            }
         )
     }
     fn geometry(&self) -> Geometry {
