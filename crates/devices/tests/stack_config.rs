@@ -267,6 +267,72 @@ mod parses {
     }
 
     #[test]
+    fn a_bad_crypt_names_the_key() {
+        for (keys, key) in [
+            ("", "passphrase_file"),
+            (
+                "passphrase = \"hunter2\"",
+                "never written in the stack file",
+            ),
+            ("key = \"00\"", "never written in the stack file"),
+            ("passphrase_file = \"\"", "passphrase_file"),
+            ("passphrase_file = 5", "passphrase_file"),
+            ("key_file = \"k\"\ncreate = true", "passphrase_file"),
+            ("passphrase_file = \"p\"\nformat = \"luks3\"", "format"),
+            (
+                "passphrase_file = \"p\"\ncreate = true\nsector_size = 1024",
+                "sector_size",
+            ),
+            (
+                "passphrase_file = \"p\"\ncreate = true\nformat = \"luks1\"\nsector_size = 4096",
+                "sector_size",
+            ),
+            (
+                "passphrase_file = \"p\"\nsector_size = 512",
+                "only for create",
+            ),
+            (
+                "passphrase_file = \"p\"\ncreate = true\nkey_size = 384",
+                "key_size",
+            ),
+            ("passphrase_file = \"p\"\nkdf = \"scrypt\"", "kdf"),
+            (
+                "passphrase_file = \"p\"\nkdf = \"pbkdf2\"\nkdf_iterations = 999",
+                "kdf_iterations",
+            ),
+            (
+                "passphrase_file = \"p\"\nkdf = \"pbkdf2\"\nkdf_memory = \"64M\"",
+                "kdf_memory",
+            ),
+            ("passphrase_file = \"p\"\nkdf_memory = \"8K\"", "kdf_memory"),
+            ("passphrase_file = \"p\"\nkdf_parallel = 0", "kdf_parallel"),
+            (
+                "passphrase_file = \"p\"\nkdf = \"argon2id\"\nkdf_hash = \"sha1\"",
+                "kdf_hash",
+            ),
+            ("passphrase_file = \"p\"\nkdf_hash = \"md5\"", "kdf_hash"),
+            (
+                "passphrase_file = \"p\"\nformat = \"luks1\"\nkdf = \"argon2id\"",
+                "kdf",
+            ),
+            ("passphrase_file = \"p\"\ncipher = \"serpent\"", "cipher"),
+        ] {
+            let text = format!(
+                "{}[device.c]\ntype = \"crypt\"\nbase = \"d0\"\n{keys}\n",
+                mem("d0")
+            );
+            assert_names(&parse_err(&text), "c", key);
+        }
+        // A passphrase file that is not there: named when the device opens.
+        let text = format!(
+            "{}[device.c]\ntype = \"crypt\"\nbase = \"d0\"\npassphrase_file = \"/nonexistent/p\"\n",
+            mem("d0")
+        );
+        let m = open_err(&text, "c");
+        assert!(m.contains("'c'") && m.contains("/nonexistent/p"), "{m}");
+    }
+
+    #[test]
     fn a_fault_with_a_bad_times_names_the_key() {
         for value in ["-1", "\"once\"", "1.5"] {
             let text = format!(

@@ -927,6 +927,9 @@ pub(super) fn parse_device(
         table,
         known,
     };
+    if kind == "crypt" {
+        keys.no_inline_secret()?;
+    }
     keys.check_unknown()?;
     let latency = |key: &str| {
         keys.duration_in(key, Duration::ZERO..=limits::LATENCY_MAX, false)

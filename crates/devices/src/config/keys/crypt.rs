@@ -62,8 +62,9 @@ impl Keys<'_> {
         }
     }
 
-    /// A `crypt` device.
-    pub(in crate::config) fn crypt(&self) -> Result<DeviceSpec, Error> {
+    /// Refuses a passphrase or key written in the table itself (before the unknown keys,
+    /// to say why).
+    pub(in crate::config) fn no_inline_secret(&self) -> Result<(), Error> {
         if self.table.contains_key("passphrase") || self.table.contains_key("key") {
             return Err(err(format!(
                 "device '{}': a key is never written in the stack file: put it in a file \
@@ -71,6 +72,11 @@ impl Keys<'_> {
                 self.device
             )));
         }
+        Ok(())
+    }
+
+    /// A `crypt` device.
+    pub(in crate::config) fn crypt(&self) -> Result<DeviceSpec, Error> {
         let passphrase_file = self.path("passphrase_file")?;
         let key_file = self.path("key_file")?;
         if passphrase_file.is_none() && key_file.is_none() {
