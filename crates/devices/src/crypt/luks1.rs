@@ -53,6 +53,7 @@ impl Hash {
     }
 
     /// Bytes of its digest.
+    #[allow(clippy::len_without_is_empty)] // a digest is never empty
     pub fn len(self) -> usize {
         match self {
             Hash::Sha1 => 20,
@@ -385,8 +386,8 @@ impl Header {
         // A LUKS1 header has one hash, for its digest and every slot.
         let iterations = match kdf {
             Kdf::Pbkdf2 { iterations, .. } => iterations,
-            Kdf::Argon2id { .. } => {
-                return Err("LUKS1 key slots use pbkdf2 only (argon2id needs LUKS2)".into())
+            Kdf::Argon2id { .. } | Kdf::Argon2i { .. } => {
+                return Err("LUKS1 key slots use pbkdf2 only (argon2 needs LUKS2)".into())
             }
         };
         if !self.check(&key.0) {

@@ -37,6 +37,15 @@ pub enum Kdf {
         /// Lanes (`cpus`).
         parallel: u32,
     },
+    /// Argon2i (LUKS2 only; cryptsetup's `--pbkdf argon2i`).
+    Argon2i {
+        /// Passes over the memory.
+        time: u32,
+        /// Memory in KiB.
+        memory_kib: u32,
+        /// Lanes.
+        parallel: u32,
+    },
 }
 
 impl Kdf {
@@ -68,6 +77,14 @@ impl std::fmt::Display for Kdf {
             } => write!(
                 f,
                 "argon2id (time {time}, memory {memory_kib} KiB, {parallel} lanes)"
+            ),
+            Kdf::Argon2i {
+                time,
+                memory_kib,
+                parallel,
+            } => write!(
+                f,
+                "argon2i (time {time}, memory {memory_kib} KiB, {parallel} lanes)"
             ),
         }
     }

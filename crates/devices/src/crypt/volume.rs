@@ -34,7 +34,7 @@ impl Format {
 /// An open header.
 pub enum Luks {
     /// LUKS1.
-    V1(luks1::Header),
+    V1(Box<luks1::Header>),
     /// LUKS2.
     V2(Box<luks2::Header>),
 }
@@ -77,7 +77,7 @@ impl Luks {
             Format::Luks1 => {
                 let mut b = vec![0u8; luks1::HEADER_BYTES];
                 read(0, &mut b)?;
-                Luks::V1(luks1::Header::decode(&b)?)
+                Luks::V1(Box::new(luks1::Header::decode(&b)?))
             }
             Format::Luks2 => Luks::V2(Box::new(luks2::Header::read(read)?)),
         })
@@ -99,7 +99,9 @@ impl Luks {
                         "LUKS1 has 512-byte sectors, not {sector_bytes} (LUKS2 has 4096)"
                     ));
                 }
-                Luks::V1(luks1::Header::create(write, key, passphrase, kdf)?)
+                Luks::V1(Box::new(luks1::Header::create(
+                    write, key, passphrase, kdf,
+                )?))
             }
             Format::Luks2 => Luks::V2(Box::new(luks2::Header::create(
                 write,

@@ -161,8 +161,12 @@ impl Keys<'_> {
             }
             None if format == Some(Format::Luks1) || hash.is_some() => "pbkdf2",
             None => "argon2id",
-            Some(Value::String(k)) if k == "pbkdf2" || k == "argon2id" => k.as_str(),
-            Some(_) => return Err(self.bad("kdf", "must be \"argon2id\" or \"pbkdf2\"")),
+            Some(Value::String(k)) if ["pbkdf2", "argon2id", "argon2i"].contains(&k.as_str()) => {
+                k.as_str()
+            }
+            Some(_) => {
+                return Err(self.bad("kdf", "must be \"argon2id\", \"pbkdf2\" or \"argon2i\""))
+            }
         };
         if kind == "pbkdf2" {
             for key in ["kdf_memory", "kdf_parallel"] {
@@ -215,10 +219,19 @@ impl Keys<'_> {
             Some(n @ 1..=16) => n as u32,
             Some(_) => return Err(self.out_of_range("kdf_parallel", "from 1 to 16 lanes")),
         };
-        Ok(Some(Kdf::Argon2id {
-            time,
-            memory_kib: memory.map_or(m0, |m| (m >> 10) as u32),
-            parallel,
+        let memory_kib = memory.map_or(m0, |m| (m >> 10) as u32);
+        Ok(Some(if kind == "argon2i" {
+            Kdf::Argon2i {
+                time,
+                memory_kib,
+                parallel,
+            }
+        } else {
+            Kdf::Argon2id {
+                time,
+                memory_kib,
+                parallel,
+            }
         }))
     }
 }
