@@ -1,0 +1,268 @@
+//! Unit tests of LUKS2 headers: made, read back, opened, changed, damaged, refused.
+
+use super::copies::{be64, SEQID_AT};
+use super::fields::{base64_decode, base64_encode};
+use super::*;
+
+const PBKDF2: Kdf = Kdf::Pbkdf2 {
+    hash: Hash::Sha256,
+    iterations: 1000,
+};
+const ARGON2ID: Kdf = Kdf::Argon2id {
+    time: 1,
+    memory_kib: 8 << 10,
+    parallel: 1,
+};
+
+/// A change to a header's JSON.
+type Change = fn(&mut Value);
+
+/// An in-memory device of 17 MiB: the header and 1 MiB of data.
+struct Image(Vec<u8>);
+
+impl Image {
+    fn new() -> Image {
+        Image(vec![0u8; 17 << 20])
+    }
+
+    fn write(&mut self) -> impl FnMut(u64, &[u8]) -> Result<(), String> + '_ {
+        |at, b| {
+            let at = at as usize;
+            self.0
+                .get_mut(at..at + b.len())
+                .ok_or("past the end")?
+                .copy_from_slice(b);
+            Ok(())
+        }
+    }
+
+    fn read(&self) -> impl FnMut(u64, &mut [u8]) -> Result<(), String> + '_ {
+        |at, b| {
+            let at = at as usize;
+            b.copy_from_slice(self.0.get(at..at + b.len()).ok_or("past the end")?);
+            Ok(())
+        }
+    }
+
+    fn header(&self) -> Result<Header, String> {
+        Header::read(&mut self.read())
+    }
+
+    fn unlock(&self, pass: &[u8]) -> Result<(usize, Vec<u8>), String> {
+        let h = self.header()?;
+        let (slot, key) = h.unlock(pass, &mut self.read())?;
+        Ok((slot, key.0.clone()))
+    }
+}
+
+fn key() -> Secret {
+    Secret((0..64).map(|i| i * 3 + 1).collect())
+}
+
+#[test]
+fn a_made_header_reads_back_and_opens() {
+    for (kdf, sector) in [(PBKDF2, 4096), (ARGON2ID, 512)] {
+        let mut img = Image::new();
+        let made = Header::create(&mut img.write(), &key(), b"one", kdf, sector).unwrap();
+        let h = img.header().unwrap();
+        assert_eq!(h.uuid(), made.uuid());
+        assert_eq!(h.seqid, 1);
+        assert_eq!(h.key_bytes(), 64);
+        assert_eq!(
+            h.segment(),
+            Segment {
+                offset: 16 << 20,
+                size: None,
+                sector_bytes: sector,
+                iv_tweak: 0,
+            }
+        );
+        assert_eq!(h.slots(), vec![SlotInfo { index: 0, kdf }]);
+        assert_eq!(img.unlock(b"one").unwrap(), (0, key().0.clone()));
+        assert!(h.check(&key().0));
+        assert!(!h.check(&[0u8; 64]));
+        let e = img.unlock(b"two").unwrap_err();
+        assert!(e.contains("no key slot opens"), "{e}");
+        // The data area is left alone.
+        assert!(img.0[16 << 20..].iter().all(|&b| b == 0));
+    }
+}
+
+#[test]
+fn a_damaged_copy_leaves_the_other_and_two_refuse() {
+    let mut img = Image::new();
+    Header::create(&mut img.write(), &key(), b"one", PBKDF2, 4096).unwrap();
+    // A byte of the primary's JSON.
+    img.0[4200] ^= 1;
+    assert_eq!(img.unlock(b"one").unwrap().0, 0);
+    // And the secondary's binary header.
+    img.0[(16 << 10) + 20] ^= 1;
+    let e = img.header().unwrap_err();
+    assert!(
+        e.contains("both") && e.contains("primary") && e.contains("secondary"),
+        "{e}"
+    );
+    // The secondary alone, found by scanning when the primary's magic is gone.
+    let mut img = Image::new();
+    Header::create(&mut img.write(), &key(), b"one", PBKDF2, 4096).unwrap();
+    img.0[..4096].fill(0);
+    assert_eq!(img.unlock(b"one").unwrap().0, 0);
+}
+
+#[test]
+fn a_torn_update_leaves_the_older_copy() {
+    let mut img = Image::new();
+    let mut h = Header::create(&mut img.write(), &key(), b"one", PBKDF2, 4096).unwrap();
+    let before = img.0[..32 << 10].to_vec();
+    h.add_slot(&mut img.write(), &key(), b"two", PBKDF2)
+        .unwrap();
+    assert_eq!(img.header().unwrap().seqid, 2);
+    // The update got as far as the new primary's binary header (seqid 2) over the
+    // old JSON area; the secondary is still the old one.
+    img.0[16 << 10..32 << 10].copy_from_slice(&before[16 << 10..]);
+    img.0[4 << 10..16 << 10].copy_from_slice(&before[4 << 10..16 << 10]);
+    assert_eq!(be64(&img.0, SEQID_AT), 2);
+    let h = img.header().unwrap();
+    assert_eq!(h.seqid, 1);
+    assert_eq!(h.slots().len(), 1);
+    // With the new primary whole, it wins over the older secondary.
+    let mut img2 = Image::new();
+    let mut h = Header::create(&mut img2.write(), &key(), b"one", PBKDF2, 4096).unwrap();
+    let old_secondary = img2.0[16 << 10..32 << 10].to_vec();
+    h.add_slot(&mut img2.write(), &key(), b"two", PBKDF2)
+        .unwrap();
+    img2.0[16 << 10..32 << 10].copy_from_slice(&old_secondary);
+    assert_eq!(img2.header().unwrap().seqid, 2);
+    assert_eq!(img2.unlock(b"two").unwrap().0, 1);
+}
+
+#[test]
+fn slots_are_added_and_removed() {
+    let mut img = Image::new();
+    let mut h = Header::create(&mut img.write(), &key(), b"one", PBKDF2, 4096).unwrap();
+    let wrong = Secret(vec![9u8; 64]);
+    let e = h
+        .add_slot(&mut img.write(), &wrong, b"x", PBKDF2)
+        .unwrap_err();
+    assert!(e.contains("not this header's volume key"), "{e}");
+    assert_eq!(
+        h.add_slot(&mut img.write(), &key(), b"two", ARGON2ID)
+            .unwrap(),
+        1
+    );
+    assert_eq!(img.unlock(b"two").unwrap(), (1, key().0.clone()));
+    let read = img.header().unwrap();
+    assert_eq!(read.seqid, 2);
+    assert_eq!(read.meta.keyslots[&1].area_offset, (32 << 10) + 258048);
+    h.remove_slot(&mut img.write(), 0).unwrap();
+    assert!(img.unlock(b"one").is_err());
+    assert_eq!(img.unlock(b"two").unwrap().0, 1);
+    let e = h.remove_slot(&mut img.write(), 1).unwrap_err();
+    assert!(e.contains("only key slot"), "{e}");
+    assert!(h
+        .remove_slot(&mut img.write(), 0)
+        .unwrap_err()
+        .contains("not in use"));
+    // The freed number and area are used again.
+    assert_eq!(
+        h.add_slot(&mut img.write(), &key(), b"three", PBKDF2)
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        img.header().unwrap().meta.keyslots[&0].area_offset,
+        32 << 10
+    );
+    assert_eq!(img.unlock(b"three").unwrap().0, 0);
+    let read = img.header().unwrap();
+    assert_eq!(read.seqid, 4);
+    let d = &read.json["digests"]["0"]["keyslots"];
+    assert_eq!(d, &json!(["1", "0"]));
+}
+
+#[test]
+fn unknown_fields_survive_a_rewrite() {
+    let mut img = Image::new();
+    let mut h = Header::create(&mut img.write(), &key(), b"one", PBKDF2, 4096).unwrap();
+    let mut json = h.json.clone();
+    json["config"]["flags"] = json!(["allow-discards"]);
+    json["tokens"]["0"] = json!({"type": "x", "keyslots": ["0"]});
+    h.commit(&mut img.write(), json).unwrap();
+    h.add_slot(&mut img.write(), &key(), b"two", PBKDF2)
+        .unwrap();
+    h.remove_slot(&mut img.write(), 0).unwrap();
+    let read = img.header().unwrap();
+    assert_eq!(read.json["config"]["flags"], json!(["allow-discards"]));
+    assert_eq!(
+        read.json["tokens"]["0"],
+        json!({"type": "x", "keyslots": []})
+    );
+}
+
+#[test]
+fn unsupported_and_out_of_bounds_metadata_is_refused() {
+    let mut img = Image::new();
+    let h = Header::create(&mut img.write(), &key(), b"one", PBKDF2, 4096).unwrap();
+    let cases: [(&str, Change); 8] = [
+        ("integrity", |j| j["segments"]["0"]["integrity"] = json!({})),
+        ("cipher", |j| {
+            j["segments"]["0"]["encryption"] = json!("serpent-xts-plain64")
+        }),
+        ("mandatory", |j| {
+            j["config"]["requirements"] = json!({"mandatory": ["online-reencrypt-v2"]})
+        }),
+        ("2 data segments", |j| {
+            j["segments"]["1"] = j["segments"]["0"].clone()
+        }),
+        ("kdf", |j| {
+            j["keyslots"]["0"]["kdf"]["type"] = json!("scrypt")
+        }),
+        ("do not fit", |j| {
+            j["keyslots"]["0"]["area"]["offset"] = json!("16777216")
+        }),
+        ("inside the header", |j| {
+            j["segments"]["0"]["offset"] = json!("1048576")
+        }),
+        ("json_size", |j| j["config"]["json_size"] = json!("4190208")),
+    ];
+    for (want, change) in cases {
+        let mut json = h.json.clone();
+        change(&mut json);
+        let e = Meta::parse(&json, h.header_bytes).unwrap_err().message();
+        assert!(e.contains(want), "{want}: {e}");
+    }
+    // A refusal is not taken for damage: the error names it, not both copies.
+    let mut h = h;
+    let mut json = h.json.clone();
+    json["segments"]["0"]["integrity"] = json!({});
+    h.json = json;
+    h.write_copies(&mut img.write()).unwrap();
+    let e = img.header().unwrap_err();
+    assert!(e.contains("integrity") && !e.contains("both"), "{e}");
+}
+
+#[test]
+fn not_luks2_is_refused() {
+    let img = Image::new();
+    assert!(img.header().unwrap_err().contains("no LUKS header"));
+    let mut img = Image::new();
+    img.0[..6].copy_from_slice(&MAGIC);
+    img.0[7] = 1;
+    assert!(img.header().unwrap_err().contains("version 1"));
+}
+
+#[test]
+fn base64_round_trips() {
+    for n in 0..40usize {
+        let b: Vec<u8> = (0..n).map(|i| (i * 37 + 5) as u8).collect();
+        let s = base64_encode(&b);
+        assert_eq!(s.len(), n.div_ceil(3) * 4);
+        assert_eq!(base64_decode(&s).unwrap(), b);
+    }
+    assert_eq!(base64_encode(b"foobar"), "Zm9vYmFy");
+    assert_eq!(base64_encode(b"fo"), "Zm8=");
+    assert_eq!(base64_decode("Zg==").unwrap(), b"f");
+    for bad in ["Zg=", "Z===", "Zg==Zg==", "Z!==", "Zm9v\n"] {
+        assert!(base64_decode(bad).is_none(), "{bad}");
+    }
+}
