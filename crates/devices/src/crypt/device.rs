@@ -89,6 +89,39 @@ pub fn read_secret(key: &str, path: &Path) -> Result<Secret, String> {
     Ok(s)
 }
 
+/// Keys a check before opening (`serve` and `bench` check the whole stack first) found
+/// with a passphrase, for the open right after it: a slot's key derivation (seconds of
+/// argon2id) is paid once per start, not twice. Taken by the open that uses it; each
+/// entry holds the header's UUID, a hash of the passphrase, the slot and the key.
+type Unlocked = (String, [u8; 32], usize, Secret);
+static UNLOCKED: Mutex<Vec<Unlocked>> = Mutex::new(Vec::new());
+
+fn passphrase_hash(passphrase: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(passphrase).into()
+}
+
+/// Remembers what a check unlocked (see [`UNLOCKED`]).
+fn remember_unlock(luks: &Luks, passphrase: &[u8], slot: usize, key: &Secret) {
+    let mut u = UNLOCKED.lock().unwrap_or_else(|p| p.into_inner());
+    let h = passphrase_hash(passphrase);
+    u.retain(|(uuid, ph, _, _)| !(uuid == luks.uuid() && *ph == h));
+    u.push((luks.uuid().to_string(), h, slot, Secret(key.0.clone())));
+}
+
+/// The slot and key a check found for this header and passphrase, taken, if the key is
+/// still this header's volume key.
+fn unlocked_before(luks: &Luks, passphrase: &[u8]) -> Option<(usize, Secret)> {
+    let mut u = UNLOCKED.lock().unwrap_or_else(|p| p.into_inner());
+    let h = passphrase_hash(passphrase);
+    let i = u
+        .iter()
+        .position(|(uuid, ph, _, _)| uuid == luks.uuid() && *ph == h)?;
+    let (_, _, slot, key) = u.swap_remove(i);
+    let still = luks.slots().iter().any(|s| s.index == slot) && luks.check(&key.0);
+    still.then_some((slot, key))
+}
+
 /// Header I/O on the base through a blocking queue of its own: any offset and length
 /// (read-modify-write around the base's blocks), each write flushed before the next.
 pub struct HeaderIo {
@@ -223,9 +256,15 @@ impl CryptDevice {
                         (luks, Secret(k.0.clone()), None)
                     }
                     (None, Some(p)) => {
-                        let (slot, key) = luks
-                            .unlock(&p.0, &mut |at, b| io.read(at, b))
-                            .map_err(|m| e(format!("base '{base_name}': {m}")))?;
+                        let (slot, key) = match unlocked_before(&luks, &p.0) {
+                            Some(found) => found,
+                            None => luks
+                                .unlock(&p.0, &mut |at, b| io.read(at, b))
+                                .map_err(|m| e(format!("base '{base_name}': {m}")))?,
+                        };
+                        if !write {
+                            remember_unlock(&luks, &p.0, slot, &key);
+                        }
                         (luks, key, Some(slot))
                     }
                     (None, None) => return Err(e("passphrase_file or key_file is needed".into())),
