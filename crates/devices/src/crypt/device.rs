@@ -488,11 +488,15 @@ impl Device for CryptDevice {
     }
     fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
         let base = cairn_core::handoff::open_member(core, &self.base)?;
+        let cipher = {
+            let keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+            super::evp::Cipher::new(self.xts.clone(), &keys.key.0, true)
+        };
         let queue = Rc::new(CryptQueue {
             core: core.clone(),
             stats: QueueStats::named(core.switches().stats, self.name()),
             base,
-            xts: self.xts.clone(),
+            cipher,
             segment: self.segment,
             sink: Cell::new(SinkId(u32::MAX)),
             requests: RefCell::new(Slab::with_capacity(256)),
@@ -575,7 +579,7 @@ struct CryptQueue {
     core: Rc<Core>,
     stats: QueueStats,
     base: Rc<dyn Queue>,
-    xts: Arc<Xts>,
+    cipher: super::evp::Cipher,
     segment: Segment,
     sink: Cell<SinkId>,
     requests: RefCell<Slab<Req>>,
@@ -613,7 +617,7 @@ impl CryptQueue {
             .expect("a zero request has its bounce buffer");
         let data = &mut b.as_mut_slice()[..len as usize];
         data.fill(0);
-        self.xts.run(
+        self.cipher.run(
             data,
             self.segment.sector_bytes as usize,
             self.iv(offset),
@@ -646,7 +650,7 @@ impl Queue for CryptQueue {
                 // SAFETY: the submitter keeps `io.buf` valid for `io.len` bytes until the
                 // request completes; it is only read here.
                 let plain = unsafe { std::slice::from_raw_parts(io.buf, data.len()) };
-                self.xts
+                self.cipher
                     .encrypt_from(plain, data, sector, self.iv(io.offset));
                 let p = data.as_mut_ptr();
                 (Some(b), p)
@@ -720,7 +724,7 @@ impl Sink for CryptQueue {
             // SAFETY: the submitter's buffer, valid for `len` bytes until this completion,
             // now holds what the base read.
             let data = unsafe { std::slice::from_raw_parts_mut(r.io.buf, r.io.len as usize) };
-            self.xts.run(
+            self.cipher.run(
                 data,
                 self.segment.sector_bytes as usize,
                 self.iv(r.io.offset),

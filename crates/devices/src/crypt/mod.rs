@@ -4,6 +4,7 @@
 //! (key slots, the volume key's digest, where the data starts); what they share is here.
 
 pub mod device;
+pub mod evp;
 pub mod luks1;
 pub mod luks2;
 pub mod volume;
