@@ -93,19 +93,19 @@ pub fn read_secret(key: &str, path: &Path) -> Result<Secret, String> {
 /// with a passphrase, for the open right after it: a slot's key derivation (seconds of
 /// argon2id) is paid once per start, not twice. Taken by the open that uses it; each
 /// entry holds the header's UUID, a hash of the passphrase, the slot and the key.
-type Unlocked = (String, [u8; 32], usize, Secret);
+type Unlocked = (String, Secret, usize, Secret);
 static UNLOCKED: Mutex<Vec<Unlocked>> = Mutex::new(Vec::new());
 
-fn passphrase_hash(passphrase: &[u8]) -> [u8; 32] {
+fn passphrase_hash(passphrase: &[u8]) -> Secret {
     use sha2::Digest;
-    sha2::Sha256::digest(passphrase).into()
+    Secret(sha2::Sha256::digest(passphrase).to_vec())
 }
 
 /// Remembers what a check unlocked (see [`UNLOCKED`]).
 fn remember_unlock(luks: &Luks, passphrase: &[u8], slot: usize, key: &Secret) {
     let mut u = UNLOCKED.lock().unwrap_or_else(|p| p.into_inner());
     let h = passphrase_hash(passphrase);
-    u.retain(|(uuid, ph, _, _)| !(uuid == luks.uuid() && *ph == h));
+    u.retain(|(uuid, ph, _, _)| !(uuid == luks.uuid() && ph.0 == h.0));
     u.push((luks.uuid().to_string(), h, slot, Secret(key.0.clone())));
 }
 
@@ -116,7 +116,7 @@ fn unlocked_before(luks: &Luks, passphrase: &[u8]) -> Option<(usize, Secret)> {
     let h = passphrase_hash(passphrase);
     let i = u
         .iter()
-        .position(|(uuid, ph, _, _)| uuid == luks.uuid() && *ph == h)?;
+        .position(|(uuid, ph, _, _)| uuid == luks.uuid() && ph.0 == h.0)?;
     let (_, _, slot, key) = u.swap_remove(i);
     let still = luks.slots().iter().any(|s| s.index == slot) && luks.check(&key.0);
     still.then_some((slot, key))
