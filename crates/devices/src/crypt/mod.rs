@@ -7,6 +7,7 @@ pub mod device;
 pub mod evp;
 pub mod luks1;
 pub mod luks2;
+mod queue;
 pub mod volume;
 pub mod xts;
 
