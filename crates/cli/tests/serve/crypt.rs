@@ -80,6 +80,24 @@ fn qemu_plaintext(qemu_img: &Path, img: &Path, pass: &Path, out: &Path) {
     );
 }
 
+/// `cryptsetup luksDump IMG`.
+fn luks_dump(cryptsetup: &Path, img: &Path) -> String {
+    success(
+        "luksDump",
+        &run(Command::new(cryptsetup).arg("luksDump").arg(img)),
+    )
+}
+
+/// Whether cryptsetup opens `img` with the passphrase in file `pass`.
+fn cryptsetup_takes(cryptsetup: &Path, img: &Path, pass: &Path) -> bool {
+    run(Command::new(cryptsetup)
+        .args(["open", "--test-passphrase", "--key-file"])
+        .arg(pass)
+        .arg(img))
+    .status
+    .success()
+}
+
 fn same_file(a: &Path, b: &Path) -> bool {
     std::fs::read(a).unwrap() == std::fs::read(b).unwrap()
 }
@@ -184,22 +202,12 @@ fn a_cairn_made_luks1_volume_opens_in_qemu_and_cryptsetup_after_key_rotation() {
     assert!(status.success(), "{log}");
     assert!(!log.contains("second passphrase") && !log.contains("first passphrase"));
     // cryptsetup: slot 0 gone, slot 1 there, only the new passphrase opens it.
-    let dump = success(
-        "luksDump",
-        &run(Command::new(&cryptsetup).arg("luksDump").arg(&img)),
-    );
+    let dump = luks_dump(&cryptsetup, &img);
     assert!(
         dump.contains("Key Slot 0: DISABLED") && dump.contains("Key Slot 1: ENABLED"),
         "{dump}"
     );
-    let test = |pass: &Path| {
-        run(Command::new(&cryptsetup)
-            .args(["open", "--test-passphrase", "--key-file"])
-            .arg(pass)
-            .arg(&img))
-        .status
-        .success()
-    };
+    let test = |pass: &Path| cryptsetup_takes(&cryptsetup, &img, pass);
     assert!(test(&pass2), "cryptsetup refuses the new passphrase");
     assert!(!test(&pass1), "cryptsetup takes the removed passphrase");
     // qemu decrypts the same plaintext.
@@ -425,24 +433,14 @@ fn a_cryptsetup_made_luks2_volume_serves_its_data_and_rotates_keys_online() {
     );
     let (status, log) = srv.stop();
     assert!(status.success(), "{log}");
-    let dump = success(
-        "luksDump",
-        &run(Command::new(&cryptsetup).arg("luksDump").arg(&img)),
-    );
+    let dump = luks_dump(&cryptsetup, &img);
     assert!(
         !dump.contains("\n  0: luks2")
             && dump.contains("\n  1: luks2")
             && dump.contains("\n  2: luks2"),
         "{dump}"
     );
-    let test = |pass: &Path| {
-        run(Command::new(&cryptsetup)
-            .args(["open", "--test-passphrase", "--key-file"])
-            .arg(pass)
-            .arg(&img))
-        .status
-        .success()
-    };
+    let test = |pass: &Path| cryptsetup_takes(&cryptsetup, &img, pass);
     assert!(
         test(&pass2) && test(&pass3),
         "cryptsetup refuses a new passphrase"
@@ -494,10 +492,7 @@ fn a_cairn_made_luks2_volume_has_the_documented_layout() {
         "written",
     );
     drop(srv);
-    let dump = success(
-        "luksDump",
-        &run(Command::new(&cryptsetup).arg("luksDump").arg(&img)),
-    );
+    let dump = luks_dump(&cryptsetup, &img);
     for line in [
         "Version:       \t2",
         "offset: 16777216 [bytes]",
@@ -509,10 +504,6 @@ fn a_cairn_made_luks2_volume_has_the_documented_layout() {
     ] {
         assert!(dump.contains(line), "no '{line}' in:\n{dump}");
     }
-    let ok = run(Command::new(&cryptsetup)
-        .args(["open", "--test-passphrase", "--key-file"])
-        .arg(&pass)
-        .arg(&img));
-    assert!(ok.status.success(), "{ok:?}");
+    assert!(cryptsetup_takes(&cryptsetup, &img, &pass));
     assert_eq!(std::fs::read(&want).unwrap().len(), 4 << 20);
 }

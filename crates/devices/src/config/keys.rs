@@ -784,14 +784,9 @@ const THROTTLE_KEYS: [&str; 20] = [
     "bps_write_max_length",
 ];
 
-/// A live change of throttle `device`'s `limits`: `words` as `KEY=VALUE` (the stack
-/// file's keys; 0 takes a limit away). Returns the limits after it; the six not named
-/// stay as they are.
-pub(super) fn change_limits(
-    device: &str,
-    limits: crate::throttle::Limits,
-    words: &[&str],
-) -> Result<crate::throttle::Limits, Error> {
+/// `KEY=VALUE` words (an admin command's) as a table of the stack file's keys: numbers
+/// as integers, anything else as strings.
+fn words_table(words: &[&str]) -> Result<Table, Error> {
     let mut table = Table::new();
     for w in words {
         let Some((k, v)) = w.split_once('=') else {
@@ -803,6 +798,18 @@ pub(super) fn change_limits(
         };
         table.insert(k.to_string(), value);
     }
+    Ok(table)
+}
+
+/// A live change of throttle `device`'s `limits`: `words` as `KEY=VALUE` (the stack
+/// file's keys; 0 takes a limit away). Returns the limits after it; the six not named
+/// stay as they are.
+pub(super) fn change_limits(
+    device: &str,
+    limits: crate::throttle::Limits,
+    words: &[&str],
+) -> Result<crate::throttle::Limits, Error> {
+    let table = words_table(words)?;
     let keys = Keys {
         device,
         noun: "device",

@@ -30,17 +30,7 @@ const ARGON2_MEMORY: std::ops::RangeInclusive<u64> = (32 << 10)..=(4 << 30);
 /// kdf_parallel, kdf_hash) ask for a new slot of a `format` header on `device`; `None`:
 /// the device's own.
 pub fn crypt_kdf(device: &str, format: Format, words: &[&str]) -> Result<Option<Kdf>, Error> {
-    let mut table = toml::Table::new();
-    for w in words {
-        let Some((k, v)) = w.split_once('=') else {
-            return Err(err(format!("'{}' is not KEY=VALUE", super::shown(w))));
-        };
-        let value = match v.parse::<i64>() {
-            Ok(n) => Value::Integer(n),
-            Err(_) => Value::String(v.to_string()),
-        };
-        table.insert(k.to_string(), value);
-    }
+    let table = super::words_table(words)?;
     let keys = Keys {
         device,
         noun: "device",
