@@ -22,7 +22,7 @@ install_missing() {
         echo "test.sh: not root, not installing ${missing[*]}; tests that need them say so"
     fi
 }
-install_missing fio nbdkit libnbd-bin python3-libnbd qemu-utils fuse3 dbench nbd-server openssl prometheus iproute2 xfsprogs cryptsetup-bin
+install_missing fio nbdkit libnbd-bin python3-libnbd qemu-utils fuse3 dbench nbd-server openssl prometheus iproute2 xfsprogs cryptsetup-bin python3-cryptography
 install_missing ceph-mon ceph-osd ceph-common
 
 # FUSE over io_uring is off by default in the fuse module; the FUSE export's tests run

@@ -458,7 +458,8 @@ fn a_cryptsetup_made_luks2_volume_serves_its_data_and_rotates_keys_online() {
 }
 
 /// A LUKS2 volume cairn formats with its defaults but a cheap key derivation:
-/// cryptsetup's luksDump shows the layout cairn documents, and the passphrase opens it.
+/// cryptsetup's luksDump shows the layout cairn documents, the passphrase opens it, and
+/// with the volume key cryptsetup finds, OpenSSL's XTS deciphers what a client wrote.
 #[test]
 fn a_cairn_made_luks2_volume_has_the_documented_layout() {
     const NAME: &str = "crypt::a_cairn_made_luks2_volume_has_the_documented_layout";
@@ -506,4 +507,65 @@ fn a_cairn_made_luks2_volume_has_the_documented_layout() {
     }
     assert!(cryptsetup_takes(&cryptsetup, &img, &pass));
     assert_eq!(std::fs::read(&want).unwrap().len(), 4 << 20);
+    // Another implementation reads the data: cryptsetup takes the volume key from
+    // cairn's header, OpenSSL (through Python's cryptography) deciphers the sectors.
+    let has_xts = Command::new(&python)
+        .args([
+            "-c",
+            "from cryptography.hazmat.primitives.ciphers import modes; modes.XTS",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_xts {
+        skip(
+            NAME,
+            "python3 has no cryptography module (apt-get install python3-cryptography)",
+        );
+        return;
+    }
+    let dump = success(
+        "luksDump --dump-volume-key",
+        &run(Command::new(&cryptsetup)
+            .args([
+                "luksDump",
+                "--dump-volume-key",
+                "--batch-mode",
+                "--key-file",
+            ])
+            .arg(&pass)
+            .arg(&img)),
+    );
+    let key: String = dump
+        .split("MK dump:")
+        .nth(1)
+        .expect("no MK dump")
+        .split_whitespace()
+        .take(64)
+        .collect();
+    libnbd_script(
+        &python,
+        r#"
+import os
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+key = bytes.fromhex(os.environ["CAIRN_KEY"])
+image = open(os.environ["CAIRN_IMG"], "rb").read()
+want = open(os.environ["CAIRN_WANT"], "rb").read()
+data = image[16 << 20:]
+for k in range(len(want) // 4096):
+    # plain64 counts 512-byte units: 4096-byte sector k has IV 8k.
+    tweak = (8 * k).to_bytes(16, "little")
+    d = Cipher(algorithms.AES(key), modes.XTS(tweak)).decryptor()
+    assert d.update(data[k * 4096:(k + 1) * 4096]) + d.finalize() == want[k * 4096:(k + 1) * 4096], k
+print("deciphered")
+"#,
+        Path::new("/nonexistent"),
+        &[
+            ("CAIRN_KEY", key),
+            ("CAIRN_IMG", path_str(&img).to_string()),
+            ("CAIRN_WANT", path_str(&want).to_string()),
+        ],
+        "deciphered",
+    );
 }
