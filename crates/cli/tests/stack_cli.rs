@@ -461,6 +461,26 @@ mod bench {
         }
     }
 
+    /// Data verified through crypt devices of both versions, their passphrase file named
+    /// relative to the stack file (run from another directory).
+    #[test]
+    fn verify_passes_through_crypt_with_a_relative_passphrase_file() {
+        for format in ["luks2", "luks1"] {
+            let file = StackFile::new(&format!(
+                "{}[device.c]\ntype = \"crypt\"\nbase = \"d0\"\npassphrase_file = \"pass\"\n\
+                 create = true\nformat = \"{format}\"\nkdf = \"pbkdf2\"\nkdf_iterations = 1000\n",
+                mems(&["d0"], "24M")
+            ));
+            std::fs::write(file.dir().join("pass"), b"relative").unwrap();
+            let json = verified(&file, &[]);
+            let description = json["cairn"]["device"]["description"].as_str().unwrap();
+            assert!(
+                description.contains(&format!("crypt over d0: {format}")),
+                "{description}"
+            );
+        }
+    }
+
     #[test]
     fn device_picks_a_member() {
         let file = StackFile::new(&raid10());

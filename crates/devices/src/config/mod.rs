@@ -487,8 +487,9 @@ pub struct StackFile {
 }
 
 impl StackFile {
-    /// Makes every relative `path` of a file device relative to `dir` (the stack file's
-    /// directory), as a reader of the file expects, rather than to wherever cairn runs.
+    /// Makes every relative `path` of a file device (and a crypt device's key files, an
+    /// export's FUSE file, a bitmap store) relative to `dir` (the stack file's directory),
+    /// as a reader of the file expects, rather than to wherever cairn runs.
     pub fn relative_to(mut self, dir: &std::path::Path) -> StackFile {
         if dir.as_os_str().is_empty() {
             return self;
@@ -497,6 +498,16 @@ impl StackFile {
             if let DeviceSpec::Leaf(crate::LeafSpec::File { path, .. }) = spec {
                 if path.is_relative() {
                     *path = dir.join(&*path);
+                }
+            }
+            if let DeviceSpec::Crypt { options, .. } = spec {
+                for p in [&mut options.passphrase_file, &mut options.key_file]
+                    .into_iter()
+                    .flatten()
+                {
+                    if p.is_relative() {
+                        *p = dir.join(&*p);
+                    }
                 }
             }
         }
