@@ -206,193 +206,50 @@ impl CryptDevice {
         opts: &CryptOptions,
         write: bool,
     ) -> Result<CryptDevice, Error> {
-        let e = |m: String| Error::Invalid(m);
-        let passphrase = match &opts.passphrase_file {
-            Some(p) => Some(read_secret("passphrase_file", p).map_err(e)?),
-            None => None,
-        };
-        let raw = match &opts.key_file {
-            Some(p) => {
-                let k = read_secret("key_file", p).map_err(e)?;
-                if !KEY_BYTES.contains(&k.0.len()) {
-                    return Err(e(format!(
-                        "key_file '{}' holds {} bytes: an aes-xts volume key is 32 or 64",
-                        p.display(),
-                        k.0.len()
-                    )));
-                }
-                Some(k)
-            }
-            None => None,
-        };
-        let io = HeaderIo::open(&base).map_err(e)?;
+        Self::open_inner(name, base, opts, write).map_err(Error::Invalid)
+    }
+
+    fn open_inner(
+        name: &str,
+        base: Arc<dyn Device>,
+        opts: &CryptOptions,
+        write: bool,
+    ) -> Result<CryptDevice, String> {
+        let secrets = Secrets::read(opts)?;
+        let io = HeaderIo::open(&base)?;
         let mut first = vec![0u8; PROBE_BYTES];
-        io.read(0, &mut first).map_err(e)?;
+        io.read(0, &mut first)?;
         let base_name = base.name().to_string();
         let mut stand_in = false;
         let (luks, key, slot) = match probe(&first) {
-            Probe::Luks(found) => {
-                if let Some(want) = opts.format.filter(|&w| w != found) {
-                    return Err(e(format!(
-                        "base '{base_name}' holds a {} header, not {} as format says",
-                        found.name(),
-                        want.name()
-                    )));
-                }
-                let luks = Luks::read(found, &mut |at, b| io.read(at, b))
-                    .map_err(|m| e(format!("base '{base_name}': {m}")))?;
-                match (&raw, &passphrase) {
-                    (Some(k), _) => {
-                        if !luks.check(&k.0) {
-                            return Err(e(format!(
-                                "key_file is not the volume key of base '{base_name}'"
-                            )));
-                        }
-                        (luks, Secret(k.0.clone()), None)
-                    }
-                    (None, Some(p)) => {
-                        let (slot, key) = match unlocked_before(&luks, &p.0) {
-                            Some(found) => found,
-                            None => luks
-                                .unlock(&p.0, &mut |at, b| io.read(at, b))
-                                .map_err(|m| e(format!("base '{base_name}': {m}")))?,
-                        };
-                        if !write {
-                            remember_unlock(&luks, &p.0, slot, &key);
-                        }
-                        (luks, key, Some(slot))
-                    }
-                    (None, None) => return Err(e("passphrase_file or key_file is needed".into())),
-                }
-            }
+            Probe::Luks(found) => secrets.open(found, opts, &io, &base_name, write)?,
             Probe::Blank if opts.create => {
-                let format = opts.format.unwrap_or(Format::Luks2);
-                let Some(p) = &passphrase else {
-                    return Err(e(
-                        "create needs passphrase_file (the passphrase of key slot 0)".into(),
-                    ));
-                };
-                let key = match &raw {
-                    Some(k) => Secret(k.0.clone()),
-                    None => {
-                        let mut k = Secret(vec![0u8; opts.key_bytes]);
-                        super::random(&mut k.0).map_err(e)?;
-                        k
-                    }
-                };
-                let sector = opts.sector_bytes.unwrap_or(match format {
-                    Format::Luks1 => 512,
-                    Format::Luks2 => 4096,
-                });
-                let kdf = opts.kdf_for(format);
-                // The headers take 2 MiB (LUKS1) or 16 MiB (LUKS2): refused before any
-                // byte is written.
-                let headers: u64 = match format {
-                    Format::Luks1 => 2 << 20,
-                    Format::Luks2 => 16 << 20,
-                };
-                if base.geometry().size_bytes < headers + u64::from(sector) {
-                    return Err(e(format!(
-                        "base '{base_name}' ({} bytes) is too small: a {} header takes {} and the data at least a sector",
-                        base.geometry().size_bytes,
-                        format.name(),
-                        cairn_core::size::format_bytes(headers)
-                    )));
-                }
-                let luks = if write {
-                    let luks = Luks::create(
-                        format,
-                        &mut |at, b| io.write(at, b),
-                        &key,
-                        &p.0,
-                        kdf,
-                        sector,
-                    )
-                    .map_err(|m| e(format!("formatting base '{base_name}': {m}")))?;
-                    log::info!(
-                        "cairn: crypt {name}: formatted base '{base_name}' as {} ({}, key slot 0: {kdf})",
-                        format.name(),
-                        luks.uuid()
-                    );
-                    luks
-                } else {
-                    // A stand-in header in memory: nothing reaches the base.
-                    stand_in = true;
-                    let mut image = vec![0u8; 16 << 20];
-                    let quick = match format {
-                        Format::Luks1 => Kdf::Pbkdf2 {
-                            hash: super::Hash::Sha256,
-                            iterations: 1,
-                        },
-                        Format::Luks2 => Kdf::Pbkdf2 {
-                            hash: super::Hash::Sha256,
-                            iterations: 1,
-                        },
-                    };
-                    Luks::create(
-                        format,
-                        &mut |at, b| {
-                            let at = at as usize;
-                            let end = at + b.len();
-                            if image.len() < end {
-                                image.resize(end, 0);
-                            }
-                            image[at..end].copy_from_slice(b);
-                            Ok(())
-                        },
-                        &key,
-                        b"",
-                        quick,
-                        sector,
-                    )
-                    .map_err(|m| e(format!("formatting base '{base_name}': {m}")))?
-                };
+                let (luks, key) = secrets.format(name, &base, opts, &io, write)?;
+                stand_in = !write;
                 (luks, key, Some(0))
             }
             Probe::Blank => {
-                return Err(e(format!(
+                return Err(format!(
                     "base '{base_name}' holds no LUKS header (create = true formats a blank one)"
-                )))
+                ))
             }
             Probe::Other => {
-                return Err(e(format!(
+                return Err(format!(
                     "base '{base_name}' holds something that is not a LUKS header{}",
                     if opts.create {
                         ": create formats only a blank base (zeros where the header goes)"
                     } else {
                         ""
                     }
-                )))
+                ))
             }
         };
         let segment = luks.segment();
-        let geo = base.geometry();
-        let block = geo.block_bytes.max(segment.sector_bytes);
-        let end = match segment.size {
-            Some(s) => segment.offset.checked_add(s),
-            None => Some(geo.size_bytes),
-        };
-        let size = match end {
-            Some(end) if end <= geo.size_bytes && end > segment.offset => end - segment.offset,
-            _ => {
-                return Err(e(format!(
-                "base '{base_name}' ({} bytes) is too small for its data segment (from byte {})",
-                geo.size_bytes, segment.offset
-            )))
-            }
-        };
-        let size = size - size % u64::from(block);
-        if size == 0 || !segment.offset.is_multiple_of(u64::from(geo.block_bytes)) {
-            return Err(e(format!(
-                "base '{base_name}': the data segment (at {}, {} bytes) does not fit its {}-byte blocks",
-                segment.offset, size, geo.block_bytes
-            )));
-        }
-        let xts = Xts::new(&key.0).map_err(e)?;
+        let (size, block) = data_size(&base, segment)?;
         Ok(CryptDevice {
             name: name.into(),
             base,
-            xts: Arc::new(xts),
+            xts: Arc::new(Xts::new(&key.0)?),
             segment,
             size,
             block,
@@ -448,6 +305,187 @@ impl CryptDevice {
         let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
         keys.luks.remove_slot(&mut |at, b| io.write(at, b), slot)
     }
+}
+
+/// The passphrase and the raw volume key a crypt table names, read.
+struct Secrets {
+    passphrase: Option<Secret>,
+    raw: Option<Secret>,
+}
+
+impl Secrets {
+    fn read(opts: &CryptOptions) -> Result<Secrets, String> {
+        let passphrase = match &opts.passphrase_file {
+            Some(p) => Some(read_secret("passphrase_file", p)?),
+            None => None,
+        };
+        let raw = match &opts.key_file {
+            Some(p) => {
+                let k = read_secret("key_file", p)?;
+                if !KEY_BYTES.contains(&k.0.len()) {
+                    return Err(format!(
+                        "key_file '{}' holds {} bytes: an aes-xts volume key is 32 or 64",
+                        p.display(),
+                        k.0.len()
+                    ));
+                }
+                Some(k)
+            }
+            None => None,
+        };
+        Ok(Secrets { passphrase, raw })
+    }
+
+    /// Opens the `found` header on the base: the raw key checked against its digest, or
+    /// a key slot opened with the passphrase. Returns the header, the key and the slot.
+    fn open(
+        &self,
+        found: Format,
+        opts: &CryptOptions,
+        io: &HeaderIo,
+        base_name: &str,
+        write: bool,
+    ) -> Result<(Luks, Secret, Option<usize>), String> {
+        if let Some(want) = opts.format.filter(|&w| w != found) {
+            return Err(format!(
+                "base '{base_name}' holds a {} header, not {} as format says",
+                found.name(),
+                want.name()
+            ));
+        }
+        let luks = Luks::read(found, &mut |at, b| io.read(at, b))
+            .map_err(|m| format!("base '{base_name}': {m}"))?;
+        match (&self.raw, &self.passphrase) {
+            (Some(k), _) => {
+                if !luks.check(&k.0) {
+                    return Err(format!(
+                        "key_file is not the volume key of base '{base_name}'"
+                    ));
+                }
+                Ok((luks, Secret(k.0.clone()), None))
+            }
+            (None, Some(p)) => {
+                let (slot, key) = match unlocked_before(&luks, &p.0) {
+                    Some(found) => found,
+                    None => luks
+                        .unlock(&p.0, &mut |at, b| io.read(at, b))
+                        .map_err(|m| format!("base '{base_name}': {m}"))?,
+                };
+                if !write {
+                    remember_unlock(&luks, &p.0, slot, &key);
+                }
+                Ok((luks, key, Some(slot)))
+            }
+            (None, None) => Err("passphrase_file or key_file is needed".into()),
+        }
+    }
+
+    /// Formats the blank `base` (with `write` false: a stand-in header in memory, nothing
+    /// written). Returns the header and the volume key.
+    fn format(
+        &self,
+        name: &str,
+        base: &Arc<dyn Device>,
+        opts: &CryptOptions,
+        io: &HeaderIo,
+        write: bool,
+    ) -> Result<(Luks, Secret), String> {
+        let base_name = base.name();
+        let format = opts.format.unwrap_or(Format::Luks2);
+        let Some(p) = &self.passphrase else {
+            return Err("create needs passphrase_file (the passphrase of key slot 0)".into());
+        };
+        let key = match &self.raw {
+            Some(k) => Secret(k.0.clone()),
+            None => {
+                let mut k = Secret(vec![0u8; opts.key_bytes]);
+                super::random(&mut k.0)?;
+                k
+            }
+        };
+        let sector = opts.sector_bytes.unwrap_or(match format {
+            Format::Luks1 => 512,
+            Format::Luks2 => 4096,
+        });
+        // The headers take 2 MiB (LUKS1) or 16 MiB (LUKS2): refused before any byte is
+        // written.
+        let headers: u64 = match format {
+            Format::Luks1 => 2 << 20,
+            Format::Luks2 => 16 << 20,
+        };
+        if base.geometry().size_bytes < headers + u64::from(sector) {
+            return Err(format!(
+                "base '{base_name}' ({} bytes) is too small: a {} header takes {} and the data at least a sector",
+                base.geometry().size_bytes,
+                format.name(),
+                cairn_core::size::format_bytes(headers)
+            ));
+        }
+        let failed = |m: String| format!("formatting base '{base_name}': {m}");
+        if !write {
+            // A stand-in in memory, quick to make: nothing reaches the base.
+            let mut image = vec![0u8; headers as usize];
+            let quick = Kdf::Pbkdf2 {
+                hash: super::Hash::Sha256,
+                iterations: 1,
+            };
+            let mut to_memory = |at: u64, b: &[u8]| {
+                let (at, end) = (at as usize, at as usize + b.len());
+                if image.len() < end {
+                    image.resize(end, 0);
+                }
+                image[at..end].copy_from_slice(b);
+                Ok(())
+            };
+            let luks =
+                Luks::create(format, &mut to_memory, &key, b"", quick, sector).map_err(failed)?;
+            return Ok((luks, key));
+        }
+        let kdf = opts.kdf_for(format);
+        let luks = Luks::create(
+            format,
+            &mut |at, b| io.write(at, b),
+            &key,
+            &p.0,
+            kdf,
+            sector,
+        )
+        .map_err(failed)?;
+        log::info!(
+            "cairn: crypt {name}: formatted base '{base_name}' as {} ({}, key slot 0: {kdf})",
+            format.name(),
+            luks.uuid()
+        );
+        Ok((luks, key))
+    }
+}
+
+/// The bytes of data a device over `base` with `segment` holds, and its block size.
+fn data_size(base: &Arc<dyn Device>, segment: Segment) -> Result<(u64, u32), String> {
+    let geo = base.geometry();
+    let base_name = base.name();
+    let block = geo.block_bytes.max(segment.sector_bytes);
+    let end = match segment.size {
+        Some(s) => segment.offset.checked_add(s),
+        None => Some(geo.size_bytes),
+    };
+    let size = match end {
+        Some(end) if end <= geo.size_bytes && end > segment.offset => end - segment.offset,
+        _ => {
+            return Err(format!(
+                "base '{base_name}' ({} bytes) is too small for its data segment (from byte {})",
+                geo.size_bytes, segment.offset
+            ))
+        }
+    };
+    let size = size - size % u64::from(block);
+    if size == 0 || !segment.offset.is_multiple_of(u64::from(geo.block_bytes)) {
+        return Err(format!(
+            "base '{base_name}': the data segment (at {}, {} bytes) does not fit its {}-byte blocks",
+            segment.offset, size, geo.block_bytes
+        ));
+    }
+    Ok((size, block))
 }
 
 impl Device for CryptDevice {
