@@ -3,30 +3,15 @@
 //! wrote decrypts to what it wrote. A wrong passphrase opens nothing. (Skipped, saying
 //! so, where cryptsetup or qemu-img is missing.)
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use cairn_core::testing::skip;
 use cairn_devices::crypt::luks1::Header;
 use cairn_devices::crypt::xts::Xts;
 
-fn tool(name: &str) -> Option<PathBuf> {
-    ["/usr/sbin", "/sbin", "/usr/bin", "/bin"]
-        .iter()
-        .map(|d| Path::new(d).join(name))
-        .find(|p| p.exists())
-}
-
-fn run(cmd: &mut Command) -> String {
-    let out = cmd.output().expect("run");
-    assert!(
-        out.status.success(),
-        "{cmd:?}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
+mod common;
+use common::{run, tool};
 
 fn open(path: &Path, pass: &[u8]) -> Result<(usize, Vec<u8>, Header), String> {
     let image = std::fs::read(path).unwrap();

@@ -36,11 +36,11 @@ const FAST_ARGON2ID: [&str; 8] = [
     "1",
 ];
 
+mod common;
+use common::{run, tool};
+
 fn cryptsetup(test: &str) -> Option<PathBuf> {
-    let found = ["/usr/sbin", "/sbin", "/usr/bin", "/bin"]
-        .iter()
-        .map(|d| Path::new(d).join("cryptsetup"))
-        .find(|p| p.exists());
+    let found = tool("cryptsetup");
     if found.is_none() {
         skip(
             test,
@@ -48,18 +48,6 @@ fn cryptsetup(test: &str) -> Option<PathBuf> {
         );
     }
     found
-}
-
-/// Runs `cmd`, which must succeed, and returns its output.
-fn run(cmd: &mut Command) -> String {
-    let out = cmd.output().expect("run");
-    assert!(
-        out.status.success(),
-        "{cmd:?}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// Whether `cmd` succeeds.

@@ -98,6 +98,11 @@ fn cryptsetup_takes(cryptsetup: &Path, img: &Path, pass: &Path) -> bool {
     .success()
 }
 
+/// A new file of `bytes` zeros (sparse).
+fn blank_file(path: &Path, bytes: u64) {
+    std::fs::File::create(path).unwrap().set_len(bytes).unwrap();
+}
+
 fn same_file(a: &Path, b: &Path) -> bool {
     std::fs::read(a).unwrap() == std::fs::read(b).unwrap()
 }
@@ -122,10 +127,7 @@ fn a_cairn_made_luks1_volume_opens_in_qemu_and_cryptsetup_after_key_rotation() {
     let (img, pass1, pass2) = (d.join("c.img"), d.join("pass1"), d.join("pass2"));
     std::fs::write(&pass1, b"first passphrase").unwrap();
     std::fs::write(&pass2, b"second passphrase").unwrap();
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len((2 << 20) + (4 << 20))
-        .unwrap();
+    blank_file(&img, (2 << 20) + (4 << 20));
     let stack = crypt_stack(
         d,
         &img,
@@ -473,10 +475,7 @@ fn a_cairn_made_luks2_volume_has_the_documented_layout() {
     let d = dir.path();
     let (img, pass) = (d.join("c.img"), d.join("pass"));
     std::fs::write(&pass, b"passphrase\n").unwrap();
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(20 << 20)
-        .unwrap();
+    blank_file(&img, 20 << 20);
     let stack = crypt_stack(
         d,
         &img,

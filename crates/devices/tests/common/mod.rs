@@ -3,6 +3,9 @@
 // Each test binary compiles its own copy and uses a different part of it.
 #![allow(dead_code)]
 
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
 use cairn_core::blocking::BlockingQueue;
 use cairn_core::{IoFlags, Op};
 use proptest::test_runner::TestCaseError;
@@ -87,4 +90,24 @@ pub fn check_all(q: &BlockingQueue, model: &[u8]) -> Result<(), TestCaseError> {
         )));
     }
     Ok(())
+}
+
+/// Another project's tool (cryptsetup, qemu-img) where Debian installs it.
+pub fn tool(name: &str) -> Option<PathBuf> {
+    ["/usr/sbin", "/sbin", "/usr/bin", "/bin"]
+        .iter()
+        .map(|d| Path::new(d).join(name))
+        .find(|p| p.exists())
+}
+
+/// Runs `cmd`, which must succeed, and returns its output.
+pub fn run(cmd: &mut Command) -> String {
+    let out = cmd.output().expect("run");
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
