@@ -153,27 +153,37 @@ pub fn state_from(
 
 /// The pages of checkpoint `generation` of `state`.
 pub fn pages(pool_uuid: [u8; 16], generation: u64, state: &PoolState) -> Vec<Vec<u8>> {
-    format::pack(pool_uuid, 0, generation, &records_of(state))
+    format::pack(pool_uuid, generation, 0, &records_of(state))
         .iter()
         .map(|p| p.encode_as(&format::CHECKPOINT_MAGIC))
         .collect()
 }
 
-/// The state in checkpoint `generation`'s `pages`: every page valid, in order, ending
-/// with the last, or the checkpoint is refused.
+/// The state in checkpoint `generation`'s `pages`, written by format `version` (1 or
+/// 2): every page valid, in order, ending with the last, or the checkpoint is refused.
 pub fn load(
     pages: &[&[u8]],
     pool_uuid: &[u8; 16],
     generation: u64,
+    version: u32,
     block_bytes: u64,
     data_blocks: usize,
 ) -> Result<PoolState, String> {
+    let magic = if version == 1 {
+        format::CHECKPOINT_MAGIC_V1
+    } else {
+        format::CHECKPOINT_MAGIC
+    };
     let mut records = Vec::new();
     for (i, p) in pages.iter().enumerate() {
-        let page = LogBlock::decode_as(p, pool_uuid, &format::CHECKPOINT_MAGIC)
+        let page = LogBlock::decode_as(p, pool_uuid, &magic, version)
             .map_err(|e| format!("checkpoint page {i}: {e:?}"))?;
-        if page.seq != i as u64 || page.commit != generation || page.last != (i + 1 == pages.len())
-        {
+        let ours = if version == 1 {
+            page.commit == generation
+        } else {
+            page.epoch == generation && page.blocks as usize == pages.len()
+        };
+        if page.seq != i as u64 || !ours || page.last != (i + 1 == pages.len()) {
             return Err(format!("checkpoint page {i} is out of place"));
         }
         records.extend(page.records);
@@ -241,7 +251,7 @@ mod tests {
         let pages = pages(UUID, 4, &state);
         assert!(pages.len() > 1 && pages.len() < 20, "{} pages", pages.len());
         let refs: Vec<&[u8]> = pages.iter().map(Vec::as_slice).collect();
-        assert_eq!(load(&refs, &UUID, 4, 64 << 10, 5000), Ok(state));
+        assert_eq!(load(&refs, &UUID, 4, 2, 64 << 10, 5000), Ok(state));
     }
 
     #[test]
@@ -249,11 +259,11 @@ mod tests {
         let state = sample();
         let mut pages = pages(UUID, 4, &state);
         let refs: Vec<&[u8]> = pages.iter().map(Vec::as_slice).collect();
-        assert!(load(&refs[..refs.len() - 1], &UUID, 4, 64 << 10, 5000).is_err());
-        assert!(load(&refs, &UUID, 5, 64 << 10, 5000).is_err());
+        assert!(load(&refs[..refs.len() - 1], &UUID, 4, 2, 64 << 10, 5000).is_err());
+        assert!(load(&refs, &UUID, 5, 2, 64 << 10, 5000).is_err());
         pages[1][500] ^= 1;
         let refs: Vec<&[u8]> = pages.iter().map(Vec::as_slice).collect();
-        assert!(load(&refs, &UUID, 4, 64 << 10, 5000).is_err());
+        assert!(load(&refs, &UUID, 4, 2, 64 << 10, 5000).is_err());
     }
 
     #[test]

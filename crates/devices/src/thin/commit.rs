@@ -29,7 +29,6 @@ pub(super) struct Committer {
     /// The slot the newest superblock is in.
     pub(super) sb_slot: usize,
     pub(super) next_seq: u64,
-    pub(super) commit_id: u64,
     /// Log pages written since the checkpoint.
     pub(super) log_used: u64,
     /// Records for the next commit (blocks zeroed).
@@ -123,7 +122,9 @@ impl Committer {
         if all.is_empty() {
             return Ok(());
         }
-        let blocks = format::pack(self.sb.pool_uuid, self.next_seq, self.commit_id, &all);
+        // The blocks carry the superblock's generation: replay takes no block written
+        // under another superblock (a leftover of a commit torn before an open).
+        let blocks = format::pack(self.sb.pool_uuid, self.sb.generation, self.next_seq, &all);
         let room = self.log_pages() / 2;
         if self.log_used + blocks.len() as u64 > room {
             // Too much for the log: the whole state goes into a checkpoint instead.
@@ -140,7 +141,6 @@ impl Committer {
             .flush()
             .map_err(|e| self.fail(format!("metadata flush failed: {e}")))?;
         self.next_seq += blocks.len() as u64;
-        self.commit_id += 1;
         self.log_used += blocks.len() as u64;
         self.commits += 1;
         self.publish();

@@ -1,22 +1,44 @@
-//! A thin pool's metadata log, format version 1: pure encode and decode, no I/O.
+//! A thin pool's metadata log: pure encode and decode, no I/O.
 //!
 //! Every change to a pool's mappings and volumes is a [`Record`]. A commit writes its
-//! records in consecutive 4 KiB [`LogBlock`]s of a ring, the last one flagged; replay
-//! takes commits in sequence order while every block's checksum, pool UUID and sequence
-//! number agree, and stops at the first that does not. A commit counts only when its last
-//! block was read back valid, so a write torn by a power cut leaves the pool as its last
-//! whole commit left it. (Design: /work/briefs/thin-research.md, section 4.3; WORK IN
-//! PROGRESS on the thin-37 branch, not yet documented in the README.)
+//! records in consecutive 4 KiB [`LogBlock`]s of a ring, the last one flagged. Since
+//! format version 2 every block also says which commit it belongs to (the sequence number
+//! of the commit's first block, and how many blocks the commit has) and which superblock's
+//! log it extends (its `epoch`: the generation of the superblock in use when it was
+//! written; every open writes a new superblock, so every open starts a new epoch).
+//!
+//! [`replay`] takes commits in sequence order while every block is valid and in place,
+//! and then looks at the rest of the ring to tell a torn tail from damage:
+//!
+//! - A commit counts only when all its blocks were read back valid, so a write torn by a
+//!   power cut leaves the pool as its last whole commit left it, and a block left over
+//!   from a commit torn before an earlier open (another epoch) is never taken for one.
+//! - Commits are written one after another, each flushed before the next starts: a valid
+//!   block of a *later* commit of this epoch, found past the point where replay stopped,
+//!   proves that the commit replay stopped in was whole once. That is damage, not a torn
+//!   tail, and [`replay`] refuses it ([`Damage::Inside`]).
+//! - A block of a *later* epoch proves that a newer superblock was written and flushed
+//!   before it, so the superblock in use is older than the pool ([`Damage::Newer`]).
+//!
+//! What cannot be told apart: damage to the blocks of the last commit before a crash
+//! looks like that commit torn by the crash, and is dropped as one (with a warning).
+//!
+//! Version 1 blocks (no epoch, no commit length) are still read, with version 1's rules,
+//! so that a pool made by an older cairn opens; the open then writes version 2.
 //!
 //! All integers are little-endian.
 
 /// Bytes of one log block.
 pub const BLOCK_BYTES: usize = 4096;
 /// The log block's magic: its first 8 bytes.
-pub const MAGIC: [u8; 8] = *b"CAIRNTL\0";
+pub const MAGIC: [u8; 8] = *b"CAIRNTL2";
 /// A checkpoint page's magic (the same layout as a log block: `seq` is the page's
-/// index, `commit` the checkpoint's generation, `last` its final page).
-pub const CHECKPOINT_MAGIC: [u8; 8] = *b"CAIRNTC\0";
+/// index, `epoch` the checkpoint's generation, `last` its final page).
+pub const CHECKPOINT_MAGIC: [u8; 8] = *b"CAIRNTC2";
+/// Version 1's magics (a block of one version never reads as one of the other).
+pub const MAGIC_V1: [u8; 8] = *b"CAIRNTL\0";
+/// See [`MAGIC_V1`].
+pub const CHECKPOINT_MAGIC_V1: [u8; 8] = *b"CAIRNTC\0";
 /// Longest volume name a record carries.
 pub const NAME_MAX: usize = 255;
 
@@ -28,7 +50,12 @@ mod at {
     pub const COMMIT: usize = 32;
     pub const FLAGS: usize = 40;
     pub const RECORD_BYTES: usize = 44;
-    pub const RECORDS: usize = 48;
+    /// Version 1: the records start here.
+    pub const RECORDS_V1: usize = 48;
+    pub const EPOCH: usize = 48;
+    pub const BLOCKS: usize = 56;
+    pub const RESERVED: usize = 60;
+    pub const RECORDS: usize = 64;
     pub const CRC: usize = super::BLOCK_BYTES - 4;
 }
 
@@ -36,7 +63,6 @@ mod at {
 pub const RECORDS_MAX_BYTES: usize = at::CRC - at::RECORDS;
 /// Flag: the last block of its commit.
 const FLAG_LAST: u32 = 1;
-
 /// One change to the pool. Volumes are named by id (`vol`); data blocks by their index
 /// on the data device, in units of the pool's block size.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -345,8 +371,13 @@ pub struct LogBlock {
     pub pool_uuid: [u8; 16],
     /// Its place in the log: one more than the block before it.
     pub seq: u64,
-    /// The commit it is part of.
+    /// The commit it is part of: the sequence number of the commit's first block (version
+    /// 1: a commit number).
     pub commit: u64,
+    /// The generation of the superblock whose log it extends (version 1: 0).
+    pub epoch: u64,
+    /// Blocks in its commit (version 1: 0, not recorded).
+    pub blocks: u32,
     /// The last block of that commit.
     pub last: bool,
     /// Its records, in order.
@@ -359,12 +390,13 @@ impl LogBlock {
         self.encode_as(&MAGIC)
     }
 
-    /// [`LogBlock::decode`] of a log block.
+    /// [`LogBlock::decode_as`] of a log block of the current version.
     pub fn decode(b: &[u8], pool_uuid: &[u8; 16]) -> Result<LogBlock, Invalid> {
-        LogBlock::decode_as(b, pool_uuid, &MAGIC)
+        LogBlock::decode_as(b, pool_uuid, &MAGIC, VERSION)
     }
 
-    /// The bytes of a block with `magic` (a log block or a checkpoint page).
+    /// The bytes of a block with `magic` (a log block or a checkpoint page), in the
+    /// current version's layout.
     pub fn encode_as(&self, magic: &[u8; 8]) -> Vec<u8> {
         let mut recs = Vec::new();
         for r in &self.records {
@@ -380,14 +412,22 @@ impl LogBlock {
         b[at::FLAGS..at::FLAGS + 4].copy_from_slice(&flags.to_le_bytes());
         b[at::RECORD_BYTES..at::RECORD_BYTES + 4]
             .copy_from_slice(&(recs.len() as u32).to_le_bytes());
+        b[at::EPOCH..at::EPOCH + 8].copy_from_slice(&self.epoch.to_le_bytes());
+        b[at::BLOCKS..at::BLOCKS + 4].copy_from_slice(&self.blocks.to_le_bytes());
         b[at::RECORDS..at::RECORDS + recs.len()].copy_from_slice(&recs);
         let crc = crc32c::crc32c(&b[..at::CRC]);
         b[at::CRC..].copy_from_slice(&crc.to_le_bytes());
         b
     }
 
-    /// Reads a block with `magic` of pool `pool_uuid`; every record is checked.
-    pub fn decode_as(b: &[u8], pool_uuid: &[u8; 16], magic: &[u8; 8]) -> Result<LogBlock, Invalid> {
+    /// Reads a block with `magic` of pool `pool_uuid`, laid out as format `version` (1 or
+    /// 2) has it; every field and record is checked.
+    pub fn decode_as(
+        b: &[u8],
+        pool_uuid: &[u8; 16],
+        magic: &[u8; 8],
+        version: u32,
+    ) -> Result<LogBlock, Invalid> {
         if b.len() != BLOCK_BYTES {
             return Err(Invalid::Field("block length"));
         }
@@ -411,29 +451,61 @@ impl LogBlock {
         if flags & !FLAG_LAST != 0 {
             return Err(Invalid::Field("flags"));
         }
+        let (first, epoch, blocks) = match version {
+            1 => (at::RECORDS_V1, 0, 0),
+            2 => (at::RECORDS, get64(at::EPOCH), get32(at::BLOCKS)),
+            _ => return Err(Invalid::Field("version")),
+        };
+        if version == 2 {
+            if blocks == 0 {
+                return Err(Invalid::Field("blocks"));
+            }
+            if get32(at::RESERVED) != 0 {
+                return Err(Invalid::Field("reserved"));
+            }
+        }
         let len = get32(at::RECORD_BYTES) as usize;
-        if len > RECORDS_MAX_BYTES {
+        if len > at::CRC - first {
             return Err(Invalid::Field("record bytes"));
         }
-        let mut recs = &b[at::RECORDS..at::RECORDS + len];
+        let mut recs = &b[first..first + len];
         let mut records = Vec::new();
         while !recs.is_empty() {
             let (r, n) = Record::decode(recs)?;
             records.push(r);
             recs = &recs[n..];
         }
-        Ok(LogBlock {
+        let block = LogBlock {
             pool_uuid: *pool_uuid,
             seq: get64(at::SEQ),
             commit: get64(at::COMMIT),
+            epoch,
+            blocks,
             last: flags & FLAG_LAST != 0,
             records,
-        })
+        };
+        if version == 2 && !block.in_its_commit() {
+            return Err(Invalid::Field("commit"));
+        }
+        Ok(block)
+    }
+
+    /// Version 2: the block lies inside its commit, flagged last exactly at its end.
+    fn in_its_commit(&self) -> bool {
+        let Some(index) = self.seq.checked_sub(self.commit) else {
+            return false;
+        };
+        index < u64::from(self.blocks) && self.last == (index + 1 == u64::from(self.blocks))
     }
 }
 
-/// The blocks of commit `commit` holding `records` in order, numbered from `first_seq`.
-pub fn pack(pool_uuid: [u8; 16], first_seq: u64, commit: u64, records: &[Record]) -> Vec<LogBlock> {
+/// The format version this code writes.
+pub const VERSION: u32 = 2;
+
+/// The blocks of the commit holding `records` in order, numbered from `first_seq`, in
+/// the log of the superblock of generation `epoch`. A commit of no records is one block
+/// holding none.
+pub fn pack(pool_uuid: [u8; 16], epoch: u64, first_seq: u64, records: &[Record]) -> Vec<LogBlock> {
     let mut blocks = Vec::new();
     let mut current = Vec::new();
     let mut used = 0;
@@ -454,41 +526,203 @@ pub fn pack(pool_uuid: [u8; 16], first_seq: u64, commit: u64, records: &[Record]
         .map(|(i, records)| LogBlock {
             pool_uuid,
             seq: first_seq + i as u64,
-            commit,
+            commit: first_seq,
+            epoch,
+            blocks: count as u32,
             last: i + 1 == count,
             records,
         })
         .collect()
 }
 
-/// Replay's rule: the records of every whole commit in `blocks` (read in log order from
-/// the sequence number `first_seq`), stopping at the first block that is invalid, out of
-/// sequence, or of another commit than the one in progress. A commit whose last block is
-/// missing or torn is dropped whole. Returns the records and the sequence number replay
-/// ended at (where the next commit goes).
-pub fn replay(blocks: &[&[u8]], pool_uuid: &[u8; 16], first_seq: u64) -> (Vec<Record>, u64) {
-    let mut committed = Vec::new();
+/// What [`replay`] found: the records of every whole commit, where the next commit goes,
+/// and the torn commit it dropped, if any.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replayed {
+    /// The records, in order.
+    pub records: Vec<Record>,
+    /// Blocks replayed.
+    pub blocks: u64,
+    /// Whole commits replayed.
+    pub commits: u64,
+    /// The sequence number replay ended at (where the next commit goes).
+    pub end: u64,
+    /// A commit dropped as torn: the sequence number it started at, and how many of its
+    /// blocks were found valid.
+    pub torn: Option<(u64, u64)>,
+}
+
+/// Why the log cannot be replayed as it is: damage that loses acknowledged commits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Damage {
+    /// Replay stopped at block `seq` (why: `invalid`, or out of place), but the commit
+    /// starting at `later` comes after it, whole or not: the commits between were whole
+    /// once.
+    Inside {
+        /// Where replay stopped.
+        seq: u64,
+        /// What is wrong with the block there.
+        why: String,
+        /// The first sequence number of a later commit found valid.
+        later: u64,
+    },
+    /// Block `seq` was written in the log of superblock generation `epoch`, newer than
+    /// the superblock in use: the newest superblock is damaged or was rolled back.
+    Newer {
+        /// The block.
+        seq: u64,
+        /// Its epoch.
+        epoch: u64,
+    },
+}
+
+impl std::fmt::Display for Damage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Damage::Inside { seq, why, later } => write!(
+                f,
+                "log block {seq} is damaged ({why}) but the commit at block {later} comes after it: the commits from block {seq} on were acknowledged"
+            ),
+            Damage::Newer { seq, epoch } => write!(
+                f,
+                "log block {seq} was written under superblock generation {epoch}, newer than the superblock in use: the newest superblock is damaged or was put back from an older copy"
+            ),
+        }
+    }
+}
+
+/// Replay's rule: the records of every whole commit in `ring` (the log's pages in ring
+/// order, starting at the page of sequence number `first_seq`), in the log of the
+/// superblock of generation `epoch`, read as format `version`. Replay stops at the first
+/// block that is invalid, of another epoch, out of sequence or out of its commit; the
+/// commit it stops in is dropped whole. Then the rest of the ring tells a torn tail (fine)
+/// from damage (an error): see the module's documentation.
+pub fn replay(
+    ring: &[&[u8]],
+    pool_uuid: &[u8; 16],
+    first_seq: u64,
+    epoch: u64,
+    version: u32,
+) -> Result<Replayed, Damage> {
+    if version == 1 {
+        return Ok(replay_v1(ring, pool_uuid, first_seq));
+    }
+    let mut out = Replayed {
+        records: Vec::new(),
+        blocks: 0,
+        commits: 0,
+        end: first_seq,
+        torn: None,
+    };
+    let mut pending = Vec::new();
+    let mut i = 0;
+    let mut why = "the end of the log".to_string();
+    while i < ring.len() {
+        let seq = first_seq + i as u64;
+        let block = match LogBlock::decode(ring[i], pool_uuid) {
+            Ok(b) if b.epoch != epoch => {
+                why = format!("of epoch {}", b.epoch);
+                break;
+            }
+            Ok(b) if b.seq != seq || b.commit != out.end => {
+                why = format!("block {} of the commit at {}", b.seq, b.commit);
+                break;
+            }
+            Ok(b) => b,
+            Err(e) => {
+                why = format!("{e:?}").to_lowercase();
+                break;
+            }
+        };
+        i += 1;
+        pending.extend(block.records);
+        if block.last {
+            out.records.append(&mut pending);
+            out.blocks = i as u64;
+            out.commits += 1;
+            out.end = seq + 1;
+        }
+    }
+    look_past_the_end(ring, pool_uuid, first_seq, epoch, &mut out, why)?;
+    Ok(out)
+}
+
+/// After replay stopped at `out.end`: any block of a later commit of this epoch is
+/// damage before it, any block of a later epoch a superblock too old; blocks of the
+/// dropped commit itself make it a torn tail.
+fn look_past_the_end(
+    ring: &[&[u8]],
+    pool_uuid: &[u8; 16],
+    first_seq: u64,
+    epoch: u64,
+    out: &mut Replayed,
+    why: String,
+) -> Result<(), Damage> {
+    let stop = out.end;
+    let mut found = 0;
+    for (i, b) in ring.iter().enumerate() {
+        let Ok(block) = LogBlock::decode(b, pool_uuid) else {
+            continue;
+        };
+        if block.epoch > epoch {
+            return Err(Damage::Newer {
+                seq: block.seq,
+                epoch: block.epoch,
+            });
+        }
+        // Only a block at its own place counts: one elsewhere is from an older lap.
+        let place = first_seq + i as u64;
+        if block.epoch != epoch || block.seq != place || place < stop {
+            continue;
+        }
+        if block.commit > stop {
+            return Err(Damage::Inside {
+                seq: stop,
+                why,
+                later: block.commit,
+            });
+        }
+        if block.commit == stop {
+            found += 1;
+        }
+    }
+    if found > 0 {
+        out.torn = Some((stop, found));
+    }
+    Ok(())
+}
+
+/// Version 1's rule: blocks in sequence, of the commit in progress, until the first that
+/// is not; a commit counts when its last block is read.
+fn replay_v1(ring: &[&[u8]], pool_uuid: &[u8; 16], first_seq: u64) -> Replayed {
+    let mut out = Replayed {
+        records: Vec::new(),
+        blocks: 0,
+        commits: 0,
+        end: first_seq,
+        torn: None,
+    };
     let mut pending = Vec::new();
     let mut commit_of_pending = None;
-    let mut next = first_seq;
-    let mut end = first_seq;
-    for b in blocks {
-        let Ok(block) = LogBlock::decode(b, pool_uuid) else {
+    for (i, b) in ring.iter().enumerate() {
+        let Ok(block) = LogBlock::decode_as(b, pool_uuid, &MAGIC_V1, 1) else {
             break;
         };
-        if block.seq != next || commit_of_pending.is_some_and(|c| c != block.commit) {
+        let seq = first_seq + i as u64;
+        if block.seq != seq || commit_of_pending.is_some_and(|c| c != block.commit) {
             break;
         }
-        next += 1;
         commit_of_pending = Some(block.commit);
         pending.extend(block.records);
         if block.last {
-            committed.append(&mut pending);
+            out.records.append(&mut pending);
             commit_of_pending = None;
-            end = next;
+            out.blocks = i as u64 + 1;
+            out.commits += 1;
+            out.end = seq + 1;
         }
     }
-    (committed, end)
+    out
 }
 
 #[cfg(test)]
@@ -496,6 +730,7 @@ mod tests {
     use super::*;
 
     const UUID: [u8; 16] = *b"0123456789abcdef";
+    const PAGES: usize = 64;
 
     fn every_kind() -> Vec<Record> {
         vec![
@@ -526,12 +761,59 @@ mod tests {
         ]
     }
 
+    /// `n` records, each a block's worth of `Set`s after the first: a commit of about
+    /// `n / 250` blocks.
+    fn sets(from: u64, n: u64) -> Vec<Record> {
+        (from..from + n)
+            .map(|i| Record::Set {
+                vol: 1,
+                vblock: i,
+                entry: i as u32 + 1,
+            })
+            .collect()
+    }
+
+    /// A log ring of [`PAGES`] pages, written as the commit thread writes it.
+    struct Ring {
+        pages: Vec<Vec<u8>>,
+    }
+
+    impl Ring {
+        fn new() -> Ring {
+            Ring {
+                pages: vec![vec![0u8; BLOCK_BYTES]; PAGES],
+            }
+        }
+
+        /// Writes a commit of `records` from `seq` in epoch `epoch`; returns the next seq.
+        fn commit(&mut self, epoch: u64, seq: u64, records: &[Record]) -> u64 {
+            let blocks = pack(UUID, epoch, seq, records);
+            for b in &blocks {
+                self.pages[b.seq as usize % PAGES] = b.encode();
+            }
+            seq + blocks.len() as u64
+        }
+
+        fn replay(&self, first_seq: u64, epoch: u64) -> Result<Replayed, Damage> {
+            let refs: Vec<&[u8]> = (0..PAGES)
+                .map(|i| self.pages[(first_seq as usize + i) % PAGES].as_slice())
+                .collect();
+            replay(&refs, &UUID, first_seq, epoch, VERSION)
+        }
+
+        fn page(&mut self, seq: u64) -> &mut Vec<u8> {
+            &mut self.pages[seq as usize % PAGES]
+        }
+    }
+
     #[test]
     fn every_record_kind_round_trips() {
         let block = LogBlock {
             pool_uuid: UUID,
             seq: 9,
-            commit: 4,
+            commit: 9,
+            epoch: 3,
+            blocks: 1,
             last: true,
             records: every_kind(),
         };
@@ -563,75 +845,226 @@ mod tests {
         other[0] = b'X';
         assert_eq!(LogBlock::decode(&other, &UUID), Err(Invalid::Magic));
         assert!(LogBlock::decode(&b[..100], &UUID).is_err());
+        // A block of one version never reads as one of the other.
+        assert_eq!(
+            LogBlock::decode_as(&b, &UUID, &MAGIC_V1, 1),
+            Err(Invalid::Magic)
+        );
+    }
+
+    /// Rewrites a header field of `b` and its checksum.
+    fn forge(b: &mut [u8], at: usize, bytes: &[u8]) {
+        b[at..at + bytes.len()].copy_from_slice(bytes);
+        let crc = crc32c::crc32c(&b[..at::CRC]);
+        b[at::CRC..].copy_from_slice(&crc.to_le_bytes());
     }
 
     #[test]
-    fn a_record_that_runs_past_its_bytes_is_refused() {
-        // A valid block whose record length cuts the last record short.
-        let mut b = pack(UUID, 1, 1, &every_kind()).remove(0).encode();
-        let len = u32::from_le_bytes(
-            b[at::RECORD_BYTES..at::RECORD_BYTES + 4]
-                .try_into()
-                .unwrap(),
-        );
-        b[at::RECORD_BYTES..at::RECORD_BYTES + 4].copy_from_slice(&(len - 3).to_le_bytes());
-        let crc = crc32c::crc32c(&b[..at::CRC]);
-        b[at::CRC..].copy_from_slice(&crc.to_le_bytes());
-        assert_eq!(
-            LogBlock::decode(&b, &UUID),
-            Err(Invalid::Field("record length"))
-        );
+    fn fields_that_break_the_rules_are_refused() {
+        let good = pack(UUID, 1, 1, &every_kind()).remove(0).encode();
+        let len = u32::from_le_bytes(good[at::RECORD_BYTES..][..4].try_into().unwrap());
+        let cases: Vec<(usize, Vec<u8>, Invalid)> = vec![
+            // A record length that cuts the last record short.
+            (
+                at::RECORD_BYTES,
+                (len - 3).to_le_bytes().to_vec(),
+                Invalid::Field("record length"),
+            ),
+            (
+                at::RECORD_BYTES,
+                4096u32.to_le_bytes().to_vec(),
+                Invalid::Field("record bytes"),
+            ),
+            (
+                at::BLOCKS,
+                0u32.to_le_bytes().to_vec(),
+                Invalid::Field("blocks"),
+            ),
+            // A one-block commit's only block said to be the first of many.
+            (
+                at::BLOCKS,
+                2u32.to_le_bytes().to_vec(),
+                Invalid::Field("commit"),
+            ),
+            (
+                at::RESERVED,
+                1u32.to_le_bytes().to_vec(),
+                Invalid::Field("reserved"),
+            ),
+            (
+                at::FLAGS,
+                2u32.to_le_bytes().to_vec(),
+                Invalid::Field("flags"),
+            ),
+            // Not the last block of a one-block commit; a seq before its commit.
+            (
+                at::FLAGS,
+                0u32.to_le_bytes().to_vec(),
+                Invalid::Field("commit"),
+            ),
+            (
+                at::COMMIT,
+                2u64.to_le_bytes().to_vec(),
+                Invalid::Field("commit"),
+            ),
+            (
+                at::SEQ,
+                u64::MAX.to_le_bytes().to_vec(),
+                Invalid::Field("commit"),
+            ),
+        ];
+        for (at, bytes, want) in cases {
+            let mut b = good.clone();
+            forge(&mut b, at, &bytes);
+            assert_eq!(LogBlock::decode(&b, &UUID), Err(want), "field at {at}");
+        }
     }
 
     #[test]
     fn a_large_commit_spans_blocks_and_replays_whole() {
-        let records: Vec<Record> = (0..1000)
-            .map(|i| Record::Set {
-                vol: 1,
-                vblock: i,
-                entry: i as u32 + 1,
-            })
-            .collect();
-        let blocks = pack(UUID, 10, 7, &records);
+        let records = sets(0, 1000);
+        let blocks = pack(UUID, 5, 10, &records);
         assert!(blocks.len() > 1);
         assert!(blocks.iter().rev().skip(1).all(|b| !b.last) && blocks.last().unwrap().last);
-        let bytes: Vec<Vec<u8>> = blocks.iter().map(LogBlock::encode).collect();
-        let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
-        let (got, end) = replay(&refs, &UUID, 10);
-        assert_eq!(got, records);
-        assert_eq!(end, 10 + blocks.len() as u64);
+        assert!(blocks
+            .iter()
+            .all(|b| b.commit == 10 && b.blocks as usize == blocks.len()));
+        let mut ring = Ring::new();
+        let end = ring.commit(5, 10, &records);
+        let got = ring.replay(10, 5).unwrap();
+        assert_eq!(got.records, records);
+        assert_eq!((got.end, got.commits, got.torn), (end, 1, None));
+        // The same blocks are not of the next epoch's log.
+        let next = ring.replay(10, 6).unwrap();
+        assert_eq!((next.records.len(), next.end), (0, 10));
     }
 
     #[test]
     fn a_torn_commit_leaves_the_last_whole_one() {
-        let first = vec![Record::Create {
-            vol: 1,
-            size: 1 << 20,
-            flags: 0,
-            name: "a".into(),
-        }];
-        let second: Vec<Record> = (0..600)
-            .map(|i| Record::Set {
-                vol: 1,
-                vblock: i,
-                entry: 1,
-            })
-            .collect();
-        let mut blocks = pack(UUID, 0, 1, &first);
-        blocks.extend(pack(UUID, 1, 2, &second));
-        let mut bytes: Vec<Vec<u8>> = blocks.iter().map(LogBlock::encode).collect();
-        let all: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
-        assert_eq!(replay(&all, &UUID, 0).0.len(), 1 + 600);
-        // The second commit's last block torn: only the first counts.
-        let last = bytes.len() - 1;
-        bytes[last][200] ^= 0xff;
-        let torn: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
-        assert_eq!(replay(&torn, &UUID, 0), (first.clone(), 1));
-        // A stale block from an older lap of the ring (wrong sequence) ends replay too.
-        let stale = pack(UUID, 99, 2, &second);
-        let mut lapped: Vec<Vec<u8>> = vec![pack(UUID, 0, 1, &first)[0].encode()];
-        lapped.extend(stale.iter().map(LogBlock::encode));
-        let refs: Vec<&[u8]> = lapped.iter().map(Vec::as_slice).collect();
-        assert_eq!(replay(&refs, &UUID, 0), (first, 1));
+        let first = every_kind();
+        let mut ring = Ring::new();
+        let s = ring.commit(1, 0, &first);
+        let end = ring.commit(1, s, &sets(0, 600));
+        assert_eq!(ring.replay(0, 1).unwrap().records.len(), first.len() + 600);
+        // Any block of the last commit missing (never written) or torn: only the first
+        // commit counts, and the rest of the torn one is reported.
+        for lost in s..end {
+            let mut r = Ring {
+                pages: ring.pages.clone(),
+            };
+            if lost % 2 == 0 {
+                *r.page(lost) = vec![0u8; BLOCK_BYTES];
+            } else {
+                r.page(lost)[200] ^= 0xff;
+            }
+            let got = r.replay(0, 1).unwrap();
+            assert_eq!(got.records, first, "block {lost} lost");
+            assert_eq!(got.end, s);
+            assert_eq!(got.torn, Some((s, end - s - 1)));
+        }
+    }
+
+    #[test]
+    fn damage_before_a_later_commit_is_refused_not_dropped() {
+        // Commits of 1, 3 and 1 blocks; damage to any block of the first two is found,
+        // because a block of a later commit survives.
+        let mut ring = Ring::new();
+        let a = ring.commit(4, 7, &every_kind());
+        let b = ring.commit(4, a, &sets(0, 600));
+        let c = ring.commit(4, b, &sets(1000, 3));
+        for bad in 7..b {
+            for how in 0..3 {
+                let mut r = Ring {
+                    pages: ring.pages.clone(),
+                };
+                match how {
+                    0 => r.page(bad)[100] ^= 1,
+                    1 => *r.page(bad) = vec![0u8; BLOCK_BYTES],
+                    _ => r.page(bad)[0] = b'X',
+                }
+                let got = r.replay(7, 4);
+                let stop = if bad < a { 7 } else { a };
+                assert!(
+                    matches!(got, Err(Damage::Inside { seq, later, .. }) if seq == stop && later > stop),
+                    "block {bad}, damage {how}: {got:?}"
+                );
+            }
+        }
+        // Damage to the last commit cannot be told from a tear: dropped, and said.
+        let mut r = Ring {
+            pages: ring.pages.clone(),
+        };
+        r.page(b)[300] ^= 1;
+        let got = r.replay(7, 4).unwrap();
+        assert_eq!((got.end, got.commits, got.torn), (b, 2, None));
+        assert_eq!(ring.replay(7, 4).unwrap().end, c);
+    }
+
+    #[test]
+    fn a_block_left_by_a_commit_torn_before_an_earlier_open_is_never_replayed() {
+        // Epoch 1: a commit of three blocks whose first never reached the disk.
+        let mut ring = Ring::new();
+        let s = ring.commit(1, 20, &every_kind());
+        let torn_end = ring.commit(1, s, &sets(0, 600));
+        *ring.page(s) = vec![0u8; BLOCK_BYTES];
+        let got = ring.replay(20, 1).unwrap();
+        assert_eq!((got.end, got.torn), (s, Some((s, torn_end - s - 1))));
+        // The open wrote a new superblock (epoch 2) with the log starting at `s`; a
+        // one-block commit lands there, then a crash: the stale blocks after it are of
+        // epoch 1 and end replay, however well they fit the sequence.
+        let e2 = ring.commit(2, s, &sets(5000, 1));
+        let got = ring.replay(s, 2).unwrap();
+        assert_eq!((got.records.len(), got.end, got.torn), (1, e2, None));
+        // Third open, epoch 3, from `e2`: another one-block commit, another crash.
+        let e3 = ring.commit(3, e2, &sets(6000, 1));
+        let got = ring.replay(e2, 3).unwrap();
+        assert_eq!((got.records.len(), got.end), (1, e3));
+    }
+
+    #[test]
+    fn a_block_of_a_newer_superblock_means_the_one_in_use_is_old() {
+        let mut ring = Ring::new();
+        let a = ring.commit(7, 0, &every_kind());
+        // A checkpoint moved the log to `a` under superblock 8, then commits.
+        ring.commit(8, a, &sets(0, 10));
+        // Superblock 8 damaged: superblock 7 is picked, its log replays whole, and the
+        // newer block is found.
+        let got = ring.replay(0, 7);
+        assert_eq!(got, Err(Damage::Newer { seq: a, epoch: 8 }));
+    }
+
+    #[test]
+    fn a_version_1_log_replays_by_version_1_rules() {
+        let v1 = |seq: u64, commit: u64, last: bool, records: Vec<Record>| {
+            let mut b = LogBlock {
+                pool_uuid: UUID,
+                seq,
+                commit,
+                epoch: 0,
+                blocks: 0,
+                last,
+                records,
+            }
+            .encode_as(&MAGIC_V1);
+            // Version 1 has the records at 48: move them back and seal.
+            let len = u32::from_le_bytes(b[at::RECORD_BYTES..][..4].try_into().unwrap()) as usize;
+            let recs = b[at::RECORDS..at::RECORDS + len].to_vec();
+            b[at::RECORDS_V1..at::CRC].fill(0);
+            b[at::RECORDS_V1..at::RECORDS_V1 + len].copy_from_slice(&recs);
+            forge(&mut b, 0, &MAGIC_V1);
+            b
+        };
+        let pages = [
+            v1(3, 3, true, every_kind()),
+            v1(4, 4, false, sets(0, 2)),
+            v1(5, 4, true, sets(2, 2)),
+            vec![0u8; BLOCK_BYTES],
+        ];
+        let refs: Vec<&[u8]> = pages.iter().map(Vec::as_slice).collect();
+        let got = replay(&refs, &UUID, 3, 0, 1).unwrap();
+        assert_eq!(got.records.len(), every_kind().len() + 4);
+        assert_eq!((got.end, got.commits), (6, 2));
+        // And a version 1 block never reads as version 2.
+        assert_eq!(LogBlock::decode(&pages[0], &UUID), Err(Invalid::Magic));
     }
 }

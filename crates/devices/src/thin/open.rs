@@ -129,6 +129,7 @@ fn new_superblock(
         LowWater::Percent(p) => data_blocks * u64::from(p) / 100,
     };
     let sb = PoolSuperblock {
+        version: sbk::VERSION,
         generation: 1,
         pool_uuid: crate::array::new_uuid(),
         flags: if meta.is_none() {
@@ -184,6 +185,7 @@ fn load(q: &BlockingQueue, sb: &PoolSuperblock) -> Result<(PoolState, u64, Vec<S
             &pages,
             &sb.pool_uuid,
             sb.checkpoint_generation,
+            sb.version,
             sb.block_bytes,
             sb.data_blocks as usize,
         )
@@ -205,8 +207,19 @@ fn load(q: &BlockingQueue, sb: &PoolSuperblock) -> Result<(PoolState, u64, Vec<S
             &ring[p..p + LOG_PAGE]
         })
         .collect();
-    let (records, end) = format::replay(&blocks, &sb.pool_uuid, sb.log_start_seq);
-    for r in &records {
+    let log = format::replay(
+        &blocks,
+        &sb.pool_uuid,
+        sb.log_start_seq,
+        sb.generation,
+        sb.version,
+    )
+    .map_err(|d| {
+        bad(format!(
+            "the thin pool's metadata is damaged: {d}; nothing was changed (restore the metadata area from a copy, or see 'Damaged metadata' in the README)"
+        ))
+    })?;
+    for r in &log.records {
         state.apply(r).map_err(|e| {
             bad(format!(
                 "the thin pool's log holds a record that breaks the pool's rules ({e}); the metadata needs checking"
@@ -215,9 +228,18 @@ fn load(q: &BlockingQueue, sb: &PoolSuperblock) -> Result<(PoolState, u64, Vec<S
     }
     words.push(format!(
         "log: {} records in {} blocks replayed",
-        records.len(),
-        end - sb.log_start_seq
+        log.records.len(),
+        log.blocks
     ));
+    if let Some((seq, found)) = log.torn {
+        // Loud: a commit damaged after a crash looks the same as one the crash tore.
+        let said = format!(
+            "log: the commit at block {seq} is incomplete ({found} of its blocks found): dropped as torn by the last stop"
+        );
+        log::warn!("cairn: thin pool: {said}");
+        words.push(said);
+    }
+    let end = log.end;
     state.freed.clear();
     Ok((state, end, words))
 }
@@ -392,7 +414,6 @@ pub(super) fn prepare(
         sb,
         sb_slot: slot,
         next_seq: 0,
-        commit_id: 0,
         log_used: 0,
         pending: Vec::new(),
         checkpoint_bytes: 0,
@@ -404,7 +425,6 @@ pub(super) fn prepare(
         thaw: None,
     };
     c.next_seq = fresh.unwrap_or(1);
-    c.commit_id = c.next_seq;
     c.checkpoint_bytes = c.sb.checkpoint_pages * sbk::PAGE;
     c.new = fresh.is_none();
     if dry {

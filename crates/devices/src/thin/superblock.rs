@@ -17,8 +17,10 @@ pub const SLOT_BYTES: usize = 8192;
 pub const SLOTS: usize = 2;
 /// The magic: the first 8 bytes of a slot.
 pub const MAGIC: [u8; 8] = *b"CAIRNTP\0";
-/// The format version this code writes and reads.
-pub const VERSION: u32 = 1;
+/// The format version this code writes. Version 2 changed the log blocks (an epoch and
+/// the commit's length in every block, new magics); version 1 pools are still read, and
+/// written as version 2 by the first open.
+pub const VERSION: u32 = 2;
 /// The smallest and largest allocation unit.
 pub const BLOCK_MIN: u64 = 64 << 10;
 /// See [`BLOCK_MIN`].
@@ -85,6 +87,9 @@ pub enum Invalid {
 /// The pool's superblock.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolSuperblock {
+    /// The format version it was read as (1 or 2); [`PoolSuperblock::encode`] always
+    /// writes [`VERSION`].
+    pub version: u32,
     /// The valid slot with the higher one wins.
     pub generation: u64,
     /// The pool's identity (log blocks and the data device's label carry it too).
@@ -177,13 +182,14 @@ impl PoolSuperblock {
             });
         }
         let version = get32(b, at::VERSION);
-        if version != VERSION {
+        if version != 1 && version != VERSION {
             return Err(Invalid::Version(version));
         }
         if get32(b, at::CRC) != crc32c::crc32c(&b[..at::CRC]) {
             return Err(Invalid::Checksum);
         }
         let sb = PoolSuperblock {
+            version,
             generation: get64(b, at::GENERATION),
             pool_uuid: b[at::UUID..at::UUID + 16].try_into().expect("16 bytes"),
             flags: get32(b, at::FLAGS),
@@ -301,6 +307,7 @@ mod tests {
 
     fn sample() -> PoolSuperblock {
         PoolSuperblock {
+            version: VERSION,
             generation: 7,
             pool_uuid: *b"poolpoolpoolpool",
             flags: FLAG_CLEAN,
@@ -465,7 +472,13 @@ mod tests {
         put32(&mut b, at::CRC, crc);
         assert_eq!(PoolSuperblock::decode(&b), Err(Invalid::Field("incompat")));
         let mut b = sample().encode();
-        put32(&mut b, at::VERSION, 2);
-        assert_eq!(PoolSuperblock::decode(&b), Err(Invalid::Version(2)));
+        put32(&mut b, at::VERSION, 3);
+        assert_eq!(PoolSuperblock::decode(&b), Err(Invalid::Version(3)));
+        // Version 1 is read (its checksum sealed again after the change).
+        let mut b = sample().encode();
+        put32(&mut b, at::VERSION, 1);
+        let crc = crc32c::crc32c(&b[..at::CRC]);
+        put32(&mut b, at::CRC, crc);
+        assert_eq!(PoolSuperblock::decode(&b).map(|s| s.version), Ok(1));
     }
 }
