@@ -199,13 +199,18 @@ impl Committer {
         } else {
             sb.flags &= !sbk::FLAG_CLEAN;
         }
-        let to = 1 - self.sb_slot;
-        self.meta()
-            .write((to * sbk::SLOT_BYTES) as u64, &sb.encode(), IoFlags::NONE)
-            .and_then(|()| self.meta().flush())
-            .map_err(|e| self.fail(format!("superblock write failed: {e}")))?;
+        // Both slots, each flushed before the next: first the one not holding the
+        // newest copy, so a torn write leaves the newest; then the other, so that damage
+        // to either slot later leaves a copy as new as the pool (falling back to an older
+        // superblock could drop a commit that only its checkpoint holds).
+        let bytes_sb = sb.encode();
+        for to in [1 - self.sb_slot, self.sb_slot] {
+            self.meta()
+                .write((to * sbk::SLOT_BYTES) as u64, &bytes_sb, IoFlags::NONE)
+                .and_then(|()| self.meta().flush())
+                .map_err(|e| self.fail(format!("superblock write failed: {e}")))?;
+        }
         self.sb = sb;
-        self.sb_slot = to;
         self.log_used = 0;
         self.checkpoint_bytes = bytes;
         self.commits += 1;

@@ -158,6 +158,36 @@ fn new_superblock(
     Ok(sb)
 }
 
+/// A pool is made only where no pool's metadata could be: both superblock slots are
+/// blank already; so must be the log and the first page of each checkpoint area (every
+/// pool wrote one at its first open). Zeroed superblocks over a pool's log and
+/// checkpoints are damage to restore, not a place to make a new pool in.
+fn refuse_unless_blank(q: &BlockingQueue, sb: &PoolSuperblock, what: &str) -> Result<(), Error> {
+    let regions = [
+        (sb.log_offset, sb.log_bytes, "log"),
+        (sb.checkpoints[0], sbk::PAGE, "first checkpoint area"),
+        (sb.checkpoints[1], sbk::PAGE, "second checkpoint area"),
+    ];
+    let mut buf = vec![0u8; 1 << 20];
+    for (offset, len, name) in regions {
+        let mut at = offset;
+        while at < offset + len {
+            let n = (offset + len - at).min(buf.len() as u64) as usize;
+            q.read(at, &mut buf[..n]).map_err(|e| {
+                Error::Invalid(format!("reading the thin pool metadata on '{what}': {e}"))
+            })?;
+            if let Some(i) = buf[..n].iter().position(|&b| b != 0) {
+                return Err(Error::Invalid(format!(
+                    "'{what}' has no thin pool superblock but is not blank (a byte at {} in the {name}'s place): a pool is created on blank devices only; if it held a pool, its superblocks are damaged (restore them; see 'Damaged metadata' in the README), else zero the area to make a pool there",
+                    at + i as u64
+                )));
+            }
+            at += n as u64;
+        }
+    }
+    Ok(())
+}
+
 /// The state the metadata on `q` holds: the checkpoint, then every whole commit of the
 /// log; with the sequence number the next commit gets and what was found, in words.
 fn load(q: &BlockingQueue, sb: &PoolSuperblock) -> Result<(PoolState, u64, Vec<String>), Error> {
@@ -356,6 +386,7 @@ pub(super) fn prepare(
         }
         None => {
             let sb = new_superblock(&data, meta.as_deref(), opts, &meta_name)?;
+            refuse_unless_blank(mq, &sb, &meta_name)?;
             examined.push(format!(
                 "new thin pool: {} blocks of {}, metadata {} (to be created)",
                 sb.data_blocks,

@@ -273,7 +273,8 @@ impl PoolSuperblock {
         {
             return Err(f("checkpoint_in_use"));
         }
-        if self.log_start_offset >= self.log_bytes || !self.log_start_offset.is_multiple_of(PAGE) {
+        // Replay reads block `seq` at page `seq % pages`: the start must be its page.
+        if self.log_start_offset != (self.log_start_seq % (self.log_bytes / PAGE)) * PAGE {
             return Err(f("log_start_offset"));
         }
         if self.low_water_blocks > self.data_blocks {
@@ -323,7 +324,7 @@ mod tests {
             checkpoint_pages: 5,
             checkpoint_crc: 0xdead_beef,
             log_start_seq: 1234,
-            log_start_offset: 8192,
+            log_start_offset: (1234 % 1024) * 4096,
             low_water_blocks: 100,
             created_secs: 1_800_000_000,
             updated_secs: 1_800_000_100,
@@ -432,6 +433,14 @@ mod tests {
             (
                 PoolSuperblock {
                     log_start_offset: 4 << 20,
+                    ..sample()
+                },
+                "log_start_offset",
+            ),
+            // Not the page of the start's sequence number.
+            (
+                PoolSuperblock {
+                    log_start_offset: (1235 % 1024) * 4096,
                     ..sample()
                 },
                 "log_start_offset",
