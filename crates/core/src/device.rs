@@ -202,6 +202,14 @@ pub trait Device: Send + Sync {
         }
     }
 
+    /// A power cut that tears: of the writes not yet made durable, some pages reach the
+    /// disk and some do not, as `seed` picks (volatile mem devices model it; the default
+    /// is a plain [`Device::power_cut`]).
+    fn power_cut_torn(&self, seed: u64) {
+        let _ = seed;
+        self.power_cut();
+    }
+
     /// Write-back counters of the caches in this tree: bytes dirty now, and bytes written
     /// back so far (the default sums the children's).
     fn writeback_counters(&self) -> (u64, u64) {

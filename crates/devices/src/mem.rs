@@ -698,6 +698,31 @@ impl Volatile {
         });
         n
     }
+
+    /// A power cut that tears: each page written since the last flush is kept (the disk
+    /// wrote it before the power went) or lost, as `seed` picks, page by page, so a
+    /// write of several pages may land in part. Returns the pages kept and lost.
+    fn power_cut_torn(&self, store: &MemStore, seed: u64) -> (u64, u64) {
+        let _alone = self.cut.write().unwrap_or_else(|p| p.into_inner());
+        let (mut kept, mut lost) = (0, 0);
+        let mut x = seed;
+        self.dirty.take(|p| {
+            let _page = self.stripe(p);
+            // splitmix64: a fair coin per page.
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            if (z ^ (z >> 31)) & 1 == 1 {
+                store.copy_page(&self.durable, p, self.page_len(p));
+                kept += 1;
+            } else {
+                self.durable.copy_page(store, p, self.page_len(p));
+                lost += 1;
+            }
+        });
+        (kept, lost)
+    }
 }
 
 /// A sparse RAM disk.
@@ -768,6 +793,16 @@ impl Device for MemDevice {
             let lost = v.power_cut(&self.store);
             log::warn!(
                 "cairn: {}: power cut: {lost} pages written since the last flush are back to what flushes and FUA writes made durable",
+                self.name
+            );
+        }
+    }
+
+    fn power_cut_torn(&self, seed: u64) {
+        if let Some(v) = &self.volatile {
+            let (kept, lost) = v.power_cut_torn(&self.store, seed);
+            log::warn!(
+                "cairn: {}: torn power cut: of the pages written since the last flush, {kept} reached the disk and {lost} did not",
                 self.name
             );
         }

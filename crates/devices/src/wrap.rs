@@ -25,8 +25,9 @@ pub enum Decision {
     Delay(u64),
     /// Fail it with this errno; the base never sees it.
     Fail(i32),
-    /// Cut the power of the base (it loses what was not flushed), then fail it.
-    PowerCut(i32),
+    /// Cut the power of the base (it loses what was not flushed; with a seed, the cut
+    /// tears: [`Device::power_cut_torn`]), then fail it.
+    PowerCut(i32, Option<u64>),
 }
 
 /// Decides the fate of each request.
@@ -278,6 +279,9 @@ pub struct FaultRule {
     /// Instead of failing requests: cut the power of everything below, once, the first
     /// time the conditions hold (that request fails; later ones pass).
     pub power_cut: bool,
+    /// With `power_cut`: the cut tears ([`Device::power_cut_torn`]): of the writes not
+    /// yet flushed below, some pages land and some do not (tests; no stack-file key).
+    pub torn: bool,
 }
 
 /// A [`FaultRule`] with the device-wide state it counts with.
@@ -376,7 +380,7 @@ impl Policy for Faults {
             if self.cut.swap(true, Relaxed) {
                 return Decision::Forward;
             }
-            return Decision::PowerCut(r.errno);
+            return Decision::PowerCut(r.errno, r.torn.then_some(random));
         }
         Decision::Fail(r.errno)
     }
@@ -502,9 +506,12 @@ impl Queue for WrapQueue {
         let now = self.core.now_ns();
         self.stats.start(io.flags, now);
         match self.policy.decide(&io, now, self.random()) {
-            Decision::PowerCut(errno) => {
+            Decision::PowerCut(errno, torn) => {
                 log::info!("cairn: fault: cutting the power below this device");
-                self.base_device.power_cut();
+                match torn {
+                    Some(seed) => self.base_device.power_cut_torn(seed),
+                    None => self.base_device.power_cut(),
+                }
                 self.stats.done(io.flags, io.op, io.len, now, now, false);
                 self.core
                     .complete(io.sink, io.token, IoStatus::errno(errno));
@@ -592,6 +599,7 @@ mod tests {
             times: Some(2),
             errno: libc::EIO,
             power_cut: false,
+            torn: false,
         });
         // Requests that do not match are not counted against `times`.
         assert_eq!(f.decide(&io(Op::Read, 0, 4096), 0, 0), Decision::Forward);

@@ -52,7 +52,11 @@ enum Step {
     Delete {
         v: usize,
     },
-    Cut,
+    /// A power cut that tears: each page written since the last flush, data or
+    /// metadata, reaches the disk or not, as the seed picks.
+    Cut {
+        seed: u64,
+    },
 }
 
 fn steps() -> impl Strategy<Value = Vec<Step>> {
@@ -68,7 +72,7 @@ fn steps() -> impl Strategy<Value = Vec<Step>> {
         2 => v.clone().prop_map(|v| Step::Snapshot { v }),
         1 => v.clone().prop_map(|v| Step::Clone { v }),
         1 => v.prop_map(|v| Step::Delete { v }),
-        1 => Just(Step::Cut),
+        1 => any::<u64>().prop_map(|seed| Step::Cut { seed }),
     ];
     prop::collection::vec(step, 1..60)
 }
@@ -228,7 +232,7 @@ impl World {
 
     /// The pool stops as a crash stops it, the mem loses what was not flushed, and the
     /// pool opens again: every page holds a value it was allowed to.
-    fn cut(&mut self) -> Result<(), TestCaseError> {
+    fn cut(&mut self, seed: u64) -> Result<(), TestCaseError> {
         if self.pool.is_some() {
             self.pool().inner().crash_on_close();
         }
@@ -236,7 +240,10 @@ impl World {
             v.open = None;
         }
         self.pool = None;
-        self.data.power_cut();
+        self.data.power_cut_torn(seed);
+        if let Some(m) = &self.meta {
+            m.power_cut_torn(seed.rotate_left(17));
+        }
         if let Some(raw) = self.raw.take() {
             // The machine comes back without the dying device.
             self.data = raw;
@@ -518,8 +525,8 @@ fn run(steps: &[Step], separate: bool, cut_at: Option<u64>) -> Result<(), TestCa
                     Err(e) => prop_assert!(false, "delete: {}", e),
                 }
             }
-            Step::Cut if cut_at.is_none() => w.cut()?,
-            Step::Cut => {}
+            Step::Cut { seed } if cut_at.is_none() => w.cut(seed)?,
+            Step::Cut { .. } => {}
         }
         if w.dead {
             break;
@@ -531,7 +538,7 @@ fn run(steps: &[Step], separate: bool, cut_at: Option<u64>) -> Result<(), TestCa
             w.check(i, 0, PAGES, "at the end")?;
         }
     }
-    w.cut()?;
+    w.cut(steps.len() as u64 ^ cut_at.unwrap_or(0).rotate_left(32))?;
     Ok(())
 }
 

@@ -547,6 +547,7 @@ impl Keys<'_> {
             times: self.integer("times")?,
             errno,
             power_cut: self.bool("power_cut")?.unwrap_or(false),
+            torn: false,
         })
     }
 

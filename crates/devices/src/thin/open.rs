@@ -66,10 +66,30 @@ fn read_superblock(
             Ok(Some((sb, slot)))
         }
         Err((sbk::Invalid::Blank, sbk::Invalid::Blank)) => Ok(None),
+        Err((_, sbk::Invalid::Blank)) if torn_creation(&area) => {
+            log::warn!("cairn: thin pool on {what}: the first superblock is torn and the second blank: a creation was interrupted; making the pool again");
+            Ok(None)
+        }
         Err((a, b)) => Err(Error::Invalid(format!(
             "{what} holds no thin pool superblock ({a:?}, {b:?}): a pool is created on blank devices only"
         ))),
     }
+}
+
+/// Whether the superblock area holds what a stop during a pool's creation leaves: the
+/// first slot torn (its first page written and not its last, or the reverse: only the
+/// checksum at its end) and the second never written. A pool is made again there, if the
+/// rest of the area is blank too (see [`refuse_unless_blank`]).
+fn torn_creation(area: &[u8]) -> bool {
+    let page = sbk::PAGE as usize;
+    let (first, second) = area.split_at(sbk::SLOT_BYTES);
+    if second.iter().any(|&b| b != 0) {
+        return false;
+    }
+    let head_only =
+        first[..sbk::MAGIC.len()] == sbk::MAGIC && first[page..].iter().all(|&b| b == 0);
+    let tail_only = first[..sbk::SLOT_BYTES - 4].iter().all(|&b| b == 0);
+    head_only || tail_only
 }
 
 /// A new pool's superblock for `data` (and `meta`).
