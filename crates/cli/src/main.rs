@@ -130,8 +130,20 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Check(args) => {
-            let stack = settings::read_stack(&args.stack)?;
+            let mut stack = settings::read_stack(&args.stack)?;
             let switches = cli.global.switches(&stack.tuning)?;
+            if let Some(pool) = &args.repair_thin {
+                let at = |e: cairn_core::Error| format!("{}: {e}", args.stack.display());
+                stack.repair_thin(pool).map_err(at)?;
+                // Opened for real and stopped cleanly: the repaired state is checkpointed.
+                drop(
+                    stack
+                        .open_all(std::slice::from_ref(pool), switches)
+                        .map_err(at)?,
+                );
+                stack = settings::read_stack(&args.stack)?;
+                out(&format!("thin pool '{pool}' repaired\n"));
+            }
             let report = stack
                 .check(args.device.as_deref(), switches)
                 .map_err(|e| format!("{}: {e}", args.stack.display()))?;

@@ -630,6 +630,11 @@ pub struct CheckArgs {
     /// Print only this device's tree.
     #[arg(long, value_name = "NAME")]
     pub device: Option<String>,
+    /// Open thin pool POOL although its log is damaged, keeping what replays up to the
+    /// damage and dropping the commits after it (writes the pool's metadata; see the
+    /// README's "Damaged metadata"). Then check as usual.
+    #[arg(long, value_name = "POOL")]
+    pub repair_thin: Option<String>,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]

@@ -145,6 +145,7 @@ fn opts() -> PoolOptions {
     PoolOptions {
         block_bytes: Some(64 << 10),
         low_water: LowWater::Percent(10),
+        repair: false,
     }
 }
 

@@ -60,6 +60,7 @@ fn opts() -> PoolOptions {
     PoolOptions {
         block_bytes: Some(BLOCK),
         low_water: LowWater::Percent(1),
+        repair: false,
     }
 }
 

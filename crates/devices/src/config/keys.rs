@@ -311,6 +311,7 @@ impl Keys<'_> {
             options: PoolOptions {
                 block_bytes,
                 low_water,
+                repair: false,
             },
         })
     }

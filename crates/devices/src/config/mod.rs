@@ -764,6 +764,23 @@ impl StackFile {
         self.open_with(name, Switches::default())
     }
 
+    /// Makes thin pool `name` open by repair (see
+    /// [`crate::thin::pool::PoolOptions::repair`]): `cairn check --repair-thin`.
+    pub fn repair_thin(&mut self, name: &str) -> Result<(), Error> {
+        match self.devices.get_mut(name) {
+            Some(DeviceSpec::ThinPool { options, .. }) => {
+                options.repair = true;
+                Ok(())
+            }
+            Some(_) => Err(Error::Invalid(format!(
+                "device '{name}' is not a thin pool"
+            ))),
+            None => Err(Error::Invalid(format!(
+                "no device '{name}' in the stack file"
+            ))),
+        }
+    }
+
     /// What `cairn check` shows: opens `device` (or every top-level device) with
     /// everything below it, and returns their trees, the caches' budget and the exports.
     /// Everything is opened before anything is shown, so an error comes alone.

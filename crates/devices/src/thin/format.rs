@@ -550,6 +550,10 @@ pub struct Replayed {
     /// A commit dropped as torn: the sequence number it started at, and how many of its
     /// blocks were found valid.
     pub torn: Option<(u64, u64)>,
+    /// The highest epoch of any valid block in the ring (at least the one replayed): a
+    /// repaired pool's next superblock goes past it, so no block seen is ever of its
+    /// epoch.
+    pub epoch_max: u64,
 }
 
 /// Why the log cannot be replayed as it is: damage that loses acknowledged commits.
@@ -604,8 +608,23 @@ pub fn replay(
     epoch: u64,
     version: u32,
 ) -> Result<Replayed, Damage> {
+    match replay_past_damage(ring, pool_uuid, first_seq, epoch, version) {
+        (out, None) => Ok(out),
+        (_, Some(d)) => Err(d),
+    }
+}
+
+/// [`replay`], returning what it replayed up to the damage as well (for a repair that
+/// accepts losing the rest).
+pub fn replay_past_damage(
+    ring: &[&[u8]],
+    pool_uuid: &[u8; 16],
+    first_seq: u64,
+    epoch: u64,
+    version: u32,
+) -> (Replayed, Option<Damage>) {
     if version == 1 {
-        return Ok(replay_v1(ring, pool_uuid, first_seq));
+        return (replay_v1(ring, pool_uuid, first_seq), None);
     }
     let mut out = Replayed {
         records: Vec::new(),
@@ -613,6 +632,7 @@ pub fn replay(
         commits: 0,
         end: first_seq,
         torn: None,
+        epoch_max: epoch,
     };
     let mut pending = Vec::new();
     let mut i = 0;
@@ -643,13 +663,14 @@ pub fn replay(
             out.end = seq + 1;
         }
     }
-    look_past_the_end(ring, pool_uuid, first_seq, epoch, &mut out, why)?;
-    Ok(out)
+    let damage = look_past_the_end(ring, pool_uuid, first_seq, epoch, &mut out, why).err();
+    (out, damage)
 }
 
 /// After replay stopped at `out.end`: any block of a later commit of this epoch is
 /// damage before it, any block of a later epoch a superblock too old; blocks of the
-/// dropped commit itself make it a torn tail.
+/// dropped commit itself make it a torn tail. The whole ring is read (for
+/// [`Replayed::epoch_max`]); the first damage found is returned.
 fn look_past_the_end(
     ring: &[&[u8]],
     pool_uuid: &[u8; 16],
@@ -660,6 +681,7 @@ fn look_past_the_end(
 ) -> Result<(), Damage> {
     let stop = out.end;
     let mut found = 0;
+    let mut damage = None;
     for (i, b) in ring.iter().enumerate() {
         let place = first_seq + i as u64;
         let Ok(block) = LogBlock::decode(b, pool_uuid) else {
@@ -670,20 +692,22 @@ fn look_past_the_end(
             }
             continue;
         };
+        out.epoch_max = out.epoch_max.max(block.epoch);
         if block.epoch > epoch {
-            return Err(Damage::Newer {
+            damage.get_or_insert(Damage::Newer {
                 seq: block.seq,
                 epoch: block.epoch,
             });
+            continue;
         }
         // Only a block at its own place counts: one elsewhere is from an older lap.
         if block.epoch != epoch || block.seq != place || place < stop {
             continue;
         }
         if block.commit > stop {
-            return Err(Damage::Inside {
+            damage.get_or_insert(Damage::Inside {
                 seq: stop,
-                why,
+                why: why.clone(),
                 later: block.commit,
             });
         }
@@ -694,7 +718,7 @@ fn look_past_the_end(
     if found > 0 {
         out.torn = Some((stop, found));
     }
-    Ok(())
+    damage.map_or(Ok(()), Err)
 }
 
 /// The sequence number, commit and epoch a version 2 log block's header says, checksum
@@ -719,6 +743,7 @@ fn replay_v1(ring: &[&[u8]], pool_uuid: &[u8; 16], first_seq: u64) -> Replayed {
         commits: 0,
         end: first_seq,
         torn: None,
+        epoch_max: 0,
     };
     let mut pending = Vec::new();
     let mut commit_of_pending = None;
@@ -1055,6 +1080,11 @@ mod tests {
         // newer block is found.
         let got = ring.replay(0, 7);
         assert_eq!(got, Err(Damage::Newer { seq: a, epoch: 8 }));
+        // A repair takes what replayed, and knows to go past epoch 8.
+        let refs: Vec<&[u8]> = ring.pages.iter().map(Vec::as_slice).collect();
+        let (prefix, damage) = replay_past_damage(&refs, &UUID, 0, 7, VERSION);
+        assert_eq!((prefix.end, prefix.commits, prefix.epoch_max), (a, 1, 8));
+        assert!(damage.is_some());
     }
 
     #[test]

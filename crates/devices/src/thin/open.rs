@@ -210,7 +210,11 @@ fn refuse_unless_blank(q: &BlockingQueue, sb: &PoolSuperblock, what: &str) -> Re
 
 /// The state the metadata on `q` holds: the checkpoint, then every whole commit of the
 /// log; with the sequence number the next commit gets and what was found, in words.
-fn load(q: &BlockingQueue, sb: &PoolSuperblock) -> Result<(PoolState, u64, Vec<String>), Error> {
+fn load(
+    q: &BlockingQueue,
+    sb: &PoolSuperblock,
+    repair: bool,
+) -> Result<(PoolState, u64, Vec<String>, u64), Error> {
     let bad = |m: String| Error::Invalid(m);
     let mut words = Vec::new();
     let mut state = if sb.checkpoint_in_use == 0 {
@@ -257,18 +261,26 @@ fn load(q: &BlockingQueue, sb: &PoolSuperblock) -> Result<(PoolState, u64, Vec<S
             &ring[p..p + LOG_PAGE]
         })
         .collect();
-    let log = format::replay(
+    let (log, damage) = format::replay_past_damage(
         &blocks,
         &sb.pool_uuid,
         sb.log_start_seq,
         sb.generation,
         sb.version,
-    )
-    .map_err(|d| {
-        bad(format!(
-            "the thin pool's metadata is damaged: {d}; nothing was changed (restore the metadata area from a copy, or see 'Damaged metadata' in the README)"
-        ))
-    })?;
+    );
+    if let Some(d) = damage {
+        if !repair {
+            return Err(bad(format!(
+                "the thin pool's metadata is damaged: {d}; nothing was changed (restore the metadata area from a copy, or accept losing those commits with 'cairn check --repair-thin POOL STACK'; see 'Damaged metadata' in the README)"
+            )));
+        }
+        let said = format!(
+            "repair: {d}; the pool opens as of block {}, and the commits after it are dropped",
+            log.end
+        );
+        log::warn!("cairn: thin pool: {said}");
+        words.push(said);
+    }
     for r in &log.records {
         state.apply(r).map_err(|e| {
             bad(format!(
@@ -289,9 +301,9 @@ fn load(q: &BlockingQueue, sb: &PoolSuperblock) -> Result<(PoolState, u64, Vec<S
         log::warn!("cairn: thin pool: {said}");
         words.push(said);
     }
-    let end = log.end;
+    let (end, epoch_max) = (log.end, log.epoch_max);
     state.freed.clear();
-    Ok((state, end, words))
+    Ok((state, end, words, epoch_max))
 }
 
 /// After opening: zeroes what may hold data no mapping names, writes a checkpoint of the
@@ -400,8 +412,12 @@ pub(super) fn prepare(
                         .into(),
                 ));
             }
-            let (state, seq, words) = load(mq, &sb)?;
+            let (state, seq, words, epoch_max) = load(mq, &sb, opts.repair)?;
             examined.extend(words);
+            // The next superblock goes past every epoch in the log (a repair may leave
+            // blocks of a newer one there): none of them is ever taken for its own.
+            let mut sb = sb;
+            sb.generation = sb.generation.max(epoch_max);
             (sb, slot, state, Some(seq))
         }
         None => {

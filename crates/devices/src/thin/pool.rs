@@ -221,6 +221,9 @@ pub struct PoolOptions {
     pub block_bytes: Option<u64>,
     /// Low-water mark in bytes or a percentage of the data.
     pub low_water: LowWater,
+    /// Open a pool whose log is damaged with what replays up to the damage, dropping the
+    /// commits after it (`cairn check --repair-thin POOL`; never from a stack file).
+    pub repair: bool,
 }
 
 /// The `low_water` key.
