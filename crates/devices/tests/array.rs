@@ -1418,3 +1418,27 @@ fn a_member_that_ran_on_without_the_others_is_refused_when_added() {
         m.array_status().unwrap()
     );
 }
+
+/// Each superblock's data offset and size add up, but assembling a linear array adds
+/// one member's size to the newest superblock's offset: sizes that overflow there are
+/// refused with one line naming the member (they overflowed: a panic in a debug build,
+/// a wrapped sum that passed in a release one), and nothing is written.
+#[test]
+fn superblocks_whose_sizes_overflow_together_are_refused() {
+    let dir = tempfile::tempdir().expect("a directory");
+    let (a, b) = (dir.path().join("a.img"), dir.path().join("b.img"));
+    let text = format!(
+        "{}{}[device.m]\ntype = \"linear\"\nmembers = [\"a\", \"b\"]\nmetadata = \"1\"\n",
+        file("a", &a),
+        file("b", &b)
+    );
+    drop(open(&text, "m").expect("create"));
+    edit_superblocks(&[&b], |sb| sb.data_offset = 1 << 62);
+    edit_superblocks(&[&a], |sb| sb.member_data_bytes = u64::MAX - sb.data_offset);
+    let before = (std::fs::read(&a).expect("a"), std::fs::read(&b).expect("b"));
+    let e = open(&text, "m").err().expect("refused");
+    assert!(e.contains("'a'") && e.contains("past any device"), "{e}");
+    assert!(!e.contains('\n'), "one line: {e}");
+    let after = (std::fs::read(&a).expect("a"), std::fs::read(&b).expect("b"));
+    assert!(after == before, "a member was written");
+}

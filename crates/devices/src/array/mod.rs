@@ -223,11 +223,18 @@ pub fn examine(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Result<E
                 };
                 if let Some(d) = &members[i] {
                     let size = d.geometry().size_bytes;
-                    if size < r.data_offset + bytes {
+                    // Each superblock's offset and size add up, but a linear member's
+                    // size and the newest superblock's offset come from two of them.
+                    let Some(need) = r.data_offset.checked_add(bytes) else {
                         return Err(Error::Invalid(format!(
-                            "device '{name}': member '{}' ({size} bytes) is smaller than the array needs ({} bytes)",
-                            expect.members[i],
-                            r.data_offset + bytes
+                            "device '{name}': member '{}': its superblock's data size ({bytes} bytes) after the array's data offset ({}) is past any device",
+                            expect.members[i], r.data_offset
+                        )));
+                    };
+                    if size < need {
+                        return Err(Error::Invalid(format!(
+                            "device '{name}': member '{}' ({size} bytes) is smaller than the array needs ({need} bytes)",
+                            expect.members[i]
                         )));
                     }
                 }
@@ -256,7 +263,9 @@ fn convert_bits(old: u64, bits: &[u8], old_bytes: u64, region: u64, array_bytes:
             .get((r / 8) as usize)
             .is_some_and(|b| b & (1 << (r % 8)) != 0)
         {
-            let (start, end) = (r * old, ((r + 1) * old).min(array_bytes.max(1)));
+            // The recorded size and region come from a superblock: the last old region
+            // may end past 2^64 (r * old itself is below old_bytes).
+            let (start, end) = (r * old, (r + 1).saturating_mul(old).min(array_bytes.max(1)));
             if start >= array_bytes {
                 // Past the end of a smaller array now: the last region covers it.
                 let last = array_bytes.div_ceil(region).saturating_sub(1);
@@ -1339,5 +1348,11 @@ mod tests {
         );
         // The array shrank below old region 9: the last region takes it.
         assert_eq!(convert_bits(M, &old, 10 * M, M, 8 * M), vec![0b1000_0010]);
+        // A recorded array whose last region ends past 2^64 (a superblock may say so:
+        // the region count is what it bounds) used to overflow.
+        assert_eq!(
+            convert_bits(1 << 63, &[0b11], u64::MAX, 4 * M, 10 * M),
+            vec![0b111]
+        );
     }
 }

@@ -137,7 +137,11 @@ fn be32(b: &[u8], at: usize) -> u32 {
     u32::from_be_bytes(b[at..at + 4].try_into().expect("4 bytes"))
 }
 
-fn text(b: &[u8]) -> Result<String, String> {
+/// A NUL-terminated string field. Its last byte is always the terminator, as cryptsetup
+/// reads it (and as [`Header::encode`] writes it), so what is read is what is written
+/// back.
+fn text(field: &[u8]) -> Result<String, String> {
+    let b = &field[..field.len() - 1];
     let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
     std::str::from_utf8(&b[..end])
         .map(str::to_string)
@@ -202,19 +206,39 @@ impl Header {
                 h.key_bytes
             ));
         }
-        for (i, s) in h.slots.iter().enumerate().filter(|(_, s)| s.active) {
-            if s.stripes == 0 || s.stripes > 65536 || s.iterations == 0 {
+        h.check_slots()?;
+        Ok(h)
+    }
+
+    /// Every slot's key material, in use or not (adding a key writes to a free slot's),
+    /// between the header and the payload and apart from the others, as cryptsetup
+    /// checks them; its stripes bounded, so that its size is.
+    fn check_slots(&self) -> Result<(), String> {
+        let header_sectors = (HEADER_BYTES as u64).div_ceil(512);
+        let mut areas = Vec::with_capacity(self.slots.len());
+        for (i, s) in self.slots.iter().enumerate() {
+            if s.stripes == 0 || s.stripes > STRIPES_MAX || (s.active && s.iterations == 0) {
                 return Err(format!("key slot {i}: stripes or iterations out of range"));
             }
-            if u64::from(s.material_sector) + material_sectors(h.key_bytes, s.stripes)
-                > u64::from(h.payload_sector)
-            {
+            let start = u64::from(s.material_sector);
+            let end = start + material_sectors(self.key_bytes, s.stripes);
+            if start < header_sectors || end > u64::from(self.payload_sector) {
                 return Err(format!(
-                    "key slot {i}: its key material runs into the payload"
+                    "key slot {i}: its key material (sectors {start} to {end}) is not between the header and the payload"
+                ));
+            }
+            areas.push((start, end, i));
+        }
+        areas.sort_unstable();
+        for w in areas.windows(2) {
+            if w[0].1 > w[1].0 {
+                return Err(format!(
+                    "the key material of slots {} and {} overlaps",
+                    w[0].2, w[1].2
                 ));
             }
         }
-        Ok(h)
+        Ok(())
     }
 
     /// Opens the header's first active slot `passphrase` unlocks, reading key material
@@ -252,6 +276,8 @@ impl Header {
 
 /// AF stripes of every slot cairn makes (what the specification and cryptsetup use).
 pub const STRIPES: u32 = 4000;
+/// The most AF stripes a slot read may have (as LUKS2's limit).
+const STRIPES_MAX: u32 = 65536;
 /// PBKDF2 iterations of the master key's digest in headers cairn makes.
 pub const DIGEST_ITERATIONS: u32 = 100_000;
 /// Where cairn puts the payload when the key material ends before it: 2 MiB, as
@@ -567,6 +593,62 @@ mod tests {
         assert!(decoded.unlock(b"one", &mut read).is_err());
         let (slot, mk) = decoded.unlock(b"two", &mut read).unwrap();
         assert_eq!((slot, mk.0.clone()), (1, key.0.clone()));
+    }
+
+    /// A header cairn made (slot 0 in use), as bytes.
+    fn made() -> Vec<u8> {
+        let mut image = vec![0u8; 3 << 20];
+        let mut write = |at: u64, b: &[u8]| {
+            image[at as usize..at as usize + b.len()].copy_from_slice(b);
+            Ok(())
+        };
+        let kdf = Kdf::Pbkdf2 {
+            hash: Hash::Sha256,
+            iterations: 1,
+        };
+        Header::create(&mut write, &Secret(vec![7; 32]), b"one", kdf).unwrap();
+        image.truncate(HEADER_BYTES);
+        image
+    }
+
+    /// String fields filled to their last byte read as cryptsetup reads them (the last
+    /// byte is the terminator), so that what is read is written back the same: a full
+    /// UUID field used to read as 40 bytes and be written back as 39.
+    #[test]
+    fn a_decoded_header_encodes_to_one_that_decodes_the_same() {
+        let m = made();
+        assert_eq!(Header::decode(&m).unwrap().encode(), m);
+        let mut b = m;
+        b[168..208].fill(b'u');
+        let h = Header::decode(&b).unwrap();
+        assert_eq!(h.uuid, "u".repeat(39));
+        assert_eq!(Header::decode(&h.encode()), Ok(h.clone()));
+    }
+
+    /// Every slot's key material is checked, in use or not: adding a key writes a free
+    /// slot's material where its fields say, as long as its stripes say.
+    #[test]
+    fn every_slots_key_material_is_checked_in_use_or_not() {
+        type Damage = fn(&mut Header);
+        let damages: [(&str, Damage); 6] = [
+            ("stripes", |h| h.slots[7].stripes = u32::MAX),
+            ("stripes", |h| h.slots[7].stripes = 0),
+            ("overlaps", |h| {
+                h.slots[3].material_sector = h.slots[2].material_sector + 1
+            }),
+            ("between the header", |h| h.slots[0].material_sector = 1),
+            ("between the header", |h| h.slots[5].material_sector = 0),
+            ("between the header", |h| {
+                h.slots[7].material_sector = h.payload_sector - 1
+            }),
+        ];
+        let good = Header::decode(&made()).unwrap();
+        for (want, damage) in damages {
+            let mut h = good.clone();
+            damage(&mut h);
+            let e = Header::decode(&h.encode()).unwrap_err();
+            assert!(e.contains(want), "{want}: {e}");
+        }
     }
 
     #[test]

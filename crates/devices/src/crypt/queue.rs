@@ -116,7 +116,8 @@ impl CryptQueue {
 
     /// The IV of the sector at byte `offset` of the device.
     fn iv(&self, offset: u64) -> u64 {
-        self.segment.iv_tweak + offset / 512
+        // Modulo 2^64, as dm-crypt's plain64: iv_tweak comes from the header.
+        self.segment.iv_tweak.wrapping_add(offset / 512)
     }
 
     /// Encrypts the next chunk of zeros of request `index` and writes it.

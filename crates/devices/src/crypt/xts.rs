@@ -57,7 +57,9 @@ impl Xts {
         for t in out.iter_mut() {
             *t = [0; 16];
             t[..8].copy_from_slice(&iv.to_le_bytes());
-            iv += step;
+            // plain64 is the sector number modulo 2^64, as dm-crypt computes it: a LUKS2
+            // header's iv_tweak may start it anywhere.
+            iv = iv.wrapping_add(step);
         }
         let blocks = Array::cast_slice_from_core_mut(out);
         match &self.pair {
@@ -118,7 +120,7 @@ impl Xts {
             let n = d.len() * 16 / sector;
             let first = &mut first[..n];
             self.tweaks(first, iv, step);
-            iv += step * n as u64;
+            iv = iv.wrapping_add(step * n as u64);
             let from = src.map(|s| &s[i * batch / 16..][..d.len()]);
             Self::whiten(d, from, sector, first);
             let blocks = Array::cast_slice_from_core_mut(d);
@@ -226,6 +228,28 @@ mod tests {
         assert_eq!(b[..], a[4096..]);
         x.run(&mut a, 4096, 8, false);
         assert!(a.iter().all(|&v| v == 0x5a));
+    }
+
+    /// The IV wraps at 2^64 as dm-crypt's plain64 does (a LUKS2 header's iv_tweak may
+    /// start it anywhere); it used to overflow, a panic in a debug build.
+    #[test]
+    fn the_iv_wraps_past_its_largest_value() {
+        let x = Xts::new(&[9u8; 64]).unwrap();
+        let plain: Vec<u8> = (0..4096u32).map(|i| (i * 5) as u8).collect();
+        for sector in [512usize, 4096] {
+            let mut whole = plain.clone();
+            let first = u64::MAX - (sector / 512) as u64 + 1;
+            x.run(&mut whole, sector, first, true);
+            for (k, s) in plain.chunks(sector).enumerate() {
+                let mut one = s.to_vec();
+                x.encrypt(&mut one, first.wrapping_add((k * sector / 512) as u64));
+                assert_eq!(
+                    one[..],
+                    whole[k * sector..(k + 1) * sector],
+                    "{sector}: {k}"
+                );
+            }
+        }
     }
 
     #[test]

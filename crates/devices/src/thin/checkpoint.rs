@@ -6,7 +6,8 @@
 use std::collections::BTreeMap;
 
 use super::format::{self, LogBlock, Record};
-use super::state::{BlockState, PoolState, Volume};
+use super::state::{block_of, check_volume_size, volume_blocks, BlockState, PoolState, Volume};
+use super::superblock::DATA_BLOCKS_MAX;
 
 /// The records of `state`: every volume, its mappings as runs, every block not free.
 pub fn records_of(state: &PoolState) -> Vec<Record> {
@@ -73,13 +74,15 @@ pub fn records_of(state: &PoolState) -> Vec<Record> {
 }
 
 /// The pool state `records` (from [`records_of`]) describe, checked: every mapping and
-/// every count agree, or the checkpoint is refused.
+/// every count agree, or the checkpoint is refused. Every number a record carries is
+/// checked against what the pool and its volumes hold before anything is built from it.
 pub fn state_from(
     records: &[Record],
     block_bytes: u64,
     data_blocks: usize,
 ) -> Result<PoolState, String> {
     let mut state = PoolState::new(block_bytes, data_blocks);
+    let mut mappings = 0u64;
     for r in records {
         match r {
             Record::Create {
@@ -91,6 +94,7 @@ pub fn state_from(
                 if state.volumes.contains_key(vol) {
                     return Err(format!("volume {vol} twice"));
                 }
+                check_volume_size(*size, block_bytes).map_err(|e| format!("volume {vol}: {e}"))?;
                 state.volumes.insert(
                     *vol,
                     Volume {
@@ -107,16 +111,7 @@ pub fn state_from(
                 entry,
                 len,
             } => {
-                let v = state
-                    .volumes
-                    .get_mut(vol)
-                    .ok_or_else(|| format!("a run of volume {vol}, which is not there"))?;
-                for i in 0..*len {
-                    let (vb, e) = (vblock + u64::from(i), entry.wrapping_add(i));
-                    if e & !super::state::OWNED == 0 || v.map.insert(vb, e).is_some() {
-                        return Err(format!("volume {vol} block {vb}: a bad or repeated entry"));
-                    }
-                }
+                add_run(&mut state, &mut mappings, (*vol, *vblock, *entry, *len))?;
             }
             Record::Blocks {
                 start,
@@ -134,9 +129,7 @@ pub fn state_from(
                 let Some(end) = end else {
                     return Err(format!("blocks {start}+{len} are past the pool"));
                 };
-                for b in *start..end {
-                    state.blocks[b as usize] = s;
-                }
+                state.blocks[*start as usize..end as usize].fill(s);
             }
             other => return Err(format!("{other:?} in a checkpoint")),
         }
@@ -149,6 +142,53 @@ pub fn state_from(
         ));
     }
     Ok(state)
+}
+
+/// A [`Record::Run`] (`vol`, `vblock`, `entry`, `len`) added to the volume's mappings:
+/// `len` virtual blocks from `vblock`, all inside the volume, to as many data blocks
+/// from `entry`'s, all inside the pool (so neither count can wrap), none mapped already,
+/// and `mappings` (the runs' lengths so far) within what the pool's metadata holds.
+fn add_run(
+    state: &mut PoolState,
+    mappings: &mut u64,
+    (vol, vblock, entry, len): (u32, u64, u32, u32),
+) -> Result<(), String> {
+    let mappings_max = state.mappings_max();
+    // Capped as the superblock caps it, so that an entry plus a count stays in 31 bits.
+    let data_blocks = (state.blocks.len() as u64).min(DATA_BLOCKS_MAX);
+    let v = state
+        .volumes
+        .get_mut(&vol)
+        .ok_or_else(|| format!("a run of volume {vol}, which is not there"))?;
+    let vblocks = volume_blocks(v.size, state.block_bytes);
+    if len == 0
+        || vblock
+            .checked_add(u64::from(len))
+            .is_none_or(|end| end > vblocks)
+    {
+        return Err(format!(
+            "volume {vol}: a run of {len} blocks from {vblock} is outside its {vblocks} blocks"
+        ));
+    }
+    let first = block_of(entry);
+    if first.is_none_or(|b| b + u64::from(len) > data_blocks) {
+        return Err(format!(
+            "volume {vol} block {vblock}: a run of {len} entries from {entry:#x} is outside the pool's {data_blocks} blocks"
+        ));
+    }
+    *mappings = mappings.saturating_add(u64::from(len));
+    if *mappings > mappings_max {
+        return Err(format!(
+            "more mappings than the pool's metadata holds ({mappings_max})"
+        ));
+    }
+    for i in 0..len {
+        let vb = vblock + u64::from(i);
+        if v.map.insert(vb, entry + i).is_some() {
+            return Err(format!("volume {vol} block {vb}: a repeated entry"));
+        }
+    }
+    Ok(())
 }
 
 /// The pages of checkpoint `generation` of `state`.
@@ -169,6 +209,9 @@ pub fn load(
     block_bytes: u64,
     data_blocks: usize,
 ) -> Result<PoolState, String> {
+    if pages.is_empty() {
+        return Err("a checkpoint of no pages".into());
+    }
     let magic = if version == 1 {
         format::CHECKPOINT_MAGIC_V1
     } else {
@@ -264,6 +307,122 @@ mod tests {
         pages[1][500] ^= 1;
         let refs: Vec<&[u8]> = pages.iter().map(Vec::as_slice).collect();
         assert!(load(&refs, &UUID, 4, 2, 64 << 10, 5000).is_err());
+    }
+
+    fn create(vol: u32, size: u64) -> Record {
+        Record::Create {
+            vol,
+            size,
+            flags: 0,
+            name: format!("v{vol}"),
+        }
+    }
+
+    fn run(vol: u32, vblock: u64, block: u32, len: u32) -> Record {
+        Record::Run {
+            vol,
+            vblock,
+            entry: (block + 1) | OWNED,
+            len,
+        }
+    }
+
+    fn used(start: u64, len: u64, count: u32) -> Record {
+        Record::Blocks {
+            start,
+            len,
+            state: 2,
+            count,
+        }
+    }
+
+    /// Runs and sizes with valid checksums but numbers past what their volume or the
+    /// pool holds are refused before anything is built from them (a run of four
+    /// billion blocks used to be inserted block by block).
+    #[test]
+    fn runs_and_sizes_outside_their_volume_or_the_pool_are_refused() {
+        let mib = 1 << 20;
+        let cases: Vec<(Vec<Record>, &str)> = vec![
+            // The run in the report: 4,160,749,569 blocks of a 1 MiB volume.
+            (
+                vec![create(1, mib), run(1, 0, 0, 4_160_749_569), used(0, 1, 1)],
+                "outside its 16 blocks",
+            ),
+            // 20 blocks of a 16-block volume, the counts agreeing: taken before.
+            (
+                vec![create(1, mib), run(1, 0, 0, 20), used(0, 20, 1)],
+                "outside its 16 blocks",
+            ),
+            // vblock + i overflowed.
+            (
+                vec![create(1, mib), run(1, u64::MAX - 1, 0, 3)],
+                "outside its 16 blocks",
+            ),
+            (
+                vec![create(1, mib), run(1, 0, 0, 0)],
+                "outside its 16 blocks",
+            ),
+            // Entries past the pool's 100 blocks, and no block at all.
+            (
+                vec![create(1, 64 * mib), run(1, 0, 90, 20)],
+                "outside the pool's 100 blocks",
+            ),
+            (
+                vec![
+                    create(1, mib),
+                    Record::Run {
+                        vol: 1,
+                        vblock: 0,
+                        entry: OWNED,
+                        len: 1,
+                    },
+                ],
+                "outside the pool's 100 blocks",
+            ),
+            // Sizes the pool never lets a volume have.
+            (vec![create(1, 0)], "positive multiple of 4KiB"),
+            (vec![create(1, mib + 1)], "positive multiple of 4KiB"),
+            (vec![create(1, u64::MAX)], "positive multiple of 4KiB"),
+            (
+                vec![create(1, u64::MAX / 4096 * 4096)],
+                "larger than the most",
+            ),
+            (vec![create(1, mib), used(90, 11, 1)], "past the pool"),
+            (vec![create(1, mib), used(u64::MAX, 2, 1)], "past the pool"),
+        ];
+        for (records, want) in cases {
+            let e = state_from(&records, 64 << 10, 100).unwrap_err();
+            assert!(e.contains(want), "{records:?}: {e}");
+        }
+        assert!(load(&[], &UUID, 1, 2, 64 << 10, 100).is_err());
+    }
+
+    /// More mappings than the pool's largest checkpoint area holds are refused, however
+    /// few records say so: 26,000 volumes mapping both blocks of a 2-block pool.
+    #[test]
+    fn more_mappings_than_the_metadata_holds_are_refused() {
+        let volumes = 26_000u32;
+        let mut records = Vec::new();
+        for v in 1..=volumes {
+            records.push(create(v, 128 << 10));
+            records.push(Record::Run {
+                vol: v,
+                vblock: 0,
+                entry: 1,
+                len: 2,
+            });
+        }
+        records.push(used(0, 2, volumes));
+        // (A match, not unwrap_err: the state would print as 26,000 volumes.)
+        match state_from(&records, 64 << 10, 2) {
+            Ok(_) => panic!("52,000 mappings taken"),
+            Err(e) => assert!(e.contains("more mappings than"), "{e}"),
+        }
+        // Half as many volumes fit.
+        records.retain(|r| !matches!(r, Record::Create { vol, .. } | Record::Run { vol, .. } if *vol > volumes / 2));
+        records.pop();
+        records.push(used(0, 2, volumes / 2));
+        assert!(state_from(&records, 64 << 10, 2).is_ok());
     }
 
     #[test]

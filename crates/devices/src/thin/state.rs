@@ -7,6 +7,8 @@
 use std::collections::BTreeMap;
 
 use super::format::Record;
+use super::pool::{check_size, VOLUME_BLOCKS_MAX};
+use super::superblock::checkpoint_capacity_max;
 
 /// A mapping entry's bit meaning "this volume holds the block alone" (a hint for the hot
 /// path; the reference count is the truth).
@@ -18,6 +20,20 @@ pub fn block_of(entry: u32) -> Option<u64> {
         0 => None,
         b => Some(u64::from(b - 1)),
     }
+}
+
+/// Bytes a mapping may take in a checkpoint: one run record. The commit admits a volume
+/// only while every mapping could take that much in the checkpoint area.
+const MAPPING_BYTES: u64 = 21;
+
+/// Virtual blocks of a volume of `size` bytes (the last one may be partial).
+pub fn volume_blocks(size: u64, block_bytes: u64) -> u64 {
+    size.div_ceil(block_bytes.max(1))
+}
+
+/// A volume size read from the metadata, within what the pool lets a volume have.
+pub fn check_volume_size(size: u64, block_bytes: u64) -> Result<(), String> {
+    check_size(size, block_bytes, VOLUME_BLOCKS_MAX)
 }
 
 /// One volume (a thin volume, a snapshot or a clone).
@@ -81,6 +97,19 @@ impl PoolState {
         }
     }
 
+    /// The most mappings (all volumes together) a pool of this many blocks holds: what its
+    /// largest checkpoint area has room for, a run record each. A state claiming more is
+    /// refused before it is built, so damaged metadata cannot make opening allocate
+    /// without bound.
+    pub fn mappings_max(&self) -> u64 {
+        checkpoint_capacity_max(self.blocks.len() as u64) / MAPPING_BYTES
+    }
+
+    /// Mappings of every volume together.
+    pub fn mappings(&self) -> u64 {
+        self.volumes.values().map(|v| v.map.len() as u64).sum()
+    }
+
     /// One volume less maps block `b` (checked to be in use by the caller).
     fn drop_ref(&mut self, b: u64) {
         let s = &mut self.blocks[b as usize];
@@ -101,84 +130,16 @@ impl PoolState {
     }
 
     /// Applies one record, or says which precondition it breaks (and changes nothing:
-    /// every check comes before the first change).
+    /// every check comes before the first change). Every number a record carries is
+    /// checked against what the pool and the volume hold before it is used.
     pub fn apply(&mut self, r: &Record) -> Result<(), String> {
         match r {
-            Record::Set { vol, vblock, entry } => {
-                let bs = self.block_bytes;
-                let nblocks = self.blocks.len();
-                let v = self
-                    .volumes
-                    .get(vol)
-                    .ok_or_else(|| format!("volume {vol} does not exist"))?;
-                if vblock.saturating_mul(bs) >= v.size {
-                    return Err(format!("volume {vol}: block {vblock} is past its end"));
-                }
-                let old = v.map.get(vblock).copied().and_then(block_of);
-                let new = block_of(*entry);
-                if old != new {
-                    if let Some(b) = new {
-                        // Only a block just reserved is mapped by a write: a block
-                        // already in use is shared by snapshots, never by a second write.
-                        match self.blocks.get(b as usize) {
-                            Some(BlockState::Reserved) => {}
-                            Some(s) => {
-                                return Err(format!(
-                                    "block {b} is mapped while {s:?}, not reserved"
-                                ))
-                            }
-                            None => {
-                                return Err(format!(
-                                    "block {b} is past the pool's {nblocks} blocks"
-                                ))
-                            }
-                        }
-                    }
-                    if let Some(b) = old {
-                        if !matches!(self.blocks.get(b as usize), Some(BlockState::Used(_))) {
-                            return Err(format!("block {b} is unmapped while not in use"));
-                        }
-                    }
-                }
-                let v = self.volumes.get_mut(vol).expect("checked above");
-                if *entry == 0 {
-                    v.map.remove(vblock);
-                } else {
-                    v.map.insert(*vblock, *entry);
-                }
-                if old != new {
-                    if let Some(b) = new {
-                        self.blocks[b as usize] = BlockState::Used(1);
-                    }
-                    if let Some(b) = old {
-                        self.drop_ref(b);
-                    }
-                }
+            Record::Set { vol, vblock, entry } => self.set(*vol, *vblock, *entry),
+            Record::Reserve { start, len } => {
+                self.move_range(*start, *len, BlockState::Free, BlockState::Reserved)
             }
-            Record::Reserve { start, len } | Record::Zeroed { start, len } => {
-                let (from, to) = if matches!(r, Record::Reserve { .. }) {
-                    (BlockState::Free, BlockState::Reserved)
-                } else {
-                    (BlockState::FreeDirty, BlockState::Free)
-                };
-                let end = start
-                    .checked_add(*len)
-                    .filter(|&e| e <= self.blocks.len() as u64)
-                    .ok_or_else(|| {
-                        format!(
-                            "blocks {start}+{len} are past the pool's {} blocks",
-                            self.blocks.len()
-                        )
-                    })?;
-                if let Some(b) = (*start..end).find(|&b| self.blocks[b as usize] != from) {
-                    return Err(format!(
-                        "block {b} is {:?}, not {from:?}",
-                        self.blocks[b as usize]
-                    ));
-                }
-                for b in *start..end {
-                    self.blocks[b as usize] = to;
-                }
+            Record::Zeroed { start, len } => {
+                self.move_range(*start, *len, BlockState::FreeDirty, BlockState::Free)
             }
             Record::Create {
                 vol,
@@ -187,6 +148,8 @@ impl PoolState {
                 name,
             } => {
                 self.new_volume(*vol, name)?;
+                check_volume_size(*size, self.block_bytes)
+                    .map_err(|e| format!("volume {vol}: {e}"))?;
                 self.volumes.insert(
                     *vol,
                     Volume {
@@ -196,61 +159,20 @@ impl PoolState {
                         map: BTreeMap::new(),
                     },
                 );
+                Ok(())
             }
             Record::Snapshot {
                 src,
                 new,
                 flags,
                 name,
-            } => {
-                self.new_volume(*new, name)?;
-                let source = self
-                    .volumes
-                    .get(src)
-                    .ok_or_else(|| format!("volume {src} does not exist"))?;
-                for b in source.map.values().filter_map(|&e| block_of(e)) {
-                    if !matches!(self.blocks.get(b as usize), Some(BlockState::Used(_))) {
-                        return Err(format!("volume {src} maps block {b}, which is not in use"));
-                    }
-                }
-                let mut copy = source.clone();
-                for e in copy.map.values_mut() {
-                    *e &= !OWNED;
-                }
-                for b in copy.map.values().filter_map(|&e| block_of(e)) {
-                    if let BlockState::Used(n) = &mut self.blocks[b as usize] {
-                        *n += 1;
-                    }
-                }
-                // The origin shares every block now: no entry is owned any more.
-                for e in self.volumes.get_mut(src).expect("checked").map.values_mut() {
-                    *e &= !OWNED;
-                }
-                copy.name = name.clone();
-                copy.flags = *flags;
-                self.volumes.insert(*new, copy);
-            }
-            Record::Delete { vol } => {
-                let v = self
-                    .volumes
-                    .get(vol)
-                    .ok_or_else(|| format!("volume {vol} does not exist"))?;
-                if let Some(b) =
-                    v.map.values().filter_map(|&e| block_of(e)).find(|&b| {
-                        !matches!(self.blocks.get(b as usize), Some(BlockState::Used(_)))
-                    })
-                {
-                    return Err(format!("volume {vol} maps block {b}, which is not in use"));
-                }
-                let v = self.volumes.remove(vol).expect("checked");
-                for b in v.map.values().filter_map(|&e| block_of(e)) {
-                    self.drop_ref(b);
-                }
-            }
+            } => self.snapshot(*src, *new, *flags, name),
+            Record::Delete { vol } => self.delete(*vol),
             Record::Run { .. } | Record::Blocks { .. } => {
-                return Err("a checkpoint's record in the log".into());
+                Err("a checkpoint's record in the log".into())
             }
             Record::Grow { vol, size } => {
+                let block_bytes = self.block_bytes;
                 let v = self.volume(*vol)?;
                 if *size < v.size {
                     return Err(format!(
@@ -258,8 +180,163 @@ impl PoolState {
                         v.size
                     ));
                 }
+                check_volume_size(*size, block_bytes).map_err(|e| format!("volume {vol}: {e}"))?;
                 v.size = *size;
+                Ok(())
             }
+        }
+    }
+
+    /// [`Record::Set`]: volume `vol`'s block `vblock` maps to `entry` from now on.
+    fn set(&mut self, vol: u32, vblock: u64, entry: u32) -> Result<(), String> {
+        let v = self
+            .volumes
+            .get(&vol)
+            .ok_or_else(|| format!("volume {vol} does not exist"))?;
+        if vblock >= volume_blocks(v.size, self.block_bytes) {
+            return Err(format!("volume {vol}: block {vblock} is past its end"));
+        }
+        if entry == OWNED {
+            return Err(format!(
+                "volume {vol} block {vblock}: an empty entry marked owned"
+            ));
+        }
+        let old = v.map.get(&vblock).copied().and_then(block_of);
+        let new = block_of(entry);
+        if old != new {
+            if let Some(b) = new {
+                // Only a block just reserved is mapped by a write: a block already in
+                // use is shared by snapshots, never by a second write.
+                match self.blocks.get(b as usize) {
+                    Some(BlockState::Reserved) => {}
+                    Some(s) => {
+                        return Err(format!("block {b} is mapped while {s:?}, not reserved"))
+                    }
+                    None => {
+                        return Err(format!(
+                            "block {b} is past the pool's {} blocks",
+                            self.blocks.len()
+                        ))
+                    }
+                }
+            }
+            if let Some(b) = old {
+                if !matches!(self.blocks.get(b as usize), Some(BlockState::Used(_))) {
+                    return Err(format!("block {b} is unmapped while not in use"));
+                }
+            }
+        }
+        let v = self.volumes.get_mut(&vol).expect("checked above");
+        if entry == 0 {
+            v.map.remove(&vblock);
+        } else {
+            v.map.insert(vblock, entry);
+        }
+        if old != new {
+            if let Some(b) = new {
+                self.blocks[b as usize] = BlockState::Used(1);
+            }
+            if let Some(b) = old {
+                self.drop_ref(b);
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Record::Reserve`] and [`Record::Zeroed`]: blocks `[start, start + len)`, all
+    /// `from`, become `to`.
+    fn move_range(
+        &mut self,
+        start: u64,
+        len: u64,
+        from: BlockState,
+        to: BlockState,
+    ) -> Result<(), String> {
+        let end = start
+            .checked_add(len)
+            .filter(|&e| e <= self.blocks.len() as u64)
+            .ok_or_else(|| {
+                format!(
+                    "blocks {start}+{len} are past the pool's {} blocks",
+                    self.blocks.len()
+                )
+            })?;
+        let range = start as usize..end as usize;
+        if let Some(b) = range.clone().find(|&b| self.blocks[b] != from) {
+            return Err(format!("block {b} is {:?}, not {from:?}", self.blocks[b]));
+        }
+        self.blocks[range].fill(to);
+        Ok(())
+    }
+
+    /// [`Record::Snapshot`]: volume `new` named `name`, a copy of `src`'s mappings.
+    fn snapshot(&mut self, src: u32, new: u32, flags: u32, name: &str) -> Result<(), String> {
+        self.new_volume(new, name)?;
+        let source = self
+            .volumes
+            .get(&src)
+            .ok_or_else(|| format!("volume {src} does not exist"))?;
+        for b in source.map.values().filter_map(|&e| block_of(e)) {
+            // Every block gains a reference: its count must be one that can grow.
+            if !matches!(self.blocks.get(b as usize), Some(BlockState::Used(n)) if *n < u32::MAX) {
+                return Err(format!("volume {src} maps block {b}, which is not in use"));
+            }
+        }
+        // As the commit admits a copy: with room left for a mapping of every block, so
+        // that the writes to come cannot take the mappings past what a checkpoint holds.
+        let copied = source.map.len() as u64;
+        let after = self
+            .mappings()
+            .saturating_add(copied)
+            .saturating_add(self.blocks.len() as u64);
+        if after > self.mappings_max() {
+            return Err(format!(
+                "a copy of volume {src}'s {copied} mappings is more than the pool's metadata holds ({})",
+                self.mappings_max()
+            ));
+        }
+        let mut copy = source.clone();
+        for e in copy.map.values_mut() {
+            *e &= !OWNED;
+        }
+        for b in copy.map.values().filter_map(|&e| block_of(e)) {
+            if let BlockState::Used(n) = &mut self.blocks[b as usize] {
+                *n = n.saturating_add(1);
+            }
+        }
+        // The origin shares every block now: no entry is owned any more.
+        for e in self
+            .volumes
+            .get_mut(&src)
+            .expect("checked")
+            .map
+            .values_mut()
+        {
+            *e &= !OWNED;
+        }
+        copy.name = name.to_string();
+        copy.flags = flags;
+        self.volumes.insert(new, copy);
+        Ok(())
+    }
+
+    /// [`Record::Delete`]: volume `vol` goes, and its blocks lose a reference each.
+    fn delete(&mut self, vol: u32) -> Result<(), String> {
+        let v = self
+            .volumes
+            .get(&vol)
+            .ok_or_else(|| format!("volume {vol} does not exist"))?;
+        if let Some(b) = v
+            .map
+            .values()
+            .filter_map(|&e| block_of(e))
+            .find(|&b| !matches!(self.blocks.get(b as usize), Some(BlockState::Used(_))))
+        {
+            return Err(format!("volume {vol} maps block {b}, which is not in use"));
+        }
+        let v = self.volumes.remove(&vol).expect("checked");
+        for b in v.map.values().filter_map(|&e| block_of(e)) {
+            self.drop_ref(b);
         }
         Ok(())
     }
@@ -282,7 +359,9 @@ impl PoolState {
         for (id, v) in &self.volumes {
             for (vb, &e) in &v.map {
                 match block_of(e) {
-                    Some(b) if (b as usize) < counted.len() => counted[b as usize] += 1,
+                    Some(b) if (b as usize) < counted.len() => {
+                        counted[b as usize] = counted[b as usize].saturating_add(1)
+                    }
                     Some(b) => {
                         problems.push(format!("volume {id} block {vb} maps to {b}, past the pool"))
                     }
@@ -393,11 +472,120 @@ mod tests {
                 vol: 1,
                 size: 1 << 20,
             }, // shrinking
+            // Sizes outside what the pool lets a volume have: none, not whole 4 KiB
+            // pages, more blocks than a volume's table holds.
+            Record::Create {
+                vol: 2,
+                size: 0,
+                flags: 0,
+                name: "empty".into(),
+            },
+            Record::Create {
+                vol: 2,
+                size: 4097,
+                flags: 0,
+                name: "odd".into(),
+            },
+            Record::Create {
+                vol: 2,
+                size: u64::MAX,
+                flags: 0,
+                name: "huge".into(),
+            },
+            Record::Grow {
+                vol: 1,
+                size: (VOLUME_BLOCKS_MAX + 1) * (64 << 10),
+            },
+            Record::Grow {
+                vol: 1,
+                size: (64 << 20) + 512,
+            },
+            // An entry naming no block but marked owned.
+            Record::Set {
+                vol: 1,
+                vblock: 1,
+                entry: OWNED,
+            },
+            Record::Set {
+                vol: 1,
+                vblock: u64::MAX,
+                entry: 2 | OWNED,
+            },
+            Record::Reserve {
+                start: u64::MAX,
+                len: 2,
+            },
+            Record::Zeroed {
+                start: 1,
+                len: u64::MAX,
+            },
         ] {
             let mut q = p.clone();
             assert!(q.apply(&bad).is_err(), "{bad:?} was taken");
             assert_eq!(q, p, "{bad:?} changed the state");
         }
+    }
+
+    /// A snapshot is refused when the mappings would outgrow what the pool's metadata
+    /// holds (each copy makes the state a checkpoint must hold larger), and when a block's
+    /// count cannot grow.
+    #[test]
+    fn a_snapshot_past_what_the_metadata_holds_is_refused() {
+        let blocks = 60_000u64;
+        let mut p = PoolState::new(64 << 10, blocks as usize);
+        p.apply(&Record::Reserve {
+            start: 0,
+            len: blocks,
+        })
+        .unwrap();
+        p.apply(&Record::Create {
+            vol: 1,
+            size: blocks * (64 << 10),
+            flags: 0,
+            name: "full".into(),
+        })
+        .unwrap();
+        for b in 0..blocks {
+            p.apply(&set(1, b, b)).unwrap();
+        }
+        let mut taken = 0;
+        let refused = (2..20u32).find_map(|new| {
+            let r = Record::Snapshot {
+                src: 1,
+                new,
+                flags: 1,
+                name: format!("s{new}"),
+            };
+            match p.apply(&r) {
+                Ok(()) => {
+                    taken += 1;
+                    None
+                }
+                Err(e) => Some(e),
+            }
+        });
+        let e = refused.expect("a snapshot refused");
+        assert!(e.contains("more than the pool's metadata holds"), "{e}");
+        // Every snapshot taken left room for a mapping of every block.
+        assert!(taken >= 1);
+        assert!(p.mappings() + blocks <= p.mappings_max());
+        assert_eq!(p.check(), Vec::<String>::new());
+
+        let mut q = pool(&[
+            Record::Reserve { start: 0, len: 1 },
+            create(1, "vm"),
+            set(1, 0, 0),
+        ]);
+        q.blocks[0] = BlockState::Used(u32::MAX);
+        let before = q.clone();
+        let snap = Record::Snapshot {
+            src: 1,
+            new: 2,
+            flags: 1,
+            name: "snap".into(),
+        };
+        assert!(q.apply(&snap).is_err());
+        assert_eq!(q, before);
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //!
 //! All integers are little-endian.
 
+use super::pool::CHECKPOINT_BYTES_PER_BLOCK;
 use crate::array::superblock::{get32, get64, put32, put64};
 
 /// Bytes of one slot.
@@ -29,6 +30,10 @@ pub const BLOCK_MAX: u64 = 1 << 30;
 pub const DATA_OFFSET_MIN: u64 = 1 << 20;
 /// Metadata pages (log blocks, checkpoint pages) are this size and aligned to it.
 pub const PAGE: u64 = 4096;
+/// Most data blocks a pool has: a mapping entry holds its block + 1 in 31 bits.
+pub const DATA_BLOCKS_MAX: u64 = (1 << 31) - 2;
+/// The longest log ring (a new pool's is at most this long).
+pub const LOG_BYTES_MAX: u64 = 256 << 20;
 
 /// Flag: the pool was closed cleanly (its last checkpoint holds everything).
 pub const FLAG_CLEAN: u32 = 1;
@@ -235,6 +240,7 @@ impl PoolSuperblock {
             return Err(f("data_offset"));
         }
         if self.data_blocks == 0
+            || self.data_blocks > DATA_BLOCKS_MAX
             || self
                 .data_blocks
                 .checked_mul(self.block_bytes)
@@ -243,10 +249,18 @@ impl PoolSuperblock {
         {
             return Err(f("data_blocks"));
         }
-        if self.log_bytes < 2 * PAGE || !self.log_bytes.is_multiple_of(PAGE) {
+        // Opening reads the whole log ring and the checkpoint into memory: both are
+        // bounded before anything is allocated for them.
+        if self.log_bytes < 2 * PAGE
+            || self.log_bytes > LOG_BYTES_MAX
+            || !self.log_bytes.is_multiple_of(PAGE)
+        {
             return Err(f("log_bytes"));
         }
-        if self.checkpoint_capacity < PAGE || !self.checkpoint_capacity.is_multiple_of(PAGE) {
+        if self.checkpoint_capacity < PAGE
+            || self.checkpoint_capacity > checkpoint_capacity_max(self.data_blocks)
+            || !self.checkpoint_capacity.is_multiple_of(PAGE)
+        {
             return Err(f("checkpoint_capacity"));
         }
         // The slots, the log and the two checkpoints: page-aligned and apart.
@@ -267,10 +281,17 @@ impl PoolSuperblock {
         if self.flags & FLAG_META_ON_DATA != 0 && end > self.data_offset {
             return Err(f("data_offset"));
         }
-        if self.checkpoint_in_use > 2
-            || (self.checkpoint_in_use == 0 && self.checkpoint_pages != 0)
-            || self.checkpoint_pages * PAGE > self.checkpoint_capacity
-        {
+        // A checkpoint in use has one page at least (an empty state is one page).
+        let in_use_pages_ok = match self.checkpoint_in_use {
+            0 => self.checkpoint_pages == 0,
+            1 | 2 => self.checkpoint_pages >= 1,
+            _ => false,
+        };
+        let pages_fit = self
+            .checkpoint_pages
+            .checked_mul(PAGE)
+            .is_some_and(|b| b <= self.checkpoint_capacity);
+        if !in_use_pages_ok || !pages_fit {
             return Err(f("checkpoint_in_use"));
         }
         // Replay reads block `seq` at page `seq % pages`: the start must be its page.
@@ -282,6 +303,16 @@ impl PoolSuperblock {
         }
         Ok(())
     }
+}
+
+/// The largest checkpoint area a pool of `data_blocks` has: what a new pool of that many
+/// blocks gets (a whole number of pages).
+pub fn checkpoint_capacity_max(data_blocks: u64) -> u64 {
+    data_blocks
+        .saturating_mul(CHECKPOINT_BYTES_PER_BLOCK)
+        .saturating_add(1 << 20)
+        .div_ceil(PAGE)
+        .saturating_mul(PAGE)
 }
 
 /// What the two slots hold: the newest valid superblock and its slot, and why the other
@@ -314,7 +345,7 @@ mod tests {
             flags: FLAG_CLEAN,
             block_bytes: 64 << 10,
             data_offset: 1 << 20,
-            data_blocks: 16384,
+            data_blocks: 32768,
             log_offset: 16 << 10,
             log_bytes: 4 << 20,
             checkpoints: [(4 << 20) + (16 << 10), (8 << 20) + (16 << 10)],
@@ -354,6 +385,86 @@ mod tests {
             pick(&vec![0u8; 2 * SLOT_BYTES]),
             Err((Invalid::Blank, Invalid::Blank))
         );
+    }
+
+    /// Counts and sizes that checked arithmetic and the pool's limits refuse: each one
+    /// passed before (or overflowed: a panic in a debug build, a wrapped product that
+    /// passed in a release build), and opening would then allocate what it says.
+    #[test]
+    fn sizes_past_what_a_pool_holds_are_refused() {
+        let far = 1u64 << 40;
+        let cases: Vec<(PoolSuperblock, &str)> = vec![
+            // 2^52 pages of 4 KiB: 2^64 bytes, which wraps to 0.
+            (
+                PoolSuperblock {
+                    checkpoint_pages: 1 << 52,
+                    ..sample()
+                },
+                "checkpoint_in_use",
+            ),
+            (
+                PoolSuperblock {
+                    checkpoint_pages: u64::MAX,
+                    ..sample()
+                },
+                "checkpoint_in_use",
+            ),
+            // A checkpoint in use has a page at least.
+            (
+                PoolSuperblock {
+                    checkpoint_pages: 0,
+                    ..sample()
+                },
+                "checkpoint_in_use",
+            ),
+            // More blocks than a mapping entry can name.
+            (
+                PoolSuperblock {
+                    data_blocks: DATA_BLOCKS_MAX + 1,
+                    ..sample()
+                },
+                "data_blocks",
+            ),
+            // A log ring of a TiB, read whole at open.
+            (
+                PoolSuperblock {
+                    log_bytes: far,
+                    checkpoints: [far + (16 << 10), far + (16 << 10) + (4 << 20)],
+                    ..sample()
+                },
+                "log_bytes",
+            ),
+            // A checkpoint area far larger than a pool of this many blocks gets.
+            (
+                PoolSuperblock {
+                    checkpoint_capacity: far,
+                    checkpoints: [(4 << 20) + (16 << 10), far + (8 << 20)],
+                    ..sample()
+                },
+                "checkpoint_capacity",
+            ),
+        ];
+        for (sb, field) in cases {
+            assert_eq!(
+                PoolSuperblock::decode(&sb.encode()),
+                Err(Invalid::Field(field)),
+                "{sb:?}"
+            );
+        }
+        // The limits themselves are taken.
+        let edge = PoolSuperblock {
+            data_blocks: DATA_BLOCKS_MAX,
+            log_bytes: LOG_BYTES_MAX,
+            checkpoints: [
+                LOG_BYTES_MAX + (16 << 10),
+                LOG_BYTES_MAX + (16 << 10) + (5 << 20),
+            ],
+            checkpoint_capacity: 5 << 20,
+            checkpoint_pages: (5 << 20) / PAGE,
+            log_start_offset: (1234 % (LOG_BYTES_MAX / PAGE)) * PAGE,
+            ..sample()
+        };
+        assert_eq!(PoolSuperblock::decode(&edge.encode()), Ok(edge));
     }
 
     #[test]
@@ -447,7 +558,7 @@ mod tests {
             ),
             (
                 PoolSuperblock {
-                    low_water_blocks: 20000,
+                    low_water_blocks: 40000,
                     ..sample()
                 },
                 "low_water_blocks",

@@ -112,18 +112,28 @@ pub(super) fn decode_copy(b: &[u8], at: u64) -> Result<Copy, CopyFault> {
         Ok(v) => v,
         Err(e) => return bad(format!("JSON: {e}")),
     };
+    // The string fields end with a terminator, whatever their last byte holds (as
+    // cryptsetup reads them): what is read is what a rewrite writes back.
+    let uuid = &b[UUID_AT..SUBSYSTEM_AT - 1];
+    let uuid = &uuid[..uuid.iter().position(|&c| c == 0).unwrap_or(uuid.len())];
+    let Ok(uuid) = std::str::from_utf8(uuid) else {
+        return bad("the UUID is not text".into());
+    };
     Ok(Copy {
         seqid: be64(b, SEQID_AT),
         header_bytes: size,
-        label: b[LABEL_AT..LABEL_AT + LABEL_BYTES]
-            .try_into()
-            .expect("48 bytes"),
-        subsystem: b[SUBSYSTEM_AT..SUBSYSTEM_AT + LABEL_BYTES]
-            .try_into()
-            .expect("48 bytes"),
-        uuid: cstr(&b[UUID_AT..SUBSYSTEM_AT]),
+        label: terminated(&b[LABEL_AT..LABEL_AT + LABEL_BYTES]),
+        subsystem: terminated(&b[SUBSYSTEM_AT..SUBSYSTEM_AT + LABEL_BYTES]),
+        uuid: uuid.to_string(),
         json,
     })
+}
+
+/// A label field with its last byte the terminator.
+fn terminated(field: &[u8]) -> [u8; LABEL_BYTES] {
+    let mut out = [0u8; LABEL_BYTES];
+    out[..LABEL_BYTES - 1].copy_from_slice(&field[..LABEL_BYTES - 1]);
+    out
 }
 
 /// The header from the two copies: the valid one with the higher sequence number (the

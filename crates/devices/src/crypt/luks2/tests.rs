@@ -241,6 +241,43 @@ fn unsupported_and_out_of_bounds_metadata_is_refused() {
     assert!(e.contains("integrity") && !e.contains("both"), "{e}");
 }
 
+/// The primary copy of `img` (16 KiB) with its checksum made again after a change.
+fn reseal(img: &mut Image) {
+    let copy = &mut img.0[..16 << 10];
+    copy[448..448 + 64].fill(0);
+    let mut csum = [0u8; 32];
+    Hash::Sha256.digest(&[&copy[..]], &mut csum);
+    copy[448..448 + 32].copy_from_slice(&csum);
+}
+
+/// Label and UUID fields filled to their last byte read as cryptsetup reads them (the
+/// last byte is the terminator), so that a rewrite writes back what was read: the
+/// label used to lose its last byte and the UUID its fortieth on the first rewrite.
+#[test]
+fn full_string_fields_read_as_they_are_written_back() {
+    let mut img = Image::new();
+    Header::create(&mut img.write(), &key(), b"one", PBKDF2, 4096).unwrap();
+    img.0[24..24 + 48].fill(b'L');
+    img.0[168..168 + 40].fill(b'u');
+    img.0[208..208 + 48].fill(b'S');
+    reseal(&mut img);
+    let h = img.header().unwrap();
+    assert_eq!(h.uuid(), "u".repeat(39));
+    h.write_copies(&mut img.write()).unwrap();
+    let again = img.header().unwrap();
+    assert_eq!(
+        (again.label, again.subsystem, again.uuid()),
+        (h.label, h.subsystem, h.uuid())
+    );
+    assert_eq!(&again.label[..47], &[b'L'; 47][..]);
+    // A UUID that is not text makes its copy damaged (the other copy serves), rather
+    // than read with replacement characters and written back changed.
+    let good = img.header().unwrap().uuid().to_string();
+    img.0[168] = 0xff;
+    reseal(&mut img);
+    assert_eq!(img.header().unwrap().uuid(), good);
+}
+
 #[test]
 fn not_luks2_is_refused() {
     let img = Image::new();
