@@ -289,6 +289,11 @@ fn create(path: &Path, device: &str, device_bytes: u64) -> Result<(), Error> {
         match renameat_with(CWD, &tmp, CWD, path, RenameFlags::NOREPLACE) {
             // Another process made it meanwhile: that one is opened.
             Ok(()) | Err(rustix::io::Errno::EXIST) => Ok(()),
+            // A file system without the no-replace rename: a hard link never replaces.
+            Err(rustix::io::Errno::INVAL) => match std::fs::hard_link(&tmp, path) {
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+                linked => linked,
+            },
             Err(e) => Err(e.into()),
         }
     });

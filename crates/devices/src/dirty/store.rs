@@ -213,9 +213,15 @@ impl Store {
         if self.dry {
             return Ok(());
         }
+        let Some(seq) = st.seq.checked_add(1) else {
+            return Err(Error::Invalid(format!(
+                "bitmap store {}: its sequence numbers are used up",
+                self.path.display()
+            )));
+        };
         let dir = Directory {
             version: VERSION,
-            seq: st.seq + 1,
+            seq,
             identity: self.identity,
             device: st.dir.device.clone(),
             device_bytes: self.device_bytes,
@@ -614,6 +620,12 @@ mod tests {
         let bytes = std::fs::read(&path).unwrap();
         assert!(format::Directory::decode(&bytes).is_ok());
         assert!(format::Directory::decode(&bytes[format::SLOT as usize..]).is_ok());
+        // Made under a temporary name, which is gone.
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["s"]);
     }
 
     #[test]
@@ -656,6 +668,96 @@ mod tests {
             assert!(listed(&s, "b1").1);
             drop(s);
         }
+    }
+
+    /// A version 1 store as an older cairn left it: copy A holds sequence 2 with bitmap
+    /// b0 (64 KiB over 5 MiB: 80 bits, the last word partial) whose granules 1 and 65
+    /// are dirty, copy B sequence 1 with no bitmap; bits 8 to a byte, unchecked.
+    fn version_1_store(path: &Path) -> Vec<u8> {
+        let dir = |seq, entries| Directory {
+            version: 1,
+            seq,
+            identity: 0,
+            device: "vm".into(),
+            device_bytes: 5 * MB,
+            entries,
+        };
+        let e = Entry {
+            name: "b0".into(),
+            owner: String::new(),
+            shift: 16,
+            bits: 80,
+            flags: 0,
+            area: format::AREAS,
+        };
+        let mut bytes = vec![0u8; (format::AREAS + PAGE) as usize];
+        let a = dir(2, vec![e]).encode();
+        let b = dir(1, Vec::new()).encode();
+        bytes[..a.len()].copy_from_slice(&a);
+        bytes[SLOT as usize..SLOT as usize + b.len()].copy_from_slice(&b);
+        bytes[format::AREAS as usize] = 0b10;
+        bytes[format::AREAS as usize + 8] = 0b10;
+        std::fs::write(path, &bytes).unwrap();
+        bytes
+    }
+
+    #[test]
+    fn a_version_1_store_reads_back_and_is_upgraded_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s");
+        let old = version_1_store(&path);
+        let want = [
+            (65536, false),
+            (65536, true),
+            (63 * 65536, false),
+            (65536, true),
+            (14 * 65536, false),
+        ];
+        // Examined only: read as it is, nothing written.
+        let s = Store::open(&path, "vm", 5 * MB, true).unwrap();
+        assert_eq!(dirty(&s, "", "b0", 5 * MB), want);
+        drop(s);
+        assert_eq!(std::fs::read(&path).unwrap(), old);
+        // Opened for writing: both copies of version 2, the bits in a new area (the old
+        // one untouched), sealed.
+        let s = open(&dir, 5 * MB);
+        assert_eq!(dirty(&s, "", "b0", 5 * MB), want);
+        assert!(!listed(&s, "b0").1);
+        s.mark(0, 1).unwrap();
+        drop(s);
+        let bytes = std::fs::read(&path).unwrap();
+        let a = Directory::decode(&bytes[..SLOT as usize]).unwrap();
+        let b = Directory::decode(&bytes[SLOT as usize..]).unwrap();
+        assert_eq!((a.version, a.seq), (VERSION, 3));
+        assert_eq!(a, b);
+        let area = a.entries[0].area;
+        assert!(area >= format::AREAS + PAGE, "{area}");
+        assert_eq!(
+            bytes[format::AREAS as usize..(format::AREAS + PAGE) as usize],
+            old[format::AREAS as usize..]
+        );
+        let page = &bytes[area as usize..(area + PAGE) as usize];
+        assert_eq!(format::check_page(page, a.identity, area, 0), Ok(()));
+        let s = open(&dir, 5 * MB);
+        assert_eq!(dirty(&s, "", "b0", 65536 * 2), [(2 * 65536, true)]);
+        assert_eq!(listed(&s, "b0").0, 3 * 65536);
+    }
+
+    #[test]
+    fn a_version_1_store_missing_a_copy_flags_its_bitmaps() {
+        // Copy B unreadable: it may have held a newer directory than A's.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s");
+        let mut bytes = version_1_store(&path);
+        bytes[SLOT as usize + 30] ^= 1;
+        std::fs::write(&path, &bytes).unwrap();
+        let s = Store::open(&path, "vm", 5 * MB, true).unwrap();
+        assert!(listed(&s, "b0").1);
+        drop(s);
+        let s = open(&dir, 5 * MB);
+        assert_eq!(listed(&s, "b0"), (2 * 65536, true));
+        drop(s);
+        assert!(listed(&open(&dir, 5 * MB), "b0").1);
     }
 
     #[test]
