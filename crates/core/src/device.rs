@@ -280,8 +280,9 @@ pub trait DirtyMap: Send + Sync {
     /// reads as dirty: nothing says it did not change).
     fn runs(&self, offset: u64, len: u64, most: usize, out: &mut Vec<(u64, bool)>);
 
-    /// Whether the bitmap may miss changes (a mark that could not be written, or a device
-    /// grown past it): such a bitmap must not be trusted for an incremental backup.
+    /// Whether the bitmap may miss changes (a mark that could not be written, a page of
+    /// its bits found damaged, or a device grown past it): such a bitmap must not be
+    /// trusted for an incremental backup.
     fn inconsistent(&self) -> bool;
 }
 

@@ -584,6 +584,88 @@ fn bitmaps_by_hand_on_a_file_device_and_bad_input() {
     assert!(std::fs::read(&data).unwrap() == before && std::fs::read(&store).unwrap() == bytes);
 }
 
+/// Writes at 64 KiB and at 4,160 KiB of a 5 MiB device: granules 1 and 65 of 80 at
+/// 64 KiB, the last one in the bitmap's partial last word.
+const EDGE_WRITES: &str = r#"
+h = connect("d")
+h.pwrite(b"x" * 4096, 64 * 1024)
+h.pwrite(b"y" * 4096, 4160 * 1024)
+h.flush()
+h.shutdown()
+print("written")
+"#;
+
+/// A device whose size is not a whole number of 64 granules keeps the changes at its
+/// end across a restart; a page of bits zeroed while it is stopped flags the bitmap
+/// inconsistent, all of that page dirty, and says so in the log.
+#[test]
+fn a_bitmap_keeps_the_changes_at_a_devices_end_and_flags_a_zeroed_page() {
+    const NAME: &str =
+        "backup::a_bitmap_keeps_the_changes_at_a_devices_end_and_flags_a_zeroed_page";
+    let Some(python) = python_with_libnbd(NAME) else {
+        return;
+    };
+    let dir = tmpdir();
+    let ctl = dir.path().join("admin.sock");
+    let store = dir.path().join("d.bitmaps");
+    let stack = write_stack(
+        &dir,
+        &format!(
+            "[device.d]\ntype = \"file\"\npath = \"{}\"\nsize = \"5M\"\nbitmaps = \"{}\"\n\
+             [export.d]\ndevice = \"d\"\n",
+            dir.path().join("d.img").display(),
+            store.display()
+        ),
+    );
+    let start = || Server::start_in(tmpdir(), &[path_str(&stack), "--admin", path_str(&ctl)]);
+    let list = || {
+        success(
+            "bitmap list",
+            &super::admin::admin(&ctl, &["bitmap", "list", "d"]),
+        )
+    };
+    let mut srv = start();
+    success(
+        "bitmap add",
+        &super::admin::admin(&ctl, &["bitmap", "add", "d", "b0", "64K"]),
+    );
+    let env = env_for(dir.path(), &ctl);
+    libnbd_script(
+        &python,
+        &format!("{PRELUDE}{EDGE_WRITES}"),
+        &srv.sock,
+        &env,
+        "written",
+    );
+    let want = "b0: granularity 64KiB, dirty 128KiB\n";
+    assert!(list().contains(want), "{}", list());
+    let (status, log) = srv.stop();
+    assert!(status.success(), "{status}: {log}");
+    let mut srv = start();
+    assert!(list().ends_with(want), "after a restart: {}", list());
+    let (status, log) = srv.stop();
+    assert!(status.success(), "{status}: {log}");
+
+    // Its one page of bits zeroed (the first area starts after the two directory copies).
+    let mut bytes = std::fs::read(&store).unwrap();
+    bytes[512 << 10..(512 << 10) + 4096].fill(0);
+    std::fs::write(&store, &bytes).unwrap();
+    let mut srv = start();
+    let text = list();
+    assert!(
+        text.contains("b0: granularity 64KiB, dirty 5MiB, INCONSISTENT"),
+        "{text}"
+    );
+    let (_, log) = srv.stop();
+    assert!(
+        log.contains(&format!(
+            "bitmap store {}: bitmap 'b0': page 0 of its bits fails its check (zeroed)",
+            store.display()
+        )),
+        "{log}"
+    );
+}
+
 /// Two connections write (paced, up to 64 in flight each) while checkpoints c1, c2 and
 /// c3 (4 KiB granularity) are taken from another thread; each write goes to a page never
 /// written before, so a write counted in the wrong interval's bitmap is missed by the

@@ -7,10 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use cairn_core::DirtyMap;
 
-use super::format::{Entry, CHECKPOINT, DISABLED, INCONSISTENT, PAGE};
-
-/// Words per page.
-pub(super) const PAGE_WORDS: usize = (PAGE / 8) as usize;
+use super::format::{self, Entry, CHECKPOINT, DISABLED, INCONSISTENT, PAGE, PAGE_WORDS};
 
 /// Bits to set, as (word index, bits of that word).
 pub(super) type Words = Vec<(usize, u64)>;
@@ -32,15 +29,10 @@ pub struct Bitmap {
 }
 
 impl Bitmap {
-    pub(super) fn new(e: &Entry, bytes: &[u8]) -> Bitmap {
-        let words = (0..e.bits.div_ceil(64) as usize)
-            .map(|w| {
-                let mut v = [0u8; 8];
-                if let Some(b) = bytes.get(w * 8..w * 8 + 8) {
-                    v.copy_from_slice(b);
-                }
-                AtomicU64::new(u64::from_le_bytes(v))
-            })
+    /// Bitmap `e`, every bit clear (its bits are loaded by the store).
+    pub(super) fn new(e: &Entry) -> Bitmap {
+        let words = (0..e.bits.div_ceil(64))
+            .map(|_| AtomicU64::new(0))
             .collect();
         Bitmap {
             name: e.name.clone(),
@@ -52,6 +44,43 @@ impl Bitmap {
             flags: AtomicU32::new(e.flags),
             readers: AtomicUsize::new(0),
         }
+    }
+
+    /// Sets its words from `first` on to `bytes` (little-endian words, the last one
+    /// possibly partial: a bitmap whose bits are not a whole number of words keeps its
+    /// last ones). Bits past its end are dropped.
+    pub(super) fn load(&mut self, first: usize, bytes: &[u8]) {
+        for (i, chunk) in bytes.chunks(8).enumerate() {
+            let Some(word) = self.words.get_mut(first + i) else {
+                break;
+            };
+            let mut v = [0u8; 8];
+            v[..chunk.len()].copy_from_slice(chunk);
+            *word.get_mut() = u64::from_le_bytes(v);
+        }
+        self.trim();
+    }
+
+    /// Sets every bit of `n` words from `first` on: what bits that could not be read,
+    /// or failed their check, read as, since nothing says their granules did not change.
+    pub(super) fn fill(&mut self, first: usize, n: usize) {
+        for w in self.words.iter_mut().skip(first).take(n) {
+            *w.get_mut() = u64::MAX;
+        }
+        self.trim();
+    }
+
+    /// Clears the bits of its last word past its end.
+    fn trim(&mut self) {
+        let tail = self.bits % 64;
+        if let (Some(last), true) = (self.words.last_mut(), tail != 0) {
+            *last.get_mut() &= (1u64 << tail) - 1;
+        }
+    }
+
+    /// Pages of its area (version 2).
+    pub(super) fn pages(&self) -> usize {
+        (format::area_bytes(format::VERSION, self.bits) / PAGE) as usize
     }
 
     pub(super) fn entry(&self) -> Entry {
@@ -166,11 +195,12 @@ impl Bitmap {
         (out, past)
     }
 
-    /// Page `p` of its area with `extra` (word, bits) set too.
-    pub(super) fn page_image(&self, p: usize, extra: &[(usize, u64)]) -> Vec<u8> {
+    /// Page `p` of its area with `extra` (word, bits) set too, sealed with the store's
+    /// `identity`: the whole page as written.
+    pub(super) fn page_image(&self, identity: u64, p: usize, extra: &[(usize, u64)]) -> Vec<u8> {
         let mut b = vec![0u8; PAGE as usize];
         let base = p * PAGE_WORDS;
-        for (i, chunk) in b.chunks_mut(8).enumerate() {
+        for (i, chunk) in b.chunks_mut(8).take(PAGE_WORDS).enumerate() {
             let w = base + i;
             let Some(word) = self.words.get(w) else { break };
             let mut v = word.load(Ordering::Relaxed);
@@ -181,6 +211,7 @@ impl Bitmap {
             }
             chunk.copy_from_slice(&v.to_le_bytes());
         }
+        format::seal_page(&mut b, identity, self.area, p as u64);
         b
     }
 }
@@ -260,5 +291,53 @@ impl DirtyMap for Reader {
 
     fn inconsistent(&self) -> bool {
         self.0.flags.load(Ordering::Relaxed) & INCONSISTENT != 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(bits: u64) -> Entry {
+        Entry {
+            name: "b".into(),
+            owner: String::new(),
+            shift: 12,
+            bits,
+            flags: 0,
+            area: format::AREAS,
+        }
+    }
+
+    #[test]
+    fn a_partial_last_word_is_loaded_and_bits_past_the_end_are_not() {
+        // 80 bits: one whole word and 16 bits of a second, in 10 bytes.
+        let mut b = Bitmap::new(&entry(80));
+        let mut bytes = vec![0u8; 10];
+        bytes[0] = 1;
+        bytes[9] = 0x80;
+        b.load(0, &bytes);
+        assert_eq!(b.count(), 2);
+        assert!(b.bit(0) && b.bit(79));
+        // Bits past the end in the bytes read are dropped.
+        let mut b = Bitmap::new(&entry(80));
+        b.load(0, &[0xff; 16]);
+        assert_eq!(b.count(), 80);
+    }
+
+    #[test]
+    fn a_failed_page_reads_dirty_and_pages_carry_their_words() {
+        let bits = format::PAGE_BITS + 100;
+        let mut b = Bitmap::new(&entry(bits));
+        assert_eq!(b.pages(), 2);
+        b.fill(PAGE_WORDS, PAGE_WORDS);
+        assert_eq!(b.count(), 100);
+        b.fill(0, PAGE_WORDS);
+        assert_eq!(b.count(), bits);
+        let b = Bitmap::new(&entry(bits));
+        let image = b.page_image(5, 1, &[(PAGE_WORDS, 0b101)]);
+        assert_eq!(format::check_page(&image, 5, format::AREAS, 1), Ok(()));
+        assert_eq!(&image[..8], &5u64.to_le_bytes());
+        assert!(image[8..4088].iter().all(|&x| x == 0));
     }
 }

@@ -38,7 +38,7 @@ impl Store {
         let granularity =
             granularity.unwrap_or_else(|| prev.as_ref().map_or(GRANULARITY, |p| 1 << p.shift));
         let e = self.new_entry(&st, name, granularity, CHECKPOINT | PENDING)?;
-        st.bitmaps.push(Arc::new(Bitmap::new(&e, &[])));
+        st.bitmaps.push(Arc::new(Bitmap::new(&e)));
         if let Some(p) = &prev {
             p.flags.fetch_or(DISABLED, Ordering::Relaxed);
             p.set_owner(name);

@@ -1,4 +1,5 @@
-//! A bitmap store's directory on disk: which bitmaps there are, and where their bits lie.
+//! A bitmap store's layout on disk: its directory (which bitmaps there are, and where
+//! their bits lie) and its pages of bits. Every decoder here is a pure function of bytes.
 //!
 //! The store is a file of its own (`bitmaps = "PATH"` in a device's table). Layout:
 //!
@@ -8,27 +9,39 @@
 //! 2 * SLOT   bit areas, each a whole number of 4 KiB pages, wherever the directory says
 //! ```
 //!
-//! A directory is written to the copy its sequence number picks (even: A, odd: B), then
-//! synced; the copy with the highest sequence number and a good checksum is the current
-//! one. A torn directory write leaves the other copy, the state before it. A new bitmap
-//! gets an area the current directory does not name, so that state still finds its bits.
+//! Version 2 writes every directory to both copies, one after the other, each synced: a
+//! write torn in the first leaves the second as it was, one torn in the second leaves
+//! the first done, and damage to one copy at rest leaves the other with the same
+//! directory. The valid copy with the highest sequence number is the current one.
+//! Version 1 (read, and upgraded at open) wrote each directory to one copy only, by the
+//! parity of its sequence number.
 //!
-//! Bits are written in place and not checksummed: a write of a page only ever sets bits
-//! (the hot path) or clears a whole bitmap (`bitmap clear`); a torn page is a mix of two
-//! states, each bit either as before or as after, which is never a change forgotten.
+//! A page of bits ends in a trailer: a CRC-32C over the store's identity, the area's
+//! offset and the page's index, then the bits; and a magic, so that a zeroed page never
+//! verifies. A page that fails its check is found at open ([`check_page`]).
 
 use crate::array::superblock::{get32, get64, put32, put64};
 
 /// The directory's magic.
 pub const MAGIC: &[u8; 8] = b"CAIRNDBM";
-/// The format's version.
-pub const VERSION: u32 = 1;
+/// The format's version (written).
+pub const VERSION: u32 = 2;
+/// The oldest version read (and upgraded).
+pub const VERSION_OLDEST: u32 = 1;
 /// Bytes of each directory copy.
 pub const SLOT: u64 = 256 << 10;
 /// Where bit areas start.
 pub const AREAS: u64 = 2 * SLOT;
 /// Bit areas are whole pages of this many bytes.
 pub const PAGE: u64 = 4096;
+/// Bytes of a page's trailer (version 2): its CRC-32C, then [`PAGE_MAGIC`].
+pub const TRAILER: u64 = 8;
+/// The last 4 bytes of every page of bits (version 2).
+pub const PAGE_MAGIC: &[u8; 4] = b"CDBP";
+/// 64-bit words of bits in a page (version 2).
+pub const PAGE_WORDS: usize = ((PAGE - TRAILER) / 8) as usize;
+/// Bits in a page (version 2).
+pub const PAGE_BITS: u64 = PAGE_WORDS as u64 * 64;
 /// Most bitmaps one store holds.
 pub const BITMAPS_MAX: usize = 256;
 /// Longest bitmap name, in bytes.
@@ -37,13 +50,13 @@ pub const NAME_MAX: usize = 64;
 pub const GRANULARITY_MIN: u64 = 4096;
 /// Largest granularity.
 pub const GRANULARITY_MAX: u64 = 1 << 30;
-/// Most bytes of bits one bitmap may take (in memory and in its area).
-pub const AREA_MAX: u64 = 256 << 20;
+/// Most bits one bitmap holds (256 MiB of them in memory: 8 TiB of 4 KiB granules).
+pub const BITS_MAX: u64 = 1 << 31;
 
 /// Entry flag: writes do not set this bitmap (it is kept as it is).
 pub const DISABLED: u32 = 1;
-/// Entry flag: the bitmap may miss changes (a mark could not be written, or the device
-/// grew past it); a backup must not trust it.
+/// Entry flag: the bitmap may miss changes (a mark could not be written, a page of its
+/// bits failed its check, or the device grew past it); a backup must not trust it.
 pub const INCONSISTENT: u32 = 2;
 /// Entry flag: made by a checkpoint (the volume's current one, while enabled).
 pub const CHECKPOINT: u32 = 4;
@@ -61,7 +74,10 @@ mod at {
     pub const SEQ: usize = 24;
     pub const DEVICE_BYTES: usize = 32;
     pub const NAME: usize = 40;
-    pub const ENTRIES: usize = 104;
+    /// Version 2: the store's identity; version 1's entries start here.
+    pub const IDENTITY: usize = 104;
+    pub const ENTRIES_1: usize = 104;
+    pub const ENTRIES: usize = 112;
 }
 
 /// One bitmap as the directory records it.
@@ -76,16 +92,16 @@ pub struct Entry {
     pub shift: u32,
     /// Bits it holds (the device's size when it was made, in granules).
     pub bits: u64,
-    /// [`DISABLED`], [`INCONSISTENT`].
+    /// [`DISABLED`], [`INCONSISTENT`], [`CHECKPOINT`], [`PENDING`].
     pub flags: u32,
     /// Where its bits start in the store.
     pub area: u64,
 }
 
 impl Entry {
-    /// Bytes of its area: its bits, in whole pages.
+    /// Bytes of its area in the current version: its bits, in whole pages.
     pub fn area_bytes(&self) -> u64 {
-        area_bytes(self.bits)
+        area_bytes(VERSION, self.bits)
     }
 
     fn encoded_len(&self) -> usize {
@@ -93,16 +109,27 @@ impl Entry {
     }
 }
 
-/// Bytes an area of `bits` bits takes.
-pub fn area_bytes(bits: u64) -> u64 {
-    bits.div_ceil(8).div_ceil(PAGE).max(1) * PAGE
+/// Bytes an area of `bits` bits takes in a store of `version`: whole pages, of 8 bits a
+/// byte (version 1) or of [`PAGE_BITS`] bits and a trailer (version 2).
+pub fn area_bytes(version: u32, bits: u64) -> u64 {
+    let pages = if version == 1 {
+        bits.div_ceil(8).div_ceil(PAGE)
+    } else {
+        bits.div_ceil(PAGE_BITS)
+    };
+    pages.max(1) * PAGE
 }
 
 /// A directory: the state of a store at one sequence number.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Directory {
+    /// Its format's version: how its areas are laid out.
+    pub version: u32,
     /// Bumped by every write of the directory.
     pub seq: u64,
+    /// Drawn at random when the store was made (version 2; 0 in version 1): every page
+    /// of bits is checksummed with it.
+    pub identity: u64,
     /// The device the store belongs to (its name in the stack file).
     pub device: String,
     /// Its size when the directory was written.
@@ -112,17 +139,22 @@ pub struct Directory {
 }
 
 impl Directory {
-    /// Which copy this directory goes to.
-    pub fn slot_offset(&self) -> u64 {
-        (self.seq % 2) * SLOT
+    /// Where entries start in a directory of this version.
+    fn entries_at(version: u32) -> usize {
+        if version == 1 {
+            at::ENTRIES_1
+        } else {
+            at::ENTRIES
+        }
     }
 
-    /// The directory as written: a whole number of pages.
+    /// The directory as written in its version: a whole number of pages.
     pub fn encode(&self) -> Vec<u8> {
-        let len = at::ENTRIES + self.entries.iter().map(Entry::encoded_len).sum::<usize>();
+        let first = Self::entries_at(self.version);
+        let len = first + self.entries.iter().map(Entry::encoded_len).sum::<usize>();
         let mut b = vec![0u8; (len as u64).div_ceil(PAGE) as usize * PAGE as usize];
         b[at::MAGIC..at::MAGIC + 8].copy_from_slice(MAGIC);
-        put32(&mut b, at::VERSION, VERSION);
+        put32(&mut b, at::VERSION, self.version);
         put32(&mut b, at::LEN, len as u32);
         put32(&mut b, at::COUNT, self.entries.len() as u32);
         put64(&mut b, at::SEQ, self.seq);
@@ -130,7 +162,10 @@ impl Directory {
         let tag = device_tag(&self.device);
         b[at::NAME] = tag.len() as u8;
         b[at::NAME + 1..at::NAME + 1 + tag.len()].copy_from_slice(tag.as_bytes());
-        let mut p = at::ENTRIES;
+        if self.version != 1 {
+            put64(&mut b, at::IDENTITY, self.identity);
+        }
+        let mut p = first;
         for e in &self.entries {
             for text in [&e.name, &e.owner] {
                 b[p] = text.len() as u8;
@@ -144,24 +179,27 @@ impl Directory {
             put64(&mut b, p + 12, e.area);
             p += 20;
         }
+        debug_assert_eq!(p, len);
         let crc = crc32c::crc32c(&b[at::LEN..len]);
         put32(&mut b, at::CRC, crc);
         b
     }
 
-    /// A directory copy read back, or why it is not one.
+    /// A directory copy read back (`b`: the bytes of its slot, or fewer), or why it is
+    /// not one. A pure function of `b`: every length and count is checked before use.
     pub fn decode(b: &[u8]) -> Result<Directory, String> {
-        if b.len() < at::ENTRIES || &b[at::MAGIC..at::MAGIC + 8] != MAGIC {
+        if b.len() < at::ENTRIES_1 || &b[at::MAGIC..at::MAGIC + 8] != MAGIC {
             return Err("no directory (bad magic)".into());
         }
         let version = get32(b, at::VERSION);
-        if version != VERSION {
+        if !(VERSION_OLDEST..=VERSION).contains(&version) {
             return Err(format!(
-                "directory version {version}; this cairn reads version {VERSION}"
+                "directory version {version}; this cairn reads versions {VERSION_OLDEST} to {VERSION}"
             ));
         }
+        let first = Self::entries_at(version);
         let len = get32(b, at::LEN) as usize;
-        if len < at::ENTRIES || len > b.len() {
+        if len < first || len > b.len() {
             return Err(format!("directory length {len} out of range"));
         }
         if get32(b, at::CRC) != crc32c::crc32c(&b[at::LEN..len]) {
@@ -172,50 +210,21 @@ impl Directory {
             return Err(format!("{count} bitmaps; at most {BITMAPS_MAX}"));
         }
         let name_len = b[at::NAME] as usize;
-        let device =
-            std::str::from_utf8(b.get(at::NAME + 1..at::NAME + 1 + name_len).unwrap_or(&[]))
-                .map_err(|_| "device name is not UTF-8".to_string())?
-                .to_string();
-        let mut entries = Vec::with_capacity(count);
-        let mut p = at::ENTRIES;
-        let short = || "directory entries run past its length".to_string();
-        let text = |p: &mut usize| -> Result<String, String> {
-            let n = *b.get(*p).filter(|_| *p < len).ok_or_else(short)? as usize;
-            if *p + 1 + n > len {
-                return Err(short());
-            }
-            let t = std::str::from_utf8(&b[*p + 1..*p + 1 + n])
-                .map_err(|_| "a bitmap or owner name is not UTF-8".to_string())?
-                .to_string();
-            *p += 1 + n;
-            Ok(t)
-        };
-        for _ in 0..count {
-            let name = text(&mut p)?;
-            let owner = text(&mut p)?;
-            if p + 24 > len {
-                return Err(short());
-            }
-            let e = Entry {
-                name,
-                owner,
-                shift: u32::from(b[p]),
-                flags: get32(b, p + 4),
-                bits: get64(b, p + 8),
-                area: get64(b, p + 16),
-            };
-            p += 24;
-            check_entry(&e)?;
-            if entries.iter().any(|o: &Entry| o.name == e.name) {
-                return Err(format!("bitmap '{}' is listed twice", e.name));
-            }
-            if let Some(o) = entries.iter().find(|o: &&Entry| overlaps(o, &e)) {
-                return Err(format!("bitmaps '{}' and '{}' share bits", o.name, e.name));
-            }
-            entries.push(e);
+        if name_len > at::ENTRIES_1 - at::NAME - 1 {
+            return Err(format!("device name of {name_len} bytes; at most 63"));
         }
+        let device = std::str::from_utf8(&b[at::NAME + 1..at::NAME + 1 + name_len])
+            .map_err(|_| "device name is not UTF-8".to_string())?
+            .to_string();
+        let entries = decode_entries(&b[..len], first, count, version)?;
         Ok(Directory {
+            version,
             seq: get64(b, at::SEQ),
+            identity: if version == 1 {
+                0
+            } else {
+                get64(b, at::IDENTITY)
+            },
             device,
             device_bytes: get64(b, at::DEVICE_BYTES),
             entries,
@@ -223,9 +232,99 @@ impl Directory {
     }
 }
 
+/// `count` entries from `p` on in `b` (the directory's checked length), each checked.
+fn decode_entries(
+    b: &[u8],
+    mut p: usize,
+    count: usize,
+    version: u32,
+) -> Result<Vec<Entry>, String> {
+    let len = b.len();
+    let mut entries: Vec<Entry> = Vec::with_capacity(count);
+    let short = || "directory entries run past its length".to_string();
+    let text = |p: &mut usize| -> Result<String, String> {
+        let n = *b.get(*p).ok_or_else(short)? as usize;
+        let end = (*p + 1)
+            .checked_add(n)
+            .filter(|&e| e <= len)
+            .ok_or_else(short)?;
+        let t = std::str::from_utf8(&b[*p + 1..end])
+            .map_err(|_| "a bitmap or owner name is not UTF-8".to_string())?
+            .to_string();
+        *p = end;
+        Ok(t)
+    };
+    for _ in 0..count {
+        let name = text(&mut p)?;
+        let owner = text(&mut p)?;
+        if p + 24 > len {
+            return Err(short());
+        }
+        let e = Entry {
+            name,
+            owner,
+            shift: u32::from(b[p]),
+            flags: get32(b, p + 4),
+            bits: get64(b, p + 8),
+            area: get64(b, p + 16),
+        };
+        p += 24;
+        check_entry(&e)?;
+        if entries.iter().any(|o| o.name == e.name) {
+            return Err(format!("bitmap '{}' is listed twice", e.name));
+        }
+        if let Some(o) = entries.iter().find(|o| overlaps(version, o, &e)) {
+            return Err(format!("bitmaps '{}' and '{}' share bits", o.name, e.name));
+        }
+        entries.push(e);
+    }
+    Ok(entries)
+}
+
+/// The CRC-32C of page `index` of the area at `area` in store `identity`: over those
+/// three, then the page's bits. An all-zero page fails on its magic whatever this is.
+fn page_crc(page: &[u8], identity: u64, area: u64, index: u64) -> u32 {
+    let mut seed = [0u8; 24];
+    seed[..8].copy_from_slice(&identity.to_le_bytes());
+    seed[8..16].copy_from_slice(&area.to_le_bytes());
+    seed[16..].copy_from_slice(&index.to_le_bytes());
+    crc32c::crc32c_append(crc32c::crc32c(&seed), &page[..(PAGE - TRAILER) as usize])
+}
+
+/// Writes the trailer of `page` (a whole page, its bits filled in): page `index` of the
+/// area at `area` in store `identity`.
+pub fn seal_page(page: &mut [u8], identity: u64, area: u64, index: u64) {
+    assert_eq!(page.len() as u64, PAGE, "a page of bits is sealed whole");
+    let crc = page_crc(page, identity, area, index);
+    let t = (PAGE - TRAILER) as usize;
+    put32(page, t, crc);
+    page[t + 4..].copy_from_slice(PAGE_MAGIC);
+}
+
+/// Whether `page` is a good page `index` of the area at `area` in store `identity` (its
+/// bits are then its first [`PAGE_WORDS`] words, little-endian), or why not. A pure
+/// function of its arguments.
+pub fn check_page(page: &[u8], identity: u64, area: u64, index: u64) -> Result<(), String> {
+    if page.len() as u64 != PAGE {
+        return Err(format!("{} bytes, not a page", page.len()));
+    }
+    let t = (PAGE - TRAILER) as usize;
+    if &page[t + 4..] != PAGE_MAGIC {
+        return Err(if page.iter().all(|&b| b == 0) {
+            "zeroed".to_string()
+        } else {
+            "no page trailer (bad magic)".to_string()
+        });
+    }
+    if get32(page, t) != page_crc(page, identity, area, index) {
+        return Err("checksum mismatch".into());
+    }
+    Ok(())
+}
+
 /// The part of a device's name a directory keeps: its first 63 bytes.
 pub fn device_tag(name: &str) -> &str {
-    let mut end = name.len().min(at::ENTRIES - at::NAME - 1);
+    let mut end = name.len().min(at::ENTRIES_1 - at::NAME - 1);
     while !name.is_char_boundary(end) {
         end -= 1;
     }
@@ -247,14 +346,18 @@ fn check_entry(e: &Entry) -> Result<(), String> {
     if e.flags & !KNOWN_FLAGS != 0 {
         return Err(format!("bitmap '{}': unknown flags {:#x}", e.name, e.flags));
     }
-    if e.bits == 0 || e.area_bytes() > AREA_MAX || e.area < AREAS || !e.area.is_multiple_of(PAGE) {
+    if e.bits == 0 || e.bits > BITS_MAX || e.area < AREAS || !e.area.is_multiple_of(PAGE) {
         return Err(format!("bitmap '{}': bits or area out of range", e.name));
+    }
+    // With the bits bounded, an area's end cannot overflow unless its start is huge.
+    if e.area.checked_add(area_bytes(VERSION, e.bits)).is_none() {
+        return Err(format!("bitmap '{}': area out of range", e.name));
     }
     Ok(())
 }
 
-fn overlaps(a: &Entry, b: &Entry) -> bool {
-    a.area < b.area + b.area_bytes() && b.area < a.area + a.area_bytes()
+fn overlaps(version: u32, a: &Entry, b: &Entry) -> bool {
+    a.area < b.area + area_bytes(version, b.bits) && b.area < a.area + area_bytes(version, a.bits)
 }
 
 /// Whether `name` can name a bitmap: 1 to [`NAME_MAX`] bytes of letters, digits and
@@ -296,7 +399,9 @@ mod tests {
 
     fn dir() -> Directory {
         Directory {
+            version: VERSION,
             seq: 7,
+            identity: 0x0123_4567_89ab_cdef,
             device: "vm1".into(),
             device_bytes: 1 << 30,
             entries: vec![
@@ -333,6 +438,99 @@ mod tests {
             assert!(Directory::decode(&t).is_err(), "byte {i}");
         }
         assert!(Directory::decode(&vec![0u8; 4096]).is_err());
+        // Cut short anywhere before its end, it is refused, never read past.
+        for n in 0..get32(&b, at::LEN) as usize {
+            assert!(Directory::decode(&b[..n]).is_err(), "{n} bytes");
+        }
+    }
+
+    #[test]
+    fn version_1_directories_still_read() {
+        let mut d = dir();
+        d.version = 1;
+        d.identity = 0;
+        let b = d.encode();
+        assert_eq!(&b[104..106], &[2, b'b']);
+        assert_eq!(Directory::decode(&b).unwrap(), d);
+        // Areas that overlap in version 1's sizes are refused there.
+        d.entries[1].area = AREAS;
+        assert!(Directory::decode(&d.encode())
+            .unwrap_err()
+            .contains("share"));
+        let mut v3 = dir().encode();
+        v3[8] = 3;
+        assert!(Directory::decode(&v3).unwrap_err().contains("version 3"));
+    }
+
+    #[test]
+    fn areas_are_whole_pages_with_room_for_their_trailers() {
+        assert_eq!(PAGE_WORDS, 511);
+        assert_eq!(area_bytes(1, 1), PAGE);
+        assert_eq!(area_bytes(1, 32768), PAGE);
+        assert_eq!(area_bytes(1, 32769), 2 * PAGE);
+        assert_eq!(area_bytes(2, 1), PAGE);
+        assert_eq!(area_bytes(2, PAGE_BITS), PAGE);
+        assert_eq!(area_bytes(2, PAGE_BITS + 1), 2 * PAGE);
+        // 8 TiB of 4 KiB granules fit.
+        assert_eq!(area_bytes(2, BITS_MAX), BITS_MAX.div_ceil(PAGE_BITS) * PAGE);
+        let mut d = dir();
+        d.entries[0].bits = BITS_MAX + 1;
+        assert!(Directory::decode(&d.encode()).is_err());
+        let mut d = dir();
+        d.entries[0].area = u64::MAX - PAGE + 1;
+        assert!(Directory::decode(&d.encode()).is_err());
+    }
+
+    fn sealed(identity: u64, area: u64, index: u64) -> Vec<u8> {
+        let mut p = vec![0u8; PAGE as usize];
+        for (i, b) in p[..4088].iter_mut().enumerate() {
+            *b = (i * 7 % 251) as u8;
+        }
+        seal_page(&mut p, identity, area, index);
+        p
+    }
+
+    #[test]
+    fn a_page_verifies_only_whole_and_in_its_place() {
+        let p = sealed(9, AREAS, 3);
+        assert_eq!(check_page(&p, 9, AREAS, 3), Ok(()));
+        // An empty page verifies once sealed; zeroed, it never does.
+        let mut empty = vec![0u8; PAGE as usize];
+        seal_page(&mut empty, 9, AREAS, 0);
+        assert_eq!(check_page(&empty, 9, AREAS, 0), Ok(()));
+        for (id, area, index) in [(0, 0, 0), (9, AREAS, 0), (u64::MAX, 1 << 40, 77)] {
+            assert_eq!(
+                check_page(&vec![0u8; PAGE as usize], id, area, index),
+                Err("zeroed".into())
+            );
+        }
+        // Every byte counts.
+        for i in (0..PAGE as usize)
+            .step_by(97)
+            .chain([4087, 4088, 4091, 4092, 4095])
+        {
+            let mut t = p.clone();
+            t[i] ^= 0x01;
+            assert!(check_page(&t, 9, AREAS, 3).is_err(), "byte {i}");
+        }
+        // Another store's page, another area's, another index's.
+        assert!(check_page(&p, 8, AREAS, 3).is_err());
+        assert!(check_page(&p, 9, AREAS + PAGE, 3).is_err());
+        assert!(check_page(&p, 9, AREAS, 2).is_err());
+        // Torn: the first sectors new, the rest as before.
+        let older = {
+            let mut o = p.clone();
+            o[100] ^= 0xff;
+            o[3000] ^= 0xff;
+            seal_page(&mut o, 9, AREAS, 3);
+            o
+        };
+        for cut in (512..PAGE as usize).step_by(512) {
+            let mut t = p.clone();
+            t[cut..].copy_from_slice(&older[cut..]);
+            assert!(check_page(&t, 9, AREAS, 3).is_err(), "torn at {cut}");
+        }
+        assert!(check_page(&p[..4095], 9, AREAS, 3).is_err());
     }
 
     #[test]

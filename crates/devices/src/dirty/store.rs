@@ -10,6 +10,10 @@
 //!
 //! A mark that cannot be written makes the bitmap inconsistent (in the directory, before
 //! the write goes on); when not even that can be written, the write fails.
+//!
+//! Every directory goes to both copies in turn ([`Store::commit`]); every page of bits is
+//! written whole and sealed with its checksum. Opening a store, and what damage does
+//! there, is `open`.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -19,168 +23,58 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cairn_core::Error;
 
-use super::bitmap::{Bitmap, BitmapInfo, Reader, Words, PAGE_WORDS};
-use super::format::{self, Directory, Entry, INCONSISTENT, PAGE};
+use super::bitmap::{Bitmap, BitmapInfo, Reader, Words};
+use super::format::{self, Directory, Entry, INCONSISTENT, PAGE, PAGE_WORDS, SLOT, VERSION};
 
 /// The granularity of a checkpoint's first bitmap: 64 KiB per bit.
 pub const GRANULARITY: u64 = 64 << 10;
 
+/// Pages written at once when a whole area is written.
+const CHUNK_PAGES: usize = 256;
+
 pub(super) struct State {
-    /// The directory on disk (the newer copy).
+    /// The current directory on disk.
     pub(super) dir: Directory,
     /// Its bitmaps, in the same order.
     pub(super) bitmaps: Vec<Arc<Bitmap>>,
+    /// The copy the next directory write goes to first: one that may not hold the
+    /// current directory (damaged, behind, or torn by a failed write). `None`: both hold
+    /// it, and copy A goes first.
+    pub(super) stale: Option<usize>,
+    /// The highest sequence number written or tried: none names two directories.
+    pub(super) seq: u64,
+    /// A directory whose write failed, which may yet be on disk: new areas avoid its.
+    pub(super) tried: Option<Directory>,
 }
 
 /// The bitmaps of one device.
 pub struct Store {
     pub(super) path: PathBuf,
-    file: File,
-    device_bytes: u64,
+    pub(super) file: File,
+    pub(super) device_bytes: u64,
     /// Examine only: nothing is written.
     pub(super) dry: bool,
-    state: Mutex<State>,
+    /// The store's identity: every page of bits is sealed with it.
+    pub(super) identity: u64,
+    pub(super) state: Mutex<State>,
     /// Bumped whenever the enabled bitmaps change, so queues refresh their list.
     pub(super) generation: AtomicU64,
 }
 
-fn os(path: &Path, what: &str, e: std::io::Error) -> Error {
+pub(super) fn os(path: &Path, what: &str, e: std::io::Error) -> Error {
     Error::os(format!("bitmap store {}: {what}", path.display()), e)
 }
 
+/// "A" or "B".
+pub(super) fn copy_name(copy: usize) -> &'static str {
+    if copy == 0 {
+        "A"
+    } else {
+        "B"
+    }
+}
+
 impl Store {
-    /// Opens the store at `path` for device `device` of `device_bytes` (created empty
-    /// when the file is absent or empty). `dry`: read only, and an absent file is an
-    /// empty store.
-    pub fn open(path: &Path, device: &str, device_bytes: u64, dry: bool) -> Result<Store, Error> {
-        let invalid = |m: String| Error::Invalid(format!("bitmap store {}: {m}", path.display()));
-        let file = if dry {
-            match File::open(path) {
-                Ok(f) => Some(f),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-                Err(e) => return Err(os(path, "open", e)),
-            }
-        } else {
-            let f = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .open(path)
-                .map_err(|e| os(path, "open", e))?;
-            crate::file::lock_exclusive(&f, path)?;
-            Some(f)
-        };
-        let len = match &file {
-            Some(f) => f.metadata().map_err(|e| os(path, "stat", e))?.len(),
-            None => 0,
-        };
-        let fresh = Directory {
-            seq: 1,
-            device: format::device_tag(device).to_string(),
-            device_bytes,
-            entries: Vec::new(),
-        };
-        let (file, dir) = match file {
-            Some(f) if len > 0 => {
-                let dir = Self::read_directory(&f, len).map_err(invalid)?;
-                if dir.device != format::device_tag(device) {
-                    return Err(invalid(format!(
-                        "it holds the bitmaps of device '{}', not of '{device}'",
-                        dir.device
-                    )));
-                }
-                (f, dir)
-            }
-            Some(f) => {
-                if !dry {
-                    write_dir(&f, &fresh).map_err(|e| os(path, "write", e))?;
-                }
-                (f, fresh)
-            }
-            None => (
-                File::open("/dev/null").map_err(|e| os(path, "open /dev/null", e))?,
-                fresh,
-            ),
-        };
-        let mut bitmaps = Vec::with_capacity(dir.entries.len());
-        for e in &dir.entries {
-            let mut bytes = vec![0u8; e.bits.div_ceil(8) as usize];
-            if e.area + bytes.len() as u64 > len {
-                return Err(invalid(format!(
-                    "bitmap '{}': its bits are past the end",
-                    e.name
-                )));
-            }
-            file.read_exact_at(&mut bytes, e.area)
-                .map_err(|e| os(path, "read", e))?;
-            bitmaps.push(Arc::new(Bitmap::new(e, &bytes)));
-        }
-        let store = Store {
-            path: path.to_path_buf(),
-            file,
-            device_bytes,
-            dry,
-            state: Mutex::new(State { dir, bitmaps }),
-            generation: AtomicU64::new(1),
-        };
-        // A device grown past an enabled bitmap: the new bytes are not tracked.
-        let short: Vec<String> = store
-            .lock()
-            .bitmaps
-            .iter()
-            .filter(|b| b.enabled() && device_bytes > b.bits << b.shift)
-            .map(|b| b.name.clone())
-            .collect();
-        if !short.is_empty() {
-            log::warn!(
-                "cairn: bitmap store {}: device '{device}' is larger than bitmaps {} cover: they are marked inconsistent",
-                path.display(),
-                short.join(", ")
-            );
-            let mut st = store.lock();
-            store.flag_inconsistent(&mut st, &short)?;
-        }
-        Ok(store)
-    }
-
-    fn read_directory(f: &File, len: u64) -> Result<Directory, String> {
-        let mut best: Option<Directory> = None;
-        let mut why = Vec::new();
-        for slot in 0..2u64 {
-            let at = slot * format::SLOT;
-            if at >= len {
-                why.push(format!("copy {slot}: absent"));
-                continue;
-            }
-            let mut b = vec![0u8; (len - at).min(format::SLOT) as usize];
-            if let Err(e) = f.read_exact_at(&mut b, at) {
-                why.push(format!("copy {slot}: {e}"));
-                continue;
-            }
-            match Directory::decode(&b) {
-                Ok(d) if d.slot_offset() != at => {
-                    why.push(format!(
-                        "copy {slot}: sequence {} belongs in the other copy",
-                        d.seq
-                    ));
-                }
-                Ok(d) => {
-                    if best.as_ref().is_none_or(|b| d.seq > b.seq) {
-                        best = Some(d);
-                    }
-                }
-                Err(e) => why.push(format!("copy {slot}: {e}")),
-            }
-        }
-        best.ok_or_else(|| {
-            format!(
-                "no readable directory ({}); move the file away to start with no bitmaps",
-                why.join("; ")
-            )
-        })
-    }
-
     pub(super) fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -268,7 +162,7 @@ impl Store {
                 let mut pages: Vec<usize> = need.iter().map(|(w, _)| w / PAGE_WORDS).collect();
                 pages.dedup();
                 for p in pages {
-                    let image = b.page_image(p, need);
+                    let image = b.page_image(self.identity, p, need);
                     self.file.write_all_at(&image, b.area + p as u64 * PAGE)?;
                 }
             }
@@ -311,19 +205,86 @@ impl Store {
         self.commit(st)
     }
 
-    /// Writes the directory of what is in memory, as the next sequence number.
+    /// Writes the directory of what is in memory, as the next sequence number, to both
+    /// copies in turn, each synced: first the one that may not hold the current
+    /// directory, so that a write torn there leaves the other whole. Done once the first
+    /// is synced (a failure of the second is logged, and that copy goes first next time).
     pub(super) fn commit(&self, st: &mut State) -> Result<(), Error> {
         if self.dry {
             return Ok(());
         }
+        let Some(seq) = st.seq.checked_add(1) else {
+            return Err(Error::Invalid(format!(
+                "bitmap store {}: its sequence numbers are used up",
+                self.path.display()
+            )));
+        };
         let dir = Directory {
-            seq: st.dir.seq + 1,
+            version: VERSION,
+            seq,
+            identity: self.identity,
             device: st.dir.device.clone(),
             device_bytes: self.device_bytes,
             entries: st.bitmaps.iter().map(|b| b.entry()).collect(),
         };
-        write_dir(&self.file, &dir).map_err(|e| os(&self.path, "write the directory", e))?;
+        assert!(dir.seq > st.dir.seq, "sequence numbers only grow");
+        st.seq = dir.seq;
+        let image = dir.encode();
+        let first = st.stale.unwrap_or(0);
+        if let Err(e) = write_copy(&self.file, &image, first) {
+            st.stale = Some(first);
+            st.tried = Some(dir);
+            let what = format!("write directory copy {}", copy_name(first));
+            return Err(os(&self.path, &what, e));
+        }
         st.dir = dir;
+        st.tried = None;
+        let second = 1 - first;
+        match write_copy(&self.file, &image, second) {
+            Ok(()) => st.stale = None,
+            Err(e) => {
+                log::error!(
+                    "cairn: bitmap store {}: write directory copy {}: {e}; copy {} holds the directory alone until the next directory write",
+                    self.path.display(),
+                    copy_name(second),
+                    copy_name(first)
+                );
+                st.stale = Some(second);
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes every page of `b`'s area as it is in memory (not synced).
+    pub(super) fn write_pages(&self, b: &Bitmap) -> std::io::Result<()> {
+        self.write_area(b.area, b.pages(), |p| b.page_image(self.identity, p, &[]))
+    }
+
+    /// Writes `e`'s area as empty pages (not synced).
+    fn write_empty(&self, e: &Entry) -> std::io::Result<()> {
+        let pages = (e.area_bytes() / PAGE) as usize;
+        self.write_area(e.area, pages, |p| {
+            let mut page = vec![0u8; PAGE as usize];
+            format::seal_page(&mut page, self.identity, e.area, p as u64);
+            page
+        })
+    }
+
+    /// Writes `pages` pages at `area`, page `p` being `page(p)`, a chunk at a time.
+    fn write_area(
+        &self,
+        area: u64,
+        pages: usize,
+        page: impl Fn(usize) -> Vec<u8>,
+    ) -> std::io::Result<()> {
+        let mut buf = Vec::with_capacity(pages.min(CHUNK_PAGES) * PAGE as usize);
+        for first in (0..pages).step_by(CHUNK_PAGES) {
+            buf.clear();
+            for p in first..pages.min(first + CHUNK_PAGES) {
+                buf.extend_from_slice(&page(p));
+            }
+            self.file.write_all_at(&buf, area + first as u64 * PAGE)?;
+        }
         Ok(())
     }
 
@@ -357,7 +318,7 @@ impl Store {
             return Err(format!("a bitmap '{name}' exists"));
         }
         let e = self.new_entry(&st, name, granularity, 0)?;
-        st.bitmaps.push(Arc::new(Bitmap::new(&e, &[])));
+        st.bitmaps.push(Arc::new(Bitmap::new(&e)));
         if let Err(err) = self.commit(&mut st) {
             st.bitmaps.pop();
             return Err(err.to_string());
@@ -366,8 +327,8 @@ impl Store {
         Ok(())
     }
 
-    /// An entry for a new bitmap, its area zeroed (not synced: the directory's sync
-    /// covers it, and stale bits there could only add changes).
+    /// An entry for a new bitmap, its area written with empty pages and synced (before
+    /// any directory names it, so that none names pages that fail their check).
     pub(super) fn new_entry(
         &self,
         st: &State,
@@ -385,12 +346,12 @@ impl Store {
             ));
         }
         let bits = self.device_bytes.div_ceil(granularity).max(1);
-        if format::area_bytes(bits) > format::AREA_MAX {
+        if bits > format::BITS_MAX {
             return Err(format!(
                 "granularity {} needs {} of bits for this device; at most {} (pick a coarser one)",
                 cairn_core::size::format_bytes(granularity),
-                cairn_core::size::format_bytes(format::area_bytes(bits)),
-                cairn_core::size::format_bytes(format::AREA_MAX)
+                cairn_core::size::format_bytes(bits.div_ceil(8)),
+                cairn_core::size::format_bytes(format::BITS_MAX / 8)
             ));
         }
         if st.bitmaps.len() >= format::BITMAPS_MAX {
@@ -399,19 +360,15 @@ impl Store {
                 format::BITMAPS_MAX
             ));
         }
-        // Clear of every area the directory on disk names: should the next directory be
-        // torn, the one before it still finds its bits.
+        // Clear of every area the directory on disk names (and one whose write failed
+        // may): should the next directory be torn, the one before it still finds its bits.
         let used: Vec<(u64, u64)> = st
             .dir
             .entries
             .iter()
-            .chain(
-                st.bitmaps
-                    .iter()
-                    .map(|b| b.entry())
-                    .collect::<Vec<_>>()
-                    .iter(),
-            )
+            .chain(st.tried.iter().flat_map(|d| d.entries.iter()))
+            .cloned()
+            .chain(st.bitmaps.iter().map(|b| b.entry()))
             .map(|e| (e.area, e.area_bytes()))
             .collect();
         let e = Entry {
@@ -420,17 +377,11 @@ impl Store {
             shift: granularity.trailing_zeros(),
             bits,
             flags,
-            area: format::place(&used, format::area_bytes(bits)),
+            area: format::place(&used, format::area_bytes(VERSION, bits)),
         };
-        let zeros = vec![0u8; e.area_bytes().min(1 << 20) as usize];
-        let mut at = 0;
-        while at < e.area_bytes() {
-            let n = (e.area_bytes() - at).min(zeros.len() as u64) as usize;
-            self.file
-                .write_all_at(&zeros[..n], e.area + at)
-                .map_err(|err| err.to_string())?;
-            at += n as u64;
-        }
+        self.write_empty(&e)
+            .and_then(|()| self.file.sync_data())
+            .map_err(|err| err.to_string())?;
         Ok(e)
     }
 
@@ -472,9 +423,8 @@ impl Store {
         let mut st = self.lock();
         let b = self.find(&st, name)?.clone();
         Self::refuse_read(&b, "cleared")?;
-        let zeros = vec![0u8; b.words.len() * 8];
-        self.file
-            .write_all_at(&zeros, b.area)
+        // Empty pages on disk first: the bits in memory are never fewer than there.
+        self.write_empty(&b.entry())
             .and_then(|()| self.file.sync_data())
             .map_err(|e| e.to_string())?;
         for w in b.words.iter() {
@@ -526,7 +476,10 @@ impl Store {
         pages.dedup();
         for p in pages {
             self.file
-                .write_all_at(&t.page_image(p, &need), t.area + p as u64 * PAGE)
+                .write_all_at(
+                    &t.page_image(self.identity, p, &need),
+                    t.area + p as u64 * PAGE,
+                )
                 .map_err(|e| e.to_string())?;
         }
         self.file.sync_data().map_err(|e| e.to_string())?;
@@ -541,9 +494,9 @@ impl Store {
     }
 }
 
-/// Writes `dir` to its copy and syncs it.
-fn write_dir(f: &File, dir: &Directory) -> std::io::Result<()> {
-    f.write_all_at(&dir.encode(), dir.slot_offset())?;
+/// Writes a directory's `image` to copy `copy` (0: A, 1: B) and syncs it.
+fn write_copy(f: &File, image: &[u8], copy: usize) -> std::io::Result<()> {
+    f.write_all_at(image, copy as u64 * SLOT)?;
     f.sync_data()
 }
 
@@ -598,25 +551,248 @@ mod tests {
         assert_eq!(out.len(), 2);
     }
 
+    /// The dirty bytes `list()` shows for bitmap `name`.
+    fn listed(s: &Store, name: &str) -> (u64, bool) {
+        let b = s.list().into_iter().find(|b| b.name == name).unwrap();
+        (b.dirty_bytes, b.inconsistent)
+    }
+
     #[test]
-    fn a_torn_directory_leaves_the_one_before() {
+    fn one_damaged_directory_copy_leaves_the_same_state_and_is_rewritten() {
         let dir = tempfile::tempdir().unwrap();
-        let s = open(&dir, 16 * MB);
-        s.add("b0", 64 << 10).unwrap(); // seq 2
-        s.mark(0, 4096).unwrap();
-        s.add("b1", 64 << 10).unwrap(); // seq 3, copy B
-        drop(s);
         let path = dir.path().join("s");
-        let mut bytes = std::fs::read(&path).unwrap();
-        bytes[format::SLOT as usize + 30] ^= 0xff;
-        std::fs::write(&path, &bytes).unwrap();
         let s = open(&dir, 16 * MB);
-        assert_eq!(s.names(""), ["b0"]);
-        assert_eq!(dirty(&s, "", "b0", 65536), [(65536, true)]);
-        // And new bitmaps never take the area the surviving directory names.
+        s.add("b0", 64 << 10).unwrap();
+        s.mark(0, 4096).unwrap();
+        s.add("b1", 64 << 10).unwrap();
+        drop(s);
+        let good = std::fs::read(&path).unwrap();
+        for copy in [0, format::SLOT as usize] {
+            let mut bytes = good.clone();
+            bytes[copy + 30] ^= 0xff;
+            std::fs::write(&path, &bytes).unwrap();
+            let s = open(&dir, 16 * MB);
+            assert_eq!(s.names(""), ["b0", "b1"], "copy at {copy} damaged");
+            assert_eq!(dirty(&s, "", "b0", 65536), [(65536, true)]);
+            // Rewritten at the open: the other copy damaged now, the state holds.
+            drop(s);
+            let mut bytes = std::fs::read(&path).unwrap();
+            bytes[format::SLOT as usize - copy + 30] ^= 0xff;
+            std::fs::write(&path, &bytes).unwrap();
+            let s = open(&dir, 16 * MB);
+            assert_eq!(s.names(""), ["b0", "b1"], "then the other copy damaged");
+            drop(s);
+            std::fs::write(&path, &good).unwrap();
+        }
+        // New bitmaps never take an area a directory copy names.
+        let s = open(&dir, 16 * MB);
+        s.remove("b0").unwrap();
         s.add("b2", 64 << 10).unwrap();
-        assert_eq!(dirty(&s, "", "b0", 65536), [(65536, true)]);
         assert_eq!(dirty(&s, "", "b2", 65536), [(65536, false)]);
+    }
+
+    #[test]
+    fn an_empty_or_short_store_is_refused_and_left_as_it_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s");
+        let s = open(&dir, 16 * MB);
+        s.add("b0", 64 << 10).unwrap();
+        s.mark(0, 4096).unwrap();
+        drop(s);
+        let full = std::fs::read(&path).unwrap();
+        // Empty, or cut inside the first copy's directory (the second is further on).
+        for len in [0, 1, 100] {
+            std::fs::write(&path, &full[..len]).unwrap();
+            for dry in [true, false] {
+                let e = Store::open(&path, "vm", 16 * MB, dry)
+                    .err()
+                    .unwrap_or_else(|| panic!("{len} bytes opened"))
+                    .to_string();
+                assert!(e.contains("move it away"), "{e}");
+                assert_eq!(std::fs::read(&path).unwrap(), &full[..len]);
+            }
+        }
+        // An absent file is a new store, and its file is whole from the start.
+        std::fs::remove_file(&path).unwrap();
+        let s = open(&dir, 16 * MB);
+        assert!(s.names("").is_empty());
+        drop(s);
+        let bytes = std::fs::read(&path).unwrap();
+        assert!(format::Directory::decode(&bytes).is_ok());
+        assert!(format::Directory::decode(&bytes[format::SLOT as usize..]).is_ok());
+        // Made under a temporary name, which is gone.
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["s"]);
+    }
+
+    #[test]
+    fn a_zeroed_or_damaged_page_of_bits_makes_its_bitmap_inconsistent() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s");
+        let s = open(&dir, 64 * MB);
+        s.add("b1", 4096).unwrap();
+        s.add("b2", 64 << 10).unwrap();
+        for i in 0..300u64 {
+            s.mark((i * 7919 % 16384) * 4096, 4096).unwrap();
+        }
+        let (want, _) = listed(&s, "b1");
+        let (area, area_bytes) = {
+            let st = s.lock();
+            let e = &st.dir.entries[0];
+            (e.area as usize, e.area_bytes() as usize)
+        };
+        drop(s);
+        let good = std::fs::read(&path).unwrap();
+        // Zeroed whole, zeroed half, one byte flipped.
+        for (from, to, flip) in [
+            (area, area + area_bytes, false),
+            (area, area + area_bytes / 2, false),
+            (area + 100, area + 101, true),
+        ] {
+            let mut bytes = good.clone();
+            for b in &mut bytes[from..to] {
+                *b = if flip { *b ^ 0x10 } else { 0 };
+            }
+            std::fs::write(&path, &bytes).unwrap();
+            let s = open(&dir, 64 * MB);
+            let (got, inconsistent) = listed(&s, "b1");
+            assert!(inconsistent, "{from}..{to}: not flagged");
+            assert!(got >= want, "{from}..{to}: {got} < {want}");
+            assert!(!listed(&s, "b2").1, "b2 flagged too");
+            drop(s);
+            // Flagged on disk: it stays inconsistent.
+            let s = open(&dir, 64 * MB);
+            assert!(listed(&s, "b1").1);
+            drop(s);
+        }
+    }
+
+    /// A version 1 store as an older cairn left it: copy A holds sequence 2 with bitmap
+    /// b0 (64 KiB over 5 MiB: 80 bits, the last word partial) whose granules 1 and 65
+    /// are dirty, copy B sequence 1 with no bitmap; bits 8 to a byte, unchecked.
+    fn version_1_store(path: &Path) -> Vec<u8> {
+        let dir = |seq, entries| Directory {
+            version: 1,
+            seq,
+            identity: 0,
+            device: "vm".into(),
+            device_bytes: 5 * MB,
+            entries,
+        };
+        let e = Entry {
+            name: "b0".into(),
+            owner: String::new(),
+            shift: 16,
+            bits: 80,
+            flags: 0,
+            area: format::AREAS,
+        };
+        let mut bytes = vec![0u8; (format::AREAS + PAGE) as usize];
+        let a = dir(2, vec![e]).encode();
+        let b = dir(1, Vec::new()).encode();
+        bytes[..a.len()].copy_from_slice(&a);
+        bytes[SLOT as usize..SLOT as usize + b.len()].copy_from_slice(&b);
+        bytes[format::AREAS as usize] = 0b10;
+        bytes[format::AREAS as usize + 8] = 0b10;
+        std::fs::write(path, &bytes).unwrap();
+        bytes
+    }
+
+    #[test]
+    fn a_version_1_store_reads_back_and_is_upgraded_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s");
+        let old = version_1_store(&path);
+        let want = [
+            (65536, false),
+            (65536, true),
+            (63 * 65536, false),
+            (65536, true),
+            (14 * 65536, false),
+        ];
+        // Examined only: read as it is, nothing written.
+        let s = Store::open(&path, "vm", 5 * MB, true).unwrap();
+        assert_eq!(dirty(&s, "", "b0", 5 * MB), want);
+        drop(s);
+        assert_eq!(std::fs::read(&path).unwrap(), old);
+        // Opened for writing: both copies of version 2, the bits in a new area (the old
+        // one untouched), sealed.
+        let s = open(&dir, 5 * MB);
+        assert_eq!(dirty(&s, "", "b0", 5 * MB), want);
+        assert!(!listed(&s, "b0").1);
+        s.mark(0, 1).unwrap();
+        drop(s);
+        let bytes = std::fs::read(&path).unwrap();
+        let a = Directory::decode(&bytes[..SLOT as usize]).unwrap();
+        let b = Directory::decode(&bytes[SLOT as usize..]).unwrap();
+        assert_eq!((a.version, a.seq), (VERSION, 3));
+        assert_eq!(a, b);
+        let area = a.entries[0].area;
+        assert!(area >= format::AREAS + PAGE, "{area}");
+        assert_eq!(
+            bytes[format::AREAS as usize..(format::AREAS + PAGE) as usize],
+            old[format::AREAS as usize..]
+        );
+        let page = &bytes[area as usize..(area + PAGE) as usize];
+        assert_eq!(format::check_page(page, a.identity, area, 0), Ok(()));
+        let s = open(&dir, 5 * MB);
+        assert_eq!(dirty(&s, "", "b0", 65536 * 2), [(2 * 65536, true)]);
+        assert_eq!(listed(&s, "b0").0, 3 * 65536);
+    }
+
+    #[test]
+    fn a_version_1_store_missing_a_copy_flags_its_bitmaps() {
+        // Copy B unreadable: it may have held a newer directory than A's.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s");
+        let mut bytes = version_1_store(&path);
+        bytes[SLOT as usize + 30] ^= 1;
+        std::fs::write(&path, &bytes).unwrap();
+        let s = Store::open(&path, "vm", 5 * MB, true).unwrap();
+        assert!(listed(&s, "b0").1);
+        drop(s);
+        let s = open(&dir, 5 * MB);
+        assert_eq!(listed(&s, "b0"), (2 * 65536, true));
+        drop(s);
+        assert!(listed(&open(&dir, 5 * MB), "b0").1);
+    }
+
+    #[test]
+    fn a_device_not_a_whole_number_of_64_granules_keeps_its_last_bits() {
+        let dir = tempfile::tempdir().unwrap();
+        // 5 MiB: 80 granules of 64 KiB; 5 MiB + 8 KiB: 1282 of 4 KiB.
+        for (bytes, g) in [(5 * MB, 64 << 10), (5 * MB + 8192, 4096)] {
+            let path = dir.path().join("s");
+            let s = Store::open(&path, "vm", bytes, false).unwrap();
+            s.add("b0", g).unwrap();
+            s.mark(64 << 10, 1).unwrap();
+            s.mark(bytes - 1, 1).unwrap();
+            let want = dirty(&s, "", "b0", bytes);
+            assert_eq!(listed(&s, "b0").0, 2 * g);
+            drop(s);
+            let s = Store::open(&path, "vm", bytes, false).unwrap();
+            assert_eq!(dirty(&s, "", "b0", bytes), want, "{bytes} bytes");
+            assert_eq!(listed(&s, "b0").0, 2 * g);
+            drop(s);
+            std::fs::remove_file(&path).unwrap();
+        }
+        // Through a checkpoint: the bitmap attached to the snapshot keeps the last write.
+        let path = dir.path().join("s");
+        let s = Store::open(&path, "vm", 5 * MB, false).unwrap();
+        s.checkpoint_begin("c1", None).unwrap();
+        s.checkpoint_end("c1", true);
+        s.mark(5 * MB - 4096, 4096).unwrap();
+        s.checkpoint_begin("c2", None).unwrap();
+        s.checkpoint_end("c2", true);
+        drop(s);
+        let s = Store::open(&path, "vm", 5 * MB, false).unwrap();
+        assert_eq!(
+            dirty(&s, "c2", "c1", 5 * MB),
+            [(5 * MB - 65536, false), (65536, true)]
+        );
     }
 
     #[test]
