@@ -35,6 +35,19 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
+# The fuzz crates (crates/*/fuzz) are workspaces of their own, so the commands above and
+# below never build them: checked here on stable, so that they cannot fall behind the
+# code they fuzz (running them needs nightly and cargo-fuzz; see their READMEs).
+# libfuzzer-sys's build script compiles libFuzzer's C++ even for a check.
+echo "== fuzz crates (cargo fmt --check, cargo check)"
+if command -v c++ >/dev/null || command -v g++ >/dev/null || command -v clang++ >/dev/null; then
+    for f in crates/*/fuzz/Cargo.toml; do
+        cargo fmt --manifest-path "$f" -- --check
+        CARGO_TARGET_DIR=target/fuzz-check cargo check --quiet --manifest-path "$f"
+    done
+else
+    echo "SKIP fuzz crates: no C++ compiler (c++, g++ or clang++) for libfuzzer-sys's build script; they were not checked"
+fi
 echo "== cargo test"
 log=$(mktemp)
 skips=$(mktemp)

@@ -17,6 +17,8 @@ pub mod config;
 pub mod crypt;
 pub mod dirty;
 pub mod file;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod mem;
 pub mod null;
 pub mod rbd;

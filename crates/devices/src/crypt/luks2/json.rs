@@ -51,7 +51,7 @@ pub(super) fn refused<T>(msg: String) -> Parsed<T> {
 }
 
 /// What cairn takes from a header's JSON.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub(super) struct Meta {
     pub(super) segment: Segment,
     pub(super) key_bytes: usize,
@@ -63,7 +63,7 @@ pub(super) struct Meta {
 }
 
 /// One key slot.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub(super) struct Keyslot {
     pub(super) key_bytes: usize,
     pub(super) priority: u64,
@@ -78,7 +78,7 @@ pub(super) struct Keyslot {
 }
 
 /// How a key slot derives the key of its area.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub(super) enum SlotKdf {
     Pbkdf2 {
         hash: Hash,
@@ -95,7 +95,7 @@ pub(super) enum SlotKdf {
 }
 
 /// The volume key's digest.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub(super) struct Digest {
     pub(super) hash: Hash,
     pub(super) iterations: u32,

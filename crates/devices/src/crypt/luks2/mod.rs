@@ -16,6 +16,8 @@
 
 mod copies;
 mod fields;
+#[doc(hidden)]
+pub mod fuzz;
 mod json;
 
 use serde_json::{json, Map, Value};
@@ -63,7 +65,7 @@ const CIPHER: &str = "aes-xts-plain64";
 
 /// A LUKS2 header: the copy that won, its JSON as read (rewritten with only the changed
 /// keys, so fields cairn does not use survive), and what cairn parsed out of it.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Header {
     seqid: u64,
     header_bytes: u64,
