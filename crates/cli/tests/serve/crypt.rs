@@ -568,3 +568,94 @@ print("deciphered")
         "deciphered",
     );
 }
+
+/// `cairn check FILE`: its output and exit status.
+fn check(stack: &Path) -> (Option<i32>, String) {
+    let out = run(Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .arg("check")
+        .arg(stack));
+    (
+        out.status.code(),
+        format!("{}{}", text(&out.stdout), text(&out.stderr)),
+    )
+}
+
+/// A LUKS2 volume cryptsetup made, under a stack file with `create = true` kept (as the
+/// README shows it): with its first 4 KiB zeroed, `cairn check` and `serve` open it from
+/// its secondary header copy (no "to be formatted") and serve the data cryptsetup
+/// encrypted; with both header copies zeroed (the key slots and data left), both refuse
+/// with one line and the file is unchanged.
+#[test]
+fn create_never_formats_a_cryptsetup_volume_whose_header_was_wiped() {
+    const NAME: &str = "crypt::create_never_formats_a_cryptsetup_volume_whose_header_was_wiped";
+    let Some([cryptsetup, nbdcopy]) = tools(NAME, ["cryptsetup", "nbdcopy"]) else {
+        return;
+    };
+    let dir = tmpdir();
+    let d = dir.path();
+    let (img, pass) = (d.join("c.img"), d.join("pass"));
+    std::fs::write(&pass, b"wiped").unwrap();
+    // 24 MiB of a pattern encrypted in place behind an 8 MiB header: the first 8 MiB of
+    // the pattern are the start of the volume.
+    let pattern: Vec<u8> = (0..24u32 << 20).map(|i| (i / 4093 + i) as u8).collect();
+    std::fs::write(&img, &pattern).unwrap();
+    success(
+        "cryptsetup reencrypt --encrypt",
+        &run(Command::new(&cryptsetup)
+            .args(["reencrypt", "--encrypt", "--type", "luks2", "--batch-mode"])
+            .args(["--reduce-device-size", "16M", "--force-offline-reencrypt"])
+            .args(["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"])
+            .args(["--sector-size", "4096", "--key-file"])
+            .arg(&pass)
+            .arg(&img)),
+    );
+    let wipe = |len: usize| {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+        f.write_all_at(&vec![0u8; len], 0).unwrap();
+    };
+    wipe(4096);
+    let stack = crypt_stack(d, &img, &pass, "create = true\n");
+    let (code, said) = check(&stack);
+    assert_eq!(code, Some(0), "{said}");
+    assert!(
+        said.contains("luks2") && said.contains("UUID") && !said.contains("formatted"),
+        "{said}"
+    );
+    let srv = Server::start_in(tmpdir(), &[path_str(&stack)]);
+    let got = d.join("got.raw");
+    success(
+        "nbdcopy",
+        &run(Command::new(&nbdcopy).args([&srv.uri(), path_str(&got)])),
+    );
+    drop(srv);
+    let got = std::fs::read(&got).unwrap();
+    assert!(
+        got[..8 << 20] == pattern[..8 << 20],
+        "cairn reads other data than cryptsetup encrypted"
+    );
+    // Both copies zeroed: nothing opens it, and create must not format over its key
+    // slots and data.
+    wipe(32 << 10);
+    let before = std::fs::read(&img).unwrap();
+    let (code, said) = check(&stack);
+    assert_eq!(code, Some(2), "{said}");
+    assert!(
+        said.contains("holds no LUKS header but is not blank"),
+        "{said}"
+    );
+    let out = run(Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .args(["serve", "--listen"])
+        .arg(format!("unix:{}", d.join("x.sock").display()))
+        .arg(&stack));
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("holds no LUKS header but is not blank") && !err.contains("formatted"),
+        "{err}"
+    );
+    assert!(
+        std::fs::read(&img).unwrap() == before,
+        "the refused start wrote"
+    );
+}

@@ -2,7 +2,9 @@
 //!
 //! Opening reads the base's LUKS header (either version) and opens a key slot with the
 //! passphrase, or checks a raw volume key against the header's digest; `create = true`
-//! formats a blank base first. Requests then run on the reactor that submits them: a
+//! formats a blank base first (zeros over the whole header and key slot area and the
+//! start of the data: a volume with a wiped header is opened from its secondary copy or
+//! refused, never formatted over). Requests then run on the reactor that submits them: a
 //! read goes to the base into the caller's buffer and is decrypted there when it
 //! completes; a write is encrypted into a bounce buffer of the queue's own (the caller's
 //! buffer is never changed) and sent from it. Write-zeroes and discard write encrypted
@@ -17,7 +19,7 @@ use cairn_core::blocking::BlockingQueue;
 use cairn_core::{Core, Device, Error, Geometry, IoFlags, Queue, Switches};
 
 use super::queue::CryptQueue;
-use super::volume::{probe, Format, Luks, Probe, PROBE_BYTES};
+use super::volume::{probe, Format, Luks, Probe, BLANK_BYTES};
 use super::xts::{Xts, KEY_BYTES};
 use super::{Kdf, Secret, Segment, SlotInfo};
 
@@ -31,7 +33,7 @@ pub struct CryptOptions {
     pub passphrase_file: Option<PathBuf>,
     /// A file holding the raw volume key (32 or 64 bytes).
     pub key_file: Option<PathBuf>,
-    /// Format a blank base (all zeros where the header goes).
+    /// Format a blank base (zeros over the first [`BLANK_BYTES`]).
     pub create: bool,
     /// The version to make with `create`; when opening, the version expected.
     pub format: Option<Format>,
@@ -217,11 +219,11 @@ impl CryptDevice {
     ) -> Result<CryptDevice, String> {
         let secrets = Secrets::read(opts)?;
         let io = HeaderIo::open(&base)?;
-        let mut first = vec![0u8; PROBE_BYTES];
-        io.read(0, &mut first)?;
         let base_name = base.name().to_string();
+        let size = base.geometry().size_bytes;
+        let found = probe(&mut |at, b| io.read(at, b), size, opts.create)?;
         let mut stand_in = false;
-        let (luks, key, slot) = match probe(&first) {
+        let (luks, key, slot) = match found {
             Probe::Luks(found) => secrets.open(found, opts, &io, &base_name, write)?,
             Probe::Blank if opts.create => {
                 let (luks, key) = secrets.format(name, &base, opts, &io, write)?;
@@ -233,6 +235,7 @@ impl CryptDevice {
                     "base '{base_name}' holds no LUKS header (create = true formats a blank one)"
                 ))
             }
+            Probe::NotBlank(at) => return Err(not_blank(&base_name, at)),
             Probe::Other => {
                 return Err(format!(
                     "base '{base_name}' holds something that is not a LUKS header{}",
@@ -458,6 +461,19 @@ impl Secrets {
         );
         Ok((luks, key))
     }
+}
+
+/// Why `create` leaves a base alone whose first 4 KiB are zeros but that holds something
+/// at `at`: a LUKS volume whose header was wiped keeps its key slots and data there, and
+/// formatting would destroy them for good.
+fn not_blank(base_name: &str, at: u64) -> String {
+    format!(
+        "base '{base_name}' holds no LUKS header but is not blank: byte {at} is not zero \
+         (the key slots or data of a volume whose header was wiped, say); create formats \
+         only a base whose first {} are zeros, and writes nothing here: to destroy what \
+         it holds, zero them first",
+        cairn_core::size::format_bytes(BLANK_BYTES)
+    )
 }
 
 /// The bytes of data a device over `base` with `segment` holds, and its block size.
