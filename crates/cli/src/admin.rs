@@ -112,7 +112,8 @@ pub const COMMANDS: &[(&str, &str, &str)] = &[
         "throttle ACTION ...",
         "throttle devices: list [--json] (limits, requests let through and delayed, \
          waiting now, rates since the last look), set DEVICE KEY=VALUE... (a live change of \
-         its limits, its group's for a group; 0 takes a limit away)",
+         its limits, its group's for a group, that the requests waiting follow too; 0 \
+         takes a limit away, the last one too)",
     ),
     (
         "crypt",
