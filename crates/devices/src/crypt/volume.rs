@@ -1,7 +1,7 @@
 //! A LUKS header of either version, behind one interface: what the crypt device opens,
 //! makes and changes.
 
-use super::{luks1, luks2, Kdf, ReadAt, Secret, Segment, SlotInfo, WriteAt};
+use super::{luks1, luks2, Kdf, ReadAt, Secret, Segment, SlotInfo, SlotKey, WriteAt};
 
 /// Which LUKS version.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -223,6 +223,29 @@ impl Luks {
         match self {
             Luks::V1(h) => h.add_slot(write, key, passphrase, kdf),
             Luks::V2(h) => h.add_slot(write, key, passphrase, kdf),
+        }
+    }
+
+    /// The key derivation a new slot asking for `kdf` gets (LUKS1: PBKDF2 with the
+    /// header's hash), checked, once a slot is free.
+    pub fn slot_kdf(&self, kdf: Kdf) -> Result<Kdf, String> {
+        match self {
+            Luks::V1(h) => h.slot_kdf(kdf),
+            Luks::V2(h) => h.slot_kdf(kdf),
+        }
+    }
+
+    /// Adds a slot holding `key`, its material ciphered with `slot_key` (derived with
+    /// what [`Luks::slot_kdf`] said).
+    pub fn add_derived_slot(
+        &mut self,
+        write: &mut WriteAt<'_>,
+        key: &Secret,
+        slot_key: &SlotKey,
+    ) -> Result<usize, String> {
+        match self {
+            Luks::V1(h) => h.add_derived_slot(write, key, slot_key),
+            Luks::V2(h) => h.add_derived_slot(write, key, slot_key),
         }
     }
 
