@@ -1,12 +1,13 @@
 //! The admin socket of `cairn serve --admin PATH`, and `cairn admin PATH COMMAND`.
 //!
 //! A Unix socket, readable and writable by its owner only. Each connection carries one
-//! command line (at most 1 KiB) and gets one reply, then is closed. The commands are in
-//! [`COMMANDS`], the one list that help texts and dispatch share.
+//! command line (at most 1 KiB) and gets one reply, then is closed; each command runs on
+//! a thread of its own, so none waits for another ([`crate::admin_threads`]). The
+//! commands are in [`COMMANDS`], the one list that help texts and dispatch share.
 //!
 //! A reply starts with `ok` or with `error:`.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,10 +17,12 @@ use std::time::Duration;
 use cairn_core::socket::SocketFile;
 use cairn_core::Device;
 
+use crate::admin_threads::{self, Ticket, Workers, CLIENT_TIMEOUT};
 use crate::view::{self, all_devices, View};
 
-/// Longest command line read.
-const MAX_LINE: u64 = 1024;
+/// How long `cairn admin` waits for a reply: a new key slot's derivation may take up to
+/// a minute by design ([`cairn_devices::crypt::kdf::NEW_SLOT_SECONDS_MAX`]).
+const REPLY_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Every command the admin socket answers: its name, its usage and what it does. The
 /// one list: `cairn admin help`, `cairn admin --help`, the server's `help` reply and its
@@ -112,7 +115,8 @@ pub const COMMANDS: &[(&str, &str, &str)] = &[
         "throttle ACTION ...",
         "throttle devices: list [--json] (limits, requests let through and delayed, \
          waiting now, rates since the last look), set DEVICE KEY=VALUE... (a live change of \
-         its limits, its group's for a group; 0 takes a limit away)",
+         its limits, its group's for a group, that the requests waiting follow too; 0 \
+         takes a limit away, the last one too)",
     ),
     (
         "crypt",
@@ -175,10 +179,13 @@ impl Bound {
     }
 }
 
-/// The listening admin socket. Dropping it stops its thread and removes the file.
+/// The listening admin socket. Dropping it stops its threads and removes the file.
 ///
-/// The thread holds the devices weakly: when serving ends, they close (and caches write
-/// back) as if there were no admin socket.
+/// The threads hold the devices weakly: when serving ends, they close (and caches write
+/// back) as if there were no admin socket. A command holds devices only while it runs
+/// and not during slow work that needs none (a key slot's derivation), and the drop
+/// waits only for the commands holding devices: the devices close here, never on a
+/// command's thread after the process has gone on to exit.
 pub struct Admin {
     /// The listening socket, shared with the thread: shut down to wake its accept, and
     /// closed after the thread has ended (fields drop after `drop`, in this order).
@@ -186,6 +193,7 @@ pub struct Admin {
     /// Removed after the thread has ended, and the socket closed.
     _file: SocketFile,
     stop: Arc<AtomicBool>,
+    workers: Arc<Workers>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -198,6 +206,7 @@ impl Drop for Admin {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+        self.workers.stop();
         // The socket file goes with `_file`, after this.
     }
 }
@@ -217,14 +226,16 @@ pub fn bind(path: &Path) -> Result<Bound, String> {
     Ok(Bound { listener, file })
 }
 
-/// Answers commands about the devices of `view` on the socket `bound`, on a thread of
-/// its own.
+/// Answers commands about the devices of `view` on the socket `bound`: a thread accepts,
+/// each command runs on a thread of its own.
 pub fn start(bound: Bound, view: Arc<View>) -> Result<Admin, String> {
     let Bound { listener, file } = bound;
     let listener = Arc::new(listener);
     let l = listener.clone();
     let stop = Arc::new(AtomicBool::new(false));
     let s = stop.clone();
+    let workers = Arc::new(Workers::default());
+    let w = workers.clone();
     let thread = std::thread::Builder::new()
         .name("cairn-admin".into())
         .spawn(move || {
@@ -233,19 +244,14 @@ pub fn start(bound: Bound, view: Arc<View>) -> Result<Admin, String> {
                 if s.load(Ordering::SeqCst) {
                     return;
                 }
-                let conn = match conn {
-                    Ok(c) => c,
+                match conn {
+                    Ok(conn) => accepted(conn, &view, &w),
                     Err(e) => {
                         // Out of descriptors, say: not a reason to spin.
                         log::warn!("cairn: admin: accept: {e}");
                         std::thread::sleep(Duration::from_millis(100));
-                        continue;
                     }
-                };
-                // One command at a time: a slow client is cut off, not waited for.
-                let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
-                let _ = conn.set_write_timeout(Some(Duration::from_secs(5)));
-                serve_one(conn, &view);
+                }
             }
         })
         .map_err(|e| format!("--admin: cannot start its thread: {e}"))?;
@@ -253,24 +259,40 @@ pub fn start(bound: Bound, view: Arc<View>) -> Result<Admin, String> {
         listener,
         _file: file,
         stop,
+        workers,
         thread: Some(thread),
     })
 }
 
-fn serve_one(mut conn: UnixStream, view: &View) {
-    let mut line = String::new();
-    let read = BufReader::new((&conn).take(MAX_LINE)).read_line(&mut line);
-    let reply = match read {
-        Ok(_) if !line.ends_with('\n') && line.len() as u64 >= MAX_LINE => {
-            "error: command longer than 1 KiB\n".to_string()
-        }
-        Ok(_) => match std::str::from_utf8(line.as_bytes()) {
-            Ok(text) => command(text.trim(), view),
-            Err(_) => "error: not UTF-8\n".into(),
-        },
+/// Runs the command of `conn` on a thread of its own, or refuses it (too many at once).
+fn accepted(conn: UnixStream, view: &Arc<View>, workers: &Arc<Workers>) {
+    // A slow client is cut off, not waited for.
+    let _ = conn.set_read_timeout(Some(CLIENT_TIMEOUT));
+    let _ = conn.set_write_timeout(Some(CLIENT_TIMEOUT));
+    // Admitted here, on the accepting thread: the count never runs past the most.
+    let ticket = match workers.admit() {
+        Ok(t) => t,
+        Err(why) => return admin_threads::refuse(conn, &why),
+    };
+    let view = view.clone();
+    let spawned = std::thread::Builder::new()
+        .name("cairn-admin-cmd".into())
+        .spawn(move || {
+            cairn_core::reactor::block_signals_in_this_thread();
+            serve_one(conn, &view, &ticket);
+        });
+    // A thread that did not start drops its closure: the command's place is given back.
+    if let Err(e) = spawned {
+        log::warn!("cairn: admin: cannot start a thread for a command: {e}");
+    }
+}
+
+fn serve_one(conn: UnixStream, view: &View, ticket: &Ticket) {
+    let reply = match admin_threads::read_command(&conn) {
+        Ok(line) => command(line.trim(), view, ticket),
         Err(e) => format!("error: {e}\n"),
     };
-    let _ = conn.write_all(reply.as_bytes());
+    admin_threads::reply(conn, &reply);
 }
 
 /// One device's line of the tree: size, what it is, and its health.
@@ -625,131 +647,128 @@ fn array_json(name: &str, r: &cairn_core::ArrayReport) -> serde_json::Value {
     })
 }
 
-/// Runs one command line; the reply.
-fn command(line: &str, view: &View) -> String {
-    let roots = &view.roots();
+/// Runs one command line; the reply. Every command refuses words it does not take.
+fn command(line: &str, view: &View, ticket: &Ticket) -> String {
     let mut words = line.split_whitespace();
-    match words.next() {
-        Some("help") | None => format!("ok: commands:\n{}", help_text()),
-        Some("devices") => {
-            let mut out = String::from("ok\n");
-            for (depth, d) in all_devices(roots) {
-                out += &format!("{}{}\n", "  ".repeat(depth), d.name());
-            }
-            out
-        }
-        Some("status") => match words.next() {
-            None => status_text(view),
-            Some("--json") => status_json(view),
-            Some(other) => format!("error: status takes --json or nothing, not '{other}'\n"),
+    let Some(name) = words.next() else {
+        return format!("ok: commands:\n{}", help_text());
+    };
+    let args: Vec<&str> = words.collect();
+    // Before the devices are taken: a crypt command lets go of them for a key slot's
+    // derivation.
+    if name == "crypt" {
+        return crate::crypt::command(&args, view, ticket);
+    }
+    let roots = &view.roots();
+    match name {
+        "help" => match args[..] {
+            [] => format!("ok: commands:\n{}", help_text()),
+            _ => "error: usage: help (it takes no words)\n".into(),
         },
-        Some("stats") => match words.next() {
-            None => format!("ok\n{}", view::stats_text(view)),
-            Some("--json") => format!("ok\n{}\n", view::stats_json(view)),
-            Some(other) => format!("error: stats takes --json or nothing, not '{other}'\n"),
+        "devices" => match args[..] {
+            [] => {
+                let mut out = String::from("ok\n");
+                for (depth, d) in all_devices(roots) {
+                    out += &format!("{}{}\n", "  ".repeat(depth), d.name());
+                }
+                out
+            }
+            _ => "error: usage: devices (it takes no words)\n".into(),
         },
-        Some(action @ ("fail" | "remove" | "re-add" | "add" | "replace")) => {
-            let args: Vec<&str> = words.collect();
-            let want = if action == "replace" { 3 } else { 2 };
-            if args.len() != want {
-                return format!(
-                    "error: usage: {}\n",
-                    match action {
-                        "add" => "add ARRAY SPEC",
-                        "replace" => "replace ARRAY OLD SPEC",
-                        _ => "fail|remove|re-add ARRAY MEMBER",
-                    }
-                );
-            }
-            let array = args[0];
-            let all = all_devices(roots);
-            let Some((_, d)) = all.iter().find(|(_, d)| d.name() == array) else {
-                return format!(
-                    "error: no device '{array}' is served (see the 'devices' command)\n"
-                );
-            };
-            match d.array_action(action, &args[1..]) {
-                Ok(done) => {
-                    let mut out = format!("ok: {done}\n");
-                    for line in view.sync_stack_file() {
-                        out += &line;
-                        out.push('\n');
-                    }
-                    if action == "replace" {
-                        out += &match view.stack_file() {
-                            Some(k) => format!(
-                                "when the replace ends, stack file {} is updated (or status says what no longer matches)\n",
-                                k.path().display()
-                            ),
-                            None => "when the replace ends, list the new member in the stack file in place of the old one\n".into(),
-                        };
-                    }
-                    out
-                }
-                Err(why) => format!("error: {why}\n"),
-            }
-        }
-        Some("thin") => {
-            let args: Vec<&str> = words.collect();
-            thin_command(&args, roots)
-        }
-        Some("bitmap") => {
-            let args: Vec<&str> = words.collect();
-            crate::bitmaps::command(&args, roots)
-        }
-        Some("throttle") => {
-            let args: Vec<&str> = words.collect();
-            crate::throttle::command(&args, roots)
-        }
-        Some("crypt") => {
-            let args: Vec<&str> = words.collect();
-            crate::crypt::command(&args, roots)
-        }
-        Some("checkpoint") => {
-            let args: Vec<&str> = words.collect();
-            crate::backup::checkpoint_command(&args, roots)
-        }
-        Some("export") => {
-            let args: Vec<&str> = words.collect();
-            crate::backup::export_command(&args, view)
-        }
-        Some("power-cut") => {
-            let names: Vec<&str> = words.collect();
-            let all = all_devices(roots);
-            let chosen: Vec<Arc<dyn Device>> = if names.is_empty() {
-                roots.to_vec()
-            } else {
-                let mut v = Vec::new();
-                for n in &names {
-                    match all.iter().find(|(_, d)| d.name() == *n) {
-                        Some((_, d)) => v.push(d.clone()),
-                        None => {
-                            // Nothing is cut unless every name is known.
-                            return format!(
-                                "error: no device '{n}' is served (see the 'devices' command)\n"
-                            );
-                        }
-                    }
-                }
-                v
-            };
-            let mut done: Vec<String> = Vec::new();
-            for d in chosen {
-                if !done.iter().any(|n| n == d.name()) {
-                    log::info!("cairn: admin: power cut of {}", d.name());
-                    d.power_cut();
-                    done.push(d.name().to_string());
-                }
-            }
-            format!("ok: power cut: {}\n", done.join(", "))
-        }
-        Some(other) => {
+        "status" => match args[..] {
+            [] => status_text(view),
+            ["--json"] => status_json(view),
+            _ => "error: usage: status [--json]\n".into(),
+        },
+        "stats" => match args[..] {
+            [] => format!("ok\n{}", view::stats_text(view)),
+            ["--json"] => format!("ok\n{}\n", view::stats_json(view)),
+            _ => "error: usage: stats [--json]\n".into(),
+        },
+        "fail" | "remove" | "re-add" | "add" | "replace" => array_command(name, &args, view, roots),
+        "thin" => thin_command(&args, roots),
+        "bitmap" => crate::bitmaps::command(&args, roots),
+        "throttle" => crate::throttle::command(&args, roots),
+        "checkpoint" => crate::backup::checkpoint_command(&args, roots),
+        "export" => crate::backup::export_command(&args, view),
+        "power-cut" => power_cut(&args, roots),
+        other => {
             format!(
                 "error: unknown command '{other}' (known: {})\n",
                 command_names()
             )
         }
     }
+}
+
+/// `fail|remove|re-add ARRAY MEMBER`, `add ARRAY SPEC`, `replace ARRAY OLD SPEC`.
+fn array_command(action: &str, args: &[&str], view: &View, roots: &[Arc<dyn Device>]) -> String {
+    let want = if action == "replace" { 3 } else { 2 };
+    if args.len() != want {
+        return format!(
+            "error: usage: {}\n",
+            match action {
+                "add" => "add ARRAY SPEC",
+                "replace" => "replace ARRAY OLD SPEC",
+                _ => "fail|remove|re-add ARRAY MEMBER",
+            }
+        );
+    }
+    let array = args[0];
+    let all = all_devices(roots);
+    let Some((_, d)) = all.iter().find(|(_, d)| d.name() == array) else {
+        return format!("error: no device '{array}' is served (see the 'devices' command)\n");
+    };
+    match d.array_action(action, &args[1..]) {
+        Ok(done) => {
+            let mut out = format!("ok: {done}\n");
+            for line in view.sync_stack_file() {
+                out += &line;
+                out.push('\n');
+            }
+            if action == "replace" {
+                out += &match view.stack_file() {
+                    Some(k) => format!(
+                        "when the replace ends, stack file {} is updated (or status says what no longer matches)\n",
+                        k.path().display()
+                    ),
+                    None => "when the replace ends, list the new member in the stack file in place of the old one\n".into(),
+                };
+            }
+            out
+        }
+        Err(why) => format!("error: {why}\n"),
+    }
+}
+
+/// `power-cut [DEVICE...]`: nothing is cut unless every name is known.
+fn power_cut(names: &[&str], roots: &[Arc<dyn Device>]) -> String {
+    let all = all_devices(roots);
+    let chosen: Vec<Arc<dyn Device>> = if names.is_empty() {
+        roots.to_vec()
+    } else {
+        let mut v = Vec::new();
+        for n in names {
+            match all.iter().find(|(_, d)| d.name() == *n) {
+                Some((_, d)) => v.push(d.clone()),
+                None => {
+                    return format!(
+                        "error: no device '{n}' is served (see the 'devices' command)\n"
+                    );
+                }
+            }
+        }
+        v
+    };
+    let mut done: Vec<String> = Vec::new();
+    for d in chosen {
+        if !done.iter().any(|n| n == d.name()) {
+            log::info!("cairn: admin: power cut of {}", d.name());
+            d.power_cut();
+            done.push(d.name().to_string());
+        }
+    }
+    format!("ok: power cut: {}\n", done.join(", "))
 }
 
 /// `cairn admin PATH COMMAND...`: sends the command and prints the reply; an error reply
@@ -762,12 +781,20 @@ pub fn client(path: &Path, words: &[String]) -> Result<(), String> {
 /// Sends one command line; the reply's body (after `ok`), or the error it gives.
 pub fn request(path: &Path, line: &str) -> Result<String, String> {
     let mut conn = UnixStream::connect(path).map_err(|e| connect_error(path, &e))?;
-    let _ = conn.set_read_timeout(Some(Duration::from_secs(60)));
+    let _ = conn.set_read_timeout(Some(REPLY_TIMEOUT));
     conn.write_all(format!("{line}\n").as_bytes())
         .map_err(|e| format!("admin {}: {e}", path.display()))?;
+    // The end of the command, for a server that reads on to find it (a line too long).
+    let _ = conn.shutdown(std::net::Shutdown::Write);
     let mut reply = String::new();
     conn.read_to_string(&mut reply)
         .map_err(|e| format!("admin {}: {e}", path.display()))?;
+    if reply.is_empty() {
+        return Err(format!(
+            "admin {}: the server closed the connection without a reply (did it stop?)",
+            path.display()
+        ));
+    }
     if let Some(err) = reply.strip_prefix("error: ") {
         return Err(err.trim_end().to_string());
     }
@@ -816,6 +843,8 @@ mod tests {
     #[test]
     fn every_listed_command_is_dispatched() {
         let view = view();
+        let ticket = Ticket::detached();
+        let command = |line: &str, view: &View| command(line, view, &ticket);
         for (name, _, _) in COMMANDS {
             let reply = command(name, &view);
             assert!(
@@ -831,6 +860,27 @@ mod tests {
         let help = command("help", &view);
         for (_, usage, _) in COMMANDS {
             assert!(help.contains(usage), "{usage} missing from: {help}");
+        }
+    }
+
+    /// Words a command does not take are refused, never ignored.
+    #[test]
+    fn extra_words_are_refused() {
+        let view = view();
+        let ticket = Ticket::detached();
+        for line in [
+            "devices extra words",
+            "help me",
+            "status --json x",
+            "status x",
+            "stats --json --json",
+            "fail a",
+            "crypt list extra",
+            "throttle list --json x",
+        ] {
+            let reply = command(line, &view, &ticket);
+            assert!(reply.starts_with("error: usage:"), "{line}: {reply}");
+            assert_eq!(reply.lines().count(), 1, "{line}: {reply}");
         }
     }
 

@@ -144,6 +144,13 @@ fn add_volume(
     (table, max_payload): (&cairn_nbd::ExportTable, u32),
 ) -> Result<String, String> {
     cairn_devices::config::check_export_name(name).map_err(|e| e.to_string())?;
+    // Named as the thin volumes the admin makes are (and usually after one): one word,
+    // no '/'.
+    if name.contains('/') {
+        return Err(format!(
+            "export name '{name}' has a '/' (an export added here is named as a thin volume is: no '/', spaces or control characters)"
+        ));
+    }
     let pools = crate::admin::pools(roots);
     let Some(p) = pools.iter().find(|p| p.name() == pool) else {
         return Err(format!("no thin pool '{pool}' is served"));

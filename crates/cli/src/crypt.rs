@@ -1,14 +1,22 @@
 //! `cairn admin SOCKET crypt ...`: each crypt device's LUKS header and key slots, and
 //! adding and removing key slots online (key rotation: add the new passphrase, then
-//! remove the old slot). Passphrases come from files the server reads; no key or
-//! passphrase is ever printed or logged.
+//! remove the old slot). Passphrases come from files the server reads (regular files
+//! only, of at most cryptsetup's 8 MiB); no key or passphrase is ever printed or logged.
+//!
+//! Adding a slot pays its key derivation, seconds by design: a derivation estimated to
+//! take longer than a minute is refused before it starts, and while one runs the command
+//! holds no device, so that the server's stop never waits for it.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use cairn_core::Device;
 use cairn_devices::crypt::device::{read_secret, CryptDevice};
+use cairn_devices::crypt::kdf::check_cost;
+use cairn_devices::crypt::{Kdf, SlotKey};
 
-use crate::view::all_devices;
+use crate::admin_threads::Ticket;
+use crate::view::{all_devices, View};
 
 const USAGE: &str = "usage: crypt list [--json] | add DEVICE PASSPHRASE_FILE [KEY=VALUE...] (kdf, kdf_iterations, kdf_memory, kdf_parallel, kdf_hash) | remove DEVICE SLOT";
 
@@ -25,93 +33,132 @@ fn crypt_of(d: &Arc<dyn Device>) -> Option<&CryptDevice> {
     d.as_any()?.downcast_ref::<CryptDevice>()
 }
 
-/// `crypt ACTION ...`.
-pub(crate) fn command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
-    let all = crypts(roots);
-    let find = |name: &str| {
-        all.iter()
-            .find(|(n, _)| n == name)
-            .and_then(|(_, d)| crypt_of(d))
-            .ok_or_else(|| format!("error: no crypt device '{name}' is served\n"))
+/// The crypt device `name` of `view`, held for as long as the caller keeps it.
+fn find(view: &View, name: &str) -> Result<Arc<dyn Device>, String> {
+    crypts(&view.roots())
+        .into_iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, d)| d)
+        .ok_or_else(|| format!("no crypt device '{name}' is served"))
+}
+
+/// `crypt ACTION ...`. `ticket` lets go of the devices while a key slot's key is derived.
+pub(crate) fn command(args: &[&str], view: &View, ticket: &Ticket) -> String {
+    let done = match args {
+        ["list"] => return format!("ok\n{}", list_text(&crypts(&view.roots()))),
+        ["list", "--json"] => return format!("ok\n{}\n", list_json(&crypts(&view.roots()))),
+        ["add", device, file, words @ ..] => add(device, Path::new(file), words, view, ticket),
+        ["remove", device, slot] => remove(device, slot, view),
+        _ => return format!("error: {USAGE}\n"),
     };
-    match args {
-        ["list"] | ["list", "--json"] => {
-            let mut text = String::new();
-            let mut items = Vec::new();
-            for (name, d) in &all {
-                let c = crypt_of(d).expect("a crypt device");
-                let slots = c.slots();
-                let seg = c.segment();
-                text += &format!(
-                    "{name}: {}; opened by {}; key slots: {}\n",
-                    d.describe(),
-                    match c.opened_by() {
-                        Some(s) => format!("key slot {s}"),
-                        None => "its volume key (key_file)".into(),
-                    },
-                    slots
-                        .iter()
-                        .map(|s| format!("{} {}", s.index, s.kdf))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                );
-                items.push(serde_json::json!({
-                    "device": name,
-                    "format": c.format().name(),
-                    "sector_size": seg.sector_bytes,
-                    "data_offset": seg.offset,
-                    "opened_by_slot": c.opened_by(),
-                    "slots": slots.iter().map(|s| serde_json::json!({
-                        "slot": s.index,
-                        "kdf": s.kdf.to_string(),
-                    })).collect::<Vec<_>>(),
-                }));
-            }
-            if args.len() == 2 {
-                format!("ok\n{}\n", serde_json::Value::from(items))
-            } else if text.is_empty() {
-                "ok\nno crypt devices\n".into()
-            } else {
-                format!("ok\n{text}")
-            }
+    match done {
+        Ok(what) => {
+            log::info!("cairn: admin: {what}");
+            format!("ok: {what}\n")
         }
-        ["add", device, file, words @ ..] => {
-            let c = match find(device) {
-                Ok(c) => c,
-                Err(e) => return e,
-            };
-            let kdf = match cairn_devices::config::crypt_kdf(device, c.format(), words) {
-                Ok(k) => k,
-                Err(e) => return format!("error: {e}\n"),
-            };
-            let passphrase = match read_secret("passphrase file", std::path::Path::new(file)) {
-                Ok(p) => p,
-                Err(e) => return format!("error: {e}\n"),
-            };
-            match c.add_slot(&passphrase, kdf) {
-                Ok(slot) => {
-                    log::info!("cairn: admin: crypt {device}: key slot {slot} added");
-                    format!("ok: crypt {device}: key slot {slot} added\n")
-                }
-                Err(e) => format!("error: crypt {device}: {e}\n"),
-            }
-        }
-        ["remove", device, slot] => {
-            let c = match find(device) {
-                Ok(c) => c,
-                Err(e) => return e,
-            };
-            let Ok(slot) = slot.parse::<usize>() else {
-                return format!("error: '{slot}' is not a key slot number\n");
-            };
-            match c.remove_slot(slot) {
-                Ok(()) => {
-                    log::info!("cairn: admin: crypt {device}: key slot {slot} removed");
-                    format!("ok: crypt {device}: key slot {slot} removed\n")
-                }
-                Err(e) => format!("error: crypt {device}: {e}\n"),
-            }
-        }
-        _ => format!("error: {USAGE}\n"),
+        Err(why) => format!("error: {why}\n"),
     }
+}
+
+/// `crypt add DEVICE FILE [KEY=VALUE...]`: what the new slot derives its key with and
+/// the passphrase are checked first (an estimated cost over the bound, a file that is not
+/// regular or too large: refused, nothing done); the key is derived holding no device;
+/// then the slot is written, if the server is not stopping meanwhile.
+fn add(
+    device: &str,
+    file: &Path,
+    words: &[&str],
+    view: &View,
+    ticket: &Ticket,
+) -> Result<String, String> {
+    let (kdf, len) = slot_kdf(device, words, view)?;
+    let passphrase = read_secret("passphrase file", file)?;
+    let seconds = check_cost(kdf, len).map_err(|e| format!("crypt {device}: {e}"))?;
+    log::info!(
+        "cairn: admin: crypt {device}: deriving a new key slot's key ({kdf}, about {seconds:.0} s)"
+    );
+    ticket.let_go();
+    let slot_key = SlotKey::derive(kdf, &passphrase.0, len);
+    drop(passphrase);
+    ticket
+        .take_again()
+        .map_err(|e| format!("crypt {device}: {e}: no key slot was added"))?;
+    let slot_key = slot_key.map_err(|e| format!("crypt {device}: {e}"))?;
+    let d = find(view, device)?;
+    let c = crypt_of(&d).ok_or_else(|| format!("no crypt device '{device}' is served"))?;
+    let slot = c
+        .add_derived_slot(&slot_key)
+        .map_err(|e| format!("crypt {device}: {e}"))?;
+    Ok(format!("crypt {device}: key slot {slot} added"))
+}
+
+/// The key derivation `words` ask of a new slot of crypt device `device` (its default
+/// without them), checked against its header, and the key's length. The device is held
+/// only here.
+fn slot_kdf(device: &str, words: &[&str], view: &View) -> Result<(Kdf, usize), String> {
+    let d = find(view, device)?;
+    let c = crypt_of(&d).ok_or_else(|| format!("no crypt device '{device}' is served"))?;
+    let kdf =
+        cairn_devices::config::crypt_kdf(device, c.format(), words).map_err(|e| e.to_string())?;
+    c.new_slot_kdf(kdf)
+        .map_err(|e| format!("crypt {device}: {e}"))
+}
+
+/// `crypt remove DEVICE SLOT`.
+fn remove(device: &str, slot: &str, view: &View) -> Result<String, String> {
+    let d = find(view, device)?;
+    let c = crypt_of(&d).ok_or_else(|| format!("no crypt device '{device}' is served"))?;
+    let Ok(slot) = slot.parse::<usize>() else {
+        return Err(format!("'{slot}' is not a key slot number"));
+    };
+    c.remove_slot(slot)
+        .map_err(|e| format!("crypt {device}: {e}"))?;
+    Ok(format!("crypt {device}: key slot {slot} removed"))
+}
+
+/// `crypt list`: a line per device.
+fn list_text(all: &[(String, Arc<dyn Device>)]) -> String {
+    if all.is_empty() {
+        return "no crypt devices\n".into();
+    }
+    let mut text = String::new();
+    for (name, d) in all {
+        let c = crypt_of(d).expect("a crypt device");
+        text += &format!(
+            "{name}: {}; opened by {}; key slots: {}\n",
+            d.describe(),
+            match c.opened_by() {
+                Some(s) => format!("key slot {s}"),
+                None => "its volume key (key_file)".into(),
+            },
+            c.slots()
+                .iter()
+                .map(|s| format!("{} {}", s.index, s.kdf))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    text
+}
+
+/// `crypt list --json`.
+fn list_json(all: &[(String, Arc<dyn Device>)]) -> serde_json::Value {
+    all.iter()
+        .map(|(name, d)| {
+            let c = crypt_of(d).expect("a crypt device");
+            let seg = c.segment();
+            serde_json::json!({
+                "device": name,
+                "format": c.format().name(),
+                "sector_size": seg.sector_bytes,
+                "data_offset": seg.offset,
+                "opened_by_slot": c.opened_by(),
+                "slots": c.slots().iter().map(|s| serde_json::json!({
+                    "slot": s.index,
+                    "kdf": s.kdf.to_string(),
+                })).collect::<Vec<_>>(),
+            })
+        })
+        .collect::<Vec<_>>()
+        .into()
 }

@@ -6,6 +6,7 @@
 //! during a run ends in exit status 1.
 
 mod admin;
+mod admin_threads;
 mod backup;
 mod bench;
 mod bitmaps;

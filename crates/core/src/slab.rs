@@ -71,6 +71,21 @@ impl<T: Copy> Slab<T> {
         &mut self.entries[i as usize]
     }
 
+    /// The value at `i` whether it is in use or was freed (the last value stored there),
+    /// or `None` past every index handed out: for tokens that may outlive their request,
+    /// such as a timer that cannot be cancelled, whose owner tells from the value itself
+    /// whether the token still means anything.
+    #[inline]
+    pub fn peek(&self, i: u32) -> Option<&T> {
+        self.entries.get(i as usize)
+    }
+
+    /// One more than the highest index handed out so far (every index [`Slab::peek`]
+    /// may find a value at).
+    pub fn slots(&self) -> u32 {
+        self.entries.len() as u32
+    }
+
     /// Takes the entry at `i` out and frees its index.
     #[inline]
     pub fn remove(&mut self, i: u32) -> T {
@@ -111,6 +126,10 @@ mod tests {
         assert_eq!(s.len(), 3);
         *s.get_mut(d) += 1;
         assert_eq!(*s.get(d), 5);
+        // A freed index keeps its last value for `peek`; none past the end.
+        s.remove(c);
+        assert_eq!(s.peek(c), Some(&3));
+        assert_eq!(s.peek(s.slots()), None);
     }
 
     #[test]

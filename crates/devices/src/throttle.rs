@@ -19,8 +19,18 @@
 //! group) then start in the order they arrived, each at its time, which gives busy
 //! members equal shares, and the queue waits on its reactor's timer. Over any stretch
 //! `d`, a limit admits at most `(d + size) * avg` units.
+//!
+//! A live change of the limits applies to the requests already waiting too: the throttle
+//! counts what waits (requests and bytes, each way), and [`Throttle::set`] turns what each
+//! bucket holds into units at the old rate, keeps only what requests already started
+//! poured in (at the new rate), bumps the throttle's epoch and wakes every queue that
+//! holds requests, which reserves each of them again, in the order they were to start.
+//! So raising a limit releases the backlog at the new rate, and lowering it slows the
+//! backlog down, instead of either waiting out the times reserved at the old rate.
 
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, Weak};
 
 /// Time is kept in 1/1024 ns.
 const SCALE: u128 = 1024;
@@ -126,6 +136,23 @@ impl Bucket {
             }
         }
     }
+
+    /// Takes new parameters (`per`, `size`, scaled) at `now` (scaled). Of what the bucket
+    /// holds, `held` units belong to requests that have not started and will be reserved
+    /// again; the rest, poured in by requests that started, stays, counted at the new
+    /// rate.
+    fn rebase(&self, now: u64, held: u64, per: u64, size: u64) {
+        let old = self.per_unit.swap(per, Relaxed);
+        self.size.store(size, Relaxed);
+        let _ = self.empty_at.fetch_update(Relaxed, Relaxed, |tat| {
+            if old == 0 || per == 0 {
+                return Some(now);
+            }
+            let started = (tat.saturating_sub(now) / old).saturating_sub(held);
+            let debt = (u128::from(started) * u128::from(per)).min(u128::from(u64::MAX / 4));
+            Some(now.saturating_add(debt as u64))
+        });
+    }
 }
 
 /// What a request is, to a throttle.
@@ -167,16 +194,17 @@ impl Limits {
         ]
     }
 
-    /// Checks every limit; refuses a throttle with none, and a total together with
-    /// its read or write part (as qemu does: say one or the other).
+    /// Whether no limit is set (a throttle without limits passes everything at once).
+    pub fn is_none(&self) -> bool {
+        self.rates().iter().all(|(_, r)| r.avg == 0)
+    }
+
+    /// Checks every limit, and refuses a total together with its read or write part (as
+    /// qemu does: say one or the other). No limit at all is valid here: a live change
+    /// may take the last one away; a stack file's throttle needs one (its parser says).
     pub fn check(&self) -> Result<(), String> {
         for (key, r) in self.rates() {
             r.check(key)?;
-        }
-        if self.rates().iter().all(|(_, r)| r.avg == 0) {
-            return Err(
-                "no limit is set (iops, iops_read, iops_write, bps, bps_read or bps_write)".into(),
-            );
         }
         for (total, read, write) in [
             (self.iops, self.iops_read, self.iops_write),
@@ -196,6 +224,9 @@ impl Limits {
 impl std::fmt::Display for Limits {
     /// `iops 10000, bps_write 50MiB (max 100MiB for 5 s)`: the limits set.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.is_none() {
+            return write!(f, "no limits");
+        }
         let mut first = true;
         for (key, r) in self.rates() {
             if r.avg == 0 {
@@ -218,20 +249,29 @@ impl std::fmt::Display for Limits {
     }
 }
 
-/// A throttle: its limits' buckets, shared by every queue that passes it.
+/// A throttle: its limits' buckets, shared by every queue that passes it, and what waits
+/// for them.
 #[derive(Debug, Default)]
 pub struct Throttle {
     /// Per limit (iops, iops_read, iops_write, bps, bps_read, bps_write): the average's
     /// bucket and the burst's.
     buckets: [[Bucket; 2]; 6],
-    limits: std::sync::Mutex<Limits>,
+    limits: Mutex<Limits>,
+    /// Requests reserved but not started: reads and writes, then their bytes.
+    held: [AtomicU64; 4],
+    /// Bumped by every change of the limits: a request reserved under an older epoch is
+    /// reserved again.
+    epoch: AtomicU64,
+    /// The eventfds of the queues that hold requests of this throttle, made readable
+    /// when the limits change.
+    watchers: Mutex<Vec<Weak<OwnedFd>>>,
 }
 
 impl Throttle {
     /// A throttle with `limits` (checked by the caller), its buckets empty.
     pub fn new(limits: Limits) -> Throttle {
         let t = Throttle::default();
-        t.set(limits);
+        t.set_at(0, limits);
         t
     }
 
@@ -240,16 +280,53 @@ impl Throttle {
         *self.limits.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// New limits, live: requests reserved already keep their start; the next ones are
-    /// reserved at the new rates.
+    /// The count of changes to its limits so far.
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Relaxed)
+    }
+
+    /// New limits, live, now (the monotonic clock the reactors read).
     pub fn set(&self, limits: Limits) {
-        *self.limits.lock().unwrap_or_else(|p| p.into_inner()) = limits;
-        for (pair, (_, r)) in self.buckets.iter().zip(limits.rates()) {
+        self.set_at(cairn_core::clock::monotonic_ns(), limits);
+    }
+
+    /// New limits, live, at `now_ns`: each bucket keeps what requests already started
+    /// poured in (converted to the new rate); what waits is to be reserved again, and
+    /// every queue watching is woken to do it.
+    pub fn set_at(&self, now_ns: u64, limits: Limits) {
+        let mut current = self.limits.lock().unwrap_or_else(|p| p.into_inner());
+        let [reads, writes, read_bytes, write_bytes] =
+            self.held.each_ref().map(|h| h.load(Relaxed));
+        // What waits, in each limit's units.
+        let held = [
+            reads + writes,
+            reads,
+            writes,
+            read_bytes + write_bytes,
+            read_bytes,
+            write_bytes,
+        ];
+        let now = now_ns.saturating_mul(SCALE as u64);
+        for ((pair, (_, r)), held) in self.buckets.iter().zip(limits.rates()).zip(held) {
             for (b, (per, size)) in pair.iter().zip(r.buckets()) {
-                b.per_unit.store(per, Relaxed);
-                b.size.store(size, Relaxed);
+                b.rebase(now, held, per, size);
             }
         }
+        *current = limits;
+        drop(current);
+        self.epoch.fetch_add(1, Relaxed);
+        let mut watchers = self.watchers.lock().unwrap_or_else(|p| p.into_inner());
+        watchers.retain(|w| w.strong_count() > 0);
+        for fd in watchers.iter().filter_map(Weak::upgrade) {
+            cairn_core::event::wake(&*fd);
+        }
+    }
+
+    /// Makes `fd` readable whenever the limits change (for as long as it lives).
+    pub fn watch(&self, fd: &Arc<OwnedFd>) {
+        let mut watchers = self.watchers.lock().unwrap_or_else(|p| p.into_inner());
+        watchers.retain(|w| w.strong_count() > 0);
+        watchers.push(Arc::downgrade(fd));
     }
 
     /// Reserves the start of a request of `bytes` going `dir` that arrives at `now_ns`:
@@ -266,6 +343,30 @@ impl Throttle {
             }
         }
         at.div_ceil(SCALE as u64)
+    }
+
+    /// A request of `bytes` going `dir` waits for the start it reserved.
+    pub fn hold(&self, dir: Dir, bytes: u64) {
+        let (n, b) = Self::held_of(dir);
+        self.held[n].fetch_add(1, Relaxed);
+        self.held[b].fetch_add(bytes, Relaxed);
+    }
+
+    /// A request [`Throttle::hold`] counted has started.
+    pub fn release(&self, dir: Dir, bytes: u64) {
+        let (n, b) = Self::held_of(dir);
+        let sub = |a: &AtomicU64, v: u64| {
+            let _ = a.fetch_update(Relaxed, Relaxed, |x| Some(x.saturating_sub(v)));
+        };
+        sub(&self.held[n], 1);
+        sub(&self.held[b], bytes);
+    }
+
+    fn held_of(dir: Dir) -> (usize, usize) {
+        match dir {
+            Dir::Read => (0, 2),
+            Dir::Write => (1, 3),
+        }
     }
 }
 
@@ -350,7 +451,7 @@ mod tests {
         let mut count = [0u64; 2];
         while now < 4 * S {
             if now >= 2 * S && t.limits().iops.avg == 1000 {
-                t.set(limits(|l| l.iops = rate(5000, 0, 0)));
+                t.set_at(now, limits(|l| l.iops = rate(5000, 0, 0)));
             }
             now = t.reserve(now, Dir::Write, 4096);
             if now < 4 * S {
@@ -358,7 +459,9 @@ mod tests {
             }
         }
         assert!(within(count[0] as f64, 2100.0, 0.01), "{count:?}");
-        assert!(within(count[1] as f64, 10_000.0, 0.01), "{count:?}");
+        // The bucket keeps what it holds in requests (a full tenth of a second at 1000/s:
+        // 100), so at 5000/s (a tenth of a second is 500) 400 more go at once.
+        assert!(within(count[1] as f64, 10_400.0, 0.01), "{count:?}");
     }
 
     #[test]
@@ -400,7 +503,6 @@ mod tests {
     #[test]
     fn bad_limits_are_refused() {
         let bad = [
-            (Limits::default(), "no limit"),
             (limits(|l| l.iops = rate(100, 50, 0)), "below"),
             (limits(|l| l.iops = rate(0, 50, 0)), "need iops"),
             (limits(|l| l.bps = rate(100, 0, 3)), "needs bps_max"),
@@ -422,5 +524,115 @@ mod tests {
             l.bps_write = rate(1 << 20, 0, 0);
         });
         assert!(fine.check().is_ok());
+        // No limit at all (the last one taken away live): valid, and it passes all.
+        assert!(Limits::default().check().is_ok());
+        let t = Throttle::new(Limits::default());
+        assert_eq!(t.reserve(7, Dir::Write, 1 << 30), 7);
+        assert_eq!(t.limits().to_string(), "no limits");
+    }
+
+    /// A queue's view of a throttle on a virtual clock: requests held with the start
+    /// each reserved, released when the clock reaches it, and reserved again (in the
+    /// order they were to start) when the limits change, as the wrap queue does.
+    struct Held {
+        t: Throttle,
+        starts: Vec<u64>,
+        waiting: Vec<u64>,
+    }
+
+    impl Held {
+        /// `n` reads of `bytes` arriving at 0 on a throttle of `l`.
+        fn new(l: Limits, n: usize, bytes: u64) -> Held {
+            let t = Throttle::new(l);
+            let mut waiting = Vec::new();
+            let mut starts = Vec::new();
+            for _ in 0..n {
+                match t.reserve(0, Dir::Read, bytes) {
+                    0 => starts.push(0),
+                    at => {
+                        t.hold(Dir::Read, bytes);
+                        waiting.push(at);
+                    }
+                }
+            }
+            Held { t, starts, waiting }
+        }
+
+        /// Releases what is due by `now`.
+        fn run_to(&mut self, now: u64, bytes: u64) {
+            let (due, later): (Vec<u64>, Vec<u64>) =
+                self.waiting.iter().partition(|&&at| at <= now);
+            for at in due {
+                self.t.release(Dir::Read, bytes);
+                self.starts.push(at);
+            }
+            self.waiting = later;
+        }
+
+        /// New limits at `now`, and every waiting request reserved again.
+        fn set(&mut self, now: u64, l: Limits, bytes: u64) {
+            self.t.set_at(now, l);
+            self.waiting.sort_unstable();
+            self.waiting = self
+                .waiting
+                .iter()
+                .map(|_| self.t.reserve(now, Dir::Read, bytes))
+                .collect();
+        }
+
+        fn started_by(&self, at: u64) -> usize {
+            self.starts.iter().filter(|&&s| s <= at).count()
+        }
+    }
+
+    #[test]
+    fn a_raised_limit_releases_what_waits_at_the_new_rate() {
+        // 256 reads at 10 IOPS: the last would start at 25.5 s.
+        let mut h = Held::new(limits(|l| l.iops = rate(10, 0, 0)), 256, 4096);
+        h.run_to(S, 4096);
+        // Two at once (the tenth of a second's burst and the first), then one every 100 ms.
+        assert_eq!(h.started_by(S), 12, "{:?}", h.starts);
+        h.set(S, limits(|l| l.iops = rate(100_000, 0, 0)), 4096);
+        h.run_to(S + S / 100, 4096);
+        // All of them by 10 ms later: a tenth of a second at 100,000/s is 10,000.
+        assert_eq!(h.started_by(S + S / 100), 256);
+        assert!(h.waiting.is_empty());
+        // The same with bytes: 32 writes of 1 MiB at 1 MB/s, then 100 GB/s.
+        let mut h = Held::new(limits(|l| l.bps = rate(1_000_000, 0, 0)), 32, 1 << 20);
+        h.run_to(S, 1 << 20);
+        assert!(h.started_by(S) <= 2, "{:?}", h.starts);
+        h.set(S, limits(|l| l.bps = rate(100_000_000_000, 0, 0)), 1 << 20);
+        h.run_to(S + S / 100, 1 << 20);
+        assert_eq!(h.started_by(S + S / 100), 32);
+    }
+
+    #[test]
+    fn the_last_limit_taken_away_releases_everything_at_once() {
+        let mut h = Held::new(limits(|l| l.iops = rate(10, 0, 0)), 256, 4096);
+        h.set(S / 2, Limits::default(), 4096);
+        h.run_to(S / 2, 4096);
+        assert_eq!(h.started_by(S / 2), 256);
+    }
+
+    #[test]
+    fn a_lowered_limit_slows_what_waits_and_counts_what_started() {
+        // 256 reads at 1000 IOPS: 100 at once (the tenth of a second), then one a ms.
+        let mut h = Held::new(limits(|l| l.iops = rate(1000, 0, 0)), 256, 4096);
+        h.run_to(S / 100, 4096);
+        let before = h.started_by(S / 100);
+        assert!((100..=112).contains(&before), "{before}");
+        h.set(S / 100, limits(|l| l.iops = rate(10, 0, 0)), 4096);
+        // What started poured about 100 requests into the bucket: 10 s of debt at 10/s,
+        // less the bucket's tenth of a second; nothing more starts for a while.
+        h.run_to(9 * S, 4096);
+        assert_eq!(h.started_by(9 * S), before);
+        // Then the rest, one every 100 ms.
+        h.run_to(1000 * S, 4096);
+        assert_eq!(h.starts.len(), 256);
+        let rest: Vec<u64> = h.starts[before..].to_vec();
+        assert!(rest[0] >= 9 * S, "{}", rest[0]);
+        for w in rest.windows(2) {
+            assert!(w[1] - w[0] >= S / 10 - 1, "{w:?}");
+        }
     }
 }

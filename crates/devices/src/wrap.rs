@@ -6,6 +6,7 @@
 //! put them under mirrors and raid10s to check that nothing acknowledged is lost.
 
 use std::cell::{Cell, RefCell};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, OnceLock};
@@ -13,7 +14,7 @@ use std::time::Duration;
 
 use cairn_core::slab::Slab;
 use cairn_core::{
-    Core, Device, Error, Geometry, Io, IoStatus, Op, Queue, QueueStats, Sink, SinkId,
+    Core, Device, Error, Geometry, Io, IoStatus, Op, Poller, Queue, QueueStats, Sink, SinkId,
 };
 
 /// What happens to one request.
@@ -41,6 +42,28 @@ pub trait Policy: Send + Sync {
 
     /// A request it delayed goes to the base now.
     fn released(&self, _io: &Io) {}
+
+    /// The count of changes that may alter its decisions (a throttle's limits set live):
+    /// a request delayed under an older one is decided again ([`Policy::redecide`]).
+    fn epoch(&self) -> u64 {
+        0
+    }
+
+    /// Whether [`Policy::epoch`] ever changes: each queue then gives [`Policy::watch`] an
+    /// eventfd, and watches it while it holds requests.
+    fn changes_live(&self) -> bool {
+        false
+    }
+
+    /// Makes `wake` readable whenever [`Policy::epoch`] changes.
+    fn watch(&self, _wake: &Arc<OwnedFd>) {}
+
+    /// A request [`Policy::decide`] delayed, decided again at `now_ns` because the epoch
+    /// changed: [`Decision::Delay`] from now, or anything else to send it at once. It
+    /// is still the same request (counted once).
+    fn redecide(&self, _io: &Io, _now_ns: u64) -> Decision {
+        Decision::Forward
+    }
 
     /// The policy as `Any`, for the admin (a throttle's view and live changes).
     fn as_any(&self) -> Option<&dyn std::any::Any> {
@@ -228,10 +251,8 @@ impl Policy for ThrottlePolicy {
     }
     #[inline]
     fn decide(&self, io: &Io, now_ns: u64, _random: u64) -> Decision {
-        let dir = match io.op {
-            Op::Flush => return Decision::Forward,
-            Op::Read => crate::throttle::Dir::Read,
-            _ => crate::throttle::Dir::Write,
+        let Some(dir) = direction(io.op) else {
+            return Decision::Forward;
         };
         let start = self.throttle.reserve(now_ns, dir, io.len);
         // The throttle's buckets are shared by every reactor anyway: counting here too
@@ -243,16 +264,53 @@ impl Policy for ThrottlePolicy {
         } else {
             self.counts[2].fetch_add(1, Relaxed);
             self.counts[3].fetch_add(1, Relaxed);
+            self.throttle.hold(dir, io.len);
             Decision::Delay(start - now_ns)
         }
     }
 
-    fn released(&self, _io: &Io) {
+    fn released(&self, io: &Io) {
         self.counts[3].fetch_sub(1, Relaxed);
+        if let Some(dir) = direction(io.op) {
+            self.throttle.release(dir, io.len);
+        }
+    }
+
+    fn epoch(&self) -> u64 {
+        self.throttle.epoch()
+    }
+
+    fn changes_live(&self) -> bool {
+        true
+    }
+
+    fn watch(&self, wake: &Arc<OwnedFd>) {
+        self.throttle.watch(wake);
+    }
+
+    fn redecide(&self, io: &Io, now_ns: u64) -> Decision {
+        let Some(dir) = direction(io.op) else {
+            return Decision::Forward;
+        };
+        let start = self.throttle.reserve(now_ns, dir, io.len);
+        if start <= now_ns {
+            Decision::Forward
+        } else {
+            Decision::Delay(start - now_ns)
+        }
     }
 
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
+    }
+}
+
+/// How a throttle counts `op`: flushes are not limited.
+fn direction(op: Op) -> Option<crate::throttle::Dir> {
+    match op {
+        Op::Flush => None,
+        Op::Read => Some(crate::throttle::Dir::Read),
+        _ => Some(crate::throttle::Dir::Write),
     }
 }
 
@@ -428,6 +486,13 @@ impl Device for WrapDevice {
     }
     fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
         let base = cairn_core::handoff::open_member(core, &self.base)?;
+        let wake = if self.policy.changes_live() {
+            let fd = cairn_core::event::eventfd(self.policy.kind())?;
+            self.policy.watch(&fd);
+            Some(fd)
+        } else {
+            None
+        };
         let queue = Rc::new(WrapQueue {
             core: core.clone(),
             stats: QueueStats::named(core.switches().stats, self.name()),
@@ -437,8 +502,14 @@ impl Device for WrapDevice {
             sink: Cell::new(SinkId(u32::MAX)),
             requests: RefCell::new(Slab::with_capacity(256)),
             rng: Cell::new(0x9e37_79b9_7f4a_7c15 ^ (Rc::as_ptr(core) as u64)),
+            held: Cell::new(0),
+            epoch: Cell::new(self.policy.epoch()),
+            wake,
         });
         queue.sink.set(core.register_sink(queue.clone()));
+        if queue.wake.is_some() {
+            core.register_poller(queue.clone());
+        }
         Ok(queue)
     }
     fn extents(
@@ -471,6 +542,22 @@ impl Device for WrapDevice {
 /// completion.
 const TIMER: u64 = 1 << 63;
 
+/// A request of a wrap queue: the request, when it arrived, and while its policy holds
+/// it, when it is due.
+#[derive(Clone, Copy)]
+struct Entry {
+    io: Io,
+    start: u64,
+    wait: Option<Wait>,
+}
+
+/// When a held request is due, and under which epoch of its policy that was decided.
+#[derive(Clone, Copy)]
+struct Wait {
+    due_ns: u64,
+    epoch: u64,
+}
+
 struct WrapQueue {
     core: Rc<Core>,
     stats: QueueStats,
@@ -478,8 +565,15 @@ struct WrapQueue {
     base_device: Arc<dyn Device>,
     policy: Arc<dyn Policy>,
     sink: Cell<SinkId>,
-    requests: RefCell<Slab<(Io, u64)>>,
+    requests: RefCell<Slab<Entry>>,
     rng: Cell<u64>,
+    /// Requests held (their `wait` set).
+    held: Cell<usize>,
+    /// The policy's epoch when the held requests were last timed.
+    epoch: Cell<u64>,
+    /// Readable when the policy's epoch changes (watched while requests are held), for
+    /// a policy whose decisions change live.
+    wake: Option<Arc<OwnedFd>>,
 }
 
 impl WrapQueue {
@@ -489,6 +583,81 @@ impl WrapQueue {
             token: u64::from(index),
             ..io
         });
+    }
+
+    /// Holds request `index` until `due_ns`, as decided under `epoch`.
+    fn hold(&self, index: u32, due_ns: u64, epoch: u64) {
+        let mut requests = self.requests.borrow_mut();
+        let e = requests.get_mut(index);
+        if e.wait.is_none() {
+            self.held.set(self.held.get() + 1);
+        }
+        e.wait = Some(Wait { due_ns, epoch });
+        drop(requests);
+        self.core
+            .add_timer(due_ns, self.sink.get(), TIMER | u64::from(index));
+    }
+
+    /// Sends held request `index` to the base.
+    fn release(&self, index: u32) {
+        let io = {
+            let mut requests = self.requests.borrow_mut();
+            let e = requests.get_mut(index);
+            debug_assert!(e.wait.is_some(), "a request released twice");
+            e.wait = None;
+            e.io
+        };
+        debug_assert!(self.held.get() > 0, "held count underflow");
+        self.held.set(self.held.get() - 1);
+        self.policy.released(&io);
+        self.forward(index, io);
+    }
+
+    /// A timer of request `index` fired. Timers cannot be cancelled, so this one may be
+    /// for a request timed again since, or long gone (its index free or reused): the
+    /// entry decides, not the timer. A held request goes once it is due under the
+    /// policy's current epoch; one decided under an older epoch is timed again.
+    fn timer_fired(&self, index: u32) {
+        let wait = self.requests.borrow().peek(index).and_then(|e| e.wait);
+        let Some(wait) = wait else {
+            return;
+        };
+        if wait.epoch != self.policy.epoch() {
+            self.retime();
+        } else if wait.due_ns <= self.core.now_ns() {
+            self.release(index);
+        }
+    }
+
+    /// Decides again every held request decided under an older epoch of the policy (its
+    /// limits changed), in the order they were due. Returns how many went to the base.
+    fn retime(&self) -> usize {
+        let epoch = self.policy.epoch();
+        self.epoch.set(epoch);
+        let stale: Vec<(u64, u32)> = {
+            let requests = self.requests.borrow();
+            (0..requests.slots())
+                .filter_map(|i| {
+                    let w = requests.peek(i)?.wait?;
+                    (w.epoch != epoch).then_some((w.due_ns, i))
+                })
+                .collect()
+        };
+        let mut stale = stale;
+        stale.sort_unstable();
+        let now = self.core.now_ns();
+        let mut sent = 0;
+        for (_, index) in stale {
+            let io = self.requests.borrow().get(index).io;
+            match self.policy.redecide(&io, now) {
+                Decision::Delay(ns) => self.hold(index, now + ns, epoch),
+                _ => {
+                    self.release(index);
+                    sent += 1;
+                }
+            }
+        }
+        sent
     }
 
     fn random(&self) -> u64 {
@@ -505,6 +674,9 @@ impl Queue for WrapQueue {
     fn submit(&self, io: Io) {
         let now = self.core.now_ns();
         self.stats.start(io.flags, now);
+        // Read before deciding: a change of the policy during the decision then times
+        // this request again rather than leaving it timed by the old one.
+        let epoch = self.policy.epoch();
         match self.policy.decide(&io, now, self.random()) {
             Decision::PowerCut(errno, torn) => {
                 log::info!("cairn: fault: cutting the power below this device");
@@ -523,13 +695,20 @@ impl Queue for WrapQueue {
                     .complete(io.sink, io.token, IoStatus::errno(errno));
             }
             Decision::Forward => {
-                let index = self.requests.borrow_mut().insert((io, now));
+                let index = self.requests.borrow_mut().insert(Entry {
+                    io,
+                    start: now,
+                    wait: None,
+                });
                 self.forward(index, io);
             }
             Decision::Delay(ns) => {
-                let index = self.requests.borrow_mut().insert((io, now));
-                self.core
-                    .add_timer(now + ns, self.sink.get(), TIMER | u64::from(index));
+                let index = self.requests.borrow_mut().insert(Entry {
+                    io,
+                    start: now,
+                    wait: None,
+                });
+                self.hold(index, now + ns, epoch);
             }
         }
     }
@@ -547,15 +726,43 @@ impl Sink for WrapQueue {
     fn io_done(&self, token: u64, status: IoStatus) {
         let index = (token & !TIMER) as u32;
         if token & TIMER != 0 {
-            let io = self.requests.borrow().get(index).0;
-            self.policy.released(&io);
-            self.forward(index, io);
+            self.timer_fired(index);
             return;
         }
-        let (io, start) = self.requests.borrow_mut().remove(index);
+        let Entry { io, start, wait } = self.requests.borrow_mut().remove(index);
+        debug_assert!(wait.is_none(), "a held request completed");
         self.stats
             .finish(&io, start, || self.core.now_ns(), status.is_ok());
         self.core.deliver(io.sink, io.token, status);
+    }
+}
+
+/// A queue whose policy can change (a throttle's limits) watches for the change while it
+/// holds requests, and times them again when it comes.
+impl Poller for WrapQueue {
+    fn unplug(&self) {}
+
+    fn reap(&self) -> usize {
+        if self.held.get() > 0 && self.policy.epoch() != self.epoch.get() {
+            self.retime()
+        } else {
+            0
+        }
+    }
+
+    fn busy(&self) -> bool {
+        self.held.get() > 0
+    }
+
+    fn event_fd(&self) -> RawFd {
+        // Registered as a poller only with an eventfd.
+        self.wake.as_ref().map_or(-1, |w| w.as_raw_fd())
+    }
+
+    fn clear_event(&self) {
+        if let Some(w) = &self.wake {
+            cairn_core::event::reset(&**w);
+        }
     }
 }
 
@@ -584,6 +791,71 @@ mod tests {
             seek: Duration::from_millis(seek_ms),
             ..Delays::default()
         })
+    }
+
+    /// A changed limit reaches the requests a throttle device already holds: 32 reads
+    /// held by a throttle of 1 byte a second (each 4 KiB read waits over an hour for the
+    /// one before it) all complete once the limit is raised, or once the last limit is
+    /// taken away (a throttle without limits passes everything). No time is measured:
+    /// the old limit would hold them for a day and a half.
+    #[test]
+    fn a_changed_limit_reaches_the_requests_already_held() {
+        use crate::throttle::{Limits, Rate, Throttle};
+        use cairn_core::blocking::{BlockingQueue, Request};
+        let slow = Limits {
+            bps: Rate {
+                avg: 1,
+                ..Rate::default()
+            },
+            ..Limits::default()
+        };
+        let fast = Limits {
+            bps: Rate {
+                avg: 1 << 40,
+                ..Rate::default()
+            },
+            ..Limits::default()
+        };
+        for after in [fast, Limits::default()] {
+            let spec = crate::LeafSpec::parse("mem:1M").expect("a spec");
+            let base = crate::open(&spec, "m").expect("a mem device");
+            let throttle = Arc::new(Throttle::new(slow));
+            let policy = Arc::new(ThrottlePolicy::new(throttle.clone(), None));
+            let device: Arc<dyn Device> = Arc::new(WrapDevice::new("t", base, policy.clone()));
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let q =
+                    BlockingQueue::open(&device, cairn_core::Switches::default()).expect("a queue");
+                let mut bufs = vec![vec![0u8; 4096]; 32];
+                let mut requests: Vec<Request<'_>> = bufs
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(i, b)| Request {
+                        op: Op::Read,
+                        flags: cairn_core::IoFlags::NONE,
+                        offset: i as u64 * 4096,
+                        len: 0,
+                        buf: Some(b),
+                    })
+                    .collect();
+                let done = q.run(&mut requests).iter().all(|r| r.is_ok());
+                let _ = tx.send(done);
+            });
+            // The first read goes at once (the bucket is empty); the rest wait.
+            let deadline = std::time::Instant::now() + Duration::from_secs(60);
+            while policy.counts().waiting < 31 {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{:?}",
+                    policy.counts()
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            throttle.set(after);
+            let done = rx.recv_timeout(Duration::from_secs(60));
+            assert_eq!(done, Ok(true), "{after}: {:?}", policy.counts());
+            assert_eq!(policy.counts().waiting, 0);
+        }
     }
 
     #[test]

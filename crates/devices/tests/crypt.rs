@@ -335,3 +335,89 @@ fn an_iv_tweak_near_the_largest_iv_wraps() {
     q.read(0, &mut back).unwrap();
     assert!(back == plain, "read back after reopening");
 }
+
+/// The whole of `base`.
+fn image(base: &Arc<dyn Device>) -> Vec<u8> {
+    let q = BlockingQueue::open(base, Switches::default()).unwrap();
+    let mut b = vec![0u8; base.geometry().size_bytes as usize];
+    q.read(0, &mut b).unwrap();
+    b
+}
+
+/// Zeros over `len` bytes of `base` from its start, as `dd if=/dev/zero` would.
+fn wipe(base: &Arc<dyn Device>, len: usize) {
+    let q = BlockingQueue::open(base, Switches::default()).unwrap();
+    q.write(0, &vec![0u8; len], IoFlags::NONE).unwrap();
+}
+
+/// A new crypt device of `format` over a fresh base, with 1 MiB of data written: the
+/// base, the options that opened it and the data.
+fn written(dir: &Path, format: Format) -> (Arc<dyn Device>, CryptOptions, Vec<u8>) {
+    let base = mem(data_offset(format) + (1 << 20));
+    let opts = options(dir, format, b"wiped");
+    let dev = open(&base, &opts).unwrap();
+    let q = BlockingQueue::open(&dev, Switches::default()).unwrap();
+    let bytes = data(41, 1 << 20);
+    q.write(0, &bytes, IoFlags::NONE).unwrap();
+    q.flush().unwrap();
+    (base, opts, bytes)
+}
+
+/// `create` never formats over a volume whose header was wiped. A LUKS2 volume whose
+/// first 4 KiB were zeroed opens from its secondary header copy, with its data and its
+/// UUID, with `create` as without it, and `cairn check`'s open (nothing written) says
+/// the same; with both header copies zeroed (the key slots left) and a LUKS1 volume with
+/// its header zeroed, the open is refused, saying what was found and what to do, and
+/// the base is unchanged. A blank base (a sparse file) is still formatted.
+#[test]
+fn create_never_formats_over_a_volume_whose_header_was_wiped() {
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let (base, opts, bytes) = written(dir.path(), Format::Luks2);
+    let uuid = open(&base, &opts).unwrap().describe();
+    wipe(&base, 4096);
+    for (create, write) in [(true, false), (true, true), (false, true)] {
+        let o = CryptOptions {
+            create,
+            ..opts.clone()
+        };
+        let dev = CryptDevice::open("c", base.clone(), &o, write).unwrap();
+        assert_eq!(dev.describe(), uuid, "create {create}, write {write}");
+        let dev: Arc<dyn Device> = Arc::new(dev);
+        let q = BlockingQueue::open(&dev, Switches::default()).unwrap();
+        let mut back = vec![0u8; bytes.len()];
+        q.read(0, &mut back).unwrap();
+        assert!(back == bytes, "create {create}: other data");
+    }
+    // Both copies gone: 16 MiB of key slots and the data are still there.
+    wipe(&base, 32 << 10);
+    let before = image(&base);
+    for write in [false, true] {
+        let e = CryptDevice::open("c", base.clone(), &opts, write)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("holds no LUKS header but is not blank: byte 32768 is not zero")
+                && e.contains("zero them first"),
+            "{e}"
+        );
+    }
+    assert!(image(&base) == before, "a refused create wrote to the base");
+    // LUKS1: its header (592 bytes, and zeros up to the key material) zeroed.
+    let (base, opts, _) = written(dir.path(), Format::Luks1);
+    wipe(&base, 4096);
+    let before = image(&base);
+    let e = refused(&base, &opts);
+    assert!(e.contains("not blank: byte 4096 is not zero"), "{e}");
+    assert!(image(&base) == before, "a refused create wrote to the base");
+    // A sparse file that holds nothing is formatted.
+    let path = dir.path().join("blank.img");
+    std::fs::File::create(&path)
+        .unwrap()
+        .set_len((16 << 20) + (1 << 20))
+        .unwrap();
+    let spec = LeafSpec::parse(&format!("file:{}", path.display())).unwrap();
+    let blank = cairn_devices::open(&spec, "blank").unwrap();
+    let dev = open(&blank, &options(dir.path(), Format::Luks2, b"blank")).unwrap();
+    assert!(dev.describe().contains("luks2"), "{}", dev.describe());
+}

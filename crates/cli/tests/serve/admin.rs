@@ -523,3 +523,43 @@ fn status_and_the_log_say_which_engine_a_file_got_and_why() {
         assert_eq!(log.matches(name).count(), 1, "{name} once in:\n{log}");
     }
 }
+
+/// Every refusal reaches `cairn admin` as one line: a command line over 1 KiB gets the
+/// server's reason (the server reads it to its end before it answers, where closing with
+/// unread bytes reset the connection), and words a command does not take, or a bad name,
+/// are refused rather than ignored.
+#[test]
+fn refusals_reach_the_client_as_one_line() {
+    let dir = tmpdir();
+    let ctl = dir.path().join("admin.sock");
+    let srv = Server::start_in(tmpdir(), &["--device", "mem:1M", "--admin", path_str(&ctl)]);
+    let long = "x".repeat(4000);
+    let out = admin(&ctl, &["devices", &long]);
+    let said = text(&out.stderr);
+    assert!(
+        !out.status.success() && said.contains("command longer than 1024 bytes"),
+        "{said}"
+    );
+    assert_eq!(said.lines().count(), 1, "{said}");
+    for (words, why) in [
+        (
+            vec!["devices", "extra", "words"],
+            "devices (it takes no words)",
+        ),
+        (vec!["help", "me"], "help (it takes no words)"),
+        (vec!["status", "--json", "x"], "usage: status [--json]"),
+        (vec!["stats", "x"], "usage: stats [--json]"),
+        (vec!["export", "add", "e/x", "pool", "v"], "has a '/'"),
+    ] {
+        let out = admin(&ctl, &words);
+        let said = text(&out.stderr);
+        assert!(
+            !out.status.success() && said.contains(why),
+            "{words:?}: {said}"
+        );
+        assert_eq!(said.lines().count(), 1, "{words:?}: {said}");
+    }
+    // The server answers on.
+    success("devices", &admin(&ctl, &["devices"]));
+    drop(srv);
+}

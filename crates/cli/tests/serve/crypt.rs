@@ -568,3 +568,210 @@ print("deciphered")
         "deciphered",
     );
 }
+
+/// `cairn check FILE`: its output and exit status.
+fn check(stack: &Path) -> (Option<i32>, String) {
+    let out = run(Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .arg("check")
+        .arg(stack));
+    (
+        out.status.code(),
+        format!("{}{}", text(&out.stdout), text(&out.stderr)),
+    )
+}
+
+/// A LUKS2 volume cryptsetup made, under a stack file with `create = true` kept (as the
+/// README shows it): with its first 4 KiB zeroed, `cairn check` and `serve` open it from
+/// its secondary header copy (no "to be formatted") and serve the data cryptsetup
+/// encrypted; with both header copies zeroed (the key slots and data left), both refuse
+/// with one line and the file is unchanged.
+#[test]
+fn create_never_formats_a_cryptsetup_volume_whose_header_was_wiped() {
+    const NAME: &str = "crypt::create_never_formats_a_cryptsetup_volume_whose_header_was_wiped";
+    let Some([cryptsetup, nbdcopy]) = tools(NAME, ["cryptsetup", "nbdcopy"]) else {
+        return;
+    };
+    let dir = tmpdir();
+    let d = dir.path();
+    let (img, pass) = (d.join("c.img"), d.join("pass"));
+    std::fs::write(&pass, b"wiped").unwrap();
+    // 24 MiB of a pattern encrypted in place behind an 8 MiB header: the first 8 MiB of
+    // the pattern are the start of the volume.
+    let pattern: Vec<u8> = (0..24u32 << 20).map(|i| (i / 4093 + i) as u8).collect();
+    std::fs::write(&img, &pattern).unwrap();
+    success(
+        "cryptsetup reencrypt --encrypt",
+        &run(Command::new(&cryptsetup)
+            .args(["reencrypt", "--encrypt", "--type", "luks2", "--batch-mode"])
+            .args(["--reduce-device-size", "16M", "--force-offline-reencrypt"])
+            .args(["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"])
+            .args(["--sector-size", "4096", "--key-file"])
+            .arg(&pass)
+            .arg(&img)),
+    );
+    let wipe = |len: usize| {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+        f.write_all_at(&vec![0u8; len], 0).unwrap();
+    };
+    wipe(4096);
+    let stack = crypt_stack(d, &img, &pass, "create = true\n");
+    let (code, said) = check(&stack);
+    assert_eq!(code, Some(0), "{said}");
+    assert!(
+        said.contains("luks2") && said.contains("UUID") && !said.contains("formatted"),
+        "{said}"
+    );
+    let srv = Server::start_in(tmpdir(), &[path_str(&stack)]);
+    let got = d.join("got.raw");
+    success(
+        "nbdcopy",
+        &run(Command::new(&nbdcopy).args([&srv.uri(), path_str(&got)])),
+    );
+    drop(srv);
+    let got = std::fs::read(&got).unwrap();
+    assert!(
+        got[..8 << 20] == pattern[..8 << 20],
+        "cairn reads other data than cryptsetup encrypted"
+    );
+    // Both copies zeroed: nothing opens it, and create must not format over its key
+    // slots and data.
+    wipe(32 << 10);
+    let before = std::fs::read(&img).unwrap();
+    let (code, said) = check(&stack);
+    assert_eq!(code, Some(2), "{said}");
+    assert!(
+        said.contains("holds no LUKS header but is not blank"),
+        "{said}"
+    );
+    let out = run(Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .args(["serve", "--listen"])
+        .arg(format!("unix:{}", d.join("x.sock").display()))
+        .arg(&stack));
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("holds no LUKS header but is not blank") && !err.contains("formatted"),
+        "{err}"
+    );
+    assert!(
+        std::fs::read(&img).unwrap() == before,
+        "the refused start wrote"
+    );
+}
+
+/// A mirror of two files with superblocks (a stop that is not clean shows at the next
+/// start) under a LUKS1 crypt device cairn formats, with an admin socket: the stack file.
+fn crypt_over_a_mirror(d: &Path, pass: &Path) -> PathBuf {
+    let stack = d.join("stack.toml");
+    std::fs::write(
+        &stack,
+        format!(
+            "[device.a]\ntype = \"file\"\npath = \"{0}/a.img\"\nsize = \"8M\"\n\
+             [device.b]\ntype = \"file\"\npath = \"{0}/b.img\"\nsize = \"8M\"\n\
+             [device.m]\ntype = \"mirror\"\nmembers = [\"a\", \"b\"]\n\
+             [device.c]\ntype = \"crypt\"\nbase = \"m\"\npassphrase_file = \"{1}\"\n\
+             create = true\nformat = \"luks1\"\nkdf_iterations = 1000\n\
+             [export.c]\ndevice = \"c\"\n",
+            d.display(),
+            pass.display()
+        ),
+    )
+    .unwrap();
+    stack
+}
+
+/// Seconds in a refusal's estimate: "about 12 s", "about 72 min", "about 3 h".
+fn estimate_seconds(said: &str) -> f64 {
+    let about = said.split("would take about ").nth(1).expect("an estimate");
+    let mut words = about.split_whitespace();
+    let n: f64 = words.next().unwrap().parse().unwrap();
+    match words.next().unwrap() {
+        "s" => n,
+        "min" => n * 60.0,
+        "h" => n * 3600.0,
+        unit => panic!("unit '{unit}' in: {said}"),
+    }
+}
+
+/// The admin's crypt commands never hang the server. A key derivation of hours
+/// (kdf_iterations=4294967295) is refused up front with its estimate; a passphrase file
+/// that is a FIFO nobody writes, a directory or a file over cryptsetup's 8 MiB is
+/// refused at once; while an accepted derivation of several seconds runs (its iterations
+/// taken from that estimate), `status` answers; SIGTERM then stops the server cleanly
+/// (exit status 0, the mirror's superblocks clean at the next start) and the add that
+/// was cut short added nothing.
+#[test]
+fn a_slow_key_slot_derivation_holds_up_neither_other_commands_nor_the_shutdown() {
+    let dir = tmpdir();
+    let d = dir.path();
+    let (pass, pass2) = (d.join("pass"), d.join("pass2"));
+    std::fs::write(&pass, b"first").unwrap();
+    std::fs::write(&pass2, b"second").unwrap();
+    let stack = crypt_over_a_mirror(d, &pass);
+    let ctl = d.join("admin.sock");
+    let mut srv = Server::start_in(tmpdir(), &[path_str(&stack), "--admin", path_str(&ctl)]);
+    let add = |file: &Path, words: &[&str]| {
+        let mut args = vec!["crypt", "add", "c", path_str(file)];
+        args.extend(words);
+        super::admin::admin(&ctl, &args)
+    };
+    let huge = add(&pass2, &["kdf_iterations=4294967295"]);
+    let said = text(&huge.stderr);
+    assert!(
+        !huge.status.success() && said.contains("more than the 60 s a new key slot may"),
+        "{said}"
+    );
+    let secs = estimate_seconds(&said);
+    assert!(secs > 600.0, "{said}");
+    let fifo = d.join("fifo");
+    success("mkfifo", &run(Command::new("mkfifo").arg(&fifo)));
+    let big = d.join("big");
+    std::fs::write(&big, vec![b'x'; (8 << 20) + 1]).unwrap();
+    for (file, why) in [
+        (&fifo, "is a FIFO"),
+        (&d.to_path_buf(), "is a directory"),
+        (&big, "is larger than 8388608 bytes"),
+    ] {
+        super::admin::refused(&ctl, &["crypt", "add", "c", path_str(file)], why);
+    }
+    // About 20 s of derivation here, by the estimate: well within the bound.
+    let iterations = (4_294_967_295.0 * 20.0 / secs) as u64;
+    let slow = std::thread::spawn({
+        let (ctl, pass2) = (ctl.clone(), pass2.clone());
+        move || {
+            super::admin::admin(
+                &ctl,
+                &[
+                    "crypt",
+                    "add",
+                    "c",
+                    path_str(&pass2),
+                    &format!("kdf_iterations={iterations}"),
+                ],
+            )
+        }
+    });
+    assert!(
+        srv.wait_for_stderr("deriving a new key slot's key", Duration::from_secs(60)),
+        "{}",
+        srv.stderr()
+    );
+    let status = success("status", &super::admin::admin(&ctl, &["status"]));
+    assert!(status.contains("crypt over m"), "{status}");
+    let (code, log) = srv.stop();
+    assert!(code.success(), "{log}");
+    assert!(!log.contains("did not end"), "{log}");
+    let cut = slow.join().unwrap();
+    assert!(!cut.status.success(), "{cut:?}");
+    // The next start finds the mirror stopped cleanly, and only key slot 0.
+    let srv = Server::start_in(tmpdir(), &[path_str(&stack), "--admin", path_str(&ctl)]);
+    let list = success("crypt list", &super::admin::admin(&ctl, &["crypt", "list"]));
+    assert!(list.contains("key slots: 0 pbkdf2"), "{list}");
+    assert!(!list.contains(", 1 "), "{list}");
+    assert!(
+        !srv.stderr().contains("not stopped cleanly"),
+        "{}",
+        srv.stderr()
+    );
+}

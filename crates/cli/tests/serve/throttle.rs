@@ -78,10 +78,6 @@ fn a_throttle_delays_what_is_over_its_limit_and_changes_live() {
             vec!["throttle", "set", "m", "iops=5"],
             "no throttle device 'm'",
         ),
-        (
-            vec!["throttle", "set", "t", "iops=0", "bps_read=0"],
-            "no limit",
-        ),
     ] {
         super::admin::refused(&ctl, &words, why);
     }
@@ -98,4 +94,83 @@ fn a_throttle_delays_what_is_over_its_limit_and_changes_live() {
         metrics.contains("cairn_throttle_requests_total{device=\"t\"} 192"),
         "{metrics}"
     );
+    // 0 takes a limit away, the last one too: the throttle then passes everything.
+    let said = success(
+        "throttle set",
+        &super::admin::admin(&ctl, &["throttle", "set", "t", "iops=0", "bps_read=0"]),
+    );
+    assert!(said.contains("now no limits"), "{said}");
+}
+
+/// 64 reads queued behind a throttle of 1 byte a second (each 4 KiB read waits over an
+/// hour for the one before it), 63 of them waiting as `throttle list` shows; then a
+/// live change releases them: raising the limit, or taking the only one away. Every
+/// read completes with its data, which the old limit would have taken three days to
+/// allow (the script has two minutes).
+const HELD: &str = r#"
+import json
+import os
+import subprocess
+import time
+import nbd
+h = nbd.NBD()
+h.connect_unix(os.environ["CAIRN_SOCK"])
+cmds = [h.aio_pread(nbd.Buffer(4096), i * 4096) for i in range(64)]
+def admin(*words):
+    out = subprocess.run([os.environ["CAIRN_BIN"], "admin", os.environ["CAIRN_ADMIN"], *words],
+                         check=True, capture_output=True, text=True).stdout
+    return out
+while True:
+    h.poll(0)
+    if json.loads(admin("throttle", "list", "--json"))[0]["waiting"] == 63:
+        break
+    time.sleep(0.01)
+print(admin("throttle", "set", "t", os.environ["CAIRN_CHANGE"]).strip())
+while h.aio_in_flight() > 0:
+    h.poll(-1)
+for c in cmds:
+    assert h.aio_command_completed(c)
+print("released")
+"#;
+
+#[test]
+fn a_changed_limit_releases_the_requests_already_waiting() {
+    const NAME: &str = "throttle::a_changed_limit_releases_the_requests_already_waiting";
+    let Some(python) = python_with_libnbd(NAME) else {
+        return;
+    };
+    for change in ["bps=100G", "bps=0"] {
+        let dir = tmpdir();
+        let ctl = dir.path().join("admin.sock");
+        let stack = write_stack(
+            &dir,
+            "[device.m]\ntype = \"mem\"\nsize = \"1M\"\n\
+             [device.t]\ntype = \"throttle\"\nbase = \"m\"\nbps = 1\n\
+             [export.t]\ndevice = \"t\"\n",
+        );
+        let srv = Server::start_in(tmpdir(), &[path_str(&stack), "--admin", path_str(&ctl)]);
+        let out = libnbd_script(
+            &python,
+            HELD,
+            &srv.sock,
+            &[
+                ("CAIRN_BIN", env!("CARGO_BIN_EXE_cairn").to_string()),
+                ("CAIRN_ADMIN", path_str(&ctl).to_string()),
+                ("CAIRN_CHANGE", change.to_string()),
+            ],
+            "released",
+        );
+        let want = if change == "bps=0" {
+            "now no limits"
+        } else {
+            "now bps 100GiB/s"
+        };
+        assert!(out.contains(want), "{change}: {out}");
+        let list = super::observe::json(
+            "throttle list --json",
+            &super::admin::admin(&ctl, &["throttle", "list", "--json"]),
+        );
+        assert_eq!(list[0]["requests"], 64, "{list:#}");
+        assert_eq!(list[0]["waiting"], 0, "{list:#}");
+    }
 }

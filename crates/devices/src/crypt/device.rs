@@ -2,7 +2,9 @@
 //!
 //! Opening reads the base's LUKS header (either version) and opens a key slot with the
 //! passphrase, or checks a raw volume key against the header's digest; `create = true`
-//! formats a blank base first. Requests then run on the reactor that submits them: a
+//! formats a blank base first (zeros over the whole header and key slot area and the
+//! start of the data: a volume with a wiped header is opened from its secondary copy or
+//! refused, never formatted over). Requests then run on the reactor that submits them: a
 //! read goes to the base into the caller's buffer and is decrypted there when it
 //! completes; a write is encrypted into a bounce buffer of the queue's own (the caller's
 //! buffer is never changed) and sent from it. Write-zeroes and discard write encrypted
@@ -17,9 +19,9 @@ use cairn_core::blocking::BlockingQueue;
 use cairn_core::{Core, Device, Error, Geometry, IoFlags, Queue, Switches};
 
 use super::queue::CryptQueue;
-use super::volume::{probe, Format, Luks, Probe, PROBE_BYTES};
+use super::volume::{probe, Format, Luks, Probe, BLANK_BYTES};
 use super::xts::{Xts, KEY_BYTES};
-use super::{Kdf, Secret, Segment, SlotInfo};
+use super::{Kdf, Secret, Segment, SlotInfo, SlotKey};
 
 /// Largest passphrase file read (cryptsetup's limit for key files).
 pub const PASSPHRASE_BYTES_MAX: u64 = 8 << 20;
@@ -31,7 +33,7 @@ pub struct CryptOptions {
     pub passphrase_file: Option<PathBuf>,
     /// A file holding the raw volume key (32 or 64 bytes).
     pub key_file: Option<PathBuf>,
-    /// Format a blank base (all zeros where the header goes).
+    /// Format a blank base (zeros over the first [`BLANK_BYTES`]).
     pub create: bool,
     /// The version to make with `create`; when opening, the version expected.
     pub format: Option<Format>,
@@ -67,21 +69,64 @@ impl CryptOptions {
     }
 }
 
-/// Reads a secret file: the passphrase or a raw key.
+/// Reads a secret file: the passphrase or a raw key. Only a regular file is read: a FIFO
+/// (or a device, a socket) could block the reader forever or never end, so it is refused
+/// before a byte is read; opening does not block either (`O_NONBLOCK`, so a FIFO with no
+/// writer opens at once to be refused). At most [`PASSPHRASE_BYTES_MAX`] bytes are read,
+/// whatever the file's size says while it is read.
 pub fn read_secret(key: &str, path: &Path) -> Result<Secret, String> {
-    let meta = std::fs::metadata(path).map_err(|e| format!("{key} '{}': {e}", path.display()))?;
-    if meta.len() > PASSPHRASE_BYTES_MAX {
-        return Err(format!(
-            "{key} '{}' is larger than {} bytes",
-            path.display(),
-            PASSPHRASE_BYTES_MAX
-        ));
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let said = |what: String| format!("{key} '{}'{what}", path.display());
+    let io = |e: std::io::Error| said(format!(": {e}"));
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(io)?;
+    let meta = file.metadata().map_err(io)?;
+    if !meta.file_type().is_file() {
+        return Err(said(format!(
+            " is {}: a secret is read from a regular file only",
+            file_kind(meta.file_type())
+        )));
     }
-    let s = Secret(std::fs::read(path).map_err(|e| format!("{key} '{}': {e}", path.display()))?);
+    let too_big = || {
+        said(format!(
+            " is larger than {PASSPHRASE_BYTES_MAX} bytes (cryptsetup's limit for a key file)"
+        ))
+    };
+    if meta.len() > PASSPHRASE_BYTES_MAX {
+        return Err(too_big());
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.take(PASSPHRASE_BYTES_MAX + 1)
+        .read_to_end(&mut bytes)
+        .map_err(io)?;
+    let s = Secret(bytes);
+    if s.0.len() as u64 > PASSPHRASE_BYTES_MAX {
+        return Err(too_big());
+    }
     if s.0.is_empty() {
-        return Err(format!("{key} '{}' is empty", path.display()));
+        return Err(said(" is empty".into()));
     }
     Ok(s)
+}
+
+/// What a file that is not a regular one is, for a refusal.
+fn file_kind(kind: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_dir() {
+        "a directory"
+    } else if kind.is_char_device() || kind.is_block_device() {
+        "a device"
+    } else if kind.is_socket() {
+        "a socket"
+    } else {
+        "not a regular file"
+    }
 }
 
 /// Keys a check before opening (`serve` and `bench` check the whole stack first) found
@@ -217,11 +262,11 @@ impl CryptDevice {
     ) -> Result<CryptDevice, String> {
         let secrets = Secrets::read(opts)?;
         let io = HeaderIo::open(&base)?;
-        let mut first = vec![0u8; PROBE_BYTES];
-        io.read(0, &mut first)?;
         let base_name = base.name().to_string();
+        let size = base.geometry().size_bytes;
+        let found = probe(&mut |at, b| io.read(at, b), size, opts.create)?;
         let mut stand_in = false;
-        let (luks, key, slot) = match probe(&first) {
+        let (luks, key, slot) = match found {
             Probe::Luks(found) => secrets.open(found, opts, &io, &base_name, write)?,
             Probe::Blank if opts.create => {
                 let (luks, key) = secrets.format(name, &base, opts, &io, write)?;
@@ -233,6 +278,7 @@ impl CryptDevice {
                     "base '{base_name}' holds no LUKS header (create = true formats a blank one)"
                 ))
             }
+            Probe::NotBlank(at) => return Err(not_blank(&base_name, at)),
             Probe::Other => {
                 return Err(format!(
                     "base '{base_name}' holds something that is not a LUKS header{}",
@@ -288,15 +334,26 @@ impl CryptDevice {
 
     /// Adds a key slot opened by `passphrase` (with `kdf`, or the device's default).
     pub fn add_slot(&self, passphrase: &Secret, kdf: Option<Kdf>) -> Result<usize, String> {
+        let (kdf, len) = self.new_slot_kdf(kdf)?;
+        let slot_key = SlotKey::derive(kdf, &passphrase.0, len)?;
+        self.add_derived_slot(&slot_key)
+    }
+
+    /// What a new key slot asking for `kdf` (or the device's default) derives its key
+    /// with, checked against the header, and the key's length: the slow part of adding a
+    /// slot, [`SlotKey::derive`], needs nothing more, and no device.
+    pub fn new_slot_kdf(&self, kdf: Option<Kdf>) -> Result<(Kdf, usize), String> {
+        let keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+        let kdf = keys.luks.slot_kdf(kdf.unwrap_or(self.kdf_default))?;
+        Ok((kdf, keys.luks.key_bytes()))
+    }
+
+    /// Adds a key slot whose key was derived already: its material, then the header.
+    pub fn add_derived_slot(&self, slot_key: &SlotKey) -> Result<usize, String> {
         let io = HeaderIo::open(&self.base)?;
         let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
         let Keys { luks, key } = &mut *keys;
-        luks.add_slot(
-            &mut |at, b| io.write(at, b),
-            key,
-            &passphrase.0,
-            kdf.unwrap_or(self.kdf_default),
-        )
+        luks.add_derived_slot(&mut |at, b| io.write(at, b), key, slot_key)
     }
 
     /// Removes key slot `slot` (never the last one).
@@ -460,6 +517,19 @@ impl Secrets {
     }
 }
 
+/// Why `create` leaves a base alone whose first 4 KiB are zeros but that holds something
+/// at `at`: a LUKS volume whose header was wiped keeps its key slots and data there, and
+/// formatting would destroy them for good.
+fn not_blank(base_name: &str, at: u64) -> String {
+    format!(
+        "base '{base_name}' holds no LUKS header but is not blank: byte {at} is not zero \
+         (the key slots or data of a volume whose header was wiped, say); create formats \
+         only a base whose first {} are zeros, and writes nothing here: to destroy what \
+         it holds, zero them first",
+        cairn_core::size::format_bytes(BLANK_BYTES)
+    )
+}
+
 /// The bytes of data a device over `base` with `segment` holds, and its block size.
 fn data_size(base: &Arc<dyn Device>, segment: Segment) -> Result<(u64, u32), String> {
     let geo = base.geometry();
@@ -547,5 +617,33 @@ impl Device for CryptDevice {
     }
     fn read_only(&self) -> bool {
         self.base.read_only()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only a regular file of at most 8 MiB is read: a FIFO nobody writes (which would
+    /// block the reader forever), a directory or a larger file is refused at once.
+    #[test]
+    fn a_secret_is_read_from_a_regular_file_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        assert!(made.is_ok_and(|s| s.success()), "mkfifo");
+        let big = dir.path().join("big");
+        std::fs::write(&big, vec![b'x'; PASSPHRASE_BYTES_MAX as usize + 1]).unwrap();
+        let fine = dir.path().join("fine");
+        std::fs::write(&fine, b"pass\n").unwrap();
+        for (path, why) in [
+            (&fifo, "is a FIFO"),
+            (&dir.path().to_path_buf(), "is a directory"),
+            (&big, "is larger than 8388608 bytes"),
+        ] {
+            let e = read_secret("passphrase_file", path).unwrap_err();
+            assert!(e.contains(why), "{e}");
+        }
+        assert_eq!(read_secret("passphrase_file", &fine).unwrap().0, b"pass\n");
     }
 }

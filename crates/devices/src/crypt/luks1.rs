@@ -10,7 +10,7 @@
 //! 512-byte sectors whose IVs count from 0.
 
 use super::xts::{Secret, Xts};
-use super::{Kdf, Segment, SlotInfo, WriteAt};
+use super::{Kdf, Segment, SlotInfo, SlotKey, WriteAt};
 
 /// The magic of a LUKS header: `LUKS` 0xBA 0xBE.
 pub const MAGIC: [u8; 6] = *b"LUKS\xba\xbe";
@@ -325,7 +325,7 @@ impl Header {
         passphrase: &[u8],
         kdf: Kdf,
     ) -> Result<Header, String> {
-        let Kdf::Pbkdf2 { hash, iterations } = kdf else {
+        let Kdf::Pbkdf2 { hash, .. } = kdf else {
             return Err("LUKS1 key slots use pbkdf2 only (argon2id needs LUKS2)".into());
         };
         let key_bytes = key.0.len() as u32;
@@ -358,30 +358,32 @@ impl Header {
         };
         super::random(&mut h.digest_salt)?;
         hash.pbkdf2(&key.0, &h.digest_salt, DIGEST_ITERATIONS, &mut h.digest);
+        let slot_key = SlotKey::derive(h.slot_kdf(kdf)?, passphrase, key_bytes as usize)?;
         write(0, &vec![0u8; h.payload_sector as usize * 512])?;
-        h.fill_slot(write, 0, key, passphrase, iterations)?;
+        h.fill_slot(write, 0, key, &slot_key)?;
         write(0, &h.encode())?;
         Ok(h)
     }
 
-    /// Writes key material for slot `i` and marks it active in memory (not the header).
+    /// Writes key material for slot `i`, ciphered with `slot_key`, and marks it active
+    /// in memory (not the header).
     fn fill_slot(
         &mut self,
         write: &mut WriteAt<'_>,
         i: usize,
         key: &Secret,
-        passphrase: &[u8],
-        iterations: u32,
+        slot_key: &SlotKey,
     ) -> Result<(), String> {
-        if iterations == 0 {
-            return Err("pbkdf2 needs at least one iteration".into());
+        let iterations = match slot_key.kdf {
+            Kdf::Pbkdf2 { hash, iterations } if hash == self.hash && iterations > 0 => iterations,
+            other => return Err(format!("a LUKS1 slot of this header cannot use {other}")),
+        };
+        if slot_key.key.0.len() != self.key_bytes as usize {
+            return Err("the slot key is not as long as the master key".into());
         }
         let s = &mut self.slots[i];
-        super::random(&mut s.salt)?;
+        s.salt = slot_key.salt;
         s.iterations = iterations;
-        let mut slot_key = Secret(vec![0u8; self.key_bytes as usize]);
-        self.hash
-            .pbkdf2(passphrase, &s.salt, iterations, &mut slot_key.0);
         let mut fail = None;
         let mut split = af_split(&key.0, s.stripes as usize, self.hash, &mut |b| {
             if let Err(e) = super::random(b) {
@@ -393,7 +395,7 @@ impl Header {
         }
         let bytes = material_sectors(self.key_bytes, s.stripes) as usize * 512;
         split.0.resize(bytes, 0);
-        Xts::new(&slot_key.0)?.run(&mut split.0, 512, 0, true);
+        Xts::new(&slot_key.key.0)?.run(&mut split.0, 512, 0, true);
         write(u64::from(s.material_sector) * 512, &split.0)?;
         s.active = true;
         Ok(())
@@ -409,23 +411,51 @@ impl Header {
         passphrase: &[u8],
         kdf: Kdf,
     ) -> Result<usize, String> {
-        // A LUKS1 header has one hash, for its digest and every slot.
+        let kdf = self.slot_kdf(kdf)?;
+        let slot_key = SlotKey::derive(kdf, passphrase, self.key_bytes as usize)?;
+        self.add_derived_slot(write, key, &slot_key)
+    }
+
+    /// The key derivation a new slot with `kdf` gets (a LUKS1 header has one hash, for
+    /// its digest and every slot), checked, once a slot is free: what to derive its key
+    /// with before [`Header::add_derived_slot`].
+    pub fn slot_kdf(&self, kdf: Kdf) -> Result<Kdf, String> {
         let iterations = match kdf {
+            Kdf::Pbkdf2 { iterations: 0, .. } => {
+                return Err("pbkdf2 needs at least one iteration".into())
+            }
             Kdf::Pbkdf2 { iterations, .. } => iterations,
             Kdf::Argon2id { .. } | Kdf::Argon2i { .. } => {
                 return Err("LUKS1 key slots use pbkdf2 only (argon2 needs LUKS2)".into())
             }
         };
+        self.free_slot()?;
+        Ok(Kdf::Pbkdf2 {
+            hash: self.hash,
+            iterations,
+        })
+    }
+
+    fn free_slot(&self) -> Result<usize, String> {
+        self.slots
+            .iter()
+            .position(|s| !s.active)
+            .ok_or_else(|| "all 8 key slots are in use: remove one first".into())
+    }
+
+    /// [`Header::add_slot`] with the slot's key derived already.
+    pub fn add_derived_slot(
+        &mut self,
+        write: &mut WriteAt<'_>,
+        key: &Secret,
+        slot_key: &SlotKey,
+    ) -> Result<usize, String> {
         if !self.check(&key.0) {
             return Err("the key is not this header's master key".into());
         }
-        let i = self
-            .slots
-            .iter()
-            .position(|s| !s.active)
-            .ok_or("all 8 key slots are in use: remove one first")?;
+        let i = self.free_slot()?;
         let mut next = self.clone();
-        next.fill_slot(write, i, key, passphrase, iterations)?;
+        next.fill_slot(write, i, key, slot_key)?;
         write(0, &next.encode())?;
         *self = next;
         Ok(i)

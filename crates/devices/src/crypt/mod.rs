@@ -5,12 +5,14 @@
 
 pub mod device;
 pub mod evp;
+pub mod kdf;
 pub mod luks1;
 pub mod luks2;
 mod queue;
 pub mod volume;
 pub mod xts;
 
+pub use kdf::SlotKey;
 pub use luks1::Hash;
 pub use xts::Secret;
 

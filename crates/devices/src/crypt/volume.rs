@@ -1,7 +1,7 @@
 //! A LUKS header of either version, behind one interface: what the crypt device opens,
 //! makes and changes.
 
-use super::{luks1, luks2, Kdf, ReadAt, Secret, Segment, SlotInfo, WriteAt};
+use super::{luks1, luks2, Kdf, ReadAt, Secret, Segment, SlotInfo, SlotKey, WriteAt};
 
 /// Which LUKS version.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,31 +43,70 @@ pub enum Luks {
 /// and version.
 pub const PROBE_BYTES: usize = 4096;
 
-/// What the first bytes of a device hold.
+/// How far `create` looks for what a LUKS volume leaves behind before it formats: the
+/// header and key slot area of LUKS2's default layout (16 MiB; LUKS1's, up to its
+/// payload at 2 MiB, lies within it) and the first MiB of the data that follows it.
+pub const BLANK_BYTES: u64 = 17 << 20;
+
+/// What the start of a device holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Probe {
-    /// A LUKS header of this version.
+    /// A LUKS header of this version (for LUKS2, perhaps only its secondary copy).
     Luks(Format),
-    /// Zeros only: a blank device `create` may format.
+    /// Zeros only, as far as asked: a blank device `create` may format.
     Blank,
-    /// Something else.
+    /// Something that is not a LUKS header in the first [`PROBE_BYTES`].
     Other,
+    /// Zeros where a header starts but not at this offset (below [`BLANK_BYTES`]): the
+    /// key slots or data of a volume whose header was wiped, say.
+    NotBlank(u64),
 }
 
-/// What `first` (the device's first [`PROBE_BYTES`]) holds.
-pub fn probe(first: &[u8]) -> Probe {
-    if first.len() >= 8 && first[..6] == luks1::MAGIC {
-        match u16::from_be_bytes([first[6], first[7]]) {
-            1 => return Probe::Luks(Format::Luks1),
-            2 => return Probe::Luks(Format::Luks2),
-            _ => return Probe::Other,
+/// What a device of `size` bytes holds at its start: a LUKS header (the primary copy, or
+/// when the first 4 KiB are zeros a LUKS2 secondary copy at one of the standard
+/// offsets), or, with `whole`, whether everything up to [`BLANK_BYTES`] is zeros.
+pub fn probe(read: &mut ReadAt<'_>, size: u64, whole: bool) -> Result<Probe, String> {
+    let mut first = vec![0u8; PROBE_BYTES];
+    read(0, &mut first)?;
+    if first[..6] == luks1::MAGIC {
+        return Ok(match u16::from_be_bytes([first[6], first[7]]) {
+            1 => Probe::Luks(Format::Luks1),
+            2 => Probe::Luks(Format::Luks2),
+            _ => Probe::Other,
+        });
+    }
+    if first.iter().any(|&b| b != 0) {
+        return Ok(Probe::Other);
+    }
+    // The primary copy wiped: the secondary one still opens the volume, as cryptsetup
+    // finds it.
+    for at in luks2::HEADER_BYTES {
+        let mut magic = [0u8; 6];
+        if at
+            .checked_add(PROBE_BYTES as u64)
+            .is_some_and(|end| end <= size)
+        {
+            read(at, &mut magic)?;
+            if magic == luks2::MAGIC_SECONDARY {
+                return Ok(Probe::Luks(Format::Luks2));
+            }
         }
     }
-    if first.iter().all(|&b| b == 0) {
-        Probe::Blank
-    } else {
-        Probe::Other
+    if !whole {
+        return Ok(Probe::Blank);
     }
+    let end = size.min(BLANK_BYTES);
+    let mut chunk = vec![0u8; 1 << 20];
+    let mut at = PROBE_BYTES as u64;
+    while at < end {
+        let n = (end - at).min(chunk.len() as u64) as usize;
+        read(at, &mut chunk[..n])?;
+        if let Some(i) = chunk[..n].iter().position(|&b| b != 0) {
+            return Ok(Probe::NotBlank(at + i as u64));
+        }
+        at += n as u64;
+    }
+    Ok(Probe::Blank)
 }
 
 impl Luks {
@@ -184,6 +223,29 @@ impl Luks {
         match self {
             Luks::V1(h) => h.add_slot(write, key, passphrase, kdf),
             Luks::V2(h) => h.add_slot(write, key, passphrase, kdf),
+        }
+    }
+
+    /// The key derivation a new slot asking for `kdf` gets (LUKS1: PBKDF2 with the
+    /// header's hash), checked, once a slot is free.
+    pub fn slot_kdf(&self, kdf: Kdf) -> Result<Kdf, String> {
+        match self {
+            Luks::V1(h) => h.slot_kdf(kdf),
+            Luks::V2(h) => h.slot_kdf(kdf),
+        }
+    }
+
+    /// Adds a slot holding `key`, its material ciphered with `slot_key` (derived with
+    /// what [`Luks::slot_kdf`] said).
+    pub fn add_derived_slot(
+        &mut self,
+        write: &mut WriteAt<'_>,
+        key: &Secret,
+        slot_key: &SlotKey,
+    ) -> Result<usize, String> {
+        match self {
+            Luks::V1(h) => h.add_derived_slot(write, key, slot_key),
+            Luks::V2(h) => h.add_derived_slot(write, key, slot_key),
         }
     }
 

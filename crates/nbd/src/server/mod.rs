@@ -335,8 +335,11 @@ pub fn serve(
         None => served.accept_until_signal(&listeners, &signals)?,
     };
     stop(listeners, &shared, &config.frontends, threads);
-    // The devices are closed when `exports` is dropped, here, on this thread.
     closing.now();
+    // The devices are closed here, on this thread, when the exports leave the table:
+    // others may hold the table longer (the operator's view of it, in an admin command
+    // still running), and a device closed by them could be cut off by the exit.
+    drop(table.close());
     Ok(())
 }
 

@@ -70,6 +70,12 @@ impl ExportTable {
         }
     }
 
+    /// Takes every export out (serving has ended): the caller drops them, and so closes
+    /// their devices, whoever else still holds the table.
+    pub(crate) fn close(&self) -> Vec<Arc<Listed>> {
+        std::mem::take(&mut *self.list_mut())
+    }
+
     /// The exports now, in the order they are listed.
     pub fn snapshot(&self) -> Vec<Arc<Listed>> {
         self.list().clone()

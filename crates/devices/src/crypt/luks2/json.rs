@@ -11,7 +11,7 @@ use super::fields::{
 use super::{area_bytes, material_bytes, BINARY_BYTES, CIPHER, STRIPES};
 use crate::crypt::luks1::af_split;
 use crate::crypt::xts::{Xts, KEY_BYTES};
-use crate::crypt::{Hash, Kdf, Secret, Segment, WriteAt};
+use crate::crypt::{Hash, Kdf, Secret, Segment, SlotKey, WriteAt};
 
 /// The largest key slot area cryptsetup accepts.
 const MAX_KEYSLOTS_AREA: u64 = 128 << 20;
@@ -440,33 +440,10 @@ fn check_overlaps(keyslots: &BTreeMap<usize, Keyslot>) -> Parsed<()> {
 impl SlotKdf {
     /// The key of `len` bytes it derives from `passphrase`.
     pub(super) fn derive(&self, passphrase: &[u8], len: usize) -> Result<Secret, String> {
-        let mut key = Secret(vec![0u8; len]);
-        match self {
-            SlotKdf::Pbkdf2 {
-                hash,
-                iterations,
-                salt,
-            } => hash.pbkdf2(passphrase, salt, *iterations, &mut key.0),
-            SlotKdf::Argon2 {
-                algorithm,
-                time,
-                memory_kib,
-                lanes,
-                salt,
-            } => {
-                let params = argon2::Params::new(*memory_kib, *time, *lanes, Some(len))
-                    .map_err(|e| format!("argon2 parameters: {e}"))?;
-                let argon = argon2::Argon2::new(*algorithm, argon2::Version::V0x13, params);
-                // The lanes run on rayon's threads, started at the first use: with this
-                // thread's signals blocked they inherit the mask, so a SIGTERM meant for
-                // `cairn serve` never lands on one (and kills the process by default).
-                cairn_core::reactor::with_signals_blocked(|| {
-                    argon.hash_password_into(passphrase, salt, &mut key.0)
-                })
-                .map_err(|e| format!("argon2: {e}"))?;
-            }
-        }
-        Ok(key)
+        let salt = match self {
+            SlotKdf::Pbkdf2 { salt, .. } | SlotKdf::Argon2 { salt, .. } => salt,
+        };
+        crate::crypt::kdf::derive(self.public(), passphrase, salt, len)
     }
 
     /// As the admin sees it.
@@ -559,19 +536,23 @@ pub(super) fn check_kdf(kdf: Kdf) -> Result<(), String> {
     }
 }
 
-/// Writes the key material of a new key slot for `key` opened by `passphrase` at
-/// `area_offset`, and returns the slot's JSON.
+/// Writes the key material of a new key slot for `key` ciphered with `slot_key` (derived
+/// from its passphrase) at `area_offset`, and returns the slot's JSON.
 pub(super) fn new_keyslot(
     write: &mut WriteAt<'_>,
     key: &Secret,
-    passphrase: &[u8],
-    kdf: Kdf,
+    slot_key: &SlotKey,
     area_offset: u64,
 ) -> Result<Value, String> {
     let key_bytes = key.0.len();
-    let mut salt = vec![0u8; 32];
-    crate::crypt::random(&mut salt)?;
-    let (slot_kdf, af_hash) = match kdf {
+    if slot_key.key.0.len() != key_bytes {
+        return Err(format!(
+            "a slot key of {} bytes for a {key_bytes}-byte volume key",
+            slot_key.key.0.len()
+        ));
+    }
+    let salt = slot_key.salt.to_vec();
+    let (slot_kdf, af_hash) = match slot_key.kdf {
         Kdf::Pbkdf2 { hash, iterations } => (
             SlotKdf::Pbkdf2 {
                 hash,
@@ -580,7 +561,7 @@ pub(super) fn new_keyslot(
             },
             hash,
         ),
-        Kdf::Argon2id {
+        kdf @ (Kdf::Argon2id {
             time,
             memory_kib,
             parallel,
@@ -589,7 +570,7 @@ pub(super) fn new_keyslot(
             time,
             memory_kib,
             parallel,
-        } => (
+        }) => (
             SlotKdf::Argon2 {
                 algorithm: if matches!(kdf, Kdf::Argon2i { .. }) {
                     argon2::Algorithm::Argon2i
@@ -604,7 +585,7 @@ pub(super) fn new_keyslot(
             Hash::Sha256,
         ),
     };
-    let area_key = slot_kdf.derive(passphrase, key_bytes)?;
+    let area_key = &slot_key.key;
     let mut fail = None;
     let split = af_split(&key.0, STRIPES as usize, af_hash, &mut |b| {
         if let Err(e) = crate::crypt::random(b) {

@@ -24,7 +24,7 @@ use serde_json::{json, Map, Value};
 
 use super::luks1::af_merge;
 use super::xts::{Xts, KEY_BYTES};
-use super::{Hash, Kdf, ReadAt, Secret, Segment, SlotInfo, WriteAt};
+use super::{Hash, Kdf, ReadAt, Secret, Segment, SlotInfo, SlotKey, WriteAt};
 use copies::{choose, decode_copy, read_copy, scan_secondary, CopyFault, LABEL_BYTES};
 use fields::base64_encode;
 use json::{check_kdf, new_keyslot, Fault, Keyslot, Meta};
@@ -177,10 +177,11 @@ impl Header {
             return Err(format!("a sector size of {sector_bytes} (512 or 4096 are)"));
         }
         check_kdf(kdf)?;
+        let slot_key = SlotKey::derive(kdf, passphrase, key_bytes)?;
         let keyslots_start = 2 * DEFAULT_HEADER_BYTES;
         fill(write, 0, keyslots_start, false)?;
         fill(write, keyslots_start, DATA_OFFSET, true)?;
-        let slot = new_keyslot(write, key, passphrase, kdf, keyslots_start)?;
+        let slot = new_keyslot(write, key, &slot_key, keyslots_start)?;
         let mut salt = [0u8; 32];
         super::random(&mut salt)?;
         let mut digest = [0u8; 32];
@@ -234,19 +235,46 @@ impl Header {
         passphrase: &[u8],
         kdf: Kdf,
     ) -> Result<usize, String> {
-        if key.0.len() != self.meta.key_bytes || !self.check(&key.0) {
-            return Err("the key is not this header's volume key".into());
-        }
+        let kdf = self.slot_kdf(kdf)?;
+        let slot_key = SlotKey::derive(kdf, passphrase, self.meta.key_bytes)?;
+        self.add_derived_slot(write, key, &slot_key)
+    }
+
+    /// The key derivation a new slot with `kdf` gets, checked, once a slot number and
+    /// room for its area are free: what to derive its key with before
+    /// [`Header::add_derived_slot`].
+    pub fn slot_kdf(&self, kdf: Kdf) -> Result<Kdf, String> {
         check_kdf(kdf)?;
+        self.free_slot()?;
+        Ok(kdf)
+    }
+
+    /// The lowest free slot number, and where its area goes.
+    fn free_slot(&self) -> Result<(usize, u64), String> {
         let n = (0..MAX_SLOTS)
             .find(|n| !self.meta.keyslots.contains_key(n))
             .ok_or(format!(
                 "all {MAX_SLOTS} key slots are in use: remove one first"
             ))?;
         let offset = self
-            .free_area(area_bytes(key.0.len()))
+            .free_area(area_bytes(self.meta.key_bytes))
             .ok_or("no room left in the key slot area: remove a key slot first")?;
-        let slot = new_keyslot(write, key, passphrase, kdf, offset)?;
+        Ok((n, offset))
+    }
+
+    /// [`Header::add_slot`] with the slot's key derived already.
+    pub fn add_derived_slot(
+        &mut self,
+        write: &mut WriteAt<'_>,
+        key: &Secret,
+        slot_key: &SlotKey,
+    ) -> Result<usize, String> {
+        if key.0.len() != self.meta.key_bytes || !self.check(&key.0) {
+            return Err("the key is not this header's volume key".into());
+        }
+        check_kdf(slot_key.kdf)?;
+        let (n, offset) = self.free_slot()?;
+        let slot = new_keyslot(write, key, slot_key, offset)?;
         let name = n.to_string();
         let mut json = self.json.clone();
         section(&mut json, "keyslots")?.insert(name.clone(), slot);
