@@ -14,6 +14,7 @@
 //! metadata written with a valid checksum would.
 
 pub mod array;
+pub mod dirty;
 pub mod luks;
 pub mod thin;
 
@@ -52,6 +53,11 @@ pub const TARGETS: &[Target] = &[
         name: "thin_checkpoint",
         run: thin::checkpoint,
         seeds: thin::checkpoint_seeds,
+    },
+    Target {
+        name: "dirty_directory",
+        run: dirty::directory,
+        seeds: dirty::seeds,
     },
     Target {
         name: "luks1_header",

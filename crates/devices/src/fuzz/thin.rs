@@ -50,7 +50,13 @@ pub fn superblock(data: &[u8]) -> bool {
         .map(PoolSuperblock::decode)
         .collect();
     for sb in decoded.iter().flatten() {
-        assert_eq!(PoolSuperblock::decode(&sb.encode()).as_ref(), Ok(sb));
+        // A version 1 superblock is written back as the current version, the rest the
+        // same.
+        let written = PoolSuperblock {
+            version: VERSION,
+            ..sb.clone()
+        };
+        assert_eq!(PoolSuperblock::decode(&sb.encode()), Ok(written));
     }
     match pick(&area) {
         Ok((sb, slot, other)) => {
@@ -245,6 +251,9 @@ pub fn superblock_seeds() -> Vec<(String, Vec<u8>)> {
     on_data.data_offset = on_data.data_offset.div_ceil(BLOCK_BYTES_POOL) * BLOCK_BYTES_POOL;
     let mut torn = pool_superblock(16384, 10).encode();
     torn[SLOT_BYTES / 2..].fill(0);
+    // As a version 1 pool wrote it (the same fields; read, then written as version 2).
+    let mut version_1 = clean.encode();
+    version_1[8..12].copy_from_slice(&1u32.to_le_bytes());
     let mut wide = pool_superblock(16384, 3);
     wide.checkpoint_pages = 1 << 52;
     wide.checkpoint_in_use = 1;
@@ -265,6 +274,10 @@ pub fn superblock_seeds() -> Vec<(String, Vec<u8>)> {
         (
             "valid-torn-newer".into(),
             slots_input(0, &clean.encode(), &torn),
+        ),
+        (
+            "valid-version-1".into(),
+            slots_input(RESEAL, &version_1, &[]),
         ),
         (
             "damaged-pages".into(),
