@@ -153,8 +153,12 @@ pub const HEADER_BYTES: usize = 592;
 
 impl Header {
     /// The header at the start of `b` (at least [`HEADER_BYTES`]), or why it is not one
-    /// cairn can open.
+    /// cairn can open (in one line, whatever the header's strings hold).
     pub fn decode(b: &[u8]) -> Result<Header, String> {
+        Header::decode_fields(b).map_err(super::one_line)
+    }
+
+    fn decode_fields(b: &[u8]) -> Result<Header, String> {
         if b.len() < HEADER_BYTES || b[..6] != MAGIC {
             return Err("no LUKS header (bad magic)".into());
         }
@@ -679,6 +683,15 @@ mod tests {
             let e = Header::decode(&h.encode()).unwrap_err();
             assert!(e.contains(want), "{want}: {e}");
         }
+    }
+
+    /// A refusal quoting a header's string is one line whatever the string holds.
+    #[test]
+    fn a_refusal_quoting_a_header_string_is_one_line() {
+        let mut b = made();
+        b[72..72 + 9].copy_from_slice(b"sha256\nx\0");
+        let e = Header::decode(&b).unwrap_err();
+        assert!(e.contains("sha256\\nx") && !e.contains('\n'), "{e}");
     }
 
     #[test]

@@ -116,6 +116,23 @@ pub struct SlotInfo {
     pub kdf: Kdf,
 }
 
+/// `msg` with its control characters escaped: a refusal quotes strings read from a
+/// header (a cipher, a hash, a JSON name), which may hold a newline, and is one line.
+pub(crate) fn one_line(msg: String) -> String {
+    if !msg.chars().any(char::is_control) {
+        return msg;
+    }
+    msg.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
 /// Fills `buf` with random bytes from the kernel.
 pub fn random(buf: &mut [u8]) -> Result<(), String> {
     let mut filled = 0;

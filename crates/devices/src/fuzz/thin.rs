@@ -130,7 +130,8 @@ pub fn log(data: &[u8]) -> bool {
     // Applied as opening applies them, up to the first one refused.
     let mut state = PoolState::new(BLOCK_BYTES_POOL, LOG_POOL_BLOCKS);
     for r in &records {
-        if state.apply(r).is_err() {
+        if let Err(e) = state.apply(r) {
+            assert!(!e.contains('\n'), "a refusal of more than one line: {e}");
             break;
         }
     }
@@ -161,7 +162,10 @@ pub fn checkpoint(data: &[u8]) -> bool {
             reopens(&state);
             true
         }
-        Err(_) => false,
+        Err(e) => {
+            assert!(!e.contains('\n'), "a refusal of more than one line: {e}");
+            false
+        }
     }
 }
 

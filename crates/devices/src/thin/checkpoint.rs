@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 
 use super::format::{self, LogBlock, Record};
+use super::pool::check_name;
 use super::state::{block_of, check_volume_size, volume_blocks, BlockState, PoolState, Volume};
 use super::superblock::DATA_BLOCKS_MAX;
 
@@ -95,6 +96,7 @@ pub fn state_from(
                     return Err(format!("volume {vol} twice"));
                 }
                 check_volume_size(*size, block_bytes).map_err(|e| format!("volume {vol}: {e}"))?;
+                check_name(name).map_err(|e| format!("volume {vol}: {e}"))?;
                 state.volumes.insert(
                     *vol,
                     Volume {
@@ -389,6 +391,16 @@ mod tests {
             ),
             (vec![create(1, mib), used(90, 11, 1)], "past the pool"),
             (vec![create(1, mib), used(u64::MAX, 2, 1)], "past the pool"),
+            // A name the pool never gives a volume, printed on one line.
+            (
+                vec![Record::Create {
+                    vol: 1,
+                    size: mib,
+                    flags: 0,
+                    name: "two\nlines".into(),
+                }],
+                "'two\\nlines' is not a volume name",
+            ),
         ];
         for (records, want) in cases {
             let e = state_from(&records, 64 << 10, 100).unwrap_err();

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 
 use super::format::Record;
-use super::pool::{check_size, VOLUME_BLOCKS_MAX};
+use super::pool::{check_name, check_size, VOLUME_BLOCKS_MAX};
 use super::superblock::checkpoint_capacity_max;
 
 /// A mapping entry's bit meaning "this volume holds the block alone" (a hint for the hot
@@ -341,7 +341,10 @@ impl PoolState {
         Ok(())
     }
 
+    /// Whether volume `vol` named `name` may be added: a new id, and a name the pool
+    /// gives volumes (no other, and none a refusal would print on two lines).
     fn new_volume(&self, vol: u32, name: &str) -> Result<(), String> {
+        check_name(name).map_err(|e| format!("volume {vol}: {e}"))?;
         if self.volumes.contains_key(&vol) {
             return Err(format!("volume {vol} exists already"));
         }
@@ -519,9 +522,19 @@ mod tests {
                 start: 1,
                 len: u64::MAX,
             },
+            // Names the pool never gives a volume (a refusal would print them).
+            create(2, "two\nlines"),
+            create(2, ""),
+            Record::Snapshot {
+                src: 1,
+                new: 2,
+                flags: 1,
+                name: "a/b".into(),
+            },
         ] {
             let mut q = p.clone();
-            assert!(q.apply(&bad).is_err(), "{bad:?} was taken");
+            let e = q.apply(&bad).expect_err("taken");
+            assert!(!e.contains('\n'), "{bad:?}: {e}");
             assert_eq!(q, p, "{bad:?} changed the state");
         }
     }

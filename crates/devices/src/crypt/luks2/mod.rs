@@ -94,7 +94,7 @@ impl Header {
             Ok(p) => read_copy(read, p.header_bytes),
             Err(_) => scan_secondary(read),
         };
-        choose(primary, secondary)
+        choose(primary, secondary).map_err(super::one_line)
     }
 
     /// The data segment.

@@ -278,6 +278,25 @@ fn full_string_fields_read_as_they_are_written_back() {
     assert_eq!(img.header().unwrap().uuid(), good);
 }
 
+/// A refusal quoting a header's string (here the checksum algorithm's name, and a
+/// JSON string) is one line whatever the string holds; it used to hold the newline.
+#[test]
+fn a_refusal_quoting_a_header_string_is_one_line() {
+    let mut img = Image::new();
+    let h = Header::create(&mut img.write(), &key(), b"one", PBKDF2, 4096).unwrap();
+    let good = img.0.clone();
+    img.0[72..72 + 8].copy_from_slice(b"sha256\n\0");
+    img.0[(16 << 10) + 72..(16 << 10) + 72 + 8].copy_from_slice(b"sha256\n\0");
+    let e = img.header().unwrap_err();
+    assert!(e.contains("sha256\\n") && !e.contains('\n'), "{e}");
+    img.0 = good;
+    let mut h = h;
+    h.json["segments"]["0"]["encryption"] = json!("serpent\nxts");
+    h.write_copies(&mut img.write()).unwrap();
+    let e = img.header().unwrap_err();
+    assert!(e.contains("serpent\\nxts") && !e.contains('\n'), "{e}");
+}
+
 #[test]
 fn not_luks2_is_refused() {
     let img = Image::new();
