@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Incremental backup (issue 38): what an incremental backup reads and how long it takes,
+"""Incremental backup: what an incremental backup reads and how long it takes,
 against qemu-storage-daemon; what a bitmap costs the writes it counts.
 
   bench/backup.py [--rounds N] [--parts flow,cost] [--size SIZE] [--changed PERCENT]
@@ -437,7 +437,7 @@ def main():
     try:
         rev = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"],
                              stdout=subprocess.PIPE, text=True).stdout.strip()
-        out(f"# Incremental backup (issue 38): `bench/backup.py {' '.join(sys.argv[1:])}`\n",
+        out(f"# Incremental backup: `bench/backup.py {' '.join(sys.argv[1:])}`\n",
             f"{a.rounds} interleaved round(s); cairn {rev}, {os.cpu_count()} CPUs.\n")
         if "flow" in parts:
             flow_part(a)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Encryption (issue 39): what the crypt device costs against the cipher alone, and
+"""Encryption: what the crypt device costs against the cipher alone, and
 against qemu-storage-daemon's luks driver over NBD.
 
   bench/crypt.py [--rounds N] [--runtime SECS] [--parts cipher,qsd,neighbour] [--quick]
@@ -374,7 +374,7 @@ def main():
     try:
         rev = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"],
                              stdout=subprocess.PIPE, text=True).stdout.strip()
-        out(f"# Encryption (issue 39): `bench/crypt.py {' '.join(sys.argv[1:])}`\n",
+        out(f"# Encryption: `bench/crypt.py {' '.join(sys.argv[1:])}`\n",
             f"{a.rounds} round(s) of {a.runtime} s; cairn {rev}, {os.cpu_count()} CPUs.\n")
         if "cipher" in parts:
             cipher_part(a)

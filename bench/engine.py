@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The engine benchmarks of issue 2, side by side with fio in one run.
+"""The engine benchmarks, side by side with fio in one run.
 
   bench/engine.py [--runtime SECS] [--rounds N] [--only NAME,...]
 

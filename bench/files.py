@@ -38,7 +38,7 @@ Variants run in interleaved rounds (odd rounds in reverse order, so that none al
 follows another's writes still being written back); medians are reported with the ratio to the best peer,
 and server CPU seconds per 100k requests against the peer with the least (in the direct
 rows the peers are those doing O_DIRECT too: qemu-nbd's). Targets
-(issue 35): >= 1.5x the best peer with cairn's client, >= 1.1x with fio's, server CPU per
+>= 1.5x the best peer with cairn's client, >= 1.1x with fio's, server CPU per
 request <= 0.6x the best peer's, cairn bench >= 1.0x fio's best engine. The script
 reports what it measured; it asserts nothing.
 """

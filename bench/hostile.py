@@ -68,7 +68,7 @@ def scenario(mode, binary, budget, port=10899):
     args = [binary, "serve", "--device", "null:1G", "--listen", f"tcp:127.0.0.1:{port}",
             "--max-connections", "200"]
     helptext = subprocess.run([binary, "serve", "--help"], capture_output=True, text=True).stdout
-    if "--max-connections-per-address" in helptext:  # builds before issue 18 have no such limit
+    if "--max-connections-per-address" in helptext:  # older builds have no such limit
         args += ["--max-connections-per-address", "200"]
     if budget:
         args += ["--memory-budget", budget]

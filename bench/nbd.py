@@ -60,7 +60,7 @@ table gives each round's ratio, this build over the other: the median and the sp
 (odd rounds run the servers in reverse order, so neither build always goes first).
 With --pin, every server runs on CPU 0 (cairn serve with one reactor) and every client on
 CPU 1, so that they stop trading cores: steadier figures for comparing builds.
-E.g. issue 16's check that serving unaligned requests costs aligned ones nothing:
+E.g. the check that serving unaligned requests costs aligned ones nothing:
   bench/nbd.py --before 976b533 --servers cairn-mem --clients fio,cairn --pin \
       --only randread,randwrite --rounds 15 --runtime 3
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Ceph RBD images: cairn against fio's rbd engine and qemu-storage-daemon (issue 36).
+"""Ceph RBD images: cairn against fio's rbd engine and qemu-storage-daemon.
 
   bench/rbd.py [--rounds N] [--runtime SECS] [--parts local,serve,cache,rss,connection]
                [--keep DIR]

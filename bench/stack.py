@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The stack benchmarks of issue 3 (techniques 1 and 4), side by side in one run.
+"""The stack benchmarks (techniques 1 and 4), side by side in one run.
 
   bench/stack.py [--runtime SECS] [--rounds N] [--only NAME,...]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Thin pools (issue 37): allocation, overwrite, snapshots, qcow2, metadata, check, block size.
+"""Thin pools: allocation, overwrite, snapshots, qcow2, metadata, check, block size.
 
   bench/thin.py [--rounds N] [--runtime SECS] [--parts local,snapshot,qcow2,metadata,check,blocks]
                 [--block SIZE] [--iodepth N] [--setup-iodepth N] [--snapshots N]
@@ -1383,7 +1383,7 @@ def main():
         rev = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"],
                              stdout=subprocess.PIPE, text=True).stdout.strip()
         fio_v = subprocess.run(["fio", "--version"], stdout=subprocess.PIPE, text=True).stdout.strip()
-        out(f"# Thin pools (issue 37): `bench/thin.py {' '.join(sys.argv[1:])}`\n",
+        out(f"# Thin pools: `bench/thin.py {' '.join(sys.argv[1:])}`\n",
             f"{a.rounds} interleaved round(s) of {a.runtime} s; cairn {rev} "
             f"({time.strftime('%Y-%m-%d %H:%M', time.localtime(os.path.getmtime(CAIRN)))} build), "
             f"{fio_v}, {os.cpu_count()} CPUs; /dev/shm {mib(shm_free())} free at the start"

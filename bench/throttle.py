@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Rate limits (issue 39): whether limits hold, how a group shares, and what an export
+"""Rate limits: whether limits hold, how a group shares, and what an export
 without limits pays.
 
   bench/throttle.py [--rounds N] [--runtime SECS] [--quick]
@@ -203,7 +203,7 @@ def main():
     try:
         rev = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"],
                              stdout=subprocess.PIPE, text=True).stdout.strip()
-        out(f"# Rate limits (issue 39): `bench/throttle.py {' '.join(sys.argv[1:])}`\n",
+        out(f"# Rate limits: `bench/throttle.py {' '.join(sys.argv[1:])}`\n",
             f"{a.rounds} round(s) of {a.runtime} s; cairn {rev}, {os.cpu_count()} CPUs.\n")
         limits_part(a)
         group_part(a)

@@ -1,4 +1,4 @@
-//! Rate limits (issue 39, in progress): the arithmetic of a throttle, apart from any
+//! Rate limits: the arithmetic of a throttle, apart from any
 //! device, so that it is exact on a virtual clock. The `throttle` device and export limits
 //! build on it.
 //!

@@ -1,4 +1,4 @@
-//! Incremental backup over NBD (issue 38): checkpoints of a thin volume served with
+//! Incremental backup over NBD: checkpoints of a thin volume served with
 //! bitmaps, their snapshots exported with the bitmap of what changed, a full backup with
 //! nbdcopy, an incremental one read through `qemu:dirty-bitmap:NAME` with libnbd, and the
 //! restore compared byte for byte; the same after `kill -9` during writes; bad input.

@@ -1,4 +1,4 @@
-//! Crypt devices served (issue 39): LUKS volumes cairn makes open in qemu and cryptsetup,
+//! Crypt devices served: LUKS volumes cairn makes open in qemu and cryptsetup,
 //! and theirs open in cairn, both ways with data compared byte for byte; key slots added
 //! and removed online (key rotation), seen by cryptsetup; bad passphrases refused.
 

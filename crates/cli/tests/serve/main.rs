@@ -856,7 +856,7 @@ mod clients;
 mod strict_off;
 
 // ---------------------------------------------------------------------------------------
-// Clients that did not ask for block sizes: requests at any byte (issue 16)
+// Clients that did not ask for block sizes: requests at any byte
 
 mod unaligned;
 
@@ -904,7 +904,7 @@ mod arrays;
 
 // ---------------------------------------------------------------------------------------
 // Arrays at the defaults (stack files with no `metadata` key, so superblocks), through real
-// clients: the three ways the raw layout served wrong data (issue 32)
+// clients: the three ways the raw layout served wrong data
 
 mod array_defaults;
 

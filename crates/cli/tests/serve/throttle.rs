@@ -1,4 +1,4 @@
-//! Throttle devices served (issue 39, in progress): requests over the limit wait and are
+//! Throttle devices served: requests over the limit wait and are
 //! then served, data intact; the admin shows what waited and changes limits live; the
 //! metrics count it. No assertion on time: only on what was counted.
 

@@ -1,4 +1,4 @@
-//! Thin pools (issue 37): volumes that allocate on write, snapshots and clones.
+//! Thin pools: volumes that allocate on write, snapshots and clones.
 //! [`superblock`] says where everything is; [`format`] is the metadata log.
 
 pub mod checkpoint;
