@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write-intent bitmap benchmarks (issue "Arrays that remember"), side by side in one run.
+"""Write-intent bitmap benchmarks (arrays that remember), side by side in one run.
 
   bench/bitmap.py [--rounds N] [--runtime SECS] [--size 1G]
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""The FUSE export against the chains it replaces (issue "A kernel-facing export without
-NBD in between"), side by side in one run. Needs root, /dev/fuse, dbench, fio, nbdfuse and
+"""The FUSE export against the chains it replaces (a kernel-facing export without
+NBD in between), side by side in one run. Needs root, /dev/fuse, dbench, fio, nbdfuse and
 qemu-storage-daemon.
 
   bench/fuse.py [--rounds N] [--size 4G] [--dbench-time 10] [--clients 32] [--fio-time 5]

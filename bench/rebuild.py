@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Array rebuild benchmarks (issue "Arrays that remember"), side by side in one run.
+"""Array rebuild benchmarks (arrays that remember), side by side in one run.
 
   bench/rebuild.py [--rounds N] [--runtime SECS] [--size 1G]
 

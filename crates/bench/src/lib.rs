@@ -5,7 +5,7 @@
 //! `iodepth` requests in flight on its own queue of the device. Results come back as a
 //! [`Report`], printed the way fio prints (`normal`) or as fio-compatible JSON.
 //!
-//! Not here: the device graph (see `cairn-devices`), the command line (see the `cairn`
+//! Not here: the device graph (see `cairn-config`), the command line (see the `cairn`
 //! binary).
 #![warn(missing_docs)]
 

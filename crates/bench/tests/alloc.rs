@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use cairn_bench::{JobSpec, Pattern};
 use cairn_core::Switches;
-use cairn_devices::LeafSpec;
+use cairn_leaves::LeafSpec;
 
 struct Counting;
 
@@ -37,7 +37,7 @@ static GLOBAL: Counting = Counting;
 /// Allocations made by one run of `ios` requests.
 fn allocations(spec_text: &str, ios: u64) -> u64 {
     let spec = LeafSpec::parse(spec_text).unwrap();
-    let device = cairn_devices::open(&spec, "dev").unwrap();
+    let device = cairn_leaves::open(&spec, "dev").unwrap();
     let job = JobSpec {
         rw: Pattern::RandRw,
         iodepth: 16,

@@ -10,14 +10,14 @@ use std::sync::Arc;
 use cairn_bench::verify::Mismatch;
 use cairn_bench::{run, Failure, JobSpec, Pattern, Report};
 use cairn_core::{ClockMode, Device, Op, ReapMode, StatsMode, Switches};
-use cairn_devices::LeafSpec;
+use cairn_leaves::LeafSpec;
 use tempfile::TempDir;
 
 const ENGINES: [&str; 3] = ["io_uring", "aio", "sync"];
 
 fn open(spec: &str) -> Arc<dyn Device> {
     let parsed = LeafSpec::parse(spec).unwrap_or_else(|e| panic!("{spec}: {e}"));
-    cairn_devices::open(&parsed, "bench-test").unwrap_or_else(|e| panic!("{spec}: {e}"))
+    cairn_leaves::open(&parsed, "bench-test").unwrap_or_else(|e| panic!("{spec}: {e}"))
 }
 
 fn scratch_dir() -> TempDir {

@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use cairn_bench::{run, JobSpec, Pattern};
+use cairn_config::StackFile;
 use cairn_core::{Device, DispatchMode, FlushMode, Switches};
-use cairn_devices::config::StackFile;
 
 fn open(text: &str, name: &str) -> Arc<dyn Device> {
     StackFile::parse(text).unwrap().open(name).unwrap()

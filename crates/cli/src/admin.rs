@@ -21,7 +21,7 @@ use crate::admin_threads::{self, Ticket, Workers, CLIENT_TIMEOUT};
 use crate::view::{self, all_devices, View};
 
 /// How long `cairn admin` waits for a reply: a new key slot's derivation may take up to
-/// a minute by design ([`cairn_devices::crypt::kdf::NEW_SLOT_SECONDS_MAX`]).
+/// a minute by design ([`cairn_services::crypt::kdf::NEW_SLOT_SECONDS_MAX`]).
 const REPLY_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Every command the admin socket answers: its name, its usage and what it does. The
@@ -373,15 +373,15 @@ pub(crate) fn pools(roots: &[Arc<dyn Device>]) -> Vec<Arc<dyn Device>> {
         .collect()
 }
 
-pub(crate) fn pool_of(d: &Arc<dyn Device>) -> Option<&cairn_devices::thin::pool::Inner> {
+pub(crate) fn pool_of(d: &Arc<dyn Device>) -> Option<&cairn_services::thin::pool::Inner> {
     d.as_any()
-        .and_then(|a| a.downcast_ref::<cairn_devices::thin::pool::ThinPool>())
+        .and_then(|a| a.downcast_ref::<cairn_services::thin::pool::ThinPool>())
         .map(|p| &**p.inner())
 }
 
 /// `thin ACTION POOL ...`.
 fn thin_command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
-    use cairn_devices::thin::pool::Admin;
+    use cairn_services::thin::pool::Admin;
     const USAGE: &str = "usage: thin list POOL [--json] | create POOL NAME SIZE | delete POOL NAME | grow POOL NAME SIZE | snapshot POOL VOLUME NAME | clone POOL SNAPSHOT NAME";
     let (Some(&action), Some(&pool)) = (args.first(), args.get(1)) else {
         return format!("error: {USAGE}\n");
@@ -445,7 +445,7 @@ fn thin_command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
 }
 
 /// A pool's volumes, a line each, under a line for the pool.
-fn thin_list(inner: &cairn_devices::thin::pool::Inner) -> String {
+fn thin_list(inner: &cairn_services::thin::pool::Inner) -> String {
     use cairn_core::size::format_bytes;
     let r = inner.report();
     let mut out = thin_pool_line(&r);
@@ -461,7 +461,7 @@ fn thin_list(inner: &cairn_devices::thin::pool::Inner) -> String {
     out
 }
 
-fn thin_pool_line(r: &cairn_devices::thin::pool::PoolReport) -> String {
+fn thin_pool_line(r: &cairn_services::thin::pool::PoolReport) -> String {
     use cairn_core::size::format_bytes;
     let total = r.data_blocks * r.block_bytes;
     let used = r.used_blocks * r.block_bytes;
@@ -483,7 +483,7 @@ fn thin_pool_line(r: &cairn_devices::thin::pool::PoolReport) -> String {
     )
 }
 
-fn thin_json(inner: &cairn_devices::thin::pool::Inner) -> serde_json::Value {
+fn thin_json(inner: &cairn_services::thin::pool::Inner) -> serde_json::Value {
     let r = inner.report();
     serde_json::json!({
         "name": r.name,
@@ -833,8 +833,8 @@ mod tests {
     use super::*;
 
     fn view() -> View {
-        let spec = cairn_devices::LeafSpec::parse("null:1M").expect("a spec");
-        let device = cairn_devices::open(&spec, "n").expect("a null device");
+        let spec = cairn_leaves::LeafSpec::parse("null:1M").expect("a spec");
+        let device = cairn_leaves::open(&spec, "n").expect("a null device");
         View::new(&[device], Vec::new(), None)
     }
 

@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use cairn_core::Device;
-use cairn_devices::dirty::device::TrackedDevice;
-use cairn_devices::thin::queue::ThinDevice;
+use cairn_services::dirty::device::TrackedDevice;
+use cairn_services::thin::queue::ThinDevice;
 
 use crate::view::{all_devices, View};
 
@@ -52,7 +52,7 @@ pub(crate) fn checkpoint_command(args: &[&str], roots: &[Arc<dyn Device>]) -> St
             format!("error: no thin pool '{pool}' is served\n")
         };
     };
-    match cairn_devices::dirty::device::checkpoint(tracked, name, granularity) {
+    match cairn_services::dirty::device::checkpoint(tracked, name, granularity) {
         Ok(done) => {
             log::info!("cairn: admin: {done}");
             format!("ok: {done}\n")
@@ -143,7 +143,7 @@ fn add_volume(
     roots: &[Arc<dyn Device>],
     (table, max_payload): (&cairn_nbd::ExportTable, u32),
 ) -> Result<String, String> {
-    cairn_devices::config::check_export_name(name).map_err(|e| e.to_string())?;
+    cairn_config::check_export_name(name).map_err(|e| e.to_string())?;
     // Named as the thin volumes the admin makes are (and usually after one): one word,
     // no '/'.
     if name.contains('/') {

@@ -5,7 +5,7 @@
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
-use cairn_devices::config::Tuning;
+use cairn_config::Tuning;
 
 use crate::settings::{self, BenchArgs, DeviceChoice, GlobalArgs, OutputFormat};
 use crate::{admin, metrics, out, serve, view, Devices};

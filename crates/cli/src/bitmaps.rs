@@ -3,9 +3,9 @@
 use std::sync::Arc;
 
 use cairn_core::Device;
-use cairn_devices::dirty::bitmap::BitmapInfo;
-use cairn_devices::dirty::device::TrackedDevice;
-use cairn_devices::dirty::store::Store;
+use cairn_services::dirty::bitmap::BitmapInfo;
+use cairn_services::dirty::device::TrackedDevice;
+use cairn_services::dirty::store::Store;
 
 use crate::view::all_devices;
 

@@ -11,9 +11,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use cairn_core::Device;
-use cairn_devices::crypt::device::{read_secret, CryptDevice};
-use cairn_devices::crypt::kdf::check_cost;
-use cairn_devices::crypt::{Kdf, SlotKey};
+use cairn_services::crypt::device::{read_secret, CryptDevice};
+use cairn_services::crypt::kdf::check_cost;
+use cairn_services::crypt::{Kdf, SlotKey};
 
 use crate::admin_threads::Ticket;
 use crate::view::{all_devices, View};
@@ -98,8 +98,7 @@ fn add(
 fn slot_kdf(device: &str, words: &[&str], view: &View) -> Result<(Kdf, usize), String> {
     let d = find(view, device)?;
     let c = crypt_of(&d).ok_or_else(|| format!("no crypt device '{device}' is served"))?;
-    let kdf =
-        cairn_devices::config::crypt_kdf(device, c.format(), words).map_err(|e| e.to_string())?;
+    let kdf = cairn_config::crypt_kdf(device, c.format(), words).map_err(|e| e.to_string())?;
     c.new_slot_kdf(kdf)
         .map_err(|e| format!("crypt {device}: {e}"))
 }

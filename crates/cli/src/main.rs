@@ -42,12 +42,12 @@ fn main() -> ExitCode {
     };
     // Every device is closed by now: acknowledged writes that a cache could not write
     // back are lost, and the exit status says so.
-    let lost = cairn_devices::cache::unwritten_at_close();
+    let lost = cairn_stacks::cache::unwritten_at_close();
     if lost > 0 {
         log::error!(
             "cairn: {} ({} bytes) of acknowledged writes could not be written back and are lost",
             cairn_core::size::plural(lost as u64, "cached page", "cached pages"),
-            lost * cairn_devices::cache::PAGE
+            lost * cairn_stacks::cache::PAGE
         );
         if serving {
             log::error!("cairn: serve: stopped, with acknowledged writes lost (exit status 1)");
@@ -160,9 +160,9 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
 /// ([`Devices::preflight`]: nothing is created or written), so that every refusal comes
 /// before any change, then for real.
 pub(crate) enum Devices {
-    Leaf(cairn_devices::LeafSpec),
+    Leaf(cairn_leaves::LeafSpec),
     Stack {
-        stack: cairn_devices::config::StackFile,
+        stack: cairn_config::StackFile,
         /// The stack file, for error lines.
         path: std::path::PathBuf,
         /// Devices of the file, each once.
@@ -175,8 +175,7 @@ impl Devices {
     pub(crate) fn preflight(&self, switches: cairn_core::Switches) -> Result<(), String> {
         match self {
             Devices::Leaf(leaf) => {
-                cairn_devices::config::preflight_leaf(leaf, &leaf.default_name())
-                    .map_err(|e| e.to_string())
+                cairn_config::preflight_leaf(leaf, &leaf.default_name()).map_err(|e| e.to_string())
             }
             Devices::Stack { stack, path, names } => stack
                 .preflight(names, switches)
@@ -188,15 +187,14 @@ impl Devices {
     /// leaves), as written.
     pub(crate) fn file_paths(&self) -> Vec<std::path::PathBuf> {
         match self {
-            Devices::Leaf(cairn_devices::LeafSpec::File { path, .. }) => vec![path.clone()],
+            Devices::Leaf(cairn_leaves::LeafSpec::File { path, .. }) => vec![path.clone()],
             Devices::Leaf(_) => Vec::new(),
             Devices::Stack { stack, .. } => stack
                 .devices
                 .values()
                 .filter_map(|d| match d {
-                    cairn_devices::config::DeviceSpec::Leaf(cairn_devices::LeafSpec::File {
-                        path,
-                        ..
+                    cairn_config::DeviceSpec::Leaf(cairn_leaves::LeafSpec::File {
+                        path, ..
                     }) => Some(path.clone()),
                     _ => None,
                 })
@@ -211,7 +209,7 @@ impl Devices {
     ) -> Result<Vec<std::sync::Arc<dyn cairn_core::Device>>, String> {
         match self {
             Devices::Leaf(leaf) => Ok(vec![
-                cairn_devices::open(leaf, &leaf.default_name()).map_err(|e| e.to_string())?
+                cairn_leaves::open(leaf, &leaf.default_name()).map_err(|e| e.to_string())?
             ]),
             Devices::Stack { stack, path, names } => stack
                 .open_all(names, switches)

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use cairn_nbd::proto::tflags;
 use cairn_nbd::TlsMode;
 
-use cairn_devices::config::Tuning;
+use cairn_config::Tuning;
 
 use crate::{admin, metrics, settings, stackfile, view, Devices};
 
@@ -39,7 +39,7 @@ fn chosen_exports(
             .device
             .as_deref()
             .unwrap_or(settings::DEFAULT_SERVE_DEVICE);
-        let leaf = cairn_devices::LeafSpec::parse(text).map_err(|e| format!("--device: {e}"))?;
+        let leaf = cairn_leaves::LeafSpec::parse(text).map_err(|e| format!("--device: {e}"))?;
         let chosen = Chosen {
             name: String::new(),
             device: 0,

@@ -10,8 +10,8 @@ use cairn_core::{
 };
 use std::path::PathBuf;
 
-use cairn_devices::config::{StackFile, Tuning};
-use cairn_devices::LeafSpec;
+use cairn_config::{StackFile, Tuning};
+use cairn_leaves::LeafSpec;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 /// The device `cairn bench` uses when none is given.
@@ -832,7 +832,7 @@ pub enum DeviceChoice {
 /// Reads and parses a stack file.
 pub fn read_stack(path: &std::path::Path) -> Result<StackFile, String> {
     use std::io::Read;
-    let max = cairn_devices::config::limits::FILE_BYTES_MAX;
+    let max = cairn_config::limits::FILE_BYTES_MAX;
     let cannot = |e: std::io::Error| format!("cannot read stack file {}: {e}", path.display());
     // Bounded: a stack file is small, and `/dev/zero` never ends.
     let mut bytes = Vec::new();

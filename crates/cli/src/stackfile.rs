@@ -350,7 +350,7 @@ fn set_list(doc: &mut DocumentMut, name: &str, key: &str, names: &[String]) {
 /// Removes `[device.NAME]` if nothing in the file uses it any more, then what it used
 /// (a fault or cache's `base`, a nested array's members) the same way.
 fn remove_unused(doc: &mut DocumentMut, name: &str, removed: &mut Vec<(String, Table)>) {
-    if name == cairn_devices::config::MISSING || used(doc, name) {
+    if name == cairn_config::MISSING || used(doc, name) {
         return;
     }
     let Some(devices) = doc.get_mut("device").and_then(Item::as_table_mut) else {
@@ -525,7 +525,7 @@ bitmap = "64M"
             "{text}"
         );
         // The result is a stack file that opens the array as it is now.
-        let stack = cairn_devices::config::StackFile::parse(&text).expect("a valid stack file");
+        let stack = cairn_config::StackFile::parse(&text).expect("a valid stack file");
         assert_eq!(stack.roots(), vec!["m".to_string()]);
         // In step now: nothing more to change.
         assert!(update(
@@ -560,7 +560,7 @@ bitmap = "64M"
             "{out}"
         );
         assert!(out.contains("# [device.fa]\n#   type = \"fault\""), "{out}");
-        cairn_devices::config::StackFile::parse(&out).expect("a valid stack file");
+        cairn_config::StackFile::parse(&out).expect("a valid stack file");
     }
 
     #[test]
@@ -586,7 +586,7 @@ bitmap = "64M"
         let text = doc.to_string();
         assert!(text.contains("spares = [\"s.img\"]"), "{text}");
         assert!(text.contains("a spare of 'm'"), "{text}");
-        let stack = cairn_devices::config::StackFile::parse(&text).expect("a valid stack file");
+        let stack = cairn_config::StackFile::parse(&text).expect("a valid stack file");
         assert_eq!(stack.roots(), vec!["m".to_string()]);
         // fa fails and the spare takes its place: members change, the spares list goes,
         // the spare's table stays (a member's now) and fa's and a's go.
@@ -609,7 +609,7 @@ bitmap = "64M"
         let text = doc.to_string();
         assert!(!text.contains("spares ="), "{text}");
         assert!(text.contains("\n[device.\"s.img\"]\n"), "{text}");
-        cairn_devices::config::StackFile::parse(&text).expect("a valid stack file");
+        cairn_config::StackFile::parse(&text).expect("a valid stack file");
     }
 
     #[test]

@@ -5,7 +5,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use cairn_core::Device;
-use cairn_devices::wrap::{ThrottleCounts, ThrottlePolicy, WrapDevice};
+use cairn_services::throttle::{ThrottleCounts, ThrottlePolicy};
+use cairn_stacks::wrap::WrapDevice;
 
 use crate::view::all_devices;
 
@@ -105,7 +106,7 @@ pub(crate) fn command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
                 return format!("error: no throttle device '{device}' is served\n");
             };
             let p = policy_of(d).expect("a throttle");
-            match cairn_devices::config::change_limits(device, p.throttle().limits(), words) {
+            match cairn_config::change_limits(device, p.throttle().limits(), words) {
                 Ok(limits) => {
                     p.throttle().set(limits);
                     let shared = match p.group() {
@@ -122,8 +123,8 @@ pub(crate) fn command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
     }
 }
 
-fn limits_json(l: &cairn_devices::throttle::Limits) -> serde_json::Value {
-    let r = |r: cairn_devices::throttle::Rate| serde_json::json!({ "avg": r.avg, "max": r.max, "max_length": r.max_length });
+fn limits_json(l: &cairn_services::throttle::Limits) -> serde_json::Value {
+    let r = |r: cairn_services::throttle::Rate| serde_json::json!({ "avg": r.avg, "max": r.max, "max_length": r.max_length });
     serde_json::json!({
         "iops": r(l.iops),
         "iops_read": r(l.iops_read),

@@ -201,7 +201,7 @@ use std::sync::Arc;
 
 use cairn_core::blocking::{BlockingQueue, Request};
 use cairn_core::{Device, IoFlags, Op, Switches};
-use cairn_devices::LeafSpec;
+use cairn_leaves::LeafSpec;
 
 /// xorshift64*: a reproducible sequence without a dependency.
 struct Rng(u64);
@@ -220,7 +220,7 @@ impl Rng {
 
 fn open_nbd(spec: &str) -> Arc<dyn Device> {
     let leaf = LeafSpec::parse(spec).unwrap();
-    cairn_devices::open(&leaf, "remote").unwrap()
+    cairn_leaves::open(&leaf, "remote").unwrap()
 }
 
 /// Random batches of up to 16 requests on disjoint ranges, in flight together: reads are
@@ -1089,7 +1089,7 @@ fn extended_trim_and_block_status_over_4_gib() {
 /// every write, and the two members' data areas are byte-identical.
 #[test]
 fn a_remote_mirror_member_that_comes_back_is_re_added_by_the_bitmap() {
-    use cairn_devices::config::StackFile;
+    use cairn_config::StackFile;
     const PAGES: u64 = 64;
     const STRIDE: u64 = 128 << 10;
     let dir = tmpdir();

@@ -7,6 +7,8 @@
 //!   the cached clock, the completion FIFO and the sinks completions are delivered to.
 //! - [`stats`]: per-queue statistics in the shape of `/proc/diskstats`, plus latency
 //!   histograms.
+//! - [`ondisk`]: what cairn's own on-disk formats share: little-endian fields, UUIDs,
+//!   the exclusive lock on a file.
 //! - [`size`]: parsing and printing of sizes such as `4k` and `1GiB`.
 //! - [`socket`]: binding listeners at Unix socket paths by one rule: a stale socket is
 //!   replaced, a live one or anything else is refused and left as it is.
@@ -22,8 +24,11 @@ pub mod error;
 pub mod event;
 pub mod flush;
 pub mod frontend;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod handoff;
 pub mod io;
+pub mod ondisk;
 pub mod reactor;
 pub mod size;
 pub mod slab;

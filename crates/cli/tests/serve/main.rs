@@ -32,8 +32,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use tempfile::TempDir;
 
-#[path = "../../../devices/tests/ceph/mod.rs"]
-mod ceph;
+use cairn_testkit::ceph;
 #[path = "../common/mod.rs"]
 mod common;
 use common::{skip, text, tmpdir, tool, tools};

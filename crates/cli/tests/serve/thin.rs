@@ -312,7 +312,7 @@ fn a_damaged_log_block_is_refused_until_the_operator_repairs() {
     let _ = srv.wait_exit();
 
     // The first block of the log the newest superblock points at.
-    use cairn_devices::thin::superblock as sbk;
+    use cairn_services::thin::superblock as sbk;
     let mut bytes = std::fs::read(&data).unwrap();
     let (sb, _, _) = sbk::pick(&bytes[..2 * sbk::SLOT_BYTES]).unwrap();
     let pages = sb.log_bytes / 4096;

@@ -1,0 +1,21 @@
+//! cairn's data services: devices that keep data of their own over a base device.
+//!
+//! - [`thin`]: thin pools: volumes that allocate on write, snapshots and clones, their
+//!   metadata log and checkpoints.
+//! - [`dirty`]: named dirty bitmaps and checkpoints for incremental backup, kept in a
+//!   store file.
+//! - [`crypt`]: encryption at rest: LUKS1 and LUKS2 headers, AES-XTS.
+//! - [`throttle`]: rate limits (IOPS and bandwidth, alone or in groups), and the
+//!   `throttle` device's policy.
+//!
+//! Each builds on `cairn_leaves` and `cairn_stacks`; `cairn_config` opens them from a
+//! stack file.
+#![warn(missing_docs)]
+
+pub mod crypt;
+pub mod dirty;
+pub mod thin;
+pub mod throttle;
+
+#[doc(hidden)]
+pub mod fuzz;
