@@ -8,6 +8,7 @@
 //! Not here: the device graph (see `cairn-config`), the command line (see the `cairn`
 //! binary).
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
 pub mod chart;
 mod job;

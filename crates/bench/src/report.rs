@@ -42,18 +42,17 @@ pub struct Usage {
 impl Usage {
     /// The whole process's usage so far (every thread, workers included).
     pub fn now() -> Usage {
-        // SAFETY: rusage is plain data (all zeros is a valid value), and getrusage writes
-        // one into it. (rustix has no getrusage.)
-        let ru = unsafe {
-            let mut ru: libc::rusage = std::mem::zeroed();
-            libc::getrusage(libc::RUSAGE_SELF, &mut ru);
-            ru
+        use nix::sys::resource::{getrusage, UsageWho};
+        use nix::sys::time::TimeValLike;
+        // getrusage of this process fails only for a bad `who`, which this is not.
+        let Ok(ru) = getrusage(UsageWho::RUSAGE_SELF) else {
+            return Usage::default();
         };
-        let ns = |tv: libc::timeval| tv.tv_sec as u64 * 1_000_000_000 + tv.tv_usec as u64 * 1000;
+        let ns = |tv: nix::sys::time::TimeVal| tv.num_nanoseconds().max(0) as u64;
         Usage {
-            utime_ns: ns(ru.ru_utime),
-            stime_ns: ns(ru.ru_stime),
-            ctx: (ru.ru_nvcsw + ru.ru_nivcsw) as u64,
+            utime_ns: ns(ru.user_time()),
+            stime_ns: ns(ru.system_time()),
+            ctx: (ru.voluntary_context_switches() + ru.involuntary_context_switches()) as u64,
         }
     }
 

@@ -5,6 +5,8 @@
 //! mistake ends in one line on stderr and exit status 2; a failed I/O or verification
 //! during a run ends in exit status 1.
 
+#![forbid(unsafe_code)]
+
 mod admin;
 mod admin_threads;
 mod backup;

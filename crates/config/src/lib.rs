@@ -25,6 +25,7 @@
 //! opening recurses once per level of a graph already checked to be shallow.
 
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
 #[doc(hidden)]
 pub mod fuzz;
@@ -1253,9 +1254,7 @@ fn open_dry(leaf: &cairn_leaves::LeafSpec, name: &str) -> Result<Arc<dyn Device>
             })
             .map_err(|e| Error::os(format!("file {shown}: read"), e))?;
         let mem = cairn_leaves::mem::MemDevice::new(name, 512, 512)?;
-        let n = last.len().min(512);
-        // SAFETY: `last` holds at least `n` bytes, and `n` fits in the 512-byte store.
-        unsafe { mem.store().write(0, n as u64, last.as_ptr()) };
+        mem.store().write_slice(0, &last[..last.len().min(512)]);
         parts.push((Arc::new(mem), 512));
     }
     let covered: u64 = parts.iter().map(|(_, len)| len).sum();

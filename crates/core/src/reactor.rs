@@ -726,37 +726,32 @@ impl Core {
 /// so that SIGTERM and its kind reach the thread that waits for them (`cairn serve`'s main
 /// thread), never a worker that would die of the default action.
 pub fn block_signals_in_this_thread() {
-    // SAFETY: sigset manipulation on a local, then a mask change for this thread only.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigfillset(&mut set);
-        for s in [
-            libc::SIGSEGV,
-            libc::SIGBUS,
-            libc::SIGFPE,
-            libc::SIGILL,
-            libc::SIGABRT,
-        ] {
-            libc::sigdelset(&mut set, s);
-        }
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    use nix::sys::signal::{SigSet, Signal};
+    let mut set = SigSet::all();
+    // Faults stay deliverable: blocked, they would kill the process without a trace.
+    for s in [
+        Signal::SIGSEGV,
+        Signal::SIGBUS,
+        Signal::SIGFPE,
+        Signal::SIGILL,
+        Signal::SIGABRT,
+    ] {
+        set.remove(s);
     }
+    // Blocking signals in one's own thread fails only for a bad `how`, which this is not.
+    let _ = set.thread_block();
 }
 
 /// Runs `f` with every asynchronous signal blocked in this thread, then puts the mask
 /// back: threads that `f` starts (a C library's own, such as librados' messengers)
 /// inherit the blocked mask and never take a SIGTERM meant for `cairn serve`'s main thread.
 pub fn with_signals_blocked<T>(f: impl FnOnce() -> T) -> T {
-    // SAFETY: the old mask is read into a local (restored below), for this thread only.
-    let old = unsafe {
-        let mut old: libc::sigset_t = std::mem::zeroed();
-        libc::pthread_sigmask(libc::SIG_SETMASK, std::ptr::null(), &mut old);
-        old
-    };
+    let old = nix::sys::signal::SigSet::thread_get_mask().ok();
     block_signals_in_this_thread();
     let out = f();
-    // SAFETY: as above.
-    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
+    if let Some(old) = old {
+        let _ = old.thread_set_mask();
+    }
     out
 }
 

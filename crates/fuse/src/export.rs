@@ -225,9 +225,11 @@ fn possible_cpus() -> u32 {
     std::fs::read_to_string("/sys/devices/system/cpu/possible")
         .ok()
         .and_then(|s| parse(&s))
-        // SAFETY: sysconf takes no pointer and only reads what the C library knows of the
-        // machine. (rustix has no count of configured processors.)
-        .unwrap_or_else(|| unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) }.max(1) as u32)
+        // Without sysfs (not seen on Linux), the CPUs this process may run on: equal to
+        // the possible ones on a machine without CPU hot-plug or an affinity mask.
+        .unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(1, |n| n.get().try_into().unwrap_or(1))
+        })
 }
 
 /// Waits up to `timeout` for `fd` to be readable.

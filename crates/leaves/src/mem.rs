@@ -220,6 +220,18 @@ impl MemStore {
         }
     }
 
+    /// Copies `src` into the store at `offset`; the range must be inside the store.
+    pub fn write_slice(&self, offset: u64, src: &[u8]) {
+        assert!(
+            offset
+                .checked_add(src.len() as u64)
+                .is_some_and(|end| end <= self.size_bytes),
+            "a write inside the store"
+        );
+        // SAFETY: `src` is valid for its length, and the range was checked above.
+        unsafe { self.write(offset, src.len() as u64, src.as_ptr()) };
+    }
+
     /// Copies `src` into `[offset, offset+len)`.
     ///
     /// # Safety

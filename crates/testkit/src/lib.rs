@@ -2,6 +2,8 @@
 //! carries, a full read-back against the model, tools found on `PATH`, and ([`ceph`]) a
 //! Ceph cluster for the RBD tests.
 
+#![forbid(unsafe_code)]
+
 pub mod ceph;
 
 use std::path::{Path, PathBuf};

@@ -398,19 +398,14 @@ impl Sink for FlushBatchQueue {
     }
 }
 
-/// A block device's size in bytes (`BLKGETSIZE64`).
+/// A block device's size in bytes: where its end is (the kernel answers a seek to the
+/// end of a block device with its size, as `BLKGETSIZE64` does). Every read and write
+/// gives its offset, so the file position this moves is never used.
 fn block_device_bytes(file: &File, path: &impl std::fmt::Display) -> Result<u64, Error> {
-    // _IOR(0x12, 114, size_t)
-    const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
-    let mut value: u64 = 0;
-    // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which points at `value`;
-    // `file` keeps the descriptor open across the call. (rustix has no wrapper for it.)
-    if unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64, &mut value) } < 0 {
-        return Err(Error::last_os(format!(
-            "file {path}: read block device size"
-        )));
-    }
-    Ok(value)
+    use std::io::Seek;
+    let mut f = file;
+    f.seek(std::io::SeekFrom::End(0))
+        .map_err(|e| Error::os(format!("file {path}: read block device size"), e))
 }
 
 /// A block device's logical block size (`BLKSSZGET`), 512 at least.
