@@ -11,7 +11,6 @@
 //! Not here: opening a slot (the header's own parameters, paid when the volume opens).
 
 use std::sync::Mutex;
-use std::time::Instant;
 
 use super::{Hash, Kdf, Secret};
 
@@ -136,7 +135,9 @@ pub fn estimate_seconds(kdf: Kdf, len: usize) -> f64 {
 
 /// Work a second on one core, measured once per process: PBKDF2 iterations (one block)
 /// for `Some(hash)`, argon2 KiB filled for `None`. Each measure takes a few milliseconds:
-/// work doubled until it lasts 20 ms.
+/// work doubled until it lasts 20 ms of this thread's CPU time, not of the wall clock, so
+/// that a busy machine (the thread waiting for a core) does not make a derivation look
+/// many times dearer than it is and refuse the defaults.
 fn calibrated(hash: Option<Hash>) -> f64 {
     static RATES: Mutex<Vec<(Option<Hash>, f64)>> = Mutex::new(Vec::new());
     let mut rates = RATES.lock().unwrap_or_else(|p| p.into_inner());
@@ -157,11 +158,11 @@ fn calibrated(hash: Option<Hash>) -> f64 {
             },
         };
         let len = hash.map_or(32, Hash::len);
-        let began = Instant::now();
+        let began = thread_cpu_secs();
         // A calibration that fails (it cannot with these parameters) gives the rate of
         // what it measured anyway.
         let _ = derive(kdf, b"calibration", &[0u8; SALT_BYTES], len);
-        let secs = began.elapsed().as_secs_f64();
+        let secs = thread_cpu_secs() - began;
         if secs >= 0.02 || work >= 1 << 22 {
             break f64::from(work) / secs.max(1e-9);
         }
@@ -169,6 +170,12 @@ fn calibrated(hash: Option<Hash>) -> f64 {
     };
     rates.push((hash, rate));
     rate
+}
+
+/// CPU time this thread has used, in seconds.
+fn thread_cpu_secs() -> f64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
 }
 
 #[cfg(test)]
