@@ -120,9 +120,24 @@ pub trait Device: Send + Sync {
     /// Opens this device's queue on the reactor `core` (call on the reactor's own thread).
     fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error>;
 
-    /// Devices this one is built from, for printing the tree.
+    /// For a wrapper, a device that passes every request to one device below it (a
+    /// fault, delay or throttle device, a crypt device, a write-back cache, the dirty
+    /// layer): that device. The defaults of [`Device::children`],
+    /// [`Device::power_cut`], [`Device::power_cut_torn`],
+    /// [`Device::coherent_across_queues`], [`Device::lost_writes`],
+    /// [`Device::lost_writes_made_up`] and [`Device::read_only`] then answer as it does,
+    /// so that no wrapper forgets one; a wrapper overrides only what it changes (a cache
+    /// holds writes of its own that a power cut loses). [`Device::extents`] is not
+    /// forwarded: a wrapper that changes the data (crypt) cannot vouch for the holes of
+    /// the device below, so one that keeps the data says so itself. `None` for the rest.
+    fn base(&self) -> Option<&Arc<dyn Device>> {
+        None
+    }
+
+    /// Devices this one is built from, for printing the tree (the default: its
+    /// [`Device::base`], if it has one).
     fn children(&self) -> Vec<Arc<dyn Device>> {
-        Vec::new()
+        self.base().into_iter().cloned().collect()
     }
 
     /// Names of members that have failed (a redundant array running degraded).
@@ -195,8 +210,12 @@ pub trait Device: Send + Sync {
     }
 
     /// Simulates a power cut: every write not yet made durable by a flush is lost (only
-    /// volatile devices hold such writes; the default passes the cut to the children).
+    /// volatile devices hold such writes; the default passes the cut to its base, or
+    /// else to the children).
     fn power_cut(&self) {
+        if let Some(base) = self.base() {
+            return base.power_cut();
+        }
         for c in self.children() {
             c.power_cut();
         }
@@ -204,10 +223,12 @@ pub trait Device: Send + Sync {
 
     /// A power cut that tears: of the writes not yet made durable, some pages reach the
     /// disk and some do not, as `seed` picks (volatile mem devices model it; the default
-    /// is a plain [`Device::power_cut`]).
+    /// passes the torn cut to its base, or else is a plain [`Device::power_cut`]).
     fn power_cut_torn(&self, seed: u64) {
-        let _ = seed;
-        self.power_cut();
+        match self.base() {
+            Some(base) => base.power_cut_torn(seed),
+            None => self.power_cut(),
+        }
     }
 
     /// Write-back counters of the caches in this tree: bytes dirty now, and bytes written
@@ -226,28 +247,39 @@ pub trait Device: Send + Sync {
     }
 
     /// Whether writes completed on one queue are seen by every other queue, and a flush
-    /// on any queue makes them all durable (NBD's `CAN_MULTI_CONN` promise).
+    /// on any queue makes them all durable (NBD's `CAN_MULTI_CONN` promise). The default:
+    /// its base's answer, or else whether every child's is yes.
     fn coherent_across_queues(&self) -> bool {
-        self.children().iter().all(|c| c.coherent_across_queues())
+        match self.base() {
+            Some(base) => base.coherent_across_queues(),
+            None => self.children().iter().all(|c| c.coherent_across_queues()),
+        }
     }
 
     /// Whether this device may have lost writes it acknowledged (see [`LostWrites`]).
     /// Until a loss is made up for, the next flush on each queue fails with EIO (once per
-    /// queue). The default: [`LostWrites::None`] (devices that hand completed writes to a
-    /// kernel or keep them in memory lose them only with power, which a flush reports).
+    /// queue). The default: its base's answer, or [`LostWrites::None`] (devices that hand
+    /// completed writes to a kernel or keep them in memory lose them only with power,
+    /// which a flush reports).
     fn lost_writes(&self) -> LostWrites {
-        LostWrites::None
+        self.base().map_or(LostWrites::None, |b| b.lost_writes())
     }
 
     /// Whoever uses this device has made up for every write it acknowledged until now and
     /// may have lost (an array re-adding a member copies to it again whatever it may have
     /// missed): losses of those writes, found now or later, are no longer reported. Writes
-    /// acknowledged after this call are reported as before. The default does nothing.
-    fn lost_writes_made_up(&self) {}
+    /// acknowledged after this call are reported as before. The default tells its base,
+    /// if it has one.
+    fn lost_writes_made_up(&self) {
+        if let Some(base) = self.base() {
+            base.lost_writes_made_up();
+        }
+    }
 
-    /// Whether writes are refused whatever the export says (a thin pool's snapshot).
+    /// Whether writes are refused whatever the export says (a thin pool's snapshot, or a
+    /// wrapper over one: the default is its base's answer, else false).
     fn read_only(&self) -> bool {
-        false
+        self.base().is_some_and(|b| b.read_only())
     }
 
     /// The device as `Any`, for the few callers that need its concrete type (the admin

@@ -603,20 +603,11 @@ impl Device for CryptDevice {
             self.segment,
         ))
     }
-    fn children(&self) -> Vec<Arc<dyn Device>> {
-        vec![self.base.clone()]
+    fn base(&self) -> Option<&Arc<dyn Device>> {
+        Some(&self.base)
     }
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
-    }
-    fn lost_writes(&self) -> cairn_core::LostWrites {
-        self.base.lost_writes()
-    }
-    fn lost_writes_made_up(&self) {
-        self.base.lost_writes_made_up()
-    }
-    fn read_only(&self) -> bool {
-        self.base.read_only()
     }
 }
 

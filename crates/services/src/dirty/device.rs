@@ -122,6 +122,10 @@ impl Device for TrackedDevice {
             enabled: RefCell::new(self.store.enabled()),
         }))
     }
+    fn base(&self) -> Option<&Arc<dyn Device>> {
+        Some(&self.base)
+    }
+    /// It stands in for its base in the tree (under the same name): its base's children.
     fn children(&self) -> Vec<Arc<dyn Device>> {
         self.base.children()
     }
@@ -155,26 +159,11 @@ impl Device for TrackedDevice {
     fn extents(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<(), Error> {
         self.base.extents(offset, len, out)
     }
-    fn power_cut(&self) {
-        self.base.power_cut()
-    }
     fn writeback_counters(&self) -> (u64, u64) {
         self.base.writeback_counters()
     }
     fn writeback_rate(&self) -> u64 {
         self.base.writeback_rate()
-    }
-    fn coherent_across_queues(&self) -> bool {
-        self.base.coherent_across_queues()
-    }
-    fn lost_writes(&self) -> cairn_core::LostWrites {
-        self.base.lost_writes()
-    }
-    fn lost_writes_made_up(&self) {
-        self.base.lost_writes_made_up()
-    }
-    fn read_only(&self) -> bool {
-        self.base.read_only()
     }
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)

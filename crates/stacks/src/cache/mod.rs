@@ -327,6 +327,34 @@ impl CacheDevice {
     pub fn dirty_bytes(&self) -> u64 {
         Shared::dirty_bytes(&self.shared.lock())
     }
+
+    /// A power cut: cache memory is volatile, so everything in it is gone; then `below`
+    /// cuts the base (plainly or torn). A cut is one instant for the whole stack: no
+    /// write-back may be half way to the base across it (its copy, older than the cut,
+    /// would land after it, over what a read after the cut saw or is reading), so the
+    /// cut waits for the round in flight.
+    fn cut(&self, below: impl FnOnce()) {
+        let _writing = self
+            .shared
+            .writing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let mut st = self.shared.lock();
+        let lost = st.dirty.len();
+        // Reads in flight saw data the cut may have taken away: they must not fill.
+        st.gen += 1;
+        st.cuts += 1;
+        self.shared.budget.sub(lost as u64 * PAGE);
+        st.pages.clear();
+        st.dirty.clear();
+        st.clean.clear();
+        drop(st);
+        log::warn!(
+            "cairn: {}: power cut: {lost} dirty cache pages are lost",
+            self.name
+        );
+        below();
+    }
 }
 
 impl Drop for CacheDevice {
@@ -390,8 +418,8 @@ impl Device for CacheDevice {
     fn geometry(&self) -> Geometry {
         self.geometry
     }
-    fn children(&self) -> Vec<Arc<dyn Device>> {
-        vec![self.base.clone()]
+    fn base(&self) -> Option<&Arc<dyn Device>> {
+        Some(&self.base)
     }
     fn writeback_rate(&self) -> u64 {
         self.shared.writeback_rate()
@@ -452,30 +480,10 @@ impl Device for CacheDevice {
         Ok(())
     }
     fn power_cut(&self) {
-        // Cache memory is volatile: everything in it is gone. A cut is one instant for the
-        // whole stack: no write-back may be half way to the base across it (its copy,
-        // older than the cut, would land after it, over what a read after the cut saw
-        // or is reading), so the cut waits for the round in flight.
-        let _writing = self
-            .shared
-            .writing
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        let mut st = self.shared.lock();
-        let lost = st.dirty.len();
-        // Reads in flight saw data the cut may have taken away: they must not fill.
-        st.gen += 1;
-        st.cuts += 1;
-        self.shared.budget.sub(lost as u64 * PAGE);
-        st.pages.clear();
-        st.dirty.clear();
-        st.clean.clear();
-        drop(st);
-        log::warn!(
-            "cairn: {}: power cut: {lost} dirty cache pages are lost",
-            self.name
-        );
-        self.base.power_cut();
+        self.cut(|| self.base.power_cut());
+    }
+    fn power_cut_torn(&self, seed: u64) {
+        self.cut(|| self.base.power_cut_torn(seed));
     }
     fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
         let base = cairn_core::handoff::open_member(core, &self.base)?;
