@@ -7,6 +7,8 @@
 use std::rc::Rc;
 use std::sync::Arc;
 
+use crate::array::ArrayReport;
+use crate::bitmap::DirtyMap;
 use crate::error::{Error, IoError};
 use crate::io::{Io, Op};
 use crate::reactor::Core;
@@ -299,83 +301,6 @@ pub trait Device: Send + Sync {
     fn bitmap(&self, _name: &str) -> Option<Arc<dyn DirtyMap>> {
         None
     }
-}
-
-/// A dirty bitmap as its readers see it: which ranges have changed since it started.
-pub trait DirtyMap: Send + Sync {
-    /// Bytes per bit.
-    fn granularity(&self) -> u64;
-
-    /// Appends the runs of `[offset, offset + len)` as (length, dirty), neighbours of the
-    /// same state merged, at most `most` of them; the first starts at `offset`, and
-    /// unless cut short by `most` they cover `len` bytes (a range past the bitmap's end
-    /// reads as dirty: nothing says it did not change).
-    fn runs(&self, offset: u64, len: u64, most: usize, out: &mut Vec<(u64, bool)>);
-
-    /// Whether the bitmap may miss changes (a mark that could not be written, a page of
-    /// its bits found damaged, or a device grown past it): such a bitmap must not be
-    /// trusted for an incremental backup.
-    fn inconsistent(&self) -> bool;
-}
-
-/// An array's state as fields ([`Device::array_report`]): what `/proc/mdstat` and
-/// `mdadm --detail` show of an md array.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct ArrayReport {
-    /// `linear`, `stripe`, `mirror` or `raid10`.
-    pub level: &'static str,
-    /// Its size in bytes.
-    pub size_bytes: u64,
-    /// The array's UUID (the same on every member's superblock).
-    pub uuid: String,
-    /// Superblock format version.
-    pub metadata: u32,
-    /// Bumped by every change of state recorded in the superblocks.
-    pub events: u64,
-    /// Copies of each byte (1 for linear and stripe).
-    pub copies: usize,
-    /// Some data is read from fewer copies than it has members for.
-    pub degraded: bool,
-    /// Not stopped cleanly and not resynced yet: reads come from one copy.
-    pub unclean: bool,
-    /// Each member position, in `members` order (and replacements being built).
-    pub members: Vec<ArrayMember>,
-    /// A rebuild or resync running now.
-    pub sync: Option<ArraySync>,
-    /// Spares, by name.
-    pub spares: Vec<String>,
-    /// The write-intent bitmap: region bytes, regions, dirty regions.
-    pub bitmap: Option<(u64, u64, u64)>,
-    /// Read repairs: ranges rewritten, bytes rewritten, rewrites that failed, pending.
-    pub read_repairs: (u64, u64, u64, u64),
-}
-
-/// One member of an [`ArrayReport`].
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct ArrayMember {
-    /// Its device's name.
-    pub name: String,
-    /// Its position in `members` (a replacement: the position it is built for).
-    pub role: usize,
-    /// `active`, `rebuilding`, `failed`, `missing`, `replacing`.
-    pub state: &'static str,
-    /// Reads go to it.
-    pub readable: bool,
-    /// Re-added too often: the automatic re-add gave up on it.
-    pub readd_given_up: bool,
-}
-
-/// A rebuild or resync in an [`ArrayReport`].
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct ArraySync {
-    /// `rebuild` or `resync`.
-    pub kind: &'static str,
-    /// Bytes done and to do in all.
-    pub done_bytes: u64,
-    /// Bytes in all.
-    pub total_bytes: u64,
-    /// Bytes a second, over the run so far.
-    pub rate_bytes_per_s: u64,
 }
 
 /// A run of bytes with one allocation state.

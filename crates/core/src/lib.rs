@@ -16,6 +16,8 @@
 //! Nothing here allocates, locks or hands work to another thread per I/O.
 #![warn(missing_docs)]
 
+pub mod array;
+pub mod bitmap;
 pub mod blocking;
 pub mod buf;
 pub mod clock;
@@ -37,12 +39,11 @@ pub mod stats;
 #[doc(hidden)]
 pub mod testing;
 
+pub use array::{ArrayMember, ArrayReport, ArraySync};
+pub use bitmap::DirtyMap;
 pub use buf::AlignedBuf;
 pub use clock::{Clock, ClockMode};
-pub use device::{
-    ArrayMember, ArrayReport, ArraySync, Caps, Device, DirtyMap, Extent, Geometry, LostWrites,
-    Queue,
-};
+pub use device::{Caps, Device, Extent, Geometry, LostWrites, Queue};
 pub use error::{Error, IoError};
 pub use flush::{FlushBatcher, FlushMode};
 pub use frontend::{Frontend, FrontendPart};

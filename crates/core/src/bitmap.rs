@@ -1,0 +1,18 @@
+//! Dirty bitmaps as their readers see them.
+
+/// A dirty bitmap as its readers see it: which ranges have changed since it started.
+pub trait DirtyMap: Send + Sync {
+    /// Bytes per bit.
+    fn granularity(&self) -> u64;
+
+    /// Appends the runs of `[offset, offset + len)` as (length, dirty), neighbours of the
+    /// same state merged, at most `most` of them; the first starts at `offset`, and
+    /// unless cut short by `most` they cover `len` bytes (a range past the bitmap's end
+    /// reads as dirty: nothing says it did not change).
+    fn runs(&self, offset: u64, len: u64, most: usize, out: &mut Vec<(u64, bool)>);
+
+    /// Whether the bitmap may miss changes (a mark that could not be written, a page of
+    /// its bits found damaged, or a device grown past it): such a bitmap must not be
+    /// trusted for an incremental backup.
+    fn inconsistent(&self) -> bool;
+}
