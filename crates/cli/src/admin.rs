@@ -14,8 +14,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use cairn_core::capability::writeback_totals;
 use cairn_core::socket::SocketFile;
-use cairn_core::Device;
+use cairn_core::{Array, ArrayAction, Device, WriteBackCache};
 
 use crate::admin_threads::{self, Ticket, Workers, CLIENT_TIMEOUT};
 use crate::view::{self, all_devices, View};
@@ -298,12 +299,12 @@ fn serve_one(conn: UnixStream, view: &View, ticket: &Ticket) {
 /// One device's line of the tree: size, what it is, and its health.
 fn device_line(depth: usize, d: &Arc<dyn Device>) -> String {
     use cairn_core::size::format_bytes;
-    let failed = d.failed_members();
-    let cache = match view::cache_counters(&**d) {
-        Some((_, written)) => format!(
+    let failed = cairn_core::array::failed_members(d);
+    let cache = match d.capability::<dyn WriteBackCache>() {
+        Some(c) => format!(
             ", {} written back ({}/s now)",
-            format_bytes(written),
-            format_bytes(d.writeback_rate())
+            format_bytes(c.counters().written_bytes),
+            format_bytes(c.rate_bytes_per_s())
         ),
         None => String::new(),
     };
@@ -341,7 +342,8 @@ fn consistent(view: &View, build: impl Fn(&View) -> String) -> String {
     let seq = || -> (u64, bool) {
         all_devices(&view.roots())
             .iter()
-            .map(|(_, d)| d.change_seq())
+            .filter_map(|(_, d)| d.capability::<dyn Array>())
+            .map(|a| a.change_seq())
             .fold((0, false), |(sum, odd), s| {
                 (sum.wrapping_add(s), odd || s % 2 == 1)
             })
@@ -517,7 +519,10 @@ fn status_text_once(view: &View) -> String {
     }
     out += &view::exports_text(view);
     // Arrays with metadata (the default) have a status block; nothing is said of the rest.
-    let arrays: Vec<String> = all.iter().filter_map(|(_, d)| d.array_status()).collect();
+    let arrays: Vec<String> = all
+        .iter()
+        .filter_map(|(_, d)| d.capability::<dyn Array>()?.status())
+        .collect();
     out += &arrays.concat();
     for p in pools(&view.roots()) {
         out += &thin_list(pool_of(&p).expect("a pool"));
@@ -550,7 +555,8 @@ fn status_json_once(view: &View) -> String {
     let devices: Vec<serde_json::Value> = all_devices(&view.roots())
         .iter()
         .map(|(depth, d)| {
-            let (dirty, written) = d.writeback_counters();
+            let totals = writeback_totals(d);
+            let array = d.capability::<dyn Array>();
             serde_json::json!({
                 "name": d.name(),
                 "depth": depth,
@@ -558,17 +564,22 @@ fn status_json_once(view: &View) -> String {
                 "block_bytes": d.geometry().block_bytes,
                 "describe": d.describe(),
                 "children": d.children().iter().map(|c| c.name().to_string()).collect::<Vec<_>>(),
-                "failed_members": d.failed_members(),
-                "dirty_bytes": dirty,
-                "written_back_bytes": written,
-                "writeback_bytes_per_s": d.writeback_rate(),
-                "array_status": d.array_status(),
+                "failed_members": cairn_core::array::failed_members(d),
+                "dirty_bytes": totals.dirty_bytes,
+                "written_back_bytes": totals.written_bytes,
+                "writeback_bytes_per_s": d
+                    .capability::<dyn WriteBackCache>()
+                    .map_or(0, |c| c.rate_bytes_per_s()),
+                "array_status": array.and_then(|a| a.status()),
             })
         })
         .collect();
     let arrays: Vec<serde_json::Value> = all_devices(&view.roots())
         .iter()
-        .filter_map(|(_, d)| d.array_report().map(|r| array_json(d.name(), &r)))
+        .filter_map(|(_, d)| {
+            let r = d.capability::<dyn Array>()?.report()?;
+            Some(array_json(d.name(), &r))
+        })
         .collect();
     let mut doc = view::exports_json(view);
     doc["devices"] = devices.into();
@@ -703,8 +714,7 @@ fn command(line: &str, view: &View, ticket: &Ticket) -> String {
 
 /// `fail|remove|re-add ARRAY MEMBER`, `add ARRAY SPEC`, `replace ARRAY OLD SPEC`.
 fn array_command(action: &str, args: &[&str], view: &View, roots: &[Arc<dyn Device>]) -> String {
-    let want = if action == "replace" { 3 } else { 2 };
-    if args.len() != want {
+    let Some((array, act)) = array_action(action, args) else {
         return format!(
             "error: usage: {}\n",
             match action {
@@ -713,20 +723,22 @@ fn array_command(action: &str, args: &[&str], view: &View, roots: &[Arc<dyn Devi
                 _ => "fail|remove|re-add ARRAY MEMBER",
             }
         );
-    }
-    let array = args[0];
+    };
     let all = all_devices(roots);
     let Some((_, d)) = all.iter().find(|(_, d)| d.name() == array) else {
         return format!("error: no device '{array}' is served (see the 'devices' command)\n");
     };
-    match d.array_action(action, &args[1..]) {
+    let Some(a) = d.capability::<dyn Array>() else {
+        return format!("error: '{array}' is not an array with metadata: it has no '{action}'\n");
+    };
+    match a.act(&act) {
         Ok(done) => {
             let mut out = format!("ok: {done}\n");
             for line in view.sync_stack_file() {
                 out += &line;
                 out.push('\n');
             }
-            if action == "replace" {
+            if matches!(act, ArrayAction::Replace { .. }) {
                 out += &match view.stack_file() {
                     Some(k) => format!(
                         "when the replace ends, stack file {} is updated (or status says what no longer matches)\n",
@@ -739,6 +751,31 @@ fn array_command(action: &str, args: &[&str], view: &View, roots: &[Arc<dyn Devi
         }
         Err(why) => format!("error: {why}\n"),
     }
+}
+
+/// The array an admin's action names, and the action, from its words (`None`: not the
+/// words it takes).
+fn array_action<'a>(action: &str, args: &[&'a str]) -> Option<(&'a str, ArrayAction)> {
+    let act = match (action, args) {
+        ("fail", [_, member]) => ArrayAction::Fail {
+            member: member.to_string(),
+        },
+        ("remove", [_, member]) => ArrayAction::Remove {
+            member: member.to_string(),
+        },
+        ("re-add", [_, member]) => ArrayAction::ReAdd {
+            member: member.to_string(),
+        },
+        ("add", [_, spec]) => ArrayAction::Add {
+            spec: spec.to_string(),
+        },
+        ("replace", [_, old, spec]) => ArrayAction::Replace {
+            old: old.to_string(),
+            spec: spec.to_string(),
+        },
+        _ => return None,
+    };
+    Some((args[0], act))
 }
 
 /// `power-cut [DEVICE...]`: nothing is cut unless every name is known.

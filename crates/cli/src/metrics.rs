@@ -12,6 +12,7 @@ use prometheus::proto::{
 };
 
 use cairn_core::socket::SocketFile;
+use cairn_core::{Array, WriteBackCache};
 
 use crate::view::{self, all_devices, View, OP_NAMES};
 
@@ -316,17 +317,21 @@ fn families(view: &View) -> Vec<MetricFamily> {
         busy.mut_metric().push(counter(&l, s.busy_ns as f64 / 1e9));
         size.mut_metric()
             .push(gauge(&l, d.geometry().size_bytes as f64));
-        if let Some((dirty_now, written)) = view::cache_counters(&**d) {
-            dirty.mut_metric().push(gauge(&l, dirty_now as f64));
-            written_back.mut_metric().push(counter(&l, written as f64));
+        if let Some(c) = d.capability::<dyn WriteBackCache>() {
+            let c = c.counters();
+            dirty.mut_metric().push(gauge(&l, c.dirty_bytes as f64));
+            written_back
+                .mut_metric()
+                .push(counter(&l, c.written_bytes as f64));
         }
-        if d.redundant() {
-            let f = d.failed_members().len();
+        let array = d.capability::<dyn Array>();
+        if let Some(array) = array.filter(|a| a.redundant()) {
+            let f = array.failed_members().len();
             degraded
                 .mut_metric()
                 .push(gauge(&l, if f > 0 { 1.0 } else { 0.0 }));
             failed.mut_metric().push(gauge(&l, f as f64));
-            let p = d.sync_progress();
+            let p = array.sync_progress();
             syncing
                 .mut_metric()
                 .push(gauge(&l, if p.is_some() { 1.0 } else { 0.0 }));

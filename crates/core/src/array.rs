@@ -1,7 +1,109 @@
-//! What an array (a stack of members that keeps state on them) reports of itself: its
-//! state as fields, for `status --json`, as `mdadm --detail` shows an md array's.
+//! The array capability: what an array of member devices (linear, stripe, mirror,
+//! raid10) reports of itself, and what the admin does to it. Its state as fields
+//! ([`ArrayReport`]) is what `status --json` shows, as `mdadm --detail` shows an md
+//! array's.
 
-/// An array's state as fields ([`crate::Device::array_report`]): what `/proc/mdstat` and
+use std::sync::Arc;
+
+use crate::device::Device;
+
+/// An array of member devices. Arrays that keep state on their members (superblocks,
+/// the default) report it and take the admin's actions; the others report their failed
+/// members only.
+pub trait Array: Send + Sync {
+    /// Whether it keeps more than one copy of its data (a mirror or raid10).
+    fn redundant(&self) -> bool;
+
+    /// Names of members that have failed (a redundant array running degraded).
+    fn failed_members(&self) -> Vec<String>;
+
+    /// For an array that keeps state on its members: its status as the admin `status`
+    /// command prints it (like `/proc/mdstat`), several lines. `None` for the others.
+    fn status(&self) -> Option<String>;
+
+    /// For an array that keeps state on its members: the same facts as
+    /// [`Array::status`], as fields (for `status --json`). `None` for the others.
+    fn report(&self) -> Option<ArrayReport>;
+
+    /// For an array that keeps state on its members, while a rebuild or resync runs: the
+    /// bytes it visited and the bytes it has to visit. `None` otherwise.
+    fn sync_progress(&self) -> Option<(u64, u64)>;
+
+    /// A count bumped when a change of its members begins and again when it ends (odd
+    /// while one runs), so that a reader can tell it read a state between the two and
+    /// read again.
+    fn change_seq(&self) -> u64;
+
+    /// The members it runs on now, by name, in order (`missing` for an absent one), with,
+    /// for each member added while it runs (`add`, `replace`, a spare), the spec it was
+    /// opened from: what a stack file should say to start it again as it is. `None` for
+    /// an array that keeps no state on its members (its members never change).
+    fn members_now(&self) -> Option<Vec<(String, Option<String>)>>;
+
+    /// Its spares now, by name, with the spec of each added while it runs (as
+    /// [`Array::members_now`]). `None` for an array that keeps no state on its members.
+    fn spares_now(&self) -> Option<Vec<(String, Option<String>)>>;
+
+    /// An admin action: what was done, or why not (then nothing was).
+    fn act(&self, action: &ArrayAction) -> Result<String, String>;
+}
+
+/// What the admin does to an array that keeps state on its members.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ArrayAction {
+    /// Mark `member` failed (never the last current copy of any data).
+    Fail {
+        /// The member's name.
+        member: String,
+    },
+    /// Record failed `member` as missing, and close it.
+    Remove {
+        /// The member's name.
+        member: String,
+    },
+    /// Take failed `member` back once its device answers again.
+    ReAdd {
+        /// The member's name.
+        member: String,
+    },
+    /// A new device, opened from `spec`, in place of a missing or failed member (a spare
+    /// when none is).
+    Add {
+        /// The device's spec (`file:PATH[,size=N]`).
+        spec: String,
+    },
+    /// Build a new device, opened from `spec`, from the array while `old` keeps working,
+    /// then swap it in for `old`.
+    Replace {
+        /// The member replaced.
+        old: String,
+        /// The new device's spec.
+        spec: String,
+    },
+}
+
+impl ArrayAction {
+    /// Its name, as the admin types it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ArrayAction::Fail { .. } => "fail",
+            ArrayAction::Remove { .. } => "remove",
+            ArrayAction::ReAdd { .. } => "re-add",
+            ArrayAction::Add { .. } => "add",
+            ArrayAction::Replace { .. } => "replace",
+        }
+    }
+}
+
+/// The failed members of `device` if it is an array; none otherwise.
+pub fn failed_members(device: &Arc<dyn Device>) -> Vec<String> {
+    device
+        .capability::<dyn Array>()
+        .map(|a| a.failed_members())
+        .unwrap_or_default()
+}
+
+/// An array's state as fields ([`Array::report`]): what `/proc/mdstat` and
 /// `mdadm --detail` show of an md array.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ArrayReport {

@@ -7,8 +7,8 @@
 use std::rc::Rc;
 use std::sync::Arc;
 
-use crate::array::ArrayReport;
 use crate::bitmap::DirtyMap;
+use crate::capability::{Offer, Want};
 use crate::error::{Error, IoError};
 use crate::io::{Io, Op};
 use crate::reactor::Core;
@@ -142,66 +142,6 @@ pub trait Device: Send + Sync {
         self.base().into_iter().cloned().collect()
     }
 
-    /// Names of members that have failed (a redundant array running degraded).
-    fn failed_members(&self) -> Vec<String> {
-        Vec::new()
-    }
-
-    /// For an array that keeps state on its members: its status as the admin `status`
-    /// command prints it (like `/proc/mdstat`), several lines. `None` for other devices.
-    fn array_status(&self) -> Option<String> {
-        None
-    }
-
-    /// For an array that keeps state on its members: the same facts as
-    /// [`Device::array_status`], as fields (for `status --json`). `None` for other devices.
-    fn array_report(&self) -> Option<ArrayReport> {
-        None
-    }
-
-    /// Whether it keeps more than one copy of its data (a mirror or raid10).
-    fn redundant(&self) -> bool {
-        false
-    }
-
-    /// For an array that keeps state on its members, while a rebuild or resync runs: the
-    /// bytes it visited and the bytes it has to visit. `None` otherwise.
-    fn sync_progress(&self) -> Option<(u64, u64)> {
-        None
-    }
-
-    /// An admin action on an array that keeps state on its members (`fail MEMBER`,
-    /// `remove MEMBER`, `add SPEC`, `replace OLD NEW`): what was done, or why not (then
-    /// nothing was).
-    fn array_action(&self, action: &str, args: &[&str]) -> Result<String, String> {
-        let _ = args;
-        Err(format!(
-            "'{}' is not an array with metadata: it has no '{action}'",
-            self.name()
-        ))
-    }
-
-    /// A count bumped when a change of this device's members begins and again when it
-    /// ends (odd while one runs), so that a reader can tell it read a state between the
-    /// two and read again. 0 for devices whose members never change.
-    fn change_seq(&self) -> u64 {
-        0
-    }
-
-    /// For an array: the members it runs on now, by name, in order (`missing` for an
-    /// absent one), with, for each member added while it runs (`add`, `replace`, a
-    /// spare), the spec it was opened from: what a stack file should say to start it
-    /// again as it is. `None` for other devices.
-    fn members_now(&self) -> Option<Vec<(String, Option<String>)>> {
-        None
-    }
-
-    /// For an array: its spares now, by name, with the spec of each added while it runs
-    /// (as [`Device::members_now`]). `None` for other devices.
-    fn spares_now(&self) -> Option<Vec<(String, Option<String>)>> {
-        None
-    }
-
     /// How `[offset, offset + len)` is allocated, as consecutive extents from `offset`
     /// (NBD's `base:allocation`). The extents may stop early (callers ask again) but never
     /// claim a hole or zeroes that are not there. The default: all data.
@@ -231,21 +171,6 @@ pub trait Device: Send + Sync {
             Some(base) => base.power_cut_torn(seed),
             None => self.power_cut(),
         }
-    }
-
-    /// Write-back counters of the caches in this tree: bytes dirty now, and bytes written
-    /// back so far (the default sums the children's).
-    fn writeback_counters(&self) -> (u64, u64) {
-        self.children()
-            .iter()
-            .map(|c| c.writeback_counters())
-            .fold((0, 0), |(d, w), (cd, cw)| (d + cd, w + cw))
-    }
-
-    /// For a write-back cache: bytes it wrote back a second, over the last second or two
-    /// (0 for other devices).
-    fn writeback_rate(&self) -> u64 {
-        0
     }
 
     /// Whether writes completed on one queue are seen by every other queue, and a flush
@@ -282,6 +207,16 @@ pub trait Device: Send + Sync {
     /// wrapper over one: the default is its base's answer, else false).
     fn read_only(&self) -> bool {
         self.base().is_some_and(|b| b.read_only())
+    }
+
+    /// The capabilities it offers beyond this trait (see [`crate::capability`]): for each
+    /// trait it implements, `want.offer::<dyn Trait>(|| self)`, chained with `or_else`.
+    /// The default offers none. A wrapper offers its own, not its base's: the base is a
+    /// device of the tree in its own right, found there by whoever looks for it (unless
+    /// the wrapper stands in for it under the same name, as the dirty layer does).
+    fn offer(self: Arc<Self>, want: Want) -> Option<Offer> {
+        let _ = want;
+        None
     }
 
     /// The device as `Any`, for the few callers that need its concrete type (the admin

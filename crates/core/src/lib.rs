@@ -3,6 +3,9 @@
 //! - [`io`]: one I/O request ([`Io`]), its operations, flags and completion status.
 //! - [`device`]: the [`Device`] (shared, configured) and [`Queue`] (one per reactor) traits,
 //!   and the [`Geometry`] every request is checked against at the edge.
+//! - [`capability`]: what only some devices do, each a small trait a device offers and a
+//!   caller asks for: [`array`] (an array's state and the admin's actions), a write-back
+//!   cache's counters, [`bitmap`] (dirty bitmaps).
 //! - [`reactor`]: the per-thread event loop: its io_uring, the plug (batched submission),
 //!   the cached clock, the completion FIFO and the sinks completions are delivered to.
 //! - [`stats`]: per-queue statistics in the shape of `/proc/diskstats`, plus latency
@@ -20,6 +23,7 @@ pub mod array;
 pub mod bitmap;
 pub mod blocking;
 pub mod buf;
+pub mod capability;
 pub mod clock;
 pub mod device;
 pub mod error;
@@ -39,9 +43,10 @@ pub mod stats;
 #[doc(hidden)]
 pub mod testing;
 
-pub use array::{ArrayMember, ArrayReport, ArraySync};
+pub use array::{Array, ArrayAction, ArrayMember, ArrayReport, ArraySync};
 pub use bitmap::DirtyMap;
 pub use buf::AlignedBuf;
+pub use capability::{Offer, Want, WriteBackCache, Writeback};
 pub use clock::{Clock, ClockMode};
 pub use device::{Caps, Device, Extent, Geometry, LostWrites, Queue};
 pub use error::{Error, IoError};

@@ -11,7 +11,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use cairn_core::{
-    Core, Device, DirtyMap, Error, Extent, Geometry, Io, IoStatus, Queue, QueueStats,
+    Core, Device, DirtyMap, Error, Extent, Geometry, Io, IoStatus, Offer, Queue, QueueStats, Want,
 };
 
 use super::bitmap::Bitmap;
@@ -129,41 +129,12 @@ impl Device for TrackedDevice {
     fn children(&self) -> Vec<Arc<dyn Device>> {
         self.base.children()
     }
-    fn failed_members(&self) -> Vec<String> {
-        self.base.failed_members()
-    }
-    fn array_status(&self) -> Option<String> {
-        self.base.array_status()
-    }
-    fn array_report(&self) -> Option<cairn_core::ArrayReport> {
-        self.base.array_report()
-    }
-    fn redundant(&self) -> bool {
-        self.base.redundant()
-    }
-    fn sync_progress(&self) -> Option<(u64, u64)> {
-        self.base.sync_progress()
-    }
-    fn array_action(&self, action: &str, args: &[&str]) -> Result<String, String> {
-        self.base.array_action(action, args)
-    }
-    fn change_seq(&self) -> u64 {
-        self.base.change_seq()
-    }
-    fn members_now(&self) -> Option<Vec<(String, Option<String>)>> {
-        self.base.members_now()
-    }
-    fn spares_now(&self) -> Option<Vec<(String, Option<String>)>> {
-        self.base.spares_now()
-    }
     fn extents(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<(), Error> {
         self.base.extents(offset, len, out)
     }
-    fn writeback_counters(&self) -> (u64, u64) {
-        self.base.writeback_counters()
-    }
-    fn writeback_rate(&self) -> u64 {
-        self.base.writeback_rate()
+    /// It stands in for its base: what its base is (an array, a cache), it is.
+    fn offer(self: Arc<Self>, want: Want) -> Option<Offer> {
+        Arc::clone(&self.base).offer(want)
     }
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)

@@ -37,8 +37,8 @@ use std::time::Instant;
 use cairn_core::blocking::{BlockingQueue, Request};
 use cairn_core::slab::Slab;
 use cairn_core::{
-    AlignedBuf, Caps, Core, Device, Error, Geometry, Io, IoFlags, IoStatus, Op, Poller, Queue,
-    QueueStats, Sink, SinkId, Switches,
+    AlignedBuf, Caps, Core, Device, Error, Geometry, Io, IoFlags, IoStatus, Offer, Op, Poller,
+    Queue, QueueStats, Sink, SinkId, Switches, Want, WriteBackCache, Writeback,
 };
 
 pub mod writeback;
@@ -421,15 +421,8 @@ impl Device for CacheDevice {
     fn base(&self) -> Option<&Arc<dyn Device>> {
         Some(&self.base)
     }
-    fn writeback_rate(&self) -> u64 {
-        self.shared.writeback_rate()
-    }
-    fn writeback_counters(&self) -> (u64, u64) {
-        let (d, w) = self.base.writeback_counters();
-        (
-            d + self.dirty_bytes(),
-            w + self.shared.written.load(Ordering::Relaxed),
-        )
+    fn offer(self: Arc<Self>, want: Want) -> Option<Offer> {
+        want.offer::<dyn WriteBackCache>(|| self)
     }
     fn extents(
         &self,
@@ -508,6 +501,18 @@ impl Device for CacheDevice {
         q.sink.set(core.register_sink(q.clone()));
         core.register_poller(q.clone());
         Ok(q)
+    }
+}
+
+impl WriteBackCache for CacheDevice {
+    fn counters(&self) -> Writeback {
+        Writeback {
+            dirty_bytes: self.dirty_bytes(),
+            written_bytes: self.shared.written.load(Ordering::Relaxed),
+        }
+    }
+    fn rate_bytes_per_s(&self) -> u64 {
+        self.shared.writeback_rate()
     }
 }
 
