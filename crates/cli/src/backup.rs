@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use cairn_core::Device;
+use cairn_core::{Device, DirtyBitmaps};
 use cairn_services::dirty::device::TrackedDevice;
 use cairn_services::thin::queue::ThinDevice;
 
@@ -169,7 +169,7 @@ fn add_volume(
     let (device, bitmaps): (Arc<dyn Device>, Vec<String>) = match store {
         Some(store) => {
             let view = TrackedDevice::view(thin, store, volume);
-            let names = view.bitmap_names();
+            let names = DirtyBitmaps::names(&view);
             (Arc::new(view), names)
         }
         None => (thin, Vec::new()),

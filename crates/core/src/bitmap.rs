@@ -1,4 +1,17 @@
-//! Dirty bitmaps as their readers see them.
+//! Dirty bitmaps as their readers see them: the capability of a device that keeps them
+//! ([`DirtyBitmaps`]), and one bitmap ([`DirtyMap`]).
+
+use std::sync::Arc;
+
+/// A device that keeps dirty bitmaps, set by every change of its data (an NBD client
+/// reads them as `qemu:dirty-bitmap:NAME` contexts).
+pub trait DirtyBitmaps: Send + Sync {
+    /// Names of its bitmaps, in the order they were added.
+    fn names(&self) -> Vec<String>;
+
+    /// The bitmap `name`, for a reader. A reader holding it keeps it from being removed.
+    fn reader(&self, name: &str) -> Option<Arc<dyn DirtyMap>>;
+}
 
 /// A dirty bitmap as its readers see it: which ranges have changed since it started.
 pub trait DirtyMap: Send + Sync {

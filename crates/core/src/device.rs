@@ -7,7 +7,6 @@
 use std::rc::Rc;
 use std::sync::Arc;
 
-use crate::bitmap::DirtyMap;
 use crate::capability::{Offer, Want};
 use crate::error::{Error, IoError};
 use crate::io::{Io, Op};
@@ -222,18 +221,6 @@ pub trait Device: Send + Sync {
     /// The device as `Any`, for the few callers that need its concrete type (the admin
     /// finding a thin pool). `None` for most devices.
     fn as_any(&self) -> Option<&dyn std::any::Any> {
-        None
-    }
-
-    /// Names of the dirty bitmaps this device keeps (set by every change of data), in the
-    /// order they were added. Empty for a device without a bitmap store.
-    fn bitmap_names(&self) -> Vec<String> {
-        Vec::new()
-    }
-
-    /// The dirty bitmap `name`, for a reader (an NBD client's `qemu:dirty-bitmap:NAME`
-    /// context). A reader holding it keeps it from being removed.
-    fn bitmap(&self, _name: &str) -> Option<Arc<dyn DirtyMap>> {
         None
     }
 }

@@ -11,7 +11,8 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use cairn_core::{
-    Core, Device, DirtyMap, Error, Extent, Geometry, Io, IoStatus, Offer, Queue, QueueStats, Want,
+    Core, Device, DirtyBitmaps, DirtyMap, Error, Extent, Geometry, Io, IoStatus, Offer, Queue,
+    QueueStats, Want,
 };
 
 use super::bitmap::Bitmap;
@@ -132,17 +133,23 @@ impl Device for TrackedDevice {
     fn extents(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<(), Error> {
         self.base.extents(offset, len, out)
     }
-    /// It stands in for its base: what its base is (an array, a cache), it is.
+    /// Its bitmaps; and it stands in for its base: what its base is (an array, a cache),
+    /// it is.
     fn offer(self: Arc<Self>, want: Want) -> Option<Offer> {
-        Arc::clone(&self.base).offer(want)
+        let base = Arc::clone(&self.base);
+        want.offer::<dyn DirtyBitmaps>(|| self)
+            .or_else(|| base.offer(want))
     }
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
     }
-    fn bitmap_names(&self) -> Vec<String> {
+}
+
+impl DirtyBitmaps for TrackedDevice {
+    fn names(&self) -> Vec<String> {
         self.store.names(&self.owner)
     }
-    fn bitmap(&self, name: &str) -> Option<Arc<dyn DirtyMap>> {
+    fn reader(&self, name: &str) -> Option<Arc<dyn DirtyMap>> {
         self.store
             .reader(&self.owner, name)
             .map(|r| Arc::new(r) as Arc<dyn DirtyMap>)
