@@ -17,6 +17,7 @@ use std::time::Duration;
 use cairn_core::capability::writeback_totals;
 use cairn_core::socket::SocketFile;
 use cairn_core::{Array, ArrayAction, Device, WriteBackCache};
+use cairn_services::thin::ThinPoolAdmin;
 
 use crate::admin_threads::{self, Ticket, Workers, CLIENT_TIMEOUT};
 use crate::view::{self, all_devices, View};
@@ -366,19 +367,15 @@ fn consistent(view: &View, build: impl Fn(&View) -> String) -> String {
     out
 }
 
-/// The thin pools served, by name.
-pub(crate) fn pools(roots: &[Arc<dyn Device>]) -> Vec<Arc<dyn Device>> {
+/// The thin pools served: each pool's device, and the pool.
+pub(crate) fn pools(roots: &[Arc<dyn Device>]) -> Vec<(Arc<dyn Device>, Arc<dyn ThinPoolAdmin>)> {
     all_devices(roots)
         .into_iter()
-        .map(|(_, d)| d)
-        .filter(|d| pool_of(d).is_some())
+        .filter_map(|(_, d)| {
+            let pool = d.capability::<dyn ThinPoolAdmin>()?;
+            Some((d, pool))
+        })
         .collect()
-}
-
-pub(crate) fn pool_of(d: &Arc<dyn Device>) -> Option<&cairn_services::thin::pool::Inner> {
-    d.as_any()
-        .and_then(|a| a.downcast_ref::<cairn_services::thin::pool::ThinPool>())
-        .map(|p| &**p.inner())
 }
 
 /// `thin ACTION POOL ...`.
@@ -389,8 +386,8 @@ fn thin_command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
         return format!("error: {USAGE}\n");
     };
     let all = pools(roots);
-    let Some(d) = all.iter().find(|d| d.name() == pool) else {
-        let names: Vec<&str> = all.iter().map(|d| d.name()).collect();
+    let Some((_, inner)) = all.iter().find(|(d, _)| d.name() == pool) else {
+        let names: Vec<&str> = all.iter().map(|(d, _)| d.name()).collect();
         return format!(
             "error: no thin pool '{pool}' is served (pools: {})\n",
             if names.is_empty() {
@@ -400,7 +397,7 @@ fn thin_command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
             }
         );
     };
-    let inner = pool_of(d).expect("a pool");
+    let inner = &**inner;
     let size =
         |s: &str| cairn_core::size::parse_size(s).map_err(|e| format!("error: size '{s}': {e}\n"));
     let rest = &args[2..];
@@ -447,7 +444,7 @@ fn thin_command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
 }
 
 /// A pool's volumes, a line each, under a line for the pool.
-fn thin_list(inner: &cairn_services::thin::pool::Inner) -> String {
+fn thin_list(inner: &dyn ThinPoolAdmin) -> String {
     use cairn_core::size::format_bytes;
     let r = inner.report();
     let mut out = thin_pool_line(&r);
@@ -485,7 +482,7 @@ fn thin_pool_line(r: &cairn_services::thin::pool::PoolReport) -> String {
     )
 }
 
-fn thin_json(inner: &cairn_services::thin::pool::Inner) -> serde_json::Value {
+fn thin_json(inner: &dyn ThinPoolAdmin) -> serde_json::Value {
     let r = inner.report();
     serde_json::json!({
         "name": r.name,
@@ -524,8 +521,8 @@ fn status_text_once(view: &View) -> String {
         .filter_map(|(_, d)| d.capability::<dyn Array>()?.status())
         .collect();
     out += &arrays.concat();
-    for p in pools(&view.roots()) {
-        out += &thin_list(pool_of(&p).expect("a pool"));
+    for (_, pool) in pools(&view.roots()) {
+        out += &thin_list(&*pool);
     }
     out += &crate::bitmaps::status_text(&view.roots());
     if let Some(k) = view.stack_file() {
@@ -586,7 +583,7 @@ fn status_json_once(view: &View) -> String {
     doc["arrays"] = arrays.into();
     doc["thin_pools"] = pools(&view.roots())
         .iter()
-        .map(|p| thin_json(pool_of(p).expect("a pool")))
+        .map(|(_, pool)| thin_json(&**pool))
         .collect::<Vec<_>>()
         .into();
     doc["bitmaps"] = crate::bitmaps::status_json(&view.roots());

@@ -454,11 +454,8 @@ fn thin_families(roots: &[Arc<dyn cairn_core::Device>]) -> Vec<MetricFamily> {
         "A thin volume's virtual size.",
         MetricType::GAUGE,
     );
-    for d in crate::admin::pools(roots) {
-        let Some(inner) = crate::admin::pool_of(&d) else {
-            continue;
-        };
-        let r = inner.report();
+    for (_, pool) in crate::admin::pools(roots) {
+        let r = pool.report();
         let total = (r.data_blocks * r.block_bytes) as f64;
         let used = (r.used_blocks * r.block_bytes) as f64;
         data.mut_metric()
