@@ -522,8 +522,8 @@ fn throttle_families(roots: &[Arc<dyn cairn_core::Device>]) -> Vec<MetricFamily>
         "Requests waiting at a throttle device now.",
         MetricType::GAUGE,
     );
-    for (name, d) in crate::throttle::throttles(roots) {
-        let c = crate::throttle::policy_of(&d).expect("a throttle").counts();
+    for (name, throttle) in crate::throttle::throttles(roots) {
+        let c = throttle.counts();
         let l = [("device", name.as_str())];
         requests.mut_metric().push(counter(&l, c.requests as f64));
         bytes.mut_metric().push(counter(&l, c.bytes as f64));

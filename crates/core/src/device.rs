@@ -217,12 +217,6 @@ pub trait Device: Send + Sync {
         let _ = want;
         None
     }
-
-    /// The device as `Any`, for the few callers that need its concrete type (the admin
-    /// finding a thin pool). `None` for most devices.
-    fn as_any(&self) -> Option<&dyn std::any::Any> {
-        None
-    }
 }
 
 /// A run of bytes with one allocation state.

@@ -1,16 +1,18 @@
 //! Every single-child wrapper (fault, delay, throttle, write-back cache, crypt, the dirty
 //! layer) answers what a wrapper passes on as its base does: read-only, coherent across
 //! queues, lost writes; and passes power cuts (plain and torn, with their seed) and a
-//! loss made up for down to it. The base is a probe whose answers no default gives.
+//! loss made up for down to it. The base is a probe whose answers no default gives. And
+//! each offers its own capabilities, not its base's (but for the dirty layer, which
+//! stands in for its base).
 
 use std::sync::Arc;
 
-use cairn_core::{Device, LostWrites, Switches};
-use cairn_services::crypt::device::{CryptDevice, CryptOptions};
+use cairn_core::{Device, DirtyBitmaps, LostWrites, Switches, WriteBackCache};
+use cairn_services::crypt::device::{CryptDevice, CryptOptions, KeySlots};
 use cairn_services::crypt::{Hash, Kdf};
 use cairn_services::dirty::device::TrackedDevice;
 use cairn_services::dirty::store::Store;
-use cairn_services::throttle::{Limits, Throttle, ThrottlePolicy};
+use cairn_services::throttle::{Limits, Throttle, ThrottleAdmin, ThrottlePolicy};
 use cairn_stacks::cache::writeback::{Budget, Writeback};
 use cairn_stacks::cache::CacheDevice;
 use cairn_stacks::wrap::{Delay, Delays, FaultRule, Faults, WrapDevice};
@@ -109,4 +111,44 @@ fn a_wrapper_answers_and_passes_on_as_its_base_does() {
         check("children", children == expected);
     }
     assert!(wrong.is_empty(), "answered unlike the base: {wrong:?}");
+}
+
+/// A wrapper offers its own capabilities (a throttle's admin, a crypt device's key slots,
+/// a cache's counters, the dirty layer's bitmaps and store), and its base's only when it
+/// stands in for its base under the same name (the dirty layer).
+#[test]
+fn a_wrapper_offers_its_own_capabilities_and_only_a_stand_in_its_base_s() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, _, w) in wrappers(dir.path()) {
+        let offered = [
+            ("throttle", w.capability::<dyn ThrottleAdmin>().is_some()),
+            ("crypt", w.capability::<dyn KeySlots>().is_some()),
+            ("cache", w.capability::<dyn WriteBackCache>().is_some()),
+            ("dirty", w.capability::<dyn DirtyBitmaps>().is_some()),
+            ("dirty", w.capability::<Store>().is_some()),
+        ];
+        for (owner, found) in offered {
+            assert_eq!(found, owner == name, "{name} offering {owner}'s capability");
+        }
+    }
+    let budget = Arc::new(Budget::new(&Writeback::default(), 1 << 20).unwrap());
+    let cache: Arc<dyn Device> = Arc::new(
+        CacheDevice::new(
+            "c",
+            Arc::new(Probe::new("p", BYTES)),
+            1 << 20,
+            budget,
+            Switches::default(),
+        )
+        .unwrap(),
+    );
+    let delay: Arc<dyn Device> = Arc::new(WrapDevice::new(
+        "w",
+        cache.clone(),
+        Arc::new(Delay::new(Delays::default())),
+    ));
+    assert!(delay.capability::<dyn WriteBackCache>().is_none());
+    let store = Store::open(&dir.path().join("c-bitmaps"), "c", BYTES, false).unwrap();
+    let tracked: Arc<dyn Device> = Arc::new(TrackedDevice::new(cache, store).unwrap());
+    assert!(tracked.capability::<dyn WriteBackCache>().is_some());
 }
