@@ -991,15 +991,13 @@ pub(super) fn parse_device(
                 .map_err(|e| keys.bad("uri", &format!("is wrong: {}", shown(&e))))?;
             let connections = match keys.integer("connections")? {
                 None => 1,
-                Some(n)
-                    if (1..=u64::from(cairn_nbd::client::remote::CONNECTIONS_MAX)).contains(&n) =>
-                {
+                Some(n) if (1..=u64::from(cairn_nbd::client::CONNECTIONS_MAX)).contains(&n) => {
                     n as u32
                 }
                 Some(_) => {
                     return Err(keys.out_of_range(
                         "connections",
-                        &format!("from 1 to {}", cairn_nbd::client::remote::CONNECTIONS_MAX),
+                        &format!("from 1 to {}", cairn_nbd::client::CONNECTIONS_MAX),
                     ))
                 }
             };
@@ -1012,7 +1010,7 @@ pub(super) fn parse_device(
                         cairn_leaves::spec::NBD_TIMEOUT_MIN..=cairn_leaves::spec::NBD_TIMEOUT_MAX,
                         true,
                     )?
-                    .unwrap_or(cairn_nbd::client::remote::DEFAULT_TIMEOUT),
+                    .unwrap_or(cairn_nbd::client::DEFAULT_TIMEOUT),
             })
         }
         "rbd" => DeviceSpec::Leaf(LeafSpec::Rbd(keys.rbd()?)),
