@@ -80,7 +80,8 @@ pub(super) fn map_extents(
         if pos >= end || elen == 0 {
             break;
         }
-        let e = (pos + elen).min(end);
+        // A length from the server: it may reach beyond 2^64.
+        let e = pos.saturating_add(elen).min(end);
         let hole = flags & proto::state::HOLE != 0;
         let zero = flags & proto::state::ZERO != 0;
         if !hole && !zero {
@@ -279,5 +280,14 @@ mod tests {
                 zero: true
             }]
         );
+    }
+
+    #[test]
+    fn an_extent_longer_than_the_address_space_is_clipped() {
+        // Extended headers carry 64-bit lengths: a server may claim anything.
+        let mut out = Vec::new();
+        let hole = proto::state::HOLE | proto::state::ZERO;
+        map_extents(&[(100, 0), (u64::MAX, hole)], 0, 4096, 512, &mut out);
+        assert_eq!(out, vec![Extent::data(512), Extent::hole(4096 - 512)]);
     }
 }

@@ -7,7 +7,7 @@ use cairn_core::IoFlags;
 
 use crate::proto::{self, chunk, cmd};
 
-use super::{Link, NbdQueue, Rx, State, MAX_SMALL};
+use super::{Link, NbdQueue, Req, Rx, State, MAX_SMALL};
 
 impl NbdQueue {
     /// Parses every complete reply in connection `ci`'s input.
@@ -145,7 +145,7 @@ impl NbdQueue {
             }
             let offset = proto::be64(&c.inbuf[c.rs + size..c.rs + size + 8]);
             let n = len - 8;
-            if offset < q.offset || offset + n > q.offset + q.len {
+            if !inside(&q, offset, n) {
                 self.violation(st, ci, Some(r), "a data chunk outside its read", offset);
                 return false;
             }
@@ -178,7 +178,7 @@ impl NbdQueue {
             chunk::OFFSET_HOLE if q.command == cmd::READ && len == 12 => {
                 let offset = proto::be64(&p[0..8]);
                 let n = u64::from(proto::be32(&p[8..12]));
-                if offset < q.offset || offset + n > q.offset + q.len {
+                if !inside(&q, offset, n) {
                     self.violation(st, ci, Some(r), "a hole chunk outside its read", offset);
                     return false;
                 }
@@ -320,4 +320,13 @@ impl NbdQueue {
             }
         }
     }
+}
+
+/// Whether `[offset, offset + n)`, from a server's reply, lies inside part `q`'s range
+/// (an end beyond 2^64 does not).
+fn inside(q: &Req, offset: u64, n: u64) -> bool {
+    offset >= q.offset
+        && offset
+            .checked_add(n)
+            .is_some_and(|end| end <= q.offset + q.len)
 }
