@@ -7,7 +7,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use cairn_core::{Io, IoFlags, Op};
+use cairn_core::{Io, Op};
 
 use crate::client::handshake::Connected;
 
@@ -16,6 +16,44 @@ use super::super::{Idle, BACKOFF_MAX, CONNECTIONS_MAX};
 use super::{ClientTls, IoSlot, Link, NbdQueue, Rx, State, NO_CONN, RAW_IN, VERIFY};
 
 impl NbdQueue {
+    /// A new queue's connections: kept ones first (the device's first, or those of a
+    /// closed queue), then new ones; a server that is down now leaves the queue
+    /// reconnecting in the background (requests wait up to the timeout).
+    pub(super) fn connect_all(&self, st: &mut State) {
+        let now = self.core.now_ns();
+        for i in 0..st.conns.len() {
+            let kept = self
+                .shared
+                .idle
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .pop();
+            let got = match kept {
+                Some(c) => Ok(c),
+                None => self.shared.connect().map(|made| Idle {
+                    made,
+                    unflushed: None,
+                }),
+            };
+            match got {
+                Ok(c) => self.install(st, i, c, now),
+                Err(e) => {
+                    log::warn!(
+                        "cairn: {}: cannot connect to {}: {e}; retrying in the background",
+                        self.shared.name,
+                        self.shared.uri_text
+                    );
+                    break;
+                }
+            }
+        }
+        if st.conns.iter().all(|c| c.link != Link::Up) {
+            st.down_since = Some(now);
+            st.down_connects = self.shared.ledger.connects.load(Ordering::SeqCst);
+        }
+        self.start_connector(st);
+    }
+
     pub(super) fn install(&self, st: &mut State, ci: usize, idle: Idle, now: u64) {
         let Idle { made, unflushed } = idle;
         // Requests sent from now on carry a turnover no older than this connection.
@@ -158,6 +196,27 @@ impl NbdQueue {
     /// was on it.
     pub(super) fn reset(&self, st: &mut State, ci: usize) {
         let now = self.core.now_ns();
+        self.close_conn(st, ci);
+        self.publish(st);
+        // The server may have restarted: every queue looks at its other connections.
+        self.shared.ledger.turn();
+        self.requeue(st, ci);
+        if st.conns.iter().all(|c| c.link != Link::Up) && st.down_since.is_none() {
+            st.down_since = Some(now);
+            st.down_connects = self.shared.ledger.connects.load(Ordering::SeqCst);
+        }
+        // Requests go to another connection if one is up, else wait for the reconnect.
+        let parked: Vec<u32> = st.parked.drain(..).collect();
+        for slot in parked {
+            self.route(st, slot);
+        }
+        self.start_connector(st);
+        self.arm_tick(st);
+    }
+
+    /// Closes connection `ci` and empties its buffers. Writes it acknowledged that no
+    /// flush covered may be lost: the ledger counts the loss.
+    fn close_conn(&self, st: &mut State, ci: usize) {
         let c = &mut st.conns[ci];
         c.fd = None;
         c.tls = None;
@@ -188,9 +247,12 @@ impl NbdQueue {
         }
         c.acked_writes = 0;
         c.flushed_writes = 0;
-        self.publish(st);
-        // The server may have restarted: every queue looks at its other connections.
-        self.shared.ledger.turn();
+    }
+
+    /// What was on connection `ci` once it is closed: its NBD requests free; the queue's
+    /// own flushes on it done, requests the server broke the protocol answering failed,
+    /// and every other request parked, oldest first, to be sent again.
+    fn requeue(&self, st: &mut State, ci: usize) {
         for r in 0..st.reqs.len() {
             let q = &mut st.reqs[r];
             if q.in_use && q.conn == ci as u16 {
@@ -205,7 +267,7 @@ impl NbdQueue {
                 continue;
             }
             if s.internal {
-                // The connection it checked is gone: the loss is counted above.
+                // The connection it checked is gone: the loss is counted already.
                 self.finish(st, slot, 0);
                 continue;
             }
@@ -219,29 +281,14 @@ impl NbdQueue {
             s.next = 0;
             s.outstanding = 0;
             s.error = 0;
-            s.tail_flush = s.io.op == Op::Flush
-                || (self.shared.emulate_fua
-                    && s.io.op.is_write()
-                    && s.io.flags.contains(IoFlags::FUA));
+            s.tail_flush = self.ends_with_flush(&s.io);
             s.conn = NO_CONN;
             st.parked.push_back(slot);
         }
-        // Oldest first.
         let ios = &st.ios;
         st.parked
             .make_contiguous()
             .sort_by_key(|&s| ios[s as usize].start_ns);
-        if st.conns.iter().all(|c| c.link != Link::Up) && st.down_since.is_none() {
-            st.down_since = Some(now);
-            st.down_connects = self.shared.ledger.connects.load(Ordering::SeqCst);
-        }
-        // Requests go to another connection if one is up, else wait for the reconnect.
-        let parked: Vec<u32> = st.parked.drain(..).collect();
-        for slot in parked {
-            self.route(st, slot);
-        }
-        self.start_connector(st);
-        self.arm_tick(st);
     }
 
     /// Stores in the queue's watch the oldest turnover at which a connection holding

@@ -276,6 +276,62 @@ struct State {
     connected_ns: u64,
 }
 
+impl State {
+    /// A new queue's state: every slot and NBD request free, its connections down, all
+    /// of it allocated up front.
+    fn new(shared: &Shared) -> State {
+        State {
+            conns: (0..shared.connections).map(|_| Conn::new()).collect(),
+            ios: vec![
+                IoSlot {
+                    io: Io::nodata(Op::Flush, 0, 0, SinkId(u32::MAX), 0),
+                    start_ns: 0,
+                    conn: NO_CONN,
+                    next: 0,
+                    tail_flush: false,
+                    outstanding: 0,
+                    error: 0,
+                    poisoned: false,
+                    internal: false,
+                    in_use: false,
+                };
+                QUEUE_DEPTH
+            ],
+            free_ios: (0..QUEUE_DEPTH as u32).rev().collect(),
+            overflow: VecDeque::new(),
+            reqs: vec![
+                Req {
+                    slot: NONE,
+                    conn: NO_CONN,
+                    command: 0,
+                    offset: 0,
+                    len: 0,
+                    covered: 0,
+                    covers: 0,
+                    turnover: 0,
+                    gen: 0,
+                    in_use: false,
+                };
+                MAX_REQS
+            ],
+            free_reqs: (0..MAX_REQS as u32).rev().collect(),
+            parked: VecDeque::with_capacity(QUEUE_DEPTH),
+            dirty: Vec::with_capacity(CONNECTIONS_MAX as usize),
+            spare: Vec::with_capacity(CONNECTIONS_MAX as usize),
+            tick_armed: false,
+            connecting: false,
+            down_since: None,
+            down_connects: 0,
+            reported: 0,
+            era: shared.ledger.era.load(Ordering::SeqCst),
+            turnover: shared.ledger.turnover.load(Ordering::SeqCst),
+            published: 0,
+            backoff: Duration::ZERO,
+            connected_ns: 0,
+        }
+    }
+}
+
 /// One device's queue on one reactor.
 pub(super) struct NbdQueue {
     core: Rc<Core>,
@@ -292,9 +348,10 @@ pub(super) struct NbdQueue {
 }
 
 impl NbdQueue {
+    /// Opens a queue on `core`'s reactor: registered with the reactor, with connections
+    /// made (see `connect_all`) or being made in the background.
     pub(super) fn open(core: &Rc<Core>, shared: Arc<Shared>) -> Result<Rc<dyn Queue>, Error> {
         let (tx, rx) = channel();
-        let idle = QUEUE_DEPTH as u32;
         let wake = cairn_core::event::eventfd("nbd reconnect")?;
         let watch = Arc::new(Watch {
             unflushed: AtomicU64::new(0),
@@ -310,55 +367,7 @@ impl NbdQueue {
             rx,
             stop: Arc::new(AtomicBool::new(false)),
             watch: watch.clone(),
-            st: RefCell::new(State {
-                conns: (0..shared.connections).map(|_| Conn::new()).collect(),
-                ios: vec![
-                    IoSlot {
-                        io: Io::nodata(Op::Flush, 0, 0, SinkId(u32::MAX), 0),
-                        start_ns: 0,
-                        conn: NO_CONN,
-                        next: 0,
-                        tail_flush: false,
-                        outstanding: 0,
-                        error: 0,
-                        poisoned: false,
-                        internal: false,
-                        in_use: false,
-                    };
-                    QUEUE_DEPTH
-                ],
-                free_ios: (0..idle).rev().collect(),
-                overflow: VecDeque::new(),
-                reqs: vec![
-                    Req {
-                        slot: NONE,
-                        conn: NO_CONN,
-                        command: 0,
-                        offset: 0,
-                        len: 0,
-                        covered: 0,
-                        covers: 0,
-                        turnover: 0,
-                        gen: 0,
-                        in_use: false,
-                    };
-                    MAX_REQS
-                ],
-                free_reqs: (0..MAX_REQS as u32).rev().collect(),
-                parked: VecDeque::with_capacity(QUEUE_DEPTH),
-                dirty: Vec::with_capacity(CONNECTIONS_MAX as usize),
-                spare: Vec::with_capacity(CONNECTIONS_MAX as usize),
-                tick_armed: false,
-                connecting: false,
-                down_since: None,
-                down_connects: 0,
-                reported: 0,
-                era: shared.ledger.era.load(Ordering::SeqCst),
-                turnover: shared.ledger.turnover.load(Ordering::SeqCst),
-                published: 0,
-                backoff: Duration::ZERO,
-                connected_ns: 0,
-            }),
+            st: RefCell::new(State::new(&shared)),
             shared,
         });
         q.shared
@@ -370,42 +379,7 @@ impl NbdQueue {
         q.user.set(core.register_ring_user(q.clone())?);
         q.sink.set(core.register_sink(q.clone()));
         core.register_poller(q.clone());
-        // Connections: kept ones first, then new ones; a server that is down now leaves
-        // the queue reconnecting in the background (requests wait up to the timeout).
-        let mut st = q.st.borrow_mut();
-        let now = core.now_ns();
-        for i in 0..st.conns.len() {
-            let kept = q
-                .shared
-                .idle
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .pop();
-            let got = match kept {
-                Some(c) => Ok(c),
-                None => q.shared.connect().map(|made| Idle {
-                    made,
-                    unflushed: None,
-                }),
-            };
-            match got {
-                Ok(c) => q.install(&mut st, i, c, now),
-                Err(e) => {
-                    log::warn!(
-                        "cairn: {}: cannot connect to {}: {e}; retrying in the background",
-                        q.shared.name,
-                        q.shared.uri_text
-                    );
-                    break;
-                }
-            }
-        }
-        if st.conns.iter().all(|c| c.link != Link::Up) {
-            st.down_since = Some(now);
-            st.down_connects = q.shared.ledger.connects.load(Ordering::SeqCst);
-        }
-        q.start_connector(&mut st);
-        drop(st);
+        q.connect_all(&mut q.st.borrow_mut());
         Ok(q)
     }
 

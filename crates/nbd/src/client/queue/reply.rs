@@ -83,10 +83,44 @@ impl NbdQueue {
             }
             proto::DecodedReply::Header(h, size) => (h, size),
         };
-        let (cookie, simple_error) = match h {
-            proto::ReplyHeader::Simple { error, cookie } => (cookie, Some(error)),
-            proto::ReplyHeader::Chunk { cookie, .. } => (cookie, None),
-        };
+        match h {
+            proto::ReplyHeader::Simple { error, cookie } => {
+                let Some(r) = self.request_of(st, ci, cookie) else {
+                    return false;
+                };
+                self.simple_reply(st, ci, r, size, error);
+                true
+            }
+            proto::ReplyHeader::Chunk {
+                flags,
+                kind,
+                cookie,
+                len,
+                ..
+            } => {
+                let Some(r) = self.request_of(st, ci, cookie) else {
+                    return false;
+                };
+                let ch = Chunk {
+                    r,
+                    size,
+                    kind,
+                    len,
+                    done: flags & chunk::FLAG_DONE != 0,
+                };
+                if kind == chunk::OFFSET_DATA {
+                    self.data_chunk(st, ci, ch)
+                } else {
+                    self.small_chunk(st, ci, ch)
+                }
+            }
+        }
+    }
+
+    /// The NBD request a reply on connection `ci` answers, from its cookie (see
+    /// `frame`); a cookie that no request in flight on this connection has is a protocol
+    /// violation.
+    fn request_of(&self, st: &mut State, ci: usize, cookie: u64) -> Option<u32> {
         let r = (cookie & 0xffff_ffff) as usize;
         let gen = (cookie >> 32) as u16;
         let known = cookie >> 48 == 0
@@ -96,102 +130,97 @@ impl NbdQueue {
                 .is_some_and(|q| q.in_use && q.gen == gen && q.conn == ci as u16);
         if !known {
             self.violation(st, ci, None, "a reply with a cookie no request has", cookie);
-            return false;
+            return None;
         }
-        let r = r as u32;
+        Some(r as u32)
+    }
+
+    /// A simple reply to `r`, whose header (`size` bytes) is consumed: an error, or a
+    /// read's data to receive next, or the part done.
+    fn simple_reply(&self, st: &mut State, ci: usize, r: u32, size: usize, error: u32) {
         let q = st.reqs[r as usize];
-        if let Some(error) = simple_error {
-            let c = &mut st.conns[ci];
-            c.rs += size;
-            if error != 0 {
-                self.part_error(st, r, error);
-            } else if q.command == cmd::READ {
-                let s = &st.ios[q.slot as usize];
-                // SAFETY: the part lies inside the request's range and buffer.
-                let dst = unsafe { s.io.buf.add((q.offset - s.io.offset) as usize) };
-                st.reqs[r as usize].covered = q.len;
-                st.conns[ci].rx = Rx::Data {
-                    req: r,
-                    dst,
-                    left: q.len as usize,
-                    done: true,
-                };
-            } else {
-                self.part_done(st, r, 0);
-            }
-            return true;
-        }
-        let proto::ReplyHeader::Chunk {
-            flags, kind, len, ..
-        } = h
-        else {
-            return false;
-        };
-        let done = flags & chunk::FLAG_DONE != 0;
-        if kind == chunk::OFFSET_DATA {
-            if q.command != cmd::READ || len < 8 || len - 8 > q.len {
-                self.violation(
-                    st,
-                    ci,
-                    Some(r),
-                    "a data chunk that does not fit its read",
-                    len,
-                );
-                return false;
-            }
-            let c = &mut st.conns[ci];
-            if c.re - c.rs < size + 8 {
-                return false;
-            }
-            let offset = proto::be64(&c.inbuf[c.rs + size..c.rs + size + 8]);
-            let n = len - 8;
-            if !inside(&q, offset, n) {
-                self.violation(st, ci, Some(r), "a data chunk outside its read", offset);
-                return false;
-            }
-            c.rs += size + 8;
+        st.conns[ci].rs += size;
+        if error != 0 {
+            self.part_error(st, r, error);
+        } else if q.command == cmd::READ {
             let s = &st.ios[q.slot as usize];
-            // SAFETY: [offset, offset + n) lies inside the part, so inside the buffer.
-            let dst = unsafe { s.io.buf.add((offset - s.io.offset) as usize) };
-            st.reqs[r as usize].covered += n;
+            // SAFETY: the part lies inside the request's range and buffer.
+            let dst = unsafe { s.io.buf.add((q.offset - s.io.offset) as usize) };
+            st.reqs[r as usize].covered = q.len;
             st.conns[ci].rx = Rx::Data {
                 req: r,
                 dst,
-                left: n as usize,
-                done,
+                left: q.len as usize,
+                done: true,
             };
-            return true;
+        } else {
+            self.part_done(st, r, 0);
         }
-        // Every other chunk is small and handled whole from the input buffer.
+    }
+
+    /// An `OFFSET_DATA` chunk: once its offset is in, the data that follows is received
+    /// into the read's buffer (see `Rx::Data`). Whether parsing can go on.
+    fn data_chunk(&self, st: &mut State, ci: usize, ch: Chunk) -> bool {
+        let (r, size, len) = (ch.r, ch.size, ch.len);
+        let q = st.reqs[r as usize];
+        if q.command != cmd::READ || len < 8 || len - 8 > q.len {
+            self.violation(
+                st,
+                ci,
+                Some(r),
+                "a data chunk that does not fit its read",
+                len,
+            );
+            return false;
+        }
+        let c = &mut st.conns[ci];
+        if c.re - c.rs < size + 8 {
+            return false;
+        }
+        let offset = proto::be64(&c.inbuf[c.rs + size..c.rs + size + 8]);
+        let n = len - 8;
+        if !inside(&q, offset, n) {
+            self.violation(st, ci, Some(r), "a data chunk outside its read", offset);
+            return false;
+        }
+        c.rs += size + 8;
+        let s = &st.ios[q.slot as usize];
+        // SAFETY: [offset, offset + n) lies inside the part, so inside the buffer.
+        let dst = unsafe { s.io.buf.add((offset - s.io.offset) as usize) };
+        st.reqs[r as usize].covered += n;
+        st.conns[ci].rx = Rx::Data {
+            req: r,
+            dst,
+            left: n as usize,
+            done: ch.done,
+        };
+        true
+    }
+
+    /// Any chunk but `OFFSET_DATA`: small, and handled whole from the input buffer once
+    /// it is all there (a `NONE` that ends the reply, a hole, an error). Whether parsing
+    /// can go on.
+    fn small_chunk(&self, st: &mut State, ci: usize, ch: Chunk) -> bool {
+        let (r, size, len) = (ch.r, ch.size, ch.len);
         if len > MAX_SMALL {
             self.violation(st, ci, Some(r), "an oversized reply chunk", len);
             return false;
         }
+        let q = st.reqs[r as usize];
         let c = &st.conns[ci];
         if c.re - c.rs < size + len as usize {
             return false;
         }
         let p = &c.inbuf[c.rs + size..c.rs + size + len as usize];
         let mut error = 0u32;
-        match kind {
-            chunk::NONE if len == 0 && done => {}
+        match ch.kind {
+            chunk::NONE if len == 0 && ch.done => {}
             chunk::OFFSET_HOLE if q.command == cmd::READ && len == 12 => {
                 let offset = proto::be64(&p[0..8]);
                 let n = u64::from(proto::be32(&p[8..12]));
-                if !inside(&q, offset, n) {
-                    self.violation(st, ci, Some(r), "a hole chunk outside its read", offset);
+                if !self.hole(st, ci, r, offset, n) {
                     return false;
                 }
-                let s = &st.ios[q.slot as usize];
-                // SAFETY: inside the part, so inside the buffer.
-                unsafe {
-                    std::ptr::write_bytes(
-                        s.io.buf.add((offset - s.io.offset) as usize),
-                        0,
-                        n as usize,
-                    )
-                };
-                st.reqs[r as usize].covered += n;
             }
             k if k & (1 << 15) != 0 && len >= 6 => {
                 error = proto::be32(&p[0..4]);
@@ -199,25 +228,49 @@ impl NbdQueue {
                     error = proto::errno::EIO;
                 }
             }
-            _ => {
-                self.violation(st, ci, Some(r), "an unexpected reply chunk", kind.into());
+            k => {
+                self.violation(st, ci, Some(r), "an unexpected reply chunk", k.into());
                 return false;
             }
         }
         st.conns[ci].rs += size + len as usize;
-        if error != 0 {
-            // Recorded now; the part ends with its last chunk.
-            let slot = q.slot as usize;
-            if st.ios[slot].error == 0 {
-                st.ios[slot].error = proto::errno::to_local(error);
-            }
-            if error == proto::errno::ESHUTDOWN {
-                self.kill(st, ci, "the server is shutting down");
-                return false;
-            }
+        if error != 0 && !self.chunk_error(st, ci, r, error) {
+            return false;
         }
-        if done {
+        if ch.done {
             self.part_done(st, r, 0);
+        }
+        true
+    }
+
+    /// An `OFFSET_HOLE` chunk of read `r`: zeroes over `[offset, offset + n)`, which must
+    /// lie inside the read. Whether it did.
+    fn hole(&self, st: &mut State, ci: usize, r: u32, offset: u64, n: u64) -> bool {
+        let q = st.reqs[r as usize];
+        if !inside(&q, offset, n) {
+            self.violation(st, ci, Some(r), "a hole chunk outside its read", offset);
+            return false;
+        }
+        let s = &st.ios[q.slot as usize];
+        // SAFETY: inside the part, so inside the buffer.
+        unsafe {
+            std::ptr::write_bytes(s.io.buf.add((offset - s.io.offset) as usize), 0, n as usize)
+        };
+        st.reqs[r as usize].covered += n;
+        true
+    }
+
+    /// An error chunk for `r`: recorded now, the part ends with its last chunk; a server
+    /// shutting down gives the connection up (the part is sent again on the next one).
+    /// Whether parsing can go on.
+    fn chunk_error(&self, st: &mut State, ci: usize, r: u32, error: u32) -> bool {
+        let slot = st.reqs[r as usize].slot as usize;
+        if st.ios[slot].error == 0 {
+            st.ios[slot].error = proto::errno::to_local(error);
+        }
+        if error == proto::errno::ESHUTDOWN {
+            self.kill(st, ci, "the server is shutting down");
+            return false;
         }
         true
     }
@@ -320,6 +373,21 @@ impl NbdQueue {
             }
         }
     }
+}
+
+/// A structured or extended reply chunk's header, as the parser needs it.
+#[derive(Clone, Copy)]
+struct Chunk {
+    /// The NBD request it answers.
+    r: u32,
+    /// Bytes of the header.
+    size: usize,
+    /// Its type (`proto::chunk`).
+    kind: u16,
+    /// Bytes of its payload.
+    len: u64,
+    /// The reply's last chunk.
+    done: bool,
 }
 
 /// Whether `[offset, offset + n)`, from a server's reply, lies inside part `q`'s range

@@ -24,8 +24,7 @@ impl NbdQueue {
             start_ns,
             conn: NO_CONN,
             next: 0,
-            tail_flush: io.op == Op::Flush
-                || (shared.emulate_fua && io.op.is_write() && io.flags.contains(IoFlags::FUA)),
+            tail_flush: self.ends_with_flush(&io),
             outstanding: 0,
             error: 0,
             poisoned: false,
@@ -84,14 +83,7 @@ impl NbdQueue {
         if st.conns[ci].link != Link::Up {
             return;
         }
-        let shared = &*self.shared;
-        let max_part = shared.max_part;
         let extended = st.conns[ci].extended;
-        let max_range = if extended {
-            u64::MAX
-        } else {
-            shared.max_compact_range
-        };
         let now = self.core.now_ns();
         while let Some(&slot) = st.conns[ci].ready.front() {
             let s = &st.ios[slot as usize];
@@ -103,79 +95,106 @@ impl NbdQueue {
             }
             let Some(r) = st.free_reqs.pop() else { break };
             let s = &mut st.ios[slot as usize];
-            let io = s.io;
-            let (command, mut flags, offset, len, data) = if s.next < range_of(&io) {
-                let left = io.len - s.next;
-                let offset = io.offset + s.next;
-                match io.op {
-                    Op::Read => (cmd::READ, 0, offset, left.min(max_part), None),
-                    Op::Write => {
-                        let len = left.min(max_part);
-                        // SAFETY: next < len, so the pointer stays inside the buffer.
-                        let p = unsafe { io.buf.add(s.next as usize) };
-                        (cmd::WRITE, 0, offset, len, Some(p.cast_const()))
-                    }
-                    Op::Discard => (cmd::WRITE_ZEROES, 0, offset, left.min(max_range), None),
-                    Op::WriteZeroes => {
-                        let f = if io.flags.contains(IoFlags::NO_HOLE) {
-                            proto::cflags::NO_HOLE
-                        } else {
-                            0
-                        };
-                        (cmd::WRITE_ZEROES, f, offset, left.min(max_range), None)
-                    }
-                    Op::Flush => unreachable!("a flush has no range"),
-                }
-            } else {
-                s.tail_flush = false;
-                (cmd::FLUSH, 0, 0, 0, None)
-            };
-            if io.flags.contains(IoFlags::FUA)
-                && io.op.is_write()
-                && command != cmd::FLUSH
-                && shared.neg.flags & tflags::SEND_FUA != 0
-            {
-                flags |= proto::cflags::FUA;
-            }
-            if command != cmd::FLUSH {
-                s.next += len;
-            }
-            s.outstanding += 1;
+            let part = self.next_part(s, extended);
             let done_issuing = s.issued_all();
-            let c = &mut st.conns[ci];
-            let req = &mut st.reqs[r as usize];
-            let gen = req.gen;
-            *req = Req {
-                slot,
-                conn: ci as u16,
-                command,
-                offset,
-                len,
-                covered: 0,
-                covers: c.acked_writes,
-                turnover: st.turnover,
-                gen,
-                in_use: true,
-            };
-            let cookie = u64::from(r) | (u64::from(gen) << 32);
-            let mut head = [0u8; proto::EXTENDED_HEADER];
-            let head_len = encode_request(&mut head, extended, flags, command, cookie, offset, len);
-            c.out.push_back(Out {
-                head,
-                head_len: head_len as u8,
-                data: data.unwrap_or(std::ptr::null()),
-                data_len: if data.is_some() { len as u32 } else { 0 },
-                req: r,
-            });
-            if c.outstanding == 0 {
-                c.progress_ns = now;
-            }
-            c.outstanding += 1;
+            self.frame(st, ci, slot, r, part, now);
             if done_issuing {
-                c.ready.pop_front();
+                st.conns[ci].ready.pop_front();
             }
         }
         self.mark_dirty(st, ci);
+    }
+
+    /// Takes the next part of request `s`, to go on a connection with (or without)
+    /// extended headers: a piece of its range (see [`range_part`]), or the flush that
+    /// ends it; FUA asked of the server when it takes it.
+    fn next_part(&self, s: &mut IoSlot, extended: bool) -> Part {
+        let shared = &*self.shared;
+        let io = s.io;
+        let max_range = if extended {
+            u64::MAX
+        } else {
+            shared.max_compact_range
+        };
+        let mut part = if s.next < range_of(&io) {
+            range_part(&io, s.next, shared.max_part, max_range)
+        } else {
+            s.tail_flush = false;
+            Part {
+                command: cmd::FLUSH,
+                flags: 0,
+                offset: 0,
+                len: 0,
+                data: None,
+            }
+        };
+        if io.flags.contains(IoFlags::FUA)
+            && io.op.is_write()
+            && part.command != cmd::FLUSH
+            && shared.neg.flags & tflags::SEND_FUA != 0
+        {
+            part.flags |= proto::cflags::FUA;
+        }
+        if part.command != cmd::FLUSH {
+            s.next += part.len;
+        }
+        s.outstanding += 1;
+        part
+    }
+
+    /// Records `part` of request `slot` as NBD request `r` on connection `ci`, and queues
+    /// its header (and a write's payload) to be sent. The cookie is the NBD request's
+    /// index with its generation above bit 32, so that a late reply to an earlier use of
+    /// the same index is told apart.
+    fn frame(&self, st: &mut State, ci: usize, slot: u32, r: u32, part: Part, now: u64) {
+        let c = &mut st.conns[ci];
+        let req = &mut st.reqs[r as usize];
+        let gen = req.gen;
+        *req = Req {
+            slot,
+            conn: ci as u16,
+            command: part.command,
+            offset: part.offset,
+            len: part.len,
+            covered: 0,
+            covers: c.acked_writes,
+            turnover: st.turnover,
+            gen,
+            in_use: true,
+        };
+        let cookie = u64::from(r) | (u64::from(gen) << 32);
+        let mut head = [0u8; proto::EXTENDED_HEADER];
+        let head_len = encode_request(
+            &mut head,
+            c.extended,
+            part.flags,
+            part.command,
+            cookie,
+            part.offset,
+            part.len,
+        );
+        c.out.push_back(Out {
+            head,
+            head_len: head_len as u8,
+            data: part.data.unwrap_or(std::ptr::null()),
+            data_len: if part.data.is_some() {
+                part.len as u32
+            } else {
+                0
+            },
+            req: r,
+        });
+        if c.outstanding == 0 {
+            c.progress_ns = now;
+        }
+        c.outstanding += 1;
+    }
+
+    /// Whether `io` ends with a flush: it is one, or a write with FUA on a server that
+    /// has no FUA (emulated by a flush after it).
+    pub(super) fn ends_with_flush(&self, io: &Io) -> bool {
+        io.op == Op::Flush
+            || (self.shared.emulate_fua && io.op.is_write() && io.flags.contains(IoFlags::FUA))
     }
 
     /// Finishes a request: statistics, the completion, and its slot to a waiting one.
@@ -229,6 +248,53 @@ impl NbdQueue {
     }
 }
 
+/// One NBD request of a cairn request: what `frame` puts on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Part {
+    command: u16,
+    flags: u16,
+    offset: u64,
+    len: u64,
+    /// A write's payload (`len` bytes of the submitter's buffer).
+    data: Option<*const u8>,
+}
+
+/// The piece of `io`'s range from `next` on that one NBD request carries: at most
+/// `max_part` bytes of a read or write, at most `max_range` of a trim or write-zeroes.
+/// A discard is a write-zeroes (cairn's discard promises zeroes, NBD's trim does not)
+/// that may punch a hole.
+fn range_part(io: &Io, next: u64, max_part: u64, max_range: u64) -> Part {
+    debug_assert!(next < io.len, "a part of an unfinished range");
+    let left = io.len - next;
+    let offset = io.offset + next;
+    let (command, flags, len, data) = match io.op {
+        Op::Read => (cmd::READ, 0, left.min(max_part), None),
+        Op::Write => {
+            let len = left.min(max_part);
+            // SAFETY: next < len, so the pointer stays inside the buffer.
+            let p = unsafe { io.buf.add(next as usize) };
+            (cmd::WRITE, 0, len, Some(p.cast_const()))
+        }
+        Op::Discard => (cmd::WRITE_ZEROES, 0, left.min(max_range), None),
+        Op::WriteZeroes => {
+            let f = if io.flags.contains(IoFlags::NO_HOLE) {
+                proto::cflags::NO_HOLE
+            } else {
+                0
+            };
+            (cmd::WRITE_ZEROES, f, left.min(max_range), None)
+        }
+        Op::Flush => unreachable!("a flush has no range"),
+    };
+    Part {
+        command,
+        flags,
+        offset,
+        len,
+        data,
+    }
+}
+
 /// Encodes a request header into `head`; its length.
 fn encode_request(
     head: &mut [u8; proto::EXTENDED_HEADER],
@@ -261,6 +327,7 @@ fn encode_request(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cairn_core::SinkId;
 
     #[test]
     fn request_headers() {
@@ -282,5 +349,37 @@ mod tests {
         let mut v = Vec::new();
         proto::put_extended_request(&mut v, 0, cmd::TRIM, 9, 0, 5 << 30);
         assert_eq!(&h[..], &v[..]);
+    }
+
+    #[test]
+    fn parts_split_at_the_server_payload_and_the_compact_range() {
+        let mut buf = vec![0u8; 40 << 20];
+        let mut io = Io::nodata(Op::Write, 1 << 20, 40 << 20, SinkId(0), 0);
+        io.buf = buf.as_mut_ptr();
+        let first = range_part(&io, 0, 32 << 20, u64::MAX);
+        assert_eq!(
+            (first.command, first.offset, first.len),
+            (cmd::WRITE, 1 << 20, 32 << 20)
+        );
+        assert_eq!(first.data, Some(buf.as_ptr()));
+        let second = range_part(&io, 32 << 20, 32 << 20, u64::MAX);
+        assert_eq!((second.offset, second.len), (33 << 20, 8 << 20));
+        assert_eq!(second.data, Some(buf[32 << 20..].as_ptr()));
+        // A discard beyond 32 bits without extended headers: a write-zeroes that may
+        // punch a hole, at most the compact range.
+        let compact = u64::from(u32::MAX) / 512 * 512;
+        let io = Io::nodata(Op::Discard, 0, 5 << 30, SinkId(0), 0);
+        let p = range_part(&io, 0, 32 << 20, compact);
+        assert_eq!(
+            (p.command, p.flags, p.len, p.data),
+            (cmd::WRITE_ZEROES, 0, compact, None)
+        );
+        let mut io = Io::nodata(Op::WriteZeroes, 0, 4096, SinkId(0), 0);
+        io.flags = IoFlags::NO_HOLE;
+        let p = range_part(&io, 0, 32 << 20, compact);
+        assert_eq!(
+            (p.command, p.flags, p.len),
+            (cmd::WRITE_ZEROES, proto::cflags::NO_HOLE, 4096)
+        );
     }
 }
