@@ -125,14 +125,26 @@ pub(super) fn block_status<S: Read + Write>(
     offset: u64,
     len: u64,
 ) -> std::io::Result<Vec<(u64, u32)>> {
-    use std::io::{Error, ErrorKind};
-    let bad = |why: String| Error::new(ErrorKind::InvalidData, why);
     let Some(id) = n.allocation_id else {
-        return Err(Error::new(
-            ErrorKind::Unsupported,
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::Unsupported,
             "the server has no base:allocation",
         ));
     };
+    s.write_all(&status_request(n, cookie, offset, len))?;
+    let mut extents = Vec::new();
+    loop {
+        let (flags, kind, p) = read_chunk(s, n.extended, cookie)?;
+        status_chunk(kind, &p, id, &mut extents)?;
+        if flags & proto::chunk::FLAG_DONE != 0 {
+            return Ok(extents);
+        }
+    }
+}
+
+/// The block status request: without extended headers, its length is cut to what 32
+/// bits hold in whole blocks.
+fn status_request(n: &Negotiated, cookie: u64, offset: u64, len: u64) -> Vec<u8> {
     let mut req = Vec::with_capacity(proto::EXTENDED_HEADER);
     if n.extended {
         proto::put_extended_request(&mut req, 0, proto::cmd::BLOCK_STATUS, cookie, offset, len);
@@ -149,89 +161,117 @@ pub(super) fn block_status<S: Read + Write>(
             },
         );
     }
-    s.write_all(&req)?;
-    let mut extents = Vec::new();
-    let mut head = [0u8; proto::EXTENDED_HEADER];
-    loop {
-        let first = if n.extended {
-            proto::EXTENDED_HEADER
-        } else {
-            proto::SIMPLE_REPLY
-        };
-        s.read_exact(&mut head[..first])?;
-        let mut have = first;
-        let header = loop {
-            match proto::parse_reply(&head[..have], n.extended) {
-                proto::DecodedReply::Header(h, _) => break h,
-                proto::DecodedReply::Bad(m) => return Err(bad(format!("bad reply magic {m:#x}"))),
-                proto::DecodedReply::Incomplete if have < proto::CHUNK_HEADER => {
-                    s.read_exact(&mut head[have..proto::CHUNK_HEADER])?;
-                    have = proto::CHUNK_HEADER;
-                }
-                proto::DecodedReply::Incomplete => return Err(bad("a short reply header".into())),
+    req
+}
+
+/// The next reply chunk to the request `cookie`: its flags, type and payload. A simple
+/// reply (an error, or a success, which block status cannot have), a chunk for another
+/// cookie or one too long is an error.
+fn read_chunk(
+    s: &mut impl Read,
+    extended: bool,
+    cookie: u64,
+) -> std::io::Result<(u16, u16, Vec<u8>)> {
+    let (flags, kind, got, plen) = match read_reply_header(s, extended)? {
+        proto::ReplyHeader::Simple { error, cookie: c } => {
+            if c != cookie {
+                return Err(bad(format!(
+                    "a reply for cookie {c} while {cookie} was asked"
+                )));
             }
-        };
-        let (flags, kind, got, plen) = match header {
-            proto::ReplyHeader::Simple { error, cookie: c } => {
-                if c != cookie {
-                    return Err(bad(format!(
-                        "a reply for cookie {c} while {cookie} was asked"
-                    )));
-                }
-                if error == 0 {
-                    return Err(bad("a simple reply to block status".into()));
-                }
-                return Err(Error::from_raw_os_error(proto::errno::to_local(error)));
+            if error == 0 {
+                return Err(bad("a simple reply to block status".into()));
             }
-            proto::ReplyHeader::Chunk {
-                flags,
-                kind,
-                cookie,
-                len,
-                ..
-            } => (flags, kind, cookie, len),
-        };
-        if got != cookie {
-            return Err(bad(format!(
-                "a reply for cookie {got} while {cookie} was asked"
+            return Err(std::io::Error::from_raw_os_error(proto::errno::to_local(
+                error,
             )));
         }
-        if plen > MAX_STATUS_REPLY {
-            return Err(bad(format!("a block status chunk of {plen} bytes")));
-        }
-        let mut p = vec![0u8; plen as usize];
-        s.read_exact(&mut p)?;
-        match kind {
-            proto::chunk::NONE => {}
-            proto::chunk::BLOCK_STATUS if p.len() >= 4 && (p.len() - 4).is_multiple_of(8) => {
-                if proto::be32(&p[0..4]) == id {
-                    for e in p[4..].chunks_exact(8) {
-                        extents.push((u64::from(proto::be32(&e[0..4])), proto::be32(&e[4..8])));
-                    }
-                }
+        proto::ReplyHeader::Chunk {
+            flags,
+            kind,
+            cookie,
+            len,
+            ..
+        } => (flags, kind, cookie, len),
+    };
+    if got != cookie {
+        return Err(bad(format!(
+            "a reply for cookie {got} while {cookie} was asked"
+        )));
+    }
+    if plen > MAX_STATUS_REPLY {
+        return Err(bad(format!("a block status chunk of {plen} bytes")));
+    }
+    let mut p = vec![0u8; plen as usize];
+    s.read_exact(&mut p)?;
+    Ok((flags, kind, p))
+}
+
+/// A reply header: a simple reply's length read first (an extended header's with
+/// extended headers), then the rest of a chunk header if that is what it is.
+fn read_reply_header(s: &mut impl Read, extended: bool) -> std::io::Result<proto::ReplyHeader> {
+    let mut head = [0u8; proto::EXTENDED_HEADER];
+    let first = if extended {
+        proto::EXTENDED_HEADER
+    } else {
+        proto::SIMPLE_REPLY
+    };
+    s.read_exact(&mut head[..first])?;
+    let mut have = first;
+    loop {
+        match proto::parse_reply(&head[..have], extended) {
+            proto::DecodedReply::Header(h, _) => return Ok(h),
+            proto::DecodedReply::Bad(m) => return Err(bad(format!("bad reply magic {m:#x}"))),
+            proto::DecodedReply::Incomplete if have < proto::CHUNK_HEADER => {
+                s.read_exact(&mut head[have..proto::CHUNK_HEADER])?;
+                have = proto::CHUNK_HEADER;
             }
-            proto::chunk::BLOCK_STATUS_EXT if p.len() >= 8 && (p.len() - 8).is_multiple_of(16) => {
-                if proto::be32(&p[0..4]) == id {
-                    for e in p[8..].chunks_exact(16) {
-                        extents.push((proto::be64(&e[0..8]), proto::be64(&e[8..16]) as u32));
-                    }
-                }
-            }
-            k if k & (1 << 15) != 0 && p.len() >= 4 => {
-                return Err(Error::from_raw_os_error(proto::errno::to_local(
-                    proto::be32(&p[0..4]),
-                )))
-            }
-            k => {
-                return Err(bad(format!(
-                    "an unexpected chunk of type {k} to block status"
-                )))
-            }
-        }
-        if flags & proto::chunk::FLAG_DONE != 0 {
-            return Ok(extents);
+            proto::DecodedReply::Incomplete => return Err(bad("a short reply header".into())),
         }
     }
+}
+
+/// A block status reply chunk of type `kind` and payload `p`: extents for context `id`
+/// go to `extents` (those of other contexts are ignored); an error chunk is an error.
+fn status_chunk(
+    kind: u16,
+    p: &[u8],
+    id: u32,
+    extents: &mut Vec<(u64, u32)>,
+) -> std::io::Result<()> {
+    match kind {
+        proto::chunk::NONE => {}
+        proto::chunk::BLOCK_STATUS if p.len() >= 4 && (p.len() - 4).is_multiple_of(8) => {
+            if proto::be32(&p[0..4]) == id {
+                for e in p[4..].chunks_exact(8) {
+                    extents.push((u64::from(proto::be32(&e[0..4])), proto::be32(&e[4..8])));
+                }
+            }
+        }
+        proto::chunk::BLOCK_STATUS_EXT if p.len() >= 8 && (p.len() - 8).is_multiple_of(16) => {
+            if proto::be32(&p[0..4]) == id {
+                for e in p[8..].chunks_exact(16) {
+                    extents.push((proto::be64(&e[0..8]), proto::be64(&e[8..16]) as u32));
+                }
+            }
+        }
+        k if k & (1 << 15) != 0 && p.len() >= 4 => {
+            return Err(std::io::Error::from_raw_os_error(proto::errno::to_local(
+                proto::be32(&p[0..4]),
+            )))
+        }
+        k => {
+            return Err(bad(format!(
+                "an unexpected chunk of type {k} to block status"
+            )))
+        }
+    }
+    Ok(())
+}
+
+/// A reply that breaks the protocol.
+fn bad(why: String) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, why)
 }
 
 #[cfg(test)]

@@ -107,6 +107,25 @@ impl Default for Options {
     }
 }
 
+impl Options {
+    /// Refuses options out of range, before anything connects.
+    fn check(&self) -> Result<(), Error> {
+        if !(1..=CONNECTIONS_MAX).contains(&self.connections) {
+            return Err(Error::Invalid(format!(
+                "connections = {} is out of range (from 1 to {CONNECTIONS_MAX})",
+                self.connections
+            )));
+        }
+        if self.timeout < Duration::from_millis(100) {
+            return Err(Error::Invalid(format!(
+                "timeout {:?} is too short (at least 100ms)",
+                self.timeout
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// What every queue of one device shares.
 struct Shared {
     name: String,
@@ -150,45 +169,15 @@ impl NbdDevice {
     /// keeps that connection for the first queue.
     pub fn open(name: &str, uri_text: &str, options: Options) -> Result<NbdDevice, Error> {
         let uri = NbdUri::parse(uri_text).map_err(Error::Invalid)?;
-        if !(1..=CONNECTIONS_MAX).contains(&options.connections) {
-            return Err(Error::Invalid(format!(
-                "connections = {} is out of range (from 1 to {CONNECTIONS_MAX})",
-                options.connections
-            )));
-        }
-        if options.timeout < Duration::from_millis(100) {
-            return Err(Error::Invalid(format!(
-                "timeout {:?} is too short (at least 100ms)",
-                options.timeout
-            )));
-        }
+        options.check()?;
         let timeout = options.timeout.clamp(Duration::from_secs(1), HANDSHAKE_MAX);
         let first = client::connect_any(&uri, Shared::want(), timeout)
             .map_err(|e| Error::Invalid(format!("cannot connect to {uri_text}: {e}")))?;
         let neg = first.neg.clone();
-        let block = neg.min_block.max(512);
-        let size_bytes = neg.size / u64::from(block) * u64::from(block);
-        if size_bytes == 0 {
-            return Err(Error::Invalid(format!(
-                "{uri_text}: the export ({} bytes) is smaller than one {block}-byte block",
-                neg.size
-            )));
-        }
-        if size_bytes != neg.size {
-            log::warn!(
-                "cairn: {name}: {uri_text}: the export's last {} bytes are not a whole {block}-byte block and are left out",
-                neg.size - size_bytes
-            );
-        }
-        let f = neg.flags;
-        let writable = f & tflags::READ_ONLY == 0;
-        let caps = Caps {
-            flush: f & tflags::SEND_FLUSH != 0,
-            fua: writable && f & tflags::SEND_FUA != 0,
-            discard: writable && f & tflags::SEND_WRITE_ZEROES != 0,
-            write_zeroes: writable && f & tflags::SEND_WRITE_ZEROES != 0,
-        };
-        let multi = f & tflags::CAN_MULTI_CONN != 0;
+        let geometry = geometry_of(name, uri_text, &neg)?;
+        let (block, caps) = (u64::from(geometry.block_bytes), geometry.caps);
+        let writable = neg.flags & tflags::READ_ONLY == 0;
+        let multi = neg.flags & tflags::CAN_MULTI_CONN != 0;
         let connections = if options.connections > 1 && !multi {
             log::warn!(
                 "cairn: {name}: {uri_text} does not allow several connections (no multi-conn): using one per queue, not {}",
@@ -204,18 +193,10 @@ impl NbdDevice {
                 uri,
                 uri_text: uri_text.to_string(),
                 emulate_fua: writable && !caps.fua && caps.flush,
-                max_part: u64::from(neg.max_payload)
-                    .min(MAX_PART)
-                    .max(u64::from(block))
-                    / u64::from(block)
-                    * u64::from(block),
-                max_compact_range: u64::from(u32::MAX) / u64::from(block) * u64::from(block),
-                geometry: Geometry {
-                    size_bytes,
-                    block_bytes: block,
-                    caps,
-                },
-                neg: neg.clone(),
+                max_part: u64::from(neg.max_payload).min(MAX_PART).max(block) / block * block,
+                max_compact_range: u64::from(u32::MAX) / block * block,
+                geometry,
+                neg,
                 connections,
                 timeout_ns: options.timeout.as_nanos() as u64,
                 idle: Mutex::new(vec![Idle {
@@ -324,4 +305,36 @@ impl Device for NbdDevice {
             self.shared.uri_text
         );
     }
+}
+
+/// The device's geometry from what the server agreed: its size in whole blocks (of the
+/// server's minimum block, at least 512 bytes; a partial block at the end is left out),
+/// and what it can do (nothing that writes on a read-only export).
+fn geometry_of(name: &str, uri_text: &str, neg: &Negotiated) -> Result<Geometry, Error> {
+    let block = neg.min_block.max(512);
+    let size_bytes = neg.size / u64::from(block) * u64::from(block);
+    if size_bytes == 0 {
+        return Err(Error::Invalid(format!(
+            "{uri_text}: the export ({} bytes) is smaller than one {block}-byte block",
+            neg.size
+        )));
+    }
+    if size_bytes != neg.size {
+        log::warn!(
+            "cairn: {name}: {uri_text}: the export's last {} bytes are not a whole {block}-byte block and are left out",
+            neg.size - size_bytes
+        );
+    }
+    let f = neg.flags;
+    let writable = f & tflags::READ_ONLY == 0;
+    Ok(Geometry {
+        size_bytes,
+        block_bytes: block,
+        caps: Caps {
+            flush: f & tflags::SEND_FLUSH != 0,
+            fua: writable && f & tflags::SEND_FUA != 0,
+            discard: writable && f & tflags::SEND_WRITE_ZEROES != 0,
+            write_zeroes: writable && f & tflags::SEND_WRITE_ZEROES != 0,
+        },
+    })
 }
