@@ -10,6 +10,7 @@ use std::time::Duration;
 use cairn_core::{Io, Op};
 
 use crate::client::handshake::Connected;
+use crate::tls_send::TlsOut;
 
 use super::super::connect::connector;
 use super::super::{Idle, BACKOFF_MAX, CONNECTIONS_MAX};
@@ -64,15 +65,14 @@ impl NbdQueue {
         c.fd = Some(made.fd);
         c.extended = made.neg.extended;
         c.tls = made.tls.map(|mut conn| {
-            // What is buffered is bounded here (RAW_OUT_MAX a send), not by rustls.
+            // What is buffered is bounded here (TLS_BATCH a send), not by rustls.
             conn.set_buffer_limit(None);
             Box::new(ClientTls {
                 conn,
                 raw_in: vec![0u8; RAW_IN].into_boxed_slice(),
                 raw_pos: 0,
                 raw_len: 0,
-                raw_out: Vec::with_capacity(RAW_IN),
-                raw_sent: 0,
+                out: TlsOut::with_capacity(RAW_IN),
             })
         });
         c.link = Link::Up;

@@ -20,6 +20,7 @@ use cairn_core::{
 use crate::client::handshake::{Connected, Negotiated};
 use crate::gather;
 use crate::proto;
+use crate::tls_send::TlsOut;
 
 use super::connect::Made;
 use super::ledger::{Unflushed, Watch};
@@ -51,8 +52,9 @@ const NO_CONN: u16 = u16::MAX;
 
 /// Ciphertext received per `recv` on a TLS connection.
 const RAW_IN: usize = 64 << 10;
-/// Requests encrypted for one send on a TLS connection stop once this much is waiting.
-const RAW_OUT_MAX: usize = 4 << 20;
+/// Plaintext encrypted per send on a TLS connection: large, for large writes to go in
+/// few sends; it bounds the ciphertext buffer.
+const TLS_BATCH: usize = 4 << 20;
 
 /// The token of the queue's own flushes (timers use 0).
 const VERIFY: u64 = 1;
@@ -191,16 +193,16 @@ struct Conn {
 }
 
 /// A TLS connection's ciphertext around its rustls session: requests are encrypted into
-/// `raw_out` and sent from there; what arrives in `raw_in` is decrypted into the input
-/// buffer (never straight into a read's buffer).
+/// `out` and sent from there; what arrives in `raw_in` is decrypted into the input buffer
+/// (never straight into a read's buffer).
 struct ClientTls {
     conn: Box<rustls::ClientConnection>,
     raw_in: Box<[u8]>,
     /// Received ciphertext not yet given to rustls: `raw_in[raw_pos..raw_len]`.
     raw_pos: usize,
     raw_len: usize,
-    raw_out: Vec<u8>,
-    raw_sent: usize,
+    /// Requests encrypted, on their way to the socket.
+    out: TlsOut,
 }
 
 impl Conn {
@@ -602,7 +604,7 @@ impl Drop for NbdQueue {
         let st = self.st.get_mut();
         for c in st.conns.iter_mut() {
             let drained = c.tls.as_ref().is_none_or(|t| {
-                t.raw_pos == t.raw_len && t.raw_sent == t.raw_out.len() && !t.conn.wants_write()
+                t.raw_pos == t.raw_len && !t.out.pending() && !t.conn.wants_write()
             });
             let idle = c.link == Link::Up
                 && c.quiet()

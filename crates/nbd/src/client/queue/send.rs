@@ -1,14 +1,15 @@
 //! Requests to the socket: a connection's output queue sent with one `sendmsg` per pass
-//! (write payloads straight from the submitter's buffer), or encrypted and sent over TLS;
-//! what a completed send means.
+//! (write payloads straight from the submitter's buffer), or encrypted and sent over TLS
+//! (see `tls_send`, which the server's replies go through too); what a completed send
+//! means.
 
 use std::os::fd::RawFd;
 
 use io_uring::{opcode, types};
 
-use crate::gather::{self, Segment};
+use crate::gather;
 
-use super::{Conn, Link, NbdQueue, State, IOV_BATCH, RAW_OUT_MAX, SEND};
+use super::{Conn, Link, NbdQueue, State, IOV_BATCH, SEND, TLS_BATCH};
 
 impl NbdQueue {
     pub(super) fn push_send(&self, c: &mut Conn, ci: usize, fd: RawFd) {
@@ -30,49 +31,27 @@ impl NbdQueue {
         };
     }
 
-    /// Encrypts every waiting request and sends the ciphertext.
+    /// Encrypts waiting requests (a batch of at most `TLS_BATCH` bytes) and sends the
+    /// ciphertext.
     pub(super) fn push_send_tls(
         &self,
         c: &mut Conn,
         ci: usize,
         fd: RawFd,
     ) -> Result<(), &'static str> {
-        use std::io::Write;
-        let Conn { out, tls, .. } = c;
+        let Conn {
+            out, out_sent, tls, ..
+        } = c;
         let Some(t) = tls.as_mut() else { return Ok(()) };
-        if t.raw_sent == t.raw_out.len() {
-            t.raw_out.clear();
-            t.raw_sent = 0;
-            while t.raw_out.len() < RAW_OUT_MAX {
-                let Some(o) = out.pop_front() else { break };
-                let mut w = t.conn.writer();
-                w.write_all(o.head()).map_err(|_| "a TLS error")?;
-                w.write_all(o.data()).map_err(|_| "a TLS error")?;
-                while t.conn.wants_write() {
-                    if t.conn.write_tls(&mut t.raw_out).is_err() {
-                        return Err("a TLS error");
-                    }
-                }
-            }
-            while t.conn.wants_write() {
-                if t.conn.write_tls(&mut t.raw_out).is_err() {
-                    return Err("a TLS error");
-                }
-            }
-        }
-        if t.raw_sent == t.raw_out.len() {
+        t.out
+            .fill(&mut *t.conn, out, out_sent, TLS_BATCH, drop)
+            .map_err(|_| "a TLS error")?;
+        let Some(entry) = t.out.send_entry(fd) else {
             return Ok(());
-        }
-        let entry = opcode::Send::new(
-            types::Fd(fd),
-            t.raw_out[t.raw_sent..].as_ptr(),
-            (t.raw_out.len() - t.raw_sent) as u32,
-        )
-        .flags(libc::MSG_NOSIGNAL)
-        .build();
+        };
         c.send_armed = true;
-        // SAFETY: nothing is appended to the ciphertext buffer until this SQE completes,
-        // and the connection is not freed while it is in flight.
+        // SAFETY: nothing is encrypted into the ciphertext buffer until this SQE
+        // completes, and the connection is not freed while it is in flight.
         unsafe {
             self.core
                 .push_sqe(self.user.get(), ((ci as u64) << 8) | SEND, entry)
@@ -96,11 +75,7 @@ impl NbdQueue {
             return;
         }
         if let Some(t) = c.tls.as_mut() {
-            t.raw_sent += res as usize;
-            if t.raw_sent >= t.raw_out.len() {
-                t.raw_out.clear();
-                t.raw_sent = 0;
-            }
+            t.out.sent(res as usize);
             self.mark_dirty(st, ci);
             return;
         }
