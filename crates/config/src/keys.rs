@@ -1025,7 +1025,7 @@ impl Keys<'_> {
     }
 
     fn nbd(&self) -> Result<DeviceSpec, Error> {
-        use cairn_nbd::client::remote::{CONNECTIONS_MAX, DEFAULT_TIMEOUT};
+        use cairn_nbd::client::{CONNECTIONS_MAX, DEFAULT_TIMEOUT};
         let uri = self
             .string("uri")?
             .ok_or_else(|| self.bad("uri", "is missing"))?;

@@ -336,18 +336,18 @@ impl LeafSpec {
                 cairn_nbd::uri::NbdUri::parse(first)
                     .map_err(|e| format!("invalid device '{text}': {e}"))?;
                 let mut connections = 1;
-                let mut timeout = cairn_nbd::client::remote::DEFAULT_TIMEOUT;
+                let mut timeout = cairn_nbd::client::DEFAULT_TIMEOUT;
                 for (k, v) in options {
                     match k {
                         "connections" => {
                             connections = v
                                 .parse::<u32>()
                                 .ok()
-                                .filter(|n| (1..=cairn_nbd::client::remote::CONNECTIONS_MAX).contains(n))
+                                .filter(|n| (1..=cairn_nbd::client::CONNECTIONS_MAX).contains(n))
                                 .ok_or_else(|| {
                                     format!(
                                         "invalid device '{text}': connections must be from 1 to {}",
-                                        cairn_nbd::client::remote::CONNECTIONS_MAX
+                                        cairn_nbd::client::CONNECTIONS_MAX
                                     )
                                 })?
                         }
@@ -547,7 +547,7 @@ mod tests {
             Ok(LeafSpec::Nbd {
                 uri: "nbd://127.0.0.1:10809/".into(),
                 connections: 1,
-                timeout: cairn_nbd::client::remote::DEFAULT_TIMEOUT
+                timeout: cairn_nbd::client::DEFAULT_TIMEOUT
             })
         );
     }
