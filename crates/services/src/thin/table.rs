@@ -6,6 +6,8 @@
 
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, Ordering};
 
+use super::state::OWNED;
+
 /// Entries per leaf (one 4 KiB page of u32s).
 pub const LEAF_ENTRIES: usize = 1024;
 
@@ -83,6 +85,7 @@ impl Table {
     /// (or `Err(0)` when the leaf is missing or `vblock` is past the end).
     #[inline]
     pub fn swap_if(&self, vblock: u64, old: u32, new: u32) -> Result<(), u32> {
+        debug_assert_ne!(new, OWNED, "vblock {vblock}: an empty entry marked owned");
         let Some(l) = self.leaf(vblock) else {
             return Err(0);
         };
@@ -127,6 +130,9 @@ impl Table {
     /// Sets `vblock`'s entry without looking (control plane, with no reactor writing the
     /// volume: a snapshot's copy, opening). Makes the leaf if needed.
     pub fn set(&self, vblock: u64, entry: u32) {
+        debug_assert_ne!(entry, OWNED, "vblock {vblock}: an empty entry marked owned");
+        // Past the end the entry would be dropped: a mapping lost without a word.
+        debug_assert!(vblock < self.blocks, "vblock {vblock} of {}", self.blocks);
         self.ensure_leaf(vblock);
         if let Some(l) = self.leaf(vblock) {
             l[vblock as usize % LEAF_ENTRIES].store(entry, Ordering::Release);
