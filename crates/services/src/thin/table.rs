@@ -188,6 +188,22 @@ mod tests {
         assert_eq!(t.mapped().collect::<Vec<_>>(), vec![(5, 7), (2999, 1)]);
     }
 
+    /// The invariants debug builds check: a mapping set past the table's end would be
+    /// dropped, and an entry marked owned with no block names nothing.
+    #[test]
+    #[cfg(debug_assertions)]
+    fn debug_builds_refuse_a_mapping_past_the_end_or_an_owned_hole() {
+        let t = Table::new(10);
+        let past = std::panic::catch_unwind(|| t.set(10, 5));
+        assert!(past.is_err(), "a set past the end");
+        let owned_hole = std::panic::catch_unwind(|| t.set(1, OWNED));
+        assert!(owned_hole.is_err(), "an owned hole");
+        t.ensure_leaf(2);
+        assert!(std::panic::catch_unwind(|| t.swap_if(2, 0, OWNED)).is_err());
+        t.set(9, 5 | OWNED);
+        assert_eq!(t.get(9), 5 | OWNED);
+    }
+
     #[test]
     fn concurrent_writers_each_win_their_own_entries_and_readers_see_whole_values() {
         let t = std::sync::Arc::new(Table::new(4096));
