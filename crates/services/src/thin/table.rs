@@ -2,7 +2,7 @@
 //! changed without a lock. A directory of leaves of 1024 entries each; a lookup is two
 //! dependent loads, a change one compare-and-swap. Leaves are made by the control plane
 //! ([`Table::ensure_leaf`], never on a reactor) and live as long as the table.
-//! (WORK IN PROGRESS on the thin-37 branch.)
+//!
 
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, Ordering};
 
