@@ -34,7 +34,7 @@ use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
-use cairn_core::blocking::{BlockingQueue, Request};
+use cairn_core::blocking::{BlockingError, BlockingQueue, Request};
 use cairn_core::slab::Slab;
 use cairn_core::{
     AlignedBuf, Caps, Core, Device, Error, Geometry, Io, IoFlags, IoStatus, Op, Poller, Queue,
@@ -1133,58 +1133,10 @@ fn write_runs(
     let mut failed = false;
     let mut rest: &mut [Run] = &mut runs;
     while !rest.is_empty() {
-        let (mut n, mut bytes) = (0, 0);
-        while n < rest.len()
-            && n < BATCH_WRITES
-            && (n == 0 || bytes + rest[n].1.len() <= BATCH_BYTES)
-        {
-            bytes += rest[n].1.len();
-            n += 1;
-        }
+        let n = batch_len(rest);
         let (batch, tail) = std::mem::take(&mut rest).split_at_mut(n);
         rest = tail;
-        refresh(shared, batch);
-        let mut reqs: Vec<Request<'_>> = batch
-            .iter_mut()
-            .map(|(first, b, _)| Request {
-                op: Op::Write,
-                flags: IoFlags::NONE,
-                offset: *first * PAGE,
-                len: 0,
-                buf: Some(b.as_mut_slice()),
-            })
-            .collect();
-        let results = q.run(&mut reqs);
-        drop(reqs);
-        failed |= results.iter().any(|r| r.is_err());
-        let mut guard = shared.lock();
-        let st = &mut *guard;
-        for ((_, b, gens), r) in batch.iter().zip(&results) {
-            for &(p, _) in gens {
-                if let Some(e) = st.pages.get_mut(&p) {
-                    e.flushing = false;
-                    e.queued = false;
-                }
-            }
-            if r.is_err() {
-                continue;
-            }
-            shared.written.fetch_add(b.len() as u64, Ordering::Relaxed);
-            shared.note_written();
-            for &(p, gen) in gens {
-                if let Some(e) = st.pages.get_mut(&p) {
-                    // Not while a FUA write of the page is on its way to the base too: the
-                    // base may complete that one last.
-                    if e.dirty && e.gen == gen && e.through == 0 {
-                        e.dirty = false;
-                        st.dirty.remove(&p);
-                        st.clean.push_back(p);
-                        shared.budget.written_back(PAGE);
-                    }
-                }
-            }
-        }
-        drop(guard);
+        failed |= write_batch(shared, q, batch);
         shared.budget.tick();
     }
     if failed {
@@ -1198,22 +1150,91 @@ fn write_runs(
         failed = true;
     }
     if let Some(upto) = waiters {
-        let status = if failed {
-            IoStatus::errno(libc::EIO)
-        } else {
-            IoStatus::OK
-        };
-        let mut st = shared.lock();
-        let (done, keep): (Vec<Waiter>, Vec<Waiter>) =
-            st.waiters.drain(..).partition(|w| w.gen <= upto);
-        st.waiters = keep;
-        drop(st);
-        for w in done {
-            let _ = w.reply.send((w.token, status));
-            cairn_core::event::wake(&w.wake);
-        }
+        answer_waiters(shared, upto, failed);
     }
     failed
+}
+
+/// How many of the runs `rest` go in the next batch: at least one, at most
+/// [`BATCH_WRITES`], and no more than [`BATCH_BYTES`] unless the first alone is.
+fn batch_len(rest: &[Run]) -> usize {
+    let (mut n, mut bytes) = (0, 0);
+    while n < rest.len() && n < BATCH_WRITES && (n == 0 || bytes + rest[n].1.len() <= BATCH_BYTES) {
+        bytes += rest[n].1.len();
+        n += 1;
+    }
+    n
+}
+
+/// Writes `batch` to the base, all of it in flight together, and marks what was
+/// written clean. Returns whether any write failed.
+fn write_batch(shared: &Shared, q: &BlockingQueue, batch: &mut [Run]) -> bool {
+    refresh(shared, batch);
+    let mut reqs: Vec<Request<'_>> = batch
+        .iter_mut()
+        .map(|(first, b, _)| Request {
+            op: Op::Write,
+            flags: IoFlags::NONE,
+            offset: *first * PAGE,
+            len: 0,
+            buf: Some(b.as_mut_slice()),
+        })
+        .collect();
+    let results = q.run(&mut reqs);
+    drop(reqs);
+    let failed = results.iter().any(|r| r.is_err());
+    batch_written(shared, batch, &results);
+    failed
+}
+
+/// Ends the flight of `batch`'s pages, and marks clean those written that have not
+/// changed since.
+fn batch_written(shared: &Shared, batch: &[Run], results: &[Result<(), BlockingError>]) {
+    let mut guard = shared.lock();
+    let st = &mut *guard;
+    for ((_, b, gens), r) in batch.iter().zip(results) {
+        for &(p, _) in gens {
+            if let Some(e) = st.pages.get_mut(&p) {
+                e.flushing = false;
+                e.queued = false;
+            }
+        }
+        if r.is_err() {
+            continue;
+        }
+        shared.written.fetch_add(b.len() as u64, Ordering::Relaxed);
+        shared.note_written();
+        for &(p, gen) in gens {
+            if let Some(e) = st.pages.get_mut(&p) {
+                // Not while a FUA write of the page is on its way to the base too: the
+                // base may complete that one last.
+                if e.dirty && e.gen == gen && e.through == 0 {
+                    e.dirty = false;
+                    st.dirty.remove(&p);
+                    st.clean.push_back(p);
+                    shared.budget.written_back(PAGE);
+                }
+            }
+        }
+    }
+}
+
+/// Answers the flushes waiting for changes up to `upto`: EIO if anything failed.
+fn answer_waiters(shared: &Shared, upto: u64, failed: bool) {
+    let status = if failed {
+        IoStatus::errno(libc::EIO)
+    } else {
+        IoStatus::OK
+    };
+    let mut st = shared.lock();
+    let (done, keep): (Vec<Waiter>, Vec<Waiter>) =
+        st.waiters.drain(..).partition(|w| w.gen <= upto);
+    st.waiters = keep;
+    drop(st);
+    for w in done {
+        let _ = w.reply.send((w.token, status));
+        cairn_core::event::wake(&w.wake);
+    }
 }
 
 /// Writes everything back (at exit); gives up after a failure.
