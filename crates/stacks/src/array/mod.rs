@@ -282,6 +282,65 @@ fn recorded_member_data(
     Ok(data)
 }
 
+/// Logs what starting the array finds: the notes on its members, an unclean stop, a
+/// creation.
+fn log_start(expect: &Expect, plan: &Plan, dry: bool, resync_pending: bool) {
+    for note in &plan.notes {
+        log::info!("cairn: {}: {note}", expect.name);
+    }
+    if resync_pending {
+        log::warn!(
+            "cairn: {}: was not stopped cleanly: its copies may differ, so every read goes to one copy until it is resynced",
+            expect.name
+        );
+    }
+    if !plan.created {
+        return;
+    }
+    // The UUID is named only once it is written: a dry run's is drawn at random and is
+    // not the one a real start would write.
+    if dry {
+        log::info!(
+            "cairn: {}: would create a {} of {} members",
+            expect.name,
+            expect.level.name(),
+            expect.members.len()
+        );
+    } else {
+        log::info!(
+            "cairn: {}: created a {} of {} members ({})",
+            expect.name,
+            expect.level.name(),
+            expect.members.len(),
+            superblock::uuid_text(&plan.array_uuid)
+        );
+    }
+}
+
+/// The bitmap of regions of `region` over `array_bytes` (the stack file's region, grown
+/// to fit) with the recorded bits carried over (converted if the region changed), and
+/// the event count its bits were last cleared at. An array that had none starts with
+/// every bit clear if it stopped cleanly, every bit set if not.
+fn start_bitmap(examined: &Examined, region: u64, array_bytes: u64) -> (Bitmap, u64) {
+    let (old_region, old_bits, old_bytes, old_cleared) = &examined.recorded_bitmap;
+    let (bits, cleared) = if *old_region == region && *old_bytes == array_bytes {
+        (old_bits.clone(), *old_cleared)
+    } else if *old_region != 0 {
+        let bits = convert_bits(*old_region, old_bits, *old_bytes, region, array_bytes);
+        (bits, *old_cleared)
+    } else {
+        let fill = if examined.plan.created || examined.plan.clean {
+            0
+        } else {
+            0xff
+        };
+        let bits = vec![fill; superblock::bitmap_bytes(array_bytes, region)];
+        // Members that left before now cannot use it.
+        (bits, examined.plan.events + 1)
+    };
+    (Bitmap::new(region, array_bytes, &bits), cleared)
+}
+
 /// The bits for regions of `region` over `array_bytes`, from bits recorded for regions of
 /// `old` over `old_bytes`: a region is dirty if any old region it overlaps was.
 fn convert_bits(old: u64, bits: &[u8], old_bytes: u64, region: u64, array_bytes: u64) -> Vec<u8> {
@@ -379,46 +438,14 @@ impl Metadata {
     ) -> Result<Metadata, Error> {
         let dry = how != Start::Write;
         let logged = how != Start::Silent;
-        if logged {
-            for note in &examined.plan.notes {
-                log::info!("cairn: {}: {note}", expect.name);
-            }
-        }
         let redundant = matches!(
             expect.level,
             superblock::Level::Mirror | superblock::Level::Raid10
         );
         let resync_pending = redundant && !examined.plan.created && !examined.plan.clean;
-        if resync_pending && logged {
-            log::warn!(
-                "cairn: {}: was not stopped cleanly: its copies may differ, so every read goes to one copy until it is resynced",
-                expect.name
-            );
+        if logged {
+            log_start(&expect, &examined.plan, dry, resync_pending);
         }
-        if examined.plan.created && logged {
-            // The UUID is named only once it is written: a dry run's is drawn at random
-            // and is not the one a real start would write.
-            if dry {
-                log::info!(
-                    "cairn: {}: would create a {} of {} members",
-                    expect.name,
-                    expect.level.name(),
-                    expect.members.len()
-                );
-            } else {
-                log::info!(
-                    "cairn: {}: created a {} of {} members ({})",
-                    expect.name,
-                    expect.level.name(),
-                    expect.members.len(),
-                    superblock::uuid_text(&examined.plan.array_uuid)
-                );
-            }
-        }
-        // The bitmap: the stack file's region (grown to fit), with the recorded bits
-        // carried over (converted if the region changed). An array that had none starts
-        // with every bit clear if it stopped cleanly, every bit set if not.
-        let (old_region, old_bits, old_bytes, old_cleared) = &examined.recorded_bitmap;
         let region = if redundant && expect.bitmap_region != 0 {
             superblock::region_for(array_bytes, expect.bitmap_region)
         } else {
@@ -427,22 +454,7 @@ impl Metadata {
         let (bitmap, events_cleared) = if region == 0 {
             (None, 0)
         } else {
-            let (bits, cleared) = if *old_region == region && *old_bytes == array_bytes {
-                (old_bits.clone(), *old_cleared)
-            } else if *old_region != 0 {
-                let bits = convert_bits(*old_region, old_bits, *old_bytes, region, array_bytes);
-                (bits, *old_cleared)
-            } else {
-                let fill = if examined.plan.created || examined.plan.clean {
-                    0
-                } else {
-                    0xff
-                };
-                let bits = vec![fill; superblock::bitmap_bytes(array_bytes, region)];
-                // Members that left before now cannot use it.
-                (bits, examined.plan.events + 1)
-            };
-            let bm = Bitmap::new(region, array_bytes, &bits);
+            let (bm, cleared) = start_bitmap(&examined, region, array_bytes);
             if !examined.plan.created && bm.to_recover_count() > 0 && logged {
                 log::info!(
                     "cairn: {}: write-intent bitmap: {} of {} regions of {} dirty",
