@@ -618,4 +618,66 @@ mod tests {
             assert!(LeafSpec::parse(bad).is_err(), "{bad}");
         }
     }
+
+    #[test]
+    fn refusals_say_why_in_one_line() {
+        for (bad, why) in [
+            (
+                "null",
+                "expected null:SIZE, mem:SIZE, file:PATH, nbd:URI or rbd:POOL/IMAGE",
+            ),
+            ("null:1G,block", "option 'block' is not key=value"),
+            ("null:1G,block=4k,block=8k", "option 'block' given twice"),
+            ("null:1G,block=8G", "block size too large"),
+            (
+                "null:1G,volatile=1",
+                "unknown option 'volatile' for null (known: block)",
+            ),
+            ("mem:1G,volatile=2", "volatile must be 0 or 1"),
+            (
+                "mem:1G,foo=1",
+                "unknown option 'foo' for mem (known: block, volatile)",
+            ),
+            ("file:", "file needs a path"),
+            ("file:/a,sparse=yes", "sparse must be 0 or 1"),
+            (
+                "file:/a,foo=1",
+                "unknown option 'foo' for file (known: engine, direct, size, sparse)",
+            ),
+            (
+                "nbd:",
+                "nbd needs a URI, such as nbd://HOST/EXPORT or nbd+unix:///?socket=PATH",
+            ),
+            (
+                "nbd://h/e",
+                "an NBD URI is given after the type: nbd:nbd://h/e",
+            ),
+            (
+                "nbds://h/e",
+                "an NBD URI is given after the type: nbd:nbds://h/e",
+            ),
+            (
+                "nbd:nbd://h/e,connections=0",
+                "connections must be from 1 to 16",
+            ),
+            (
+                "nbd:nbd://h/e,timeout=1ms",
+                "timeout must be a duration from 100ms to 24h, such as 30s",
+            ),
+            (
+                "nbd:nbd://h/e,tls=1",
+                "unknown option 'tls' for nbd (known: connections, timeout)",
+            ),
+            (
+                "disk:1G",
+                "unknown type 'disk' (use null, mem, file, nbd or rbd)",
+            ),
+        ] {
+            assert_eq!(
+                LeafSpec::parse(bad),
+                Err(format!("invalid device '{bad}': {why}")),
+                "{bad}"
+            );
+        }
+    }
 }
