@@ -1270,3 +1270,27 @@ mod switches {
         }
     }
 }
+
+/// A file that cannot be served is refused in one line, and none is made.
+#[test]
+fn a_missing_file_a_directory_or_an_empty_file_is_refused_in_one_line() {
+    use cairn_leaves::file::FileDevice;
+    use cairn_leaves::spec::Engine;
+    let dir = scratch_dir();
+    let (missing, empty) = (dir.path().join("missing"), dir.path().join("empty"));
+    std::fs::File::create(&empty).expect("create");
+    for (path, why) in [
+        (&missing, "no such file (add size=SIZE to create it)"),
+        (
+            &dir.path().to_path_buf(),
+            "not a regular file or block device",
+        ),
+        (&empty, "empty (add size=SIZE to extend it)"),
+    ] {
+        let e = FileDevice::open("f", path, Engine::Auto, false, None)
+            .err()
+            .map(|e| e.to_string());
+        assert_eq!(e, Some(format!("file {}: {why}", path.display())));
+    }
+    assert!(!missing.exists(), "nothing made");
+}

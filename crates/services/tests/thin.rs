@@ -586,3 +586,48 @@ fn a_sequential_fill_lands_in_order_on_the_data_device() {
         );
     }
 }
+
+#[test]
+fn a_recorded_pool_opened_with_other_settings_or_devices_is_refused_in_one_line() {
+    let open = |data: &Arc<dyn Device>, meta: Option<&Arc<dyn Device>>, opts: PoolOptions| {
+        ThinPool::open(
+            "pool",
+            data.clone(),
+            meta.cloned(),
+            opts,
+            Switches::default(),
+            false,
+        )
+        .err()
+        .map(|e| e.to_string())
+    };
+    let (data, meta) = (mem("64M", false), mem("64M", false));
+    assert_eq!(open(&data, Some(&meta), opts()), None, "a new pool");
+    let other_block = PoolOptions {
+        block_bytes: Some(128 << 10),
+        ..opts()
+    };
+    let smaller = mem("32M", false);
+    for (e, want) in [
+        (
+            open(&data, Some(&meta), other_block),
+            "the pool was made with block = 64KiB; the stack file says 128KiB (a pool's block size never changes)",
+        ),
+        (
+            open(&smaller, Some(&meta), opts()),
+            "data device 'data' is 32MiB, smaller than the pool's 64MiB (wrong device?)",
+        ),
+        (
+            // The metadata device given as the data device, metadata on it.
+            open(&meta, None, opts()),
+            "the pool's metadata is recorded as being elsewhere: check the 'metadata' key",
+        ),
+    ] {
+        assert_eq!(e.as_deref(), Some(want));
+    }
+    assert_eq!(
+        open(&data, Some(&meta), opts()),
+        None,
+        "nothing was changed"
+    );
+}
