@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex};
 
 use cairn_core::blocking::BlockingQueue;
+use cairn_core::ondisk::{Invalid, Picked};
 use cairn_core::size::format_bytes;
 use cairn_core::{Device, Error, IoFlags, Switches};
 
@@ -59,19 +60,30 @@ fn read_superblock(
     q.read(0, &mut area)
         .map_err(|e| Error::Invalid(format!("reading the thin pool superblock on {what}: {e}")))?;
     match sbk::pick(&area) {
-        Ok((sb, slot, damaged)) => {
+        Picked::Valid {
+            record: sb,
+            slot,
+            other,
+            damaged,
+        } => {
+            // Every update writes both slots: a blank one was zeroed, or left by a stop
+            // between the two writes, and is named as any damage is.
+            let damaged = damaged.or_else(|| other.is_none().then_some(Invalid::Blank));
             if let Some(d) = damaged {
-                log::warn!("cairn: thin pool on {what}: superblock slot {} is damaged ({d:?}); using the other", 1 - slot);
+                log::warn!("cairn: thin pool on {what}: superblock slot {} is damaged ({d}); using the other", 1 - slot);
             }
             Ok(Some((sb, slot)))
         }
-        Err((sbk::Invalid::Blank, sbk::Invalid::Blank)) => Ok(None),
-        Err((_, sbk::Invalid::Blank)) if torn_creation(&area) => {
+        Picked::Blank => Ok(None),
+        Picked::Foreign {
+            second: Invalid::Blank,
+            ..
+        } if torn_creation(&area) => {
             log::warn!("cairn: thin pool on {what}: the first superblock is torn and the second blank: a creation was interrupted; making the pool again");
             Ok(None)
         }
-        Err((a, b)) => Err(Error::Invalid(format!(
-            "{what} holds no thin pool superblock ({a:?}, {b:?}): a pool is created on blank devices only"
+        Picked::Foreign { first, second } => Err(Error::Invalid(format!(
+            "{what} holds no thin pool superblock (slot 0: {first}; slot 1: {second}): a pool is created on blank devices only"
         ))),
     }
 }

@@ -26,14 +26,12 @@ pub mod superblock;
 use std::sync::{Arc, Mutex};
 
 use cairn_core::blocking::BlockingQueue;
-use cairn_core::ondisk::new_uuid;
+use cairn_core::ondisk::{new_uuid, Invalid, Picked};
 use cairn_core::{Device, Error, IoFlags, Switches};
 
 use assemble::{Expect, Part, Plan, Seen};
 use bitmap::Bitmap;
-use superblock::{
-    Found, Invalid, MemberState, Role, Superblock, DATA_OFFSET_MIN, SLOTS, SLOT_BYTES,
-};
+use superblock::{MemberState, Role, Superblock, DATA_OFFSET_MIN, SLOTS, SLOT_BYTES};
 
 /// What the members hold, read when the array opens: the plan, where data starts and how
 /// much of each member is data.
@@ -110,7 +108,7 @@ pub fn examine(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Result<E
             ))
         })?;
         match superblock::pick(&area) {
-            Found::Blank => match data_found(&q, device, &area)
+            Picked::Blank => match data_found(&q, device, &area)
                 .map_err(|e| Error::Invalid(format!("device '{name}': member '{member}': {e}")))?
             {
                 None => {
@@ -122,7 +120,12 @@ pub fn examine(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Result<E
                     generations.push(0);
                 }
             },
-            Found::Valid { sb, slot, damaged } => {
+            Picked::Valid {
+                record: sb,
+                slot,
+                damaged,
+                ..
+            } => {
                 if let Some(why) = damaged {
                     log::warn!(
                         "cairn: {name}: member '{member}': superblock slot {} is damaged ({why}); \
@@ -138,8 +141,8 @@ pub fn examine(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Result<E
                     Seen::Valid(sb)
                 });
             }
-            Found::Foreign { first, second } => {
-                let not_ours = |e: &Invalid| matches!(e, Invalid::Magic | Invalid::Blank);
+            Picked::Foreign { first, second } => {
+                let not_ours = |e: &Invalid| matches!(e, Invalid::Magic { .. } | Invalid::Blank);
                 let why = if not_ours(&first) && not_ours(&second) {
                     first_nonzero(&area).map_or_else(
                         || "no cairn superblock".to_string(),
@@ -809,7 +812,7 @@ impl Metadata {
             .read_area(&device, &name)
             .map_err(|e| format!("{e}: it stays failed"))?;
         match superblock::pick(&area) {
-            Found::Valid { sb, .. }
+            Picked::Valid { record: sb, .. }
                 if sb.array_uuid == self.array_uuid && sb.member_uuid == member_uuid =>
             {
                 Ok(sb)
@@ -850,7 +853,7 @@ impl Metadata {
         let (q, area) = self.read_area(device, name)?;
         joinable(&q, device, &area, name, &self.array_uuid)?;
         let generation = match superblock::pick(&area) {
-            Found::Valid { sb, .. } => {
+            Picked::Valid { record: sb, .. } => {
                 let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
                 let in_use = st
                     .parts
@@ -901,7 +904,7 @@ impl Metadata {
         }
         let (_, area) = self.read_area(&device, name)?;
         let sb = match superblock::pick(&area) {
-            Found::Valid { sb, .. }
+            Picked::Valid { record: sb, .. }
                 if sb.array_uuid == self.array_uuid && sb.role == m as u32 && !sb.retired() =>
             {
                 sb
@@ -1235,21 +1238,21 @@ fn joinable(
 ) -> Result<(), String> {
     let wipe = "zero it first to use it (a new file, or blkdiscard -z for a disk)";
     match superblock::pick(area) {
-        Found::Blank => match data_found(q, device, area).map_err(|e| e.to_string())? {
+        Picked::Blank => match data_found(q, device, area).map_err(|e| e.to_string())? {
             None => Ok(()),
             Some(why) => Err(format!(
                 "'{name}' holds data but no superblock of this array ({why}; it may be someone's data): {wipe}"
             )),
         },
-        Found::Valid { sb, .. } if sb.array_uuid == *array_uuid => Ok(()),
+        Picked::Valid { record: sb, .. } if sb.array_uuid == *array_uuid => Ok(()),
         // Refused before anything is written to it.
-        Found::Valid { sb, .. } => Err(format!(
+        Picked::Valid { record: sb, .. } => Err(format!(
             "'{name}' is a {} of another array ('{}', {}): {wipe}",
             if sb.spare() { "spare" } else { "member" },
             sb.name,
             superblock::uuid_text(&sb.array_uuid)
         )),
-        Found::Foreign { .. } => Err(format!(
+        Picked::Foreign { .. } => Err(format!(
             "'{name}' holds data but no superblock of this array (it may be someone's data): {wipe}"
         )),
     }
