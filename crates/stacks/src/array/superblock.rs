@@ -302,12 +302,77 @@ impl Superblock {
     }
 
     /// Reads one slot; every field is checked, so the result can be trusted as a value
-    /// (not yet as agreeing with the other members: assembly checks that).
+    /// (not yet as agreeing with the other members: assembly checks that). The checks run
+    /// in the order of the fields' dependencies, so a slot damaged in several places
+    /// names the first.
     pub fn decode(b: &[u8]) -> Result<Superblock, Invalid> {
         FRAME.open(b)?;
         if get32(b, at::SLOT_BYTES) as usize != SLOT_BYTES {
             return Err(FRAME.field("slot_bytes"));
         }
+        let shape = Shape::decode(b)?;
+        let data_offset = get64(b, at::DATA_OFFSET);
+        if data_offset < DATA_OFFSET_MIN || !data_offset.is_multiple_of(4096) {
+            return Err(FRAME.field("data_offset"));
+        }
+        let member_data_bytes = get64(b, at::MEMBER_DATA);
+        let array_bytes = get64(b, at::ARRAY_BYTES);
+        if member_data_bytes == 0
+            || array_bytes == 0
+            || data_offset.checked_add(member_data_bytes).is_none()
+        {
+            return Err(FRAME.field("member_data_bytes"));
+        }
+        let (region_bytes, bitmap) = decode_bitmap(b, array_bytes)?;
+        let resync_offset = get64(b, at::RESYNC_OFFSET);
+        if resync_offset > array_bytes {
+            return Err(FRAME.field("resync_offset"));
+        }
+        let events = get64(b, at::EVENTS);
+        let events_cleared = get64(b, at::EVENTS_CLEARED);
+        if events_cleared > events {
+            return Err(FRAME.field("events_cleared"));
+        }
+        let name = decode_name(b)?;
+        let roles = decode_roles(b, shape.members, member_data_bytes)?;
+        Ok(Superblock {
+            generation: get64(b, at::GENERATION),
+            array_uuid: uuid_at(b, at::ARRAY_UUID),
+            member_uuid: uuid_at(b, at::MEMBER_UUID),
+            level: shape.level,
+            chunk_bytes: shape.chunk_bytes,
+            copies: shape.copies,
+            role: shape.role,
+            data_offset,
+            member_data_bytes,
+            array_bytes,
+            events,
+            flags: get32(b, at::FLAGS),
+            retired_by: uuid_at(b, at::RETIRED_BY),
+            resync_offset,
+            region_bytes,
+            bitmap,
+            events_cleared,
+            created_secs: get64(b, at::CREATED),
+            updated_secs: get64(b, at::UPDATED),
+            name,
+            roles,
+        })
+    }
+}
+
+/// The array's shape as a slot records it: level, members, this member's role, copies,
+/// chunk; each checked against the others.
+struct Shape {
+    level: Level,
+    members: usize,
+    role: u32,
+    copies: u32,
+    chunk_bytes: u64,
+}
+
+impl Shape {
+    fn decode(b: &[u8]) -> Result<Shape, Invalid> {
         let level = Level::from_u32(get32(b, at::LEVEL)).ok_or(FRAME.field("level"))?;
         let members = get32(b, at::MEMBERS) as usize;
         if members == 0 || members > MEMBERS_MAX {
@@ -335,101 +400,78 @@ impl Superblock {
         if !chunk_ok {
             return Err(FRAME.field("chunk"));
         }
-        let data_offset = get64(b, at::DATA_OFFSET);
-        if data_offset < DATA_OFFSET_MIN || !data_offset.is_multiple_of(4096) {
-            return Err(FRAME.field("data_offset"));
-        }
-        let member_data_bytes = get64(b, at::MEMBER_DATA);
-        let array_bytes = get64(b, at::ARRAY_BYTES);
-        if member_data_bytes == 0
-            || array_bytes == 0
-            || data_offset.checked_add(member_data_bytes).is_none()
-        {
-            return Err(FRAME.field("member_data_bytes"));
-        }
-        let region_bytes = get64(b, at::REGION);
-        let bitmap_offset = get64(b, at::BITMAP_OFFSET);
-        let bitmap_len = get64(b, at::BITMAP_BYTES);
-        let bitmap = if region_bytes == 0 {
-            if bitmap_offset != 0 || bitmap_len != 0 {
-                return Err(FRAME.field("bitmap"));
-            }
-            Vec::new()
-        } else {
-            if !region_bytes.is_power_of_two()
-                || region_bytes < REGION_MIN
-                || bitmap_offset != BITMAP_AT as u64
-                || array_bytes.div_ceil(region_bytes) > REGIONS_MAX
-                || bitmap_len != bitmap_bytes(array_bytes, region_bytes) as u64
-            {
-                return Err(FRAME.field("bitmap"));
-            }
-            b[BITMAP_AT..BITMAP_AT + bitmap_len as usize].to_vec()
-        };
-        let resync_offset = get64(b, at::RESYNC_OFFSET);
-        if resync_offset > array_bytes {
-            return Err(FRAME.field("resync_offset"));
-        }
-        let events = get64(b, at::EVENTS);
-        let events_cleared = get64(b, at::EVENTS_CLEARED);
-        if events_cleared > events {
-            return Err(FRAME.field("events_cleared"));
-        }
-        let name_field = &b[at::NAME..at::NAME + at::NAME_BYTES];
-        let name_len = name_field
-            .iter()
-            .position(|&c| c == 0)
-            .unwrap_or(at::NAME_BYTES);
-        let name = std::str::from_utf8(&name_field[..name_len])
-            .map_err(|_| FRAME.field("name"))?
-            .to_string();
-        let mut roles = Vec::with_capacity(members);
-        for i in 0..members {
-            let o = at::ROLES + i * at::ROLE_BYTES;
-            let state = MemberState::from_u8(b[o]).ok_or(FRAME.field("roles"))?;
-            if b[o + 1] & !ROLE_PARTIAL != 0 {
-                return Err(FRAME.field("roles"));
-            }
-            let recovery_offset = get64(b, o + 8);
-            if recovery_offset > member_data_bytes {
-                return Err(FRAME.field("recovery_offset"));
-            }
-            roles.push(Role {
-                state,
-                recovery_offset,
-                partial: b[o + 1] & ROLE_PARTIAL != 0,
-            });
-        }
-        Ok(Superblock {
-            generation: get64(b, at::GENERATION),
-            array_uuid: b[at::ARRAY_UUID..at::ARRAY_UUID + 16]
-                .try_into()
-                .expect("16 bytes"),
-            member_uuid: b[at::MEMBER_UUID..at::MEMBER_UUID + 16]
-                .try_into()
-                .expect("16 bytes"),
+        Ok(Shape {
             level,
-            chunk_bytes,
-            copies,
+            members,
             role,
-            data_offset,
-            member_data_bytes,
-            array_bytes,
-            events,
-            flags: get32(b, at::FLAGS),
-            retired_by: b[at::RETIRED_BY..at::RETIRED_BY + 16]
-                .try_into()
-                .expect("16 bytes"),
-            resync_offset,
-            region_bytes,
-            bitmap,
-            events_cleared,
-            created_secs: get64(b, at::CREATED),
-            updated_secs: get64(b, at::UPDATED),
-            name,
-            roles,
+            copies,
+            chunk_bytes,
         })
     }
+}
+
+/// The write-intent bitmap's region size and bits (none when the region size is 0),
+/// checked against the array's size.
+fn decode_bitmap(b: &[u8], array_bytes: u64) -> Result<(u64, Vec<u8>), Invalid> {
+    let region_bytes = get64(b, at::REGION);
+    let bitmap_offset = get64(b, at::BITMAP_OFFSET);
+    let bitmap_len = get64(b, at::BITMAP_BYTES);
+    if region_bytes == 0 {
+        if bitmap_offset != 0 || bitmap_len != 0 {
+            return Err(FRAME.field("bitmap"));
+        }
+        return Ok((0, Vec::new()));
+    }
+    if !region_bytes.is_power_of_two()
+        || region_bytes < REGION_MIN
+        || bitmap_offset != BITMAP_AT as u64
+        || array_bytes.div_ceil(region_bytes) > REGIONS_MAX
+        || bitmap_len != bitmap_bytes(array_bytes, region_bytes) as u64
+    {
+        return Err(FRAME.field("bitmap"));
+    }
+    Ok((
+        region_bytes,
+        b[BITMAP_AT..BITMAP_AT + bitmap_len as usize].to_vec(),
+    ))
+}
+
+/// The array's name: UTF-8 up to the first zero byte of its field.
+fn decode_name(b: &[u8]) -> Result<String, Invalid> {
+    let field = &b[at::NAME..at::NAME + at::NAME_BYTES];
+    let len = field.iter().position(|&c| c == 0).unwrap_or(at::NAME_BYTES);
+    std::str::from_utf8(&field[..len])
+        .map(str::to_string)
+        .map_err(|_| FRAME.field("name"))
+}
+
+/// Every member's entry; a recovery offset past a member's data is refused.
+fn decode_roles(b: &[u8], members: usize, member_data_bytes: u64) -> Result<Vec<Role>, Invalid> {
+    let mut roles = Vec::with_capacity(members);
+    for i in 0..members {
+        let o = at::ROLES + i * at::ROLE_BYTES;
+        let state = MemberState::from_u8(b[o]).ok_or(FRAME.field("roles"))?;
+        if b[o + 1] & !ROLE_PARTIAL != 0 {
+            return Err(FRAME.field("roles"));
+        }
+        let recovery_offset = get64(b, o + 8);
+        if recovery_offset > member_data_bytes {
+            return Err(FRAME.field("recovery_offset"));
+        }
+        roles.push(Role {
+            state,
+            recovery_offset,
+            partial: b[o + 1] & ROLE_PARTIAL != 0,
+        });
+    }
+    Ok(roles)
+}
+
+/// The 16 bytes of a UUID field at `at`.
+fn uuid_at(b: &[u8], at: usize) -> [u8; 16] {
+    let mut u = [0u8; 16];
+    u.copy_from_slice(&b[at..at + 16]);
+    u
 }
 
 /// Picks the newest valid slot of the metadata area's first `2 * SLOT_BYTES` bytes, by
