@@ -373,7 +373,7 @@ fn parse_file(text: &str, first: &str, options: &[(&str, &str)]) -> Result<LeafS
 
 /// `nbd:URI`, with its options.
 fn parse_nbd(text: &str, first: &str, options: &[(&str, &str)]) -> Result<LeafSpec, String> {
-    use cairn_nbd::client::remote::{CONNECTIONS_MAX, DEFAULT_TIMEOUT};
+    use cairn_nbd::client::{CONNECTIONS_MAX, DEFAULT_TIMEOUT};
     if first.is_empty() {
         return Err(format!(
             "invalid device '{text}': nbd needs a URI, such as nbd://HOST/EXPORT or nbd+unix:///?socket=PATH"
@@ -552,7 +552,7 @@ mod tests {
             Ok(LeafSpec::Nbd {
                 uri: "nbd://127.0.0.1:10809/".into(),
                 connections: 1,
-                timeout: cairn_nbd::client::remote::DEFAULT_TIMEOUT
+                timeout: cairn_nbd::client::DEFAULT_TIMEOUT
             })
         );
     }

@@ -16,6 +16,7 @@ use cairn_core::{
     Switches,
 };
 use cairn_leaves::LeafSpec;
+use cairn_testkit::pattern;
 use tempfile::TempDir;
 
 /// Size of every device under test: room for 300 distinct 4 KiB blocks.
@@ -110,13 +111,6 @@ fn subjects() -> Vec<Subject> {
 /// Every subject that keeps what is written.
 fn storing_subjects() -> Vec<Subject> {
     subjects().into_iter().filter(|s| s.stores).collect()
-}
-
-/// Bytes that are never zero and differ with `seed` and position.
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    (0..len as u64)
-        .map(|i| ((i.wrapping_mul(31) ^ seed.wrapping_mul(0x9e37_79b9)) % 251 + 1) as u8)
-        .collect()
 }
 
 fn read_vec(q: &BlockingQueue, offset: u64, len: u64) -> Vec<u8> {

@@ -8,6 +8,7 @@ use cairn_core::{Device, Extent, IoFlags, Op, Switches};
 use cairn_leaves::LeafSpec;
 use cairn_services::thin::pool::{Admin, LowWater, PoolOptions, ThinPool};
 use cairn_services::thin::queue::ThinDevice;
+use cairn_testkit::pattern;
 
 fn mem(size: &str, volatile: bool) -> Arc<dyn Device> {
     let s = LeafSpec::parse(&format!("mem:{size},volatile={}", u8::from(volatile))).unwrap();
@@ -74,12 +75,6 @@ fn read(q: &BlockingQueue, offset: u64, len: usize) -> Vec<u8> {
     let mut b = vec![0u8; len];
     q.read(offset, &mut b).unwrap();
     b
-}
-
-fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| seed.wrapping_add((i % 251) as u8))
-        .collect()
 }
 
 #[test]

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use cairn_config::StackFile;
 use cairn_core::blocking::BlockingQueue;
 use cairn_core::{Device, IoFlags, Switches};
+use cairn_testkit::pattern;
 
 const MIB: u64 = 1 << 20;
 
@@ -23,13 +24,6 @@ fn open(text: &str, name: &str) -> Result<Arc<dyn Device>, String> {
 
 fn queue(d: &Arc<dyn Device>) -> BlockingQueue {
     BlockingQueue::open(d, Switches::default()).expect("a queue")
-}
-
-/// Bytes that say which pass wrote them, block by block.
-fn pattern(pass: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| pass.wrapping_mul(31) ^ (i / 4096) as u8 ^ (i as u8).rotate_left(3))
-        .collect()
 }
 
 fn file(name: &str, path: &Path) -> String {

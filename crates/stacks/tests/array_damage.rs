@@ -12,6 +12,7 @@ use cairn_config::StackFile;
 use cairn_core::blocking::BlockingQueue;
 use cairn_core::{Device, IoFlags, Switches};
 use cairn_stacks::array::superblock::{pick, Found, SLOT_BYTES};
+use cairn_testkit::pattern;
 
 const MEMBER_BYTES: usize = 8 << 20;
 
@@ -24,12 +25,6 @@ fn open(text: &str, name: &str) -> Result<Arc<dyn Device>, String> {
 
 fn queue(d: &Arc<dyn Device>) -> BlockingQueue {
     BlockingQueue::open(d, Switches::default()).expect("a queue")
-}
-
-fn pattern(pass: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| pass.wrapping_mul(31) ^ (i / 4096) as u8 ^ (i as u8).rotate_left(3))
-        .collect()
 }
 
 fn read_all(d: &Arc<dyn Device>) -> Vec<u8> {

@@ -1,11 +1,13 @@
-//! A thin pool's superblock, format version 1: pure encode and decode, no I/O.
+//! A thin pool's superblock, format version 2 (version 1 still read): pure encode and
+//! decode, no I/O.
 //!
-//! It is kept in two 8 KiB slots at the start of the metadata area, with the array
-//! superblock's rules: a write goes to the slot not holding the newest valid copy, with a
-//! generation one higher, so a torn write leaves the other. It says where everything else
+//! It is kept in two 8 KiB slots at the start of the metadata area. Every checkpoint
+//! writes both, with a generation one higher: first the slot not holding the newest valid
+//! copy, then the other, each flushed, so a torn write leaves a valid copy and damage to
+//! one slot at rest leaves the other as new as the pool. It says where everything else
 //! is: the data blocks, the log ring ([`super::format`]) and the two checkpoint areas, of
-//! which one (or none, for a new pool) holds the state replay starts from. (WORK IN
-//! PROGRESS on the thin-37 branch, not yet documented in the README.)
+//! which one (or none, for a new pool) holds the state replay starts from. Its fields are
+//! documented in the README's "On-disk format: thin pool, version 2".
 //!
 //! All integers are little-endian.
 
