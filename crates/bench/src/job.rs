@@ -509,26 +509,114 @@ fn set_busy(busy: &mut [u64], block: u64, on: bool) {
     }
 }
 
+/// The steps of a completion, in the order [`Job::io_done`] takes them.
+impl Job {
+    /// The ramp is over: statistics count from `now` on.
+    #[cold]
+    fn start_measuring(&self, st: &mut State, now: u64) {
+        st.measuring = true;
+        st.measure_start_ns = now;
+        st.deadline_ns =
+            now.saturating_add(self.spec.runtime.map_or(u64::MAX, |d| d.as_nanos() as u64));
+        st.dirs = std::array::from_fn(|_| DirStats::new());
+        st.fua = DirStats::new();
+        st.device_base = snapshot_tree(&self.queue, now);
+    }
+
+    /// Counts a request of the measured main phase that completed `latency_ns` after it
+    /// was sent.
+    #[inline]
+    fn record(&self, st: &mut State, op: Op, fua: bool, latency_ns: u64) {
+        let dir = match op {
+            Op::Read => 0,
+            Op::Flush => DIR_SYNC,
+            _ => 1,
+        };
+        let bytes = if op.has_data() { self.spec.bs } else { 0 };
+        st.dirs[dir].record(bytes, latency_ns);
+        if fua {
+            st.fua.record(bytes, latency_ns);
+        }
+        match dir {
+            0 => self.progress.reads.store(st.dirs[0].ios, Relaxed),
+            1 => self.progress.writes.store(st.dirs[1].ios, Relaxed),
+            _ => {}
+        }
+    }
+
+    /// With --verify, after a read or write of the slot: its block may be sent again;
+    /// a write's generation is remembered, a read's data checked against the last one.
+    #[inline]
+    fn verify_done(&self, st: &mut State, slot: usize, status: IoStatus) {
+        let (op, offset) = (st.slots[slot].op, st.slots[slot].offset);
+        let block = (offset - st.region_start) / self.spec.bs;
+        set_busy(&mut st.busy, block, false);
+        if !status.is_ok() {
+            return;
+        }
+        if op == Op::Write {
+            // Generation numbers are written in increasing order per block
+            // because a block is never in flight twice.
+            let s = &st.slots[slot];
+            let generation =
+                u64::from_le_bytes(s.buf.as_slice()[16..24].try_into().expect("8 bytes"));
+            st.generations[block as usize] = generation;
+            return;
+        }
+        let expected = st.generations[block as usize];
+        if expected != 0 {
+            if let Err(mismatch) = verify::check(st.slots[slot].buf.as_slice(), offset, expected) {
+                if st.failure.is_none() {
+                    st.failure = Some(Failure::Verify { offset, mismatch });
+                }
+            } else {
+                st.verified_blocks += 1;
+            }
+        }
+    }
+
+    /// A flush as the slot's next request, when this write of the main phase is its
+    /// --fsync'th since the last.
+    #[inline]
+    fn flush_due(
+        &self,
+        st: &mut State,
+        slot: usize,
+        op: Op,
+        status: IoStatus,
+        now: u64,
+    ) -> Option<Io> {
+        if op != Op::Write || self.spec.fsync == 0 || st.phase != Phase::Main || !status.is_ok() {
+            return None;
+        }
+        let healthy = st.failure.is_none();
+        let s = &mut st.slots[slot];
+        s.writes += 1;
+        if s.writes < self.spec.fsync || !healthy {
+            return None;
+        }
+        s.writes = 0;
+        s.op = Op::Flush;
+        s.fua = false;
+        s.submit_ns = now;
+        Some(Io::nodata(Op::Flush, 0, 0, self.sink.get(), slot as u64))
+    }
+}
+
 impl Sink for Job {
     fn io_done(&self, token: u64, status: IoStatus) {
         let slot = token as usize;
         let now = self.core.now_ns();
-        let mut st = self.state.borrow_mut();
+        let mut guard = self.state.borrow_mut();
+        let st = &mut *guard;
         st.last_ns = now;
         if !st.measuring && now >= st.ramp_end_ns {
-            st.measuring = true;
-            st.measure_start_ns = now;
-            st.deadline_ns =
-                now.saturating_add(self.spec.runtime.map_or(u64::MAX, |d| d.as_nanos() as u64));
-            st.dirs = std::array::from_fn(|_| DirStats::new());
-            st.fua = DirStats::new();
-            st.device_base = snapshot_tree(&self.queue, now);
+            self.start_measuring(st, now);
         }
         let (op, fua, offset, submit_ns) = {
             let s = &st.slots[slot];
             (s.op, s.fua, s.offset, s.submit_ns)
         };
-        let block = (offset - st.region_start) / self.spec.bs;
         if !status.is_ok() {
             if st.failure.is_none() {
                 st.failure = Some(Failure::Io {
@@ -538,66 +626,17 @@ impl Sink for Job {
                 });
             }
         } else if st.phase == Phase::Main && st.measuring {
-            let dir = match op {
-                Op::Read => 0,
-                Op::Flush => DIR_SYNC,
-                _ => 1,
-            };
-            let bytes = if op.has_data() { self.spec.bs } else { 0 };
-            st.dirs[dir].record(bytes, now.saturating_sub(submit_ns));
-            if fua {
-                st.fua.record(bytes, now.saturating_sub(submit_ns));
-            }
-            match dir {
-                0 => self.progress.reads.store(st.dirs[0].ios, Relaxed),
-                1 => self.progress.writes.store(st.dirs[1].ios, Relaxed),
-                _ => {}
-            }
+            self.record(st, op, fua, now.saturating_sub(submit_ns));
         }
         if self.spec.verify && op.has_data() {
-            set_busy(&mut st.busy, block, false);
-            if status.is_ok() {
-                if op == Op::Write {
-                    // Generation numbers are written in increasing order per block
-                    // because a block is never in flight twice.
-                    let s = &st.slots[slot];
-                    let generation =
-                        u64::from_le_bytes(s.buf.as_slice()[16..24].try_into().expect("8 bytes"));
-                    st.generations[block as usize] = generation;
-                } else {
-                    let expected = st.generations[block as usize];
-                    if expected != 0 {
-                        if let Err(mismatch) =
-                            verify::check(st.slots[slot].buf.as_slice(), offset, expected)
-                        {
-                            if st.failure.is_none() {
-                                st.failure = Some(Failure::Verify { offset, mismatch });
-                            }
-                        } else {
-                            st.verified_blocks += 1;
-                        }
-                    }
-                }
-            }
+            self.verify_done(st, slot, status);
         }
         // The slot's next request: a flush if --fsync says so, else more I/O.
-        let mut next = None;
-        if op == Op::Write && self.spec.fsync > 0 && st.phase == Phase::Main && status.is_ok() {
-            let healthy = st.failure.is_none();
-            let s = &mut st.slots[slot];
-            s.writes += 1;
-            if s.writes >= self.spec.fsync && healthy {
-                s.writes = 0;
-                s.op = Op::Flush;
-                s.fua = false;
-                s.submit_ns = now;
-                next = Some(Io::nodata(Op::Flush, 0, 0, self.sink.get(), slot as u64));
-            }
-        }
+        let mut next = self.flush_due(st, slot, op, status, now);
         if next.is_none() {
             next = match st.phase {
-                Phase::Main => self.next_main(&mut st, slot, now),
-                Phase::Verify => self.next_verify(&mut st, slot, now),
+                Phase::Main => self.next_main(st, slot, now),
+                Phase::Verify => self.next_verify(st, slot, now),
                 Phase::Done => None,
             };
         }
@@ -606,7 +645,7 @@ impl Sink for Job {
             None => {
                 st.in_flight -= 1;
                 if st.in_flight == 0 {
-                    drop(st);
+                    drop(guard);
                     self.phase_done();
                 }
             }

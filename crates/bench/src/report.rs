@@ -227,8 +227,25 @@ impl Report {
 
     /// fio's normal text output.
     pub fn to_text(&self) -> String {
-        let s = &self.spec;
         let mut out = String::new();
+        self.header_text(&mut out);
+        for (dir, d) in self.dirs.iter().enumerate() {
+            if d.ios > 0 {
+                self.dir_text(&mut out, dir, d);
+            }
+        }
+        self.reactor_text(&mut out);
+        let _ = writeln!(out, "\nDisk stats (read/write):");
+        for (i, (name, d)) in self.devices.iter().enumerate() {
+            self.disk_text(&mut out, i, name, d);
+        }
+        self.background_text(&mut out);
+        out
+    }
+
+    /// The text report's first lines: the job, the device, the switches, the failure.
+    fn header_text(&self, out: &mut String) {
+        let s = &self.spec;
         let (clock, reap, stats) = self.mode_names();
         let _ = writeln!(
             out,
@@ -250,43 +267,46 @@ impl Report {
         if let Some(f) = &self.failure {
             let _ = writeln!(out, "  error    : {f}");
         }
+    }
+
+    /// One direction's lines of the text report (and the FUA writes after the writes).
+    fn dir_text(&self, out: &mut String, dir: usize, d: &DirStats) {
         let msec = self.runtime_ns / 1_000_000;
-        for (dir, d) in self.dirs.iter().enumerate() {
-            if d.ios == 0 {
-                continue;
-            }
-            let bw = d.bytes as f64 / self.runtime_s();
-            if dir == 2 {
-                let _ = writeln!(
-                    out,
-                    "  sync (flush): IOPS={}, total={}",
-                    format_count(self.iops(dir)),
-                    d.ios
-                );
-            } else {
-                let _ = writeln!(
-                    out,
-                    "  {}: IOPS={}, BW={}/s ({:.1}MB/s)({}/{}msec)",
-                    DIR_NAMES[dir],
-                    format_count(self.iops(dir)),
-                    format_bytes(bw as u64),
-                    bw / 1e6,
-                    format_bytes(d.bytes),
-                    msec
-                );
-            }
-            clat_text(&mut out, d);
-            if dir == 1 && self.fua.ios > 0 {
-                let _ = writeln!(
-                    out,
-                    "  write with FUA (--fua-every {}): IOPS={}, total={}",
-                    s.fua_every,
-                    format_count(self.fua.ios as f64 / self.runtime_s()),
-                    self.fua.ios
-                );
-                clat_text(&mut out, &self.fua);
-            }
+        let bw = d.bytes as f64 / self.runtime_s();
+        if dir == 2 {
+            let _ = writeln!(
+                out,
+                "  sync (flush): IOPS={}, total={}",
+                format_count(self.iops(dir)),
+                d.ios
+            );
+        } else {
+            let _ = writeln!(
+                out,
+                "  {}: IOPS={}, BW={}/s ({:.1}MB/s)({}/{}msec)",
+                DIR_NAMES[dir],
+                format_count(self.iops(dir)),
+                format_bytes(bw as u64),
+                bw / 1e6,
+                format_bytes(d.bytes),
+                msec
+            );
         }
+        clat_text(out, d);
+        if dir == 1 && self.fua.ios > 0 {
+            let _ = writeln!(
+                out,
+                "  write with FUA (--fua-every {}): IOPS={}, total={}",
+                self.spec.fua_every,
+                format_count(self.fua.ios as f64 / self.runtime_s()),
+                self.fua.ios
+            );
+            clat_text(out, &self.fua);
+        }
+    }
+
+    /// The text report's CPU, reactor, reap and verify lines.
+    fn reactor_text(&self, out: &mut String) {
         let _ = writeln!(
             out,
             "  cpu          : usr={:.2}%, sys={:.2}%, ctx={}",
@@ -322,71 +342,77 @@ impl Report {
                 .collect();
             let _ = writeln!(out, "     | {}", cells.join(", "));
         }
-        if s.verify {
+        if self.spec.verify {
             let _ = writeln!(
                 out,
                 "  verify       : {} blocks read back and checked",
                 self.verified_blocks
             );
         }
-        let _ = writeln!(out, "\nDisk stats (read/write):");
+    }
+
+    /// Device `i`'s lines of the text report's disk stats, as fio's, with its latency
+    /// per op.
+    fn disk_text(&self, out: &mut String, i: usize, name: &str, d: &DeviceStatsSnapshot) {
         let runtime_ns = self.runtime_ns.max(1) as f64;
-        for (i, (name, d)) in self.devices.iter().enumerate() {
-            if let Some(f) = self.failed.get(i).filter(|f| !f.is_empty()) {
-                let _ = writeln!(out, "  {name}: DEGRADED, failed members: {}", f.join(", "));
-                // (aligned by position: the device tree and the queue tree agree inline)
-            }
-            if !d.enabled {
-                let _ = writeln!(out, "  {name}: statistics off (--stats off)");
+        if let Some(f) = self.failed.get(i).filter(|f| !f.is_empty()) {
+            let _ = writeln!(out, "  {name}: DEGRADED, failed members: {}", f.join(", "));
+            // (aligned by position: the device tree and the queue tree agree inline)
+        }
+        if !d.enabled {
+            let _ = writeln!(out, "  {name}: statistics off (--stats off)");
+            return;
+        }
+        let (r, w) = (Op::Read.index(), Op::Write.index());
+        let in_queue_ms: u64 = d.ticks_ns.iter().sum::<u64>() / 1_000_000;
+        let _ = writeln!(
+            out,
+            "  {name}: ios={}/{}, sectors={}/{}, ticks={}/{}, in_queue={}, util={:.2}%",
+            d.ios[r],
+            d.ios[w],
+            d.sectors[r],
+            d.sectors[w],
+            d.ticks_ns[r] / 1_000_000,
+            d.ticks_ns[w] / 1_000_000,
+            in_queue_ms,
+            (d.busy_ns as f64 * 100.0 / runtime_ns).min(100.0)
+        );
+        for op in Op::ALL {
+            let h = &d.latency[op.index()];
+            if h.is_empty() {
                 continue;
             }
-            let (r, w) = (Op::Read.index(), Op::Write.index());
-            let in_queue_ms: u64 = d.ticks_ns.iter().sum::<u64>() / 1_000_000;
             let _ = writeln!(
                 out,
-                "  {name}: ios={}/{}, sectors={}/{}, ticks={}/{}, in_queue={}, util={:.2}%",
-                d.ios[r],
-                d.ios[w],
-                d.sectors[r],
-                d.sectors[w],
-                d.ticks_ns[r] / 1_000_000,
-                d.ticks_ns[w] / 1_000_000,
-                in_queue_ms,
-                (d.busy_ns as f64 * 100.0 / runtime_ns).min(100.0)
+                "    {} latency (nsec): mean={:.0}, 50th={}, 90th={}, 99th={}, 99.9th={}, max={}",
+                op,
+                h.mean(),
+                h.quantile(0.5),
+                h.quantile(0.9),
+                h.quantile(0.99),
+                h.quantile(0.999),
+                h.max()
             );
-            for op in Op::ALL {
-                let h = &d.latency[op.index()];
-                if h.is_empty() {
-                    continue;
-                }
-                let _ = writeln!(
-                    out,
-                    "    {} latency (nsec): mean={:.0}, 50th={}, 90th={}, 99th={}, 99.9th={}, max={}",
-                    op,
-                    h.mean(),
-                    h.quantile(0.5),
-                    h.quantile(0.9),
-                    h.quantile(0.99),
-                    h.quantile(0.999),
-                    h.max()
-                );
-            }
         }
-        if !self.background.is_empty() {
+    }
+
+    /// The text report's background I/O, if any.
+    fn background_text(&self, out: &mut String) {
+        if self.background.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            out,
+            "\nBackground I/O (read/write; not the job's requests: caches' write-back, rebuilds, superblocks):"
+        );
+        let (r, w) = (Op::Read.index(), Op::Write.index());
+        for (name, d) in &self.background {
             let _ = writeln!(
                 out,
-                "\nBackground I/O (read/write; not the job's requests: caches' write-back, rebuilds, superblocks):"
+                "  {name}: ios={}/{}, sectors={}/{}",
+                d.ios[r], d.ios[w], d.sectors[r], d.sectors[w]
             );
-            let (r, w) = (Op::Read.index(), Op::Write.index());
-            for (name, d) in &self.background {
-                let _ = writeln!(
-                    out,
-                    "  {name}: ios={}/{}, sectors={}/{}",
-                    d.ios[r], d.ios[w], d.sectors[r], d.sectors[w]
-                );
-            }
         }
-        out
     }
 
     /// [`Report::background`] for the JSON report.
@@ -446,74 +472,7 @@ impl Report {
     /// fio-compatible JSON (`--output-format=json --group_reporting`).
     pub fn to_json(&self) -> Value {
         let s = &self.spec;
-        let (clock, reap, stats) = self.mode_names();
-        let mut reap_pct = Map::new();
-        for p in REAP_PERCENTILES {
-            let v = if self.reaps.is_empty() {
-                0
-            } else {
-                self.reaps.value_at_quantile(p / 100.0)
-            };
-            reap_pct.insert(format!("{p:.6}"), json!(v));
-        }
         let runtime_ms = self.runtime_ns / 1_000_000;
-        let disk_util: Vec<Value> = self
-            .devices
-            .iter()
-            .map(|(name, d)| {
-                let (r, w) = (Op::Read.index(), Op::Write.index());
-                json!({
-                    "name": name,
-                    "read_ios": d.ios[r], "write_ios": d.ios[w],
-                    "read_merges": 0, "write_merges": 0,
-                    "read_ticks": d.ticks_ns[r] / 1_000_000,
-                    "write_ticks": d.ticks_ns[w] / 1_000_000,
-                    "in_queue": d.ticks_ns.iter().sum::<u64>() / 1_000_000,
-                    "util": (d.busy_ns as f64 * 100.0 / self.runtime_ns.max(1) as f64).min(100.0),
-                })
-            })
-            .collect();
-        let devices: Vec<Value> = self
-            .devices
-            .iter()
-            .enumerate()
-            .map(|(index, (name, d))| {
-                let queues: Vec<Value> = self
-                    .queues
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(job, q)| {
-                        q.get(index)
-                            .map(|(r, w)| json!({ "job": job, "read_ios": r, "write_ios": w }))
-                    })
-                    .collect();
-                let mut ops = Map::new();
-                for op in Op::ALL {
-                    let i = op.index();
-                    let h = &d.latency[i];
-                    let mut pct = Map::new();
-                    if !h.is_empty() {
-                        for p in CLAT_PERCENTILES {
-                            pct.insert(format!("{p:.6}"), json!(h.quantile(p / 100.0)));
-                        }
-                    }
-                    ops.insert(
-                        op.name().into(),
-                        json!({
-                            "ios": d.ios[i], "sectors": d.sectors[i], "ticks_ns": d.ticks_ns[i],
-                            "lat_ns": { "mean": if h.is_empty() { 0.0 } else { h.mean() },
-                                        "max": h.max(), "percentile": pct },
-                        }),
-                    );
-                }
-                json!({
-                    "name": name, "stats": if d.enabled { "on" } else { "off" },
-                    "errors": d.errors, "in_flight": d.in_flight, "busy_ns": d.busy_ns, "ops": ops,
-                    "queues": queues,
-                    "failed_members": self.failed.get(index).cloned().unwrap_or_default(),
-                })
-            })
-            .collect();
         json!({
             "fio version": concat!("cairn-", env!("CARGO_PKG_VERSION")),
             "timestamp": std::time::SystemTime::now()
@@ -542,28 +501,105 @@ impl Report {
                 "majf": 0,
                 "minf": 0,
             }],
-            "disk_util": disk_util,
-            "cairn": {
-                "device": { "name": self.device_name, "description": self.device_desc },
-                "switches": { "clock": clock, "reap": reap, "stats": stats },
-                "failure": self.failure.as_ref().map(|f| f.to_string()),
-                "reaps": {
-                    "nonempty": self.reaps.len(),
-                    "empty": self.loop_stats.empty_reaps,
-                    "mean": if self.reaps.is_empty() { 0.0 } else { self.reaps.mean() },
-                    "percentile": reap_pct,
-                },
-                "reactor": {
-                    "passes": self.loop_stats.passes,
-                    "io_uring_enter": self.loop_stats.enters,
-                    "waits": self.loop_stats.waits,
-                    "clock_reads": self.clock_reads,
-                },
-                "verify": { "enabled": s.verify, "blocks_checked": self.verified_blocks },
-                "fua_writes": self.fua_json(),
-                "devices": devices,
-                "background_io": self.background_json(),
+            "disk_util": self.disk_util_json(),
+            "cairn": self.cairn_json(),
+        })
+    }
+
+    /// fio's `disk_util`: each device's counts, as fio gives a disk's.
+    fn disk_util_json(&self) -> Vec<Value> {
+        self.devices
+            .iter()
+            .map(|(name, d)| {
+                let (r, w) = (Op::Read.index(), Op::Write.index());
+                json!({
+                    "name": name,
+                    "read_ios": d.ios[r], "write_ios": d.ios[w],
+                    "read_merges": 0, "write_merges": 0,
+                    "read_ticks": d.ticks_ns[r] / 1_000_000,
+                    "write_ticks": d.ticks_ns[w] / 1_000_000,
+                    "in_queue": d.ticks_ns.iter().sum::<u64>() / 1_000_000,
+                    "util": (d.busy_ns as f64 * 100.0 / self.runtime_ns.max(1) as f64).min(100.0),
+                })
+            })
+            .collect()
+    }
+
+    /// What cairn adds under `cairn`: the device and switches, the reactor's counters,
+    /// verification, FUA writes, every device's statistics and the background I/O.
+    fn cairn_json(&self) -> Value {
+        let (clock, reap, stats) = self.mode_names();
+        let mut reap_pct = Map::new();
+        for p in REAP_PERCENTILES {
+            let v = if self.reaps.is_empty() {
+                0
+            } else {
+                self.reaps.value_at_quantile(p / 100.0)
+            };
+            reap_pct.insert(format!("{p:.6}"), json!(v));
+        }
+        let devices: Vec<Value> = (self.devices.iter().enumerate())
+            .map(|(index, (name, d))| self.device_json(index, name, d))
+            .collect();
+        json!({
+            "device": { "name": self.device_name, "description": self.device_desc },
+            "switches": { "clock": clock, "reap": reap, "stats": stats },
+            "failure": self.failure.as_ref().map(|f| f.to_string()),
+            "reaps": {
+                "nonempty": self.reaps.len(),
+                "empty": self.loop_stats.empty_reaps,
+                "mean": if self.reaps.is_empty() { 0.0 } else { self.reaps.mean() },
+                "percentile": reap_pct,
             },
+            "reactor": {
+                "passes": self.loop_stats.passes,
+                "io_uring_enter": self.loop_stats.enters,
+                "waits": self.loop_stats.waits,
+                "clock_reads": self.clock_reads,
+            },
+            "verify": { "enabled": self.spec.verify, "blocks_checked": self.verified_blocks },
+            "fua_writes": self.fua_json(),
+            "devices": devices,
+            "background_io": self.background_json(),
+        })
+    }
+
+    /// Device `index`'s statistics under `cairn.devices`: per op, per queue, and its
+    /// failed members.
+    fn device_json(&self, index: usize, name: &str, d: &DeviceStatsSnapshot) -> Value {
+        let queues: Vec<Value> = self
+            .queues
+            .iter()
+            .enumerate()
+            .filter_map(|(job, q)| {
+                q.get(index)
+                    .map(|(r, w)| json!({ "job": job, "read_ios": r, "write_ios": w }))
+            })
+            .collect();
+        let mut ops = Map::new();
+        for op in Op::ALL {
+            let i = op.index();
+            let h = &d.latency[i];
+            let mut pct = Map::new();
+            if !h.is_empty() {
+                for p in CLAT_PERCENTILES {
+                    pct.insert(format!("{p:.6}"), json!(h.quantile(p / 100.0)));
+                }
+            }
+            ops.insert(
+                op.name().into(),
+                json!({
+                    "ios": d.ios[i], "sectors": d.sectors[i], "ticks_ns": d.ticks_ns[i],
+                    "lat_ns": { "mean": if h.is_empty() { 0.0 } else { h.mean() },
+                                "max": h.max(), "percentile": pct },
+                }),
+            );
+        }
+        json!({
+            "name": name, "stats": if d.enabled { "on" } else { "off" },
+            "errors": d.errors, "in_flight": d.in_flight, "busy_ns": d.busy_ns, "ops": ops,
+            "queues": queues,
+            "failed_members": self.failed.get(index).cloned().unwrap_or_default(),
         })
     }
 

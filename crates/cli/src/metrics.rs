@@ -12,7 +12,8 @@ use prometheus::proto::{
 };
 
 use cairn_core::socket::SocketFile;
-use cairn_core::{Array, WriteBackCache};
+use cairn_core::{Array, Device, WriteBackCache};
+use cairn_nbd::Observer;
 
 use crate::view::{self, all_devices, View, OP_NAMES};
 
@@ -194,8 +195,24 @@ fn gauge(labels: &[(&str, &str)], v: f64) -> Metric {
 
 /// The families of one scrape.
 fn families(view: &View) -> Vec<MetricFamily> {
-    let now = view::now_ns();
     let all = all_devices(&view.roots());
+    let mut out = io_families(&all);
+    out.extend(cache_families(&all));
+    out.extend(array_families(&all));
+    out.extend(thin_families(&view.roots()));
+    out.extend(bitmap_families(&view.roots()));
+    out.extend(throttle_families(&view.roots()));
+    if let Some(o) = view.observer() {
+        out.extend(nbd_families(view, o));
+    }
+    out.retain(|f| !f.get_metric().is_empty());
+    out
+}
+
+/// Every device's requests, bytes, errors and latencies per operation, in flight, busy
+/// time and size.
+fn io_families(all: &[(usize, Arc<dyn Device>)]) -> Vec<MetricFamily> {
+    let now = view::now_ns();
     let mut requests = family(
         "cairn_device_requests_total",
         "Requests completed without error, per device and operation.",
@@ -231,6 +248,60 @@ fn families(view: &View) -> Vec<MetricFamily> {
         "Size of the device.",
         MetricType::GAUGE,
     );
+    let bounds_ns: Vec<u64> = BUCKETS_S.iter().map(|s| (s * 1e9) as u64).collect();
+    for (_, d) in all {
+        let name = d.name();
+        let s = view::device_stats(name, now);
+        for (i, op) in OP_NAMES.iter().enumerate() {
+            let l = [("device", name), ("op", op)];
+            requests.mut_metric().push(counter(&l, s.ios[i] as f64));
+            bytes
+                .mut_metric()
+                .push(counter(&l, (s.sectors[i] * 512) as f64));
+            latency
+                .mut_metric()
+                .push(histogram(&l, &s.latency[i], s.ticks_ns[i], &bounds_ns));
+        }
+        let l = [("device", name)];
+        errors.mut_metric().push(counter(&l, s.errors as f64));
+        in_flight.mut_metric().push(gauge(&l, s.in_flight as f64));
+        busy.mut_metric().push(counter(&l, s.busy_ns as f64 / 1e9));
+        size.mut_metric()
+            .push(gauge(&l, d.geometry().size_bytes as f64));
+    }
+    vec![requests, bytes, errors, latency, in_flight, busy, size]
+}
+
+/// One latency histogram: `h`'s counts under each of [`BUCKETS_S`] (`bounds_ns`), and
+/// the sum of the latencies, `ticks_ns`.
+fn histogram(
+    labels: &[(&str, &str)],
+    h: &cairn_core::stats::LatencyHistogram,
+    ticks_ns: u64,
+    bounds_ns: &[u64],
+) -> Metric {
+    let mut m = Metric::default();
+    m.set_label(labels.iter().map(|(n, v)| label(n, v)).collect());
+    let mut hist = Histogram::default();
+    hist.set_sample_count(h.len());
+    hist.set_sample_sum(ticks_ns as f64 / 1e9);
+    let buckets: Vec<Bucket> = BUCKETS_S
+        .iter()
+        .zip(h.cumulative(bounds_ns))
+        .map(|(&le, n)| {
+            let mut b = Bucket::default();
+            b.set_upper_bound(le);
+            b.set_cumulative_count(n);
+            b
+        })
+        .collect();
+    hist.set_bucket(buckets);
+    m.set_histogram(hist);
+    m
+}
+
+/// Write-back caches: bytes dirty, bytes written back.
+fn cache_families(all: &[(usize, Arc<dyn Device>)]) -> Vec<MetricFamily> {
     let mut dirty = family(
         "cairn_cache_dirty_bytes",
         "Bytes a write-back cache holds that its base does not have yet.",
@@ -241,6 +312,21 @@ fn families(view: &View) -> Vec<MetricFamily> {
         "Bytes a write-back cache wrote to its base.",
         MetricType::COUNTER,
     );
+    for (_, d) in all {
+        let l = [("device", d.name())];
+        if let Some(c) = d.capability::<dyn WriteBackCache>() {
+            let c = c.counters();
+            dirty.mut_metric().push(gauge(&l, c.dirty_bytes as f64));
+            written_back
+                .mut_metric()
+                .push(counter(&l, c.written_bytes as f64));
+        }
+    }
+    vec![dirty, written_back]
+}
+
+/// Mirrors and raid10s: degraded, failed members, a rebuild's progress, read repairs.
+fn array_families(all: &[(usize, Arc<dyn Device>)]) -> Vec<MetricFamily> {
     let mut degraded = family(
         "cairn_array_degraded",
         "1 if a mirror or raid10 runs with a failed or missing member.",
@@ -281,88 +367,36 @@ fn families(view: &View) -> Vec<MetricFamily> {
         "Read repair rewrites that failed (each failed its member).",
         MetricType::COUNTER,
     );
-    let bounds_ns: Vec<u64> = BUCKETS_S.iter().map(|s| (s * 1e9) as u64).collect();
-    for (_, d) in &all {
+    for (_, d) in all {
         let name = d.name();
-        let s = view::device_stats(name, now);
-        for (i, op) in OP_NAMES.iter().enumerate() {
-            let l = [("device", name), ("op", op)];
-            requests.mut_metric().push(counter(&l, s.ios[i] as f64));
-            bytes
-                .mut_metric()
-                .push(counter(&l, (s.sectors[i] * 512) as f64));
-            let h = &s.latency[i];
-            let mut m = Metric::default();
-            m.set_label(l.iter().map(|(n, v)| label(n, v)).collect());
-            let mut hist = Histogram::default();
-            hist.set_sample_count(h.len());
-            hist.set_sample_sum(s.ticks_ns[i] as f64 / 1e9);
-            let buckets: Vec<Bucket> = BUCKETS_S
-                .iter()
-                .zip(h.cumulative(&bounds_ns))
-                .map(|(&le, n)| {
-                    let mut b = Bucket::default();
-                    b.set_upper_bound(le);
-                    b.set_cumulative_count(n);
-                    b
-                })
-                .collect();
-            hist.set_bucket(buckets);
-            m.set_histogram(hist);
-            latency.mut_metric().push(m);
-        }
         let l = [("device", name)];
-        errors.mut_metric().push(counter(&l, s.errors as f64));
-        in_flight.mut_metric().push(gauge(&l, s.in_flight as f64));
-        busy.mut_metric().push(counter(&l, s.busy_ns as f64 / 1e9));
-        size.mut_metric()
-            .push(gauge(&l, d.geometry().size_bytes as f64));
-        if let Some(c) = d.capability::<dyn WriteBackCache>() {
-            let c = c.counters();
-            dirty.mut_metric().push(gauge(&l, c.dirty_bytes as f64));
-            written_back
-                .mut_metric()
-                .push(counter(&l, c.written_bytes as f64));
+        let Some(array) = d.capability::<dyn Array>().filter(|a| a.redundant()) else {
+            continue;
+        };
+        let f = array.failed_members().len();
+        degraded
+            .mut_metric()
+            .push(gauge(&l, if f > 0 { 1.0 } else { 0.0 }));
+        failed.mut_metric().push(gauge(&l, f as f64));
+        let p = array.sync_progress();
+        syncing
+            .mut_metric()
+            .push(gauge(&l, if p.is_some() { 1.0 } else { 0.0 }));
+        if let Some((done, total)) = p {
+            sync_done.mut_metric().push(gauge(&l, done as f64));
+            sync_total.mut_metric().push(gauge(&l, total as f64));
         }
-        let array = d.capability::<dyn Array>();
-        if let Some(array) = array.filter(|a| a.redundant()) {
-            let f = array.failed_members().len();
-            degraded
+        if let Some(r) = cairn_core::stats::registry().repairs(name) {
+            repaired.mut_metric().push(counter(&l, r.repaired as f64));
+            repaired_bytes
                 .mut_metric()
-                .push(gauge(&l, if f > 0 { 1.0 } else { 0.0 }));
-            failed.mut_metric().push(gauge(&l, f as f64));
-            let p = array.sync_progress();
-            syncing
+                .push(counter(&l, r.repaired_bytes as f64));
+            repair_failed
                 .mut_metric()
-                .push(gauge(&l, if p.is_some() { 1.0 } else { 0.0 }));
-            if let Some((done, total)) = p {
-                sync_done.mut_metric().push(gauge(&l, done as f64));
-                sync_total.mut_metric().push(gauge(&l, total as f64));
-            }
-            if let Some(r) = cairn_core::stats::registry().repairs(name) {
-                repaired.mut_metric().push(counter(&l, r.repaired as f64));
-                repaired_bytes
-                    .mut_metric()
-                    .push(counter(&l, r.repaired_bytes as f64));
-                repair_failed
-                    .mut_metric()
-                    .push(counter(&l, r.failed as f64));
-            }
+                .push(counter(&l, r.failed as f64));
         }
     }
-    let thin = thin_families(&view.roots());
-    let bitmaps = bitmap_families(&view.roots());
-    let throttles = throttle_families(&view.roots());
-    let mut out = vec![
-        requests,
-        bytes,
-        errors,
-        latency,
-        in_flight,
-        busy,
-        size,
-        dirty,
-        written_back,
+    vec![
         degraded,
         failed,
         syncing,
@@ -371,64 +405,63 @@ fn families(view: &View) -> Vec<MetricFamily> {
         repaired,
         repaired_bytes,
         repair_failed,
-    ];
-    out.extend(thin);
-    out.extend(bitmaps);
-    out.extend(throttles);
-    if let Some(o) = view.observer() {
-        let conns = o.connections();
-        let mut open = family(
-            "cairn_nbd_connections",
-            "NBD connections open now, per export.",
+    ]
+}
+
+/// The NBD server: connections per export, handshakes, error replies, buffer memory.
+fn nbd_families(view: &View, o: &Observer) -> Vec<MetricFamily> {
+    let mut out = Vec::new();
+    let conns = o.connections();
+    let mut open = family(
+        "cairn_nbd_connections",
+        "NBD connections open now, per export.",
+        MetricType::GAUGE,
+    );
+    for e in view.exports() {
+        let n = conns.iter().filter(|c| c.export == e.name).count();
+        open.mut_metric()
+            .push(gauge(&[("export", &e.name)], n as f64));
+    }
+    let mut accepted = family(
+        "cairn_nbd_connections_accepted_total",
+        "NBD connections that finished the handshake since the start.",
+        MetricType::COUNTER,
+    );
+    accepted
+        .mut_metric()
+        .push(counter(&[], o.accepted() as f64));
+    let mut replies = family(
+        "cairn_nbd_error_replies_total",
+        "NBD replies that carried an error, per errno.",
+        MetricType::COUNTER,
+    );
+    for (errno, n) in o.errors() {
+        replies
+            .mut_metric()
+            .push(counter(&[("errno", errno)], n as f64));
+    }
+    out.extend([open, accepted, replies]);
+    if let Some((used, limit, waits)) = o.memory() {
+        let mut memory = family(
+            "cairn_nbd_buffer_bytes",
+            "Request and reply buffer memory charged to the server's budget now.",
             MetricType::GAUGE,
         );
-        for e in view.exports() {
-            let n = conns.iter().filter(|c| c.export == e.name).count();
-            open.mut_metric()
-                .push(gauge(&[("export", &e.name)], n as f64));
-        }
-        let mut accepted = family(
-            "cairn_nbd_connections_accepted_total",
-            "NBD connections that finished the handshake since the start.",
+        memory.mut_metric().push(gauge(&[], used as f64));
+        let mut budget = family(
+            "cairn_nbd_buffer_budget_bytes",
+            "The server's budget for request and reply buffers (--memory-budget).",
+            MetricType::GAUGE,
+        );
+        budget.mut_metric().push(gauge(&[], limit as f64));
+        let mut waited = family(
+            "cairn_nbd_buffer_waits_total",
+            "Times a connection waited for buffer memory (backpressure).",
             MetricType::COUNTER,
         );
-        accepted
-            .mut_metric()
-            .push(counter(&[], o.accepted() as f64));
-        let mut replies = family(
-            "cairn_nbd_error_replies_total",
-            "NBD replies that carried an error, per errno.",
-            MetricType::COUNTER,
-        );
-        for (errno, n) in o.errors() {
-            replies
-                .mut_metric()
-                .push(counter(&[("errno", errno)], n as f64));
-        }
-        out.extend([open, accepted, replies]);
-        if let Some((used, limit, waits)) = o.memory() {
-            let mut memory = family(
-                "cairn_nbd_buffer_bytes",
-                "Request and reply buffer memory charged to the server's budget now.",
-                MetricType::GAUGE,
-            );
-            memory.mut_metric().push(gauge(&[], used as f64));
-            let mut budget = family(
-                "cairn_nbd_buffer_budget_bytes",
-                "The server's budget for request and reply buffers (--memory-budget).",
-                MetricType::GAUGE,
-            );
-            budget.mut_metric().push(gauge(&[], limit as f64));
-            let mut waited = family(
-                "cairn_nbd_buffer_waits_total",
-                "Times a connection waited for buffer memory (backpressure).",
-                MetricType::COUNTER,
-            );
-            waited.mut_metric().push(counter(&[], waits as f64));
-            out.extend([memory, budget, waited]);
-        }
+        waited.mut_metric().push(counter(&[], waits as f64));
+        out.extend([memory, budget, waited]);
     }
-    out.retain(|f| !f.get_metric().is_empty());
     out
 }
 

@@ -156,142 +156,180 @@ impl Keeper {
 /// Rewrites `doc` so that each array's `members` and `spares` lists are as `arrays`
 /// says: what was changed, one line each.
 fn update(doc: &mut DocumentMut, arrays: &[Arrays]) -> Vec<String> {
-    let mut changes = Vec::new();
-    for (array, now, spares_now) in arrays {
-        let Some(old) = list_of(doc, array, "members") else {
-            continue;
-        };
-        let old_spares = list_of(doc, array, "spares").unwrap_or_default();
-        let names: Vec<String> = now.iter().map(|(n, _)| n.clone()).collect();
-        let spares: Vec<String> = spares_now.iter().map(|(n, _)| n.clone()).collect();
-        if old == names && old_spares == spares {
-            continue;
-        }
-        let stamp = jiff::Timestamp::now().strftime("%Y-%m-%d %H:%M:%S UTC");
-        set_list(doc, array, "members", &names);
-        set_list(doc, array, "spares", &spares);
-        // Members and spares taken out, and what only they used, go (they would be
-        // top-level devices of their own otherwise); their text stays as comments, with
-        // whatever comments stood before them, where the first of them stood.
-        let mut removed: Vec<(String, Table)> = Vec::new();
-        for gone in old
-            .iter()
-            .chain(&old_spares)
-            .filter(|o| !names.contains(o) && !spares.contains(o))
-        {
-            remove_unused(doc, gone, &mut removed);
-        }
-        let mut note = String::new();
-        for (_, t) in &removed {
-            if let Some(prefix) = t.decor().prefix().and_then(|p| p.as_str()) {
-                note += prefix;
-            }
-        }
-        if !removed.is_empty() {
-            note +=
-                &format!("# Taken out of '{array}' by cairn serve at {stamp}, no longer used:\n");
-            for (name, t) in &removed {
-                let mut body = t.clone();
-                body.decor_mut().clear();
-                note += &format!(
-                    "# [device.{}]\n",
-                    toml_edit::Key::new(name.as_str()).display_repr()
-                );
-                for line in body.to_string().lines() {
-                    note += &format!("#   {line}\n");
-                }
-            }
-        }
-        let first_removed = removed.iter().filter_map(|(_, t)| t.position()).min();
-        let last = doc_tables_max_position(doc);
-        // New members and spares get tables (a device named in the file already keeps
-        // its own): where the first device taken out stood, else at the end.
-        let mut added = Vec::new();
-        let new = now
-            .iter()
-            .map(|n| (n, "member"))
-            .chain(spares_now.iter().map(|n| (n, "spare")));
-        for ((name, spec), role) in new {
-            let Some(spec) = spec else { continue };
-            if device_table(doc, name).is_some() {
-                continue;
-            }
-            let Ok(parsed) = format!("[t]\n{spec}").parse::<DocumentMut>() else {
-                continue;
-            };
-            let Some(Item::Table(mut t)) = parsed.as_table().get("t").cloned() else {
-                continue;
-            };
-            let mut prefix = if added.is_empty() {
-                std::mem::take(&mut note)
-            } else {
-                String::new()
-            };
-            prefix += &format!("\n# Added by cairn serve at {stamp}: a {role} of '{array}'.\n");
-            t.decor_mut().set_prefix(prefix);
-            t.set_implicit(false);
-            let at = match first_removed {
-                Some(p) if added.is_empty() => p,
-                _ => last + 1 + added.len(),
-            };
-            t.set_position(at);
-            if let Some(Item::Table(devices)) = doc.get_mut("device") {
-                devices.insert(name, Item::Table(t));
-                added.push(name.clone());
-            }
-        }
-        if !note.is_empty() {
-            // Nothing was added (a member removed): the note goes before the array.
-            if let Some(t) = doc
-                .get_mut("device")
-                .and_then(Item::as_table_mut)
-                .and_then(|d| d.get_mut(array))
-                .and_then(Item::as_table_mut)
-            {
-                let before = t
-                    .decor()
-                    .prefix()
-                    .and_then(|p| p.as_str())
-                    .unwrap_or_default()
-                    .to_string();
-                t.decor_mut().set_prefix(format!("{note}{before}"));
-            }
-        }
-        let removed: Vec<String> = removed.into_iter().map(|(n, _)| n).collect();
-        let mut lists = Vec::new();
-        if old != names {
-            lists.push(format!(
-                "members = [{}] (was [{}])",
-                quoted_list(&names),
-                quoted_list(&old)
-            ));
-        }
-        if old_spares != spares {
-            lists.push(format!(
-                "spares = [{}] (was [{}])",
-                quoted_list(&spares),
-                quoted_list(&old_spares)
-            ));
-        }
-        // Names as a TOML header writes them: [device."c.img"].
-        let header = |name: &str| format!("[device.{}]", toml_edit::Key::new(name).display_repr());
-        let headers = |names: &[String]| {
-            names
-                .iter()
-                .map(|n| header(n))
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
-        let mut line = format!("{} {}", header(array), lists.join(", "));
-        if !added.is_empty() {
-            line += &format!("; added {}", headers(&added));
-        }
-        if !removed.is_empty() {
-            line += &format!("; removed {}, no longer used", headers(&removed));
-        }
-        changes.push(line);
+    arrays
+        .iter()
+        .filter_map(|(array, now, spares_now)| update_array(doc, array, now, spares_now))
+        .collect()
+}
+
+/// [`update`] for one array: the line saying what changed, or `None` when its lists are
+/// as they were (or the file has no such array).
+fn update_array(
+    doc: &mut DocumentMut,
+    array: &str,
+    now: &[(String, Option<String>)],
+    spares_now: &[(String, Option<String>)],
+) -> Option<String> {
+    let old = list_of(doc, array, "members")?;
+    let old_spares = list_of(doc, array, "spares").unwrap_or_default();
+    let names: Vec<String> = now.iter().map(|(n, _)| n.clone()).collect();
+    let spares: Vec<String> = spares_now.iter().map(|(n, _)| n.clone()).collect();
+    if old == names && old_spares == spares {
+        return None;
     }
-    changes
+    let stamp = jiff::Timestamp::now()
+        .strftime("%Y-%m-%d %H:%M:%S UTC")
+        .to_string();
+    set_list(doc, array, "members", &names);
+    set_list(doc, array, "spares", &spares);
+    // Members and spares taken out, and what only they used, go (they would be
+    // top-level devices of their own otherwise); their text stays as comments, with
+    // whatever comments stood before them, where the first of them stood.
+    let mut removed: Vec<(String, Table)> = Vec::new();
+    for gone in old
+        .iter()
+        .chain(&old_spares)
+        .filter(|o| !names.contains(o) && !spares.contains(o))
+    {
+        remove_unused(doc, gone, &mut removed);
+    }
+    let mut note = removed_note(array, &removed, &stamp);
+    let first_removed = removed.iter().filter_map(|(_, t)| t.position()).min();
+    let new = now
+        .iter()
+        .map(|n| (n, "member"))
+        .chain(spares_now.iter().map(|n| (n, "spare")));
+    let added = add_tables(doc, array, new, (&mut note, first_removed), &stamp);
+    if !note.is_empty() {
+        // Nothing was added (a member removed): the note goes before the array.
+        note_before(doc, array, &note);
+    }
+    let removed: Vec<String> = removed.into_iter().map(|(n, _)| n).collect();
+    let mut lists = Vec::new();
+    if old != names {
+        lists.push(format!(
+            "members = [{}] (was [{}])",
+            quoted_list(&names),
+            quoted_list(&old)
+        ));
+    }
+    if old_spares != spares {
+        lists.push(format!(
+            "spares = [{}] (was [{}])",
+            quoted_list(&spares),
+            quoted_list(&old_spares)
+        ));
+    }
+    let mut line = format!("{} {}", header(array), lists.join(", "));
+    if !added.is_empty() {
+        line += &format!("; added {}", headers(&added));
+    }
+    if !removed.is_empty() {
+        line += &format!("; removed {}, no longer used", headers(&removed));
+    }
+    Some(line)
+}
+
+/// A device's name as a TOML header writes it: `[device."c.img"]`.
+fn header(name: &str) -> String {
+    format!("[device.{}]", toml_edit::Key::new(name).display_repr())
+}
+
+/// Headers of `names`, comma-separated.
+fn headers(names: &[String]) -> String {
+    names
+        .iter()
+        .map(|n| header(n))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The comment that keeps the tables taken out of `array`: the comments that stood
+/// before them, a line saying when, then each table's text commented out.
+fn removed_note(array: &str, removed: &[(String, Table)], stamp: &str) -> String {
+    let mut note = String::new();
+    for (_, t) in removed {
+        if let Some(prefix) = t.decor().prefix().and_then(|p| p.as_str()) {
+            note += prefix;
+        }
+    }
+    if !removed.is_empty() {
+        note += &format!("# Taken out of '{array}' by cairn serve at {stamp}, no longer used:\n");
+        for (name, t) in removed {
+            let mut body = t.clone();
+            body.decor_mut().clear();
+            note += &format!(
+                "# [device.{}]\n",
+                toml_edit::Key::new(name.as_str()).display_repr()
+            );
+            for line in body.to_string().lines() {
+                note += &format!("#   {line}\n");
+            }
+        }
+    }
+    note
+}
+
+/// Tables for new members and spares added while serving (a device named in the file
+/// already keeps its own): where the first device taken out stood (`first_removed`),
+/// with the `note` of what was taken out before the first, else at the end. Their names.
+fn add_tables<'a>(
+    doc: &mut DocumentMut,
+    array: &str,
+    new: impl Iterator<Item = (&'a (String, Option<String>), &'static str)>,
+    (note, first_removed): (&mut String, Option<usize>),
+    stamp: &str,
+) -> Vec<String> {
+    let last = doc_tables_max_position(doc);
+    let mut added = Vec::new();
+    for ((name, spec), role) in new {
+        let Some(spec) = spec else { continue };
+        if device_table(doc, name).is_some() {
+            continue;
+        }
+        let Ok(parsed) = format!("[t]\n{spec}").parse::<DocumentMut>() else {
+            continue;
+        };
+        let Some(Item::Table(mut t)) = parsed.as_table().get("t").cloned() else {
+            continue;
+        };
+        let mut prefix = if added.is_empty() {
+            std::mem::take(note)
+        } else {
+            String::new()
+        };
+        prefix += &format!("\n# Added by cairn serve at {stamp}: a {role} of '{array}'.\n");
+        t.decor_mut().set_prefix(prefix);
+        t.set_implicit(false);
+        let at = match first_removed {
+            Some(p) if added.is_empty() => p,
+            _ => last + 1 + added.len(),
+        };
+        t.set_position(at);
+        if let Some(Item::Table(devices)) = doc.get_mut("device") {
+            devices.insert(name, Item::Table(t));
+            added.push(name.clone());
+        }
+    }
+    added
+}
+
+/// Puts `note` before the table of `array`, above the comments already there.
+fn note_before(doc: &mut DocumentMut, array: &str, note: &str) {
+    if let Some(t) = doc
+        .get_mut("device")
+        .and_then(Item::as_table_mut)
+        .and_then(|d| d.get_mut(array))
+        .and_then(Item::as_table_mut)
+    {
+        let before = t
+            .decor()
+            .prefix()
+            .and_then(|p| p.as_str())
+            .unwrap_or_default()
+            .to_string();
+        t.decor_mut().set_prefix(format!("{note}{before}"));
+    }
 }
 
 /// The list `key` (`members`, `spares`) of `[device.NAME]`, if the file has that table

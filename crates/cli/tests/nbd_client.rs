@@ -435,6 +435,10 @@ enum Misbehave {
     OversizedChunk,
     /// The reply header and half the data, then the connection closes.
     DisconnectMidReply,
+    /// A data chunk whose offset is so large that offset plus length wraps around.
+    DataOffsetWraps,
+    /// A hole chunk whose offset is so large that offset plus length wraps around.
+    HoleOffsetWraps,
 }
 
 /// A minimal NBD server on `sock` (structured replies, no extended headers), answering
@@ -535,6 +539,16 @@ fn fake_server(sock: &std::path::Path, mode: Misbehave) -> std::thread::JoinHand
                                 c.write_all(&read_reply[..read_reply.len() / 2])?;
                                 return Ok(());
                             }
+                            (0, Misbehave::DataOffsetWraps) => {
+                                c.write_all(&chunk(1, 1, cookie, len + 8))?;
+                                c.write_all(&(u64::MAX - 100).to_be_bytes())?;
+                                c.write_all(&data)?;
+                            }
+                            (0, Misbehave::HoleOffsetWraps) => {
+                                c.write_all(&chunk(1, 2, cookie, 12))?;
+                                c.write_all(&(u64::MAX - 100).to_be_bytes())?;
+                                c.write_all(&len.to_be_bytes())?;
+                            }
                             (0, Misbehave::Not) => c.write_all(&read_reply)?,
                             _ => {
                                 // Write, flush: a simple success.
@@ -576,6 +590,8 @@ fn a_misbehaving_server_gives_eio_not_a_panic_or_a_hang() {
         Misbehave::ShortReply,
         Misbehave::OversizedChunk,
         Misbehave::DisconnectMidReply,
+        Misbehave::DataOffsetWraps,
+        Misbehave::HoleOffsetWraps,
     ] {
         let sock = dir.path().join(format!("{mode:?}.sock"));
         let _server = fake_server(&sock, mode);

@@ -845,9 +845,55 @@ pub(super) fn parse_device(
     table: &Table,
     memory_bytes: u64,
 ) -> Result<DeviceSpec, Error> {
-    let kind = match table.get("type") {
-        Some(Value::String(t)) => t.as_str(),
-        Some(_) => return Err(err(format!("device '{name}': key 'type' must be a string"))),
+    let kind = device_type(name, table)?;
+    let keys = Keys {
+        device: name,
+        noun: "device",
+        kind,
+        table,
+        known: known_keys(name, kind)?,
+    };
+    if kind == "crypt" {
+        keys.no_inline_secret()?;
+    }
+    keys.check_unknown()?;
+    Ok(match kind {
+        "null" => keys.null()?,
+        "mem" => keys.mem()?,
+        "file" => keys.file()?,
+        "nbd" => keys.nbd()?,
+        "rbd" => DeviceSpec::Leaf(LeafSpec::Rbd(keys.rbd()?)),
+        "linear" => DeviceSpec::Linear {
+            members: keys.members(1, limits::MEMBERS_MAX)?,
+            metadata: keys.metadata(false)?,
+        },
+        "mirror" => keys.mirror()?,
+        "stripe" => DeviceSpec::Stripe {
+            members: keys.members(1, limits::MEMBERS_MAX)?,
+            chunk: keys.chunk()?,
+            metadata: keys.metadata(false)?,
+        },
+        "fault" => DeviceSpec::Fault {
+            base: keys.base()?,
+            rule: keys.fault_rule()?,
+        },
+        "cache" => keys.cache(memory_bytes)?,
+        "thin-pool" => keys.thin_pool()?,
+        "throttle" => keys.throttle()?,
+        "crypt" => keys.crypt()?,
+        "thin" => keys.thin()?,
+        "delay" => keys.delay()?,
+        // known_keys refused every other type.
+        _ => keys.raid10()?,
+    })
+}
+
+/// The device's `type`, or why it has none (with a hint when the header's name had an
+/// unquoted dot).
+fn device_type<'a>(name: &str, table: &'a Table) -> Result<&'a str, Error> {
+    match table.get("type") {
+        Some(Value::String(t)) => Ok(t.as_str()),
+        Some(_) => Err(err(format!("device '{name}': key 'type' must be a string"))),
         None => {
             // `[device.c.img]` is device `c` holding a table `img`: a name with a dot
             // must be quoted.
@@ -863,10 +909,14 @@ pub(super) fn parse_device(
                     nested[0]
                 )));
             }
-            return Err(err(format!("device '{name}': key 'type' is missing")));
+            Err(err(format!("device '{name}': key 'type' is missing")))
         }
-    };
-    let known: &'static [&'static str] = match kind {
+    }
+}
+
+/// The keys a device of type `kind` may have, or why `kind` is not a type.
+fn known_keys(name: &str, kind: &str) -> Result<&'static [&'static str], Error> {
+    Ok(match kind {
         "null" => &["size", "block"],
         "mem" => &["size", "block", "volatile"],
         "file" => &["path", "size", "engine", "direct", "sparse"],
@@ -928,164 +978,174 @@ pub(super) fn parse_device(
                 shown(kind)
             )))
         }
-    };
-    let keys = Keys {
-        device: name,
-        noun: "device",
-        kind,
-        table,
-        known,
-    };
-    if kind == "crypt" {
-        keys.no_inline_secret()?;
+    })
+}
+
+/// One method per device type whose keys take more than a line to read.
+impl Keys<'_> {
+    fn null(&self) -> Result<DeviceSpec, Error> {
+        let block_bytes = self.block()?;
+        Ok(DeviceSpec::Leaf(LeafSpec::Null {
+            size_bytes: self.leaf_size(block_bytes, limits::SIZE_MAX, "")?,
+            block_bytes,
+        }))
     }
-    keys.check_unknown()?;
-    let latency = |key: &str| {
-        keys.duration_in(key, Duration::ZERO..=limits::LATENCY_MAX, false)
-            .map(Option::unwrap_or_default)
-    };
-    Ok(match kind {
-        "null" => {
-            let block_bytes = keys.block()?;
-            DeviceSpec::Leaf(LeafSpec::Null {
-                size_bytes: keys.leaf_size(block_bytes, limits::SIZE_MAX, "")?,
+
+    fn mem(&self) -> Result<DeviceSpec, Error> {
+        let block_bytes = self.block()?;
+        Ok(DeviceSpec::Leaf(LeafSpec::Mem {
+            size_bytes: self.leaf_size(
                 block_bytes,
-            })
+                cairn_leaves::mem::MEM_SIZE_MAX,
+                "the most a mem device can have",
+            )?,
+            block_bytes,
+            volatile: self.bool("volatile")?.unwrap_or(false),
+        }))
+    }
+
+    fn file(&self) -> Result<DeviceSpec, Error> {
+        let path = self
+            .string("path")?
+            .ok_or_else(|| self.bad("path", "is missing"))?;
+        if path.is_empty() || path.contains('\0') {
+            return Err(self.bad("path", "must be a file's path (not empty, no NUL)"));
         }
-        "mem" => {
-            let block_bytes = keys.block()?;
-            DeviceSpec::Leaf(LeafSpec::Mem {
-                size_bytes: keys.leaf_size(
-                    block_bytes,
-                    cairn_leaves::mem::MEM_SIZE_MAX,
-                    "the most a mem device can have",
-                )?,
-                block_bytes,
-                volatile: keys.bool("volatile")?.unwrap_or(false),
-            })
-        }
-        "file" => {
-            let path = keys
-                .string("path")?
-                .ok_or_else(|| keys.bad("path", "is missing"))?;
-            if path.is_empty() || path.contains('\0') {
-                return Err(keys.bad("path", "must be a file's path (not empty, no NUL)"));
-            }
-            DeviceSpec::Leaf(LeafSpec::File {
-                path: PathBuf::from(path),
-                engine: match keys.string("engine")? {
-                    Some(e) => Engine::parse(e)
-                        .map_err(|e| keys.bad("engine", &format!("is wrong: {}", shown(&e))))?,
-                    None => Engine::default(),
-                },
-                direct: keys.bool("direct")?.unwrap_or(false),
-                size_bytes: keys.size_in("size", limits::FILE_SIZE, "")?,
-                sparse: keys.bool("sparse")?.unwrap_or(false),
-            })
-        }
-        "nbd" => {
-            let uri = keys
-                .string("uri")?
-                .ok_or_else(|| keys.bad("uri", "is missing"))?;
-            cairn_nbd::uri::NbdUri::parse(uri)
-                .map_err(|e| keys.bad("uri", &format!("is wrong: {}", shown(&e))))?;
-            let connections = match keys.integer("connections")? {
-                None => 1,
-                Some(n)
-                    if (1..=u64::from(cairn_nbd::client::remote::CONNECTIONS_MAX)).contains(&n) =>
-                {
-                    n as u32
-                }
-                Some(_) => {
-                    return Err(keys.out_of_range(
-                        "connections",
-                        &format!("from 1 to {}", cairn_nbd::client::remote::CONNECTIONS_MAX),
-                    ))
-                }
-            };
-            DeviceSpec::Leaf(LeafSpec::Nbd {
-                uri: uri.to_string(),
-                connections,
-                timeout: keys
-                    .duration_in(
-                        "timeout",
-                        cairn_leaves::spec::NBD_TIMEOUT_MIN..=cairn_leaves::spec::NBD_TIMEOUT_MAX,
-                        true,
-                    )?
-                    .unwrap_or(cairn_nbd::client::remote::DEFAULT_TIMEOUT),
-            })
-        }
-        "rbd" => DeviceSpec::Leaf(LeafSpec::Rbd(keys.rbd()?)),
-        "linear" => DeviceSpec::Linear {
-            members: keys.members(1, limits::MEMBERS_MAX)?,
-            metadata: keys.metadata(false)?,
-        },
-        "mirror" => {
-            let metadata = keys.metadata(true)?;
-            let members = keys.members(2, cairn_stacks::stack::COPIES_MAX)?;
-            DeviceSpec::Mirror {
-                spares: keys.spares(metadata, &members)?,
-                members,
-                metadata,
-                rebuild: keys.rebuild_rate(metadata)?,
-            }
-        }
-        "stripe" => DeviceSpec::Stripe {
-            members: keys.members(1, limits::MEMBERS_MAX)?,
-            chunk: keys.chunk()?,
-            metadata: keys.metadata(false)?,
-        },
-        "fault" => DeviceSpec::Fault {
-            base: keys.base()?,
-            rule: keys.fault_rule()?,
-        },
-        "cache" => {
-            let most = memory_bytes / 2;
-            let memory = keys.size_in(
-                "memory",
-                limits::CACHE_MIN..=most.max(limits::CACHE_MIN),
-                "half of this machine's memory",
-            )?;
-            DeviceSpec::Cache {
-                base: keys.base()?,
-                memory: keys.required("memory", memory)?,
-            }
-        }
-        "thin-pool" => keys.thin_pool()?,
-        "throttle" => keys.throttle()?,
-        "crypt" => keys.crypt()?,
-        "thin" => DeviceSpec::Thin {
-            pool: keys
-                .string("pool")?
-                .ok_or_else(|| keys.bad("pool", "is missing"))?
-                .to_string(),
-            volume: match keys.string("volume")? {
-                Some(v) => {
-                    cairn_services::thin::pool::check_name(v)
-                        .map_err(|e| keys.bad("volume", &format!("is wrong: {e}")))?;
-                    v.to_string()
-                }
-                None => {
-                    cairn_services::thin::pool::check_name(name).map_err(|e| {
-                        keys.bad(
-                            "volume",
-                            &format!("is missing, and the device's name will not do: {e}"),
-                        )
-                    })?;
-                    name.to_string()
-                }
+        Ok(DeviceSpec::Leaf(LeafSpec::File {
+            path: PathBuf::from(path),
+            engine: match self.string("engine")? {
+                Some(e) => Engine::parse(e)
+                    .map_err(|e| self.bad("engine", &format!("is wrong: {}", shown(&e))))?,
+                None => Engine::default(),
             },
-            size: keys.size("size")?,
-        },
-        "delay" => DeviceSpec::Delay {
-            base: keys.base()?,
+            direct: self.bool("direct")?.unwrap_or(false),
+            size_bytes: self.size_in("size", limits::FILE_SIZE, "")?,
+            sparse: self.bool("sparse")?.unwrap_or(false),
+        }))
+    }
+
+    fn nbd(&self) -> Result<DeviceSpec, Error> {
+        use cairn_nbd::client::{CONNECTIONS_MAX, DEFAULT_TIMEOUT};
+        let uri = self
+            .string("uri")?
+            .ok_or_else(|| self.bad("uri", "is missing"))?;
+        cairn_nbd::uri::NbdUri::parse(uri)
+            .map_err(|e| self.bad("uri", &format!("is wrong: {}", shown(&e))))?;
+        let connections = match self.integer("connections")? {
+            None => 1,
+            Some(n) if (1..=u64::from(CONNECTIONS_MAX)).contains(&n) => n as u32,
+            Some(_) => {
+                return Err(
+                    self.out_of_range("connections", &format!("from 1 to {CONNECTIONS_MAX}"))
+                )
+            }
+        };
+        Ok(DeviceSpec::Leaf(LeafSpec::Nbd {
+            uri: uri.to_string(),
+            connections,
+            timeout: self
+                .duration_in(
+                    "timeout",
+                    cairn_leaves::spec::NBD_TIMEOUT_MIN..=cairn_leaves::spec::NBD_TIMEOUT_MAX,
+                    true,
+                )?
+                .unwrap_or(DEFAULT_TIMEOUT),
+        }))
+    }
+
+    fn mirror(&self) -> Result<DeviceSpec, Error> {
+        let metadata = self.metadata(true)?;
+        let members = self.members(2, cairn_stacks::stack::COPIES_MAX)?;
+        Ok(DeviceSpec::Mirror {
+            spares: self.spares(metadata, &members)?,
+            members,
+            metadata,
+            rebuild: self.rebuild_rate(metadata)?,
+        })
+    }
+
+    fn raid10(&self) -> Result<DeviceSpec, Error> {
+        let metadata = self.metadata(true)?;
+        let members = self.members(2, limits::MEMBERS_MAX)?;
+        let most = members.len().min(cairn_stacks::stack::COPIES_MAX);
+        let copies = match self.integer("copies")? {
+            None => 2,
+            Some(c) if (2..=most as u64).contains(&c) => c as usize,
+            Some(_) => {
+                return Err(self.out_of_range(
+                    "copies",
+                    &format!("from 2 to the number of members, {most}"),
+                ))
+            }
+        };
+        Ok(DeviceSpec::Raid10 {
+            spares: self.spares(metadata, &members)?,
+            members,
+            chunk: self.chunk()?,
+            copies,
+            metadata,
+            rebuild: self.rebuild_rate(metadata)?,
+        })
+    }
+
+    /// A cache may take at most half of this machine's memory (`memory_bytes`).
+    fn cache(&self, memory_bytes: u64) -> Result<DeviceSpec, Error> {
+        let most = memory_bytes / 2;
+        let memory = self.size_in(
+            "memory",
+            limits::CACHE_MIN..=most.max(limits::CACHE_MIN),
+            "half of this machine's memory",
+        )?;
+        Ok(DeviceSpec::Cache {
+            base: self.base()?,
+            memory: self.required("memory", memory)?,
+        })
+    }
+
+    /// A thin volume: `volume` defaults to the device's name when that is a valid one.
+    fn thin(&self) -> Result<DeviceSpec, Error> {
+        use cairn_services::thin::pool::check_name;
+        // The keys are checked in the order the table lists them: pool, volume, size.
+        let pool = self
+            .string("pool")?
+            .ok_or_else(|| self.bad("pool", "is missing"))?
+            .to_string();
+        let volume = match self.string("volume")? {
+            Some(v) => {
+                check_name(v).map_err(|e| self.bad("volume", &format!("is wrong: {e}")))?;
+                v.to_string()
+            }
+            None => {
+                check_name(self.device).map_err(|e| {
+                    self.bad(
+                        "volume",
+                        &format!("is missing, and the device's name will not do: {e}"),
+                    )
+                })?;
+                self.device.to_string()
+            }
+        };
+        Ok(DeviceSpec::Thin {
+            pool,
+            volume,
+            size: self.size("size")?,
+        })
+    }
+
+    fn delay(&self) -> Result<DeviceSpec, Error> {
+        let latency = |key: &str| {
+            self.duration_in(key, Duration::ZERO..=limits::LATENCY_MAX, false)
+                .map(Option::unwrap_or_default)
+        };
+        Ok(DeviceSpec::Delay {
+            base: self.base()?,
             delays: Delays {
                 read: latency("read")?,
                 write: latency("write")?,
                 flush: latency("flush")?,
-                bandwidth: match keys.size("bandwidth")? {
+                bandwidth: match self.size("bandwidth")? {
                     Some(b) if b < limits::BANDWIDTH_MIN => {
-                        return Err(keys.out_of_range(
+                        return Err(self.out_of_range(
                             "bandwidth",
                             &format!("at least {} a second", format_bytes(limits::BANDWIDTH_MIN)),
                         ))
@@ -1094,38 +1154,8 @@ pub(super) fn parse_device(
                 },
                 seek: latency("seek")?,
             },
-        },
-        _ => {
-            let metadata = keys.metadata(true)?;
-            let members = keys.members(2, limits::MEMBERS_MAX)?;
-            let copies = match keys.integer("copies")? {
-                None => 2,
-                Some(c)
-                    if (2..=members.len().min(cairn_stacks::stack::COPIES_MAX) as u64)
-                        .contains(&c) =>
-                {
-                    c as usize
-                }
-                Some(_) => {
-                    return Err(keys.out_of_range(
-                        "copies",
-                        &format!(
-                            "from 2 to the number of members, {}",
-                            members.len().min(cairn_stacks::stack::COPIES_MAX)
-                        ),
-                    ))
-                }
-            };
-            DeviceSpec::Raid10 {
-                spares: keys.spares(metadata, &members)?,
-                members,
-                chunk: keys.chunk()?,
-                copies,
-                metadata,
-                rebuild: keys.rebuild_rate(metadata)?,
-            }
-        }
-    })
+        })
+    }
 }
 
 /// `from 64KiB to 12GiB`, or `at least 1MiB` when the range is open above.

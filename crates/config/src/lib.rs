@@ -1018,7 +1018,7 @@ impl StackFile {
         &self,
         name: &str,
         opened: &mut HashMap<String, Arc<dyn Device>>,
-        shared @ (budget, groups): Shared<'_>,
+        shared: Shared<'_>,
         (switches, how): (Switches, Start),
         depth: usize,
     ) -> Result<Arc<dyn Device>, Error> {
@@ -1044,15 +1044,7 @@ impl StackFile {
                 Some(self.open_rec(m, opened, shared, (switches, how), depth + 1)?)
             });
         }
-        let named = |e: Error| match e {
-            Error::Invalid(m) if m.starts_with("device '") => Error::Invalid(m),
-            Error::Invalid(m) => err(format!("device '{name}': {m}")),
-            Error::Os { context, source } => Error::Os {
-                context: format!("device '{name}': {context}"),
-                source,
-            },
-            other => other,
-        };
+        let named = in_device(name);
         if let Some(expect) = array_expect(name, spec) {
             let mut spares = Vec::with_capacity(spec.spares().len());
             for s in spec.spares() {
@@ -1065,125 +1057,153 @@ impl StackFile {
         }
         // Only arrays with metadata have missing members (parse makes sure).
         let members: Vec<Arc<dyn Device>> = present.into_iter().flatten().collect();
-        let sizes: Vec<u64> = members.iter().map(|m| m.geometry().size_bytes).collect();
-        let smallest = sizes.iter().copied().min().unwrap_or(0);
-        let block = members
-            .iter()
-            .map(|m| u64::from(m.geometry().block_bytes))
-            .max()
-            .unwrap_or(512);
-        let device: Arc<dyn Device> = match spec {
-            DeviceSpec::Leaf(leaf) if how != Start::Write => open_dry(leaf, name).map_err(named)?,
-            DeviceSpec::Leaf(leaf) => cairn_leaves::open(leaf, name).map_err(named)?,
-            DeviceSpec::Linear { .. } => stacked(
-                name,
-                Arc::new(AnyLayout::Linear(Linear::new(&sizes, block))),
-                members,
-            )
-            .map_err(named)?,
-            DeviceSpec::Stripe { chunk, .. } => {
-                let layout = Stripe::new(members.len(), *chunk, smallest, block).map_err(named)?;
-                stacked(name, Arc::new(layout.into()), members).map_err(named)?
-            }
-            DeviceSpec::Mirror { .. } => {
-                let layout = Mirror::new(members.len(), smallest).map_err(named)?;
-                stacked(name, Arc::new(layout.into()), members).map_err(named)?
-            }
-            DeviceSpec::Fault { rule, .. } => Arc::new(WrapDevice::new(
-                name,
-                members[0].clone(),
-                Arc::new(Faults::new(rule.clone())),
-            )),
-            DeviceSpec::Cache { memory, .. } => {
-                let budget = budget
-                    .clone()
-                    .ok_or_else(|| err(format!("device '{name}': the caches have no memory")))?;
-                Arc::new(
-                    cairn_stacks::cache::CacheDevice::new(
-                        name,
-                        members[0].clone(),
-                        *memory,
-                        budget,
-                        switches,
-                    )
-                    .map_err(named)?,
-                )
-            }
-            DeviceSpec::Throttle { group, limits, .. } => {
-                let throttle = match (group, limits) {
-                    (Some(g), _) => groups[g].clone(),
-                    (None, Some(l)) => Arc::new(cairn_services::throttle::Throttle::new(*l)),
-                    (None, None) => return Err(err(format!("device '{name}': no limits"))),
-                };
-                Arc::new(WrapDevice::new(
-                    name,
-                    members[0].clone(),
-                    Arc::new(cairn_services::throttle::ThrottlePolicy::new(
-                        throttle,
-                        group.clone(),
-                    )),
-                ))
-            }
-            DeviceSpec::Crypt { options, .. } => Arc::new(
-                cairn_services::crypt::device::CryptDevice::open(
-                    name,
-                    members[0].clone(),
-                    options,
-                    how == Start::Write,
-                )
-                .map_err(named)?,
-            ),
-            DeviceSpec::Delay { delays, .. } => Arc::new(WrapDevice::new(
-                name,
-                members[0].clone(),
-                Arc::new(cairn_stacks::wrap::Delay::new(*delays)),
-            )),
-            DeviceSpec::Raid10 { chunk, copies, .. } => {
-                let layout =
-                    Raid10::new(members.len(), *copies, *chunk, smallest, block).map_err(named)?;
-                stacked(name, Arc::new(layout.into()), members).map_err(named)?
-            }
-            DeviceSpec::ThinPool { options, .. } => Arc::new(
-                cairn_services::thin::pool::ThinPool::open(
-                    name,
-                    members[0].clone(),
-                    members.get(1).cloned(),
-                    *options,
-                    switches,
-                    how != Start::Write,
-                )
-                .map_err(named)?,
-            ),
-            DeviceSpec::Thin { volume, size, .. } => Arc::new(
-                cairn_services::thin::queue::ThinDevice::open(
-                    name,
-                    members[0].clone(),
-                    volume,
-                    *size,
-                    how == Start::Write,
-                )
-                .map_err(named)?,
-            ),
-        };
+        let device = open_device(name, spec, members, shared, (switches, how)).map_err(&named)?;
         let device = match self.bitmaps.get(name) {
-            Some(path) => {
-                let store = cairn_services::dirty::store::Store::open(
-                    path,
-                    name,
-                    device.geometry().size_bytes,
-                    how != Start::Write,
-                )
-                .map_err(named)?;
-                Arc::new(
-                    cairn_services::dirty::device::TrackedDevice::new(device, store)
-                        .map_err(named)?,
-                )
-            }
+            Some(path) => track(name, device, path, how).map_err(named)?,
             None => device,
         };
         opened.insert(name.to_string(), device.clone());
         Ok(device)
     }
+}
+
+/// An error of opening device `name`, named after it (unless it already names a device).
+fn in_device(name: &str) -> impl Fn(Error) -> Error + '_ {
+    move |e: Error| match e {
+        Error::Invalid(m) if m.starts_with("device '") => Error::Invalid(m),
+        Error::Invalid(m) => err(format!("device '{name}': {m}")),
+        Error::Os { context, source } => Error::Os {
+            context: format!("device '{name}': {context}"),
+            source,
+        },
+        other => other,
+    }
+}
+
+/// A linear, stripe, mirror or raid10 device without metadata over `members`.
+fn open_layout(
+    name: &str,
+    spec: &DeviceSpec,
+    members: &[Arc<dyn Device>],
+) -> Result<Arc<dyn Device>, Error> {
+    let sizes: Vec<u64> = members.iter().map(|m| m.geometry().size_bytes).collect();
+    let smallest = sizes.iter().copied().min().unwrap_or(0);
+    let block = members
+        .iter()
+        .map(|m| u64::from(m.geometry().block_bytes))
+        .max()
+        .unwrap_or(512);
+    let layout: AnyLayout = match spec {
+        DeviceSpec::Linear { .. } => AnyLayout::Linear(Linear::new(&sizes, block)),
+        DeviceSpec::Stripe { chunk, .. } => {
+            Stripe::new(members.len(), *chunk, smallest, block)?.into()
+        }
+        DeviceSpec::Mirror { .. } => Mirror::new(members.len(), smallest)?.into(),
+        DeviceSpec::Raid10 { chunk, copies, .. } => {
+            Raid10::new(members.len(), *copies, *chunk, smallest, block)?.into()
+        }
+        _ => {
+            return Err(err(format!(
+                "device '{name}' is not a linear, stripe, mirror or raid10"
+            )))
+        }
+    };
+    stacked(name, Arc::new(layout), members.to_vec())
+}
+
+/// Device `name` (not an array with metadata) over its members, opened.
+fn open_device(
+    name: &str,
+    spec: &DeviceSpec,
+    members: Vec<Arc<dyn Device>>,
+    (budget, groups): Shared<'_>,
+    (switches, how): (Switches, Start),
+) -> Result<Arc<dyn Device>, Error> {
+    let base = || members[0].clone();
+    Ok(match spec {
+        DeviceSpec::Leaf(leaf) if how != Start::Write => open_dry(leaf, name)?,
+        DeviceSpec::Leaf(leaf) => cairn_leaves::open(leaf, name)?,
+        DeviceSpec::Fault { rule, .. } => Arc::new(WrapDevice::new(
+            name,
+            base(),
+            Arc::new(Faults::new(rule.clone())),
+        )),
+        DeviceSpec::Delay { delays, .. } => Arc::new(WrapDevice::new(
+            name,
+            base(),
+            Arc::new(cairn_stacks::wrap::Delay::new(*delays)),
+        )),
+        DeviceSpec::Cache { memory, .. } => {
+            let budget = budget
+                .clone()
+                .ok_or_else(|| err(format!("device '{name}': the caches have no memory")))?;
+            Arc::new(cairn_stacks::cache::CacheDevice::new(
+                name,
+                base(),
+                *memory,
+                budget,
+                switches,
+            )?)
+        }
+        DeviceSpec::Throttle { group, limits, .. } => {
+            let throttle = match (group, limits) {
+                (Some(g), _) => groups[g].clone(),
+                (None, Some(l)) => Arc::new(cairn_services::throttle::Throttle::new(*l)),
+                (None, None) => return Err(err(format!("device '{name}': no limits"))),
+            };
+            let policy = cairn_services::throttle::ThrottlePolicy::new(throttle, group.clone());
+            Arc::new(WrapDevice::new(name, base(), Arc::new(policy)))
+        }
+        DeviceSpec::Crypt { options, .. } => {
+            Arc::new(cairn_services::crypt::device::CryptDevice::open(
+                name,
+                base(),
+                options,
+                how == Start::Write,
+            )?)
+        }
+        DeviceSpec::ThinPool { options, .. } => {
+            Arc::new(cairn_services::thin::pool::ThinPool::open(
+                name,
+                base(),
+                members.get(1).cloned(),
+                *options,
+                switches,
+                how != Start::Write,
+            )?)
+        }
+        DeviceSpec::Thin { volume, size, .. } => {
+            Arc::new(cairn_services::thin::queue::ThinDevice::open(
+                name,
+                base(),
+                volume,
+                *size,
+                how == Start::Write,
+            )?)
+        }
+        DeviceSpec::Linear { .. }
+        | DeviceSpec::Stripe { .. }
+        | DeviceSpec::Mirror { .. }
+        | DeviceSpec::Raid10 { .. } => open_layout(name, spec, &members)?,
+    })
+}
+
+/// `device` with its dirty bitmaps, kept in the store at `path`.
+fn track(
+    name: &str,
+    device: Arc<dyn Device>,
+    path: &std::path::Path,
+    how: Start,
+) -> Result<Arc<dyn Device>, Error> {
+    let store = cairn_services::dirty::store::Store::open(
+        path,
+        name,
+        device.geometry().size_bytes,
+        how != Start::Write,
+    )?;
+    Ok(Arc::new(cairn_services::dirty::device::TrackedDevice::new(
+        device, store,
+    )?))
 }
 
 /// [`StackFile::preflight`] for one device given on the command line (`--device

@@ -11,7 +11,8 @@
 //! - [`stats`]: per-queue statistics in the shape of `/proc/diskstats`, plus latency
 //!   histograms.
 //! - [`ondisk`]: what cairn's own on-disk formats share: little-endian fields, UUIDs,
-//!   the exclusive lock on a file.
+//!   the exclusive lock on a file, and the framing of a record kept in two checksummed
+//!   slots.
 //! - [`size`]: parsing and printing of sizes such as `4k` and `1GiB`.
 //! - [`socket`]: binding listeners at Unix socket paths by one rule: a stale socket is
 //!   replaced, a live one or anything else is refused and left as it is.

@@ -942,18 +942,7 @@ impl Part {
     fn send(&self, s: u32, error: i32, small: Option<&[u8]>, data: usize) {
         let mut slots = self.slots.borrow_mut();
         let slot = &mut slots[s as usize];
-        let c = self.counts();
-        bump(&c.requests, 1);
-        if error != 0 {
-            bump(&c.errors, 1);
-        } else if slot.opcode == fo::FUSE_READ as u32 {
-            bump(&c.reads, 1);
-            bump(&c.read_bytes, data as u64);
-        } else if slot.opcode == fo::FUSE_WRITE as u32 {
-            bump(&c.writes, 1);
-        } else if slot.opcode == fo::FUSE_FSYNC as u32 {
-            bump(&c.flushes, 1);
-        }
+        self.count_answer(slot.opcode, error, data);
         let body = if error != 0 {
             0
         } else {
@@ -966,48 +955,13 @@ impl Part {
         };
         match slot.via {
             Via::Dev => {
-                // The header goes right before the body, so that one write sends both.
-                let start = match small {
-                    Some(b) if error == 0 => {
-                        slot.buf.as_mut_slice()[OUT_HEADER..OUT_HEADER + b.len()]
-                            .copy_from_slice(b);
-                        0
-                    }
-                    _ if error == 0 => slot.data + slot.at - OUT_HEADER,
-                    _ => 0,
-                };
-                slot.buf.as_mut_slice()[start..start + OUT_HEADER].copy_from_slice(head.as_bytes());
-                let answer = &slot.buf.as_slice()[start..start + OUT_HEADER + body];
-                match rustix::io::write(&self.dev, answer) {
-                    // ENOENT: the request was interrupted or aborted; ENODEV: unmounted.
-                    Ok(_) | Err(Errno::NOENT) | Err(Errno::NODEV) => {}
-                    Err(e) => log::warn!(
-                        "cairn: fuse {}: answer a request: {}",
-                        self.shared.path.display(),
-                        std::io::Error::from(e)
-                    ),
-                }
+                self.write_answer(slot, &head, small, body);
                 drop(slots);
                 self.release(s);
             }
             Via::Ring(i) => {
-                if error == 0 {
-                    match small {
-                        Some(b) => slot.buf.as_mut_slice()[..b.len()].copy_from_slice(b),
-                        None if slot.at != 0 => {
-                            let at = slot.at;
-                            slot.buf.as_mut_slice().copy_within(at..at + data, 0);
-                        }
-                        None => {}
-                    }
-                }
                 let ring = self.ring.as_ref().expect("ring slots only with a ring");
-                // SAFETY: the kernel does not touch the header until the commit below.
-                let hdr = unsafe { &mut *ring.entries[i].header.get() };
-                hdr.in_out[..OUT_HEADER].copy_from_slice(head.as_bytes());
-                hdr.ent.payload_sz = body as u32;
-                let commit = hdr.ent.commit_id;
-                slot.stage = Stage::Free;
+                let commit = stage_ring_answer(ring, slot, i, &head, small, data, body);
                 drop(slots);
                 self.busy.set(self.busy.get() - 1);
                 if self.gone.get() {
@@ -1018,6 +972,55 @@ impl Part {
                 ring.commit(self.fd(), i, commit);
                 self.maybe_end();
             }
+        }
+    }
+
+    /// Counts an answer in this reactor's counters: an error, or the request it ends.
+    #[inline]
+    fn count_answer(&self, opcode: u32, error: i32, data: usize) {
+        let c = self.counts();
+        bump(&c.requests, 1);
+        if error != 0 {
+            bump(&c.errors, 1);
+        } else if opcode == fo::FUSE_READ as u32 {
+            bump(&c.reads, 1);
+            bump(&c.read_bytes, data as u64);
+        } else if opcode == fo::FUSE_WRITE as u32 {
+            bump(&c.writes, 1);
+        } else if opcode == fo::FUSE_FSYNC as u32 {
+            bump(&c.flushes, 1);
+        }
+    }
+
+    /// Writes the answer `head` and its `body` bytes (`small`, else the slot's data from
+    /// `slot.at`) to `/dev/fuse`.
+    #[inline]
+    fn write_answer(
+        &self,
+        slot: &mut Slot,
+        head: &abi::fuse_out_header,
+        small: Option<&[u8]>,
+        body: usize,
+    ) {
+        // The header goes right before the body, so that one write sends both.
+        let start = match small {
+            Some(b) if head.error == 0 => {
+                slot.buf.as_mut_slice()[OUT_HEADER..OUT_HEADER + b.len()].copy_from_slice(b);
+                0
+            }
+            _ if head.error == 0 => slot.data + slot.at - OUT_HEADER,
+            _ => 0,
+        };
+        slot.buf.as_mut_slice()[start..start + OUT_HEADER].copy_from_slice(head.as_bytes());
+        let answer = &slot.buf.as_slice()[start..start + OUT_HEADER + body];
+        match rustix::io::write(&self.dev, answer) {
+            // ENOENT: the request was interrupted or aborted; ENODEV: unmounted.
+            Ok(_) | Err(Errno::NOENT) | Err(Errno::NODEV) => {}
+            Err(e) => log::warn!(
+                "cairn: fuse {}: answer a request: {}",
+                self.shared.path.display(),
+                std::io::Error::from(e)
+            ),
         }
     }
 
@@ -1184,6 +1187,38 @@ impl Part {
 
 fn token(s: u32, what: u64) -> u64 {
     (u64::from(s) << 4) | what
+}
+
+/// Puts the answer `head` and its `body` bytes (`small`, else `data` bytes of the slot's
+/// data area from `slot.at`, moved to its start) in ring entry `i`, and frees the slot.
+/// Returns the commit id to send it with.
+#[inline]
+fn stage_ring_answer(
+    ring: &Ring,
+    slot: &mut Slot,
+    i: usize,
+    head: &abi::fuse_out_header,
+    small: Option<&[u8]>,
+    data: usize,
+    body: usize,
+) -> u64 {
+    if head.error == 0 {
+        match small {
+            Some(b) => slot.buf.as_mut_slice()[..b.len()].copy_from_slice(b),
+            None if slot.at != 0 => {
+                let at = slot.at;
+                slot.buf.as_mut_slice().copy_within(at..at + data, 0);
+            }
+            None => {}
+        }
+    }
+    // SAFETY: the kernel does not touch the header until the commit, which the caller
+    // sends after this returns.
+    let hdr = unsafe { &mut *ring.entries[i].header.get() };
+    hdr.in_out[..OUT_HEADER].copy_from_slice(head.as_bytes());
+    hdr.ent.payload_sz = body as u32;
+    slot.stage = Stage::Free;
+    hdr.ent.commit_id
 }
 
 impl Sink for Part {

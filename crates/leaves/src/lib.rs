@@ -4,7 +4,7 @@
 //! - [`mem`]: a sparse RAM disk; memory grows with the data written.
 //! - [`file`]: a regular file or block device through io_uring, linux-aio or plain
 //!   syscalls.
-//! - `nbd` ([`cairn_nbd::client::remote`]): an export of an NBD server.
+//! - `nbd` ([`cairn_nbd::client`]): an export of an NBD server.
 //! - [`rbd`]: a Ceph RBD image through librbd (loaded when the first one opens).
 //!
 //! [`spec`] turns the command-line form (`file:/dev/shm/a,engine=aio,size=1G`) into a
@@ -61,10 +61,10 @@ pub fn open(spec: &LeafSpec, name: &str) -> Result<Arc<dyn Device>, Error> {
             uri,
             connections,
             timeout,
-        } => Arc::new(cairn_nbd::client::remote::NbdDevice::open(
+        } => Arc::new(cairn_nbd::client::NbdDevice::open(
             name,
             uri,
-            cairn_nbd::client::remote::Options {
+            cairn_nbd::client::Options {
                 connections: *connections,
                 timeout: *timeout,
             },

@@ -240,140 +240,10 @@ impl LeafSpec {
             }
             options.push((k, v));
         }
-        let size = |v: &str| parse_size(v).map_err(|e| format!("invalid device '{text}': {e}"));
         match kind {
-            "null" | "mem" => {
-                let size_bytes = size(first)?;
-                let mut block_bytes = DEFAULT_BLOCK_BYTES;
-                let mut volatile = false;
-                for (k, v) in options {
-                    match k {
-                        "block" => {
-                            block_bytes = u32::try_from(size(v)?).map_err(|_| {
-                                format!("invalid device '{text}': block size too large")
-                            })?
-                        }
-                        "volatile" if kind == "mem" => {
-                            volatile = match v {
-                                "1" | "true" => true,
-                                "0" | "false" => false,
-                                _ => {
-                                    return Err(format!(
-                                        "invalid device '{text}': volatile must be 0 or 1"
-                                    ))
-                                }
-                            }
-                        }
-                        _ => {
-                            let known = if kind == "mem" {
-                                "block, volatile"
-                            } else {
-                                "block"
-                            };
-                            return Err(format!(
-                                "invalid device '{text}': unknown option '{k}' for {kind} (known: {known})"
-                            ));
-                        }
-                    }
-                }
-                Ok(if kind == "null" {
-                    LeafSpec::Null {
-                        size_bytes,
-                        block_bytes,
-                    }
-                } else {
-                    LeafSpec::Mem {
-                        size_bytes,
-                        block_bytes,
-                        volatile,
-                    }
-                })
-            }
-            "file" => {
-                if first.is_empty() {
-                    return Err(format!("invalid device '{text}': file needs a path"));
-                }
-                let mut engine = Engine::default();
-                let mut direct = false;
-                let mut size_bytes = None;
-                let mut sparse = false;
-                for (k, v) in options {
-                    match k {
-                        "engine" => {
-                            engine = Engine::parse(v)
-                                .map_err(|e| format!("invalid device '{text}': {e}"))?
-                        }
-                        "direct" => direct = switch(text, k, v)?,
-                        "size" => size_bytes = Some(size(v)?),
-                        "sparse" => sparse = switch(text, k, v)?,
-                        _ => {
-                            return Err(format!(
-                            "invalid device '{text}': unknown option '{k}' for file (known: engine, direct, size, sparse)"
-                        ))
-                        }
-                    }
-                }
-                Ok(LeafSpec::File {
-                    path: PathBuf::from(first),
-                    engine,
-                    direct,
-                    size_bytes,
-                    sparse,
-                })
-            }
-            "nbd" => {
-                if first.is_empty() {
-                    return Err(format!(
-                        "invalid device '{text}': nbd needs a URI, such as nbd://HOST/EXPORT or nbd+unix:///?socket=PATH"
-                    ));
-                }
-                if first.starts_with("//") {
-                    // `nbd://HOST/...` given without the type: `nbd:` was taken as it.
-                    return Err(format!(
-                        "invalid device '{text}': an NBD URI is given after the type: nbd:{text}"
-                    ));
-                }
-                cairn_nbd::uri::NbdUri::parse(first)
-                    .map_err(|e| format!("invalid device '{text}': {e}"))?;
-                let mut connections = 1;
-                let mut timeout = cairn_nbd::client::remote::DEFAULT_TIMEOUT;
-                for (k, v) in options {
-                    match k {
-                        "connections" => {
-                            connections = v
-                                .parse::<u32>()
-                                .ok()
-                                .filter(|n| (1..=cairn_nbd::client::remote::CONNECTIONS_MAX).contains(n))
-                                .ok_or_else(|| {
-                                    format!(
-                                        "invalid device '{text}': connections must be from 1 to {}",
-                                        cairn_nbd::client::remote::CONNECTIONS_MAX
-                                    )
-                                })?
-                        }
-                        "timeout" => {
-                            timeout = parse_duration(v)
-                                .ok()
-                                .filter(|d| (NBD_TIMEOUT_MIN..=NBD_TIMEOUT_MAX).contains(d))
-                                .ok_or_else(|| {
-                                    format!(
-                                        "invalid device '{text}': timeout must be a duration from 100ms to 24h, such as 30s"
-                                    )
-                                })?
-                        }
-                        _ => {
-                            return Err(format!(
-                                "invalid device '{text}': unknown option '{k}' for nbd (known: connections, timeout)"
-                            ))
-                        }
-                    }
-                }
-                Ok(LeafSpec::Nbd {
-                    uri: first.to_string(),
-                    connections,
-                    timeout,
-                })
-            }
+            "null" | "mem" => parse_memory(text, kind, first, &options),
+            "file" => parse_file(text, first, &options),
+            "nbd" => parse_nbd(text, first, &options),
             "rbd" => parse_rbd(text, first, &options).map(LeafSpec::Rbd),
             "nbds" | "nbd+unix" | "nbds+unix" | "nbd+vsock" | "nbds+vsock" => Err(format!(
                 "invalid device '{text}': an NBD URI is given after the type: nbd:{text}"
@@ -418,6 +288,141 @@ impl LeafSpec {
             },
         }
     }
+}
+
+/// A size in device `text`, in its error.
+fn size_in(text: &str, v: &str) -> Result<u64, String> {
+    parse_size(v).map_err(|e| format!("invalid device '{text}': {e}"))
+}
+
+/// `null:SIZE` or `mem:SIZE` (`kind`), with their options.
+fn parse_memory(
+    text: &str,
+    kind: &str,
+    first: &str,
+    options: &[(&str, &str)],
+) -> Result<LeafSpec, String> {
+    let size_bytes = size_in(text, first)?;
+    let mut block_bytes = DEFAULT_BLOCK_BYTES;
+    let mut volatile = false;
+    for &(k, v) in options {
+        match k {
+            "block" => {
+                block_bytes = u32::try_from(size_in(text, v)?)
+                    .map_err(|_| format!("invalid device '{text}': block size too large"))?
+            }
+            "volatile" if kind == "mem" => volatile = switch(text, k, v)?,
+            _ => {
+                let known = if kind == "mem" {
+                    "block, volatile"
+                } else {
+                    "block"
+                };
+                return Err(format!(
+                    "invalid device '{text}': unknown option '{k}' for {kind} (known: {known})"
+                ));
+            }
+        }
+    }
+    Ok(if kind == "null" {
+        LeafSpec::Null {
+            size_bytes,
+            block_bytes,
+        }
+    } else {
+        LeafSpec::Mem {
+            size_bytes,
+            block_bytes,
+            volatile,
+        }
+    })
+}
+
+/// `file:PATH`, with its options.
+fn parse_file(text: &str, first: &str, options: &[(&str, &str)]) -> Result<LeafSpec, String> {
+    if first.is_empty() {
+        return Err(format!("invalid device '{text}': file needs a path"));
+    }
+    let mut engine = Engine::default();
+    let mut direct = false;
+    let mut size_bytes = None;
+    let mut sparse = false;
+    for &(k, v) in options {
+        match k {
+            "engine" => {
+                engine = Engine::parse(v).map_err(|e| format!("invalid device '{text}': {e}"))?
+            }
+            "direct" => direct = switch(text, k, v)?,
+            "size" => size_bytes = Some(size_in(text, v)?),
+            "sparse" => sparse = switch(text, k, v)?,
+            _ => {
+                return Err(format!(
+                    "invalid device '{text}': unknown option '{k}' for file (known: engine, direct, size, sparse)"
+                ))
+            }
+        }
+    }
+    Ok(LeafSpec::File {
+        path: PathBuf::from(first),
+        engine,
+        direct,
+        size_bytes,
+        sparse,
+    })
+}
+
+/// `nbd:URI`, with its options.
+fn parse_nbd(text: &str, first: &str, options: &[(&str, &str)]) -> Result<LeafSpec, String> {
+    use cairn_nbd::client::{CONNECTIONS_MAX, DEFAULT_TIMEOUT};
+    if first.is_empty() {
+        return Err(format!(
+            "invalid device '{text}': nbd needs a URI, such as nbd://HOST/EXPORT or nbd+unix:///?socket=PATH"
+        ));
+    }
+    if first.starts_with("//") {
+        // `nbd://HOST/...` given without the type: `nbd:` was taken as it.
+        return Err(format!(
+            "invalid device '{text}': an NBD URI is given after the type: nbd:{text}"
+        ));
+    }
+    cairn_nbd::uri::NbdUri::parse(first).map_err(|e| format!("invalid device '{text}': {e}"))?;
+    let mut connections = 1;
+    let mut timeout = DEFAULT_TIMEOUT;
+    for &(k, v) in options {
+        match k {
+            "connections" => {
+                connections = v
+                    .parse::<u32>()
+                    .ok()
+                    .filter(|n| (1..=CONNECTIONS_MAX).contains(n))
+                    .ok_or_else(|| {
+                        format!(
+                            "invalid device '{text}': connections must be from 1 to {CONNECTIONS_MAX}"
+                        )
+                    })?
+            }
+            "timeout" => {
+                timeout = parse_duration(v)
+                    .ok()
+                    .filter(|d| (NBD_TIMEOUT_MIN..=NBD_TIMEOUT_MAX).contains(d))
+                    .ok_or_else(|| {
+                        format!(
+                            "invalid device '{text}': timeout must be a duration from 100ms to 24h, such as 30s"
+                        )
+                    })?
+            }
+            _ => {
+                return Err(format!(
+                    "invalid device '{text}': unknown option '{k}' for nbd (known: connections, timeout)"
+                ))
+            }
+        }
+    }
+    Ok(LeafSpec::Nbd {
+        uri: first.to_string(),
+        connections,
+        timeout,
+    })
 }
 
 /// The rest of `rbd:POOL/[NS/]IMAGE,...`: the path `first` and the options.
@@ -547,7 +552,7 @@ mod tests {
             Ok(LeafSpec::Nbd {
                 uri: "nbd://127.0.0.1:10809/".into(),
                 connections: 1,
-                timeout: cairn_nbd::client::remote::DEFAULT_TIMEOUT
+                timeout: cairn_nbd::client::DEFAULT_TIMEOUT
             })
         );
     }
@@ -616,6 +621,68 @@ mod tests {
             "rbd:rbd/disk,size=1G",
         ] {
             assert!(LeafSpec::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn refusals_say_why_in_one_line() {
+        for (bad, why) in [
+            (
+                "null",
+                "expected null:SIZE, mem:SIZE, file:PATH, nbd:URI or rbd:POOL/IMAGE",
+            ),
+            ("null:1G,block", "option 'block' is not key=value"),
+            ("null:1G,block=4k,block=8k", "option 'block' given twice"),
+            ("null:1G,block=8G", "block size too large"),
+            (
+                "null:1G,volatile=1",
+                "unknown option 'volatile' for null (known: block)",
+            ),
+            ("mem:1G,volatile=2", "volatile must be 0 or 1"),
+            (
+                "mem:1G,foo=1",
+                "unknown option 'foo' for mem (known: block, volatile)",
+            ),
+            ("file:", "file needs a path"),
+            ("file:/a,sparse=yes", "sparse must be 0 or 1"),
+            (
+                "file:/a,foo=1",
+                "unknown option 'foo' for file (known: engine, direct, size, sparse)",
+            ),
+            (
+                "nbd:",
+                "nbd needs a URI, such as nbd://HOST/EXPORT or nbd+unix:///?socket=PATH",
+            ),
+            (
+                "nbd://h/e",
+                "an NBD URI is given after the type: nbd:nbd://h/e",
+            ),
+            (
+                "nbds://h/e",
+                "an NBD URI is given after the type: nbd:nbds://h/e",
+            ),
+            (
+                "nbd:nbd://h/e,connections=0",
+                "connections must be from 1 to 16",
+            ),
+            (
+                "nbd:nbd://h/e,timeout=1ms",
+                "timeout must be a duration from 100ms to 24h, such as 30s",
+            ),
+            (
+                "nbd:nbd://h/e,tls=1",
+                "unknown option 'tls' for nbd (known: connections, timeout)",
+            ),
+            (
+                "disk:1G",
+                "unknown type 'disk' (use null, mem, file, nbd or rbd)",
+            ),
+        ] {
+            assert_eq!(
+                LeafSpec::parse(bad),
+                Err(format!("invalid device '{bad}': {why}")),
+                "{bad}"
+            );
         }
     }
 }

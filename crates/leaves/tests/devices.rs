@@ -16,6 +16,7 @@ use cairn_core::{
     Switches,
 };
 use cairn_leaves::LeafSpec;
+use cairn_testkit::pattern;
 use tempfile::TempDir;
 
 /// Size of every device under test: room for 300 distinct 4 KiB blocks.
@@ -110,13 +111,6 @@ fn subjects() -> Vec<Subject> {
 /// Every subject that keeps what is written.
 fn storing_subjects() -> Vec<Subject> {
     subjects().into_iter().filter(|s| s.stores).collect()
-}
-
-/// Bytes that are never zero and differ with `seed` and position.
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    (0..len as u64)
-        .map(|i| ((i.wrapping_mul(31) ^ seed.wrapping_mul(0x9e37_79b9)) % 251 + 1) as u8)
-        .collect()
 }
 
 fn read_vec(q: &BlockingQueue, offset: u64, len: u64) -> Vec<u8> {
@@ -1275,4 +1269,28 @@ mod switches {
             }
         }
     }
+}
+
+/// A file that cannot be served is refused in one line, and none is made.
+#[test]
+fn a_missing_file_a_directory_or_an_empty_file_is_refused_in_one_line() {
+    use cairn_leaves::file::FileDevice;
+    use cairn_leaves::spec::Engine;
+    let dir = scratch_dir();
+    let (missing, empty) = (dir.path().join("missing"), dir.path().join("empty"));
+    std::fs::File::create(&empty).expect("create");
+    for (path, why) in [
+        (&missing, "no such file (add size=SIZE to create it)"),
+        (
+            &dir.path().to_path_buf(),
+            "not a regular file or block device",
+        ),
+        (&empty, "empty (add size=SIZE to extend it)"),
+    ] {
+        let e = FileDevice::open("f", path, Engine::Auto, false, None)
+            .err()
+            .map(|e| e.to_string());
+        assert_eq!(e, Some(format!("file {}: {why}", path.display())));
+    }
+    assert!(!missing.exists(), "nothing made");
 }

@@ -21,7 +21,7 @@ use tempfile::TempDir;
 
 use cairn_testkit as common;
 use cairn_testkit::ceph;
-use common::{check_all, data, Step};
+use common::{check_all, pattern, Step};
 
 /// The block size and length of the devices a property runs on.
 #[derive(Debug, Clone, Copy)]
@@ -156,7 +156,7 @@ fn apply(
         }
         Step::Write { seed, fua, .. } => {
             let flags = if fua { IoFlags::FUA } else { IoFlags::NONE };
-            let bytes = data(seed, len);
+            let bytes = pattern(seed, len);
             let r = q.write(offset, &bytes, flags);
             if r.is_ok() {
                 let at = offset as usize;
@@ -573,7 +573,7 @@ mod kinds {
                 let shape = shape(kind, direct);
                 let what = format!("{kind} direct={direct}");
                 let path = places.path(kind, "probed");
-                let bytes = data(7, shape.size());
+                let bytes = pattern(7, shape.size());
                 if kind != "block" {
                     // A new sparse file first: block 0 must stay a hole.
                     drop(open(&file_spec(&path, "auto", shape)));

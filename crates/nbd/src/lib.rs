@@ -1,8 +1,9 @@
 //! NBD for cairn: the server that exports cairn's devices, and the `nbd` device, a client
 //! of any NBD server.
 //!
-//! - [`proto`] (the wire format), `gather` (output queues sent with `sendmsg`), [`uri`]
-//!   (NBD URIs) and [`tls`] (rustls set-up): shared by both sides;
+//! - [`proto`] (the wire format), `gather` (output queues sent with `sendmsg`),
+//!   `tls_send` (output queues sent over TLS), [`uri`] (NBD URIs) and [`tls`] (rustls
+//!   set-up): shared by both sides;
 //! - [`server`]: listeners, the handshake and the transmission phase on cairn's reactors;
 //! - [`client`]: the client handshake and the `nbd` device.
 
@@ -13,6 +14,7 @@ mod gather;
 pub mod proto;
 pub mod server;
 pub mod tls;
+mod tls_send;
 pub mod uri;
 
 pub use server::conn::{Export, Limits};

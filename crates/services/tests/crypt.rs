@@ -18,7 +18,7 @@ use proptest::prelude::*;
 use proptest::test_runner::Config;
 
 use cairn_testkit as common;
-use common::{data, Step};
+use common::{pattern, Step};
 
 /// PBKDF2 at cryptsetup's floor: the tests open many devices.
 const QUICK: Kdf = Kdf::Pbkdf2 {
@@ -125,7 +125,7 @@ fn run(format: Format, steps: &[Step]) -> Result<(), TestCaseError> {
                 );
             }
             Step::Write { seed, .. } if fits => {
-                let bytes = data(seed, len);
+                let bytes = pattern(seed, len);
                 q.write(offset, &bytes, s.flags()).unwrap();
                 model[offset as usize..end as usize].copy_from_slice(&bytes);
             }
@@ -179,7 +179,7 @@ fn the_same_data_encrypts_differently_at_two_offsets_and_the_writer_keeps_its_bu
         let base = mem(data_offset(format) + (1 << 20));
         let dev = open(&base, &options(dir.path(), format, b"pass")).unwrap();
         let q = BlockingQueue::open(&dev, Switches::default()).unwrap();
-        let plain = data(7, 4096);
+        let plain = pattern(7, 4096);
         let mut buf = plain.clone();
         for offset in [0, 8192] {
             let r = q.run(&mut [Request {
@@ -210,7 +210,7 @@ fn large_zeroing_goes_in_chunks_and_stops_where_asked() {
     let base = mem(data_offset(format) + size);
     let dev = open(&base, &options(dir.path(), format, b"pass")).unwrap();
     let q = BlockingQueue::open(&dev, Switches::default()).unwrap();
-    let all = data(9, size);
+    let all = pattern(9, size);
     q.write(0, &all, IoFlags::NONE).unwrap();
     // 3 MiB and a sector, from 512 bytes in: four chunks, the last one short.
     let (at, len) = (512u64, (3 << 20) + 512);
@@ -317,7 +317,7 @@ fn an_iv_tweak_near_the_largest_iv_wraps() {
         create: false,
         ..opts.clone()
     };
-    let plain = data(5, size);
+    let plain = pattern(5, size);
     let dev = open(&base, &reopen).unwrap();
     let q = BlockingQueue::open(&dev, Switches::default()).unwrap();
     q.write(0, &plain, IoFlags::NONE).unwrap();
@@ -357,7 +357,7 @@ fn written(dir: &Path, format: Format) -> (Arc<dyn Device>, CryptOptions, Vec<u8
     let opts = options(dir, format, b"wiped");
     let dev = open(&base, &opts).unwrap();
     let q = BlockingQueue::open(&dev, Switches::default()).unwrap();
-    let bytes = data(41, 1 << 20);
+    let bytes = pattern(41, 1 << 20);
     q.write(0, &bytes, IoFlags::NONE).unwrap();
     q.flush().unwrap();
     (base, opts, bytes)

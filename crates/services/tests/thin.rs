@@ -9,6 +9,7 @@ use cairn_leaves::LeafSpec;
 use cairn_services::thin::pool::{Admin, LowWater, PoolOptions, ThinPool};
 use cairn_services::thin::queue::ThinDevice;
 use cairn_services::thin::ThinPoolAdmin;
+use cairn_testkit::pattern;
 
 fn mem(size: &str, volatile: bool) -> Arc<dyn Device> {
     let s = LeafSpec::parse(&format!("mem:{size},volatile={}", u8::from(volatile))).unwrap();
@@ -70,12 +71,6 @@ fn read(q: &BlockingQueue, offset: u64, len: usize) -> Vec<u8> {
     let mut b = vec![0u8; len];
     q.read(offset, &mut b).unwrap();
     b
-}
-
-fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| seed.wrapping_add((i % 251) as u8))
-        .collect()
 }
 
 #[test]
@@ -581,4 +576,49 @@ fn a_sequential_fill_lands_in_order_on_the_data_device() {
             "block {b} out of place"
         );
     }
+}
+
+#[test]
+fn a_recorded_pool_opened_with_other_settings_or_devices_is_refused_in_one_line() {
+    let open = |data: &Arc<dyn Device>, meta: Option<&Arc<dyn Device>>, opts: PoolOptions| {
+        ThinPool::open(
+            "pool",
+            data.clone(),
+            meta.cloned(),
+            opts,
+            Switches::default(),
+            false,
+        )
+        .err()
+        .map(|e| e.to_string())
+    };
+    let (data, meta) = (mem("64M", false), mem("64M", false));
+    assert_eq!(open(&data, Some(&meta), opts()), None, "a new pool");
+    let other_block = PoolOptions {
+        block_bytes: Some(128 << 10),
+        ..opts()
+    };
+    let smaller = mem("32M", false);
+    for (e, want) in [
+        (
+            open(&data, Some(&meta), other_block),
+            "the pool was made with block = 64KiB; the stack file says 128KiB (a pool's block size never changes)",
+        ),
+        (
+            open(&smaller, Some(&meta), opts()),
+            "data device 'data' is 32MiB, smaller than the pool's 64MiB (wrong device?)",
+        ),
+        (
+            // The metadata device given as the data device, metadata on it.
+            open(&meta, None, opts()),
+            "the pool's metadata is recorded as being elsewhere: check the 'metadata' key",
+        ),
+    ] {
+        assert_eq!(e.as_deref(), Some(want));
+    }
+    assert_eq!(
+        open(&data, Some(&meta), opts()),
+        None,
+        "nothing was changed"
+    );
 }

@@ -116,7 +116,7 @@ impl Disks {
     fn superblock(&self) -> PoolSuperblock {
         let mut area = vec![0u8; 2 * sbk::SLOT_BYTES];
         q(self.meta_dev()).read(0, &mut area).unwrap();
-        sbk::pick(&area).unwrap().0
+        sbk::pick(&area).newest().unwrap()
     }
 }
 

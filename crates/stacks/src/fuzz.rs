@@ -7,11 +7,11 @@
 //! slot, so that a missing slot is seen too.
 
 use crate::array::superblock::{
-    bitmap_bytes, pick, Found, Invalid, Level, MemberState, Role, Superblock, FLAG_CLEAN,
-    FLAG_SPARE, ROLE_SPARE, SLOT_BYTES,
+    bitmap_bytes, pick, Level, MemberState, Role, Superblock, FLAG_CLEAN, FLAG_SPARE, FRAME,
+    ROLE_SPARE, SLOT_BYTES,
 };
 use cairn_core::fuzzing::{padded, trimmed, Input, RESEAL};
-use cairn_core::ondisk::put32;
+use cairn_core::ondisk::{put32, Invalid, Picked};
 
 /// Flag: the area ends inside the second slot.
 const CUT: u8 = 2;
@@ -35,10 +35,7 @@ pub fn superblock(data: &[u8]) -> bool {
         area.truncate(SLOT_BYTES + first % SLOT_BYTES);
     }
     let decoded: Vec<Result<Superblock, Invalid>> = (0..2)
-        .map(|i| match area.get(i * SLOT_BYTES..(i + 1) * SLOT_BYTES) {
-            Some(slot) => Superblock::decode(slot),
-            None => Err(Invalid::Length(area.len().saturating_sub(i * SLOT_BYTES))),
-        })
+        .map(|i| Superblock::decode(FRAME.slot(&area, i)))
         .collect();
     for sb in decoded.iter().flatten() {
         // What decodes is a value encode takes (it asserts its invariants), and reads
@@ -53,23 +50,32 @@ pub fn superblock(data: &[u8]) -> bool {
 /// other's fault unless blank, blank only when both are.
 fn check_pick(area: &[u8], decoded: &[Result<Superblock, Invalid>]) {
     match pick(area) {
-        Found::Valid { sb, slot, damaged } => {
+        Picked::Valid {
+            record: sb,
+            slot,
+            other,
+            damaged,
+        } => {
             assert_eq!(decoded[slot].as_ref(), Ok(&sb));
             match &decoded[1 - slot] {
-                Ok(other) => {
+                Ok(o) => {
                     assert!(damaged.is_none());
+                    assert_eq!(other.as_ref(), Some(o));
                     assert!(
-                        other.generation < sb.generation
-                            || (other.generation == sb.generation && slot == 0)
+                        o.generation < sb.generation
+                            || (o.generation == sb.generation && slot == 0)
                     );
                 }
-                Err(e) => assert_eq!(damaged, (*e != Invalid::Blank).then(|| e.clone())),
+                Err(e) => {
+                    assert!(other.is_none());
+                    assert_eq!(damaged, (*e != Invalid::Blank).then(|| e.clone()));
+                }
             }
         }
-        Found::Blank => {
+        Picked::Blank => {
             assert!(decoded.iter().all(|d| *d == Err(Invalid::Blank)));
         }
-        Found::Foreign { first, second } => {
+        Picked::Foreign { first, second } => {
             assert_eq!(
                 [Err(first), Err(second)],
                 [decoded[0].clone(), decoded[1].clone()]

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use cairn_config::StackFile;
 use cairn_core::blocking::BlockingQueue;
 use cairn_core::{Array, ArrayAction, Device, IoFlags, Switches};
+use cairn_testkit::pattern;
 
 const MIB: u64 = 1 << 20;
 
@@ -28,13 +29,6 @@ fn array(d: &Arc<dyn Device>) -> Arc<dyn Array> {
 
 fn queue(d: &Arc<dyn Device>) -> BlockingQueue {
     BlockingQueue::open(d, Switches::default()).expect("a queue")
-}
-
-/// Bytes that say which pass wrote them, block by block.
-fn pattern(pass: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| pass.wrapping_mul(31) ^ (i / 4096) as u8 ^ (i as u8).rotate_left(3))
-        .collect()
 }
 
 fn file(name: &str, path: &Path) -> String {
@@ -352,11 +346,12 @@ fn edit_superblocks(
     paths: &[&Path],
     edit: impl Fn(&mut cairn_stacks::array::superblock::Superblock),
 ) {
-    use cairn_stacks::array::superblock::{pick, Found, SLOT_BYTES};
+    use cairn_core::ondisk::Picked;
+    use cairn_stacks::array::superblock::{pick, SLOT_BYTES};
     use std::io::{Seek, SeekFrom, Write};
     for p in paths {
         let area = std::fs::read(p).expect("read")[..2 * SLOT_BYTES].to_vec();
-        let Found::Valid { mut sb, .. } = pick(&area) else {
+        let Picked::Valid { record: mut sb, .. } = pick(&area) else {
             panic!("no superblock on {}", p.display())
         };
         edit(&mut sb);
@@ -528,7 +523,8 @@ fn a_resync_cut_short_by_a_crash_resumes_from_the_bitmap() {
 /// resync started over from 0.)
 #[test]
 fn a_resync_stopped_cleanly_resumes_where_it_stopped() {
-    use cairn_stacks::array::superblock::{pick, Found, SLOT_BYTES};
+    use cairn_core::ondisk::Picked;
+    use cairn_stacks::array::superblock::{pick, SLOT_BYTES};
     let dir = tempfile::tempdir().expect("a directory");
     let (slow, [a, b]) = unclean_mirror_resyncing_slowly(dir.path(), "bitmap = \"none\"\n");
     let m = open(&slow, "m").expect("open after the crash");
@@ -538,7 +534,7 @@ fn a_resync_stopped_cleanly_resumes_where_it_stopped() {
     });
     drop(m);
     let area = std::fs::read(&a).expect("a")[..2 * SLOT_BYTES].to_vec();
-    let Found::Valid { sb, .. } = pick(&area) else {
+    let Picked::Valid { record: sb, .. } = pick(&area) else {
         panic!("no superblock on a")
     };
     assert_eq!(sb.flags, 0, "not resynced yet: not clean");
@@ -566,7 +562,8 @@ fn a_resync_stopped_cleanly_resumes_where_it_stopped() {
 /// a restart.)
 #[test]
 fn spares_in_the_stack_file_are_kept_in_their_superblocks_and_used() {
-    use cairn_stacks::array::superblock::{pick, Found, SLOT_BYTES};
+    use cairn_core::ondisk::Picked;
+    use cairn_stacks::array::superblock::{pick, SLOT_BYTES};
     let dir = tempfile::tempdir().expect("a directory");
     let p = |n: &str| dir.path().join(format!("{n}.img"));
     let text = |members: &str, spares: &str| {
@@ -580,7 +577,7 @@ fn spares_in_the_stack_file_are_kept_in_their_superblocks_and_used() {
     };
     let is_spare = |n: &str| {
         let area = std::fs::read(p(n)).expect("read")[..2 * SLOT_BYTES].to_vec();
-        matches!(pick(&area), Found::Valid { sb, .. } if sb.spare())
+        matches!(pick(&area), Picked::Valid { record: sb, .. } if sb.spare())
     };
     let m = open(&text("\"a\", \"b\"", "\"s\""), "m").expect("create with a spare");
     let size = m.geometry().size_bytes as usize;
@@ -797,7 +794,8 @@ fn a_preflight_counts_no_io_in_the_statistics() {
 /// next start would not read the failed member (scenario 3's premise).
 #[test]
 fn a_failure_is_on_disk_before_the_write_that_found_it_completes() {
-    use cairn_stacks::array::superblock::{pick, Found, MemberState};
+    use cairn_core::ondisk::Picked;
+    use cairn_stacks::array::superblock::{pick, MemberState};
     let dir = tempfile::tempdir().expect("a directory");
     let (a, b) = (dir.path().join("a.img"), dir.path().join("b.img"));
     let text = format!(
@@ -812,7 +810,7 @@ fn a_failure_is_on_disk_before_the_write_that_found_it_completes() {
         .expect("written to b; a fails");
     // The device is still open: nothing has been written at a clean stop yet.
     let area = std::fs::read(&b).expect("read b")[..16384].to_vec();
-    let Found::Valid { sb, .. } = pick(&area) else {
+    let Picked::Valid { record: sb, .. } = pick(&area) else {
         panic!("b has no valid superblock")
     };
     assert_eq!(sb.roles[0].state, MemberState::Failed, "{sb:?}");
@@ -1249,7 +1247,8 @@ fn a_member_away_across_a_clearing_is_rebuilt_whole() {
 /// file holds the new data, its superblock (read afterwards) has the bit set.
 #[test]
 fn a_write_reaches_a_member_only_after_its_bit() {
-    use cairn_stacks::array::superblock::{pick, Found, SLOT_BYTES};
+    use cairn_core::ondisk::Picked;
+    use cairn_stacks::array::superblock::{pick, SLOT_BYTES};
     let t = Bitmapped::new();
     let mut text = t.text(&["da", "db"], "1M", "1h");
     for (name, base) in [("da", "a"), ("db", "b")] {
@@ -1266,7 +1265,7 @@ fn a_write_reaches_a_member_only_after_its_bit() {
     };
     let bit_on_disk = |path: &Path| {
         let area = std::fs::read(path).expect("read")[..2 * SLOT_BYTES].to_vec();
-        let Found::Valid { sb, .. } = pick(&area) else {
+        let Picked::Valid { record: sb, .. } = pick(&area) else {
             panic!("no superblock on {}", path.display())
         };
         sb.bitmap[(region / 8) as usize] & (1 << (region % 8)) != 0
@@ -1319,9 +1318,10 @@ fn damaged_superblocks_fall_back_or_are_refused_cleanly() {
     drop(m);
     let good_b = std::fs::read(&b).expect("b");
     let newest = |img: &[u8]| {
-        use cairn_stacks::array::superblock::{pick, Found};
+        use cairn_core::ondisk::Picked;
+        use cairn_stacks::array::superblock::pick;
         match pick(&img[..2 * SLOT_BYTES]) {
-            Found::Valid { slot, .. } => slot,
+            Picked::Valid { slot, .. } => slot,
             other => panic!("{other:?}"),
         }
     };
@@ -1357,8 +1357,14 @@ fn damaged_superblocks_fall_back_or_are_refused_cleanly() {
         (
             "different arrays",
             Box::new(|img: &mut Vec<u8>| {
-                use cairn_stacks::array::superblock::{pick, Found};
-                let Found::Valid { mut sb, slot, .. } = pick(&img[..2 * SLOT_BYTES]) else {
+                use cairn_core::ondisk::Picked;
+                use cairn_stacks::array::superblock::pick;
+                let Picked::Valid {
+                    record: mut sb,
+                    slot,
+                    ..
+                } = pick(&img[..2 * SLOT_BYTES])
+                else {
                     panic!("no superblock")
                 };
                 sb.array_uuid = [0x5a; 16];

@@ -10,8 +10,10 @@ use std::sync::Arc;
 
 use cairn_config::StackFile;
 use cairn_core::blocking::BlockingQueue;
+use cairn_core::ondisk::Picked;
 use cairn_core::{Device, IoFlags, Switches};
-use cairn_stacks::array::superblock::{pick, Found, SLOT_BYTES};
+use cairn_stacks::array::superblock::{pick, SLOT_BYTES};
+use cairn_testkit::pattern;
 
 const MEMBER_BYTES: usize = 8 << 20;
 
@@ -24,12 +26,6 @@ fn open(text: &str, name: &str) -> Result<Arc<dyn Device>, String> {
 
 fn queue(d: &Arc<dyn Device>) -> BlockingQueue {
     BlockingQueue::open(d, Switches::default()).expect("a queue")
-}
-
-fn pattern(pass: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| pass.wrapping_mul(31) ^ (i / 4096) as u8 ^ (i as u8).rotate_left(3))
-        .collect()
 }
 
 fn read_all(d: &Arc<dyn Device>) -> Vec<u8> {
@@ -76,7 +72,7 @@ fn write(a: &Arc<dyn Device>, data: &[u8]) {
 fn mark_unclean(paths: &[PathBuf]) {
     for p in paths {
         let mut img = std::fs::read(p).unwrap();
-        let Found::Valid { mut sb, .. } = pick(&img[..2 * SLOT_BYTES]) else {
+        let Picked::Valid { record: mut sb, .. } = pick(&img[..2 * SLOT_BYTES]) else {
             panic!("no superblock on {}", p.display())
         };
         sb.flags = 0;

@@ -7,6 +7,7 @@ use cairn_config::StackFile;
 use cairn_core::blocking::BlockingQueue;
 use cairn_core::{Device, IoFlags, Op, Switches};
 use cairn_leaves::LeafSpec;
+use cairn_testkit::pattern;
 
 fn queue(d: &Arc<dyn Device>) -> BlockingQueue {
     BlockingQueue::open(d, Switches::default()).unwrap()
@@ -16,12 +17,6 @@ fn read(q: &BlockingQueue, offset: u64, len: usize) -> Vec<u8> {
     let mut b = vec![0u8; len];
     q.read(offset, &mut b).unwrap();
     b
-}
-
-fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| seed.wrapping_add((i % 251) as u8))
-        .collect()
 }
 
 fn volatile_mem(size: &str) -> Arc<dyn Device> {

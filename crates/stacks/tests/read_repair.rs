@@ -13,6 +13,7 @@ use cairn_config::StackFile;
 use cairn_core::blocking::BlockingQueue;
 use cairn_core::stats::RepairSnapshot;
 use cairn_core::{Array, Device, IoFlags, Switches};
+use cairn_testkit::pattern;
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -44,13 +45,6 @@ fn find(top: &Arc<dyn Device>, name: &str) -> Arc<dyn Device> {
         d.children().iter().find_map(|c| walk(c, name))
     }
     walk(top, name).unwrap_or_else(|| panic!("no device '{name}' under '{}'", top.name()))
-}
-
-/// Bytes that say which pass wrote them.
-fn pattern(pass: u8, len: u64) -> Vec<u8> {
-    (0..len as usize)
-        .map(|i| (pass.wrapping_mul(37) ^ (i / 512) as u8 ^ (i as u8).rotate_left(2)) | 1)
-        .collect()
 }
 
 fn read(q: &BlockingQueue, offset: u64, len: u64) -> Vec<u8> {

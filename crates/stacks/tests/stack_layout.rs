@@ -42,6 +42,7 @@ use std::sync::Arc;
 use cairn_config::StackFile;
 use cairn_core::blocking::BlockingQueue;
 use cairn_core::{Device, IoFlags, Switches};
+use cairn_testkit::pattern;
 
 const K: u64 = 1024;
 const CHUNK: u64 = 64 * K;
@@ -69,13 +70,6 @@ fn stack(kind: &str, member_bytes: &[u64], extra: &str) -> Arc<dyn Device> {
 
 fn queue(device: &Arc<dyn Device>) -> BlockingQueue {
     BlockingQueue::open(device, Switches::default()).expect("queue opens")
-}
-
-/// Bytes that are never zero and differ with `seed` and position.
-fn pattern(seed: u64, len: u64) -> Vec<u8> {
-    (0..len)
-        .map(|i| ((i.wrapping_mul(31) ^ seed.wrapping_mul(0x9e37_79b9)) % 251 + 1) as u8)
-        .collect()
 }
 
 /// Every member's whole contents, read directly.

@@ -35,7 +35,7 @@ use proptest::test_runner::Config;
 use tempfile::TempDir;
 
 use cairn_testkit as common;
-use common::{check_all, data, Step};
+use common::{check_all, pattern, Step};
 
 /// Logical block size of every member (and so of every stack).
 const BLOCK: u64 = 512;
@@ -511,7 +511,7 @@ fn apply(
             r
         }
         Step::Write { seed, .. } => {
-            let bytes = data(seed, len);
+            let bytes = pattern(seed, len);
             let r = q.write(offset, &bytes, step.flags());
             if r.is_ok() {
                 model[at..at + len as usize].copy_from_slice(&bytes);
@@ -706,7 +706,7 @@ fn run_batch(
         .iter()
         .map(|s| match *s {
             Step::Read { len, .. } => vec![0xa5; len as usize],
-            Step::Write { len, seed, .. } => data(seed, len),
+            Step::Write { len, seed, .. } => pattern(seed, len),
             _ => Vec::new(),
         })
         .collect();
@@ -770,7 +770,7 @@ fn run_batches(stack: Stack, batches: &[Batch], stats_off: bool) -> Result<(), T
     let q = BlockingQueue::open(&top, switches(stats_off)).expect("queue opens");
     let mut model = vec![0u8; stack.size() as usize];
     // Start from data everywhere, so that discards and reads have something to see.
-    let fill = data(99, stack.size());
+    let fill = pattern(99, stack.size());
     q.write(0, &fill, IoFlags::NONE)
         .map_err(|e| TestCaseError::fail(format!("fill: {e}")))?;
     model.copy_from_slice(&fill);

@@ -15,6 +15,7 @@ use cairn_core::blocking::BlockingQueue;
 use cairn_core::reactor::DispatchMode;
 use cairn_core::stats::{registry, DeviceStatsSnapshot};
 use cairn_core::{Device, IoFlags, Op, Switches};
+use cairn_testkit::pattern;
 
 const K: u64 = 1024;
 
@@ -27,12 +28,6 @@ fn open(text: &str, top: &str) -> Arc<dyn Device> {
 
 fn mem(name: &str, size: u64) -> String {
     format!("[device.{name}]\ntype = \"mem\"\nsize = {size}\n\n")
-}
-
-fn pattern(seed: u64, len: u64) -> Vec<u8> {
-    (0..len)
-        .map(|i| ((i.wrapping_mul(31) ^ seed.wrapping_mul(0x9e37_79b9)) % 251 + 1) as u8)
-        .collect()
 }
 
 fn registered(name: &str) -> DeviceStatsSnapshot {

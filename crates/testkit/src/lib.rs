@@ -7,10 +7,12 @@
 pub mod ceph;
 pub mod probe;
 
-use std::path::{Path, PathBuf};
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
 use std::process::Command;
 
 use cairn_core::blocking::BlockingQueue;
+pub use cairn_core::testing::skip;
 use cairn_core::{IoFlags, Op};
 use proptest::test_runner::TestCaseError;
 
@@ -69,10 +71,34 @@ impl Step {
     }
 }
 
-/// Bytes a write carries: derived from its seed, never all zeros.
-pub fn data(seed: u64, len: u64) -> Vec<u8> {
-    let mut state = seed | 1;
-    (0..len)
+/// What [`pattern`] takes as a seed or a length: whichever integer a test has at hand
+/// (a literal is an `i32`).
+pub trait Int: Copy {
+    /// The value as a `u64` (a negative one wraps).
+    fn u64(self) -> u64;
+}
+
+macro_rules! int {
+    ($($t:ty),*) => {$(
+        impl Int for $t {
+            fn u64(self) -> u64 {
+                self as u64
+            }
+        }
+    )*};
+}
+int!(u8, u16, u32, u64, usize, i32);
+
+/// The bytes a test writes: `len` of them, derived from `seed` (each seed its own
+/// sequence, and a shorter call the start of a longer one), none zero, so that a read of
+/// zeros, or of another write's bytes, never passes for this one.
+pub fn pattern(seed: impl Int, len: impl Int) -> Vec<u8> {
+    // splitmix64 spreads neighbouring seeds apart; xorshift64 makes the bytes.
+    let mut z = seed.u64().wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    let mut state = (z ^ (z >> 31)) | 1;
+    (0..len.u64())
         .map(|_| {
             state ^= state << 13;
             state ^= state >> 7;
@@ -96,12 +122,31 @@ pub fn check_all(q: &BlockingQueue, model: &[u8]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-/// Another project's tool (cryptsetup, qemu-img) where Debian installs it.
+/// The executable `name` on PATH (or in the sbin directories, which a non-root PATH may
+/// lack).
 pub fn tool(name: &str) -> Option<PathBuf> {
-    ["/usr/sbin", "/sbin", "/usr/bin", "/bin"]
-        .iter()
-        .map(|d| Path::new(d).join(name))
-        .find(|p| p.exists())
+    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect())
+        .unwrap_or_default();
+    dirs.extend(["/usr/sbin", "/sbin", "/usr/bin", "/bin"].map(PathBuf::from));
+    dirs.into_iter().map(|d| d.join(name)).find(|p| {
+        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    })
+}
+
+/// Every tool's path, or `None` after recording a skip for `test`.
+pub fn tools<const N: usize>(test: &str, names: [&str; N]) -> Option<[PathBuf; N]> {
+    let mut found = Vec::with_capacity(N);
+    for name in names {
+        match tool(name) {
+            Some(p) => found.push(p),
+            None => {
+                skip(test, &format!("{name} is not installed"));
+                return None;
+            }
+        }
+    }
+    found.try_into().ok()
 }
 
 /// Runs `cmd`, which must succeed, and returns its output.

@@ -314,7 +314,7 @@ fn a_damaged_log_block_is_refused_until_the_operator_repairs() {
     // The first block of the log the newest superblock points at.
     use cairn_services::thin::superblock as sbk;
     let mut bytes = std::fs::read(&data).unwrap();
-    let (sb, _, _) = sbk::pick(&bytes[..2 * sbk::SLOT_BYTES]).unwrap();
+    let sb = sbk::pick(&bytes[..2 * sbk::SLOT_BYTES]).newest().unwrap();
     let pages = sb.log_bytes / 4096;
     let first = (sb.log_offset + (sb.log_start_seq % pages) * 4096) as usize;
     bytes[first + 2000] ^= 0x04;

@@ -1,6 +1,7 @@
 //! LUKS2 headers: both copies read, written again and read back, and opened when cheap.
 //!
-//! The body is `cairn_services::crypt::luks2::fuzz::header`, shared with the stable test `tests/decoders_fuzz.rs`; its
+//! The body is `cairn_config::fuzz::luks::luks2_header` (`crypt::luks2::fuzz` in
+//! cairn-services), shared with the stable test `tests/decoders_fuzz.rs`; its
 //! documentation gives the input's layout. A broken rule panics, which libFuzzer reports
 //! as a crash.
 
@@ -9,5 +10,5 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    cairn_services::crypt::luks2::fuzz::header(data);
+    cairn_config::fuzz::luks::luks2_header(data);
 });

@@ -105,25 +105,8 @@ impl FileDevice {
         direct: bool,
         sized: Option<(u64, bool)>,
     ) -> Result<FileDevice, Error> {
-        let size_bytes = sized.map(|(s, _)| s);
-        let sparse = sized.is_some_and(|(_, s)| s);
         let shown = path.display();
-        let existing = std::fs::metadata(path).ok();
-        let block_device = existing
-            .as_ref()
-            .is_some_and(|m| m.file_type().is_block_device());
-        if existing.is_none() && size_bytes.is_none() {
-            return Err(Error::Invalid(format!(
-                "file {shown}: no such file (add size=SIZE to create it)"
-            )));
-        }
-        if let Some(m) = &existing {
-            if !block_device && !m.file_type().is_file() {
-                return Err(Error::Invalid(format!(
-                    "file {shown}: not a regular file or block device"
-                )));
-            }
-        }
+        let block_device = check_path(path, sized.is_some())?;
         let mut flags = libc::O_CLOEXEC;
         if direct {
             flags |= libc::O_DIRECT;
@@ -131,7 +114,7 @@ impl FileDevice {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
-            .create(size_bytes.is_some() && !block_device)
+            .create(sized.is_some() && !block_device)
             .custom_flags(flags)
             .open(path)
             .map_err(|e| Error::os(format!("file {shown}: open"), e))?;
@@ -150,31 +133,7 @@ impl FileDevice {
                 .len();
             (len, if direct { dio_align(&file) } else { 512 })
         };
-        let size = match size_bytes {
-            Some(want) if want > actual => {
-                if block_device {
-                    return Err(Error::Invalid(format!(
-                        "file {shown}: size={want} is larger than the block device ({actual} bytes)"
-                    )));
-                }
-                room_for(path, want, actual, sparse)?;
-                file.set_len(want)
-                    .map_err(|e| Error::os(format!("file {shown}: extend to {want} bytes"), e))?;
-                want
-            }
-            Some(want) => {
-                if want < actual && !block_device && !cairn_core::stats::unregistered_here() {
-                    log::warn!(
-                        "cairn: file {shown}: holds {}, size={} serves its first {} only",
-                        cairn_core::size::format_bytes(actual),
-                        cairn_core::size::format_bytes(want),
-                        cairn_core::size::format_bytes(want)
-                    );
-                }
-                want
-            }
-            None => actual,
-        };
+        let size = serving_size(&file, path, sized, actual, block_device)?;
         let size = size - size % u64::from(block_bytes);
         if size == 0 {
             return Err(Error::Invalid(format!(
@@ -395,6 +354,66 @@ impl Sink for FlushBatchQueue {
         if again {
             self.device_flush();
         }
+    }
+}
+
+/// Whether `path` is a block device; refuses it if it is missing and not to be created
+/// (`sized`), or neither a regular file nor a block device.
+fn check_path(path: &Path, sized: bool) -> Result<bool, Error> {
+    let shown = path.display();
+    let existing = std::fs::metadata(path).ok();
+    let block_device = existing
+        .as_ref()
+        .is_some_and(|m| m.file_type().is_block_device());
+    if existing.is_none() && !sized {
+        return Err(Error::Invalid(format!(
+            "file {shown}: no such file (add size=SIZE to create it)"
+        )));
+    }
+    if let Some(m) = &existing {
+        if !block_device && !m.file_type().is_file() {
+            return Err(Error::Invalid(format!(
+                "file {shown}: not a regular file or block device"
+            )));
+        }
+    }
+    Ok(block_device)
+}
+
+/// The bytes served of `file` (`path`), which holds `actual`: all of them, or the size
+/// `sized` asks for, the file extended to it if it is larger (a block device is not).
+fn serving_size(
+    file: &File,
+    path: &Path,
+    sized: Option<(u64, bool)>,
+    actual: u64,
+    block_device: bool,
+) -> Result<u64, Error> {
+    let shown = path.display();
+    match sized {
+        Some((want, sparse)) if want > actual => {
+            if block_device {
+                return Err(Error::Invalid(format!(
+                    "file {shown}: size={want} is larger than the block device ({actual} bytes)"
+                )));
+            }
+            room_for(path, want, actual, sparse)?;
+            file.set_len(want)
+                .map_err(|e| Error::os(format!("file {shown}: extend to {want} bytes"), e))?;
+            Ok(want)
+        }
+        Some((want, _)) => {
+            if want < actual && !block_device && !cairn_core::stats::unregistered_here() {
+                log::warn!(
+                    "cairn: file {shown}: holds {}, size={} serves its first {} only",
+                    cairn_core::size::format_bytes(actual),
+                    cairn_core::size::format_bytes(want),
+                    cairn_core::size::format_bytes(want)
+                );
+            }
+            Ok(want)
+        }
+        None => Ok(actual),
     }
 }
 

@@ -7,9 +7,10 @@
 //! reconnect) on the thread that opens the connection, never on a reactor.
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::net::{TcpStream, ToSocketAddrs};
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::proto::{self, info, opt, rep};
@@ -185,31 +186,7 @@ pub fn connect_any(
         None
     };
     let deadline = Instant::now() + timeout;
-    let mut stream = match &uri.address {
-        Address::Unix(path) => Stream::Unix(UnixStream::connect(path)?),
-        Address::Tcp { host, port } => {
-            use std::net::ToSocketAddrs;
-            let mut last = None;
-            let mut found = None;
-            for a in (host.as_str(), *port).to_socket_addrs()? {
-                let left = deadline.saturating_duration_since(Instant::now());
-                match TcpStream::connect_timeout(&a, left.max(Duration::from_millis(1))) {
-                    Ok(s) => {
-                        found = Some(s);
-                        break;
-                    }
-                    Err(e) => last = Some(e),
-                }
-            }
-            let s = found.ok_or_else(|| {
-                last.unwrap_or_else(|| {
-                    std::io::Error::new(std::io::ErrorKind::NotFound, "no address")
-                })
-            })?;
-            s.set_nodelay(true)?;
-            Stream::Tcp(s)
-        }
-    };
+    let mut stream = dial(&uri.address, deadline)?;
     stream.set_timeouts(deadline.saturating_duration_since(Instant::now()))?;
     let no_zeroes = greet(&mut stream)?;
     let Some(config) = config else {
@@ -220,6 +197,43 @@ pub fn connect_any(
             tls: None,
         });
     };
+    let mut tls = start_tls(stream, uri, config)?;
+    let neg = options(&mut tls, &uri.export, want, no_zeroes)?;
+    let rustls::StreamOwned { conn, sock } = tls;
+    Ok(Connected {
+        fd: sock.into_fd()?,
+        neg,
+        tls: Some(Box::new(conn)),
+    })
+}
+
+/// A socket connected to `address`: the first of a host's addresses that answers
+/// before `deadline`.
+fn dial(address: &Address, deadline: Instant) -> std::io::Result<Stream> {
+    let (host, port) = match address {
+        Address::Unix(path) => return Ok(Stream::Unix(UnixStream::connect(path)?)),
+        Address::Tcp { host, port } => (host, *port),
+    };
+    let mut last = None;
+    for a in (host.as_str(), port).to_socket_addrs()? {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match TcpStream::connect_timeout(&a, left.max(Duration::from_millis(1))) {
+            Ok(s) => {
+                s.set_nodelay(true)?;
+                return Ok(Stream::Tcp(s));
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "no address")))
+}
+
+/// STARTTLS, then the TLS handshake with the server `uri` names, on `stream`.
+fn start_tls(
+    mut stream: Stream,
+    uri: &NbdUri,
+    config: Arc<rustls::ClientConfig>,
+) -> Result<rustls::StreamOwned<rustls::ClientConnection, Stream>, HandshakeError> {
     send_option(&mut stream, opt::STARTTLS, &[])?;
     let (kind, data) = read_reply(&mut stream, opt::STARTTLS)?;
     if kind != rep::ACK {
@@ -238,13 +252,7 @@ pub fn connect_any(
             }
         })?;
     }
-    let neg = options(&mut tls, &uri.export, want, no_zeroes)?;
-    let rustls::StreamOwned { conn, sock } = tls;
-    Ok(Connected {
-        fd: sock.into_fd()?,
-        neg,
-        tls: Some(Box::new(conn)),
-    })
+    Ok(tls)
 }
 
 fn read_u16(s: &mut impl Read) -> std::io::Result<u16> {
@@ -369,6 +377,32 @@ fn options<S: Read + Write>(
     if export.len() > 4096 {
         return Err(refused("the export name is longer than 4096 bytes"));
     }
+    let (structured, extended) = ask_headers(s, want)?;
+    let mut name = Vec::with_capacity(4 + export.len());
+    name.extend_from_slice(&(export.len() as u32).to_be_bytes());
+    name.extend_from_slice(export.as_bytes());
+    let allocation_id = if structured && want.allocation {
+        ask_allocation(s, &name)?
+    } else {
+        None
+    };
+    // What a server that sends no block sizes is taken to mean.
+    let agreed = Negotiated {
+        size: 0,
+        flags: 0,
+        min_block: 1,
+        preferred_block: 4096,
+        max_payload: 32 << 20,
+        structured,
+        extended,
+        allocation_id,
+    };
+    go(s, &name, no_zeroes, agreed)
+}
+
+/// Extended headers, else structured replies, as far as `want` asks for them and the
+/// server takes them: (structured, extended).
+fn ask_headers<S: Read + Write>(s: &mut S, want: Want) -> Result<(bool, bool), HandshakeError> {
     let (mut structured, mut extended) = (false, false);
     if want.extended {
         send_option(s, opt::EXTENDED_HEADERS, &[])?;
@@ -398,46 +432,54 @@ fn options<S: Read + Write>(
             k => return Err(refused(format!("unexpected reply {k} to STRUCTURED_REPLY"))),
         }
     }
-    let mut name = Vec::with_capacity(4 + export.len());
-    name.extend_from_slice(&(export.len() as u32).to_be_bytes());
-    name.extend_from_slice(export.as_bytes());
+    Ok((structured, extended))
+}
 
+/// `SET_META_CONTEXT` for `base:allocation` on the export `name` (its length first):
+/// the context's id, if the server has it.
+fn ask_allocation<S: Read + Write>(s: &mut S, name: &[u8]) -> Result<Option<u32>, HandshakeError> {
+    let mut data = name.to_vec();
+    data.extend_from_slice(&1u32.to_be_bytes());
+    data.extend_from_slice(&(proto::BASE_ALLOCATION.len() as u32).to_be_bytes());
+    data.extend_from_slice(proto::BASE_ALLOCATION.as_bytes());
+    send_option(s, opt::SET_META_CONTEXT, &data)?;
     let mut allocation_id = None;
-    if structured && want.allocation {
-        let mut data = name.clone();
-        data.extend_from_slice(&1u32.to_be_bytes());
-        data.extend_from_slice(&(proto::BASE_ALLOCATION.len() as u32).to_be_bytes());
-        data.extend_from_slice(proto::BASE_ALLOCATION.as_bytes());
-        send_option(s, opt::SET_META_CONTEXT, &data)?;
-        loop {
-            let (kind, data) = read_reply(s, opt::SET_META_CONTEXT)?;
-            match kind {
-                rep::META_CONTEXT if data.len() >= 4 => {
-                    let id = u32::from_be_bytes(data[..4].try_into().expect("4 bytes"));
-                    if &data[4..] == proto::BASE_ALLOCATION.as_bytes() {
-                        allocation_id = Some(id);
-                    }
+    loop {
+        let (kind, data) = read_reply(s, opt::SET_META_CONTEXT)?;
+        match kind {
+            rep::META_CONTEXT if data.len() >= 4 => {
+                let id = u32::from_be_bytes(data[..4].try_into().expect("4 bytes"));
+                if &data[4..] == proto::BASE_ALLOCATION.as_bytes() {
+                    allocation_id = Some(id);
                 }
-                rep::ACK => break,
-                k if k & (1 << 31) != 0 => {
-                    log::debug!(
-                        "cairn: nbd client: {}",
-                        error_text(opt::SET_META_CONTEXT, k, &data)
-                    );
-                    break;
-                }
-                k => return Err(refused(format!("unexpected reply {k} to SET_META_CONTEXT"))),
             }
+            rep::ACK => return Ok(allocation_id),
+            k if k & (1 << 31) != 0 => {
+                log::debug!(
+                    "cairn: nbd client: {}",
+                    error_text(opt::SET_META_CONTEXT, k, &data)
+                );
+                return Ok(allocation_id);
+            }
+            k => return Err(refused(format!("unexpected reply {k} to SET_META_CONTEXT"))),
         }
     }
+}
 
-    // GO, asking for block sizes.
-    let mut data = name.clone();
+/// `NBD_OPT_GO` on the export `name` (its length first), asking for block sizes: what
+/// was `agreed` so far, with the export's size, flags and block sizes; on a server
+/// without GO, `NBD_OPT_EXPORT_NAME` instead.
+fn go<S: Read + Write>(
+    s: &mut S,
+    name: &[u8],
+    no_zeroes: bool,
+    mut agreed: Negotiated,
+) -> Result<Negotiated, HandshakeError> {
+    let mut data = name.to_vec();
     data.extend_from_slice(&1u16.to_be_bytes());
     data.extend_from_slice(&info::BLOCK_SIZE.to_be_bytes());
     send_option(s, opt::GO, &data)?;
-    let (mut size, mut flags) = (None, 0u16);
-    let (mut min_block, mut preferred_block, mut max_payload) = (1u32, 4096u32, 32u32 << 20);
+    let mut size = None;
     loop {
         let (kind, data) = read_reply(s, opt::GO)?;
         match kind {
@@ -446,29 +488,38 @@ fn options<S: Read + Write>(
                 match t {
                     info::EXPORT if data.len() == 12 => {
                         size = Some(u64::from_be_bytes(data[2..10].try_into().expect("8")));
-                        flags = u16::from_be_bytes([data[10], data[11]]);
+                        agreed.flags = u16::from_be_bytes([data[10], data[11]]);
                     }
                     info::BLOCK_SIZE if data.len() == 14 => {
                         let f =
                             |i: usize| u32::from_be_bytes(data[i..i + 4].try_into().expect("4"));
-                        (min_block, preferred_block, max_payload) = (f(2), f(6), f(10));
+                        (agreed.min_block, agreed.preferred_block, agreed.max_payload) =
+                            (f(2), f(6), f(10));
                     }
                     _ => {}
                 }
             }
             rep::ACK => break,
-            rep::ERR_UNSUP if !extended => {
+            rep::ERR_UNSUP if !agreed.extended => {
                 // A server without GO: the old way (no error replies, no block sizes).
+                let (structured, allocation_id) = (agreed.structured, agreed.allocation_id);
                 return export_name(s, &name[4..], no_zeroes, structured, allocation_id);
             }
             k if k & (1 << 31) != 0 => return Err(refused(error_text(opt::GO, k, &data))),
             _ => {}
         }
     }
-    let size = size.ok_or_else(|| refused("GO ended without the export's size"))?;
-    if flags & proto::tflags::HAS_FLAGS == 0 {
+    agreed.size = size.ok_or_else(|| refused("GO ended without the export's size"))?;
+    check_go(&agreed)?;
+    Ok(agreed)
+}
+
+/// Refuses transmission flags without `HAS_FLAGS`, and block sizes that make no sense.
+fn check_go(n: &Negotiated) -> Result<(), HandshakeError> {
+    if n.flags & proto::tflags::HAS_FLAGS == 0 {
         return Err(refused("the transmission flags lack HAS_FLAGS"));
     }
+    let (min_block, preferred_block, max_payload) = (n.min_block, n.preferred_block, n.max_payload);
     if !min_block.is_power_of_two()
         || min_block > 64 << 10
         || !preferred_block.is_power_of_two()
@@ -479,16 +530,7 @@ fn options<S: Read + Write>(
             "block sizes make no sense: minimum {min_block}, preferred {preferred_block}, maximum {max_payload}"
         )));
     }
-    Ok(Negotiated {
-        size,
-        flags,
-        min_block,
-        preferred_block,
-        max_payload,
-        structured,
-        extended,
-        allocation_id,
-    })
+    Ok(())
 }
 
 /// `NBD_OPT_EXPORT_NAME`: size and flags, then (unless no-zeroes) 124 zero bytes.
@@ -516,126 +558,4 @@ fn export_name<S: Read + Write>(
         extended: false,
         allocation_id,
     })
-}
-
-/// Largest block status reply a client reads (a longer one is a broken server).
-const MAX_STATUS_REPLY: u64 = 1 << 20;
-
-/// Asks `base:allocation` (negotiated as `n.allocation_id`) about `[offset, offset + len)`
-/// on a connection in transmission, blocking: the extents as (length, `proto::state`
-/// flags), from `offset`, possibly fewer than asked for. `cookie` tags the request.
-pub fn block_status<S: Read + Write>(
-    s: &mut S,
-    n: &Negotiated,
-    cookie: u64,
-    offset: u64,
-    len: u64,
-) -> std::io::Result<Vec<(u64, u32)>> {
-    use std::io::{Error, ErrorKind};
-    let bad = |why: String| Error::new(ErrorKind::InvalidData, why);
-    let Some(id) = n.allocation_id else {
-        return Err(Error::new(
-            ErrorKind::Unsupported,
-            "the server has no base:allocation",
-        ));
-    };
-    let mut req = Vec::with_capacity(proto::EXTENDED_HEADER);
-    if n.extended {
-        proto::put_extended_request(&mut req, 0, proto::cmd::BLOCK_STATUS, cookie, offset, len);
-    } else {
-        let most = u64::from(u32::MAX) & !(u64::from(n.min_block.max(1)) - 1);
-        proto::put_request(
-            &mut req,
-            &proto::Request {
-                flags: 0,
-                command: proto::cmd::BLOCK_STATUS,
-                cookie,
-                offset,
-                len: len.min(most),
-            },
-        );
-    }
-    s.write_all(&req)?;
-    let mut extents = Vec::new();
-    let mut head = [0u8; proto::EXTENDED_HEADER];
-    loop {
-        let first = if n.extended {
-            proto::EXTENDED_HEADER
-        } else {
-            proto::SIMPLE_REPLY
-        };
-        s.read_exact(&mut head[..first])?;
-        let mut have = first;
-        let header = loop {
-            match proto::parse_reply(&head[..have], n.extended) {
-                proto::DecodedReply::Header(h, _) => break h,
-                proto::DecodedReply::Bad(m) => return Err(bad(format!("bad reply magic {m:#x}"))),
-                proto::DecodedReply::Incomplete if have < proto::CHUNK_HEADER => {
-                    s.read_exact(&mut head[have..proto::CHUNK_HEADER])?;
-                    have = proto::CHUNK_HEADER;
-                }
-                proto::DecodedReply::Incomplete => return Err(bad("a short reply header".into())),
-            }
-        };
-        let (flags, kind, got, plen) = match header {
-            proto::ReplyHeader::Simple { error, cookie: c } => {
-                if c != cookie {
-                    return Err(bad(format!(
-                        "a reply for cookie {c} while {cookie} was asked"
-                    )));
-                }
-                if error == 0 {
-                    return Err(bad("a simple reply to block status".into()));
-                }
-                return Err(Error::from_raw_os_error(proto::errno::to_local(error)));
-            }
-            proto::ReplyHeader::Chunk {
-                flags,
-                kind,
-                cookie,
-                len,
-                ..
-            } => (flags, kind, cookie, len),
-        };
-        if got != cookie {
-            return Err(bad(format!(
-                "a reply for cookie {got} while {cookie} was asked"
-            )));
-        }
-        if plen > MAX_STATUS_REPLY {
-            return Err(bad(format!("a block status chunk of {plen} bytes")));
-        }
-        let mut p = vec![0u8; plen as usize];
-        s.read_exact(&mut p)?;
-        match kind {
-            proto::chunk::NONE => {}
-            proto::chunk::BLOCK_STATUS if p.len() >= 4 && (p.len() - 4).is_multiple_of(8) => {
-                if proto::be32(&p[0..4]) == id {
-                    for e in p[4..].chunks_exact(8) {
-                        extents.push((u64::from(proto::be32(&e[0..4])), proto::be32(&e[4..8])));
-                    }
-                }
-            }
-            proto::chunk::BLOCK_STATUS_EXT if p.len() >= 8 && (p.len() - 8).is_multiple_of(16) => {
-                if proto::be32(&p[0..4]) == id {
-                    for e in p[8..].chunks_exact(16) {
-                        extents.push((proto::be64(&e[0..8]), proto::be64(&e[8..16]) as u32));
-                    }
-                }
-            }
-            k if k & (1 << 15) != 0 && p.len() >= 4 => {
-                return Err(Error::from_raw_os_error(proto::errno::to_local(
-                    proto::be32(&p[0..4]),
-                )))
-            }
-            k => {
-                return Err(bad(format!(
-                    "an unexpected chunk of type {k} to block status"
-                )))
-            }
-        }
-        if flags & proto::chunk::FLAG_DONE != 0 {
-            return Ok(extents);
-        }
-    }
 }

@@ -14,13 +14,15 @@
 //! the first done, and damage to one copy at rest leaves the other with the same
 //! directory. The valid copy with the highest sequence number is the current one.
 //! Version 1 (read, and upgraded at open) wrote each directory to one copy only, by the
-//! parity of its sequence number.
+//! parity of its sequence number. A directory's framing (magic, version, its checksum
+//! over its own length) and the pick of a copy are those every record format of cairn's
+//! own shares ([`cairn_core::ondisk::record`]); the copy logic is `open`'s and `store`'s.
 //!
 //! A page of bits ends in a trailer: a CRC-32C over the store's identity, the area's
 //! offset and the page's index, then the bits; and a magic, so that a zeroed page never
 //! verifies. A page that fails its check is found at open ([`check_page`]).
 
-use cairn_core::ondisk::{get32, get64, put32, put64};
+use cairn_core::ondisk::{get32, get64, put32, put64, Frame, Invalid};
 
 /// The directory's magic.
 pub const MAGIC: &[u8; 8] = b"CAIRNDBM";
@@ -30,6 +32,11 @@ pub const VERSION: u32 = 2;
 pub const VERSION_OLDEST: u32 = 1;
 /// Bytes of each directory copy.
 pub const SLOT: u64 = 256 << 10;
+/// The directory's record framing ([`cairn_core::ondisk::record`]): the magic, the
+/// version, and the CRC-32C at 12 over the bytes from the length field (at 16) to the
+/// length it gives; a copy may be read cut short, down to version 1's header.
+pub const FRAME: Frame = Frame::new("directory", *MAGIC, VERSION_OLDEST, VERSION, SLOT as usize)
+    .sized(at::CRC, at::LEN, at::ENTRIES_1);
 /// Where bit areas start.
 pub const AREAS: u64 = 2 * SLOT;
 /// Bit areas are whole pages of this many bytes.
@@ -65,9 +72,9 @@ pub const CHECKPOINT: u32 = 4;
 pub const PENDING: u32 = 8;
 const KNOWN_FLAGS: u32 = DISABLED | INCONSISTENT | CHECKPOINT | PENDING;
 
+/// Where the fields are in a directory (the magic at 0, the version at 8 and the
+/// checksum are [`FRAME`]'s).
 mod at {
-    pub const MAGIC: usize = 0;
-    pub const VERSION: usize = 8;
     pub const CRC: usize = 12;
     pub const LEN: usize = 16;
     pub const COUNT: usize = 20;
@@ -153,8 +160,6 @@ impl Directory {
         let first = Self::entries_at(self.version);
         let len = first + self.entries.iter().map(Entry::encoded_len).sum::<usize>();
         let mut b = vec![0u8; (len as u64).div_ceil(PAGE) as usize * PAGE as usize];
-        b[at::MAGIC..at::MAGIC + 8].copy_from_slice(MAGIC);
-        put32(&mut b, at::VERSION, self.version);
         put32(&mut b, at::LEN, len as u32);
         put32(&mut b, at::COUNT, self.entries.len() as u32);
         put64(&mut b, at::SEQ, self.seq);
@@ -180,43 +185,39 @@ impl Directory {
             p += 20;
         }
         debug_assert_eq!(p, len);
-        let crc = crc32c::crc32c(&b[at::LEN..len]);
-        put32(&mut b, at::CRC, crc);
+        FRAME.seal(&mut b, self.version);
         b
     }
 
     /// A directory copy read back (`b`: the bytes of its slot, or fewer), or why it is
     /// not one. A pure function of `b`: every length and count is checked before use.
-    pub fn decode(b: &[u8]) -> Result<Directory, String> {
-        if b.len() < at::ENTRIES_1 || &b[at::MAGIC..at::MAGIC + 8] != MAGIC {
-            return Err("no directory (bad magic)".into());
-        }
-        let version = get32(b, at::VERSION);
-        if !(VERSION_OLDEST..=VERSION).contains(&version) {
-            return Err(format!(
-                "directory version {version}; this cairn reads versions {VERSION_OLDEST} to {VERSION}"
-            ));
-        }
+    pub fn decode(b: &[u8]) -> Result<Directory, Invalid> {
+        let opened = FRAME.open(b)?;
+        // From here on, `b` is the directory's own bytes: its length is checked.
+        let (version, b) = (opened.version, opened.bytes);
         let first = Self::entries_at(version);
-        let len = get32(b, at::LEN) as usize;
-        if len < first || len > b.len() {
-            return Err(format!("directory length {len} out of range"));
-        }
-        if get32(b, at::CRC) != crc32c::crc32c(&b[at::LEN..len]) {
-            return Err("directory checksum mismatch".into());
+        if b.len() < first {
+            return Err(Invalid::Extent {
+                record: FRAME.record(),
+                bytes: b.len(),
+            });
         }
         let count = get32(b, at::COUNT) as usize;
         if count > BITMAPS_MAX {
-            return Err(format!("{count} bitmaps; at most {BITMAPS_MAX}"));
+            return Err(Invalid::Other(format!(
+                "{count} bitmaps; at most {BITMAPS_MAX}"
+            )));
         }
         let name_len = b[at::NAME] as usize;
         if name_len > at::ENTRIES_1 - at::NAME - 1 {
-            return Err(format!("device name of {name_len} bytes; at most 63"));
+            return Err(Invalid::Other(format!(
+                "device name of {name_len} bytes; at most 63"
+            )));
         }
         let device = std::str::from_utf8(&b[at::NAME + 1..at::NAME + 1 + name_len])
-            .map_err(|_| "device name is not UTF-8".to_string())?
+            .map_err(|_| Invalid::Other("device name is not UTF-8".into()))?
             .to_string();
-        let entries = decode_entries(&b[..len], first, count, version)?;
+        let entries = decode_entries(b, first, count, version).map_err(Invalid::Other)?;
         Ok(Directory {
             version,
             seq: get64(b, at::SEQ),
@@ -456,10 +457,14 @@ mod tests {
         d.entries[1].area = AREAS;
         assert!(Directory::decode(&d.encode())
             .unwrap_err()
+            .to_string()
             .contains("share"));
         let mut v3 = dir().encode();
         v3[8] = 3;
-        assert!(Directory::decode(&v3).unwrap_err().contains("version 3"));
+        assert!(Directory::decode(&v3)
+            .unwrap_err()
+            .to_string()
+            .contains("version 3"));
     }
 
     #[test]
@@ -539,6 +544,7 @@ mod tests {
         d.entries[1].area = AREAS;
         assert!(Directory::decode(&d.encode())
             .unwrap_err()
+            .to_string()
             .contains("share"));
         let mut d = dir();
         d.entries[0].shift = 11;
@@ -547,6 +553,7 @@ mod tests {
         d.entries[1].name = "b0".into();
         assert!(Directory::decode(&d.encode())
             .unwrap_err()
+            .to_string()
             .contains("twice"));
     }
 

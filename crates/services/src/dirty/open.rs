@@ -12,6 +12,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use cairn_core::ondisk::{pick, Invalid, Picked};
 use cairn_core::Error;
 
 use super::bitmap::Bitmap;
@@ -312,36 +313,35 @@ fn new_identity() -> u64 {
 }
 
 /// Both directory copies read, and the current one picked: the valid one with the
-/// higher sequence number. `Err`: neither is valid.
+/// higher sequence number ([`cairn_core::ondisk::pick`]). `Err`: neither is valid.
 fn read_directories(f: &File, len: u64) -> Result<Found, String> {
-    let read = |c: usize| -> Result<Directory, String> {
+    let read = |c: usize| -> Result<Directory, Invalid> {
         let at = c as u64 * SLOT;
         if at >= len {
-            return Err("is absent (the file ends before it)".into());
+            return Err(Invalid::Other("is absent (the file ends before it)".into()));
         }
         let mut b = vec![0u8; (len - at).min(SLOT) as usize];
-        f.read_exact_at(&mut b, at).map_err(|e| e.to_string())?;
+        f.read_exact_at(&mut b, at)
+            .map_err(|e| Invalid::Other(e.to_string()))?;
         let d = Directory::decode(&b)?;
         if d.version == 1 && d.seq % 2 != c as u64 {
-            return Err(format!(
+            return Err(Invalid::Other(format!(
                 "holds sequence {}, which belongs in the other copy",
                 d.seq
-            ));
+            )));
         }
         Ok(d)
     };
-    let one = |dir: Directory, copy: usize, why: String| Found {
-        dir,
-        copy,
-        other: Some(format!("is damaged or missing ({why})")),
-        other_unreadable: true,
-    };
-    match (read(0), read(1)) {
-        (Ok(a), Ok(b)) => {
-            let (copy, new, old) = if b.seq > a.seq { (1, b, a) } else { (0, a, b) };
-            let other = if new == old {
+    match pick(read(0), read(1), |d| d.seq) {
+        Picked::Valid {
+            record: dir,
+            slot: copy,
+            other: Some(old),
+            ..
+        } => {
+            let other = if dir == old {
                 None
-            } else if new.seq == old.seq {
+            } else if dir.seq == old.seq {
                 Some(format!("holds another directory of sequence {}", old.seq))
             } else {
                 Some(format!(
@@ -350,18 +350,37 @@ fn read_directories(f: &File, len: u64) -> Result<Found, String> {
                 ))
             };
             Ok(Found {
-                dir: new,
+                dir,
                 copy,
                 other,
                 other_unreadable: false,
             })
         }
-        (Ok(d), Err(why)) => Ok(one(d, 0, why)),
-        (Err(why), Ok(d)) => Ok(one(d, 1, why)),
-        (Err(a), Err(b)) => Err(format!(
-            "no readable directory (copy A: {a}; copy B: {b}); move it away to start with no bitmaps"
-        )),
+        // Both copies are always written: a blank one is damage too.
+        Picked::Valid {
+            record: dir,
+            slot: copy,
+            other: None,
+            damaged,
+        } => Ok(Found {
+            dir,
+            copy,
+            other: Some(format!(
+                "is damaged or missing ({})",
+                damaged.unwrap_or(Invalid::Blank)
+            )),
+            other_unreadable: true,
+        }),
+        Picked::Blank => Err(no_directory(&Invalid::Blank, &Invalid::Blank)),
+        Picked::Foreign { first, second } => Err(no_directory(&first, &second)),
     }
+}
+
+/// The refusal of a store whose two copies are not valid, `a` and `b` saying why.
+fn no_directory(a: &Invalid, b: &Invalid) -> String {
+    format!(
+        "no readable directory (copy A: {a}; copy B: {b}); move it away to start with no bitmaps"
+    )
 }
 
 /// Bitmap `e` as its area holds it, and the pages of it that failed their check (or lie

@@ -5,15 +5,11 @@
 //! [`SLOT`]). With [`RESEAL`] its checksum is made again first.
 
 use crate::dirty::format::{
-    area_bytes, Directory, Entry, AREAS, CHECKPOINT, DISABLED, INCONSISTENT, PAGE, PENDING, SLOT,
-    VERSION,
+    area_bytes, Directory, Entry, AREAS, CHECKPOINT, DISABLED, FRAME, INCONSISTENT, PAGE, PENDING,
+    SLOT, VERSION,
 };
 use cairn_core::fuzzing::{Input, RESEAL};
-
-/// Where the checksum is, and where the bytes it covers start; the length it covers
-/// is the u32 at [`LEN_AT`].
-const CRC_AT: usize = 12;
-const LEN_AT: usize = 16;
+use cairn_core::ondisk::record::Checksum;
 
 /// The target's body.
 pub fn directory(data: &[u8]) -> bool {
@@ -30,15 +26,19 @@ pub fn directory(data: &[u8]) -> bool {
     true
 }
 
-/// The checksum made again over the length the copy says (when it fits the copy).
+/// The checksum made again over the length the copy says (when it fits the copy), the
+/// rest left as it is.
 fn reseal(copy: &mut [u8]) {
-    let Some(len) = copy.get(LEN_AT..LEN_AT + 4) else {
+    let Checksum::Length { at, len_at } = FRAME.checksum() else {
+        return;
+    };
+    let Some(len) = copy.get(len_at..len_at + 4) else {
         return;
     };
     let len = u32::from_le_bytes(len.try_into().expect("4 bytes")) as usize;
-    if (LEN_AT..=copy.len()).contains(&len) {
-        let crc = crc32c::crc32c(&copy[LEN_AT..len]);
-        copy[CRC_AT..CRC_AT + 4].copy_from_slice(&crc.to_le_bytes());
+    if (len_at..=copy.len()).contains(&len) {
+        let crc = crc32c::crc32c(&copy[len_at..len]);
+        copy[at..at + 4].copy_from_slice(&crc.to_le_bytes());
     }
 }
 

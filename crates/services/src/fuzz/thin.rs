@@ -9,9 +9,10 @@ use crate::thin::checkpoint;
 use crate::thin::format::{self, LogBlock, Record, BLOCK_BYTES};
 use crate::thin::state::{PoolState, OWNED};
 use crate::thin::superblock::{
-    pick, Invalid, PoolSuperblock, FLAG_CLEAN, FLAG_META_ON_DATA, PAGE, SLOT_BYTES, VERSION,
+    pick, PoolSuperblock, FLAG_CLEAN, FLAG_META_ON_DATA, PAGE, SLOT_BYTES, VERSION,
 };
 use cairn_core::fuzzing::{padded, pieces, pieces_input, trimmed, Input, RESEAL};
+use cairn_core::ondisk::{Invalid, Picked};
 
 /// The pool every log block and checkpoint page of the targets belongs to.
 pub const UUID: [u8; 16] = *b"cairn-fuzz-pool!";
@@ -59,20 +60,33 @@ pub fn superblock(data: &[u8]) -> bool {
         assert_eq!(PoolSuperblock::decode(&sb.encode()), Ok(written));
     }
     match pick(&area) {
-        Ok((sb, slot, other)) => {
+        Picked::Valid {
+            record: sb,
+            slot,
+            other,
+            damaged,
+        } => {
             assert_eq!(decoded[slot].as_ref(), Ok(&sb));
             match &decoded[1 - slot] {
                 Ok(o) => {
-                    assert!(other.is_none());
+                    assert!(damaged.is_none());
+                    assert_eq!(other.as_ref(), Some(o));
                     assert!(
                         o.generation < sb.generation
                             || (o.generation == sb.generation && slot == 0)
                     );
                 }
-                Err(e) => assert_eq!(other, Some(*e)),
+                Err(e) => {
+                    assert!(other.is_none());
+                    assert_eq!(damaged, (*e != Invalid::Blank).then(|| e.clone()));
+                }
             }
         }
-        Err((a, b)) => assert_eq!([Err(a), Err(b)], [decoded[0].clone(), decoded[1].clone()]),
+        Picked::Blank => assert!(decoded.iter().all(|d| *d == Err(Invalid::Blank))),
+        Picked::Foreign { first, second } => assert_eq!(
+            [Err(first), Err(second)],
+            [decoded[0].clone(), decoded[1].clone()]
+        ),
     }
     decoded.iter().any(Result::is_ok)
 }

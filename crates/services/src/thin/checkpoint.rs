@@ -1,7 +1,6 @@
 //! A checkpoint: the whole [`PoolState`] as records, in pages laid out like log blocks
 //! ([`format::CHECKPOINT_MAGIC`]). Written to the checkpoint area not in use, then the
 //! superblock points at it; opening loads it and replays the log from where it ends.
-//! (WORK IN PROGRESS on the thin-37 branch.)
 
 use std::collections::BTreeMap;
 

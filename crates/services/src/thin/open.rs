@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex};
 
 use cairn_core::blocking::BlockingQueue;
+use cairn_core::ondisk::{Invalid, Picked};
 use cairn_core::size::format_bytes;
 use cairn_core::{Device, Error, IoFlags, Switches};
 
@@ -59,19 +60,30 @@ fn read_superblock(
     q.read(0, &mut area)
         .map_err(|e| Error::Invalid(format!("reading the thin pool superblock on {what}: {e}")))?;
     match sbk::pick(&area) {
-        Ok((sb, slot, damaged)) => {
+        Picked::Valid {
+            record: sb,
+            slot,
+            other,
+            damaged,
+        } => {
+            // Every update writes both slots: a blank one was zeroed, or left by a stop
+            // between the two writes, and is named as any damage is.
+            let damaged = damaged.or_else(|| other.is_none().then_some(Invalid::Blank));
             if let Some(d) = damaged {
-                log::warn!("cairn: thin pool on {what}: superblock slot {} is damaged ({d:?}); using the other", 1 - slot);
+                log::warn!("cairn: thin pool on {what}: superblock slot {} is damaged ({d}); using the other", 1 - slot);
             }
             Ok(Some((sb, slot)))
         }
-        Err((sbk::Invalid::Blank, sbk::Invalid::Blank)) => Ok(None),
-        Err((_, sbk::Invalid::Blank)) if torn_creation(&area) => {
+        Picked::Blank => Ok(None),
+        Picked::Foreign {
+            second: Invalid::Blank,
+            ..
+        } if torn_creation(&area) => {
             log::warn!("cairn: thin pool on {what}: the first superblock is torn and the second blank: a creation was interrupted; making the pool again");
             Ok(None)
         }
-        Err((a, b)) => Err(Error::Invalid(format!(
-            "{what} holds no thin pool superblock ({a:?}, {b:?}): a pool is created on blank devices only"
+        Picked::Foreign { first, second } => Err(Error::Invalid(format!(
+            "{what} holds no thin pool superblock (slot 0: {first}; slot 1: {second}): a pool is created on blank devices only"
         ))),
     }
 }
@@ -376,7 +388,6 @@ pub(super) fn prepare(
     switches: Switches,
     dry: bool,
 ) -> Result<(Committer, Vec<String>, String), Error> {
-    let bad = |m: String| Error::Invalid(m);
     let data_q = BlockingQueue::open(&data, switches)?;
     let meta_q = meta
         .as_ref()
@@ -384,34 +395,10 @@ pub(super) fn prepare(
         .transpose()?;
     let meta_name = meta.as_ref().map_or(data.name(), |m| m.name()).to_string();
     let mq = meta_q.as_ref().unwrap_or(&data_q);
-    let data_size = data.geometry().size_bytes;
     let mut examined = Vec::new();
     let (sb, slot, state, fresh) = match read_superblock(mq, &format!("'{meta_name}'"))? {
         Some((sb, slot)) => {
-            if let Some(b) = opts.block_bytes {
-                if b != sb.block_bytes {
-                    return Err(bad(format!(
-                        "the pool was made with block = {}; the stack file says {} (a pool's block size never changes)",
-                        format_bytes(sb.block_bytes),
-                        format_bytes(b)
-                    )));
-                }
-            }
-            let need = sb.data_offset + (sb.data_blocks << sb.block_bytes.trailing_zeros());
-            if data_size < need {
-                return Err(bad(format!(
-                    "data device '{}' is {}, smaller than the pool's {} (wrong device?)",
-                    data.name(),
-                    format_bytes(data_size),
-                    format_bytes(need)
-                )));
-            }
-            if (sb.flags & sbk::FLAG_META_ON_DATA != 0) != meta.is_none() {
-                return Err(bad(
-                    "the pool's metadata is recorded as being elsewhere: check the 'metadata' key"
-                        .into(),
-                ));
-            }
+            check_recorded(&sb, &data, meta.is_none(), opts)?;
             let (state, seq, words, epoch_max) = load(mq, &sb, opts.repair)?;
             examined.extend(words);
             // The next superblock goes past every epoch in the log (a repair may leave
@@ -433,38 +420,7 @@ pub(super) fn prepare(
             (sb, 1, state, None)
         }
     };
-    let block_shift = sb.block_bytes.trailing_zeros();
-    let low_water_blocks = sb.low_water_blocks;
-    let mut report = PoolReport {
-        name: name.to_string(),
-        block_bytes: sb.block_bytes,
-        data_blocks: sb.data_blocks,
-        checkpoint_capacity: sb.checkpoint_capacity,
-        log_bytes: sb.log_bytes,
-        low_water_blocks,
-        ..PoolReport::default()
-    };
-    report.checkpoint_bytes = sb.checkpoint_pages * sbk::PAGE;
-    let inner = Arc::new(Inner {
-        name: name.to_string(),
-        data: data.clone(),
-        block_shift,
-        data_offset: sb.data_offset,
-        data_blocks: sb.data_blocks,
-        volumes: Mutex::new(BTreeMap::new()),
-        free: Mutex::new(Free::default()),
-        epoch: AtomicU64::new(0),
-        gates: Mutex::new(Vec::new()),
-        work: Mutex::new(Work::default()),
-        work_cv: Condvar::new(),
-        failed: AtomicBool::new(false),
-        used_blocks: AtomicU64::new(0),
-        low_water_blocks,
-        low_said: AtomicBool::new(false),
-        report: Mutex::new(report),
-        running: !dry,
-        crashed: AtomicBool::new(false),
-    });
+    let inner = new_inner(name, &data, &sb, !dry);
     let describe = format!(
         "thin-pool block={} data={} blocks metadata={}",
         format_bytes(sb.block_bytes),
@@ -476,7 +432,7 @@ pub(super) fn prepare(
         }
     );
     let mut c = Committer {
-        inner: inner.clone(),
+        inner,
         state,
         sb,
         sb_slot: slot,
@@ -494,29 +450,104 @@ pub(super) fn prepare(
     c.next_seq = fresh.unwrap_or(1);
     c.checkpoint_bytes = c.sb.checkpoint_pages * sbk::PAGE;
     c.new = fresh.is_none();
-    if dry {
-        return Ok((c, examined, describe));
-    }
-    if fresh.is_none() {
-        // A new pool: the superblock first, so that a crash leaves a pool to open.
-        let mut sb = c.sb.clone();
-        sb.created_secs = now_secs();
-        c.meta()
-            .write(0, &sb.encode(), IoFlags::NONE)
-            .and_then(|()| c.meta().flush())
-            .map_err(|e| {
-                bad(format!(
-                    "writing the thin pool superblock on '{meta_name}': {e}"
-                ))
-            })?;
-        c.sb = sb;
-        c.sb_slot = 0;
-        log::info!(
-            "cairn: {name}: new thin pool of {} ({} blocks of {})",
-            format_bytes(c.sb.data_blocks << block_shift),
-            c.sb.data_blocks,
-            format_bytes(c.sb.block_bytes)
-        );
+    if !dry && fresh.is_none() {
+        write_new_superblock(&mut c, name, &meta_name)?;
     }
     Ok((c, examined, describe))
+}
+
+/// Refuses a recorded pool whose superblock `sb` does not fit what the stack file gives:
+/// another block size, a data device too small (`data`), or its metadata elsewhere than
+/// `meta_on_data` says.
+fn check_recorded(
+    sb: &PoolSuperblock,
+    data: &Arc<dyn Device>,
+    meta_on_data: bool,
+    opts: PoolOptions,
+) -> Result<(), Error> {
+    let bad = |m: String| Error::Invalid(m);
+    if let Some(b) = opts.block_bytes {
+        if b != sb.block_bytes {
+            return Err(bad(format!(
+                "the pool was made with block = {}; the stack file says {} (a pool's block size never changes)",
+                format_bytes(sb.block_bytes),
+                format_bytes(b)
+            )));
+        }
+    }
+    let data_size = data.geometry().size_bytes;
+    let need = sb.data_offset + (sb.data_blocks << sb.block_bytes.trailing_zeros());
+    if data_size < need {
+        return Err(bad(format!(
+            "data device '{}' is {}, smaller than the pool's {} (wrong device?)",
+            data.name(),
+            format_bytes(data_size),
+            format_bytes(need)
+        )));
+    }
+    if (sb.flags & sbk::FLAG_META_ON_DATA != 0) != meta_on_data {
+        return Err(bad(
+            "the pool's metadata is recorded as being elsewhere: check the 'metadata' key".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The run-time pool of superblock `sb` on `data`, with no volume yet.
+fn new_inner(name: &str, data: &Arc<dyn Device>, sb: &PoolSuperblock, running: bool) -> Arc<Inner> {
+    let low_water_blocks = sb.low_water_blocks;
+    let mut report = PoolReport {
+        name: name.to_string(),
+        block_bytes: sb.block_bytes,
+        data_blocks: sb.data_blocks,
+        checkpoint_capacity: sb.checkpoint_capacity,
+        log_bytes: sb.log_bytes,
+        low_water_blocks,
+        ..PoolReport::default()
+    };
+    report.checkpoint_bytes = sb.checkpoint_pages * sbk::PAGE;
+    Arc::new(Inner {
+        name: name.to_string(),
+        data: data.clone(),
+        block_shift: sb.block_bytes.trailing_zeros(),
+        data_offset: sb.data_offset,
+        data_blocks: sb.data_blocks,
+        volumes: Mutex::new(BTreeMap::new()),
+        free: Mutex::new(Free::default()),
+        epoch: AtomicU64::new(0),
+        gates: Mutex::new(Vec::new()),
+        work: Mutex::new(Work::default()),
+        work_cv: Condvar::new(),
+        failed: AtomicBool::new(false),
+        used_blocks: AtomicU64::new(0),
+        low_water_blocks,
+        low_said: AtomicBool::new(false),
+        report: Mutex::new(report),
+        running,
+        crashed: AtomicBool::new(false),
+    })
+}
+
+/// Writes a new pool's superblock (and flushes it) before anything else, so that a crash
+/// leaves a pool to open.
+fn write_new_superblock(c: &mut Committer, name: &str, meta_name: &str) -> Result<(), Error> {
+    let mut sb = c.sb.clone();
+    sb.created_secs = now_secs();
+    c.meta()
+        .write(0, &sb.encode(), IoFlags::NONE)
+        .and_then(|()| c.meta().flush())
+        .map_err(|e| {
+            Error::Invalid(format!(
+                "writing the thin pool superblock on '{meta_name}': {e}"
+            ))
+        })?;
+    c.sb = sb;
+    c.sb_slot = 0;
+    log::info!(
+        "cairn: {name}: new thin pool of {} ({} blocks of {})",
+        format_bytes(c.sb.data_blocks << c.sb.block_bytes.trailing_zeros()),
+        c.sb.data_blocks,
+        format_bytes(c.sb.block_bytes)
+    );
+    Ok(())
 }

@@ -301,6 +301,11 @@ impl Inner {
         // Highest first, as the free list keeps them: the queue pops the lowest first, so
         // a sequential write lands on consecutive blocks in order.
         stash.extend(free.zeroed.drain(at..));
+        debug_assert!(
+            stash.iter().all(|&b| u64::from(b) < self.data_blocks),
+            "a free block past the pool's {} blocks",
+            self.data_blocks
+        );
         let left = free.zeroed.len() as u64;
         drop(free);
         self.used_blocks.fetch_add(n as u64, Relaxed);
@@ -330,12 +335,14 @@ impl Inner {
     /// A block a queue wrote into and could not map (another request mapped the entry
     /// first): zeroed by the commit thread before reuse.
     pub(super) fn give_back_dirty(&self, block: u32) {
+        debug_assert!(u64::from(block) < self.data_blocks, "block {block}");
         lock(&self.free).dirty.push(block);
         self.kick();
     }
 
     /// A queue unmapped owned block `block` (see [`Free::unmapped`]).
     pub(super) fn unmapped(&self, block: u32) {
+        debug_assert!(u64::from(block) < self.data_blocks, "block {block}");
         lock(&self.free).unmapped.push(block);
     }
 

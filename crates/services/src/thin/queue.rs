@@ -258,6 +258,16 @@ struct Piece {
     at: u64,
 }
 
+/// What deciding a piece came to.
+enum Placed {
+    /// It goes to the data device as it is, at this offset.
+    At(u64),
+    /// Handled here: a hole filled or left, an unmap, a copy on write started, a failure.
+    Done,
+    /// Its entry changed under it (another request won the swap): decide it again.
+    Again,
+}
+
 /// What a request sent to the data device is for.
 #[derive(Clone, Copy)]
 enum Child {
@@ -573,106 +583,135 @@ impl ThinQueue {
     /// unmap, a copy on write started, a failure).
     fn place(&self, piece: Piece, io: &Io) -> Option<u64> {
         let bs = 1u64 << self.shift();
-        let t = &self.vol.table;
         let whole = piece.off == 0 && piece.len == bs;
         loop {
-            let e = t.get(piece.vb);
-            match io.op {
-                Op::Read => {
-                    if e == 0 {
-                        // SAFETY: the piece lies inside the parent's buffer.
-                        unsafe {
-                            std::ptr::write_bytes(
-                                io.buf.add(piece.at as usize),
-                                0,
-                                piece.len as usize,
-                            )
-                        };
-                        return None;
-                    }
-                    return Some(self.phys(e) + piece.off);
-                }
-                Op::Write => {
-                    if e & OWNED != 0 {
-                        return Some(self.phys(e) + piece.off);
-                    }
-                    let Some(new) = self.pop_block(piece.parent) else {
-                        self.fail_piece(piece.parent, libc::ENOSPC);
-                        return None;
-                    };
-                    if e == 0 {
-                        if !t.has_leaf(piece.vb) {
-                            // Once per 1024 blocks of virtual space, on its first write.
-                            t.ensure_leaf(piece.vb);
-                        }
-                        let entry = (new + 1) | OWNED;
-                        match t.swap_if(piece.vb, 0, entry) {
-                            Ok(()) => {
-                                t.mark(piece.vb);
-                                return Some(self.phys(entry) + piece.off);
-                            }
-                            Err(_) => {
-                                // Mapped by another request meanwhile: look again.
-                                self.push_block(piece.parent, new);
-                                continue;
-                            }
-                        }
-                    }
-                    self.cow(piece, io, e, new, whole);
-                    return None;
-                }
-                _ => {
-                    let keep = io.op == Op::WriteZeroes && io.flags.contains(IoFlags::NO_HOLE);
-                    if e == 0 {
-                        if !keep {
-                            return None;
-                        }
-                        // Storage asked for: a new block is zeros already.
-                        let Some(new) = self.pop_block(piece.parent) else {
-                            self.fail_piece(piece.parent, libc::ENOSPC);
-                            return None;
-                        };
-                        t.ensure_leaf(piece.vb);
-                        if t.swap_if(piece.vb, 0, (new + 1) | OWNED).is_err() {
-                            self.push_block(piece.parent, new);
-                            continue;
-                        }
-                        t.mark(piece.vb);
-                        return None;
-                    }
-                    if whole && !keep {
-                        // Unmapped: the block (or this volume's share of it) is freed at
-                        // the next commit.
-                        if t.swap_if(piece.vb, e, 0).is_err() {
-                            continue;
-                        }
-                        t.mark(piece.vb);
-                        if e & OWNED != 0 {
-                            self.inner.unmapped((e & !OWNED) - 1);
-                        }
-                        return None;
-                    }
-                    if e & OWNED != 0 {
-                        return Some(self.phys(e) + piece.off);
-                    }
-                    let Some(new) = self.pop_block(piece.parent) else {
-                        self.fail_piece(piece.parent, libc::ENOSPC);
-                        return None;
-                    };
-                    if whole {
-                        // NO_HOLE over a shared block: a new block is zeros already.
-                        if t.swap_if(piece.vb, e, (new + 1) | OWNED).is_err() {
-                            self.push_block(piece.parent, new);
-                            continue;
-                        }
-                        t.mark(piece.vb);
-                        return None;
-                    }
-                    self.cow(piece, io, e, new, false);
-                    return None;
-                }
+            let e = self.vol.table.get(piece.vb);
+            let placed = match io.op {
+                Op::Read => return self.place_read(piece, io, e),
+                Op::Write => self.place_write(piece, io, e, whole),
+                _ => self.place_zeroes(piece, io, e, whole),
+            };
+            match placed {
+                Placed::At(phys) => return Some(phys),
+                Placed::Done => return None,
+                Placed::Again => continue,
             }
         }
+    }
+
+    /// A read piece of entry `e`: a hole is zeros, filled here; a mapped block is read
+    /// where it is.
+    #[inline]
+    fn place_read(&self, piece: Piece, io: &Io, e: u32) -> Option<u64> {
+        if e == 0 {
+            // SAFETY: the piece lies inside the parent's buffer.
+            unsafe { std::ptr::write_bytes(io.buf.add(piece.at as usize), 0, piece.len as usize) };
+            return None;
+        }
+        Some(self.phys(e) + piece.off)
+    }
+
+    /// A write piece of entry `e`: in place if the volume owns the block, into a new
+    /// block mapped here if it is a hole, else copied on write.
+    #[inline]
+    fn place_write(&self, piece: Piece, io: &Io, e: u32, whole: bool) -> Placed {
+        if e & OWNED != 0 {
+            return Placed::At(self.phys(e) + piece.off);
+        }
+        let Some(new) = self.take_block(piece.parent) else {
+            return Placed::Done;
+        };
+        if e == 0 {
+            let t = &self.vol.table;
+            if !t.has_leaf(piece.vb) {
+                // Once per 1024 blocks of virtual space, on its first write.
+                t.ensure_leaf(piece.vb);
+            }
+            let entry = (new + 1) | OWNED;
+            return match t.swap_if(piece.vb, 0, entry) {
+                Ok(()) => {
+                    t.mark(piece.vb);
+                    Placed::At(self.phys(entry) + piece.off)
+                }
+                Err(_) => {
+                    // Mapped by another request meanwhile: look again.
+                    self.push_block(piece.parent, new);
+                    Placed::Again
+                }
+            };
+        }
+        self.cow(piece, io, e, new, whole);
+        Placed::Done
+    }
+
+    /// A discard or write-zeroes piece of entry `e`: a hole stays one (unless NO_HOLE
+    /// asks for storage), a whole block is unmapped, part of an owned block is passed
+    /// down, part of a shared one is copied with zeros.
+    #[inline]
+    fn place_zeroes(&self, piece: Piece, io: &Io, e: u32, whole: bool) -> Placed {
+        let keep = io.op == Op::WriteZeroes && io.flags.contains(IoFlags::NO_HOLE);
+        if e == 0 {
+            if !keep {
+                return Placed::Done;
+            }
+            // Storage asked for: a new block is zeros already.
+            let Some(new) = self.take_block(piece.parent) else {
+                return Placed::Done;
+            };
+            self.vol.table.ensure_leaf(piece.vb);
+            return self.swap_in(piece, 0, new);
+        }
+        if whole && !keep {
+            return self.unmap(piece, e);
+        }
+        if e & OWNED != 0 {
+            return Placed::At(self.phys(e) + piece.off);
+        }
+        let Some(new) = self.take_block(piece.parent) else {
+            return Placed::Done;
+        };
+        if whole {
+            // NO_HOLE over a shared block: a new block is zeros already.
+            return self.swap_in(piece, e, new);
+        }
+        self.cow(piece, io, e, new, false);
+        Placed::Done
+    }
+
+    /// Unmaps the piece's whole block, entry `e`: the block (or this volume's share of
+    /// it) is freed at the next commit.
+    fn unmap(&self, piece: Piece, e: u32) -> Placed {
+        let t = &self.vol.table;
+        if t.swap_if(piece.vb, e, 0).is_err() {
+            return Placed::Again;
+        }
+        t.mark(piece.vb);
+        if e & OWNED != 0 {
+            self.inner.unmapped((e & !OWNED) - 1);
+        }
+        Placed::Done
+    }
+
+    /// Maps zeroed block `new` in place of entry `old` for the whole piece; if another
+    /// request changed the entry meanwhile, `new` goes back and the piece runs again.
+    fn swap_in(&self, piece: Piece, old: u32, new: u32) -> Placed {
+        let t = &self.vol.table;
+        if t.swap_if(piece.vb, old, (new + 1) | OWNED).is_err() {
+            self.push_block(piece.parent, new);
+            return Placed::Again;
+        }
+        t.mark(piece.vb);
+        Placed::Done
+    }
+
+    /// A block for a piece of parent `p`, or `None` with the parent failed with ENOSPC.
+    #[inline]
+    fn take_block(&self, p: u32) -> Option<u32> {
+        let new = self.pop_block(p);
+        if new.is_none() {
+            self.fail_piece(p, libc::ENOSPC);
+        }
+        new
     }
 
     fn fail_piece(&self, parent: u32, errno: i32) {

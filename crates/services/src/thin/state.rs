@@ -2,7 +2,7 @@
 //! count per data block. Replay applies records to it in order, checking each one's
 //! preconditions, and `cairn check` compares the counts it derives with the ones a
 //! checkpoint stored. Pure logic, no I/O; the reactors' lock-free tables are built from
-//! it at open. (WORK IN PROGRESS on the thin-37 branch.)
+//! it at open.
 
 use std::collections::BTreeMap;
 

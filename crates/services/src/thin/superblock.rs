@@ -1,16 +1,20 @@
-//! A thin pool's superblock, format version 1: pure encode and decode, no I/O.
+//! A thin pool's superblock, format version 2 (version 1 still read): pure encode and
+//! decode, no I/O. The README's "On-disk format: thin pool, version 2" documents it.
 //!
-//! It is kept in two 8 KiB slots at the start of the metadata area, with the array
-//! superblock's rules: a write goes to the slot not holding the newest valid copy, with a
-//! generation one higher, so a torn write leaves the other. It says where everything else
-//! is: the data blocks, the log ring ([`super::format`]) and the two checkpoint areas, of
-//! which one (or none, for a new pool) holds the state replay starts from. (WORK IN
-//! PROGRESS on the thin-37 branch, not yet documented in the README.)
+//! It is kept in two 8 KiB slots at the start of the metadata area. Every checkpoint
+//! writes both, with a generation one higher: first the slot not holding the newest valid
+//! copy, then the other, each flushed, so a torn write leaves a valid copy and damage to
+//! one slot at rest leaves the other as new as the pool. The framing (magic, version,
+//! checksum) and the pick of a slot are those every record format of cairn's own shares
+//! ([`cairn_core::ondisk::record`]). It says where everything else is: the data blocks,
+//! the log ring ([`super::format`]) and the two checkpoint areas, of which one (or none,
+//! for a new pool) holds the state replay starts from.
 //!
 //! All integers are little-endian.
 
+use cairn_core::ondisk::{get32, get64, put32, put64, Frame, Invalid, Picked};
+
 use super::pool::CHECKPOINT_BYTES_PER_BLOCK;
-use cairn_core::ondisk::{get32, get64, put32, put64};
 
 /// Bytes of one slot.
 pub const SLOT_BYTES: usize = 8192;
@@ -22,6 +26,9 @@ pub const MAGIC: [u8; 8] = *b"CAIRNTP\0";
 /// the commit's length in every block, new magics); version 1 pools are still read, and
 /// written as version 2 by the first open.
 pub const VERSION: u32 = 2;
+/// The record framing ([`cairn_core::ondisk::record`]): the magic, the version (1 or 2),
+/// and the CRC-32C in the slot's last 4 bytes over all before them.
+pub const FRAME: Frame = Frame::new("superblock", MAGIC, 1, VERSION, SLOT_BYTES);
 /// The smallest and largest allocation unit.
 pub const BLOCK_MIN: u64 = 64 << 10;
 /// See [`BLOCK_MIN`].
@@ -43,9 +50,9 @@ pub const FLAG_NEEDS_CHECK: u32 = 2;
 pub const FLAG_META_ON_DATA: u32 = 4;
 const FLAGS_KNOWN: u32 = FLAG_CLEAN | FLAG_NEEDS_CHECK | FLAG_META_ON_DATA;
 
+/// Where the fields are in a slot (the magic at 0, the version at 8 and the checksum in
+/// the last 4 bytes are [`FRAME`]'s).
 mod at {
-    pub const MAGIC: usize = 0;
-    pub const VERSION: usize = 8;
     pub const SLOT_BYTES: usize = 12;
     pub const GENERATION: usize = 16;
     pub const UUID: usize = 24;
@@ -69,24 +76,6 @@ mod at {
     pub const CREATED: usize = 168;
     pub const UPDATED: usize = 176;
     pub const NEXT_VOLUME: usize = 184;
-    pub const CRC: usize = super::SLOT_BYTES - 4;
-}
-
-/// Why a slot is not a valid superblock.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Invalid {
-    /// Shorter or longer than a slot.
-    Length(usize),
-    /// All zeros: never written.
-    Blank,
-    /// Not this format's magic.
-    Magic,
-    /// A version this code does not read.
-    Version(u32),
-    /// The checksum does not match.
-    Checksum,
-    /// A field out of range, named.
-    Field(&'static str),
 }
 
 /// The pool's superblock.
@@ -141,8 +130,6 @@ impl PoolSuperblock {
     /// The slot's bytes.
     pub fn encode(&self) -> Vec<u8> {
         let mut b = vec![0u8; SLOT_BYTES];
-        b[at::MAGIC..at::MAGIC + 8].copy_from_slice(&MAGIC);
-        put32(&mut b, at::VERSION, VERSION);
         put32(&mut b, at::SLOT_BYTES, SLOT_BYTES as u32);
         put64(&mut b, at::GENERATION, self.generation);
         b[at::UUID..at::UUID + 16].copy_from_slice(&self.pool_uuid);
@@ -169,30 +156,13 @@ impl PoolSuperblock {
         put64(&mut b, at::CREATED, self.created_secs);
         put64(&mut b, at::UPDATED, self.updated_secs);
         put32(&mut b, at::NEXT_VOLUME, self.next_volume);
-        let crc = crc32c::crc32c(&b[..at::CRC]);
-        put32(&mut b, at::CRC, crc);
+        FRAME.seal(&mut b, VERSION);
         b
     }
 
     /// Reads one slot; every field is checked.
     pub fn decode(b: &[u8]) -> Result<PoolSuperblock, Invalid> {
-        if b.len() != SLOT_BYTES {
-            return Err(Invalid::Length(b.len()));
-        }
-        if b[at::MAGIC..at::MAGIC + 8] != MAGIC {
-            return Err(if b.iter().all(|&x| x == 0) {
-                Invalid::Blank
-            } else {
-                Invalid::Magic
-            });
-        }
-        let version = get32(b, at::VERSION);
-        if version != 1 && version != VERSION {
-            return Err(Invalid::Version(version));
-        }
-        if get32(b, at::CRC) != crc32c::crc32c(&b[..at::CRC]) {
-            return Err(Invalid::Checksum);
-        }
+        let version = FRAME.open(b)?.version;
         let sb = PoolSuperblock {
             version,
             generation: get64(b, at::GENERATION),
@@ -217,17 +187,17 @@ impl PoolSuperblock {
             next_volume: get32(b, at::NEXT_VOLUME),
         };
         if get32(b, at::SLOT_BYTES) as usize != SLOT_BYTES {
-            return Err(Invalid::Field("slot_bytes"));
+            return Err(FRAME.field("slot_bytes"));
         }
         if get32(b, at::INCOMPAT) != 0 {
-            return Err(Invalid::Field("incompat"));
+            return Err(FRAME.field("incompat"));
         }
         sb.check().map(|()| sb)
     }
 
     /// Every field in range, and the metadata regions (slots, log, checkpoints) apart.
     fn check(&self) -> Result<(), Invalid> {
-        let f = Invalid::Field;
+        let f = |name| FRAME.field(name);
         if self.flags & !FLAGS_KNOWN != 0 {
             return Err(f("flags"));
         }
@@ -315,22 +285,11 @@ pub fn checkpoint_capacity_max(data_blocks: u64) -> u64 {
         .saturating_mul(PAGE)
 }
 
-/// What the two slots hold: the newest valid superblock and its slot, and why the other
-/// is not valid (if it is not), or why neither is.
-pub fn pick(area: &[u8]) -> Result<(PoolSuperblock, usize, Option<Invalid>), (Invalid, Invalid)> {
-    let slot = |i: usize| {
-        area.get(i * SLOT_BYTES..(i + 1) * SLOT_BYTES).map_or(
-            Err(Invalid::Length(area.len().saturating_sub(i * SLOT_BYTES))),
-            PoolSuperblock::decode,
-        )
-    };
-    match (slot(0), slot(1)) {
-        (Ok(a), Ok(b)) if b.generation > a.generation => Ok((b, 1, None)),
-        (Ok(a), Ok(_)) => Ok((a, 0, None)),
-        (Ok(a), Err(e)) => Ok((a, 0, Some(e))),
-        (Err(e), Ok(b)) => Ok((b, 1, Some(e))),
-        (Err(a), Err(b)) => Err((a, b)),
-    }
+/// What the two slots hold: the newest valid superblock (by generation) and its slot,
+/// and why the other is damaged (unless valid or blank); or that both are blank, or why
+/// neither is valid.
+pub fn pick(area: &[u8]) -> Picked<PoolSuperblock> {
+    FRAME.pick(area, PoolSuperblock::decode, |sb| sb.generation)
 }
 
 #[cfg(test)]
@@ -378,13 +337,28 @@ mod tests {
             ..sample()
         };
         let mut area = [older.encode(), newer.encode()].concat();
-        assert_eq!(pick(&area), Ok((newer.clone(), 1, None)));
-        area[SLOT_BYTES + 300] ^= 1;
-        assert_eq!(pick(&area), Ok((older, 0, Some(Invalid::Checksum))));
         assert_eq!(
-            pick(&vec![0u8; 2 * SLOT_BYTES]),
-            Err((Invalid::Blank, Invalid::Blank))
+            pick(&area),
+            Picked::Valid {
+                record: newer.clone(),
+                slot: 1,
+                other: Some(older.clone()),
+                damaged: None,
+            }
         );
+        area[SLOT_BYTES + 300] ^= 1;
+        assert_eq!(
+            pick(&area),
+            Picked::Valid {
+                record: older,
+                slot: 0,
+                other: None,
+                damaged: Some(Invalid::Checksum {
+                    record: "superblock"
+                }),
+            }
+        );
+        assert_eq!(pick(&vec![0u8; 2 * SLOT_BYTES]), Picked::Blank);
     }
 
     /// Counts and sizes that checked arithmetic and the pool's limits refuse: each one
@@ -447,7 +421,7 @@ mod tests {
         for (sb, field) in cases {
             assert_eq!(
                 PoolSuperblock::decode(&sb.encode()),
-                Err(Invalid::Field(field)),
+                Err(FRAME.field(field)),
                 "{sb:?}"
             );
         }
@@ -582,23 +556,23 @@ mod tests {
         for (sb, field) in cases {
             assert_eq!(
                 PoolSuperblock::decode(&sb.encode()),
-                Err(Invalid::Field(field)),
+                Err(FRAME.field(field)),
                 "{sb:?}"
             );
         }
         let mut b = sample().encode();
         put32(&mut b, at::INCOMPAT, 1);
-        let crc = crc32c::crc32c(&b[..at::CRC]);
-        put32(&mut b, at::CRC, crc);
-        assert_eq!(PoolSuperblock::decode(&b), Err(Invalid::Field("incompat")));
+        FRAME.seal(&mut b, VERSION);
+        assert_eq!(PoolSuperblock::decode(&b), Err(FRAME.field("incompat")));
         let mut b = sample().encode();
-        put32(&mut b, at::VERSION, 3);
-        assert_eq!(PoolSuperblock::decode(&b), Err(Invalid::Version(3)));
+        put32(&mut b, 8, 3);
+        assert_eq!(
+            PoolSuperblock::decode(&b).map_err(|e| e.to_string()),
+            Err("superblock version 3, this cairn reads versions 1 to 2".into())
+        );
         // Version 1 is read (its checksum sealed again after the change).
         let mut b = sample().encode();
-        put32(&mut b, at::VERSION, 1);
-        let crc = crc32c::crc32c(&b[..at::CRC]);
-        put32(&mut b, at::CRC, crc);
+        FRAME.seal(&mut b, 1);
         assert_eq!(PoolSuperblock::decode(&b).map(|s| s.version), Ok(1));
     }
 }

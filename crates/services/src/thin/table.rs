@@ -2,9 +2,11 @@
 //! changed without a lock. A directory of leaves of 1024 entries each; a lookup is two
 //! dependent loads, a change one compare-and-swap. Leaves are made by the control plane
 //! ([`Table::ensure_leaf`], never on a reactor) and live as long as the table.
-//! (WORK IN PROGRESS on the thin-37 branch.)
+//!
 
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, Ordering};
+
+use super::state::OWNED;
 
 /// Entries per leaf (one 4 KiB page of u32s).
 pub const LEAF_ENTRIES: usize = 1024;
@@ -83,6 +85,7 @@ impl Table {
     /// (or `Err(0)` when the leaf is missing or `vblock` is past the end).
     #[inline]
     pub fn swap_if(&self, vblock: u64, old: u32, new: u32) -> Result<(), u32> {
+        debug_assert_ne!(new, OWNED, "vblock {vblock}: an empty entry marked owned");
         let Some(l) = self.leaf(vblock) else {
             return Err(0);
         };
@@ -127,6 +130,9 @@ impl Table {
     /// Sets `vblock`'s entry without looking (control plane, with no reactor writing the
     /// volume: a snapshot's copy, opening). Makes the leaf if needed.
     pub fn set(&self, vblock: u64, entry: u32) {
+        debug_assert_ne!(entry, OWNED, "vblock {vblock}: an empty entry marked owned");
+        // Past the end the entry would be dropped: a mapping lost without a word.
+        debug_assert!(vblock < self.blocks, "vblock {vblock} of {}", self.blocks);
         self.ensure_leaf(vblock);
         if let Some(l) = self.leaf(vblock) {
             l[vblock as usize % LEAF_ENTRIES].store(entry, Ordering::Release);
@@ -180,6 +186,22 @@ mod tests {
         assert_eq!(t.get(3000), 0);
         t.ensure_leaf(5000); // past the end: nothing
         assert_eq!(t.mapped().collect::<Vec<_>>(), vec![(5, 7), (2999, 1)]);
+    }
+
+    /// The invariants debug builds check: a mapping set past the table's end would be
+    /// dropped, and an entry marked owned with no block names nothing.
+    #[test]
+    #[cfg(debug_assertions)]
+    fn debug_builds_refuse_a_mapping_past_the_end_or_an_owned_hole() {
+        let t = Table::new(10);
+        let past = std::panic::catch_unwind(|| t.set(10, 5));
+        assert!(past.is_err(), "a set past the end");
+        let owned_hole = std::panic::catch_unwind(|| t.set(1, OWNED));
+        assert!(owned_hole.is_err(), "an owned hole");
+        t.ensure_leaf(2);
+        assert!(std::panic::catch_unwind(|| t.swap_if(2, 0, OWNED)).is_err());
+        t.set(9, 5 | OWNED);
+        assert_eq!(t.get(9), 5 | OWNED);
     }
 
     #[test]

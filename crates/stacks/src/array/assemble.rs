@@ -97,6 +97,53 @@ pub fn plan(
     mut uuid: impl FnMut() -> [u8; 16],
 ) -> Result<Plan, String> {
     assert_eq!(seen.len(), expect.members.len(), "one entry per member");
+    refuse_foreign(expect, seen)?;
+    refuse_retired(expect, seen)?;
+    let valid: Vec<(usize, &Superblock)> = seen
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| match s {
+            Seen::Valid(sb) => Some((i, sb)),
+            _ => None,
+        })
+        .collect();
+    let Some(&(_, record)) = valid.iter().max_by_key(|(_, sb)| sb.events) else {
+        return create(expect, seen, now_secs, uuid);
+    };
+    // Every valid superblock must be of this array, as the stack file lays it out.
+    for &(i, sb) in &valid {
+        check_member(expect, &valid, record, i, sb)?;
+    }
+    refuse_other_spares(expect, seen, record)?;
+    let mut notes = Vec::new();
+    // Whether the record's bitmap can bring members back (this run keeps one too).
+    let bitmap = record.region_bytes != 0 && expect.bitmap_region != 0;
+    let mut parts = Vec::with_capacity(seen.len());
+    for (i, s) in seen.iter().enumerate() {
+        let (part, note) = part_of(expect, record, bitmap, i, s, &mut uuid);
+        parts.push(part);
+        notes.extend(note);
+    }
+    let plan = Plan {
+        created: false,
+        array_uuid: record.array_uuid,
+        events: record.events,
+        clean: record.clean(),
+        resync_from: if record.clean() {
+            0
+        } else {
+            record.resync_offset
+        },
+        created_secs: record.created_secs,
+        parts,
+        notes,
+    };
+    check_readable(expect, &plan)?;
+    Ok(plan)
+}
+
+/// Refuses a member that holds data but no superblock.
+fn refuse_foreign(expect: &Expect, seen: &[Seen]) -> Result<(), String> {
     let name = &expect.name;
     for (i, s) in seen.iter().enumerate() {
         if let Seen::Foreign(why) = s {
@@ -109,8 +156,13 @@ pub fn plan(
             ));
         }
     }
-    // A member taken out of the array (replace, remove) is out of date from then on: the
-    // stack file names the members from before the change.
+    Ok(())
+}
+
+/// Refuses a member taken out of the array (replace, remove): it is out of date from
+/// then on, and the stack file names the members from before the change.
+fn refuse_retired(expect: &Expect, seen: &[Seen]) -> Result<(), String> {
+    let name = &expect.name;
     for (i, s) in seen.iter().enumerate() {
         if let Seen::Valid(sb) = s {
             if sb.retired() {
@@ -132,73 +184,77 @@ pub fn plan(
             }
         }
     }
-    let valid: Vec<(usize, &Superblock)> = seen
-        .iter()
-        .enumerate()
-        .filter_map(|(i, s)| match s {
-            Seen::Valid(sb) => Some((i, sb)),
-            _ => None,
-        })
-        .collect();
-    let Some(&(_, record)) = valid.iter().max_by_key(|(_, sb)| sb.events) else {
-        return create(expect, seen, now_secs, uuid);
-    };
-    // Every valid superblock must be of this array, as the stack file lays it out.
-    for &(i, sb) in &valid {
-        let member = &expect.members[i];
-        if sb.array_uuid != record.array_uuid {
-            let (j, _) = valid
-                .iter()
-                .find(|(_, r)| r.array_uuid == record.array_uuid)
-                .copied()
-                .unwrap_or((i, sb));
-            return Err(format!(
-                "device '{name}': members '{member}' and '{}' belong to different arrays ({} and {})",
-                expect.members[j],
-                super::superblock::uuid_text(&sb.array_uuid),
-                super::superblock::uuid_text(&record.array_uuid)
-            ));
-        }
-        let layout = |s: &Superblock| {
-            format!(
-                "{} of {} members, chunk {}, copies {}",
-                s.level.name(),
-                s.roles.len(),
-                s.chunk_bytes,
-                s.copies
-            )
-        };
-        let want = format!(
-            "{} of {} members, chunk {}, copies {}",
-            expect.level.name(),
-            expect.members.len(),
-            expect.chunk_bytes,
-            expect.copies
-        );
-        if layout(sb) != want {
-            return Err(format!(
-                "device '{name}': member '{member}' belongs to a {}, but the stack file makes a {want}",
-                layout(sb)
-            ));
-        }
-        if sb.role as usize != i {
-            return Err(format!(
-                "device '{name}': member '{member}' is member {} of the array, but listed as member {}; \
-                 list the members in their order",
-                sb.role + 1,
-                i + 1
-            ));
-        }
-        if let Some(&(j, _)) = valid
+    Ok(())
+}
+
+/// Checks that member `i`'s valid superblock `sb` is of the array `record` is of, laid
+/// out as the stack file says, at its position, and not another member's copy.
+fn check_member(
+    expect: &Expect,
+    valid: &[(usize, &Superblock)],
+    record: &Superblock,
+    i: usize,
+    sb: &Superblock,
+) -> Result<(), String> {
+    let (name, member) = (&expect.name, &expect.members[i]);
+    if sb.array_uuid != record.array_uuid {
+        let (j, _) = valid
             .iter()
-            .find(|(j, other)| *j < i && other.member_uuid == sb.member_uuid)
-        {
-            return Err(format!(
-                "device '{name}': members '{}' and '{member}' are the same member (a copy of one image?)",
-                expect.members[j]
-            ));
-        }
+            .find(|(_, r)| r.array_uuid == record.array_uuid)
+            .copied()
+            .unwrap_or((i, sb));
+        return Err(format!(
+            "device '{name}': members '{member}' and '{}' belong to different arrays ({} and {})",
+            expect.members[j],
+            super::superblock::uuid_text(&sb.array_uuid),
+            super::superblock::uuid_text(&record.array_uuid)
+        ));
     }
+    let layout = |s: &Superblock| {
+        format!(
+            "{} of {} members, chunk {}, copies {}",
+            s.level.name(),
+            s.roles.len(),
+            s.chunk_bytes,
+            s.copies
+        )
+    };
+    let want = format!(
+        "{} of {} members, chunk {}, copies {}",
+        expect.level.name(),
+        expect.members.len(),
+        expect.chunk_bytes,
+        expect.copies
+    );
+    if layout(sb) != want {
+        return Err(format!(
+            "device '{name}': member '{member}' belongs to a {}, but the stack file makes a {want}",
+            layout(sb)
+        ));
+    }
+    if sb.role as usize != i {
+        return Err(format!(
+            "device '{name}': member '{member}' is member {} of the array, but listed as member {}; \
+             list the members in their order",
+            sb.role + 1,
+            i + 1
+        ));
+    }
+    if let Some(&(j, _)) = valid
+        .iter()
+        .find(|(j, other)| *j < i && other.member_uuid == sb.member_uuid)
+    {
+        return Err(format!(
+            "device '{name}': members '{}' and '{member}' are the same member (a copy of one image?)",
+            expect.members[j]
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses a spare of another array than `record`'s.
+fn refuse_other_spares(expect: &Expect, seen: &[Seen], record: &Superblock) -> Result<(), String> {
+    let name = &expect.name;
     for (i, s) in seen.iter().enumerate() {
         if let Seen::Spare(of) = s {
             if *of != record.array_uuid {
@@ -211,107 +267,113 @@ pub fn plan(
             }
         }
     }
-    let mut notes = Vec::new();
-    let mut parts = Vec::with_capacity(seen.len());
-    // Whether the record's bitmap can bring members back (this run keeps one too).
-    let bitmap = record.region_bytes != 0 && expect.bitmap_region != 0;
-    for (i, s) in seen.iter().enumerate() {
-        let member = &expect.members[i];
-        let role = record.roles[i];
-        let (state, recovery_offset, member_uuid, partial) = match s {
-            Seen::Missing => (MemberState::Missing, 0, [0; 16], false),
-            Seen::Blank | Seen::Spare(_) => {
-                notes.push(format!(
-                    "member '{member}' is {}: it is written to, and not read until rebuilt",
-                    if matches!(s, Seen::Blank) {
-                        "blank"
-                    } else {
-                        "a spare of this array"
-                    }
-                ));
-                (MemberState::Rebuilding, 0, uuid(), false)
-            }
-            Seen::Valid(sb) if sb.events == record.events && role.state == MemberState::Active => (
-                MemberState::Active,
-                role.recovery_offset,
-                sb.member_uuid,
-                false,
-            ),
-            Seen::Valid(sb)
-                if sb.events == record.events && role.state == MemberState::Rebuilding =>
-            {
-                let partial = role.partial && bitmap;
-                let offset = if role.partial && !partial {
-                    // Recovered from a bitmap this run does not keep: from the start.
-                    0
+    Ok(())
+}
+
+/// How member `i`, holding `s`, takes part in the array `record` describes (`bitmap`:
+/// whether its bitmap can bring members back), and the line to log about it if any.
+fn part_of(
+    expect: &Expect,
+    record: &Superblock,
+    bitmap: bool,
+    i: usize,
+    s: &Seen,
+    uuid: &mut impl FnMut() -> [u8; 16],
+) -> (Part, Option<String>) {
+    let member = &expect.members[i];
+    let part = |state, recovery_offset, member_uuid, partial| Part {
+        state,
+        recovery_offset,
+        member_uuid,
+        partial,
+    };
+    match s {
+        Seen::Missing => (part(MemberState::Missing, 0, [0; 16], false), None),
+        Seen::Blank | Seen::Spare(_) => {
+            let note = format!(
+                "member '{member}' is {}: it is written to, and not read until rebuilt",
+                if matches!(s, Seen::Blank) {
+                    "blank"
                 } else {
-                    role.recovery_offset
-                };
-                notes.push(format!(
-                    "member '{member}' is being rebuilt{} ({offset} bytes done): not read beyond that",
-                    if partial { " from the bitmap" } else { "" }
-                ));
-                (MemberState::Rebuilding, offset, sb.member_uuid, partial)
-            }
-            Seen::Valid(sb)
-                if bitmap && sb.events >= record.events_cleared && {
-                    // Current when it left: active, or being recovered from the bitmap (then
-                    // its regions are still dirty, since no bit is cleared while a member
-                    // is away).
-                    let own = sb.roles[i];
-                    own.state == MemberState::Active
-                        || (own.state == MemberState::Rebuilding && own.partial)
-                } =>
-            {
-                let why = if sb.events < record.events {
-                    format!("events {} behind the array's {}", sb.events, record.events)
-                } else {
-                    format!("marked {} by the array", role.state.name())
-                };
-                notes.push(format!(
-                    "member '{member}' is back ({why}): the regions the bitmap marks are copied to it; it is read elsewhere"
-                ));
-                (MemberState::Rebuilding, 0, sb.member_uuid, true)
-            }
-            Seen::Valid(sb) => {
-                let why = if sb.events < record.events {
-                    format!(
-                        "stale: events {} behind the array's {}",
-                        sb.events, record.events
-                    )
-                } else {
-                    format!("marked {} by the array", role.state.name())
-                };
-                notes.push(format!(
-                    "member '{member}' is {why}: it is written to, and not read until rebuilt"
-                ));
-                (MemberState::Rebuilding, 0, sb.member_uuid, false)
-            }
-            Seen::Foreign(_) => unreachable!("refused above"),
-        };
-        parts.push(Part {
-            state,
-            recovery_offset,
-            member_uuid,
-            partial,
-        });
+                    "a spare of this array"
+                }
+            );
+            (part(MemberState::Rebuilding, 0, uuid(), false), Some(note))
+        }
+        Seen::Valid(sb) => valid_part(member, record, bitmap, i, sb),
+        Seen::Foreign(_) => unreachable!("refused above"),
     }
-    let plan = Plan {
-        created: false,
-        array_uuid: record.array_uuid,
-        events: record.events,
-        clean: record.clean(),
-        resync_from: if record.clean() {
+}
+
+/// How member `i` (named `member`), whose superblock is `sb`, takes part in the array
+/// `record` describes, and the line to log about it if any: active if current, else
+/// rebuilt (resumed, from the bitmap, or whole).
+fn valid_part(
+    member: &str,
+    record: &Superblock,
+    bitmap: bool,
+    i: usize,
+    sb: &Superblock,
+) -> (Part, Option<String>) {
+    let role = record.roles[i];
+    let rebuilding = |recovery_offset, partial| Part {
+        state: MemberState::Rebuilding,
+        recovery_offset,
+        member_uuid: sb.member_uuid,
+        partial,
+    };
+    if sb.events == record.events && role.state == MemberState::Active {
+        let part = Part {
+            state: MemberState::Active,
+            recovery_offset: role.recovery_offset,
+            member_uuid: sb.member_uuid,
+            partial: false,
+        };
+        return (part, None);
+    }
+    if sb.events == record.events && role.state == MemberState::Rebuilding {
+        let partial = role.partial && bitmap;
+        let offset = if role.partial && !partial {
+            // Recovered from a bitmap this run does not keep: from the start.
             0
         } else {
-            record.resync_offset
-        },
-        created_secs: record.created_secs,
-        parts,
-        notes,
+            role.recovery_offset
+        };
+        let note = format!(
+            "member '{member}' is being rebuilt{} ({offset} bytes done): not read beyond that",
+            if partial { " from the bitmap" } else { "" }
+        );
+        return (rebuilding(offset, partial), Some(note));
+    }
+    if bitmap && sb.events >= record.events_cleared && current_when_left(sb, i) {
+        let why = if sb.events < record.events {
+            format!("events {} behind the array's {}", sb.events, record.events)
+        } else {
+            format!("marked {} by the array", role.state.name())
+        };
+        let note = format!(
+            "member '{member}' is back ({why}): the regions the bitmap marks are copied to it; it is read elsewhere"
+        );
+        return (rebuilding(0, true), Some(note));
+    }
+    let why = if sb.events < record.events {
+        format!(
+            "stale: events {} behind the array's {}",
+            sb.events, record.events
+        )
+    } else {
+        format!("marked {} by the array", role.state.name())
     };
-    check_readable(expect, &plan)?;
-    Ok(plan)
+    let note = format!("member '{member}' is {why}: it is written to, and not read until rebuilt");
+    (rebuilding(0, false), Some(note))
+}
+
+/// Whether member `i` was current when it left, by its own superblock `sb`: active, or
+/// being recovered from the bitmap (then its regions are still dirty, since no bit is
+/// cleared while a member is away).
+fn current_when_left(sb: &Superblock, i: usize) -> bool {
+    let own = sb.roles[i];
+    own.state == MemberState::Active || (own.state == MemberState::Rebuilding && own.partial)
 }
 
 /// Every member blank or missing: a new array.

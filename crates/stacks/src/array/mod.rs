@@ -26,14 +26,12 @@ pub mod superblock;
 use std::sync::{Arc, Mutex};
 
 use cairn_core::blocking::BlockingQueue;
-use cairn_core::ondisk::new_uuid;
+use cairn_core::ondisk::{new_uuid, Invalid, Picked};
 use cairn_core::{Device, Error, IoFlags, Switches};
 
 use assemble::{Expect, Part, Plan, Seen};
 use bitmap::Bitmap;
-use superblock::{
-    Found, Invalid, MemberState, Role, Superblock, DATA_OFFSET_MIN, SLOTS, SLOT_BYTES,
-};
+use superblock::{MemberState, Role, Superblock, DATA_OFFSET_MIN, SLOTS, SLOT_BYTES};
 
 /// What the members hold, read when the array opens: the plan, where data starts and how
 /// much of each member is data.
@@ -100,22 +98,9 @@ pub fn examine(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Result<E
             generations.push(0);
             continue;
         };
-        let g = device.geometry();
         let member = &expect.members[i];
-        if u64::from(g.block_bytes) > SLOT_BYTES as u64 {
-            return Err(Error::Invalid(format!(
-                "device '{name}': member '{member}' has {}-byte blocks; an array with metadata needs blocks of at most {SLOT_BYTES}",
-                g.block_bytes
-            )));
-        }
+        holds_metadata(name, member, device)?;
         let mut area = vec![0u8; SLOTS * SLOT_BYTES];
-        if g.size_bytes < DATA_OFFSET_MIN + u64::from(g.block_bytes) {
-            return Err(Error::Invalid(format!(
-                "device '{name}': member '{member}' ({} bytes) is smaller than the metadata area ({DATA_OFFSET_MIN} bytes) and one block of data \
-                 (metadata = \"none\" gives the raw layout)",
-                g.size_bytes
-            )));
-        }
         let q = queue(device, name, member)?;
         q.read(0, &mut area).map_err(|e| {
             Error::Invalid(format!(
@@ -123,7 +108,7 @@ pub fn examine(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Result<E
             ))
         })?;
         match superblock::pick(&area) {
-            Found::Blank => match data_found(&q, device, &area)
+            Picked::Blank => match data_found(&q, device, &area)
                 .map_err(|e| Error::Invalid(format!("device '{name}': member '{member}': {e}")))?
             {
                 None => {
@@ -135,7 +120,12 @@ pub fn examine(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Result<E
                     generations.push(0);
                 }
             },
-            Found::Valid { sb, slot, damaged } => {
+            Picked::Valid {
+                record: sb,
+                slot,
+                damaged,
+                ..
+            } => {
                 if let Some(why) = damaged {
                     log::warn!(
                         "cairn: {name}: member '{member}': superblock slot {} is damaged ({why}); \
@@ -151,8 +141,8 @@ pub fn examine(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Result<E
                     Seen::Valid(sb)
                 });
             }
-            Found::Foreign { first, second } => {
-                let not_ours = |e: &Invalid| matches!(e, Invalid::Magic | Invalid::Blank);
+            Picked::Foreign { first, second } => {
+                let not_ours = |e: &Invalid| matches!(e, Invalid::Magic { .. } | Invalid::Blank);
                 let why = if not_ours(&first) && not_ours(&second) {
                     first_nonzero(&area).map_or_else(
                         || "no cairn superblock".to_string(),
@@ -175,74 +165,18 @@ pub fn examine(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Result<E
             _ => None,
         })
         .max_by_key(|sb| sb.events);
-    let mut recorded_bitmap = (0, Vec::new(), 0, 0);
-    if let Some(r) = record {
-        let mut bits = r.bitmap.clone();
-        for s in &seen {
-            if let Seen::Valid(sb) = s {
-                if sb.events == r.events && sb.region_bytes == r.region_bytes {
-                    for (b, x) in bits.iter_mut().zip(&sb.bitmap) {
-                        *b |= x;
-                    }
-                }
-            }
-        }
-        recorded_bitmap = (r.region_bytes, bits, r.array_bytes, r.events_cleared);
-    }
+    let recorded_bitmap = record.map_or((0, Vec::new(), 0, 0), |r| recorded_bitmap(r, &seen));
     let (data_offset, member_data, recorded_name) = match record {
-        None => {
-            // A new array: data after the metadata area. Linear members each give what
-            // they have; the others all give what the smallest has.
-            let mut data: Vec<u64> = members
-                .iter()
-                .map(|m| {
-                    m.as_ref()
-                        .map_or(0, |d| d.geometry().size_bytes - DATA_OFFSET_MIN)
-                })
-                .collect();
-            if expect.level != superblock::Level::Linear {
-                let smallest = data
-                    .iter()
-                    .zip(members)
-                    .filter(|(_, m)| m.is_some())
-                    .map(|(d, _)| *d)
-                    .min()
-                    .unwrap_or(0);
-                data.iter_mut().for_each(|d| *d = smallest);
-            }
-            (DATA_OFFSET_MIN, data, expect.name.clone())
-        }
-        Some(r) => {
-            let mut data = Vec::with_capacity(members.len());
-            for (i, s) in seen.iter().enumerate() {
-                // Linear members each record their own size; the others share one.
-                let bytes = match s {
-                    Seen::Valid(sb) if expect.level == superblock::Level::Linear => {
-                        sb.member_data_bytes
-                    }
-                    _ => r.member_data_bytes,
-                };
-                if let Some(d) = &members[i] {
-                    let size = d.geometry().size_bytes;
-                    // Each superblock's offset and size add up, but a linear member's
-                    // size and the newest superblock's offset come from two of them.
-                    let Some(need) = r.data_offset.checked_add(bytes) else {
-                        return Err(Error::Invalid(format!(
-                            "device '{name}': member '{}': its superblock's data size ({bytes} bytes) after the array's data offset ({}) is past any device",
-                            expect.members[i], r.data_offset
-                        )));
-                    };
-                    if size < need {
-                        return Err(Error::Invalid(format!(
-                            "device '{name}': member '{}' ({size} bytes) is smaller than the array needs ({need} bytes)",
-                            expect.members[i]
-                        )));
-                    }
-                }
-                data.push(bytes);
-            }
-            (r.data_offset, data, r.name.clone())
-        }
+        None => (
+            DATA_OFFSET_MIN,
+            new_member_data(expect, members),
+            expect.name.clone(),
+        ),
+        Some(r) => (
+            r.data_offset,
+            recorded_member_data(expect, members, &seen, r)?,
+            r.name.clone(),
+        ),
     };
     Ok(Examined {
         plan,
@@ -252,6 +186,162 @@ pub fn examine(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Result<E
         name: recorded_name,
         recorded_bitmap,
     })
+}
+
+/// Refuses member `member` of array `name` if its blocks are too large for the
+/// superblock slots, or it is too small for the metadata area and one block of data.
+fn holds_metadata(name: &str, member: &str, device: &Arc<dyn Device>) -> Result<(), Error> {
+    let g = device.geometry();
+    if u64::from(g.block_bytes) > SLOT_BYTES as u64 {
+        return Err(Error::Invalid(format!(
+            "device '{name}': member '{member}' has {}-byte blocks; an array with metadata needs blocks of at most {SLOT_BYTES}",
+            g.block_bytes
+        )));
+    }
+    if g.size_bytes < DATA_OFFSET_MIN + u64::from(g.block_bytes) {
+        return Err(Error::Invalid(format!(
+            "device '{name}': member '{member}' ({} bytes) is smaller than the metadata area ({DATA_OFFSET_MIN} bytes) and one block of data \
+             (metadata = \"none\" gives the raw layout)",
+            g.size_bytes
+        )));
+    }
+    Ok(())
+}
+
+/// The record `r`'s bitmap as [`Examined::recorded_bitmap`] keeps it: its bits, with
+/// those of every member as new as the record (and with the same regions) added.
+fn recorded_bitmap(r: &Superblock, seen: &[Seen]) -> (u64, Vec<u8>, u64, u64) {
+    let mut bits = r.bitmap.clone();
+    for s in seen {
+        if let Seen::Valid(sb) = s {
+            if sb.events == r.events && sb.region_bytes == r.region_bytes {
+                for (b, x) in bits.iter_mut().zip(&sb.bitmap) {
+                    *b |= x;
+                }
+            }
+        }
+    }
+    (r.region_bytes, bits, r.array_bytes, r.events_cleared)
+}
+
+/// Data bytes of each member of a new array, its data after the metadata area. Linear
+/// members each give what they have; the others all give what the smallest has.
+fn new_member_data(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Vec<u64> {
+    let mut data: Vec<u64> = members
+        .iter()
+        .map(|m| {
+            m.as_ref()
+                .map_or(0, |d| d.geometry().size_bytes - DATA_OFFSET_MIN)
+        })
+        .collect();
+    if expect.level != superblock::Level::Linear {
+        let smallest = data
+            .iter()
+            .zip(members)
+            .filter(|(_, m)| m.is_some())
+            .map(|(d, _)| *d)
+            .min()
+            .unwrap_or(0);
+        data.iter_mut().for_each(|d| *d = smallest);
+    }
+    data
+}
+
+/// Data bytes of each member as the record `r` (and, for linear members, their own
+/// superblocks) say; refuses a member too small for them.
+fn recorded_member_data(
+    expect: &Expect,
+    members: &[Option<Arc<dyn Device>>],
+    seen: &[Seen],
+    r: &Superblock,
+) -> Result<Vec<u64>, Error> {
+    let name = &expect.name;
+    let mut data = Vec::with_capacity(members.len());
+    for (i, s) in seen.iter().enumerate() {
+        // Linear members each record their own size; the others share one.
+        let bytes = match s {
+            Seen::Valid(sb) if expect.level == superblock::Level::Linear => sb.member_data_bytes,
+            _ => r.member_data_bytes,
+        };
+        if let Some(d) = &members[i] {
+            let size = d.geometry().size_bytes;
+            // Each superblock's offset and size add up, but a linear member's
+            // size and the newest superblock's offset come from two of them.
+            let Some(need) = r.data_offset.checked_add(bytes) else {
+                return Err(Error::Invalid(format!(
+                    "device '{name}': member '{}': its superblock's data size ({bytes} bytes) after the array's data offset ({}) is past any device",
+                    expect.members[i], r.data_offset
+                )));
+            };
+            if size < need {
+                return Err(Error::Invalid(format!(
+                    "device '{name}': member '{}' ({size} bytes) is smaller than the array needs ({need} bytes)",
+                    expect.members[i]
+                )));
+            }
+        }
+        data.push(bytes);
+    }
+    Ok(data)
+}
+
+/// Logs what starting the array finds: the notes on its members, an unclean stop, a
+/// creation.
+fn log_start(expect: &Expect, plan: &Plan, dry: bool, resync_pending: bool) {
+    for note in &plan.notes {
+        log::info!("cairn: {}: {note}", expect.name);
+    }
+    if resync_pending {
+        log::warn!(
+            "cairn: {}: was not stopped cleanly: its copies may differ, so every read goes to one copy until it is resynced",
+            expect.name
+        );
+    }
+    if !plan.created {
+        return;
+    }
+    // The UUID is named only once it is written: a dry run's is drawn at random and is
+    // not the one a real start would write.
+    if dry {
+        log::info!(
+            "cairn: {}: would create a {} of {} members",
+            expect.name,
+            expect.level.name(),
+            expect.members.len()
+        );
+    } else {
+        log::info!(
+            "cairn: {}: created a {} of {} members ({})",
+            expect.name,
+            expect.level.name(),
+            expect.members.len(),
+            superblock::uuid_text(&plan.array_uuid)
+        );
+    }
+}
+
+/// The bitmap of regions of `region` over `array_bytes` (the stack file's region, grown
+/// to fit) with the recorded bits carried over (converted if the region changed), and
+/// the event count its bits were last cleared at. An array that had none starts with
+/// every bit clear if it stopped cleanly, every bit set if not.
+fn start_bitmap(examined: &Examined, region: u64, array_bytes: u64) -> (Bitmap, u64) {
+    let (old_region, old_bits, old_bytes, old_cleared) = &examined.recorded_bitmap;
+    let (bits, cleared) = if *old_region == region && *old_bytes == array_bytes {
+        (old_bits.clone(), *old_cleared)
+    } else if *old_region != 0 {
+        let bits = convert_bits(*old_region, old_bits, *old_bytes, region, array_bytes);
+        (bits, *old_cleared)
+    } else {
+        let fill = if examined.plan.created || examined.plan.clean {
+            0
+        } else {
+            0xff
+        };
+        let bits = vec![fill; superblock::bitmap_bytes(array_bytes, region)];
+        // Members that left before now cannot use it.
+        (bits, examined.plan.events + 1)
+    };
+    (Bitmap::new(region, array_bytes, &bits), cleared)
 }
 
 /// The bits for regions of `region` over `array_bytes`, from bits recorded for regions of
@@ -351,46 +441,14 @@ impl Metadata {
     ) -> Result<Metadata, Error> {
         let dry = how != Start::Write;
         let logged = how != Start::Silent;
-        if logged {
-            for note in &examined.plan.notes {
-                log::info!("cairn: {}: {note}", expect.name);
-            }
-        }
         let redundant = matches!(
             expect.level,
             superblock::Level::Mirror | superblock::Level::Raid10
         );
         let resync_pending = redundant && !examined.plan.created && !examined.plan.clean;
-        if resync_pending && logged {
-            log::warn!(
-                "cairn: {}: was not stopped cleanly: its copies may differ, so every read goes to one copy until it is resynced",
-                expect.name
-            );
+        if logged {
+            log_start(&expect, &examined.plan, dry, resync_pending);
         }
-        if examined.plan.created && logged {
-            // The UUID is named only once it is written: a dry run's is drawn at random
-            // and is not the one a real start would write.
-            if dry {
-                log::info!(
-                    "cairn: {}: would create a {} of {} members",
-                    expect.name,
-                    expect.level.name(),
-                    expect.members.len()
-                );
-            } else {
-                log::info!(
-                    "cairn: {}: created a {} of {} members ({})",
-                    expect.name,
-                    expect.level.name(),
-                    expect.members.len(),
-                    superblock::uuid_text(&examined.plan.array_uuid)
-                );
-            }
-        }
-        // The bitmap: the stack file's region (grown to fit), with the recorded bits
-        // carried over (converted if the region changed). An array that had none starts
-        // with every bit clear if it stopped cleanly, every bit set if not.
-        let (old_region, old_bits, old_bytes, old_cleared) = &examined.recorded_bitmap;
         let region = if redundant && expect.bitmap_region != 0 {
             superblock::region_for(array_bytes, expect.bitmap_region)
         } else {
@@ -399,22 +457,7 @@ impl Metadata {
         let (bitmap, events_cleared) = if region == 0 {
             (None, 0)
         } else {
-            let (bits, cleared) = if *old_region == region && *old_bytes == array_bytes {
-                (old_bits.clone(), *old_cleared)
-            } else if *old_region != 0 {
-                let bits = convert_bits(*old_region, old_bits, *old_bytes, region, array_bytes);
-                (bits, *old_cleared)
-            } else {
-                let fill = if examined.plan.created || examined.plan.clean {
-                    0
-                } else {
-                    0xff
-                };
-                let bits = vec![fill; superblock::bitmap_bytes(array_bytes, region)];
-                // Members that left before now cannot use it.
-                (bits, examined.plan.events + 1)
-            };
-            let bm = Bitmap::new(region, array_bytes, &bits);
+            let (bm, cleared) = start_bitmap(&examined, region, array_bytes);
             if !examined.plan.created && bm.to_recover_count() > 0 && logged {
                 log::info!(
                     "cairn: {}: write-intent bitmap: {} of {} regions of {} dirty",
@@ -769,7 +812,7 @@ impl Metadata {
             .read_area(&device, &name)
             .map_err(|e| format!("{e}: it stays failed"))?;
         match superblock::pick(&area) {
-            Found::Valid { sb, .. }
+            Picked::Valid { record: sb, .. }
                 if sb.array_uuid == self.array_uuid && sb.member_uuid == member_uuid =>
             {
                 Ok(sb)
@@ -810,7 +853,7 @@ impl Metadata {
         let (q, area) = self.read_area(device, name)?;
         joinable(&q, device, &area, name, &self.array_uuid)?;
         let generation = match superblock::pick(&area) {
-            Found::Valid { sb, .. } => {
+            Picked::Valid { record: sb, .. } => {
                 let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
                 let in_use = st
                     .parts
@@ -861,7 +904,7 @@ impl Metadata {
         }
         let (_, area) = self.read_area(&device, name)?;
         let sb = match superblock::pick(&area) {
-            Found::Valid { sb, .. }
+            Picked::Valid { record: sb, .. }
                 if sb.array_uuid == self.array_uuid && sb.role == m as u32 && !sb.retired() =>
             {
                 sb
@@ -1195,21 +1238,21 @@ fn joinable(
 ) -> Result<(), String> {
     let wipe = "zero it first to use it (a new file, or blkdiscard -z for a disk)";
     match superblock::pick(area) {
-        Found::Blank => match data_found(q, device, area).map_err(|e| e.to_string())? {
+        Picked::Blank => match data_found(q, device, area).map_err(|e| e.to_string())? {
             None => Ok(()),
             Some(why) => Err(format!(
                 "'{name}' holds data but no superblock of this array ({why}; it may be someone's data): {wipe}"
             )),
         },
-        Found::Valid { sb, .. } if sb.array_uuid == *array_uuid => Ok(()),
+        Picked::Valid { record: sb, .. } if sb.array_uuid == *array_uuid => Ok(()),
         // Refused before anything is written to it.
-        Found::Valid { sb, .. } => Err(format!(
+        Picked::Valid { record: sb, .. } => Err(format!(
             "'{name}' is a {} of another array ('{}', {}): {wipe}",
             if sb.spare() { "spare" } else { "member" },
             sb.name,
             superblock::uuid_text(&sb.array_uuid)
         )),
-        Found::Foreign { .. } => Err(format!(
+        Picked::Foreign { .. } => Err(format!(
             "'{name}' holds data but no superblock of this array (it may be someone's data): {wipe}"
         )),
     }

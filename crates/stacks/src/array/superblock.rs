@@ -9,13 +9,13 @@
 //! valid copy, with a generation one higher. A write torn by a power cut leaves a slot
 //! whose checksum fails, and the other slot, the last good copy, is used. A slot is valid
 //! when its magic, version, length and CRC-32C agree; a member with no valid slot and a
-//! metadata area that is not all zeros is foreign, never data.
+//! metadata area that is not all zeros is foreign, never data. The framing (magic,
+//! version, checksum) and the pick of a slot are those every record format of cairn's
+//! own shares ([`cairn_core::ondisk::record`]).
 //!
 //! All integers are little-endian.
 
-use std::fmt;
-
-use cairn_core::ondisk::{get32, get64, put32, put64};
+use cairn_core::ondisk::{get32, get64, put32, put64, Frame, Invalid, Picked};
 
 /// Bytes of one superblock slot.
 pub const SLOT_BYTES: usize = 8192;
@@ -38,11 +38,13 @@ pub const MEMBERS_MAX: usize = 256;
 pub const MAGIC: [u8; 8] = *b"CAIRNSB\0";
 /// The format version this code writes and reads.
 pub const VERSION: u32 = 1;
+/// The record framing ([`cairn_core::ondisk::record`]): the magic, the version, and the
+/// CRC-32C in the slot's last 4 bytes over all before them.
+pub const FRAME: Frame = Frame::new("superblock", MAGIC, VERSION, VERSION, SLOT_BYTES);
 
-/// Where the fields are in a slot.
+/// Where the fields are in a slot (the magic at 0, the version at 8 and the checksum at
+/// [`at::CRC`] are [`FRAME`]'s).
 mod at {
-    pub const MAGIC: usize = 0;
-    pub const VERSION: usize = 8;
     pub const SLOT_BYTES: usize = 12;
     pub const GENERATION: usize = 16;
     pub const ARRAY_UUID: usize = 24;
@@ -226,36 +228,6 @@ pub struct Superblock {
     pub roles: Vec<Role>,
 }
 
-/// Why a slot is not a valid superblock.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Invalid {
-    /// Not [`SLOT_BYTES`] long.
-    Length(usize),
-    /// Every byte is zero: nothing was ever written here.
-    Blank,
-    /// Another magic: not a cairn superblock.
-    Magic,
-    /// A version this code does not read.
-    Version(u32),
-    /// The checksum does not match (a torn or corrupted write).
-    Checksum,
-    /// A field is out of its range (named).
-    Field(&'static str),
-}
-
-impl fmt::Display for Invalid {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Invalid::Length(n) => write!(f, "a superblock slot of {n} bytes, not {SLOT_BYTES}"),
-            Invalid::Blank => f.write_str("blank"),
-            Invalid::Magic => f.write_str("no cairn superblock magic"),
-            Invalid::Version(v) => write!(f, "superblock version {v}, this cairn reads {VERSION}"),
-            Invalid::Checksum => f.write_str("superblock checksum mismatch"),
-            Invalid::Field(name) => write!(f, "superblock field '{name}' out of range"),
-        }
-    }
-}
-
 impl Superblock {
     /// The slot this superblock is written to: the generation's parity.
     pub fn slot(&self) -> usize {
@@ -288,8 +260,6 @@ impl Superblock {
             "a name of at most 64 bytes"
         );
         let mut b = vec![0u8; SLOT_BYTES];
-        b[at::MAGIC..at::MAGIC + 8].copy_from_slice(&MAGIC);
-        put32(&mut b, at::VERSION, VERSION);
         put32(&mut b, at::SLOT_BYTES, SLOT_BYTES as u32);
         put64(&mut b, at::GENERATION, self.generation);
         b[at::ARRAY_UUID..at::ARRAY_UUID + 16].copy_from_slice(&self.array_uuid);
@@ -327,64 +297,23 @@ impl Superblock {
             b[o + 1] = if r.partial { ROLE_PARTIAL } else { 0 };
             put64(&mut b, o + 8, r.recovery_offset);
         }
-        let crc = crc32c::crc32c(&b[..at::CRC]);
-        put32(&mut b, at::CRC, crc);
+        FRAME.seal(&mut b, VERSION);
         b
     }
 
     /// Reads one slot; every field is checked, so the result can be trusted as a value
-    /// (not yet as agreeing with the other members: assembly checks that).
+    /// (not yet as agreeing with the other members: assembly checks that). The checks run
+    /// in the order of the fields' dependencies, so a slot damaged in several places
+    /// names the first.
     pub fn decode(b: &[u8]) -> Result<Superblock, Invalid> {
-        if b.len() != SLOT_BYTES {
-            return Err(Invalid::Length(b.len()));
-        }
-        if b[..at::MAGIC + 8] != MAGIC {
-            return Err(if b.iter().all(|&x| x == 0) {
-                Invalid::Blank
-            } else {
-                Invalid::Magic
-            });
-        }
-        let version = get32(b, at::VERSION);
-        if version != VERSION {
-            return Err(Invalid::Version(version));
-        }
-        if get32(b, at::CRC) != crc32c::crc32c(&b[..at::CRC]) {
-            return Err(Invalid::Checksum);
-        }
+        FRAME.open(b)?;
         if get32(b, at::SLOT_BYTES) as usize != SLOT_BYTES {
-            return Err(Invalid::Field("slot_bytes"));
+            return Err(FRAME.field("slot_bytes"));
         }
-        let level = Level::from_u32(get32(b, at::LEVEL)).ok_or(Invalid::Field("level"))?;
-        let members = get32(b, at::MEMBERS) as usize;
-        if members == 0 || members > MEMBERS_MAX {
-            return Err(Invalid::Field("members"));
-        }
-        let role = get32(b, at::ROLE);
-        let spare = get32(b, at::FLAGS) & FLAG_SPARE != 0;
-        if spare != (role == ROLE_SPARE) || (!spare && role as usize >= members) {
-            return Err(Invalid::Field("role"));
-        }
-        let copies = get32(b, at::COPIES);
-        let copies_ok = match level {
-            Level::Linear | Level::Stripe => copies == 1,
-            Level::Mirror => copies as usize == members,
-            Level::Raid10 => copies >= 2 && copies as usize <= members,
-        };
-        if !copies_ok {
-            return Err(Invalid::Field("copies"));
-        }
-        let chunk_bytes = get64(b, at::CHUNK);
-        let chunk_ok = match level {
-            Level::Stripe | Level::Raid10 => chunk_bytes.is_power_of_two(),
-            Level::Linear | Level::Mirror => chunk_bytes == 0,
-        };
-        if !chunk_ok {
-            return Err(Invalid::Field("chunk"));
-        }
+        let shape = Shape::decode(b)?;
         let data_offset = get64(b, at::DATA_OFFSET);
         if data_offset < DATA_OFFSET_MIN || !data_offset.is_multiple_of(4096) {
-            return Err(Invalid::Field("data_offset"));
+            return Err(FRAME.field("data_offset"));
         }
         let member_data_bytes = get64(b, at::MEMBER_DATA);
         let array_bytes = get64(b, at::ARRAY_BYTES);
@@ -392,81 +321,34 @@ impl Superblock {
             || array_bytes == 0
             || data_offset.checked_add(member_data_bytes).is_none()
         {
-            return Err(Invalid::Field("member_data_bytes"));
+            return Err(FRAME.field("member_data_bytes"));
         }
-        let region_bytes = get64(b, at::REGION);
-        let bitmap_offset = get64(b, at::BITMAP_OFFSET);
-        let bitmap_len = get64(b, at::BITMAP_BYTES);
-        let bitmap = if region_bytes == 0 {
-            if bitmap_offset != 0 || bitmap_len != 0 {
-                return Err(Invalid::Field("bitmap"));
-            }
-            Vec::new()
-        } else {
-            if !region_bytes.is_power_of_two()
-                || region_bytes < REGION_MIN
-                || bitmap_offset != BITMAP_AT as u64
-                || array_bytes.div_ceil(region_bytes) > REGIONS_MAX
-                || bitmap_len != bitmap_bytes(array_bytes, region_bytes) as u64
-            {
-                return Err(Invalid::Field("bitmap"));
-            }
-            b[BITMAP_AT..BITMAP_AT + bitmap_len as usize].to_vec()
-        };
+        let (region_bytes, bitmap) = decode_bitmap(b, array_bytes)?;
         let resync_offset = get64(b, at::RESYNC_OFFSET);
         if resync_offset > array_bytes {
-            return Err(Invalid::Field("resync_offset"));
+            return Err(FRAME.field("resync_offset"));
         }
         let events = get64(b, at::EVENTS);
         let events_cleared = get64(b, at::EVENTS_CLEARED);
         if events_cleared > events {
-            return Err(Invalid::Field("events_cleared"));
+            return Err(FRAME.field("events_cleared"));
         }
-        let name_field = &b[at::NAME..at::NAME + at::NAME_BYTES];
-        let name_len = name_field
-            .iter()
-            .position(|&c| c == 0)
-            .unwrap_or(at::NAME_BYTES);
-        let name = std::str::from_utf8(&name_field[..name_len])
-            .map_err(|_| Invalid::Field("name"))?
-            .to_string();
-        let mut roles = Vec::with_capacity(members);
-        for i in 0..members {
-            let o = at::ROLES + i * at::ROLE_BYTES;
-            let state = MemberState::from_u8(b[o]).ok_or(Invalid::Field("roles"))?;
-            if b[o + 1] & !ROLE_PARTIAL != 0 {
-                return Err(Invalid::Field("roles"));
-            }
-            let recovery_offset = get64(b, o + 8);
-            if recovery_offset > member_data_bytes {
-                return Err(Invalid::Field("recovery_offset"));
-            }
-            roles.push(Role {
-                state,
-                recovery_offset,
-                partial: b[o + 1] & ROLE_PARTIAL != 0,
-            });
-        }
+        let name = decode_name(b)?;
+        let roles = decode_roles(b, shape.members, member_data_bytes)?;
         Ok(Superblock {
             generation: get64(b, at::GENERATION),
-            array_uuid: b[at::ARRAY_UUID..at::ARRAY_UUID + 16]
-                .try_into()
-                .expect("16 bytes"),
-            member_uuid: b[at::MEMBER_UUID..at::MEMBER_UUID + 16]
-                .try_into()
-                .expect("16 bytes"),
-            level,
-            chunk_bytes,
-            copies,
-            role,
+            array_uuid: uuid_at(b, at::ARRAY_UUID),
+            member_uuid: uuid_at(b, at::MEMBER_UUID),
+            level: shape.level,
+            chunk_bytes: shape.chunk_bytes,
+            copies: shape.copies,
+            role: shape.role,
             data_offset,
             member_data_bytes,
             array_bytes,
             events,
             flags: get32(b, at::FLAGS),
-            retired_by: b[at::RETIRED_BY..at::RETIRED_BY + 16]
-                .try_into()
-                .expect("16 bytes"),
+            retired_by: uuid_at(b, at::RETIRED_BY),
             resync_offset,
             region_bytes,
             bitmap,
@@ -479,70 +361,124 @@ impl Superblock {
     }
 }
 
-/// What a member's two slots hold.
-// Made once per member when an array is examined, and matched at once: the size of the
-// superblock inline costs nothing there, a box would cost every match a deref.
-#[allow(clippy::large_enum_variant)]
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Found {
-    /// Both slots all zeros: a blank member.
-    Blank,
-    /// The newest valid copy, and in which slot it is.
-    Valid {
-        /// The superblock.
-        sb: Superblock,
-        /// Its slot (0 or 1).
-        slot: usize,
-        /// Why the other slot is damaged, if it is (neither valid nor blank): a torn or
-        /// corrupted write that this copy covered, to be logged.
-        damaged: Option<Invalid>,
-    },
-    /// Neither slot is valid and the area is not blank: not ours to use.
-    Foreign {
-        /// Why slot 0 is not valid.
-        first: Invalid,
-        /// Why slot 1 is not valid.
-        second: Invalid,
-    },
+/// The array's shape as a slot records it: level, members, this member's role, copies,
+/// chunk; each checked against the others.
+struct Shape {
+    level: Level,
+    members: usize,
+    role: u32,
+    copies: u32,
+    chunk_bytes: u64,
 }
 
-/// Picks the newest valid slot of the metadata area's first `2 * SLOT_BYTES` bytes.
-pub fn pick(area: &[u8]) -> Found {
-    let slot = |i: usize| {
-        area.get(i * SLOT_BYTES..(i + 1) * SLOT_BYTES).map_or(
-            Err(Invalid::Length(area.len().saturating_sub(i * SLOT_BYTES))),
-            Superblock::decode,
-        )
-    };
-    match (slot(0), slot(1)) {
-        (Ok(a), Ok(b)) => {
-            if b.generation > a.generation {
-                Found::Valid {
-                    sb: b,
-                    slot: 1,
-                    damaged: None,
-                }
-            } else {
-                Found::Valid {
-                    sb: a,
-                    slot: 0,
-                    damaged: None,
-                }
-            }
+impl Shape {
+    fn decode(b: &[u8]) -> Result<Shape, Invalid> {
+        let level = Level::from_u32(get32(b, at::LEVEL)).ok_or(FRAME.field("level"))?;
+        let members = get32(b, at::MEMBERS) as usize;
+        if members == 0 || members > MEMBERS_MAX {
+            return Err(FRAME.field("members"));
         }
-        (Ok(a), Err(e)) => Found::Valid {
-            sb: a,
-            slot: 0,
-            damaged: (e != Invalid::Blank).then_some(e),
-        },
-        (Err(e), Ok(b)) => Found::Valid {
-            sb: b,
-            slot: 1,
-            damaged: (e != Invalid::Blank).then_some(e),
-        },
-        (Err(Invalid::Blank), Err(Invalid::Blank)) => Found::Blank,
-        (Err(first), Err(second)) => Found::Foreign { first, second },
+        let role = get32(b, at::ROLE);
+        let spare = get32(b, at::FLAGS) & FLAG_SPARE != 0;
+        if spare != (role == ROLE_SPARE) || (!spare && role as usize >= members) {
+            return Err(FRAME.field("role"));
+        }
+        let copies = get32(b, at::COPIES);
+        let copies_ok = match level {
+            Level::Linear | Level::Stripe => copies == 1,
+            Level::Mirror => copies as usize == members,
+            Level::Raid10 => copies >= 2 && copies as usize <= members,
+        };
+        if !copies_ok {
+            return Err(FRAME.field("copies"));
+        }
+        let chunk_bytes = get64(b, at::CHUNK);
+        let chunk_ok = match level {
+            Level::Stripe | Level::Raid10 => chunk_bytes.is_power_of_two(),
+            Level::Linear | Level::Mirror => chunk_bytes == 0,
+        };
+        if !chunk_ok {
+            return Err(FRAME.field("chunk"));
+        }
+        Ok(Shape {
+            level,
+            members,
+            role,
+            copies,
+            chunk_bytes,
+        })
     }
+}
+
+/// The write-intent bitmap's region size and bits (none when the region size is 0),
+/// checked against the array's size.
+fn decode_bitmap(b: &[u8], array_bytes: u64) -> Result<(u64, Vec<u8>), Invalid> {
+    let region_bytes = get64(b, at::REGION);
+    let bitmap_offset = get64(b, at::BITMAP_OFFSET);
+    let bitmap_len = get64(b, at::BITMAP_BYTES);
+    if region_bytes == 0 {
+        if bitmap_offset != 0 || bitmap_len != 0 {
+            return Err(FRAME.field("bitmap"));
+        }
+        return Ok((0, Vec::new()));
+    }
+    if !region_bytes.is_power_of_two()
+        || region_bytes < REGION_MIN
+        || bitmap_offset != BITMAP_AT as u64
+        || array_bytes.div_ceil(region_bytes) > REGIONS_MAX
+        || bitmap_len != bitmap_bytes(array_bytes, region_bytes) as u64
+    {
+        return Err(FRAME.field("bitmap"));
+    }
+    Ok((
+        region_bytes,
+        b[BITMAP_AT..BITMAP_AT + bitmap_len as usize].to_vec(),
+    ))
+}
+
+/// The array's name: UTF-8 up to the first zero byte of its field.
+fn decode_name(b: &[u8]) -> Result<String, Invalid> {
+    let field = &b[at::NAME..at::NAME + at::NAME_BYTES];
+    let len = field.iter().position(|&c| c == 0).unwrap_or(at::NAME_BYTES);
+    std::str::from_utf8(&field[..len])
+        .map(str::to_string)
+        .map_err(|_| FRAME.field("name"))
+}
+
+/// Every member's entry; a recovery offset past a member's data is refused.
+fn decode_roles(b: &[u8], members: usize, member_data_bytes: u64) -> Result<Vec<Role>, Invalid> {
+    let mut roles = Vec::with_capacity(members);
+    for i in 0..members {
+        let o = at::ROLES + i * at::ROLE_BYTES;
+        let state = MemberState::from_u8(b[o]).ok_or(FRAME.field("roles"))?;
+        if b[o + 1] & !ROLE_PARTIAL != 0 {
+            return Err(FRAME.field("roles"));
+        }
+        let recovery_offset = get64(b, o + 8);
+        if recovery_offset > member_data_bytes {
+            return Err(FRAME.field("recovery_offset"));
+        }
+        roles.push(Role {
+            state,
+            recovery_offset,
+            partial: b[o + 1] & ROLE_PARTIAL != 0,
+        });
+    }
+    Ok(roles)
+}
+
+/// The 16 bytes of a UUID field at `at`.
+fn uuid_at(b: &[u8], at: usize) -> [u8; 16] {
+    let mut u = [0u8; 16];
+    u.copy_from_slice(&b[at..at + 16]);
+    u
+}
+
+/// Picks the newest valid slot of the metadata area's first `2 * SLOT_BYTES` bytes, by
+/// generation: blank when both slots are all zeros (a blank member), foreign when neither
+/// is valid and they are not blank (not ours to use).
+pub fn pick(area: &[u8]) -> Picked<Superblock> {
+    FRAME.pick(area, Superblock::decode, |sb| sb.generation)
 }
 
 /// Bytes of bitmap an array of `array_bytes` needs with regions of `region_bytes` (0
@@ -670,9 +606,10 @@ mod tests {
         area[SLOT_BYTES..].copy_from_slice(&new.encode());
         assert_eq!(
             pick(&area),
-            Found::Valid {
-                sb: new.clone(),
+            Picked::Valid {
+                record: new.clone(),
                 slot: 1,
+                other: Some(old.clone()),
                 damaged: None,
             }
         );
@@ -681,19 +618,23 @@ mod tests {
         area[SLOT_BYTES + 4096..].fill(0);
         assert_eq!(
             pick(&area),
-            Found::Valid {
-                sb: old.clone(),
+            Picked::Valid {
+                record: old.clone(),
                 slot: 0,
-                damaged: Some(Invalid::Checksum),
+                other: None,
+                damaged: Some(Invalid::Checksum {
+                    record: "superblock"
+                }),
             }
         );
         // A slot never written is not damaged.
         area[SLOT_BYTES..].fill(0);
         assert_eq!(
             pick(&area),
-            Found::Valid {
-                sb: old,
+            Picked::Valid {
+                record: old,
                 slot: 0,
+                other: None,
                 damaged: None,
             }
         );
@@ -701,21 +642,21 @@ mod tests {
 
     #[test]
     fn blank_and_foreign() {
-        assert_eq!(pick(&vec![0u8; 2 * SLOT_BYTES]), Found::Blank);
+        assert_eq!(pick(&vec![0u8; 2 * SLOT_BYTES]), Picked::Blank);
         let mut area = vec![0u8; 2 * SLOT_BYTES];
         area[100] = 1;
-        assert!(matches!(pick(&area), Found::Foreign { .. }));
+        assert!(matches!(pick(&area), Picked::Foreign { .. }));
         // An ext4 or md superblock is not ours.
         let mut area = vec![0x53u8; 2 * SLOT_BYTES];
         area[0..4].copy_from_slice(&0xa92b4efcu32.to_le_bytes());
         assert!(matches!(
             pick(&area),
-            Found::Foreign {
-                first: Invalid::Magic,
+            Picked::Foreign {
+                first: Invalid::Magic { .. },
                 ..
             }
         ));
-        assert!(matches!(pick(&[]), Found::Foreign { .. }));
+        assert!(matches!(pick(&[]), Picked::Foreign { .. }));
     }
 
     #[test]
@@ -729,10 +670,9 @@ mod tests {
         ] {
             let mut b = sample(1).encode();
             put32(&mut b, field, value);
-            let crc = crc32c::crc32c(&b[..at::CRC]);
-            put32(&mut b, at::CRC, crc);
+            FRAME.seal(&mut b, VERSION);
             assert!(
-                matches!(Superblock::decode(&b), Err(Invalid::Field(_))),
+                matches!(Superblock::decode(&b), Err(Invalid::Field { .. })),
                 "field at {field} = {value}"
             );
         }
@@ -751,7 +691,7 @@ mod tests {
             (bad.flags, bad.role) = (flags, role);
             assert_eq!(
                 Superblock::decode(&bad.encode()),
-                Err(Invalid::Field("role")),
+                Err(FRAME.field("role")),
                 "flags {flags} role {role}"
             );
         }
@@ -761,17 +701,13 @@ mod tests {
     fn a_resync_offset_past_the_array_is_refused() {
         let mut b = sample(1).encode();
         put64(&mut b, at::RESYNC_OFFSET, (2 << 30) + 4096);
-        let crc = crc32c::crc32c(&b[..at::CRC]);
-        put32(&mut b, at::CRC, crc);
-        assert_eq!(Superblock::decode(&b), Err(Invalid::Field("resync_offset")));
+        FRAME.seal(&mut b, VERSION);
+        assert_eq!(Superblock::decode(&b), Err(FRAME.field("resync_offset")));
     }
 
     #[test]
     fn bitmap_fields_are_checked() {
-        let reseal = |b: &mut Vec<u8>| {
-            let crc = crc32c::crc32c(&b[..at::CRC]);
-            put32(b, at::CRC, crc);
-        };
+        let reseal = |b: &mut Vec<u8>| FRAME.seal(b, VERSION);
         for (field, value) in [
             (at::REGION, 3 << 20),
             (at::REGION, 4096),
@@ -784,14 +720,14 @@ mod tests {
             put64(&mut b, field, value);
             reseal(&mut b);
             assert!(
-                matches!(Superblock::decode(&b), Err(Invalid::Field(_))),
+                matches!(Superblock::decode(&b), Err(Invalid::Field { .. })),
                 "field at {field} = {value}"
             );
         }
         let mut b = sample(1).encode();
         b[at::ROLES + 1] = 2;
         reseal(&mut b);
-        assert_eq!(Superblock::decode(&b), Err(Invalid::Field("roles")));
+        assert_eq!(Superblock::decode(&b), Err(FRAME.field("roles")));
         // No bitmap: no offset, no bytes.
         let none = Superblock {
             region_bytes: 0,
@@ -802,7 +738,7 @@ mod tests {
         assert_eq!(Superblock::decode(&b), Ok(none));
         put64(&mut b, at::BITMAP_BYTES, 4);
         reseal(&mut b);
-        assert_eq!(Superblock::decode(&b), Err(Invalid::Field("bitmap")));
+        assert_eq!(Superblock::decode(&b), Err(FRAME.field("bitmap")));
     }
 
     #[test]

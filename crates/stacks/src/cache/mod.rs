@@ -34,7 +34,7 @@ use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
-use cairn_core::blocking::{BlockingQueue, Request};
+use cairn_core::blocking::{BlockingError, BlockingQueue, Request};
 use cairn_core::slab::Slab;
 use cairn_core::{
     AlignedBuf, Caps, Core, Device, Error, Geometry, Io, IoFlags, IoStatus, Offer, Op, Poller,
@@ -1146,58 +1146,10 @@ fn write_runs(
     let mut failed = false;
     let mut rest: &mut [Run] = &mut runs;
     while !rest.is_empty() {
-        let (mut n, mut bytes) = (0, 0);
-        while n < rest.len()
-            && n < BATCH_WRITES
-            && (n == 0 || bytes + rest[n].1.len() <= BATCH_BYTES)
-        {
-            bytes += rest[n].1.len();
-            n += 1;
-        }
+        let n = batch_len(rest);
         let (batch, tail) = std::mem::take(&mut rest).split_at_mut(n);
         rest = tail;
-        refresh(shared, batch);
-        let mut reqs: Vec<Request<'_>> = batch
-            .iter_mut()
-            .map(|(first, b, _)| Request {
-                op: Op::Write,
-                flags: IoFlags::NONE,
-                offset: *first * PAGE,
-                len: 0,
-                buf: Some(b.as_mut_slice()),
-            })
-            .collect();
-        let results = q.run(&mut reqs);
-        drop(reqs);
-        failed |= results.iter().any(|r| r.is_err());
-        let mut guard = shared.lock();
-        let st = &mut *guard;
-        for ((_, b, gens), r) in batch.iter().zip(&results) {
-            for &(p, _) in gens {
-                if let Some(e) = st.pages.get_mut(&p) {
-                    e.flushing = false;
-                    e.queued = false;
-                }
-            }
-            if r.is_err() {
-                continue;
-            }
-            shared.written.fetch_add(b.len() as u64, Ordering::Relaxed);
-            shared.note_written();
-            for &(p, gen) in gens {
-                if let Some(e) = st.pages.get_mut(&p) {
-                    // Not while a FUA write of the page is on its way to the base too: the
-                    // base may complete that one last.
-                    if e.dirty && e.gen == gen && e.through == 0 {
-                        e.dirty = false;
-                        st.dirty.remove(&p);
-                        st.clean.push_back(p);
-                        shared.budget.written_back(PAGE);
-                    }
-                }
-            }
-        }
-        drop(guard);
+        failed |= write_batch(shared, q, batch);
         shared.budget.tick();
     }
     if failed {
@@ -1211,22 +1163,91 @@ fn write_runs(
         failed = true;
     }
     if let Some(upto) = waiters {
-        let status = if failed {
-            IoStatus::errno(libc::EIO)
-        } else {
-            IoStatus::OK
-        };
-        let mut st = shared.lock();
-        let (done, keep): (Vec<Waiter>, Vec<Waiter>) =
-            st.waiters.drain(..).partition(|w| w.gen <= upto);
-        st.waiters = keep;
-        drop(st);
-        for w in done {
-            let _ = w.reply.send((w.token, status));
-            cairn_core::event::wake(&w.wake);
-        }
+        answer_waiters(shared, upto, failed);
     }
     failed
+}
+
+/// How many of the runs `rest` go in the next batch: at least one, at most
+/// [`BATCH_WRITES`], and no more than [`BATCH_BYTES`] unless the first alone is.
+fn batch_len(rest: &[Run]) -> usize {
+    let (mut n, mut bytes) = (0, 0);
+    while n < rest.len() && n < BATCH_WRITES && (n == 0 || bytes + rest[n].1.len() <= BATCH_BYTES) {
+        bytes += rest[n].1.len();
+        n += 1;
+    }
+    n
+}
+
+/// Writes `batch` to the base, all of it in flight together, and marks what was
+/// written clean. Returns whether any write failed.
+fn write_batch(shared: &Shared, q: &BlockingQueue, batch: &mut [Run]) -> bool {
+    refresh(shared, batch);
+    let mut reqs: Vec<Request<'_>> = batch
+        .iter_mut()
+        .map(|(first, b, _)| Request {
+            op: Op::Write,
+            flags: IoFlags::NONE,
+            offset: *first * PAGE,
+            len: 0,
+            buf: Some(b.as_mut_slice()),
+        })
+        .collect();
+    let results = q.run(&mut reqs);
+    drop(reqs);
+    let failed = results.iter().any(|r| r.is_err());
+    batch_written(shared, batch, &results);
+    failed
+}
+
+/// Ends the flight of `batch`'s pages, and marks clean those written that have not
+/// changed since.
+fn batch_written(shared: &Shared, batch: &[Run], results: &[Result<(), BlockingError>]) {
+    let mut guard = shared.lock();
+    let st = &mut *guard;
+    for ((_, b, gens), r) in batch.iter().zip(results) {
+        for &(p, _) in gens {
+            if let Some(e) = st.pages.get_mut(&p) {
+                e.flushing = false;
+                e.queued = false;
+            }
+        }
+        if r.is_err() {
+            continue;
+        }
+        shared.written.fetch_add(b.len() as u64, Ordering::Relaxed);
+        shared.note_written();
+        for &(p, gen) in gens {
+            if let Some(e) = st.pages.get_mut(&p) {
+                // Not while a FUA write of the page is on its way to the base too: the
+                // base may complete that one last.
+                if e.dirty && e.gen == gen && e.through == 0 {
+                    e.dirty = false;
+                    st.dirty.remove(&p);
+                    st.clean.push_back(p);
+                    shared.budget.written_back(PAGE);
+                }
+            }
+        }
+    }
+}
+
+/// Answers the flushes waiting for changes up to `upto`: EIO if anything failed.
+fn answer_waiters(shared: &Shared, upto: u64, failed: bool) {
+    let status = if failed {
+        IoStatus::errno(libc::EIO)
+    } else {
+        IoStatus::OK
+    };
+    let mut st = shared.lock();
+    let (done, keep): (Vec<Waiter>, Vec<Waiter>) =
+        st.waiters.drain(..).partition(|w| w.gen <= upto);
+    st.waiters = keep;
+    drop(st);
+    for w in done {
+        let _ = w.reply.send((w.token, status));
+        cairn_core::event::wake(&w.wake);
+    }
 }
 
 /// Writes everything back (at exit); gives up after a failure.
@@ -1451,6 +1472,9 @@ impl Pool {
     }
 }
 
+/// A thread of a shared write-back pool: serves the flushes waiting, then writes pages
+/// back one at a time in the order they were dirtied, while the oldest is due; else
+/// sleeps until kicked or the interval passes.
 fn pool_thread(pool: Arc<Pool>, budget: std::sync::Weak<Budget>) {
     cairn_core::reactor::block_signals_in_this_thread();
     let mut queues: HashMap<usize, BlockingQueue> = HashMap::new();
@@ -1462,112 +1486,137 @@ fn pool_thread(pool: Arc<Pool>, budget: std::sync::Weak<Budget>) {
         let Some(b) = budget.upgrade() else { return };
         // This iteration's references; the caches gone lose theirs, then it says so.
         let epoch = pool.epoch.load(Ordering::SeqCst);
-        let caches: Vec<Held> = pool
-            .caches
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .enumerate()
-            .filter_map(|(i, c)| c.as_ref().map(|(s, d, o)| (i, s.clone(), d.clone(), *o)))
-            .collect();
+        let caches = held_caches(&pool);
         queues.retain(|i, _| caches.iter().any(|c| c.0 == *i));
         pool.ack(epoch);
-        // Flushes first: a waiting flush gets its whole cache written back.
-        let mut worked = false;
-        for (i, s, d, over_cache) in &caches {
-            if !s.lock().waiters.is_empty() && open_queue(&mut queues, *i, d, pool.switches) {
-                // Another pool thread writing this cache back serves its flushes too.
-                if let Some(_writing) = writing_turn(s, *over_cache) {
-                    round_locked(s, &queues[i], Take::All);
-                    worked = true;
-                }
-            }
-        }
-        // Then pages in the order they were dirtied, while over the background level or
-        // expired. (Never hold the order's lock while taking a cache's: writers take
-        // them the other way round.)
-        let front = pool
-            .order
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .front()
-            .copied();
-        let closing = b.closing.load(Ordering::SeqCst);
-        let due = front.is_some_and(|(i, p)| {
-            closing
-                || b.dirty_bytes() > b.throttle.background
-                || caches.iter().find(|c| c.0 == i).is_some_and(|c| {
-                    c.1.lock().pages.get(&p).is_some_and(|e| {
-                        e.dirty
-                            && cairn_core::clock::monotonic_ns().saturating_sub(e.dirtied)
-                                >= b.expire.as_nanos() as u64
-                    })
-                })
-                || caches.iter().all(|c| c.0 != i)
-        });
-        if !due {
+        let worked = serve_flushes(&pool, &caches, &mut queues);
+        if !oldest_due(&pool, &b, &caches) {
             drop(caches);
             if !worked {
-                b.woken.store(false, Ordering::Relaxed);
-                let order = pool.order.lock().unwrap_or_else(|p| p.into_inner());
-                if !pool.kicked.swap(false, Ordering::SeqCst) {
-                    drop(
-                        pool.wake
-                            .wait_timeout(order, b.interval)
-                            .unwrap_or_else(|p| p.into_inner()),
-                    );
-                }
+                idle(&pool, &b);
             }
             continue;
         }
-        let next = pool
-            .order
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop_front();
-        let Some((i, p)) = next else { continue };
-        let Some((_, s, d, over_cache)) = caches.iter().find(|c| c.0 == i) else {
-            continue;
-        };
-        let Some(_writing) = writing_turn(s, *over_cache) else {
-            // Being written back by another pool thread: the page waits its turn again.
-            pool.order
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push_back((i, p));
-            continue;
-        };
-        let run = {
-            let mut st = s.lock();
-            st.pages.get_mut(&p).filter(|e| e.dirty).map(|e| {
-                let mut d = Vec::with_capacity(PAGE as usize);
-                match &e.data {
-                    Some(data) => d.extend_from_slice(data),
-                    None => d.resize(PAGE as usize, 0),
-                }
-                e.queued = true;
-                seal((p, d, vec![(p, e.gen)]))
-            })
-        };
-        if let Some(run) = run {
-            if !open_queue(&mut queues, i, d, pool.switches) {
-                // Not written: no longer held for it.
-                if let Some(e) = s.lock().pages.get_mut(&p) {
-                    e.queued = false;
-                }
-            } else if !write_runs(s, &queues[&i], vec![run], None)
-                && s.lock().pages.get(&p).is_some_and(|e| e.dirty)
-            {
-                // Rewritten while it was being written: it is still dirty and has left
-                // the order, so it goes back in at the end (after the cache's lock; see
-                // above).
-                pool.order
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push_back((i, p));
+        write_oldest(&pool, &caches, &mut queues);
+    }
+}
+
+/// References to the pool's caches now.
+fn held_caches(pool: &Pool) -> Vec<Held> {
+    pool.caches
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .enumerate()
+        .filter_map(|(i, c)| c.as_ref().map(|(s, d, o)| (i, s.clone(), d.clone(), *o)))
+        .collect()
+}
+
+/// Flushes first: a waiting flush gets its whole cache written back. Returns whether
+/// any was.
+fn serve_flushes(pool: &Pool, caches: &[Held], queues: &mut HashMap<usize, BlockingQueue>) -> bool {
+    let mut worked = false;
+    for (i, s, d, over_cache) in caches {
+        if !s.lock().waiters.is_empty() && open_queue(queues, *i, d, pool.switches) {
+            // Another pool thread writing this cache back serves its flushes too.
+            if let Some(_writing) = writing_turn(s, *over_cache) {
+                round_locked(s, &queues[i], Take::All);
+                worked = true;
             }
         }
     }
+    worked
+}
+
+/// Whether the page first in the order is to be written back now: while over the
+/// background level or closing, once it expired, or if its cache is gone. (Never hold
+/// the order's lock while taking a cache's: writers take them the other way round.)
+fn oldest_due(pool: &Pool, b: &Budget, caches: &[Held]) -> bool {
+    let front = pool
+        .order
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .front()
+        .copied();
+    let closing = b.closing.load(Ordering::SeqCst);
+    front.is_some_and(|(i, p)| {
+        closing
+            || b.dirty_bytes() > b.throttle.background
+            || caches.iter().find(|c| c.0 == i).is_some_and(|c| {
+                c.1.lock().pages.get(&p).is_some_and(|e| {
+                    e.dirty
+                        && cairn_core::clock::monotonic_ns().saturating_sub(e.dirtied)
+                            >= b.expire.as_nanos() as u64
+                })
+            })
+            || caches.iter().all(|c| c.0 != i)
+    })
+}
+
+/// Nothing to do: sleeps until kicked or the interval passes.
+fn idle(pool: &Pool, b: &Budget) {
+    b.woken.store(false, Ordering::Relaxed);
+    let order = pool.order.lock().unwrap_or_else(|p| p.into_inner());
+    if !pool.kicked.swap(false, Ordering::SeqCst) {
+        drop(
+            pool.wake
+                .wait_timeout(order, b.interval)
+                .unwrap_or_else(|p| p.into_inner()),
+        );
+    }
+}
+
+/// Takes the page first in the order and writes it back, unless another pool thread
+/// writes its cache back now (then it waits its turn again).
+fn write_oldest(pool: &Pool, caches: &[Held], queues: &mut HashMap<usize, BlockingQueue>) {
+    let next = pool
+        .order
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .pop_front();
+    let Some((i, p)) = next else { return };
+    let Some((_, s, d, over_cache)) = caches.iter().find(|c| c.0 == i) else {
+        return;
+    };
+    let Some(_writing) = writing_turn(s, *over_cache) else {
+        // Being written back by another pool thread: the page waits its turn again.
+        pool.order
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back((i, p));
+        return;
+    };
+    let Some(run) = page_run(s, p) else { return };
+    if !open_queue(queues, i, d, pool.switches) {
+        // Not written: no longer held for it.
+        if let Some(e) = s.lock().pages.get_mut(&p) {
+            e.queued = false;
+        }
+    } else if !write_runs(s, &queues[&i], vec![run], None)
+        && s.lock().pages.get(&p).is_some_and(|e| e.dirty)
+    {
+        // Rewritten while it was being written: it is still dirty and has left the
+        // order, so it goes back in at the end (after the cache's lock; see
+        // `oldest_due`).
+        pool.order
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back((i, p));
+    }
+}
+
+/// Page `p` of the cache as a run of its own, held for write-back, if it is dirty.
+fn page_run(s: &Shared, p: u64) -> Option<Run> {
+    let mut st = s.lock();
+    st.pages.get_mut(&p).filter(|e| e.dirty).map(|e| {
+        let mut d = Vec::with_capacity(PAGE as usize);
+        match &e.data {
+            Some(data) => d.extend_from_slice(data),
+            None => d.resize(PAGE as usize, 0),
+        }
+        e.queued = true;
+        seal((p, d, vec![(p, e.gen)]))
+    })
 }
 
 /// Makes sure `queues` has a queue for cache `i` (on `base`); whether it has.

@@ -27,6 +27,7 @@ use cairn_core::blocking::{BlockingQueue, Request};
 use cairn_core::{Device, Io, IoFlags, LostWrites, Op, Switches};
 
 use super::{AnyLayout, Health, Layout};
+use crate::array::bitmap::Bitmap;
 use crate::array::superblock::MemberState;
 use crate::array::Metadata;
 
@@ -236,9 +237,8 @@ pub(super) fn run(job: Job) {
 
 fn run_to_end(job: Job) {
     cairn_core::reactor::block_signals_in_this_thread();
-    let health = &job.health;
     // The layout's members, then the replacements being built (`n + m` for member `m`).
-    let devices = health.devices();
+    let devices = job.health.devices();
     let queues: Vec<Option<BlockingQueue>> = devices
         .iter()
         .map(|d| {
@@ -246,115 +246,185 @@ fn run_to_end(job: Job) {
                 .and_then(|d| BlockingQueue::open(d, Switches::default()).ok())
         })
         .collect();
-    let size = job.layout.size_bytes();
-    let copies = job.layout.copies();
+    let plan = Plan::new(&job, &devices);
+    announce(&job, &plan);
+    let Some(began) = copy_all(&job, &queues, &plan) else {
+        return;
+    };
+    finish(&job, &queues, &plan, &devices, began);
+}
+
+/// What a rebuild or resync is to do, worked out from the array's health at its start.
+struct Plan {
+    /// Bytes of the array.
+    size: u64,
+    /// Members of the layout (the replacement of member `m` is `n + m`).
+    n: usize,
+    /// Whether it is a resync (else a rebuild), and the word for it in log lines.
+    resync: bool,
+    what: &'static str,
+    bitmap: Option<Arc<Bitmap>>,
+    /// Per member, then per replacement: whether it needs everything (a full rebuild),
+    /// or only the bitmap's regions to recover (dirty at start or at a re-add).
+    full: Vec<bool>,
+    partial: Vec<bool>,
+    /// The members rebuilt, whole or in part, and those of them whose checkpoint is
+    /// recorded (the layout's members: a replace starts over).
+    rebuilding: Vec<usize>,
+    recorded: Vec<usize>,
+    /// Every member written to.
+    targets: Vec<usize>,
+    /// Where it starts, and from where every block is visited (below, only the bitmap's
+    /// regions to recover).
+    start: u64,
+    full_from: u64,
+    /// Bytes to visit: what progress counts.
+    total: u64,
+}
+
+impl Plan {
+    fn new(job: &Job, devices: &[Option<Arc<dyn Device>>]) -> Plan {
+        let health = &job.health;
+        let size = job.layout.size_bytes();
+        let n = health.n;
+        let resync = health.one_copy.load(Relaxed);
+        let (full, partial) = members_to_rebuild(health, devices);
+        let rebuilding: Vec<usize> = (0..2 * n).filter(|&m| full[m] || partial[m]).collect();
+        let recorded = rebuilding.iter().copied().filter(|&m| m < n).collect();
+        let targets = (0..2 * n)
+            .filter(|&m| health.ok(m) && (resync && m < n || full[m] || partial[m]))
+            .collect();
+        let start = start_at(job, &rebuilding, resync, size);
+        // Members rebuilt whole need every block from their checkpoint on (a replacement
+        // from the start); below that, only the bitmap's regions to recover need a visit
+        // (a resync's dirty regions after an unclean stop, partial recoveries). After
+        // `kill -9` during a rebuild both resume: the resync from the bitmap, the rebuild
+        // from its checkpoint.
+        let full_from = (0..2 * n)
+            .filter(|&m| full[m])
+            .map(|m| resume_from(job, m))
+            .min()
+            .unwrap_or(size)
+            .max(start)
+            .min(size);
+        let bitmap = health.bitmap.clone();
+        let total = bytes_to_visit(bitmap.as_deref(), start, full_from, size);
+        Plan {
+            size,
+            n,
+            resync,
+            what: if resync { "resync" } else { "rebuild" },
+            bitmap,
+            full,
+            partial,
+            rebuilding,
+            recorded,
+            targets,
+            start,
+            full_from,
+            total,
+        }
+    }
+
+    /// Whether the region of `logical` is to recover (every region without a bitmap).
+    fn dirty(&self, logical: u64) -> bool {
+        self.bitmap
+            .as_ref()
+            .is_none_or(|b| b.to_recover(b.region(logical)))
+    }
+
+    /// Whether member `m` (or replacement) needs `logical` copied to it. In a resync,
+    /// every member in use gets the dirty regions from the copy reads come from.
+    fn needs(&self, health: &Health, m: usize, logical: u64) -> bool {
+        let n = self.n;
+        health.ok(m)
+            && (self.full[m] || ((self.partial[m] || self.resync) && m < n && self.dirty(logical)))
+    }
+}
+
+/// Per member, then per replacement: whether it is rebuilt whole, and whether it only
+/// needs the bitmap's regions to recover.
+fn members_to_rebuild(
+    health: &Health,
+    devices: &[Option<Arc<dyn Device>>],
+) -> (Vec<bool>, Vec<bool>) {
     let n = health.n;
-    let replacing: Vec<bool> = (0..n)
-        .map(|m| devices[n + m].is_some() && health.ok(n + m))
-        .collect();
-    let bitmap = health.bitmap.clone();
-    let resync = health.one_copy.load(Relaxed);
-    // What each member needs: everything (a full rebuild), or only the bitmap's regions to
-    // recover (dirty at start or at a re-add); and, in a resync, every member in use gets the
-    // dirty regions (all of them without a bitmap) from the copy reads come from.
-    let full: Vec<bool> = (0..2 * n)
+    let replacing = |m: usize| devices[n + m].is_some() && health.ok(n + m);
+    let full = (0..2 * n)
         .map(|m| {
             if m >= n {
-                replacing[m - n]
+                replacing(m - n)
             } else {
                 health.ok(m) && !health.readable(m) && !health.partial[m].load(Relaxed)
             }
         })
         .collect();
-    let partial: Vec<bool> = (0..2 * n)
+    let partial = (0..2 * n)
         .map(|m| m < n && health.ok(m) && !health.readable(m) && health.partial[m].load(Relaxed))
         .collect();
-    let dirty = |logical: u64| {
-        bitmap
-            .as_ref()
-            .is_none_or(|b| b.to_recover(b.region(logical)))
-    };
-    let needs = |m: usize, logical: u64| {
-        health.ok(m) && (full[m] || ((partial[m] || resync) && m < n && dirty(logical)))
-    };
-    let rebuilding: Vec<usize> = (0..2 * n).filter(|&m| full[m] || partial[m]).collect();
-    // Checkpoints are for the layout's members (a replace starts over).
-    let recorded: Vec<usize> = rebuilding.iter().copied().filter(|&m| m < n).collect();
-    let any_full = full.iter().any(|&f| f);
-    // Resume from the smallest checkpoint of the members being rebuilt, and a resync
-    // from where a stop during the last one recorded it got (the copies agree below; a
-    // crash records nothing here: the bitmap, cleared behind a resync, is its checkpoint).
-    let rebuilt_from = rebuilding
-        .iter()
-        .map(|&m| {
-            if m < n {
-                logical_from_member(&job.layout, job.metadata.recovery_offset(m))
-            } else {
-                0
-            }
-        })
-        .min();
-    let start = if resync {
+    (full, partial)
+}
+
+/// Array offset member (or replacement) `m`'s rebuild resumes from: its checkpoint (a
+/// replacement starts over).
+fn resume_from(job: &Job, m: usize) -> u64 {
+    if m < job.health.n {
+        logical_from_member(&job.layout, job.metadata.recovery_offset(m))
+    } else {
+        0
+    }
+}
+
+/// Where the rebuild or resync starts: the smallest checkpoint of the members being
+/// rebuilt, and for a resync where a stop during the last one recorded it got (the
+/// copies agree below; a crash records nothing here: the bitmap, cleared behind a
+/// resync, is its checkpoint).
+fn start_at(job: &Job, rebuilding: &[usize], resync: bool, size: u64) -> u64 {
+    let rebuilt_from = rebuilding.iter().map(|&m| resume_from(job, m)).min();
+    if resync {
         let from = job.metadata.resync_from().min(size);
         rebuilt_from.map_or(from, |r| r.min(from))
     } else {
         rebuilt_from.unwrap_or(0)
+    }
+}
+
+/// The bytes to visit from `from`: all of them, or below `full_from` only the bitmap's
+/// regions to recover.
+fn bytes_to_visit(bitmap: Option<&Bitmap>, from: u64, full_from: u64, size: u64) -> u64 {
+    let Some(b) = bitmap else {
+        return size - from;
     };
-    // Members rebuilt whole need every block from their checkpoint on (a replacement from
-    // the start); below that, only the bitmap's regions to recover need a visit (a
-    // resync's dirty regions after an unclean stop, partial recoveries). After `kill -9`
-    // during a rebuild both resume: the resync from the bitmap, the rebuild from its
-    // checkpoint.
-    let full_from = (0..2 * n)
-        .filter(|&m| full[m])
-        .map(|m| {
-            if m < n {
-                logical_from_member(&job.layout, job.metadata.recovery_offset(m))
-            } else {
-                0
-            }
+    let below = full_from.max(from);
+    let dirty: u64 = (b.region(from)..b.regions())
+        .filter(|&r| b.to_recover(r))
+        .map(|r| {
+            let (lo, hi) = (
+                (r as u64 * b.region_bytes()).max(from),
+                ((r as u64 + 1) * b.region_bytes()).min(below),
+            );
+            hi.saturating_sub(lo)
         })
-        .min()
-        .unwrap_or(size)
-        .max(start)
-        .min(size);
-    let what = if resync { "resync" } else { "rebuild" };
-    let sync = &health.sync;
-    sync.resync.store(resync, Relaxed);
+        .sum();
+    dirty + (size - below)
+}
+
+/// Publishes the plan in the array's status, and logs the start.
+fn announce(job: &Job, plan: &Plan) {
+    let sync = &job.health.sync;
+    let (what, start, size, total) = (plan.what, plan.start, plan.size, plan.total);
+    sync.resync.store(plan.resync, Relaxed);
     sync.synced_below.store(start, Relaxed);
-    // Progress counts the bytes to visit: all of them, or the dirty regions.
-    let visit = |from: u64| -> u64 {
-        match &bitmap {
-            Some(b) => {
-                let below = full_from.max(from);
-                let dirty: u64 = (b.region(from)..b.regions())
-                    .filter(|&r| b.to_recover(r))
-                    .map(|r| {
-                        let (lo, hi) = (
-                            (r as u64 * b.region_bytes()).max(from),
-                            ((r as u64 + 1) * b.region_bytes()).min(below),
-                        );
-                        hi.saturating_sub(lo)
-                    })
-                    .sum();
-                dirty + (size - below)
-            }
-            None => size - from,
-        }
-    };
-    let total = visit(start);
     sync.total_bytes.store(total, Relaxed);
     sync.done_bytes.store(0, Relaxed);
     sync.read_bytes.store(0, Relaxed);
     sync.written_bytes.store(0, Relaxed);
-    let targets: Vec<usize> = (0..2 * n)
-        .filter(|&m| health.ok(m) && (resync && m < n || full[m] || partial[m]))
-        .collect();
+    let any_full = plan.full.iter().any(|&f| f);
     log::info!(
         "cairn: {}: {what} of {} started at {start} of {size} bytes{}",
         job.name,
-        names(&job, &targets),
-        match &bitmap {
+        names(job, &plan.targets),
+        match &plan.bitmap {
             Some(b) if !any_full => format!(
                 " ({} of {} regions dirty in the bitmap: {total} bytes)",
                 b.to_recover_count(),
@@ -363,152 +433,233 @@ fn run_to_end(job: Job) {
             _ => String::new(),
         }
     );
-    let began = Instant::now();
-    let mut at = start;
-    let mut done = 0u64;
-    let mut clients_seen = sync.clients.load(Relaxed);
-    let mut last_log = Instant::now();
-    let mut last_checkpoint = start;
-    let checkpoint = |at: u64| {
-        flush_copies(&job, &queues, &targets);
-        job.metadata
-            .checkpoint(&recorded, member_from_logical(&job.layout, at));
+}
+
+/// How far a rebuild got: for its rate limit, status, checkpoints and log lines.
+struct Progress {
+    began: Instant,
+    /// Array offset reached, and bytes visited to get there.
+    at: u64,
+    done: u64,
+    /// Client requests counted at the end of the last batch.
+    clients_seen: u64,
+    last_log: Instant,
+    last_checkpoint: u64,
+}
+
+/// Copies every batch from the plan's start to the end of the array. Returns when it
+/// began, or `None` if it stopped or failed (logged).
+fn copy_all(job: &Job, queues: &[Option<BlockingQueue>], plan: &Plan) -> Option<Instant> {
+    let (what, size) = (plan.what, plan.size);
+    let mut pr = Progress {
+        began: Instant::now(),
+        at: plan.start,
+        done: 0,
+        clients_seen: job.health.sync.clients.load(Relaxed),
+        last_log: Instant::now(),
+        last_checkpoint: plan.start,
     };
-    while at < size {
+    while pr.at < size {
         if job.stop.load(SeqCst) {
-            checkpoint(at);
+            checkpoint(job, queues, plan, pr.at);
+            let at = pr.at;
             log::warn!(
                 "cairn: {}: {what} stopped at {at} of {size} bytes",
                 job.name
             );
-            return;
+            return None;
         }
-        // Below `full_from`, only the bitmap's regions to recover are visited: skip to the
-        // next dirty one (or to `full_from`, from where everything is).
-        let mut batch_end = (at + BATCH_BYTES).min(size);
-        if let Some(b) = &bitmap {
-            if at < full_from {
-                match b.next_to_recover(b.region(at)) {
-                    Some(r) if r as u64 * b.region_bytes() < full_from => {
-                        at = at.max(r as u64 * b.region_bytes());
-                        let region_end = (r as u64 + 1) * b.region_bytes();
-                        batch_end = (at + BATCH_BYTES).min(region_end).min(full_from).min(size);
-                    }
-                    _ => {
-                        at = full_from;
-                        if at >= size {
-                            break;
-                        }
-                        batch_end = (at + BATCH_BYTES).min(size);
-                    }
-                }
-            }
-        }
-        // Pieces of the batch: (logical, len, source copy, targets as (member, offset)).
-        let mut pieces: Vec<Piece> = Vec::new();
-        let mut p = at;
-        while p < batch_end {
-            let len = job.layout.piece_len(p, batch_end - p);
-            let source = (0..copies).find(|&k| health.readable(job.layout.locate(p, k).0));
-            let Some(source) = source else {
-                log::warn!(
-                    "cairn: {}: {what} stopped at {p}: no current copy to read",
-                    job.name
-                );
-                return;
-            };
-            let mut targets: Vec<(usize, u64)> = Vec::new();
-            for k in 0..copies {
-                let (m, member_offset) = job.layout.locate(p, k);
-                // Never over what is current already (a rebuild restarted below its
-                // progress): reads may use it, and a copy racing a client write would
-                // put older data there until copied again. After an unclean stop,
-                // though, a region a write was in flight to (dirty) may differ below
-                // the checkpoint too: the resync copies it (reads of it go to the
-                // source until then).
-                let current =
-                    member_offset + len <= health.below[m].load(Relaxed) && !(resync && dirty(p));
-                if k != source && needs(m, p) && !current {
-                    targets.push((m, member_offset));
-                }
-                if needs(n + m, p) {
-                    // The replacement of `m` (of the source too).
-                    targets.push((n + m, member_offset));
-                }
-            }
-            if !targets.is_empty() {
-                pieces.push((p, len, source, targets));
-            }
-            p += len;
-        }
+        let Some(batch_end) = next_batch(plan, &mut pr.at) else {
+            break;
+        };
+        let pieces = batch_pieces(job, plan, pr.at, batch_end)?;
         let batch_began = Instant::now();
         if !pieces.is_empty() {
-            match copy_batch(&job, &queues, &pieces) {
+            match copy_batch(job, queues, &pieces) {
                 Copy::Done => {}
                 // Not copied: the checkpoint stays at this batch's start.
                 Copy::Stopped => continue,
-                Copy::Failed => return,
+                Copy::Failed => return None,
             }
         }
-        // The rate limit, as md's sync_speed_min/max: at most `max`, and `min` while
-        // clients use the array (their requests since the last batch).
-        let clients = sync.clients.load(Relaxed);
-        let busy = clients != clients_seen;
-        clients_seen = clients;
-        let limit = if busy {
-            job.rate.min_bytes
-        } else {
-            job.rate.max_bytes
-        };
-        if limit > 0 {
-            let want = Duration::from_secs_f64((batch_end - at) as f64 / limit as f64);
-            let took = batch_began.elapsed();
-            if want > took {
-                pause(&job.stop, want - took);
+        let bytes = batch_end - pr.at;
+        pace(job, &mut pr, bytes, batch_began);
+        advance(job, queues, plan, &mut pr, batch_end);
+    }
+    Some(pr.began)
+}
+
+/// Flushes the copies, and records how far the members are current at `at`.
+fn checkpoint(job: &Job, queues: &[Option<BlockingQueue>], plan: &Plan, at: u64) {
+    flush_copies(job, queues, &plan.targets);
+    job.metadata
+        .checkpoint(&plan.recorded, member_from_logical(&job.layout, at));
+}
+
+/// Where the next batch from `at` ends. Below `full_from`, only the bitmap's regions to
+/// recover are visited: `at` skips to the next dirty one (or to `full_from`, from where
+/// everything is). `None` when that skip reaches the end.
+fn next_batch(plan: &Plan, at: &mut u64) -> Option<u64> {
+    let (size, full_from) = (plan.size, plan.full_from);
+    let mut batch_end = (*at + BATCH_BYTES).min(size);
+    if let Some(b) = &plan.bitmap {
+        if *at < full_from {
+            match b.next_to_recover(b.region(*at)) {
+                Some(r) if r as u64 * b.region_bytes() < full_from => {
+                    *at = (*at).max(r as u64 * b.region_bytes());
+                    let region_end = (r as u64 + 1) * b.region_bytes();
+                    batch_end = (*at + BATCH_BYTES).min(region_end).min(full_from).min(size);
+                }
+                _ => {
+                    *at = full_from;
+                    if *at >= size {
+                        return None;
+                    }
+                    batch_end = (*at + BATCH_BYTES).min(size);
+                }
             }
-        }
-        done += batch_end - at;
-        at = batch_end;
-        sync.done_bytes.store(done.min(total), Relaxed);
-        sync.synced_below.store(at, Relaxed);
-        // The members being rebuilt are current below here: reads may use them.
-        let below = member_from_logical(&job.layout, at);
-        for &m in &rebuilding {
-            health.below[m].fetch_max(below, Relaxed);
-        }
-        let secs = began.elapsed().as_secs_f64();
-        sync.rate
-            .store((done as f64 / secs.max(1e-9)) as u64, Relaxed);
-        if at - last_checkpoint >= CHECKPOINT_BYTES {
-            checkpoint(at);
-            last_checkpoint = at;
-        }
-        if last_log.elapsed() >= Duration::from_secs(5) {
-            let rate = done as f64 / secs.max(1e-9);
-            log::info!(
-                "cairn: {}: {what} {:.1}% ({} of {}, {}, {:.0} s left)",
-                job.name,
-                done as f64 * 100.0 / total.max(1) as f64,
-                cairn_core::size::format_bytes(done),
-                cairn_core::size::format_bytes(total),
-                cairn_core::size::format_rate(rate),
-                (total - done.min(total)) as f64 / rate.max(1.0)
-            );
-            last_log = Instant::now();
         }
     }
-    sync.synced_below.store(size, Relaxed);
-    flush_copies(&job, &queues, &targets);
+    Some(batch_end)
+}
+
+/// The pieces of the batch `[at, batch_end)` with somewhere to go; `None` (logged) if a
+/// piece has no current copy to read.
+fn batch_pieces(job: &Job, plan: &Plan, at: u64, batch_end: u64) -> Option<Vec<Piece>> {
+    let (health, what) = (&job.health, plan.what);
+    let mut pieces: Vec<Piece> = Vec::new();
+    let mut p = at;
+    while p < batch_end {
+        let len = job.layout.piece_len(p, batch_end - p);
+        let source = (0..job.layout.copies()).find(|&k| health.readable(job.layout.locate(p, k).0));
+        let Some(source) = source else {
+            log::warn!(
+                "cairn: {}: {what} stopped at {p}: no current copy to read",
+                job.name
+            );
+            return None;
+        };
+        let targets = piece_targets(job, plan, p, len, source);
+        if !targets.is_empty() {
+            pieces.push((p, len, source, targets));
+        }
+        p += len;
+    }
+    Some(pieces)
+}
+
+/// Where the piece `[p, p + len)`, read from copy `source`, is written: as (member,
+/// member offset).
+fn piece_targets(job: &Job, plan: &Plan, p: u64, len: u64, source: usize) -> Vec<(usize, u64)> {
+    let (health, n) = (&job.health, plan.n);
+    let mut targets: Vec<(usize, u64)> = Vec::new();
+    for k in 0..job.layout.copies() {
+        let (m, member_offset) = job.layout.locate(p, k);
+        // Never over what is current already (a rebuild restarted below its
+        // progress): reads may use it, and a copy racing a client write would
+        // put older data there until copied again. After an unclean stop,
+        // though, a region a write was in flight to (dirty) may differ below
+        // the checkpoint too: the resync copies it (reads of it go to the
+        // source until then).
+        let current =
+            member_offset + len <= health.below[m].load(Relaxed) && !(plan.resync && plan.dirty(p));
+        if k != source && plan.needs(health, m, p) && !current {
+            targets.push((m, member_offset));
+        }
+        if plan.needs(health, n + m, p) {
+            // The replacement of `m` (of the source too).
+            targets.push((n + m, member_offset));
+        }
+    }
+    targets
+}
+
+/// The rate limit, as md's sync_speed_min/max: at most `max`, and `min` while clients
+/// use the array (their requests since the last batch). Waits out the rest of the time
+/// `bytes` copied since `batch_began` are worth.
+fn pace(job: &Job, pr: &mut Progress, bytes: u64, batch_began: Instant) {
+    let clients = job.health.sync.clients.load(Relaxed);
+    let busy = clients != pr.clients_seen;
+    pr.clients_seen = clients;
+    let limit = if busy {
+        job.rate.min_bytes
+    } else {
+        job.rate.max_bytes
+    };
+    if limit > 0 {
+        let want = Duration::from_secs_f64(bytes as f64 / limit as f64);
+        let took = batch_began.elapsed();
+        if want > took {
+            pause(&job.stop, want - took);
+        }
+    }
+}
+
+/// The batch up to `batch_end` is copied: status, the members' current range, the
+/// checkpoint when due and the progress line every 5 s.
+fn advance(
+    job: &Job,
+    queues: &[Option<BlockingQueue>],
+    plan: &Plan,
+    pr: &mut Progress,
+    batch_end: u64,
+) {
+    let (health, sync) = (&job.health, &job.health.sync);
+    pr.done += batch_end - pr.at;
+    pr.at = batch_end;
+    sync.done_bytes.store(pr.done.min(plan.total), Relaxed);
+    sync.synced_below.store(pr.at, Relaxed);
+    // The members being rebuilt are current below here: reads may use them.
+    let below = member_from_logical(&job.layout, pr.at);
+    for &m in &plan.rebuilding {
+        health.below[m].fetch_max(below, Relaxed);
+    }
+    let secs = pr.began.elapsed().as_secs_f64();
+    sync.rate
+        .store((pr.done as f64 / secs.max(1e-9)) as u64, Relaxed);
+    if pr.at - pr.last_checkpoint >= CHECKPOINT_BYTES {
+        checkpoint(job, queues, plan, pr.at);
+        pr.last_checkpoint = pr.at;
+    }
+    if pr.last_log.elapsed() >= Duration::from_secs(5) {
+        let (what, done, total) = (plan.what, pr.done, plan.total);
+        let rate = done as f64 / secs.max(1e-9);
+        log::info!(
+            "cairn: {}: {what} {:.1}% ({} of {}, {}, {:.0} s left)",
+            job.name,
+            done as f64 * 100.0 / total.max(1) as f64,
+            cairn_core::size::format_bytes(done),
+            cairn_core::size::format_bytes(total),
+            cairn_core::size::format_rate(rate),
+            (total - done.min(total)) as f64 / rate.max(1.0)
+        );
+        pr.last_log = Instant::now();
+    }
+}
+
+/// Everything is copied: flushes, records the members current, and promotes the
+/// replacements built.
+fn finish(
+    job: &Job,
+    queues: &[Option<BlockingQueue>],
+    plan: &Plan,
+    devices: &[Option<Arc<dyn Device>>],
+    began: Instant,
+) {
+    let (health, sync, n) = (&job.health, &job.health.sync, plan.n);
+    let (what, total) = (plan.what, plan.total);
+    sync.synced_below.store(plan.size, Relaxed);
+    flush_copies(job, queues, &plan.targets);
     let finished: Vec<usize> = (0..n)
-        .filter(|&m| health.ok(m) && (resync || full[m] || partial[m]))
+        .filter(|&m| health.ok(m) && (plan.resync || plan.full[m] || plan.partial[m]))
         .collect();
-    job.metadata.rebuilt(&finished, resync);
+    job.metadata.rebuilt(&finished, plan.resync);
     for &m in &finished {
         health.readable[m].store(true, Relaxed);
     }
     health.one_copy.store(false, Relaxed);
     let replaced: Vec<usize> = (0..n)
-        .filter(|&m| full[n + m] && health.ok(n + m))
+        .filter(|&m| plan.full[n + m] && health.ok(n + m))
         .collect();
     let copied: Vec<usize> = finished
         .iter()
@@ -519,13 +670,13 @@ fn run_to_end(job: Job) {
     log::info!(
         "cairn: {}: {what} of {} done: {total} bytes in {secs:.3} s ({}); read {} bytes, wrote {} bytes",
         job.name,
-        names(&job, &copied),
+        names(job, &copied),
         cairn_core::size::format_rate(total as f64 / secs.max(1e-9)),
         sync.read_bytes.load(Relaxed),
         sync.written_bytes.load(Relaxed),
     );
     for m in replaced {
-        promote(&job, m, &devices);
+        promote(job, m, devices);
     }
 }
 

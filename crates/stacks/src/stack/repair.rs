@@ -307,34 +307,10 @@ struct Log {
 
 /// Rewrites one pending range, if its member still takes writes.
 fn repair(job: &Job, queues: &mut Queues, p: &Pending, log: &mut Log) {
-    let h = &job.health;
-    let name = &job.name;
+    let (h, name) = (&job.health, &job.name);
     let member = h.name(p.member);
-    let current = h.devices().get(p.member).cloned().flatten();
-    if !h.ok(p.member) || !current.is_some_and(|d| same(&d, &p.device)) {
-        // Failed since (it is read no more), or another device took its place.
-        log::debug!("cairn: {name}: read repair on {member} dropped: the member changed");
+    if !still_wanted(job, p, &member) || !hold_quiet(job, p, &member) {
         return;
-    }
-    if h.one_copy_at(p.logical, p.len) {
-        // The copies may differ here until the resync, which rewrites the range from
-        // the copy reads come from.
-        return;
-    }
-    let began = Instant::now();
-    while !h.sync.hold(p.logical, p.len) {
-        if h.repairs.stop.load(SeqCst) {
-            return;
-        }
-        if began.elapsed() > QUIET_WAIT {
-            log::info!(
-                "cairn: {name}: read repair of {} bytes at {} on member {member} given up: writes to it never paused for {QUIET_WAIT:?}",
-                p.len,
-                p.at
-            );
-            return;
-        }
-        std::thread::sleep(QUIET_POLL);
     }
     // Held: no client write to the range is in flight, and none is sent until released.
     let outcome = rewrite(job, queues, p);
@@ -347,41 +323,10 @@ fn repair(job: &Job, queues: &mut Queues, p: &Pending, log: &mut Log) {
         }
     }
     h.sync.release(p.logical, p.len);
-    let repairs = &h.repairs;
     match outcome {
-        Outcome::Repaired(source) => {
-            repairs.counters.repaired.fetch_add(1, Relaxed);
-            repairs
-                .counters
-                .repaired_bytes
-                .fetch_add(p.len, Relaxed);
-            let total = repairs.repaired[p.member].fetch_add(1, Relaxed) + 1;
-            match log.last {
-                None => log::info!(
-                    "cairn: {name}: read repair: a read failed on member {member}; {} bytes at {} rewritten there from {} (later repairs are counted in the array's status)",
-                    p.len,
-                    p.at,
-                    h.name(source)
-                ),
-                Some(t) if t.elapsed() >= LOG_EVERY => log::info!(
-                    "cairn: {name}: read repair: {} more ranges rewritten on member {member} ({total} in all)",
-                    log.unlogged + 1
-                ),
-                Some(_) => {
-                    log::debug!(
-                        "cairn: {name}: read repair: {} bytes at {} rewritten on member {member} from {}",
-                        p.len,
-                        p.at,
-                        h.name(source)
-                    );
-                    log.unlogged += 1;
-                    return;
-                }
-            }
-            log.last = Some(Instant::now());
-            log.unlogged = 0;
-        }
+        Outcome::Repaired(source) => repaired(job, p, &member, source, log),
         Outcome::Failed(status) => {
+            let repairs = &h.repairs;
             repairs.counters.failed.fetch_add(1, Relaxed);
             repairs.failed[p.member].fetch_add(1, Relaxed);
             log::warn!(
@@ -396,6 +341,77 @@ fn repair(job: &Job, queues: &mut Queues, p: &Pending, log: &mut Log) {
             p.at
         ),
     }
+}
+
+/// Whether `p` is still to be rewritten: its member neither failed nor replaced since,
+/// and the range not one the resync rewrites anyway.
+fn still_wanted(job: &Job, p: &Pending, member: &str) -> bool {
+    let (h, name) = (&job.health, &job.name);
+    let current = h.devices().get(p.member).cloned().flatten();
+    if !h.ok(p.member) || !current.is_some_and(|d| same(&d, &p.device)) {
+        // Failed since (it is read no more), or another device took its place.
+        log::debug!("cairn: {name}: read repair on {member} dropped: the member changed");
+        return false;
+    }
+    // The copies may differ here until the resync, which rewrites the range from the copy
+    // reads come from.
+    !h.one_copy_at(p.logical, p.len)
+}
+
+/// Holds `p`'s range against writes once none is in flight there; `false` if the
+/// thread is told to stop first, or writes never pause for [`QUIET_WAIT`].
+fn hold_quiet(job: &Job, p: &Pending, member: &str) -> bool {
+    let (h, name) = (&job.health, &job.name);
+    let began = Instant::now();
+    while !h.sync.hold(p.logical, p.len) {
+        if h.repairs.stop.load(SeqCst) {
+            return false;
+        }
+        if began.elapsed() > QUIET_WAIT {
+            log::info!(
+                "cairn: {name}: read repair of {} bytes at {} on member {member} given up: writes to it never paused for {QUIET_WAIT:?}",
+                p.len,
+                p.at
+            );
+            return false;
+        }
+        std::thread::sleep(QUIET_POLL);
+    }
+    true
+}
+
+/// Counts a range rewritten from member `source`, and logs it: the member's first at
+/// info, then a count at most every [`LOG_EVERY`] (the rest at debug).
+fn repaired(job: &Job, p: &Pending, member: &str, source: usize, log: &mut Log) {
+    let (h, name) = (&job.health, &job.name);
+    let repairs = &h.repairs;
+    repairs.counters.repaired.fetch_add(1, Relaxed);
+    repairs.counters.repaired_bytes.fetch_add(p.len, Relaxed);
+    let total = repairs.repaired[p.member].fetch_add(1, Relaxed) + 1;
+    match log.last {
+        None => log::info!(
+            "cairn: {name}: read repair: a read failed on member {member}; {} bytes at {} rewritten there from {} (later repairs are counted in the array's status)",
+            p.len,
+            p.at,
+            h.name(source)
+        ),
+        Some(t) if t.elapsed() >= LOG_EVERY => log::info!(
+            "cairn: {name}: read repair: {} more ranges rewritten on member {member} ({total} in all)",
+            log.unlogged + 1
+        ),
+        Some(_) => {
+            log::debug!(
+                "cairn: {name}: read repair: {} bytes at {} rewritten on member {member} from {}",
+                p.len,
+                p.at,
+                h.name(source)
+            );
+            log.unlogged += 1;
+            return;
+        }
+    }
+    log.last = Some(Instant::now());
+    log.unlogged = 0;
 }
 
 /// Reads the range from a current copy other than the member's and writes it to the

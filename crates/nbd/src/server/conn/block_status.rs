@@ -18,29 +18,10 @@ impl ServerLoop {
         } else {
             MAX_EXTENTS
         };
-        let extended = conn.session.extended;
         let mut bodies = Vec::with_capacity(1 + conn.bitmaps.len());
         if conn.session.base_allocation {
-            match self.allocation(conn, r) {
-                Ok(extents) => {
-                    let runs = extents.iter().map(|e| {
-                        let mut flags = 0;
-                        if e.hole {
-                            flags |= proto::state::HOLE;
-                        }
-                        if e.zero {
-                            flags |= proto::state::ZERO;
-                        }
-                        (e.len, flags)
-                    });
-                    bodies.push(status_descriptors(
-                        proto::BASE_ALLOCATION_ID,
-                        runs,
-                        r.len,
-                        most,
-                        extended,
-                    ));
-                }
+            match self.allocation_body(conn, r, most) {
+                Ok(body) => bodies.push(body),
                 Err(e) => {
                     if !st.warned {
                         // Once per connection: a client asking again does not flood the log.
@@ -60,7 +41,13 @@ impl ServerLoop {
             let runs = runs
                 .iter()
                 .map(|&(n, dirty)| (n, if dirty { proto::state::DIRTY } else { 0 }));
-            bodies.push(status_descriptors(*id, runs, r.len, most, extended));
+            bodies.push(status_descriptors(
+                *id,
+                runs,
+                r.len,
+                most,
+                conn.session.extended,
+            ));
         }
         if bodies.is_empty() {
             // The decoder refuses BLOCK_STATUS without a context; never reached.
@@ -68,27 +55,47 @@ impl ServerLoop {
             self.reply_error(conn, st, r.command, (r.cookie, r.offset), errno::EINVAL);
             return Next::Again;
         }
-        // The first chunk's header goes in the segment's head; the rest follows it.
-        let header = |flags: u16, body: &[u8], out: &mut [u8]| -> u8 {
-            if extended {
-                out[..32].copy_from_slice(&proto::extended_chunk_header(
-                    flags,
-                    chunk::BLOCK_STATUS_EXT,
-                    r.cookie,
-                    r.offset,
-                    body.len() as u64,
-                ));
-                32
-            } else {
-                out[..20].copy_from_slice(&proto::chunk_header(
-                    flags,
-                    chunk::BLOCK_STATUS,
-                    r.cookie,
-                    body.len() as u32,
-                ));
-                20
+        self.queue_chunks(conn, st, r, &bodies)
+    }
+
+    /// The `base:allocation` chunk's body: the device's extents as descriptors.
+    fn allocation_body(
+        &self,
+        conn: &Conn,
+        r: &proto::Request,
+        most: usize,
+    ) -> Result<Vec<u8>, cairn_core::Error> {
+        let extents = self.allocation(conn, r)?;
+        let runs = extents.iter().map(|e| {
+            let mut flags = 0;
+            if e.hole {
+                flags |= proto::state::HOLE;
             }
-        };
+            if e.zero {
+                flags |= proto::state::ZERO;
+            }
+            (e.len, flags)
+        });
+        Ok(status_descriptors(
+            proto::BASE_ALLOCATION_ID,
+            runs,
+            r.len,
+            most,
+            conn.session.extended,
+        ))
+    }
+
+    /// Queues one chunk per body, the last flagged done: the first chunk's header in the
+    /// segment's head, the rest (headers and bodies) in one buffer after it. Waits for
+    /// buffer memory when the pool has none (the header is consumed only once it has).
+    fn queue_chunks(
+        &self,
+        conn: &Conn,
+        st: &mut ConnState,
+        r: &proto::Request,
+        bodies: &[Vec<u8>],
+    ) -> Next {
+        let extended = conn.session.extended;
         let flags_of = |i: usize| {
             if i + 1 == bodies.len() {
                 chunk::FLAG_DONE
@@ -108,12 +115,18 @@ impl ServerLoop {
         }
         st.rs += conn.header_len();
         let mut head = [0u8; 40];
-        let head_len = header(flags_of(0), &bodies[0], &mut head);
+        let head_len = chunk_header(extended, flags_of(0), r, &bodies[0], &mut head);
         let data = buf.as_mut_slice();
         let mut at = 0;
         for (i, body) in bodies.iter().enumerate() {
             if i > 0 {
-                at += usize::from(header(flags_of(i), body, &mut data[at..]));
+                at += usize::from(chunk_header(
+                    extended,
+                    flags_of(i),
+                    r,
+                    body,
+                    &mut data[at..],
+                ));
             }
             data[at..at + body.len()].copy_from_slice(body);
             at += body.len();
@@ -200,6 +213,29 @@ fn status_descriptors(
         body[4..8].copy_from_slice(&count.to_be_bytes());
     }
     body
+}
+
+/// Writes a block status chunk's header for `body` (extended or structured) at the start
+/// of `out`: its length.
+fn chunk_header(extended: bool, flags: u16, r: &proto::Request, body: &[u8], out: &mut [u8]) -> u8 {
+    if extended {
+        out[..32].copy_from_slice(&proto::extended_chunk_header(
+            flags,
+            chunk::BLOCK_STATUS_EXT,
+            r.cookie,
+            r.offset,
+            body.len() as u64,
+        ));
+        32
+    } else {
+        out[..20].copy_from_slice(&proto::chunk_header(
+            flags,
+            chunk::BLOCK_STATUS,
+            r.cookie,
+            body.len() as u32,
+        ));
+        20
+    }
 }
 
 #[cfg(test)]

@@ -49,6 +49,7 @@ use crate::server::handshake::{ExportInfo, Session};
 use crate::server::observe::{Client, ConnInfo, Observer};
 use crate::server::pool::{Budget, Buf, BufPool, Mem};
 use crate::server::table::Listed;
+use crate::tls_send::TlsOut;
 use recv::Input;
 use reply::Seg;
 
@@ -189,8 +190,8 @@ struct TlsIo {
     /// Received ciphertext not yet given to rustls: `raw_in[raw_pos..raw_len]`.
     raw_pos: usize,
     raw_len: usize,
-    raw_out: Vec<u8>,
-    raw_sent: usize,
+    /// Replies encrypted, on their way to the socket.
+    out: TlsOut,
     /// How far `raw_in` was written since its pages last went back.
     raw_touched: usize,
 }
@@ -370,7 +371,7 @@ impl ConnState {
             || self
                 .tls
                 .as_ref()
-                .is_some_and(|t| t.raw_sent < t.raw_out.len() || t.conn.wants_write())
+                .is_some_and(|t| t.out.pending() || t.conn.wants_write())
     }
 }
 
@@ -606,8 +607,7 @@ impl ServerLoop {
                     raw_in: Input(AlignedBuf::new(RAW_IN.max(MAP_MIN))),
                     raw_pos: 0,
                     raw_len: 0,
-                    raw_out: Vec::with_capacity(RAW_IN),
-                    raw_sent: 0,
+                    out: TlsOut::with_capacity(RAW_IN),
                     raw_touched: 0,
                 })
             }),

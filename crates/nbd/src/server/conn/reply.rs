@@ -1,12 +1,11 @@
 //! Replies and sending them: simple replies and structured or extended chunks, queued per
 //! connection and sent with one `sendmsg` per pass (or encrypted and sent, over TLS).
 
-use std::io::Write;
 use std::os::fd::RawFd;
 
 use io_uring::{opcode, types};
 
-use crate::gather::{self, Segment};
+use crate::gather;
 use crate::proto;
 use crate::proto::{chunk, cmd};
 use crate::server::pool::Buf;
@@ -210,7 +209,8 @@ impl ServerLoop {
         };
     }
 
-    /// Encrypts every waiting reply and sends the ciphertext.
+    /// Encrypts waiting replies (a batch of at most `TLS_BATCH` bytes, so that the
+    /// ciphertext of a client that does not read stays small) and sends the ciphertext.
     pub(super) fn push_send_tls(&self, conn: &Conn, st: &mut ConnState, fd: RawFd) {
         let ConnState {
             out,
@@ -220,61 +220,23 @@ impl ServerLoop {
             ..
         } = st;
         let Some(t) = tls.as_mut() else { return };
-        if t.raw_sent == t.raw_out.len() {
-            t.raw_out.clear();
-            t.raw_sent = 0;
-            // At most TLS_BATCH bytes of replies at a time, so that the ciphertext of a
-            // client that does not read stays small; `out_sent` is how much of the front
-            // reply was encrypted already.
-            let mut room = TLS_BATCH;
-            while room > 0 {
-                let Some(seg) = out.front() else { break };
-                let (head, data) = (seg.head(), seg.data());
-                let total = head.len() + data.len();
-                let (from, to) = (*out_sent, (*out_sent + room).min(total));
-                let mut w = t.conn.writer();
-                let mut ok = true;
-                if from < head.len() {
-                    ok &= w.write_all(&head[from..to.min(head.len())]).is_ok();
-                }
-                if to > head.len() {
-                    let d = from.max(head.len()) - head.len();
-                    ok &= w.write_all(&data[d..to - head.len()]).is_ok();
-                }
-                if !ok {
-                    st.end("a TLS error");
-                    st.dead = true;
-                    return;
-                }
-                room -= to - from;
-                if to == total {
-                    *out_sent = 0;
-                    if let Some(b) = out.pop_front().and_then(|seg| seg.buf) {
-                        pool.put(b);
-                    }
-                } else {
-                    *out_sent = to;
-                }
+        let filled = t.out.fill(&mut t.conn, out, out_sent, TLS_BATCH, |seg| {
+            if let Some(b) = seg.buf {
+                pool.put(b);
             }
-            while t.conn.wants_write() {
-                if t.conn.write_tls(&mut t.raw_out).is_err() {
-                    break;
-                }
-            }
-        }
-        if t.raw_sent == t.raw_out.len() {
+        });
+        if filled.is_err() {
+            st.end("a TLS error");
+            st.dead = true;
             return;
         }
-        let entry = opcode::Send::new(
-            types::Fd(fd),
-            t.raw_out[t.raw_sent..].as_ptr(),
-            (t.raw_out.len() - t.raw_sent) as u32,
-        )
-        .flags(libc::MSG_NOSIGNAL)
-        .build();
+        let Some(entry) = t.out.send_entry(fd) else {
+            return;
+        };
         st.send_armed = true;
-        // SAFETY: the ciphertext buffer is not touched (no more is appended) until this
-        // SQE completes, and the connection is not freed while an SQE is in flight.
+        // SAFETY: the ciphertext buffer is not touched (no more is encrypted into it)
+        // until this SQE completes, and the connection is not freed while an SQE is in
+        // flight.
         unsafe {
             self.core
                 .push_sqe(self.user.get(), (u64::from(conn.index) << 8) | SEND, entry)
@@ -298,11 +260,7 @@ impl ServerLoop {
             st.end("send failed");
             st.dead = true;
         } else if let Some(t) = st.tls.as_mut() {
-            t.raw_sent += res as usize;
-            if t.raw_sent >= t.raw_out.len() {
-                t.raw_out.clear();
-                t.raw_sent = 0;
-            }
+            t.out.sent(res as usize);
         } else {
             let ConnState {
                 out,

@@ -1,6 +1,11 @@
 //! Pieces every on-disk format of cairn's own shares (the array superblock, the thin
-//! pool's metadata, the bitmap store): little-endian fields, identities, and the lock
-//! that keeps a file to one device of one cairn.
+//! pool's metadata, the bitmap store): little-endian fields, identities, the lock that
+//! keeps a file to one device of one cairn, and ([`record`]) the framing of a record kept
+//! in two checksummed slots.
+
+pub mod record;
+
+pub use record::{pick, Frame, Invalid, Picked};
 
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
