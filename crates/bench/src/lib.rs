@@ -19,7 +19,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cairn_core::{Device, Op, Switches};
+use cairn_core::capability::writeback_totals;
+use cairn_core::{Device, Op, Switches, Writeback};
 
 pub use job::JobResult;
 pub use report::Report;
@@ -354,7 +355,7 @@ pub struct Progress {
 /// (as the original's vmstat columns did).
 fn timeline(
     spec: &JobSpec,
-    device: &dyn Device,
+    device: &Arc<dyn Device>,
     switches: Switches,
     progresses: &[Arc<Progress>],
     every: Duration,
@@ -382,7 +383,7 @@ fn timeline(
     let mut rows = Vec::new();
     let start = Instant::now();
     let (mut last_t, mut last_ios, mut last_written) =
-        (start, ios(), device.writeback_counters().1);
+        (start, ios(), writeback_totals(device).written_bytes);
     eprintln!(
         "{:>8} {:>10} {:>10} {:>12} {:>14}",
         "seconds", "IOPS", "MB/s", "dirty MiB", "writeback MB/s"
@@ -395,7 +396,10 @@ fn timeline(
         let now = Instant::now();
         let dt = now.duration_since(last_t).as_secs_f64().max(1e-9);
         let n = ios();
-        let (dirty, written) = device.writeback_counters();
+        let Writeback {
+            dirty_bytes: dirty,
+            written_bytes: written,
+        } = writeback_totals(device);
         let iops = (n - last_ios) as f64 / dt;
         let bw = iops * spec.bs as f64;
         let wb = written.saturating_sub(last_written) as f64 / dt;
@@ -494,7 +498,7 @@ pub fn run(
         handles.push(handle);
     }
     if let Some(every) = spec.timeline {
-        timeline(spec, &*device, switches, &progresses, every)?;
+        timeline(spec, &device, switches, &progresses, every)?;
     } else if progress {
         report::show_progress(spec, &progresses, started);
     }
@@ -509,7 +513,7 @@ pub fn run(
     let all_after = registry_snapshots(&names);
     let mut report = Report::new(
         spec.clone(),
-        &*device,
+        &device,
         switches,
         results,
         usage,

@@ -111,16 +111,16 @@ impl Report {
     /// Merges job results.
     pub fn new(
         spec: JobSpec,
-        device: &dyn Device,
+        device: &Arc<dyn Device>,
         switches: Switches,
         results: Vec<JobResult>,
         usage: Usage,
         elapsed: Duration,
     ) -> Report {
-        fn failed_tree(d: &dyn Device, out: &mut Vec<Vec<String>>) {
-            out.push(d.failed_members());
+        fn failed_tree(d: &Arc<dyn Device>, out: &mut Vec<Vec<String>>) {
+            out.push(cairn_core::array::failed_members(d));
             for c in d.children() {
-                failed_tree(&*c, out);
+                failed_tree(&c, out);
             }
         }
         let mut failed = Vec::new();

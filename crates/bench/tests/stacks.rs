@@ -75,7 +75,7 @@ fn member_failing_mid_run_is_invisible_to_the_client() {
                 report.verified_blocks > 0,
                 "{kind} {fail}: nothing verified"
             );
-            let failed = device.failed_members();
+            let failed = cairn_core::array::failed_members(&device);
             if fail.contains("write") {
                 // A lost write takes the member out; reads alone only get retried.
                 assert_eq!(failed, ["f1"], "{kind} {fail}");
@@ -107,7 +107,7 @@ fn array_fails_only_when_data_has_no_copy_left() {
         report.failure.is_some(),
         "both copies of half the chunks are gone"
     );
-    assert_eq!(device.failed_members().len(), 2);
+    assert_eq!(cairn_core::array::failed_members(&device).len(), 2);
 }
 
 #[test]

@@ -14,8 +14,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use cairn_core::capability::writeback_totals;
 use cairn_core::socket::SocketFile;
-use cairn_core::Device;
+use cairn_core::{Array, ArrayAction, Device, WriteBackCache};
+use cairn_services::thin::ThinPoolAdmin;
 
 use crate::admin_threads::{self, Ticket, Workers, CLIENT_TIMEOUT};
 use crate::view::{self, all_devices, View};
@@ -298,12 +300,12 @@ fn serve_one(conn: UnixStream, view: &View, ticket: &Ticket) {
 /// One device's line of the tree: size, what it is, and its health.
 fn device_line(depth: usize, d: &Arc<dyn Device>) -> String {
     use cairn_core::size::format_bytes;
-    let failed = d.failed_members();
-    let cache = match view::cache_counters(&**d) {
-        Some((_, written)) => format!(
+    let failed = cairn_core::array::failed_members(d);
+    let cache = match d.capability::<dyn WriteBackCache>() {
+        Some(c) => format!(
             ", {} written back ({}/s now)",
-            format_bytes(written),
-            format_bytes(d.writeback_rate())
+            format_bytes(c.counters().written_bytes),
+            format_bytes(c.rate_bytes_per_s())
         ),
         None => String::new(),
     };
@@ -341,7 +343,8 @@ fn consistent(view: &View, build: impl Fn(&View) -> String) -> String {
     let seq = || -> (u64, bool) {
         all_devices(&view.roots())
             .iter()
-            .map(|(_, d)| d.change_seq())
+            .filter_map(|(_, d)| d.capability::<dyn Array>())
+            .map(|a| a.change_seq())
             .fold((0, false), |(sum, odd), s| {
                 (sum.wrapping_add(s), odd || s % 2 == 1)
             })
@@ -364,19 +367,15 @@ fn consistent(view: &View, build: impl Fn(&View) -> String) -> String {
     out
 }
 
-/// The thin pools served, by name.
-pub(crate) fn pools(roots: &[Arc<dyn Device>]) -> Vec<Arc<dyn Device>> {
+/// The thin pools served: each pool's device, and the pool.
+pub(crate) fn pools(roots: &[Arc<dyn Device>]) -> Vec<(Arc<dyn Device>, Arc<dyn ThinPoolAdmin>)> {
     all_devices(roots)
         .into_iter()
-        .map(|(_, d)| d)
-        .filter(|d| pool_of(d).is_some())
+        .filter_map(|(_, d)| {
+            let pool = d.capability::<dyn ThinPoolAdmin>()?;
+            Some((d, pool))
+        })
         .collect()
-}
-
-pub(crate) fn pool_of(d: &Arc<dyn Device>) -> Option<&cairn_services::thin::pool::Inner> {
-    d.as_any()
-        .and_then(|a| a.downcast_ref::<cairn_services::thin::pool::ThinPool>())
-        .map(|p| &**p.inner())
 }
 
 /// `thin ACTION POOL ...`.
@@ -387,8 +386,8 @@ fn thin_command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
         return format!("error: {USAGE}\n");
     };
     let all = pools(roots);
-    let Some(d) = all.iter().find(|d| d.name() == pool) else {
-        let names: Vec<&str> = all.iter().map(|d| d.name()).collect();
+    let Some((_, inner)) = all.iter().find(|(d, _)| d.name() == pool) else {
+        let names: Vec<&str> = all.iter().map(|(d, _)| d.name()).collect();
         return format!(
             "error: no thin pool '{pool}' is served (pools: {})\n",
             if names.is_empty() {
@@ -398,7 +397,7 @@ fn thin_command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
             }
         );
     };
-    let inner = pool_of(d).expect("a pool");
+    let inner = &**inner;
     let size =
         |s: &str| cairn_core::size::parse_size(s).map_err(|e| format!("error: size '{s}': {e}\n"));
     let rest = &args[2..];
@@ -445,7 +444,7 @@ fn thin_command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
 }
 
 /// A pool's volumes, a line each, under a line for the pool.
-fn thin_list(inner: &cairn_services::thin::pool::Inner) -> String {
+fn thin_list(inner: &dyn ThinPoolAdmin) -> String {
     use cairn_core::size::format_bytes;
     let r = inner.report();
     let mut out = thin_pool_line(&r);
@@ -483,7 +482,7 @@ fn thin_pool_line(r: &cairn_services::thin::pool::PoolReport) -> String {
     )
 }
 
-fn thin_json(inner: &cairn_services::thin::pool::Inner) -> serde_json::Value {
+fn thin_json(inner: &dyn ThinPoolAdmin) -> serde_json::Value {
     let r = inner.report();
     serde_json::json!({
         "name": r.name,
@@ -517,10 +516,13 @@ fn status_text_once(view: &View) -> String {
     }
     out += &view::exports_text(view);
     // Arrays with metadata (the default) have a status block; nothing is said of the rest.
-    let arrays: Vec<String> = all.iter().filter_map(|(_, d)| d.array_status()).collect();
+    let arrays: Vec<String> = all
+        .iter()
+        .filter_map(|(_, d)| d.capability::<dyn Array>()?.status())
+        .collect();
     out += &arrays.concat();
-    for p in pools(&view.roots()) {
-        out += &thin_list(pool_of(&p).expect("a pool"));
+    for (_, pool) in pools(&view.roots()) {
+        out += &thin_list(&*pool);
     }
     out += &crate::bitmaps::status_text(&view.roots());
     if let Some(k) = view.stack_file() {
@@ -550,7 +552,8 @@ fn status_json_once(view: &View) -> String {
     let devices: Vec<serde_json::Value> = all_devices(&view.roots())
         .iter()
         .map(|(depth, d)| {
-            let (dirty, written) = d.writeback_counters();
+            let totals = writeback_totals(d);
+            let array = d.capability::<dyn Array>();
             serde_json::json!({
                 "name": d.name(),
                 "depth": depth,
@@ -558,24 +561,29 @@ fn status_json_once(view: &View) -> String {
                 "block_bytes": d.geometry().block_bytes,
                 "describe": d.describe(),
                 "children": d.children().iter().map(|c| c.name().to_string()).collect::<Vec<_>>(),
-                "failed_members": d.failed_members(),
-                "dirty_bytes": dirty,
-                "written_back_bytes": written,
-                "writeback_bytes_per_s": d.writeback_rate(),
-                "array_status": d.array_status(),
+                "failed_members": cairn_core::array::failed_members(d),
+                "dirty_bytes": totals.dirty_bytes,
+                "written_back_bytes": totals.written_bytes,
+                "writeback_bytes_per_s": d
+                    .capability::<dyn WriteBackCache>()
+                    .map_or(0, |c| c.rate_bytes_per_s()),
+                "array_status": array.and_then(|a| a.status()),
             })
         })
         .collect();
     let arrays: Vec<serde_json::Value> = all_devices(&view.roots())
         .iter()
-        .filter_map(|(_, d)| d.array_report().map(|r| array_json(d.name(), &r)))
+        .filter_map(|(_, d)| {
+            let r = d.capability::<dyn Array>()?.report()?;
+            Some(array_json(d.name(), &r))
+        })
         .collect();
     let mut doc = view::exports_json(view);
     doc["devices"] = devices.into();
     doc["arrays"] = arrays.into();
     doc["thin_pools"] = pools(&view.roots())
         .iter()
-        .map(|p| thin_json(pool_of(p).expect("a pool")))
+        .map(|(_, pool)| thin_json(&**pool))
         .collect::<Vec<_>>()
         .into();
     doc["bitmaps"] = crate::bitmaps::status_json(&view.roots());
@@ -703,8 +711,7 @@ fn command(line: &str, view: &View, ticket: &Ticket) -> String {
 
 /// `fail|remove|re-add ARRAY MEMBER`, `add ARRAY SPEC`, `replace ARRAY OLD SPEC`.
 fn array_command(action: &str, args: &[&str], view: &View, roots: &[Arc<dyn Device>]) -> String {
-    let want = if action == "replace" { 3 } else { 2 };
-    if args.len() != want {
+    let Some((array, act)) = array_action(action, args) else {
         return format!(
             "error: usage: {}\n",
             match action {
@@ -713,20 +720,22 @@ fn array_command(action: &str, args: &[&str], view: &View, roots: &[Arc<dyn Devi
                 _ => "fail|remove|re-add ARRAY MEMBER",
             }
         );
-    }
-    let array = args[0];
+    };
     let all = all_devices(roots);
     let Some((_, d)) = all.iter().find(|(_, d)| d.name() == array) else {
         return format!("error: no device '{array}' is served (see the 'devices' command)\n");
     };
-    match d.array_action(action, &args[1..]) {
+    let Some(a) = d.capability::<dyn Array>() else {
+        return format!("error: '{array}' is not an array with metadata: it has no '{action}'\n");
+    };
+    match a.act(&act) {
         Ok(done) => {
             let mut out = format!("ok: {done}\n");
             for line in view.sync_stack_file() {
                 out += &line;
                 out.push('\n');
             }
-            if action == "replace" {
+            if matches!(act, ArrayAction::Replace { .. }) {
                 out += &match view.stack_file() {
                     Some(k) => format!(
                         "when the replace ends, stack file {} is updated (or status says what no longer matches)\n",
@@ -739,6 +748,31 @@ fn array_command(action: &str, args: &[&str], view: &View, roots: &[Arc<dyn Devi
         }
         Err(why) => format!("error: {why}\n"),
     }
+}
+
+/// The array an admin's action names, and the action, from its words (`None`: not the
+/// words it takes).
+fn array_action<'a>(action: &str, args: &[&'a str]) -> Option<(&'a str, ArrayAction)> {
+    let act = match (action, args) {
+        ("fail", [_, member]) => ArrayAction::Fail {
+            member: member.to_string(),
+        },
+        ("remove", [_, member]) => ArrayAction::Remove {
+            member: member.to_string(),
+        },
+        ("re-add", [_, member]) => ArrayAction::ReAdd {
+            member: member.to_string(),
+        },
+        ("add", [_, spec]) => ArrayAction::Add {
+            spec: spec.to_string(),
+        },
+        ("replace", [_, old, spec]) => ArrayAction::Replace {
+            old: old.to_string(),
+            spec: spec.to_string(),
+        },
+        _ => return None,
+    };
+    Some((args[0], act))
 }
 
 /// `power-cut [DEVICE...]`: nothing is cut unless every name is known.

@@ -5,26 +5,31 @@
 
 use std::sync::Arc;
 
-use cairn_core::Device;
-use cairn_services::dirty::device::TrackedDevice;
+use cairn_core::{Device, DirtyBitmaps};
+use cairn_services::dirty::device::{checkpoint, TrackedDevice};
+use cairn_services::dirty::store::Store;
 use cairn_services::thin::queue::ThinDevice;
+use cairn_services::thin::ThinVolume;
 
 use crate::view::{all_devices, View};
 
-/// The served thin volumes that keep bitmaps: (the device, its thin volume).
-fn tracked_volumes(roots: &[Arc<dyn Device>]) -> Vec<Arc<dyn Device>> {
-    all_devices(roots)
-        .into_iter()
-        .map(|(_, d)| d)
-        .filter(|d| thin_of(d).is_some())
-        .collect()
+/// A served thin volume that keeps bitmaps: the volume, and the store of its bitmaps.
+struct Tracked {
+    volume: Arc<dyn ThinVolume>,
+    store: Arc<Store>,
 }
 
-/// The thin volume under a device with bitmaps.
-fn thin_of(d: &Arc<dyn Device>) -> Option<(&TrackedDevice, &ThinDevice)> {
-    let t = d.as_any()?.downcast_ref::<TrackedDevice>()?;
-    let thin = t.base().as_any()?.downcast_ref::<ThinDevice>()?;
-    Some((t, thin))
+/// The served thin volumes that keep bitmaps.
+fn tracked_volumes(roots: &[Arc<dyn Device>]) -> Vec<Tracked> {
+    all_devices(roots)
+        .into_iter()
+        .filter_map(|(_, d)| {
+            Some(Tracked {
+                volume: d.capability::<dyn ThinVolume>()?,
+                store: d.capability::<Store>()?,
+            })
+        })
+        .collect()
 }
 
 /// `checkpoint POOL VOLUME NAME [GRANULARITY]`.
@@ -38,12 +43,13 @@ pub(crate) fn checkpoint_command(args: &[&str], roots: &[Arc<dyn Device>]) -> St
         _ => return "error: usage: checkpoint POOL VOLUME NAME [GRANULARITY]\n".into(),
     };
     let all = tracked_volumes(roots);
-    let found = all.iter().find_map(|d| {
-        let (t, thin) = thin_of(d)?;
-        (thin.pool().name() == *pool && thin.volume() == *volume).then_some(t)
-    });
+    let found = all
+        .iter()
+        .find(|t| t.volume.pool().name() == *pool && t.volume.volume() == *volume);
     let Some(tracked) = found else {
-        let served = crate::admin::pools(roots).iter().any(|p| p.name() == *pool);
+        let served = crate::admin::pools(roots)
+            .iter()
+            .any(|(_, p)| p.name() == *pool);
         return if served {
             format!(
                 "error: volume '{volume}' of pool '{pool}' is not served with bitmaps (a [device] table with type = \"thin\", pool = \"{pool}\", volume = \"{volume}\" and bitmaps = \"PATH\")\n"
@@ -52,7 +58,7 @@ pub(crate) fn checkpoint_command(args: &[&str], roots: &[Arc<dyn Device>]) -> St
             format!("error: no thin pool '{pool}' is served\n")
         };
     };
-    match cairn_services::dirty::device::checkpoint(tracked, name, granularity) {
+    match checkpoint(&tracked.store, &*tracked.volume, name, granularity) {
         Ok(done) => {
             log::info!("cairn: admin: {done}");
             format!("ok: {done}\n")
@@ -63,12 +69,9 @@ pub(crate) fn checkpoint_command(args: &[&str], roots: &[Arc<dyn Device>]) -> St
 
 /// After volume `name` of pool `pool` was deleted: the bitmaps attached to it go.
 pub(crate) fn volume_deleted(pool: &str, name: &str, roots: &[Arc<dyn Device>]) {
-    for d in tracked_volumes(roots) {
-        let Some((t, thin)) = thin_of(&d) else {
-            continue;
-        };
-        if thin.pool().name() == pool {
-            if let Err(e) = t.store().drop_owner(name) {
+    for t in tracked_volumes(roots) {
+        if t.volume.pool().name() == pool {
+            if let Err(e) = t.store.drop_owner(name) {
                 log::warn!(
                     "cairn: admin: the bitmaps of deleted volume '{name}': {e} (they go at the next start)"
                 );
@@ -152,24 +155,23 @@ fn add_volume(
         ));
     }
     let pools = crate::admin::pools(roots);
-    let Some(p) = pools.iter().find(|p| p.name() == pool) else {
+    let Some((p, inner)) = pools.iter().find(|(_, p)| p.name() == pool) else {
         return Err(format!("no thin pool '{pool}' is served"));
     };
-    let inner = crate::admin::pool_of(p).expect("a pool");
     if !inner.has_volume(volume) {
         return Err(format!("pool '{pool}' has no volume '{volume}'"));
     }
     let thin: Arc<dyn Device> = Arc::new(
         ThinDevice::open(volume, p.clone(), volume, None, false).map_err(|e| e.to_string())?,
     );
-    let store = tracked_volumes(roots).into_iter().find_map(|d| {
-        let (t, thin) = thin_of(&d)?;
-        (thin.pool().name() == pool && t.store().owns(volume)).then(|| t.store().clone())
-    });
+    let store = tracked_volumes(roots)
+        .into_iter()
+        .find(|t| t.volume.pool().name() == pool && t.store.owns(volume))
+        .map(|t| t.store);
     let (device, bitmaps): (Arc<dyn Device>, Vec<String>) = match store {
         Some(store) => {
             let view = TrackedDevice::view(thin, store, volume);
-            let names = view.bitmap_names();
+            let names = DirtyBitmaps::names(&view);
             (Arc::new(view), names)
         }
         None => (thin, Vec::new()),

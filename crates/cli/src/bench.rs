@@ -109,10 +109,7 @@ fn close_writing_back(
     use cairn_core::size::format_bytes;
     use std::sync::atomic::Ordering::Relaxed;
     let dirty = |d: &std::sync::Arc<dyn cairn_core::Device>| -> u64 {
-        view::all_devices(std::slice::from_ref(d))
-            .iter()
-            .map(|(_, d)| d.writeback_counters().0)
-            .sum()
+        cairn_core::capability::writeback_totals(d).dirty_bytes
     };
     let left = dirty(&device);
     if left == 0 {

@@ -4,7 +4,6 @@ use std::sync::Arc;
 
 use cairn_core::Device;
 use cairn_services::dirty::bitmap::BitmapInfo;
-use cairn_services::dirty::device::TrackedDevice;
 use cairn_services::dirty::store::Store;
 
 use crate::view::all_devices;
@@ -15,10 +14,8 @@ pub const GRANULARITY: u64 = 64 << 10;
 const USAGE: &str = "usage: bitmap list DEVICE [--json] | add DEVICE NAME [GRANULARITY] | remove DEVICE NAME | clear DEVICE NAME | merge DEVICE TARGET SOURCE...";
 
 /// The bitmap store of device `d`, if it has one.
-pub(crate) fn store_of(d: &Arc<dyn Device>) -> Option<&Arc<Store>> {
-    d.as_any()
-        .and_then(|a| a.downcast_ref::<TrackedDevice>())
-        .map(TrackedDevice::store)
+pub(crate) fn store_of(d: &Arc<dyn Device>) -> Option<Arc<Store>> {
+    d.capability::<Store>()
 }
 
 /// `bitmap ACTION DEVICE ...`.

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use cairn_core::Device;
-use cairn_services::crypt::device::{read_secret, CryptDevice};
+use cairn_services::crypt::device::{read_secret, KeySlots};
 use cairn_services::crypt::kdf::check_cost;
 use cairn_services::crypt::{Kdf, SlotKey};
 
@@ -20,25 +20,30 @@ use crate::view::{all_devices, View};
 
 const USAGE: &str = "usage: crypt list [--json] | add DEVICE PASSPHRASE_FILE [KEY=VALUE...] (kdf, kdf_iterations, kdf_memory, kdf_parallel, kdf_hash) | remove DEVICE SLOT";
 
+/// A crypt device served, and its key slots.
+struct Crypt {
+    device: Arc<dyn Device>,
+    slots: Arc<dyn KeySlots>,
+}
+
 /// The crypt devices served.
-fn crypts(roots: &[Arc<dyn Device>]) -> Vec<(String, Arc<dyn Device>)> {
+fn crypts(roots: &[Arc<dyn Device>]) -> Vec<Crypt> {
     all_devices(roots)
         .into_iter()
-        .filter(|(_, d)| crypt_of(d).is_some())
-        .map(|(_, d)| (d.name().to_string(), d))
+        .filter_map(|(_, device)| {
+            let slots = device.capability::<dyn KeySlots>()?;
+            Some(Crypt { device, slots })
+        })
         .collect()
 }
 
-fn crypt_of(d: &Arc<dyn Device>) -> Option<&CryptDevice> {
-    d.as_any()?.downcast_ref::<CryptDevice>()
-}
-
-/// The crypt device `name` of `view`, held for as long as the caller keeps it.
-fn find(view: &View, name: &str) -> Result<Arc<dyn Device>, String> {
+/// The key slots of crypt device `name` of `view`: the device is held for as long as
+/// the caller keeps them.
+fn find(view: &View, name: &str) -> Result<Arc<dyn KeySlots>, String> {
     crypts(&view.roots())
         .into_iter()
-        .find(|(n, _)| n == name)
-        .map(|(_, d)| d)
+        .find(|c| c.device.name() == name)
+        .map(|c| c.slots)
         .ok_or_else(|| format!("no crypt device '{name}' is served"))
 }
 
@@ -84,9 +89,7 @@ fn add(
         .take_again()
         .map_err(|e| format!("crypt {device}: {e}: no key slot was added"))?;
     let slot_key = slot_key.map_err(|e| format!("crypt {device}: {e}"))?;
-    let d = find(view, device)?;
-    let c = crypt_of(&d).ok_or_else(|| format!("no crypt device '{device}' is served"))?;
-    let slot = c
+    let slot = find(view, device)?
         .add_derived_slot(&slot_key)
         .map_err(|e| format!("crypt {device}: {e}"))?;
     Ok(format!("crypt {device}: key slot {slot} added"))
@@ -96,8 +99,7 @@ fn add(
 /// without them), checked against its header, and the key's length. The device is held
 /// only here.
 fn slot_kdf(device: &str, words: &[&str], view: &View) -> Result<(Kdf, usize), String> {
-    let d = find(view, device)?;
-    let c = crypt_of(&d).ok_or_else(|| format!("no crypt device '{device}' is served"))?;
+    let c = find(view, device)?;
     let kdf = cairn_config::crypt_kdf(device, c.format(), words).map_err(|e| e.to_string())?;
     c.new_slot_kdf(kdf)
         .map_err(|e| format!("crypt {device}: {e}"))
@@ -105,8 +107,7 @@ fn slot_kdf(device: &str, words: &[&str], view: &View) -> Result<(Kdf, usize), S
 
 /// `crypt remove DEVICE SLOT`.
 fn remove(device: &str, slot: &str, view: &View) -> Result<String, String> {
-    let d = find(view, device)?;
-    let c = crypt_of(&d).ok_or_else(|| format!("no crypt device '{device}' is served"))?;
+    let c = find(view, device)?;
     let Ok(slot) = slot.parse::<usize>() else {
         return Err(format!("'{slot}' is not a key slot number"));
     };
@@ -116,15 +117,19 @@ fn remove(device: &str, slot: &str, view: &View) -> Result<String, String> {
 }
 
 /// `crypt list`: a line per device.
-fn list_text(all: &[(String, Arc<dyn Device>)]) -> String {
+fn list_text(all: &[Crypt]) -> String {
     if all.is_empty() {
         return "no crypt devices\n".into();
     }
     let mut text = String::new();
-    for (name, d) in all {
-        let c = crypt_of(d).expect("a crypt device");
+    for Crypt {
+        device: d,
+        slots: c,
+    } in all
+    {
         text += &format!(
-            "{name}: {}; opened by {}; key slots: {}\n",
+            "{}: {}; opened by {}; key slots: {}\n",
+            d.name(),
             d.describe(),
             match c.opened_by() {
                 Some(s) => format!("key slot {s}"),
@@ -141,23 +146,27 @@ fn list_text(all: &[(String, Arc<dyn Device>)]) -> String {
 }
 
 /// `crypt list --json`.
-fn list_json(all: &[(String, Arc<dyn Device>)]) -> serde_json::Value {
+fn list_json(all: &[Crypt]) -> serde_json::Value {
     all.iter()
-        .map(|(name, d)| {
-            let c = crypt_of(d).expect("a crypt device");
-            let seg = c.segment();
-            serde_json::json!({
-                "device": name,
-                "format": c.format().name(),
-                "sector_size": seg.sector_bytes,
-                "data_offset": seg.offset,
-                "opened_by_slot": c.opened_by(),
-                "slots": c.slots().iter().map(|s| serde_json::json!({
-                    "slot": s.index,
-                    "kdf": s.kdf.to_string(),
-                })).collect::<Vec<_>>(),
-            })
-        })
+        .map(
+            |Crypt {
+                 device: d,
+                 slots: c,
+             }| {
+                let seg = c.segment();
+                serde_json::json!({
+                    "device": d.name(),
+                    "format": c.format().name(),
+                    "sector_size": seg.sector_bytes,
+                    "data_offset": seg.offset,
+                    "opened_by_slot": c.opened_by(),
+                    "slots": c.slots().iter().map(|s| serde_json::json!({
+                        "slot": s.index,
+                        "kdf": s.kdf.to_string(),
+                    })).collect::<Vec<_>>(),
+                })
+            },
+        )
         .collect::<Vec<_>>()
         .into()
 }

@@ -12,7 +12,7 @@ use prometheus::proto::{
 };
 
 use cairn_core::socket::SocketFile;
-use cairn_core::Device;
+use cairn_core::{Array, Device, WriteBackCache};
 use cairn_nbd::Observer;
 
 use crate::view::{self, all_devices, View, OP_NAMES};
@@ -314,9 +314,12 @@ fn cache_families(all: &[(usize, Arc<dyn Device>)]) -> Vec<MetricFamily> {
     );
     for (_, d) in all {
         let l = [("device", d.name())];
-        if let Some((dirty_now, written)) = view::cache_counters(&**d) {
-            dirty.mut_metric().push(gauge(&l, dirty_now as f64));
-            written_back.mut_metric().push(counter(&l, written as f64));
+        if let Some(c) = d.capability::<dyn WriteBackCache>() {
+            let c = c.counters();
+            dirty.mut_metric().push(gauge(&l, c.dirty_bytes as f64));
+            written_back
+                .mut_metric()
+                .push(counter(&l, c.written_bytes as f64));
         }
     }
     vec![dirty, written_back]
@@ -367,29 +370,30 @@ fn array_families(all: &[(usize, Arc<dyn Device>)]) -> Vec<MetricFamily> {
     for (_, d) in all {
         let name = d.name();
         let l = [("device", name)];
-        if d.redundant() {
-            let f = d.failed_members().len();
-            degraded
+        let Some(array) = d.capability::<dyn Array>().filter(|a| a.redundant()) else {
+            continue;
+        };
+        let f = array.failed_members().len();
+        degraded
+            .mut_metric()
+            .push(gauge(&l, if f > 0 { 1.0 } else { 0.0 }));
+        failed.mut_metric().push(gauge(&l, f as f64));
+        let p = array.sync_progress();
+        syncing
+            .mut_metric()
+            .push(gauge(&l, if p.is_some() { 1.0 } else { 0.0 }));
+        if let Some((done, total)) = p {
+            sync_done.mut_metric().push(gauge(&l, done as f64));
+            sync_total.mut_metric().push(gauge(&l, total as f64));
+        }
+        if let Some(r) = cairn_core::stats::registry().repairs(name) {
+            repaired.mut_metric().push(counter(&l, r.repaired as f64));
+            repaired_bytes
                 .mut_metric()
-                .push(gauge(&l, if f > 0 { 1.0 } else { 0.0 }));
-            failed.mut_metric().push(gauge(&l, f as f64));
-            let p = d.sync_progress();
-            syncing
+                .push(counter(&l, r.repaired_bytes as f64));
+            repair_failed
                 .mut_metric()
-                .push(gauge(&l, if p.is_some() { 1.0 } else { 0.0 }));
-            if let Some((done, total)) = p {
-                sync_done.mut_metric().push(gauge(&l, done as f64));
-                sync_total.mut_metric().push(gauge(&l, total as f64));
-            }
-            if let Some(r) = cairn_core::stats::registry().repairs(name) {
-                repaired.mut_metric().push(counter(&l, r.repaired as f64));
-                repaired_bytes
-                    .mut_metric()
-                    .push(counter(&l, r.repaired_bytes as f64));
-                repair_failed
-                    .mut_metric()
-                    .push(counter(&l, r.failed as f64));
-            }
+                .push(counter(&l, r.failed as f64));
         }
     }
     vec![
@@ -483,11 +487,8 @@ fn thin_families(roots: &[Arc<dyn cairn_core::Device>]) -> Vec<MetricFamily> {
         "A thin volume's virtual size.",
         MetricType::GAUGE,
     );
-    for d in crate::admin::pools(roots) {
-        let Some(inner) = crate::admin::pool_of(&d) else {
-            continue;
-        };
-        let r = inner.report();
+    for (_, pool) in crate::admin::pools(roots) {
+        let r = pool.report();
         let total = (r.data_blocks * r.block_bytes) as f64;
         let used = (r.used_blocks * r.block_bytes) as f64;
         data.mut_metric()
@@ -554,8 +555,8 @@ fn throttle_families(roots: &[Arc<dyn cairn_core::Device>]) -> Vec<MetricFamily>
         "Requests waiting at a throttle device now.",
         MetricType::GAUGE,
     );
-    for (name, d) in crate::throttle::throttles(roots) {
-        let c = crate::throttle::policy_of(&d).expect("a throttle").counts();
+    for (name, throttle) in crate::throttle::throttles(roots) {
+        let c = throttle.counts();
         let l = [("device", name.as_str())];
         requests.mut_metric().push(counter(&l, c.requests as f64));
         bytes.mut_metric().push(counter(&l, c.bytes as f64));

@@ -5,29 +5,18 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use cairn_core::Device;
-use cairn_services::throttle::{ThrottleCounts, ThrottlePolicy};
-use cairn_stacks::wrap::WrapDevice;
+use cairn_services::throttle::{ThrottleAdmin, ThrottleCounts};
 
 use crate::view::all_devices;
 
 const USAGE: &str = "usage: throttle list [--json] | set DEVICE KEY=VALUE... (iops, iops_read, iops_write, bps, bps_read, bps_write, each with _max and _max_length; 0 takes a limit away)";
 
-/// The throttle devices served, with their policies.
-pub(crate) fn throttles(roots: &[Arc<dyn Device>]) -> Vec<(String, Arc<dyn Device>)> {
+/// The throttle devices served, by name.
+pub(crate) fn throttles(roots: &[Arc<dyn Device>]) -> Vec<(String, Arc<dyn ThrottleAdmin>)> {
     all_devices(roots)
         .into_iter()
-        .filter(|(_, d)| policy_of(d).is_some())
-        .map(|(_, d)| (d.name().to_string(), d))
+        .filter_map(|(_, d)| Some((d.name().to_string(), d.capability::<dyn ThrottleAdmin>()?)))
         .collect()
-}
-
-/// The throttle policy of device `d`, if it is a throttle.
-pub(crate) fn policy_of(d: &Arc<dyn Device>) -> Option<&ThrottlePolicy> {
-    d.as_any()?
-        .downcast_ref::<WrapDevice>()?
-        .policy()
-        .as_any()?
-        .downcast_ref::<ThrottlePolicy>()
 }
 
 /// What each device counted at the last `throttle list`, for the rates since.
@@ -58,11 +47,10 @@ pub(crate) fn command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
             let json = args.len() == 2;
             let mut text = String::new();
             let mut items = Vec::new();
-            for (name, d) in &all {
-                let p = policy_of(d).expect("a throttle");
+            for (name, p) in &all {
                 let c = p.counts();
                 let rate = rates(name, c);
-                let limits = p.throttle().limits();
+                let limits = p.limits();
                 text +=
                     &format!(
                     "{name}{}: {limits}; {} requests ({} waited), {} through; {} waiting now{}\n",
@@ -102,13 +90,12 @@ pub(crate) fn command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
             }
         }
         ["set", device, words @ ..] if !words.is_empty() => {
-            let Some((_, d)) = all.iter().find(|(n, _)| n == device) else {
+            let Some((_, p)) = all.iter().find(|(n, _)| n == device) else {
                 return format!("error: no throttle device '{device}' is served\n");
             };
-            let p = policy_of(d).expect("a throttle");
-            match cairn_config::change_limits(device, p.throttle().limits(), words) {
+            match cairn_config::change_limits(device, p.limits(), words) {
                 Ok(limits) => {
-                    p.throttle().set(limits);
+                    p.set_limits(limits);
                     let shared = match p.group() {
                         Some(g) => format!(" (group {g}: every device of it)"),
                         None => String::new(),

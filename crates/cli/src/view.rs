@@ -6,8 +6,7 @@
 use std::sync::{Arc, Weak};
 
 use cairn_core::size::{format_bytes, plural};
-use cairn_core::Device;
-use cairn_core::{DeviceStatsSnapshot, Op};
+use cairn_core::{Array, Device, DeviceStatsSnapshot, Op};
 use cairn_nbd::Observer;
 
 /// An export as operators see it.
@@ -85,8 +84,9 @@ impl View {
         let arrays: Vec<crate::stackfile::Arrays> = all_devices(&self.roots())
             .into_iter()
             .filter_map(|(_, d)| {
-                let members = d.members_now()?;
-                let spares = d.spares_now().unwrap_or_default();
+                let array = d.capability::<dyn Array>()?;
+                let members = array.members_now()?;
+                let spares = array.spares_now().unwrap_or_default();
                 Some((d.name().to_string(), members, spares))
             })
             .collect();
@@ -141,18 +141,6 @@ pub fn all_devices(roots: &[Arc<dyn Device>]) -> Vec<(usize, Arc<dyn Device>)> {
         walk(r, 0, &mut out);
     }
     out
-}
-
-/// A cache's own write-back counters (dirty bytes now, bytes written back): its
-/// counters less its children's; `None` for a device that is not a cache.
-pub fn cache_counters(d: &dyn Device) -> Option<(u64, u64)> {
-    let own = d.writeback_counters();
-    let below = d
-        .children()
-        .iter()
-        .map(|c| c.writeback_counters())
-        .fold((0, 0), |(a, b), (x, y)| (a + x, b + y));
-    (own != below).then(|| (own.0.saturating_sub(below.0), own.1.saturating_sub(below.1)))
 }
 
 /// The monotonic clock the queues use, in nanoseconds.

@@ -200,7 +200,7 @@ fn a_server_that_is_not_nbd_is_refused() {
 use std::sync::Arc;
 
 use cairn_core::blocking::{BlockingQueue, Request};
-use cairn_core::{Device, IoFlags, Op, Switches};
+use cairn_core::{Array, ArrayAction, Device, IoFlags, Op, Switches};
 use cairn_leaves::LeafSpec;
 
 /// xorshift64*: a reproducible sequence without a dependency.
@@ -1141,7 +1141,8 @@ fn a_remote_mirror_member_that_comes_back_is_re_added_by_the_bitmap() {
     ))
     .unwrap();
     let m = stack.open("m").unwrap();
-    let status = || m.array_status().unwrap_or_default();
+    let array = m.capability::<dyn Array>().expect("an array");
+    let status = || array.status().unwrap_or_default();
     let wait = |what: &str, done: &dyn Fn(&str) -> bool| {
         let t = Instant::now();
         while !done(&status()) {
@@ -1186,7 +1187,9 @@ fn a_remote_mirror_member_that_comes_back_is_re_added_by_the_bitmap() {
         status()
     );
     read_all("both members");
-    let out = m.array_action("fail", &["a"]).unwrap();
+    let out = array
+        .act(&ArrayAction::Fail { member: "a".into() })
+        .unwrap();
     assert!(out.contains("failed"), "{out}");
     read_all("the remote member alone");
     // A member the admin failed is not taken back by itself (several tries' worth).

@@ -7,6 +7,7 @@
 use std::rc::Rc;
 use std::sync::Arc;
 
+use crate::capability::{Offer, Want};
 use crate::error::{Error, IoError};
 use crate::io::{Io, Op};
 use crate::reactor::Core;
@@ -120,69 +121,24 @@ pub trait Device: Send + Sync {
     /// Opens this device's queue on the reactor `core` (call on the reactor's own thread).
     fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error>;
 
-    /// Devices this one is built from, for printing the tree.
+    /// For a wrapper, a device that passes every request to one device below it (a
+    /// fault, delay or throttle device, a crypt device, a write-back cache, the dirty
+    /// layer): that device. The defaults of [`Device::children`],
+    /// [`Device::power_cut`], [`Device::power_cut_torn`],
+    /// [`Device::coherent_across_queues`], [`Device::lost_writes`],
+    /// [`Device::lost_writes_made_up`] and [`Device::read_only`] then answer as it does,
+    /// so that no wrapper forgets one; a wrapper overrides only what it changes (a cache
+    /// holds writes of its own that a power cut loses). [`Device::extents`] is not
+    /// forwarded: a wrapper that changes the data (crypt) cannot vouch for the holes of
+    /// the device below, so one that keeps the data says so itself. `None` for the rest.
+    fn base(&self) -> Option<&Arc<dyn Device>> {
+        None
+    }
+
+    /// Devices this one is built from, for printing the tree (the default: its
+    /// [`Device::base`], if it has one).
     fn children(&self) -> Vec<Arc<dyn Device>> {
-        Vec::new()
-    }
-
-    /// Names of members that have failed (a redundant array running degraded).
-    fn failed_members(&self) -> Vec<String> {
-        Vec::new()
-    }
-
-    /// For an array that keeps state on its members: its status as the admin `status`
-    /// command prints it (like `/proc/mdstat`), several lines. `None` for other devices.
-    fn array_status(&self) -> Option<String> {
-        None
-    }
-
-    /// For an array that keeps state on its members: the same facts as
-    /// [`Device::array_status`], as fields (for `status --json`). `None` for other devices.
-    fn array_report(&self) -> Option<ArrayReport> {
-        None
-    }
-
-    /// Whether it keeps more than one copy of its data (a mirror or raid10).
-    fn redundant(&self) -> bool {
-        false
-    }
-
-    /// For an array that keeps state on its members, while a rebuild or resync runs: the
-    /// bytes it visited and the bytes it has to visit. `None` otherwise.
-    fn sync_progress(&self) -> Option<(u64, u64)> {
-        None
-    }
-
-    /// An admin action on an array that keeps state on its members (`fail MEMBER`,
-    /// `remove MEMBER`, `add SPEC`, `replace OLD NEW`): what was done, or why not (then
-    /// nothing was).
-    fn array_action(&self, action: &str, args: &[&str]) -> Result<String, String> {
-        let _ = args;
-        Err(format!(
-            "'{}' is not an array with metadata: it has no '{action}'",
-            self.name()
-        ))
-    }
-
-    /// A count bumped when a change of this device's members begins and again when it
-    /// ends (odd while one runs), so that a reader can tell it read a state between the
-    /// two and read again. 0 for devices whose members never change.
-    fn change_seq(&self) -> u64 {
-        0
-    }
-
-    /// For an array: the members it runs on now, by name, in order (`missing` for an
-    /// absent one), with, for each member added while it runs (`add`, `replace`, a
-    /// spare), the spec it was opened from: what a stack file should say to start it
-    /// again as it is. `None` for other devices.
-    fn members_now(&self) -> Option<Vec<(String, Option<String>)>> {
-        None
-    }
-
-    /// For an array: its spares now, by name, with the spec of each added while it runs
-    /// (as [`Device::members_now`]). `None` for other devices.
-    fn spares_now(&self) -> Option<Vec<(String, Option<String>)>> {
-        None
+        self.base().into_iter().cloned().collect()
     }
 
     /// How `[offset, offset + len)` is allocated, as consecutive extents from `offset`
@@ -195,8 +151,12 @@ pub trait Device: Send + Sync {
     }
 
     /// Simulates a power cut: every write not yet made durable by a flush is lost (only
-    /// volatile devices hold such writes; the default passes the cut to the children).
+    /// volatile devices hold such writes; the default passes the cut to its base, or
+    /// else to the children).
     fn power_cut(&self) {
+        if let Some(base) = self.base() {
+            return base.power_cut();
+        }
         for c in self.children() {
             c.power_cut();
         }
@@ -204,146 +164,59 @@ pub trait Device: Send + Sync {
 
     /// A power cut that tears: of the writes not yet made durable, some pages reach the
     /// disk and some do not, as `seed` picks (volatile mem devices model it; the default
-    /// is a plain [`Device::power_cut`]).
+    /// passes the torn cut to its base, or else is a plain [`Device::power_cut`]).
     fn power_cut_torn(&self, seed: u64) {
-        let _ = seed;
-        self.power_cut();
-    }
-
-    /// Write-back counters of the caches in this tree: bytes dirty now, and bytes written
-    /// back so far (the default sums the children's).
-    fn writeback_counters(&self) -> (u64, u64) {
-        self.children()
-            .iter()
-            .map(|c| c.writeback_counters())
-            .fold((0, 0), |(d, w), (cd, cw)| (d + cd, w + cw))
-    }
-
-    /// For a write-back cache: bytes it wrote back a second, over the last second or two
-    /// (0 for other devices).
-    fn writeback_rate(&self) -> u64 {
-        0
+        match self.base() {
+            Some(base) => base.power_cut_torn(seed),
+            None => self.power_cut(),
+        }
     }
 
     /// Whether writes completed on one queue are seen by every other queue, and a flush
-    /// on any queue makes them all durable (NBD's `CAN_MULTI_CONN` promise).
+    /// on any queue makes them all durable (NBD's `CAN_MULTI_CONN` promise). The default:
+    /// its base's answer, or else whether every child's is yes.
     fn coherent_across_queues(&self) -> bool {
-        self.children().iter().all(|c| c.coherent_across_queues())
+        match self.base() {
+            Some(base) => base.coherent_across_queues(),
+            None => self.children().iter().all(|c| c.coherent_across_queues()),
+        }
     }
 
     /// Whether this device may have lost writes it acknowledged (see [`LostWrites`]).
     /// Until a loss is made up for, the next flush on each queue fails with EIO (once per
-    /// queue). The default: [`LostWrites::None`] (devices that hand completed writes to a
-    /// kernel or keep them in memory lose them only with power, which a flush reports).
+    /// queue). The default: its base's answer, or [`LostWrites::None`] (devices that hand
+    /// completed writes to a kernel or keep them in memory lose them only with power,
+    /// which a flush reports).
     fn lost_writes(&self) -> LostWrites {
-        LostWrites::None
+        self.base().map_or(LostWrites::None, |b| b.lost_writes())
     }
 
     /// Whoever uses this device has made up for every write it acknowledged until now and
     /// may have lost (an array re-adding a member copies to it again whatever it may have
     /// missed): losses of those writes, found now or later, are no longer reported. Writes
-    /// acknowledged after this call are reported as before. The default does nothing.
-    fn lost_writes_made_up(&self) {}
+    /// acknowledged after this call are reported as before. The default tells its base,
+    /// if it has one.
+    fn lost_writes_made_up(&self) {
+        if let Some(base) = self.base() {
+            base.lost_writes_made_up();
+        }
+    }
 
-    /// Whether writes are refused whatever the export says (a thin pool's snapshot).
+    /// Whether writes are refused whatever the export says (a thin pool's snapshot, or a
+    /// wrapper over one: the default is its base's answer, else false).
     fn read_only(&self) -> bool {
-        false
+        self.base().is_some_and(|b| b.read_only())
     }
 
-    /// The device as `Any`, for the few callers that need its concrete type (the admin
-    /// finding a thin pool). `None` for most devices.
-    fn as_any(&self) -> Option<&dyn std::any::Any> {
+    /// The capabilities it offers beyond this trait (see [`crate::capability`]): for each
+    /// trait it implements, `want.offer::<dyn Trait>(|| self)`, chained with `or_else`.
+    /// The default offers none. A wrapper offers its own, not its base's: the base is a
+    /// device of the tree in its own right, found there by whoever looks for it (unless
+    /// the wrapper stands in for it under the same name, as the dirty layer does).
+    fn offer(self: Arc<Self>, want: Want) -> Option<Offer> {
+        let _ = want;
         None
     }
-
-    /// Names of the dirty bitmaps this device keeps (set by every change of data), in the
-    /// order they were added. Empty for a device without a bitmap store.
-    fn bitmap_names(&self) -> Vec<String> {
-        Vec::new()
-    }
-
-    /// The dirty bitmap `name`, for a reader (an NBD client's `qemu:dirty-bitmap:NAME`
-    /// context). A reader holding it keeps it from being removed.
-    fn bitmap(&self, _name: &str) -> Option<Arc<dyn DirtyMap>> {
-        None
-    }
-}
-
-/// A dirty bitmap as its readers see it: which ranges have changed since it started.
-pub trait DirtyMap: Send + Sync {
-    /// Bytes per bit.
-    fn granularity(&self) -> u64;
-
-    /// Appends the runs of `[offset, offset + len)` as (length, dirty), neighbours of the
-    /// same state merged, at most `most` of them; the first starts at `offset`, and
-    /// unless cut short by `most` they cover `len` bytes (a range past the bitmap's end
-    /// reads as dirty: nothing says it did not change).
-    fn runs(&self, offset: u64, len: u64, most: usize, out: &mut Vec<(u64, bool)>);
-
-    /// Whether the bitmap may miss changes (a mark that could not be written, a page of
-    /// its bits found damaged, or a device grown past it): such a bitmap must not be
-    /// trusted for an incremental backup.
-    fn inconsistent(&self) -> bool;
-}
-
-/// An array's state as fields ([`Device::array_report`]): what `/proc/mdstat` and
-/// `mdadm --detail` show of an md array.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct ArrayReport {
-    /// `linear`, `stripe`, `mirror` or `raid10`.
-    pub level: &'static str,
-    /// Its size in bytes.
-    pub size_bytes: u64,
-    /// The array's UUID (the same on every member's superblock).
-    pub uuid: String,
-    /// Superblock format version.
-    pub metadata: u32,
-    /// Bumped by every change of state recorded in the superblocks.
-    pub events: u64,
-    /// Copies of each byte (1 for linear and stripe).
-    pub copies: usize,
-    /// Some data is read from fewer copies than it has members for.
-    pub degraded: bool,
-    /// Not stopped cleanly and not resynced yet: reads come from one copy.
-    pub unclean: bool,
-    /// Each member position, in `members` order (and replacements being built).
-    pub members: Vec<ArrayMember>,
-    /// A rebuild or resync running now.
-    pub sync: Option<ArraySync>,
-    /// Spares, by name.
-    pub spares: Vec<String>,
-    /// The write-intent bitmap: region bytes, regions, dirty regions.
-    pub bitmap: Option<(u64, u64, u64)>,
-    /// Read repairs: ranges rewritten, bytes rewritten, rewrites that failed, pending.
-    pub read_repairs: (u64, u64, u64, u64),
-}
-
-/// One member of an [`ArrayReport`].
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct ArrayMember {
-    /// Its device's name.
-    pub name: String,
-    /// Its position in `members` (a replacement: the position it is built for).
-    pub role: usize,
-    /// `active`, `rebuilding`, `failed`, `missing`, `replacing`.
-    pub state: &'static str,
-    /// Reads go to it.
-    pub readable: bool,
-    /// Re-added too often: the automatic re-add gave up on it.
-    pub readd_given_up: bool,
-}
-
-/// A rebuild or resync in an [`ArrayReport`].
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct ArraySync {
-    /// `rebuild` or `resync`.
-    pub kind: &'static str,
-    /// Bytes done and to do in all.
-    pub done_bytes: u64,
-    /// Bytes in all.
-    pub total_bytes: u64,
-    /// Bytes a second, over the run so far.
-    pub rate_bytes_per_s: u64,
 }
 
 /// A run of bytes with one allocation state.

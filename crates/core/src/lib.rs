@@ -3,6 +3,9 @@
 //! - [`io`]: one I/O request ([`Io`]), its operations, flags and completion status.
 //! - [`device`]: the [`Device`] (shared, configured) and [`Queue`] (one per reactor) traits,
 //!   and the [`Geometry`] every request is checked against at the edge.
+//! - [`capability`]: what only some devices do, each a small trait a device offers and a
+//!   caller asks for: [`array`] (an array's state and the admin's actions), a write-back
+//!   cache's counters, [`bitmap`] (dirty bitmaps).
 //! - [`reactor`]: the per-thread event loop: its io_uring, the plug (batched submission),
 //!   the cached clock, the completion FIFO and the sinks completions are delivered to.
 //! - [`stats`]: per-queue statistics in the shape of `/proc/diskstats`, plus latency
@@ -17,8 +20,11 @@
 //! Nothing here allocates, locks or hands work to another thread per I/O.
 #![warn(missing_docs)]
 
+pub mod array;
+pub mod bitmap;
 pub mod blocking;
 pub mod buf;
+pub mod capability;
 pub mod clock;
 pub mod device;
 pub mod error;
@@ -38,12 +44,12 @@ pub mod stats;
 #[doc(hidden)]
 pub mod testing;
 
+pub use array::{Array, ArrayAction, ArrayMember, ArrayReport, ArraySync};
+pub use bitmap::{ChangeLog, ChangeMarker, DirtyBitmaps, DirtyMap};
 pub use buf::AlignedBuf;
+pub use capability::{Offer, Want, WriteBackCache, Writeback};
 pub use clock::{Clock, ClockMode};
-pub use device::{
-    ArrayMember, ArrayReport, ArraySync, Caps, Device, DirtyMap, Extent, Geometry, LostWrites,
-    Queue,
-};
+pub use device::{Caps, Device, Extent, Geometry, LostWrites, Queue};
 pub use error::{Error, IoError};
 pub use flush::{FlushBatcher, FlushMode};
 pub use frontend::{Frontend, FrontendPart};

@@ -33,7 +33,7 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, Weak};
 
-use cairn_core::{Io, Op};
+use cairn_core::{Io, Offer, Op, Want};
 use cairn_stacks::wrap::{Decision, Policy};
 
 /// Time is kept in 1/1024 ns.
@@ -384,7 +384,7 @@ pub struct ThrottlePolicy {
     counts: [AtomicU64; 4],
 }
 
-/// What a throttle device let through (see [`ThrottlePolicy::counts`]).
+/// What a throttle device let through (see [`ThrottleAdmin::counts`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ThrottleCounts {
     /// Requests let through (flushes not counted).
@@ -411,14 +411,39 @@ impl ThrottlePolicy {
     pub fn throttle(&self) -> &Arc<Throttle> {
         &self.throttle
     }
+}
+
+/// A throttle device, as the admin sees it (`cairn admin throttle`, the metrics): the
+/// capability a throttle device offers (through its policy).
+pub trait ThrottleAdmin: Send + Sync {
+    /// Its limits now (its group's, for a device in a group).
+    fn limits(&self) -> Limits;
+
+    /// A live change of its limits (its group's: every device of the group); the
+    /// requests waiting now follow them too.
+    fn set_limits(&self, limits: Limits);
 
     /// Its group, if it is in one.
-    pub fn group(&self) -> Option<&str> {
+    fn group(&self) -> Option<&str>;
+
+    /// What it let through so far.
+    fn counts(&self) -> ThrottleCounts;
+}
+
+impl ThrottleAdmin for ThrottlePolicy {
+    fn limits(&self) -> Limits {
+        self.throttle.limits()
+    }
+
+    fn set_limits(&self, limits: Limits) {
+        self.throttle.set(limits);
+    }
+
+    fn group(&self) -> Option<&str> {
         self.group.as_deref()
     }
 
-    /// What it let through so far.
-    pub fn counts(&self) -> ThrottleCounts {
+    fn counts(&self) -> ThrottleCounts {
         let [requests, bytes, delayed, waiting] = &self.counts;
         ThrottleCounts {
             requests: requests.load(Relaxed),
@@ -491,8 +516,8 @@ impl Policy for ThrottlePolicy {
         }
     }
 
-    fn as_any(&self) -> Option<&dyn std::any::Any> {
-        Some(self)
+    fn offer(self: Arc<Self>, want: Want) -> Option<Offer> {
+        want.offer::<dyn ThrottleAdmin>(|| self)
     }
 }
 

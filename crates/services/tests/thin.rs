@@ -8,6 +8,7 @@ use cairn_core::{Device, Extent, IoFlags, Op, Switches};
 use cairn_leaves::LeafSpec;
 use cairn_services::thin::pool::{Admin, LowWater, PoolOptions, ThinPool};
 use cairn_services::thin::queue::ThinDevice;
+use cairn_services::thin::ThinPoolAdmin;
 use cairn_testkit::pattern;
 
 fn mem(size: &str, volatile: bool) -> Arc<dyn Device> {
@@ -26,13 +27,8 @@ fn opts() -> PoolOptions {
 struct Pool(Arc<dyn Device>);
 
 impl Pool {
-    fn inner(&self) -> &cairn_services::thin::pool::Inner {
-        self.0
-            .as_any()
-            .unwrap()
-            .downcast_ref::<ThinPool>()
-            .unwrap()
-            .inner()
+    fn pool(&self) -> Arc<dyn ThinPoolAdmin> {
+        self.0.capability::<dyn ThinPoolAdmin>().unwrap()
     }
 
     fn clone(&self) -> Arc<dyn Device> {
@@ -62,7 +58,7 @@ fn volume(p: &Pool, name: &str, size: Option<u64>) -> (Arc<dyn Device>, Blocking
 
 /// `thin snapshot` (read-only) or `thin clone` of `src` as `name`.
 fn snapshot(p: &Pool, src: &str, name: &str, read_only: bool) -> String {
-    p.inner()
+    p.pool()
         .admin(Admin::Snapshot {
             src: src.into(),
             name: name.into(),
@@ -97,7 +93,7 @@ fn writes_read_back_holes_read_zero_and_a_reopen_keeps_everything() {
     d.extents(0, 1 << 30, &mut ext).unwrap();
     assert_eq!(ext[0], Extent::data(64 << 10));
     assert!(ext[1].hole);
-    let used = p.inner().report();
+    let used = p.pool().report();
     assert_eq!(
         used.volumes[0].2,
         5 * (64 << 10),
@@ -146,14 +142,9 @@ fn snapshots_keep_what_was_and_clones_write_apart() {
     assert_eq!(read(&sq, 0, a.len()), a);
     assert_eq!(read(&q, 0, a.len()), now);
     // The snapshot cannot go while open; once closed it can, in any order.
-    assert!(p
-        .inner()
-        .admin(Admin::Delete { name: "s1".into() })
-        .is_err());
+    assert!(p.pool().admin(Admin::Delete { name: "s1".into() }).is_err());
     drop((sq, sd));
-    p.inner()
-        .admin(Admin::Delete { name: "s1".into() })
-        .unwrap();
+    p.pool().admin(Admin::Delete { name: "s1".into() }).unwrap();
     assert_eq!(read(&cq, 0, a.len()), cl);
     assert_eq!(read(&q, 0, a.len()), now);
     q.flush().unwrap();
@@ -170,7 +161,7 @@ fn snapshots_keep_what_was_and_clones_write_apart() {
 fn a_full_pool_says_enospc_and_space_freed_lets_writes_go_on() {
     let data = mem("16M", false);
     let p = pool(&data);
-    let blocks = p.inner().report().data_blocks;
+    let blocks = p.pool().report().data_blocks;
     let (_d, q) = volume(&p, "vm", Some(1 << 30));
     let block = 64 << 10;
     let full = pattern(5, block);
@@ -195,7 +186,7 @@ fn a_full_pool_says_enospc_and_space_freed_lets_writes_go_on() {
                 ok = true;
                 break;
             }
-            Err(e) => eprintln!("DBG {e} {:?}", p.inner().report()),
+            Err(e) => eprintln!("DBG {e} {:?}", p.pool().report()),
         }
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
@@ -258,7 +249,7 @@ fn a_metadata_device_too_small_or_a_volume_too_large_is_refused_and_nothing_is_w
     );
     let p = pool(&data);
     let e = p
-        .inner()
+        .pool()
         .admin(Admin::Create {
             name: "huge".into(),
             size: 1 << 60,
@@ -266,7 +257,7 @@ fn a_metadata_device_too_small_or_a_volume_too_large_is_refused_and_nothing_is_w
         .unwrap_err();
     assert!(e.contains("larger than"), "{e}");
     let e = p
-        .inner()
+        .pool()
         .admin(Admin::Snapshot {
             src: "nope".into(),
             name: "s".into(),
@@ -274,21 +265,21 @@ fn a_metadata_device_too_small_or_a_volume_too_large_is_refused_and_nothing_is_w
         })
         .unwrap_err();
     assert!(e.contains("no volume 'nope'"), "{e}");
-    p.inner()
+    p.pool()
         .admin(Admin::Create {
             name: "a".into(),
             size: 1 << 20,
         })
         .unwrap();
     let e = p
-        .inner()
+        .pool()
         .admin(Admin::Create {
             name: "a".into(),
             size: 1 << 20,
         })
         .unwrap_err();
     assert!(e.contains("already"), "{e}");
-    assert_eq!(p.inner().report().volumes.len(), 1);
+    assert_eq!(p.pool().report().volumes.len(), 1);
 }
 
 /// A page of writer data: `(page << 32) | seq` in every 8 bytes.
@@ -359,7 +350,7 @@ fn snapshots_under_load_hold_what_was_acknowledged_before_and_nothing_started_af
     for k in 0..SNAPS {
         let name = format!("s{k}");
         let t0 = Instant::now();
-        p.inner()
+        p.pool()
             .admin(Admin::Snapshot {
                 src: "vm".into(),
                 name: name.clone(),
@@ -428,7 +419,7 @@ fn snapshots_under_load_hold_what_was_acknowledged_before_and_nothing_started_af
 fn a_full_pool_with_a_snapshot_says_enospc_until_the_snapshot_is_deleted() {
     let data = mem("16M", false);
     let p = pool(&data);
-    let blocks = p.inner().report().data_blocks;
+    let blocks = p.pool().report().data_blocks;
     let block = 64usize << 10;
     let (_d, q) = volume(&p, "vm", Some(1 << 30));
     let half = blocks * 3 / 4; // filled; copies of a quarter fill the rest
@@ -458,7 +449,7 @@ fn a_full_pool_with_a_snapshot_says_enospc_until_the_snapshot_is_deleted() {
     );
     // The snapshot goes: the volume owns its blocks alone again, so overwrites go in
     // place at once (no copy, no space needed).
-    p.inner().admin(Admin::Delete { name: "s".into() }).unwrap();
+    p.pool().admin(Admin::Delete { name: "s".into() }).unwrap();
     for j in 0..half {
         q.write(j * block as u64 + 8192, &pattern(3, 4096), IoFlags::NONE)
             .unwrap_or_else(|e| panic!("block {j}: {e} after the snapshot went"));
@@ -538,7 +529,7 @@ fn grow_takes_a_volume_up_to_four_times_its_size_and_never_shrinks_it() {
     q.write(0, &pattern(1, 4096), IoFlags::NONE).unwrap();
     drop((q, d));
     let grow = |size: u64| {
-        p.inner().admin(Admin::Grow {
+        p.pool().admin(Admin::Grow {
             name: "vm".into(),
             size,
         })
@@ -570,7 +561,7 @@ fn a_sequential_fill_lands_in_order_on_the_data_device() {
         q.write(b << 16, &stamp(b, 7)[..], IoFlags::NONE).unwrap();
     }
     q.flush().unwrap();
-    let r = p.inner().report();
+    let r = p.pool().report();
     drop((q, d));
     // Block b's stamp is at the data area's block b: one run, in order.
     let dq = BlockingQueue::open(&data, Switches::default()).unwrap();

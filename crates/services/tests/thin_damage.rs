@@ -21,6 +21,7 @@ use cairn_services::thin::format;
 use cairn_services::thin::pool::{Admin, LowWater, PoolOptions, ThinPool};
 use cairn_services::thin::queue::ThinDevice;
 use cairn_services::thin::superblock::{self as sbk, PoolSuperblock};
+use cairn_services::thin::ThinPoolAdmin;
 
 const PAGE: usize = 4096;
 /// Pages of the volume (1 MiB: 16 blocks of 64 KiB).
@@ -145,7 +146,7 @@ impl Model {
 /// One session: open the pool, write (flushing every `flush_every` writes, a snapshot
 /// in the middle of the first session), then stop cleanly or as a crash stops.
 fn session(disks: &Disks, m: &mut Model, seed: u64, writes: u64, crash: bool) {
-    let pool: Arc<dyn Device> = Arc::new(disks.open(false).unwrap());
+    let pool = Arc::new(disks.open(false).unwrap());
     let vol: Arc<dyn Device> = Arc::new(
         ThinDevice::open("v", pool.clone(), "v", Some(PAGES * PAGE as u64), true).unwrap(),
     );
@@ -191,19 +192,12 @@ fn session(disks: &Disks, m: &mut Model, seed: u64, writes: u64, crash: bool) {
             }
         }
         if m.snap.is_none() && i == writes / 2 {
-            let inner = pool
-                .as_any()
-                .unwrap()
-                .downcast_ref::<ThinPool>()
-                .unwrap()
-                .inner();
-            inner
-                .admin(Admin::Snapshot {
-                    src: "v".into(),
-                    name: "s".into(),
-                    read_only: true,
-                })
-                .unwrap();
+            pool.admin(Admin::Snapshot {
+                src: "v".into(),
+                name: "s".into(),
+                read_only: true,
+            })
+            .unwrap();
             // The snapshot holds every acknowledged write: the newest value of each page.
             m.snap = Some(flushed_now.clone());
             for (a, &v) in m.allowed.iter_mut().zip(&flushed_now) {
@@ -212,12 +206,7 @@ fn session(disks: &Disks, m: &mut Model, seed: u64, writes: u64, crash: bool) {
         }
     }
     if crash {
-        pool.as_any()
-            .unwrap()
-            .downcast_ref::<ThinPool>()
-            .unwrap()
-            .inner()
-            .crash_on_close();
+        pool.crash_on_close();
     } else {
         vq.flush().unwrap();
         for (a, &v) in m.allowed.iter_mut().zip(&flushed_now) {

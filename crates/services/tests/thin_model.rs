@@ -13,6 +13,7 @@ use cairn_core::{Device, IoFlags, Op, Switches};
 use cairn_leaves::LeafSpec;
 use cairn_services::thin::pool::{Admin, LowWater, PoolOptions, ThinPool};
 use cairn_services::thin::queue::ThinDevice;
+use cairn_services::thin::ThinPoolAdmin;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError};
 
@@ -131,7 +132,7 @@ struct World {
     data: Arc<dyn Device>,
     /// A metadata device of its own, or the metadata at the start of `data`.
     meta: Option<Arc<dyn Device>>,
-    pool: Option<Arc<dyn Device>>,
+    pool: Option<Arc<ThinPool>>,
     vols: Vec<Vol>,
     next_value: u32,
     next_name: u32,
@@ -151,8 +152,7 @@ fn opts() -> PoolOptions {
 
 impl World {
     fn pool(&self) -> &ThinPool {
-        let p = self.pool.as_ref().unwrap();
-        p.as_any().unwrap().downcast_ref::<ThinPool>().unwrap()
+        self.pool.as_deref().unwrap()
     }
 
     fn open_pool(&mut self) {
@@ -235,7 +235,7 @@ impl World {
     /// pool opens again: every page holds a value it was allowed to.
     fn cut(&mut self, seed: u64) -> Result<(), TestCaseError> {
         if self.pool.is_some() {
-            self.pool().inner().crash_on_close();
+            self.pool().crash_on_close();
         }
         for v in &mut self.vols {
             v.open = None;
@@ -263,7 +263,6 @@ impl World {
         self.open_pool();
         let there: Vec<String> = self
             .pool()
-            .inner()
             .report()
             .volumes
             .into_iter()
@@ -480,7 +479,7 @@ fn run(steps: &[Step], separate: bool, cut_at: Option<u64>) -> Result<(), TestCa
                 let name = format!("s{}", w.next_name);
                 w.next_name += 1;
                 let src = w.vols[i].name.clone();
-                let r = w.pool().inner().admin(Admin::Snapshot {
+                let r = w.pool().admin(Admin::Snapshot {
                     src: src.clone(),
                     name: name.clone(),
                     read_only: !clone,
@@ -493,7 +492,7 @@ fn run(steps: &[Step], separate: bool, cut_at: Option<u64>) -> Result<(), TestCa
                         let now = w.vols[i].now.clone();
                         w.vols.push(Vol::new(name, !clone, now));
                     }
-                    Err(_) if cut_at.is_some() && may && w.pool().inner().report().failed => {
+                    Err(_) if cut_at.is_some() && may && w.pool().report().failed => {
                         // Cut during the snapshot: it may be there, as it was taken.
                         let mut s = Vol::new(name, !clone, w.vols[i].now.clone());
                         s.maybe = true;
@@ -511,10 +510,10 @@ fn run(steps: &[Step], separate: bool, cut_at: Option<u64>) -> Result<(), TestCa
                 let name = w.vols[i].name.clone();
                 // Open: refused and nothing changes.
                 w.q(i);
-                let r = w.pool().inner().admin(Admin::Delete { name: name.clone() });
+                let r = w.pool().admin(Admin::Delete { name: name.clone() });
                 prop_assert!(r.is_err(), "{} deleted while open", name);
                 w.vols[i].open = None;
-                match w.pool().inner().admin(Admin::Delete { name }) {
+                match w.pool().admin(Admin::Delete { name }) {
                     Ok(_) => {
                         w.vols.remove(i);
                         w.all_durable();

@@ -125,7 +125,7 @@ fn live(
     ) else {
         return false;
     };
-    let pool: Arc<dyn Device> = Arc::new(pool);
+    let pool = Arc::new(pool);
     let Ok(vol) = ThinDevice::open("v", pool.clone(), "v", Some(BLOCKS * BLOCK), true) else {
         return true;
     };
@@ -153,12 +153,7 @@ fn live(
             *a = BTreeSet::from([v]);
         }
     }
-    pool.as_any()
-        .unwrap()
-        .downcast_ref::<ThinPool>()
-        .unwrap()
-        .inner()
-        .crash_on_close();
+    pool.crash_on_close();
     true
 }
 

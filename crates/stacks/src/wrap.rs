@@ -14,7 +14,8 @@ use std::time::Duration;
 
 use cairn_core::slab::Slab;
 use cairn_core::{
-    Core, Device, Error, Geometry, Io, IoStatus, Op, Poller, Queue, QueueStats, Sink, SinkId,
+    Core, Device, Error, Geometry, Io, IoStatus, Offer, Op, Poller, Queue, QueueStats, Sink,
+    SinkId, Want,
 };
 
 /// What happens to one request.
@@ -65,8 +66,10 @@ pub trait Policy: Send + Sync {
         Decision::Forward
     }
 
-    /// The policy as `Any`, for the admin (a throttle's view and live changes).
-    fn as_any(&self) -> Option<&dyn std::any::Any> {
+    /// The capabilities it offers (a throttle's view and live changes for the admin),
+    /// which its device offers as its own: see [`Device::offer`].
+    fn offer(self: Arc<Self>, want: Want) -> Option<Offer> {
+        let _ = want;
         None
     }
 }
@@ -331,13 +334,6 @@ impl WrapDevice {
     }
 }
 
-impl WrapDevice {
-    /// Its policy.
-    pub fn policy(&self) -> &Arc<dyn Policy> {
-        &self.policy
-    }
-}
-
 impl Device for WrapDevice {
     fn name(&self) -> &str {
         &self.name
@@ -390,20 +386,13 @@ impl Device for WrapDevice {
         self.base.extents(offset, len, out)
     }
 
-    fn children(&self) -> Vec<Arc<dyn Device>> {
-        vec![self.base.clone()]
+    fn base(&self) -> Option<&Arc<dyn Device>> {
+        Some(&self.base)
     }
 
-    fn as_any(&self) -> Option<&dyn std::any::Any> {
-        Some(self)
-    }
-
-    fn lost_writes(&self) -> cairn_core::LostWrites {
-        self.base.lost_writes()
-    }
-
-    fn lost_writes_made_up(&self) {
-        self.base.lost_writes_made_up()
+    /// What its policy offers (a throttle's admin) is its own.
+    fn offer(self: Arc<Self>, want: Want) -> Option<Offer> {
+        Arc::clone(&self.policy).offer(want)
     }
 }
 

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use cairn_config::StackFile;
 use cairn_core::blocking::BlockingQueue;
-use cairn_core::{Device, IoFlags, Switches};
+use cairn_core::{Array, ArrayAction, Device, IoFlags, Switches};
 use cairn_testkit::pattern;
 
 const MIB: u64 = 1 << 20;
@@ -20,6 +20,11 @@ fn open(text: &str, name: &str) -> Result<Arc<dyn Device>, String> {
         .map_err(|e| e.to_string())?
         .open(name)
         .map_err(|e| e.to_string())
+}
+
+/// The array capability of `d` (it must be an array).
+fn array(d: &Arc<dyn Device>) -> Arc<dyn Array> {
+    d.capability::<dyn Array>().expect("an array")
 }
 
 fn queue(d: &Arc<dyn Device>) -> BlockingQueue {
@@ -64,7 +69,7 @@ fn a_healed_member_after_a_degraded_run(metadata: &str) -> bool {
         let q = queue(&m);
         q.write(0, &pattern(1, size), IoFlags::NONE)
             .expect("first pass");
-        assert_eq!(m.failed_members(), vec!["fa".to_string()]);
+        assert_eq!(array(&m).failed_members(), vec!["fa".to_string()]);
         q.write(0, &pattern(2, size), IoFlags::NONE)
             .expect("second pass, degraded");
         q.flush().expect("flush");
@@ -163,7 +168,7 @@ fn a_missing_member_starts_degraded_on_purpose() {
         file("a", &dir.path().join("a.img"))
     );
     let m = open(&text, "m").expect("open degraded");
-    assert_eq!(m.failed_members(), vec!["missing".to_string()]);
+    assert_eq!(array(&m).failed_members(), vec!["missing".to_string()]);
     let size = m.geometry().size_bytes as usize;
     assert_eq!(size as u64, 8 * MIB - MIB);
     queue(&m)
@@ -241,7 +246,7 @@ fn members_holding_data_are_refused_at_the_default() {
     std::fs::write(&c, vec![0u8; 8 << 20]).expect("zero c");
     let m = open(&text, "m").expect("created");
     assert_eq!(m.geometry().size_bytes, 8 * MIB - MIB);
-    assert!(m.array_status().is_some(), "superblocks by default");
+    assert!(array(&m).status().is_some(), "superblocks by default");
 }
 
 /// Members replaced online are marked taken out: started again from the stack file as it
@@ -266,10 +271,15 @@ fn members_replaced_online_are_never_assembled_again() {
         .expect("first pass");
     for (old, new) in [("a", "c"), ("b", "d")] {
         let spec = format!("file:{},size=8M", p(new).display());
-        m.array_action("replace", &[old, &spec]).expect("replace");
+        array(&m)
+            .act(&ArrayAction::Replace {
+                old: old.into(),
+                spec: spec.clone(),
+            })
+            .expect("replace");
         wait_status(&m, &format!("{new} active"));
         for _ in 0..2400 {
-            if !m.array_status().unwrap_or_default().contains("replacing") {
+            if !array(&m).status().unwrap_or_default().contains("replacing") {
                 break;
             }
             std::thread::sleep(std::time::Duration::from_millis(50));
@@ -325,7 +335,7 @@ fn a_member_that_keeps_failing_is_not_re_added_forever() {
     let status = wait_status(&m, "re-adds given up");
     assert!(status.contains("[_U]"), "{status}");
     std::thread::sleep(std::time::Duration::from_millis(500));
-    let later = m.array_status().expect("status");
+    let later = array(&m).status().expect("status");
     assert!(later.contains("fa failed (re-adds given up)"), "{later}");
     assert!(read_all(&m) == pattern(1, size));
 }
@@ -408,7 +418,7 @@ fn after_a_crash_during_a_rebuild_both_resume() {
 /// Polls the array's status until `done` holds of it (at most 120 s).
 fn wait_until(m: &Arc<dyn Device>, what: &str, done: impl Fn(&str) -> bool) -> String {
     for _ in 0..2400 {
-        let s = m.array_status().expect("an array's status");
+        let s = array(m).status().expect("an array's status");
         if done(&s) {
             return s;
         }
@@ -416,7 +426,7 @@ fn wait_until(m: &Arc<dyn Device>, what: &str, done: impl Fn(&str) -> bool) -> S
     }
     panic!(
         "not {what} within 120 s: {}",
-        m.array_status().unwrap_or_default()
+        array(m).status().unwrap_or_default()
     );
 }
 
@@ -574,13 +584,15 @@ fn spares_in_the_stack_file_are_kept_in_their_superblocks_and_used() {
     queue(&m)
         .write(0, &pattern(4, size), IoFlags::NONE)
         .expect("write");
-    assert!(m.array_status().expect("status").contains("spares: s"));
+    assert!(array(&m).status().expect("status").contains("spares: s"));
     drop(m);
     assert!(is_spare("s"), "s has no spare's superblock");
     // Started again, s is a spare again; a member failing takes it.
     let m = open(&text("\"a\", \"b\"", "\"s\""), "m").expect("assemble with the spare");
-    assert!(m.array_status().expect("status").contains("spares: s"));
-    m.array_action("fail", &["a"]).expect("fail a");
+    assert!(array(&m).status().expect("status").contains("spares: s"));
+    array(&m)
+        .act(&ArrayAction::Fail { member: "a".into() })
+        .expect("fail a");
     let status = wait_status(&m, "[UU] s active, b active");
     assert!(!status.contains("spares:"), "{status}");
     assert!(read_all(&m) == pattern(4, size), "data changed");
@@ -821,15 +833,15 @@ fn a_member_whose_superblock_fails_is_out_of_reads_and_writes() {
         file("b", &b)
     );
     let m = open(&text, "m").expect("open the mirror (slot 1 takes the first superblock)");
-    assert!(m.failed_members().is_empty());
+    assert!(array(&m).failed_members().is_empty());
     let size = m.geometry().size_bytes as usize;
     let q = queue(&m);
     // The first write dirties a bitmap region: the superblocks are written again, to slot
     // 0, which fa refuses. The write itself goes on.
     q.write(0, &pattern(1, size), IoFlags::NONE)
         .expect("written (to b at least)");
-    assert_eq!(m.failed_members(), vec!["fa".to_string()]);
-    let status = m.array_status().expect("an array with metadata");
+    assert_eq!(array(&m).failed_members(), vec!["fa".to_string()]);
+    let status = array(&m).status().expect("an array with metadata");
     assert!(
         status.contains("[_U]") && status.contains("degraded") && status.contains("fa failed"),
         "{status}"
@@ -1094,7 +1106,7 @@ impl Bitmapped {
 /// Waits (bounded) until `status` holds `what`.
 fn wait_status(m: &Arc<dyn Device>, what: &str) -> String {
     for _ in 0..2400 {
-        let s = m.array_status().expect("an array's status");
+        let s = array(m).status().expect("an array's status");
         if s.contains(what) {
             return s;
         }
@@ -1102,7 +1114,7 @@ fn wait_status(m: &Arc<dyn Device>, what: &str) -> String {
     }
     panic!(
         "no '{what}' within 120 s: {}",
-        m.array_status().unwrap_or_default()
+        array(m).status().unwrap_or_default()
     );
 }
 
@@ -1154,7 +1166,7 @@ fn the_bitmap_resyncs_only_dirty_regions() {
     // Writes to 3 regions; then the array stops (bits still set: the delay is an hour).
     let m = open(&t.text(&["a", "b"], "1M", "1h"), "m").expect("assemble");
     touch(&m, &mut model, &[5, 6, 40], 1);
-    assert!(m.array_status().unwrap().contains("bitmap: 3 of 64"));
+    assert!(array(&m).status().unwrap().contains("bitmap: 3 of 64"));
     drop(m);
     // As after kill -9: not stopped cleanly, and one copy of region 40 did not get
     // its last write.
@@ -1189,7 +1201,7 @@ fn a_member_away_comes_back_by_the_bitmap() {
         // Degraded: no bit is cleared however long the regions stay idle.
         std::thread::sleep(std::time::Duration::from_millis(400));
         if bitmap != "none" {
-            assert!(away.array_status().unwrap().contains("bitmap: 4 of 64"));
+            assert!(array(&away).status().unwrap().contains("bitmap: 4 of 64"));
         }
         drop(away);
         let back = open(&t.text(&["a", "b"], bitmap, "1h"), "m").expect("b is back");
@@ -1415,13 +1427,15 @@ fn a_member_that_ran_on_without_the_others_is_refused_when_added() {
     let m = open(&mirror("\"a\", \"missing\""), "m").expect("a alone");
     let spec = format!("file:{}", b.display());
     let before = std::fs::read(&b).unwrap();
-    let e = m.array_action("add", &[&spec]).expect_err("b is newer");
+    let e = array(&m)
+        .act(&ArrayAction::Add { spec: spec.clone() })
+        .expect_err("b is newer");
     assert!(e.contains("ran on without") && e.contains("events"), "{e}");
     assert!(std::fs::read(&b).unwrap() == before, "b was changed");
     assert!(
-        m.array_status().unwrap().contains("[U_]"),
+        array(&m).status().unwrap().contains("[U_]"),
         "{}",
-        m.array_status().unwrap()
+        array(&m).status().unwrap()
     );
 }
 

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use cairn_config::StackFile;
 use cairn_core::blocking::BlockingQueue;
+use cairn_core::capability::writeback_totals;
 use cairn_core::{Device, IoFlags, Switches};
 
 const PAGE: usize = 4096;
@@ -260,7 +261,7 @@ fn every_cache_is_written_back_when_the_stack_closes_in_both_modes() {
                     .unwrap();
             }
             assert!(
-                s.writeback_counters().0 > 0,
+                writeback_totals(&s).dirty_bytes > 0,
                 "{mode:?}: the writes are cached"
             );
         }
@@ -645,7 +646,7 @@ fn a_fua_write_makes_only_its_own_pages_durable() {
     q.write(PAGE as u64, &f, IoFlags::FUA).unwrap();
     q.write(2 * PAGE as u64, &f, IoFlags::FUA).unwrap();
     assert_eq!(
-        c.writeback_counters().0,
+        writeback_totals(&c).dirty_bytes,
         PAGE as u64,
         "page 0 is still dirty (not written back by the FUA writes); pages 1 and 2 are clean"
     );

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use cairn_config::StackFile;
 use cairn_core::blocking::BlockingQueue;
 use cairn_core::stats::RepairSnapshot;
-use cairn_core::{Device, IoFlags, Switches};
+use cairn_core::{Array, Device, IoFlags, Switches};
 use cairn_testkit::pattern;
 
 const KIB: u64 = 1 << 10;
@@ -25,6 +25,11 @@ fn open(text: &str, name: &str) -> Arc<dyn Device> {
         .unwrap_or_else(|e| panic!("{e}\n{text}"))
         .open(name)
         .unwrap_or_else(|e| panic!("{e}\n{text}"))
+}
+
+/// The array capability of `d` (it must be an array).
+fn array(d: &Arc<dyn Device>) -> Arc<dyn Array> {
+    d.capability::<dyn Array>().expect("an array")
 }
 
 fn queue(d: &Arc<dyn Device>) -> BlockingQueue {
@@ -135,7 +140,7 @@ fn a_mirror_rewrites_a_range_that_failed_to_read() {
         read(&queue(&a), DATA_OFFSET + at, len) == good[at as usize..][..len as usize],
         "the member that failed holds the good data again"
     );
-    assert!(m.failed_members().is_empty());
+    assert!(array(&m).failed_members().is_empty());
     assert!(
         m.describe().contains("read repairs: 1 rewritten, 0 failed"),
         "{}",
@@ -183,12 +188,12 @@ fn a_raid10_rewrites_a_piece_that_failed_to_read() {
         "{r:?}"
     );
     assert!(read(&queue(&a), DATA_OFFSET, chunk) == good[..chunk as usize]);
-    let status = r10.array_status().expect("a status");
+    let status = array(&r10).status().expect("a status");
     assert!(
         status.contains("read repairs: 1 rewritten (64KiB), 0 failed: fa 1"),
         "{status}"
     );
-    assert!(r10.failed_members().is_empty(), "{status}");
+    assert!(array(&r10).failed_members().is_empty(), "{status}");
     assert!(read(&q, 0, size) == good);
 }
 
@@ -198,14 +203,14 @@ fn a_raid10_rewrites_a_piece_that_failed_to_read() {
 fn a_repair_that_fails_fails_the_member() {
     let dir = tempfile::tempdir().expect("a directory");
     let (at, len) = (2 * MIB, 32 * KIB);
-    let array = |members: &str, extra: &str| {
+    let text = |members: &str, extra: &str| {
         format!(
             "{}{}{extra}[device.rr_fail]\ntype = \"mirror\"\nmembers = [{members}]\nmetadata = \"1\"\n",
             file("a", dir.path()),
             file("b", dir.path()),
         )
     };
-    let m = open(&array("\"a\", \"b\"", ""), "rr_fail");
+    let m = open(&text("\"a\", \"b\"", ""), "rr_fail");
     let size = m.geometry().size_bytes;
     let good = pattern(3, size);
     queue(&m).write(0, &good, IoFlags::NONE).expect("fill");
@@ -213,13 +218,13 @@ fn a_repair_that_fails_fails_the_member() {
     // Started again with member a behind a fault that fails its first read of the range,
     // and then the repair's write.
     let faulty = fault("fa", "a", "[\"read\", \"write\"]", DATA_OFFSET + at, len, 2);
-    let m = open(&array("\"fa\", \"b\"", &faulty), "rr_fail");
+    let m = open(&text("\"fa\", \"b\"", &faulty), "rr_fail");
     let q = queue(&m);
     assert!(read(&q, at, len) == good[at as usize..][..len as usize]);
     let r = wait_repairs("rr_fail", |r| r.failed > 0);
     assert_eq!((r.repaired, r.failed), (0, 1), "{r:?}");
-    assert_eq!(m.failed_members(), vec!["fa".to_string()]);
-    let status = m.array_status().expect("a status");
+    assert_eq!(array(&m).failed_members(), vec!["fa".to_string()]);
+    let status = array(&m).status().expect("a status");
     assert!(
         status.contains("[_U]") && status.contains("fa failed"),
         "{status}"
@@ -242,7 +247,7 @@ fn a_repair_that_fails_fails_the_member() {
     // The superblocks say so: started again on the healed device, a (which missed the
     // degraded write) is rebuilt, not read; were it taken as current, the first read
     // of a new queue (copy 0: a) would return the older data.
-    let m = open(&array("\"a\", \"b\"", ""), "rr_fail");
+    let m = open(&text("\"a\", \"b\"", ""), "rr_fail");
     let q = queue(&m);
     for _ in 0..4 {
         assert!(read(&q, at, len) == newer);
@@ -341,7 +346,7 @@ fn race_round(
     }
     let r = wait_repairs(&name, |r| r.repaired + r.failed > 0);
     assert_eq!((r.repaired, r.failed), (1, 0), "round {round}: {r:?}");
-    assert!(m.failed_members().is_empty());
+    assert!(array(&m).failed_members().is_empty());
     // The repair's write has ended once it is counted: the copies must agree on the
     // newer data.
     let on_a = read(&queue(&a), data_offset + at, len);

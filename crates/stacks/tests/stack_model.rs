@@ -483,7 +483,7 @@ fn check_members(stack: Stack, top: &Arc<dyn Device>, model: &[u8]) -> Result<()
             );
         }
     }
-    prop_assert_eq!(top.failed_members(), Vec::<String>::new());
+    prop_assert_eq!(cairn_core::array::failed_members(top), Vec::<String>::new());
     Ok(())
 }
 

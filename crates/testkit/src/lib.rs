@@ -1,10 +1,11 @@
 //! What cairn's tests share: one operation of a random sequence, the bytes a write
-//! carries, a full read-back against the model, tools found on `PATH`, and ([`ceph`]) a
-//! Ceph cluster for the RBD tests.
+//! carries, a full read-back against the model, tools found on `PATH`, ([`ceph`]) a
+//! Ceph cluster for the RBD tests, and ([`probe`]) a device for the tests of wrappers.
 
 #![forbid(unsafe_code)]
 
 pub mod ceph;
+pub mod probe;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;

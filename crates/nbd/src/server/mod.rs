@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use cairn_core::{Error, Reactor, Switches};
+use cairn_core::{Array, Error, Reactor, Switches};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use rustix::event::{PollFd, PollFlags, Timespec};
 
@@ -171,7 +171,10 @@ fn watchdog(config: &Config, exports: &[Arc<Listed>]) -> Closing {
                     if !*closing {
                         let alive: Vec<_> =
                             devices.iter().filter_map(std::sync::Weak::upgrade).collect();
-                        dirty = alive.iter().map(|d| d.writeback_counters().0).sum();
+                        dirty = alive
+                            .iter()
+                            .map(|d| cairn_core::capability::writeback_totals(d).dirty_bytes)
+                            .sum();
                     }
                 }
                 std::thread::sleep(Duration::from_millis(50).min(timeout));
@@ -215,7 +218,7 @@ fn log_status(exports: &[Arc<Listed>], connections: usize, budget: &crate::serve
     let mut seen: Vec<String> = Vec::new();
     for e in exports.iter().map(|l| &l.export) {
         let d = &e.device;
-        let failed = d.failed_members();
+        let failed = cairn_core::array::failed_members(d);
         // A healthy export is news at info; a degraded one is a warning.
         let level = if failed.is_empty() {
             log::Level::Info
@@ -240,7 +243,7 @@ fn log_status(exports: &[Arc<Listed>], connections: usize, budget: &crate::serve
                 continue;
             }
             seen.push(d.name().to_string());
-            if let Some(status) = d.array_status() {
+            if let Some(status) = d.capability::<dyn Array>().and_then(|a| a.status()) {
                 for line in status.lines() {
                     log::info!("cairn: serve: {line}");
                 }

@@ -10,6 +10,8 @@ use std::os::unix::net::UnixStream;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use cairn_core::DirtyBitmaps;
+
 use crate::proto;
 use crate::server::conn::{Msg, NewConn};
 use crate::server::handshake::{Negotiator, Session, Step};
@@ -162,7 +164,13 @@ fn negotiate(
         return Ok(None);
     }
     let catalog = crate::server::table::ExportTable::catalog(exports);
-    let bitmaps = |i: usize| exports[i].export.device.bitmap_names();
+    let bitmaps = |i: usize| {
+        let device = &exports[i].export.device;
+        device
+            .capability::<dyn DirtyBitmaps>()
+            .map(|b| b.names())
+            .unwrap_or_default()
+    };
     let mut neg = Negotiator::new(&catalog, shared.tls, client_flags).with_bitmaps(&bitmaps);
     let mut out = Vec::with_capacity(256);
     let mut data = Vec::new();

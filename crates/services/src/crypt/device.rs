@@ -16,7 +16,7 @@ use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 
 use cairn_core::blocking::BlockingQueue;
-use cairn_core::{Core, Device, Error, Geometry, IoFlags, Queue, Switches};
+use cairn_core::{Core, Device, Error, Geometry, IoFlags, Offer, Queue, Switches, Want};
 
 use super::queue::CryptQueue;
 use super::volume::{probe, Format, Luks, Probe, BLANK_BYTES};
@@ -223,6 +223,33 @@ struct Keys {
     key: Secret,
 }
 
+/// A crypt device's key slots, as the admin sees them (`cairn admin crypt`): the
+/// capability a crypt device offers. No key or passphrase ever comes out of it.
+pub trait KeySlots: Send + Sync {
+    /// Its LUKS version.
+    fn format(&self) -> Format;
+
+    /// The key slots in use.
+    fn slots(&self) -> Vec<SlotInfo>;
+
+    /// The slot that opened it (`None`: a raw key).
+    fn opened_by(&self) -> Option<usize>;
+
+    /// Where its data lies on the base.
+    fn segment(&self) -> Segment;
+
+    /// What a new key slot asking for `kdf` (or the device's default) derives its key
+    /// with, checked against the header, and the key's length: the slow part of adding a
+    /// slot, [`SlotKey::derive`], needs nothing more, and no device.
+    fn new_slot_kdf(&self, kdf: Option<Kdf>) -> Result<(Kdf, usize), String>;
+
+    /// Adds a key slot whose key was derived already: its material, then the header.
+    fn add_derived_slot(&self, slot_key: &SlotKey) -> Result<usize, String>;
+
+    /// Removes key slot `slot` (never the last one).
+    fn remove_slot(&self, slot: usize) -> Result<(), String>;
+}
+
 /// An open crypt device.
 pub struct CryptDevice {
     name: String,
@@ -308,59 +335,11 @@ impl CryptDevice {
         })
     }
 
-    /// Its LUKS version.
-    pub fn format(&self) -> Format {
-        self.format
-    }
-
-    /// The key slots in use.
-    pub fn slots(&self) -> Vec<SlotInfo> {
-        self.keys
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .luks
-            .slots()
-    }
-
-    /// The slot that opened it (`None`: a raw key).
-    pub fn opened_by(&self) -> Option<usize> {
-        self.opened_by
-    }
-
-    /// Where its data lies on the base.
-    pub fn segment(&self) -> Segment {
-        self.segment
-    }
-
     /// Adds a key slot opened by `passphrase` (with `kdf`, or the device's default).
     pub fn add_slot(&self, passphrase: &Secret, kdf: Option<Kdf>) -> Result<usize, String> {
         let (kdf, len) = self.new_slot_kdf(kdf)?;
         let slot_key = SlotKey::derive(kdf, &passphrase.0, len)?;
         self.add_derived_slot(&slot_key)
-    }
-
-    /// What a new key slot asking for `kdf` (or the device's default) derives its key
-    /// with, checked against the header, and the key's length: the slow part of adding a
-    /// slot, [`SlotKey::derive`], needs nothing more, and no device.
-    pub fn new_slot_kdf(&self, kdf: Option<Kdf>) -> Result<(Kdf, usize), String> {
-        let keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
-        let kdf = keys.luks.slot_kdf(kdf.unwrap_or(self.kdf_default))?;
-        Ok((kdf, keys.luks.key_bytes()))
-    }
-
-    /// Adds a key slot whose key was derived already: its material, then the header.
-    pub fn add_derived_slot(&self, slot_key: &SlotKey) -> Result<usize, String> {
-        let io = HeaderIo::open(&self.base)?;
-        let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
-        let Keys { luks, key } = &mut *keys;
-        luks.add_derived_slot(&mut |at, b| io.write(at, b), key, slot_key)
-    }
-
-    /// Removes key slot `slot` (never the last one).
-    pub fn remove_slot(&self, slot: usize) -> Result<(), String> {
-        let io = HeaderIo::open(&self.base)?;
-        let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
-        keys.luks.remove_slot(&mut |at, b| io.write(at, b), slot)
     }
 }
 
@@ -603,20 +582,52 @@ impl Device for CryptDevice {
             self.segment,
         ))
     }
-    fn children(&self) -> Vec<Arc<dyn Device>> {
-        vec![self.base.clone()]
+    fn base(&self) -> Option<&Arc<dyn Device>> {
+        Some(&self.base)
     }
-    fn as_any(&self) -> Option<&dyn std::any::Any> {
-        Some(self)
+    fn offer(self: Arc<Self>, want: Want) -> Option<Offer> {
+        want.offer::<dyn KeySlots>(|| self)
     }
-    fn lost_writes(&self) -> cairn_core::LostWrites {
-        self.base.lost_writes()
+}
+
+impl KeySlots for CryptDevice {
+    fn format(&self) -> Format {
+        self.format
     }
-    fn lost_writes_made_up(&self) {
-        self.base.lost_writes_made_up()
+
+    fn slots(&self) -> Vec<SlotInfo> {
+        self.keys
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .luks
+            .slots()
     }
-    fn read_only(&self) -> bool {
-        self.base.read_only()
+
+    fn opened_by(&self) -> Option<usize> {
+        self.opened_by
+    }
+
+    fn segment(&self) -> Segment {
+        self.segment
+    }
+
+    fn new_slot_kdf(&self, kdf: Option<Kdf>) -> Result<(Kdf, usize), String> {
+        let keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+        let kdf = keys.luks.slot_kdf(kdf.unwrap_or(self.kdf_default))?;
+        Ok((kdf, keys.luks.key_bytes()))
+    }
+
+    fn add_derived_slot(&self, slot_key: &SlotKey) -> Result<usize, String> {
+        let io = HeaderIo::open(&self.base)?;
+        let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+        let Keys { luks, key } = &mut *keys;
+        luks.add_derived_slot(&mut |at, b| io.write(at, b), key, slot_key)
+    }
+
+    fn remove_slot(&self, slot: usize) -> Result<(), String> {
+        let io = HeaderIo::open(&self.base)?;
+        let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+        keys.luks.remove_slot(&mut |at, b| io.write(at, b), slot)
     }
 }
 

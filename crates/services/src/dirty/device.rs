@@ -5,42 +5,24 @@
 //! granules are all set already (every one after the first to a granule) costs one
 //! generation load and one bit test per bitmap, then goes to the device's queue as it
 //! came; reads and flushes go straight through.
+//!
+//! Over a thin volume the layer marks nothing itself: the store is the volume's
+//! [`ChangeLog`], which the volume's own queues mark inside the pool's gate (so that a
+//! checkpoint's snapshot and the bitmaps agree on which writes came before it), and
+//! checkpoints go through the volume's [`ThinVolume`] capability.
 
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
 
 use cairn_core::{
-    Core, Device, DirtyMap, Error, Extent, Geometry, Io, IoStatus, Queue, QueueStats,
+    ChangeLog, ChangeMarker, Core, Device, DirtyBitmaps, DirtyMap, Error, Extent, Geometry, Io,
+    IoStatus, Offer, Queue, QueueStats, Want,
 };
 
-use super::bitmap::Bitmap;
-use super::store::Store;
-
-/// A queue's copy of the enabled bitmaps, as of a store generation.
-pub type Enabled = RefCell<(u64, Vec<Arc<Bitmap>>)>;
-
-/// Sets the bits of `io` in every enabled bitmap of `store` that lacks them: nothing but
-/// a generation load and a bit test per bitmap once they are set.
-#[inline]
-pub fn mark(store: &Store, enabled: &Enabled, io: &Io) -> Result<(), Error> {
-    if io.len == 0 {
-        return Ok(());
-    }
-    if enabled.borrow().0 != store.generation() {
-        // Rarely: a bitmap was added, removed or disabled.
-        *enabled.borrow_mut() = store.enabled();
-    }
-    if enabled
-        .borrow()
-        .1
-        .iter()
-        .all(|b| b.covers(io.offset, io.len))
-    {
-        return Ok(());
-    }
-    store.mark(io.offset, io.len)
-}
+use super::store::{Enabled, Store};
+use crate::thin::pool::{Admin, Hook, SnapshotHook};
+use crate::thin::ThinVolume;
 
 /// A device and its bitmap store. Named as its device, and shown as it is with its store.
 pub struct TrackedDevice {
@@ -53,20 +35,19 @@ pub struct TrackedDevice {
 }
 
 impl TrackedDevice {
-    /// Tracks the changes of `base` in `store`. A thin volume's queues set the bitmaps
-    /// themselves, inside the pool's gate; its checkpoints a stop interrupted are
-    /// settled now, from the snapshots its pool holds.
+    /// Tracks the changes of `base` in `store`. A thin volume's queues mark the store
+    /// themselves, inside the pool's gate (its [`ThinVolume`] capability takes it); its
+    /// checkpoints a stop interrupted are settled now, from the snapshots its pool holds.
     pub fn new(base: Arc<dyn Device>, store: Store) -> Result<TrackedDevice, Error> {
         let store = Arc::new(store);
-        let thin = base
-            .as_any()
-            .and_then(|a| a.downcast_ref::<crate::thin::queue::ThinDevice>());
-        if let Some(t) = thin {
-            t.track(store.clone())?;
-            store.reconcile(&|name| t.pool().has_volume(name))?;
+        let volume = base.capability::<dyn ThinVolume>();
+        if let Some(v) = &volume {
+            v.track(store.clone())?;
+            let pool = v.pool();
+            store.reconcile(&|name| pool.has_volume(name))?;
         }
         Ok(TrackedDevice {
-            marks: thin.is_none(),
+            marks: volume.is_none(),
             base,
             store,
             owner: String::new(),
@@ -86,11 +67,6 @@ impl TrackedDevice {
     /// Its store.
     pub fn store(&self) -> &Arc<Store> {
         &self.store
-    }
-
-    /// The device it tracks.
-    pub fn base(&self) -> &Arc<dyn Device> {
-        &self.base
     }
 }
 
@@ -118,71 +94,36 @@ impl Device for TrackedDevice {
         Ok(Rc::new(TrackedQueue {
             core: core.clone(),
             base,
-            store: self.store.clone(),
-            enabled: RefCell::new(self.store.enabled()),
+            marker: Marker::new(self.store.clone()),
         }))
     }
+    fn base(&self) -> Option<&Arc<dyn Device>> {
+        Some(&self.base)
+    }
+    /// It stands in for its base in the tree (under the same name): its base's children.
     fn children(&self) -> Vec<Arc<dyn Device>> {
         self.base.children()
-    }
-    fn failed_members(&self) -> Vec<String> {
-        self.base.failed_members()
-    }
-    fn array_status(&self) -> Option<String> {
-        self.base.array_status()
-    }
-    fn array_report(&self) -> Option<cairn_core::ArrayReport> {
-        self.base.array_report()
-    }
-    fn redundant(&self) -> bool {
-        self.base.redundant()
-    }
-    fn sync_progress(&self) -> Option<(u64, u64)> {
-        self.base.sync_progress()
-    }
-    fn array_action(&self, action: &str, args: &[&str]) -> Result<String, String> {
-        self.base.array_action(action, args)
-    }
-    fn change_seq(&self) -> u64 {
-        self.base.change_seq()
-    }
-    fn members_now(&self) -> Option<Vec<(String, Option<String>)>> {
-        self.base.members_now()
-    }
-    fn spares_now(&self) -> Option<Vec<(String, Option<String>)>> {
-        self.base.spares_now()
     }
     fn extents(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<(), Error> {
         self.base.extents(offset, len, out)
     }
-    fn power_cut(&self) {
-        self.base.power_cut()
+    /// Its bitmaps, and (unless it is a view of a snapshot) their store for the admin;
+    /// and it stands in for its base: what its base is (an array, a cache, a thin
+    /// volume), it is.
+    fn offer(self: Arc<Self>, want: Want) -> Option<Offer> {
+        let base = Arc::clone(&self.base);
+        let own_store = self.owner.is_empty().then(|| self.store.clone());
+        want.offer::<dyn DirtyBitmaps>(|| self)
+            .or_else(|| own_store.and_then(|s| want.offer::<Store>(|| s)))
+            .or_else(|| base.offer(want))
     }
-    fn writeback_counters(&self) -> (u64, u64) {
-        self.base.writeback_counters()
-    }
-    fn writeback_rate(&self) -> u64 {
-        self.base.writeback_rate()
-    }
-    fn coherent_across_queues(&self) -> bool {
-        self.base.coherent_across_queues()
-    }
-    fn lost_writes(&self) -> cairn_core::LostWrites {
-        self.base.lost_writes()
-    }
-    fn lost_writes_made_up(&self) {
-        self.base.lost_writes_made_up()
-    }
-    fn read_only(&self) -> bool {
-        self.base.read_only()
-    }
-    fn as_any(&self) -> Option<&dyn std::any::Any> {
-        Some(self)
-    }
-    fn bitmap_names(&self) -> Vec<String> {
+}
+
+impl DirtyBitmaps for TrackedDevice {
+    fn names(&self) -> Vec<String> {
         self.store.names(&self.owner)
     }
-    fn bitmap(&self, name: &str) -> Option<Arc<dyn DirtyMap>> {
+    fn reader(&self, name: &str) -> Option<Arc<dyn DirtyMap>> {
         self.store
             .reader(&self.owner, name)
             .map(|r| Arc::new(r) as Arc<dyn DirtyMap>)
@@ -192,15 +133,14 @@ impl Device for TrackedDevice {
 struct TrackedQueue {
     core: Rc<Core>,
     base: Rc<dyn Queue>,
-    store: Arc<Store>,
-    enabled: Enabled,
+    marker: Marker,
 }
 
 impl Queue for TrackedQueue {
     #[inline]
     fn submit(&self, io: Io) {
         if io.op.is_write() {
-            if let Err(e) = mark(&self.store, &self.enabled, &io) {
+            if let Err(e) = self.marker.mark(io.offset, io.len) {
                 log::error!("cairn: {e}: the write fails");
                 // Never complete inside submit: through the FIFO.
                 self.core
@@ -220,30 +160,80 @@ impl Queue for TrackedQueue {
     }
 }
 
-/// Checkpoint `name` of the thin volume `tracked` serves: its snapshot `name`, taken
-/// while writes to it are held, with the bitmaps turned over at that instant (see
-/// [`Store::checkpoint_begin`]; `granularity` for its new bitmap). Returns what was done.
+/// The store is the log of its device's changes: a thin volume marks it through this,
+/// from its own queues.
+impl ChangeLog for Store {
+    fn describe(&self) -> String {
+        self.path().display().to_string()
+    }
+
+    fn marker(self: Arc<Self>) -> Box<dyn ChangeMarker> {
+        Box::new(Marker::new(self))
+    }
+}
+
+/// One queue's marker of a store: the store, and the queue's copy of its enabled
+/// bitmaps.
+struct Marker {
+    store: Arc<Store>,
+    enabled: RefCell<Enabled>,
+}
+
+impl Marker {
+    fn new(store: Arc<Store>) -> Marker {
+        Marker {
+            enabled: RefCell::new(store.enabled()),
+            store,
+        }
+    }
+}
+
+impl ChangeMarker for Marker {
+    /// Sets the bits of the range in every enabled bitmap that lacks them: nothing but a
+    /// generation load and a bit test per bitmap once they are set.
+    #[inline]
+    fn mark(&self, offset: u64, len: u64) -> Result<(), Error> {
+        if len == 0 {
+            return Ok(());
+        }
+        if self.enabled.borrow().generation != self.store.generation() {
+            // Rarely: a bitmap was added, removed or disabled.
+            *self.enabled.borrow_mut() = self.store.enabled();
+        }
+        if self
+            .enabled
+            .borrow()
+            .bitmaps
+            .iter()
+            .all(|b| b.covers(offset, len))
+        {
+            return Ok(());
+        }
+        self.store.mark(offset, len)
+    }
+}
+
+/// Checkpoint `name` of thin volume `volume`, whose bitmaps `store` keeps: its snapshot
+/// `name`, taken while writes to it are held, with the bitmaps turned over at that
+/// instant (see [`Store::checkpoint_begin`]; `granularity` for its new bitmap). Returns
+/// what was done.
 pub fn checkpoint(
-    tracked: &TrackedDevice,
+    store: &Arc<Store>,
+    volume: &dyn ThinVolume,
     name: &str,
     granularity: Option<u64>,
 ) -> Result<String, String> {
-    let thin = tracked
-        .base
-        .as_any()
-        .and_then(|a| a.downcast_ref::<crate::thin::queue::ThinDevice>())
-        .ok_or_else(|| format!("device '{}' is not a thin volume", tracked.name()))?;
     super::format::check_name(name)?;
     let hook = Arc::new(CheckpointHook {
-        store: tracked.store.clone(),
+        store: store.clone(),
         name: name.to_string(),
         granularity,
         previous: std::sync::Mutex::new(None),
     });
-    let done = thin.pool().admin(crate::thin::pool::Admin::Checkpoint {
-        src: thin.volume().to_string(),
+    let done = volume.pool().admin(Admin::Checkpoint {
+        src: volume.volume().to_string(),
         name: name.to_string(),
-        hook: crate::thin::pool::Hook(hook.clone()),
+        hook: Hook(hook.clone()),
     })?;
     let previous = hook
         .previous
@@ -266,7 +256,7 @@ struct CheckpointHook {
     previous: std::sync::Mutex<Option<String>>,
 }
 
-impl crate::thin::pool::SnapshotHook for CheckpointHook {
+impl SnapshotHook for CheckpointHook {
     fn held(&self) -> Result<(), String> {
         let previous = self.store.checkpoint_begin(&self.name, self.granularity)?;
         *self.previous.lock().unwrap_or_else(|p| p.into_inner()) = previous;

@@ -47,6 +47,15 @@ pub(super) struct State {
     pub(super) tried: Option<Directory>,
 }
 
+/// The bitmaps a write sets ([`Store::enabled`]), as of a generation of the store: a
+/// queue's copy, taken again when the generation moves on.
+pub struct Enabled {
+    /// The store's generation they are of.
+    pub generation: u64,
+    /// The enabled bitmaps.
+    pub bitmaps: Vec<Arc<Bitmap>>,
+}
+
 /// The bitmaps of one device.
 pub struct Store {
     pub(super) path: PathBuf,
@@ -91,13 +100,12 @@ impl Store {
     }
 
     /// The bitmaps writes set now, and the generation they are of.
-    pub fn enabled(&self) -> (u64, Vec<Arc<Bitmap>>) {
+    pub fn enabled(&self) -> Enabled {
         let st = self.lock();
-        let g = self.generation();
-        (
-            g,
-            st.bitmaps.iter().filter(|b| b.enabled()).cloned().collect(),
-        )
+        Enabled {
+            generation: self.generation(),
+            bitmaps: st.bitmaps.iter().filter(|b| b.enabled()).cloned().collect(),
+        }
     }
 
     /// Every bitmap, as listed.
@@ -527,7 +535,7 @@ mod tests {
         s.add("fine", 4096).unwrap();
         s.mark(70_000, 5000).unwrap();
         s.mark(63 * MB, MB).unwrap();
-        let (_, enabled) = s.enabled();
+        let enabled = s.enabled().bitmaps;
         assert!(enabled.iter().all(|b| b.covers(70_000, 5000)));
         assert!(!enabled.iter().any(|b| b.covers(0, 4096)));
         drop(s);
@@ -820,7 +828,7 @@ mod tests {
         s.reconcile(&|n| n == "c2").unwrap();
         assert_eq!(s.names(""), ["c2"]);
         assert_eq!(s.names("c2"), ["c1"]);
-        assert!(s.enabled().1.iter().all(|b| b.name() == "c2"));
+        assert!(s.enabled().bitmaps.iter().all(|b| b.name() == "c2"));
         // A snapshot deleted meanwhile takes its bitmaps along.
         s.reconcile(&|_| false).unwrap();
         assert_eq!(s.names("c2"), Vec::<String>::new());

@@ -476,7 +476,7 @@ impl Committer {
             frozen: AtomicBool::new(false),
             users: AtomicU32::new(0),
             mapped: AtomicU64::new(0),
-            bitmaps: std::sync::OnceLock::new(),
+            changes: std::sync::OnceLock::new(),
         });
         lock(&self.inner.volumes).insert(id, v.clone());
         v

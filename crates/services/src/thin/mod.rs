@@ -1,6 +1,8 @@
 //! Thin pools: volumes that allocate on write, snapshots and clones.
-//! [`superblock`] says where everything is; [`format`] is the metadata log.
+//! [`superblock`] says where everything is; [`format`] is the metadata log;
+//! [`capability`] is what the admin and the layers above ask of a pool and a volume.
 
+pub mod capability;
 pub mod checkpoint;
 mod commit;
 pub mod format;
@@ -10,3 +12,5 @@ pub mod queue;
 pub mod state;
 pub mod superblock;
 pub mod table;
+
+pub use capability::{ThinPoolAdmin, ThinVolume};

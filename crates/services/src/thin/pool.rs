@@ -29,10 +29,12 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use cairn_core::size::format_bytes;
-use cairn_core::{Device, Error, IoStatus, Switches};
+use cairn_core::{ChangeLog, Device, Error, IoStatus, Offer, Switches, Want};
 
+use super::capability::ThinPoolAdmin;
 use super::format;
 use super::open::{prepare, recover};
+use super::queue::ThinDevice;
 use super::state::BlockState;
 use super::table::Table;
 
@@ -61,7 +63,7 @@ pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// One volume (a thin volume, a snapshot or a clone) as the reactors see it.
-pub struct Volume {
+pub(crate) struct Volume {
     /// Its id in the log.
     pub id: u32,
     /// Its name.
@@ -78,20 +80,20 @@ pub struct Volume {
     pub users: AtomicU32,
     /// Blocks it maps, as of the last commit.
     pub mapped: AtomicU64,
-    /// Its dirty bitmaps, set by every queue of every device on it inside the pool's
-    /// gate (so a checkpoint's snapshot and its bitmaps agree on which writes came
-    /// before it).
-    pub bitmaps: std::sync::OnceLock<Arc<crate::dirty::store::Store>>,
+    /// The log of its changes (dirty bitmaps), marked by every queue of every device on
+    /// it inside the pool's gate (so a checkpoint's snapshot and the marks agree on
+    /// which writes came before it).
+    pub changes: std::sync::OnceLock<Arc<dyn ChangeLog>>,
 }
 
 /// A queue's requests in flight, by the parity of the pool's epoch they started under.
 #[derive(Default)]
-pub struct Gate {
+pub(crate) struct Gate {
     pub(super) n: [AtomicU64; 2],
 }
 
 /// A flush (or FUA write) waiting for the next commit.
-pub struct Waiter {
+pub(crate) struct Waiter {
     /// Handed back with the status.
     pub token: u64,
     /// Where the reply goes.
@@ -241,8 +243,9 @@ impl Default for LowWater {
     }
 }
 
-/// The run-time pool, shared by the commit thread, every queue and the admin.
-pub struct Inner {
+/// The run-time pool, shared by the commit thread, every queue and the admin (which
+/// reaches it through the pool device's [`ThinPoolAdmin`] capability only).
+pub(crate) struct Inner {
     pub(super) name: String,
     pub(super) data: Arc<dyn Device>,
     pub(super) block_shift: u32,
@@ -416,7 +419,7 @@ impl Inner {
     }
 
     /// Runs an admin operation on the commit thread and waits for its answer.
-    pub fn admin(&self, op: Admin) -> Result<String, String> {
+    pub(crate) fn admin(&self, op: Admin) -> Result<String, String> {
         if !self.running {
             return Err(format!("thin pool '{}' is not running", self.name));
         }
@@ -434,18 +437,18 @@ impl Inner {
     }
 
     /// The pool's name (its device's in the stack file).
-    pub fn name(&self) -> &str {
+    pub(crate) fn name(&self) -> &str {
         &self.name
     }
 
     /// Whether the pool has a volume `name` (a snapshot, say).
-    pub fn has_volume(&self, name: &str) -> bool {
+    pub(crate) fn has_volume(&self, name: &str) -> bool {
         lock(&self.volumes).values().any(|v| v.name == name)
     }
 
     /// Opens (or, with `create`, creates when absent) volume `name` of `size` bytes
     /// (`None`: as it is; larger: grown). Returns it with its user count raised.
-    pub fn attach(
+    pub(crate) fn attach(
         &self,
         name: &str,
         size: Option<u64>,
@@ -472,7 +475,7 @@ impl Inner {
                     frozen: AtomicBool::new(false),
                     users: AtomicU32::new(1),
                     mapped: AtomicU64::new(0),
-                    bitmaps: std::sync::OnceLock::new(),
+                    changes: std::sync::OnceLock::new(),
                 });
                 return Ok(v);
             }
@@ -509,12 +512,12 @@ impl Inner {
     /// For crash tests: the commit thread stops at once when the pool closes, as if the
     /// process died (no last commit, no checkpoint; nothing is written after this call
     /// returns except a commit already under way).
-    pub fn crash_on_close(&self) {
+    pub(crate) fn crash_on_close(&self) {
         self.crashed.store(true, SeqCst);
     }
 
     /// Status facts.
-    pub fn report(&self) -> PoolReport {
+    pub(crate) fn report(&self) -> PoolReport {
         let mut r = lock(&self.report).clone();
         r.used_blocks = self.used_blocks.load(Relaxed);
         r.failed = self.failed.load(Relaxed);
@@ -685,9 +688,11 @@ impl ThinPool {
         }
     }
 
-    /// The shared run-time pool.
-    pub fn inner(&self) -> &Arc<Inner> {
-        &self.inner
+    /// For crash tests: the commit thread stops at once when the pool closes, as if the
+    /// process died (no last commit, no checkpoint; nothing is written after this call
+    /// returns except a commit already under way).
+    pub fn crash_on_close(&self) {
+        self.inner.crash_on_close();
     }
 }
 
@@ -739,7 +744,36 @@ impl Device for ThinPool {
         c
     }
 
-    fn as_any(&self) -> Option<&dyn std::any::Any> {
-        Some(self)
+    fn offer(self: Arc<Self>, want: Want) -> Option<Offer> {
+        want.offer::<dyn ThinPoolAdmin>(|| self)
+    }
+}
+
+impl ThinPoolAdmin for ThinPool {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn report(&self) -> PoolReport {
+        self.inner.report()
+    }
+
+    fn has_volume(&self, name: &str) -> bool {
+        self.inner.has_volume(name)
+    }
+
+    fn admin(&self, op: Admin) -> Result<String, String> {
+        self.inner.admin(op)
+    }
+
+    fn open_volume(
+        self: Arc<Self>,
+        name: &str,
+        volume: &str,
+        size: Option<u64>,
+        create: bool,
+    ) -> Result<ThinDevice, Error> {
+        let inner = self.inner.clone();
+        ThinDevice::new(name, self, inner, volume, size, create)
     }
 }

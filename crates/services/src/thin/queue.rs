@@ -27,8 +27,12 @@ use cairn_core::buf::AlignedBuf;
 use cairn_core::reactor::{Core, Poller, Sink};
 use cairn_core::slab::Slab;
 use cairn_core::stats::QueueStats;
-use cairn_core::{Caps, Device, Error, Extent, Geometry, Io, IoFlags, IoStatus, Op, Queue, SinkId};
+use cairn_core::{
+    Caps, ChangeLog, ChangeMarker, Device, Error, Extent, Geometry, Io, IoFlags, IoStatus, Offer,
+    Op, Queue, SinkId, Want,
+};
 
+use super::capability::{ThinPoolAdmin, ThinVolume};
 use super::pool::{Gate, Inner, Take, ThinPool, Volume, Waiter};
 use super::state::OWNED;
 
@@ -43,37 +47,15 @@ const RETRY: u64 = u64::MAX;
 pub struct ThinDevice {
     name: String,
     /// The pool's device (kept open while any of its volumes is).
-    pool: Arc<dyn Device>,
+    pool: Arc<ThinPool>,
     inner: Arc<Inner>,
     vol: Arc<Volume>,
     geometry: Geometry,
 }
 
 impl ThinDevice {
-    /// The queues of every device on its volume set the enabled bitmaps of `store`
-    /// before each change. A volume has one store.
-    pub fn track(&self, store: Arc<crate::dirty::store::Store>) -> Result<(), Error> {
-        self.vol.bitmaps.set(store).map_err(|s| {
-            Error::Invalid(format!(
-                "volume '{}' keeps its bitmaps in {} already: one store per volume",
-                self.vol.name,
-                s.path().display()
-            ))
-        })
-    }
-
-    /// Its volume's name in the pool.
-    pub fn volume(&self) -> &str {
-        &self.vol.name
-    }
-
-    /// Its pool.
-    pub fn pool(&self) -> &Arc<Inner> {
-        &self.inner
-    }
-
     /// Volume `volume` of `pool`, created when absent if `size` is given and `create`
-    /// (else a stand-in for `cairn check`).
+    /// (else a stand-in for `cairn check`); refused if `pool` is not a thin pool.
     pub fn open(
         name: &str,
         pool: Arc<dyn Device>,
@@ -81,11 +63,21 @@ impl ThinDevice {
         size: Option<u64>,
         create: bool,
     ) -> Result<ThinDevice, Error> {
-        let inner = pool
-            .as_any()
-            .and_then(|a| a.downcast_ref::<ThinPool>())
-            .map(|p| p.inner().clone())
-            .ok_or_else(|| Error::Invalid(format!("'{}' is not a thin pool", pool.name())))?;
+        pool.capability::<dyn ThinPoolAdmin>()
+            .ok_or_else(|| Error::Invalid(format!("'{}' is not a thin pool", pool.name())))?
+            .open_volume(name, volume, size, create)
+    }
+
+    /// Volume `volume` of `pool`, whose run-time state is `inner` (see
+    /// [`ThinPoolAdmin::open_volume`]).
+    pub(super) fn new(
+        name: &str,
+        pool: Arc<ThinPool>,
+        inner: Arc<Inner>,
+        volume: &str,
+        size: Option<u64>,
+        create: bool,
+    ) -> Result<ThinDevice, Error> {
         let vol = inner.attach(volume, size, create)?;
         let block = inner.data.geometry().block_bytes.max(512);
         let caps = if vol.read_only {
@@ -148,8 +140,8 @@ impl Device for ThinDevice {
         vec![self.pool.clone()]
     }
 
-    fn as_any(&self) -> Option<&dyn std::any::Any> {
-        Some(self)
+    fn offer(self: Arc<Self>, want: Want) -> Option<Offer> {
+        want.offer::<dyn ThinVolume>(|| self)
     }
 
     fn extents(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<(), Error> {
@@ -197,10 +189,7 @@ impl Device for ThinDevice {
             data,
             data_caps,
             vol: self.vol.clone(),
-            bitmaps: self.vol.bitmaps.get().cloned().map(|store| {
-                let enabled = store.enabled();
-                (store, RefCell::new(enabled))
-            }),
+            changes: self.vol.changes.get().cloned().map(|log| log.marker()),
             inner,
             gate,
             sink: Cell::new(SinkId(u32::MAX)),
@@ -221,6 +210,26 @@ impl Device for ThinDevice {
         q.sink.set(core.register_sink(q.clone()));
         core.register_poller(q.clone());
         Ok(q)
+    }
+}
+
+impl ThinVolume for ThinDevice {
+    fn pool(&self) -> Arc<dyn ThinPoolAdmin> {
+        self.pool.clone()
+    }
+
+    fn volume(&self) -> &str {
+        &self.vol.name
+    }
+
+    fn track(&self, log: Arc<dyn ChangeLog>) -> Result<(), Error> {
+        self.vol.changes.set(log).map_err(|l| {
+            Error::Invalid(format!(
+                "volume '{}' keeps its bitmaps in {} already: one store per volume",
+                self.vol.name,
+                l.describe()
+            ))
+        })
     }
 }
 
@@ -288,11 +297,8 @@ struct ThinQueue {
     data: Rc<dyn Queue>,
     data_caps: Caps,
     vol: Arc<Volume>,
-    /// The volume's bitmap store, and its enabled bitmaps as of a generation.
-    bitmaps: Option<(
-        Arc<crate::dirty::store::Store>,
-        crate::dirty::device::Enabled,
-    )>,
+    /// The log of the volume's changes (its dirty bitmaps), if it keeps one.
+    changes: Option<Box<dyn ChangeMarker>>,
     inner: Arc<Inner>,
     gate: Arc<Gate>,
     sink: Cell<SinkId>,
@@ -414,8 +420,8 @@ impl ThinQueue {
             }
             // Inside the gate: a checkpoint's snapshot waits for this write, so the
             // bitmaps it set are the ones the snapshot's bitmap came from.
-            if let Some((store, enabled)) = &self.bitmaps {
-                if let Err(e) = crate::dirty::device::mark(store, enabled, &io) {
+            if let Some(changes) = &self.changes {
+                if let Err(e) = changes.mark(io.offset, io.len) {
                     self.inner.leave(&self.gate, parity);
                     log::error!("cairn: {}: {e}: the write fails", self.vol.name);
                     self.finish(&io, start, IoStatus::errno(libc::EIO));

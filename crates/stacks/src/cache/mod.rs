@@ -37,8 +37,8 @@ use std::time::Instant;
 use cairn_core::blocking::{BlockingError, BlockingQueue, Request};
 use cairn_core::slab::Slab;
 use cairn_core::{
-    AlignedBuf, Caps, Core, Device, Error, Geometry, Io, IoFlags, IoStatus, Op, Poller, Queue,
-    QueueStats, Sink, SinkId, Switches,
+    AlignedBuf, Caps, Core, Device, Error, Geometry, Io, IoFlags, IoStatus, Offer, Op, Poller,
+    Queue, QueueStats, Sink, SinkId, Switches, Want, WriteBackCache, Writeback,
 };
 
 pub mod writeback;
@@ -327,6 +327,34 @@ impl CacheDevice {
     pub fn dirty_bytes(&self) -> u64 {
         Shared::dirty_bytes(&self.shared.lock())
     }
+
+    /// A power cut: cache memory is volatile, so everything in it is gone; then `below`
+    /// cuts the base (plainly or torn). A cut is one instant for the whole stack: no
+    /// write-back may be half way to the base across it (its copy, older than the cut,
+    /// would land after it, over what a read after the cut saw or is reading), so the
+    /// cut waits for the round in flight.
+    fn cut(&self, below: impl FnOnce()) {
+        let _writing = self
+            .shared
+            .writing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let mut st = self.shared.lock();
+        let lost = st.dirty.len();
+        // Reads in flight saw data the cut may have taken away: they must not fill.
+        st.gen += 1;
+        st.cuts += 1;
+        self.shared.budget.sub(lost as u64 * PAGE);
+        st.pages.clear();
+        st.dirty.clear();
+        st.clean.clear();
+        drop(st);
+        log::warn!(
+            "cairn: {}: power cut: {lost} dirty cache pages are lost",
+            self.name
+        );
+        below();
+    }
 }
 
 impl Drop for CacheDevice {
@@ -390,18 +418,11 @@ impl Device for CacheDevice {
     fn geometry(&self) -> Geometry {
         self.geometry
     }
-    fn children(&self) -> Vec<Arc<dyn Device>> {
-        vec![self.base.clone()]
+    fn base(&self) -> Option<&Arc<dyn Device>> {
+        Some(&self.base)
     }
-    fn writeback_rate(&self) -> u64 {
-        self.shared.writeback_rate()
-    }
-    fn writeback_counters(&self) -> (u64, u64) {
-        let (d, w) = self.base.writeback_counters();
-        (
-            d + self.dirty_bytes(),
-            w + self.shared.written.load(Ordering::Relaxed),
-        )
+    fn offer(self: Arc<Self>, want: Want) -> Option<Offer> {
+        want.offer::<dyn WriteBackCache>(|| self)
     }
     fn extents(
         &self,
@@ -452,30 +473,10 @@ impl Device for CacheDevice {
         Ok(())
     }
     fn power_cut(&self) {
-        // Cache memory is volatile: everything in it is gone. A cut is one instant for the
-        // whole stack: no write-back may be half way to the base across it (its copy,
-        // older than the cut, would land after it, over what a read after the cut saw
-        // or is reading), so the cut waits for the round in flight.
-        let _writing = self
-            .shared
-            .writing
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        let mut st = self.shared.lock();
-        let lost = st.dirty.len();
-        // Reads in flight saw data the cut may have taken away: they must not fill.
-        st.gen += 1;
-        st.cuts += 1;
-        self.shared.budget.sub(lost as u64 * PAGE);
-        st.pages.clear();
-        st.dirty.clear();
-        st.clean.clear();
-        drop(st);
-        log::warn!(
-            "cairn: {}: power cut: {lost} dirty cache pages are lost",
-            self.name
-        );
-        self.base.power_cut();
+        self.cut(|| self.base.power_cut());
+    }
+    fn power_cut_torn(&self, seed: u64) {
+        self.cut(|| self.base.power_cut_torn(seed));
     }
     fn open_queue(&self, core: &Rc<Core>) -> Result<Rc<dyn Queue>, Error> {
         let base = cairn_core::handoff::open_member(core, &self.base)?;
@@ -500,6 +501,18 @@ impl Device for CacheDevice {
         q.sink.set(core.register_sink(q.clone()));
         core.register_poller(q.clone());
         Ok(q)
+    }
+}
+
+impl WriteBackCache for CacheDevice {
+    fn counters(&self) -> Writeback {
+        Writeback {
+            dirty_bytes: self.dirty_bytes(),
+            written_bytes: self.shared.written.load(Ordering::Relaxed),
+        }
+    }
+    fn rate_bytes_per_s(&self) -> u64 {
+        self.shared.writeback_rate()
     }
 }
 

@@ -1,6 +1,6 @@
 //! [`StackDevice`], the stacked device, and [`Shared`], its state shared with its
 //! control threads: building it from members and a layout, its `Device` impl (queues,
-//! extents, what it reports, the admin's actions), and its clean stop when dropped.
+//! extents) and its `Array` impl (what it reports, the admin's actions), and its clean stop when dropped.
 //!
 //! The superblocks and the control threads they start are in `metadata`, changes of
 //! members in `members` and `watch`, the status text in `status`, the I/O path in
@@ -12,7 +12,10 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::Arc;
 
 use cairn_core::slab::Slab;
-use cairn_core::{Caps, Core, Device, Error, FlushBatcher, Geometry, Queue, QueueStats, SinkId};
+use cairn_core::{
+    Array, ArrayAction, Caps, Core, Device, Error, FlushBatcher, Geometry, Offer, Queue,
+    QueueStats, SinkId, Want,
+};
 
 use super::health::{Gate, Health};
 use super::metadata::{Thread, Threads};
@@ -306,6 +309,12 @@ impl Device for StackDevice {
         Ok(())
     }
 
+    fn offer(self: Arc<Self>, want: Want) -> Option<Offer> {
+        want.offer::<dyn Array>(|| self)
+    }
+}
+
+impl Array for StackDevice {
     fn redundant(&self) -> bool {
         self.layout.copies() > 1
     }
@@ -321,7 +330,7 @@ impl Device for StackDevice {
         })
     }
 
-    fn array_status(&self) -> Option<String> {
+    fn status(&self) -> Option<String> {
         use cairn_core::size::format_bytes;
         let meta = self.metadata.as_ref()?;
         let states = meta.states();
@@ -344,7 +353,7 @@ impl Device for StackDevice {
         Some(out)
     }
 
-    fn array_report(&self) -> Option<cairn_core::ArrayReport> {
+    fn report(&self) -> Option<cairn_core::ArrayReport> {
         let meta = self.metadata.as_ref()?;
         let states = meta.states();
         let members = self.member_report(&states);
@@ -379,11 +388,12 @@ impl Device for StackDevice {
         })
     }
 
-    fn array_action(&self, action: &str, args: &[&str]) -> Result<String, String> {
+    fn act(&self, action: &ArrayAction) -> Result<String, String> {
         let name = &self.name;
         let Some(meta) = self.metadata.as_ref().filter(|m| !m.dry()) else {
             return Err(format!(
-                "'{name}' keeps no metadata (metadata = \"none\" in its stack file): it has no '{action}'"
+                "'{name}' keeps no metadata (metadata = \"none\" in its stack file): it has no '{}'",
+                action.name()
             ));
         };
         if self.layout.copies() < 2 {
@@ -395,18 +405,12 @@ impl Device for StackDevice {
         // One change of members at a time.
         let _changing = self.changing.lock().unwrap_or_else(|p| p.into_inner());
         let _seq = self.health.changing();
-        match (action, args) {
-            ("fail", [member]) => self.fail(meta, member),
-            ("remove", [member]) => self.shared.remove(meta, member),
-            ("add", [spec]) => self.shared.add(meta, spec),
-            ("re-add", [member]) => self.shared.readd(meta, member),
-            ("replace", [old, spec]) => self.shared.replace(meta, old, spec),
-            ("fail" | "remove" | "re-add", _) => Err(format!("usage: {action} ARRAY MEMBER")),
-            ("add", _) => Err("usage: add ARRAY SPEC (e.g. file:/path/to/new.img)".into()),
-            ("replace", _) => Err("usage: replace ARRAY OLD SPEC".into()),
-            (other, _) => Err(format!(
-                "no array action '{other}' (known: fail, remove, re-add, add, replace)"
-            )),
+        match action {
+            ArrayAction::Fail { member } => self.fail(meta, member),
+            ArrayAction::Remove { member } => self.shared.remove(meta, member),
+            ArrayAction::Add { spec } => self.shared.add(meta, spec),
+            ArrayAction::ReAdd { member } => self.shared.readd(meta, member),
+            ArrayAction::Replace { old, spec } => self.shared.replace(meta, old, spec),
         }
     }
 

@@ -1,5 +1,5 @@
 //! Changes of members of a running array: the admin's `fail`, `remove`, `add`,
-//! `re-add` and `replace` (dispatched by `Device::array_action`), and the steps they share
+//! `re-add` and `replace` (dispatched by `Array::act`), and the steps they share
 //! with the members' thread (`watch`): opening and checking a new device, putting it in a
 //! member's place, taking a failed member back.
 

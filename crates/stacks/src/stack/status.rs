@@ -1,4 +1,4 @@
-//! What `status` shows of an array (`Device::array_status`), line by line: its members
+//! What `status` shows of an array (`Array::status`), line by line: its members
 //! and their states, the rebuild or resync, the spares, the bitmap, the read repairs.
 
 use std::sync::atomic::Ordering::Relaxed;
@@ -7,7 +7,7 @@ use super::Shared;
 use crate::array::superblock::MemberState;
 
 impl Shared {
-    /// Each member's flag in the map of `array_status` (`U`: read, `_`: not), and its
+    /// Each member's flag in the map of `Array::status` (`U`: read, `_`: not), and its
     /// name and state (and its replacement's, while one is built).
     pub(super) fn member_states(&self, states: &[MemberState]) -> (String, Vec<String>) {
         let mut flags = String::new();
@@ -91,7 +91,7 @@ impl Shared {
             .collect()
     }
 
-    /// The rebuild or resync line of `array_status`: its progress while one runs, else
+    /// The rebuild or resync line of `Array::status`: its progress while one runs, else
     /// that reads use one copy until a resync, else what the last one did (empty if none
     /// ran).
     pub(super) fn sync_line(&self) -> String {
@@ -136,7 +136,7 @@ impl Shared {
         out
     }
 
-    /// The spares line of `array_status` (empty without spares).
+    /// The spares line of `Array::status` (empty without spares).
     pub(super) fn spares_line(&self) -> String {
         let mut out = String::new();
         let spares: Vec<String> = self
@@ -152,7 +152,7 @@ impl Shared {
         out
     }
 
-    /// The bitmap line of `array_status` (empty without a bitmap).
+    /// The bitmap line of `Array::status` (empty without a bitmap).
     pub(super) fn bitmap_line(&self) -> String {
         use cairn_core::size::format_bytes;
         let mut out = String::new();
@@ -167,7 +167,7 @@ impl Shared {
         out
     }
 
-    /// The read repairs line of `array_status` (empty before the first).
+    /// The read repairs line of `Array::status` (empty before the first).
     pub(super) fn repairs_line(&self) -> String {
         use cairn_core::size::format_bytes;
         let repairs = &self.health.repairs;

@@ -31,7 +31,7 @@ use std::sync::Arc;
 
 use cairn_core::buf::MAP_MIN;
 use cairn_core::{
-    AlignedBuf, Core, Device, Io, IoStatus, Op, Poller, Queue, RingUser, Sink, SinkId,
+    AlignedBuf, Core, Device, DirtyBitmaps, Io, IoStatus, Op, Poller, Queue, RingUser, Sink, SinkId,
 };
 
 mod block_status;
@@ -631,8 +631,9 @@ impl ServerLoop {
         // The bitmaps it asked for, held for as long as it lives (a bitmap being read is
         // not removed); one removed since the handshake ends it.
         let mut bitmaps = Vec::with_capacity(nc.session.bitmaps.len());
+        let kept = export.export.device.capability::<dyn DirtyBitmaps>();
         for (id, name) in &nc.session.bitmaps {
-            match export.export.device.bitmap(name) {
+            match kept.as_ref().and_then(|k| k.reader(name)) {
                 Some(b) => bitmaps.push((*id, b)),
                 None => {
                     log::warn!(
