@@ -8,7 +8,7 @@ use std::sync::Arc;
 use cairn_core::{Device, DirtyBitmaps};
 use cairn_services::dirty::device::{checkpoint, TrackedDevice};
 use cairn_services::dirty::store::Store;
-use cairn_services::thin::queue::ThinDevice;
+use cairn_services::thin::ThinDevice;
 use cairn_services::thin::ThinVolume;
 
 use crate::view::{all_devices, View};

@@ -1173,7 +1173,7 @@ fn open_device(
             )?)
         }
         DeviceSpec::Thin { volume, size, .. } => {
-            Arc::new(cairn_services::thin::queue::ThinDevice::open(
+            Arc::new(cairn_services::thin::ThinDevice::open(
                 name,
                 base(),
                 volume,

@@ -7,7 +7,7 @@ use cairn_core::blocking::BlockingQueue;
 use cairn_core::{Device, Extent, IoFlags, Op, Switches};
 use cairn_leaves::LeafSpec;
 use cairn_services::thin::pool::{Admin, LowWater, PoolOptions, ThinPool};
-use cairn_services::thin::queue::ThinDevice;
+use cairn_services::thin::ThinDevice;
 use cairn_services::thin::ThinPoolAdmin;
 use cairn_testkit::pattern;
 

@@ -19,7 +19,7 @@ use cairn_core::{Device, IoFlags, Op, Switches};
 use cairn_leaves::LeafSpec;
 use cairn_services::thin::format;
 use cairn_services::thin::pool::{Admin, LowWater, PoolOptions, ThinPool};
-use cairn_services::thin::queue::ThinDevice;
+use cairn_services::thin::ThinDevice;
 use cairn_services::thin::superblock::{self as sbk, PoolSuperblock};
 use cairn_services::thin::ThinPoolAdmin;
 

@@ -12,7 +12,7 @@ use cairn_core::blocking::BlockingQueue;
 use cairn_core::{Device, IoFlags, Op, Switches};
 use cairn_leaves::LeafSpec;
 use cairn_services::thin::pool::{Admin, LowWater, PoolOptions, ThinPool};
-use cairn_services::thin::queue::ThinDevice;
+use cairn_services::thin::ThinDevice;
 use cairn_services::thin::ThinPoolAdmin;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError};

@@ -13,7 +13,7 @@ use cairn_core::blocking::BlockingQueue;
 use cairn_core::{Device, Io, IoFlags, Op, Switches};
 use cairn_leaves::LeafSpec;
 use cairn_services::thin::pool::{LowWater, PoolOptions, ThinPool};
-use cairn_services::thin::queue::ThinDevice;
+use cairn_services::thin::ThinDevice;
 use cairn_stacks::wrap::{Decision, Policy, WrapDevice};
 
 const PAGE: usize = 4096;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use cairn_core::{ChangeLog, Error};
 
 use super::pool::{Admin, PoolReport};
-use super::queue::ThinDevice;
+use super::volume::ThinDevice;
 
 /// A thin pool, as the admin and its volumes' devices see it.
 pub trait ThinPoolAdmin: Send + Sync {

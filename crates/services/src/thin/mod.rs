@@ -1,6 +1,7 @@
 //! Thin pools: volumes that allocate on write, snapshots and clones.
 //! [`superblock`] says where everything is; [`format`] is the metadata log;
-//! [`capability`] is what the admin and the layers above ask of a pool and a volume.
+//! [`capability`] is what the admin and the layers above ask of a pool and a volume;
+//! [`volume`] is a thin volume as a block device ([`ThinDevice`]) and its queues.
 
 pub mod capability;
 pub mod checkpoint;
@@ -8,9 +9,10 @@ mod commit;
 pub mod format;
 mod open;
 pub mod pool;
-pub mod queue;
 pub mod state;
 pub mod superblock;
 pub mod table;
+pub mod volume;
 
 pub use capability::{ThinPoolAdmin, ThinVolume};
+pub use volume::ThinDevice;

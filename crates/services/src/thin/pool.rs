@@ -1,7 +1,7 @@
 //! A thin pool at run time: the volumes' tables the reactors use, the free blocks they
 //! allocate from, and the commit thread that makes their changes durable.
 //!
-//! - **Reactors** ([`super::queue`]) look mappings up and change them in the volumes'
+//! - **Reactors** ([`super::volume`]) look mappings up and change them in the volumes'
 //!   lock-free [`Table`]s, taking blocks from a small per-queue stash refilled from
 //!   [`ThinPool::take_blocks`] (one lock per [`STASH`] allocations), and mark the leaf
 //!   they changed. Nothing else: no log record is made on the reactor.
@@ -34,7 +34,7 @@ use cairn_core::{ChangeLog, Device, Error, IoStatus, Offer, Switches, Want};
 use super::capability::ThinPoolAdmin;
 use super::format;
 use super::open::{prepare, recover};
-use super::queue::ThinDevice;
+use super::volume::ThinDevice;
 use super::state::BlockState;
 use super::table::Table;
 
