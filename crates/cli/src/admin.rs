@@ -19,6 +19,7 @@ use cairn_core::socket::SocketFile;
 use cairn_core::{Array, ArrayAction, Device, WriteBackCache};
 use cairn_services::thin::ThinPoolAdmin;
 
+use crate::admin_error::{self, AdminError};
 use crate::admin_threads::{self, Ticket, Workers, CLIENT_TIMEOUT};
 use crate::view::{self, all_devices, View};
 
@@ -292,7 +293,7 @@ fn accepted(conn: UnixStream, view: &Arc<View>, workers: &Arc<Workers>) {
 fn serve_one(conn: UnixStream, view: &View, ticket: &Ticket) {
     let reply = match admin_threads::read_command(&conn) {
         Ok(line) => command(line.trim(), view, ticket),
-        Err(e) => format!("error: {e}\n"),
+        Err(e) => admin_error::reply(Err(AdminError::NotTaken(e))),
     };
     admin_threads::reply(conn, &reply);
 }
@@ -379,44 +380,31 @@ pub(crate) fn pools(roots: &[Arc<dyn Device>]) -> Vec<(Arc<dyn Device>, Arc<dyn 
 }
 
 /// `thin ACTION POOL ...`.
-fn thin_command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
+fn thin_command(args: &[&str], roots: &[Arc<dyn Device>]) -> Result<String, AdminError> {
     use cairn_services::thin::pool::Admin;
-    const USAGE: &str = "usage: thin list POOL [--json] | create POOL NAME SIZE | delete POOL NAME | grow POOL NAME SIZE | snapshot POOL VOLUME NAME | clone POOL SNAPSHOT NAME";
+    const USAGE: &str = "thin list POOL [--json] | create POOL NAME SIZE | delete POOL NAME | grow POOL NAME SIZE | snapshot POOL VOLUME NAME | clone POOL SNAPSHOT NAME";
+    let usage = || AdminError::Usage(USAGE.into());
     let (Some(&action), Some(&pool)) = (args.first(), args.get(1)) else {
-        return format!("error: {USAGE}\n");
+        return Err(usage());
     };
     let all = pools(roots);
     let Some((_, inner)) = all.iter().find(|(d, _)| d.name() == pool) else {
-        let names: Vec<&str> = all.iter().map(|(d, _)| d.name()).collect();
-        return format!(
-            "error: no thin pool '{pool}' is served (pools: {})\n",
-            if names.is_empty() {
-                "none".to_string()
-            } else {
-                names.join(", ")
-            }
-        );
+        return Err(AdminError::NoPool {
+            pool: pool.to_string(),
+            served: Some(all.iter().map(|(d, _)| d.name().to_string()).collect()),
+        });
     };
     let inner = &**inner;
-    let size =
-        |s: &str| cairn_core::size::parse_size(s).map_err(|e| format!("error: size '{s}': {e}\n"));
-    let rest = &args[2..];
-    let op = match (action, rest) {
-        ("list", []) => return format!("ok\n{}", thin_list(inner)),
-        ("list", ["--json"]) => return format!("ok\n{}\n", thin_json(inner)),
-        ("create", [name, s]) => match size(s) {
-            Ok(size) => Admin::Create {
-                name: name.to_string(),
-                size,
-            },
-            Err(e) => return e,
+    let op = match (action, &args[2..]) {
+        ("list", []) => return Ok(format!("ok\n{}", thin_list(inner))),
+        ("list", ["--json"]) => return Ok(format!("ok\n{}\n", thin_json(inner))),
+        ("create", [name, s]) => Admin::Create {
+            name: name.to_string(),
+            size: admin_error::size("size", s)?,
         },
-        ("grow", [name, s]) => match size(s) {
-            Ok(size) => Admin::Grow {
-                name: name.to_string(),
-                size,
-            },
-            Err(e) => return e,
+        ("grow", [name, s]) => Admin::Grow {
+            name: name.to_string(),
+            size: admin_error::size("size", s)?,
         },
         ("delete", [name]) => Admin::Delete {
             name: name.to_string(),
@@ -426,21 +414,17 @@ fn thin_command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
             name: name.to_string(),
             read_only: action == "snapshot",
         },
-        _ => return format!("error: {USAGE}\n"),
+        _ => return Err(usage()),
     };
     let deleted = match &op {
         Admin::Delete { name } => Some(name.clone()),
         _ => None,
     };
-    match inner.admin(op) {
-        Ok(done) => {
-            if let Some(name) = deleted {
-                crate::backup::volume_deleted(pool, &name, roots);
-            }
-            format!("ok: {done}\n")
-        }
-        Err(why) => format!("error: {why}\n"),
+    let done = inner.admin(op).map_err(AdminError::from)?;
+    if let Some(name) = deleted {
+        crate::backup::volume_deleted(pool, &name, roots);
     }
+    Ok(format!("ok: {done}\n"))
 }
 
 /// A pool's volumes, a line each, under a line for the pool.
@@ -665,89 +649,97 @@ fn command(line: &str, view: &View, ticket: &Ticket) -> String {
     // Before the devices are taken: a crypt command lets go of them for a key slot's
     // derivation.
     if name == "crypt" {
-        return crate::crypt::command(&args, view, ticket);
+        return admin_error::reply(crate::crypt::command(&args, view, ticket));
     }
+    admin_error::reply(run(name, &args, view))
+}
+
+/// Command `name` with words `args`, on the devices of `view`.
+fn run(name: &str, args: &[&str], view: &View) -> Result<String, AdminError> {
     let roots = &view.roots();
+    let usage = |u: &str| Err(AdminError::Usage(u.into()));
     match name {
-        "help" => match args[..] {
-            [] => format!("ok: commands:\n{}", help_text()),
-            _ => "error: usage: help (it takes no words)\n".into(),
+        "help" => match args {
+            [] => Ok(format!("ok: commands:\n{}", help_text())),
+            _ => usage("help (it takes no words)"),
         },
-        "devices" => match args[..] {
+        "devices" => match args {
             [] => {
                 let mut out = String::from("ok\n");
                 for (depth, d) in all_devices(roots) {
                     out += &format!("{}{}\n", "  ".repeat(depth), d.name());
                 }
-                out
+                Ok(out)
             }
-            _ => "error: usage: devices (it takes no words)\n".into(),
+            _ => usage("devices (it takes no words)"),
         },
-        "status" => match args[..] {
-            [] => status_text(view),
-            ["--json"] => status_json(view),
-            _ => "error: usage: status [--json]\n".into(),
+        "status" => match args {
+            [] => Ok(status_text(view)),
+            ["--json"] => Ok(status_json(view)),
+            _ => usage("status [--json]"),
         },
-        "stats" => match args[..] {
-            [] => format!("ok\n{}", view::stats_text(view)),
-            ["--json"] => format!("ok\n{}\n", view::stats_json(view)),
-            _ => "error: usage: stats [--json]\n".into(),
+        "stats" => match args {
+            [] => Ok(format!("ok\n{}", view::stats_text(view))),
+            ["--json"] => Ok(format!("ok\n{}\n", view::stats_json(view))),
+            _ => usage("stats [--json]"),
         },
-        "fail" | "remove" | "re-add" | "add" | "replace" => array_command(name, &args, view, roots),
-        "thin" => thin_command(&args, roots),
-        "bitmap" => crate::bitmaps::command(&args, roots),
-        "throttle" => crate::throttle::command(&args, roots),
-        "checkpoint" => crate::backup::checkpoint_command(&args, roots),
-        "export" => crate::backup::export_command(&args, view),
-        "power-cut" => power_cut(&args, roots),
-        other => {
-            format!(
-                "error: unknown command '{other}' (known: {})\n",
-                command_names()
-            )
-        }
+        "fail" | "remove" | "re-add" | "add" | "replace" => array_command(name, args, view, roots),
+        "thin" => thin_command(args, roots),
+        "bitmap" => crate::bitmaps::command(args, roots),
+        "throttle" => crate::throttle::command(args, roots),
+        "checkpoint" => crate::backup::checkpoint_command(args, roots),
+        "export" => crate::backup::export_command(args, view),
+        "power-cut" => power_cut(args, roots),
+        other => Err(AdminError::UnknownCommand {
+            name: other.to_string(),
+            known: command_names(),
+        }),
     }
 }
 
 /// `fail|remove|re-add ARRAY MEMBER`, `add ARRAY SPEC`, `replace ARRAY OLD SPEC`.
-fn array_command(action: &str, args: &[&str], view: &View, roots: &[Arc<dyn Device>]) -> String {
+fn array_command(
+    action: &str,
+    args: &[&str],
+    view: &View,
+    roots: &[Arc<dyn Device>],
+) -> Result<String, AdminError> {
     let Some((array, act)) = array_action(action, args) else {
-        return format!(
-            "error: usage: {}\n",
+        return Err(AdminError::Usage(
             match action {
                 "add" => "add ARRAY SPEC",
                 "replace" => "replace ARRAY OLD SPEC",
                 _ => "fail|remove|re-add ARRAY MEMBER",
             }
-        );
+            .into(),
+        ));
     };
     let all = all_devices(roots);
     let Some((_, d)) = all.iter().find(|(_, d)| d.name() == array) else {
-        return format!("error: no device '{array}' is served (see the 'devices' command)\n");
+        return Err(AdminError::NoDevice(array.to_string()));
     };
     let Some(a) = d.capability::<dyn Array>() else {
-        return format!("error: '{array}' is not an array with metadata: it has no '{action}'\n");
+        return Err(AdminError::NotAnArray {
+            device: array.to_string(),
+            action: action.to_string(),
+        });
     };
-    match a.act(&act) {
-        Ok(done) => {
-            let mut out = format!("ok: {done}\n");
-            for line in view.sync_stack_file() {
-                out += &line;
-                out.push('\n');
-            }
-            if matches!(act, ArrayAction::Replace { .. }) {
-                out += &match view.stack_file() {
-                    Some(k) => format!(
-                        "when the replace ends, stack file {} is updated (or status says what no longer matches)\n",
-                        k.path().display()
-                    ),
-                    None => "when the replace ends, list the new member in the stack file in place of the old one\n".into(),
-                };
-            }
-            out
-        }
-        Err(why) => format!("error: {why}\n"),
+    let done = a.act(&act).map_err(AdminError::from)?;
+    let mut out = format!("ok: {done}\n");
+    for line in view.sync_stack_file() {
+        out += &line;
+        out.push('\n');
     }
+    if matches!(act, ArrayAction::Replace { .. }) {
+        out += &match view.stack_file() {
+            Some(k) => format!(
+                "when the replace ends, stack file {} is updated (or status says what no longer matches)\n",
+                k.path().display()
+            ),
+            None => "when the replace ends, list the new member in the stack file in place of the old one\n".into(),
+        };
+    }
+    Ok(out)
 }
 
 /// The array an admin's action names, and the action, from its words (`None`: not the
@@ -776,7 +768,7 @@ fn array_action<'a>(action: &str, args: &[&'a str]) -> Option<(&'a str, ArrayAct
 }
 
 /// `power-cut [DEVICE...]`: nothing is cut unless every name is known.
-fn power_cut(names: &[&str], roots: &[Arc<dyn Device>]) -> String {
+fn power_cut(names: &[&str], roots: &[Arc<dyn Device>]) -> Result<String, AdminError> {
     let all = all_devices(roots);
     let chosen: Vec<Arc<dyn Device>> = if names.is_empty() {
         roots.to_vec()
@@ -785,11 +777,7 @@ fn power_cut(names: &[&str], roots: &[Arc<dyn Device>]) -> String {
         for n in names {
             match all.iter().find(|(_, d)| d.name() == *n) {
                 Some((_, d)) => v.push(d.clone()),
-                None => {
-                    return format!(
-                        "error: no device '{n}' is served (see the 'devices' command)\n"
-                    );
-                }
+                None => return Err(AdminError::NoDevice(n.to_string())),
             }
         }
         v
@@ -802,7 +790,7 @@ fn power_cut(names: &[&str], roots: &[Arc<dyn Device>]) -> String {
             done.push(d.name().to_string());
         }
     }
-    format!("ok: power cut: {}\n", done.join(", "))
+    Ok(format!("ok: power cut: {}\n", done.join(", ")))
 }
 
 /// `cairn admin PATH COMMAND...`: sends the command and prints the reply; an error reply

@@ -171,7 +171,8 @@ pub fn refuse(conn: UnixStream, why: &str) {
     let _ = conn.set_read_timeout(Some(Duration::from_secs(1)));
     let _ = conn.set_write_timeout(Some(Duration::from_secs(1)));
     let _ = read_command(&conn);
-    reply(conn, &format!("error: {why}\n"));
+    let refused = crate::admin_error::AdminError::NotTaken(why.to_string());
+    reply(conn, &crate::admin_error::reply(Err(refused)));
 }
 
 /// Sends `text` and closes the connection.

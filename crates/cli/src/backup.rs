@@ -11,6 +11,7 @@ use cairn_services::dirty::store::Store;
 use cairn_services::thin::ThinDevice;
 use cairn_services::thin::ThinVolume;
 
+use crate::admin_error::{self, AdminError};
 use crate::view::{all_devices, View};
 
 /// A served thin volume that keeps bitmaps: the volume, and the store of its bitmaps.
@@ -33,14 +34,18 @@ fn tracked_volumes(roots: &[Arc<dyn Device>]) -> Vec<Tracked> {
 }
 
 /// `checkpoint POOL VOLUME NAME [GRANULARITY]`.
-pub(crate) fn checkpoint_command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
+pub(crate) fn checkpoint_command(
+    args: &[&str],
+    roots: &[Arc<dyn Device>],
+) -> Result<String, AdminError> {
     let (pool, volume, name, granularity) = match args {
         [p, v, n] => (p, v, n, None),
-        [p, v, n, g] => match cairn_core::size::parse_size(g) {
-            Ok(g) => (p, v, n, Some(g)),
-            Err(e) => return format!("error: granularity '{g}': {e}\n"),
-        },
-        _ => return "error: usage: checkpoint POOL VOLUME NAME [GRANULARITY]\n".into(),
+        [p, v, n, g] => (p, v, n, Some(admin_error::size("granularity", g)?)),
+        _ => {
+            return Err(AdminError::Usage(
+                "checkpoint POOL VOLUME NAME [GRANULARITY]".into(),
+            ))
+        }
     };
     let all = tracked_volumes(roots);
     let found = all
@@ -50,21 +55,21 @@ pub(crate) fn checkpoint_command(args: &[&str], roots: &[Arc<dyn Device>]) -> St
         let served = crate::admin::pools(roots)
             .iter()
             .any(|(_, p)| p.name() == *pool);
-        return if served {
-            format!(
-                "error: volume '{volume}' of pool '{pool}' is not served with bitmaps (a [device] table with type = \"thin\", pool = \"{pool}\", volume = \"{volume}\" and bitmaps = \"PATH\")\n"
-            )
+        return Err(if served {
+            AdminError::NotTracked {
+                pool: pool.to_string(),
+                volume: volume.to_string(),
+            }
         } else {
-            format!("error: no thin pool '{pool}' is served\n")
-        };
+            AdminError::NoPool {
+                pool: pool.to_string(),
+                served: None,
+            }
+        });
     };
-    match checkpoint(&tracked.store, &*tracked.volume, name, granularity) {
-        Ok(done) => {
-            log::info!("cairn: admin: {done}");
-            format!("ok: {done}\n")
-        }
-        Err(why) => format!("error: {why}\n"),
-    }
+    let done = checkpoint(&tracked.store, &*tracked.volume, name, granularity)?;
+    log::info!("cairn: admin: {done}");
+    Ok(format!("ok: {done}\n"))
 }
 
 /// After volume `name` of pool `pool` was deleted: the bitmaps attached to it go.
@@ -81,60 +86,57 @@ pub(crate) fn volume_deleted(pool: &str, name: &str, roots: &[Arc<dyn Device>]) 
 }
 
 const EXPORT_USAGE: &str =
-    "usage: export list | add NAME POOL VOLUME (read-only, with the bitmaps attached to it) | remove NAME";
+    "export list | add NAME POOL VOLUME (read-only, with the bitmaps attached to it) | remove NAME";
 
 /// `export ACTION ...`.
-pub(crate) fn export_command(args: &[&str], view: &View) -> String {
+pub(crate) fn export_command(args: &[&str], view: &View) -> Result<String, AdminError> {
     let Some((table, max_payload)) = view.table() else {
-        return "error: no NBD server here\n".into();
+        return Err(AdminError::NoServer);
     };
     match args {
-        ["list"] => {
-            let mut out = String::from("ok\n");
-            for l in table.snapshot() {
-                let e = &l.export.info;
-                out += &format!(
-                    "'{}': {} ({} bytes{})\n",
-                    e.name,
-                    e.description,
-                    e.size,
-                    if e.flags & cairn_nbd::proto::tflags::READ_ONLY != 0 {
-                        ", read-only"
-                    } else {
-                        ""
-                    }
-                );
-            }
-            out
-        }
+        ["list"] => Ok(export_list(table)),
         ["add", name, pool, volume] => {
-            match add_volume(name, pool, volume, &view.roots(), (table, *max_payload)) {
-                Ok(what) => {
-                    log::info!("cairn: admin: {what}");
-                    format!("ok: {what}\n")
-                }
-                Err(why) => format!("error: {why}\n"),
-            }
+            let what = add_volume(name, pool, volume, &view.roots(), (table, *max_payload))?;
+            log::info!("cairn: admin: {what}");
+            Ok(format!("ok: {what}\n"))
         }
-        ["remove", name] => match table.remove(name) {
-            Ok(n) => {
-                log::info!("cairn: admin: export '{name}' removed");
-                format!(
-                    "ok: export '{name}' removed{}\n",
-                    if n > 0 {
-                        format!(
-                            "; {} connected to it keep it until they end",
-                            cairn_core::size::plural(n as u64, "client", "clients")
-                        )
-                    } else {
-                        String::new()
-                    }
-                )
-            }
-            Err(why) => format!("error: {why}\n"),
-        },
-        _ => format!("error: {EXPORT_USAGE}\n"),
+        ["remove", name] => {
+            let n = table.remove(name).map_err(AdminError::refused)?;
+            log::info!("cairn: admin: export '{name}' removed");
+            Ok(format!(
+                "ok: export '{name}' removed{}\n",
+                if n > 0 {
+                    format!(
+                        "; {} connected to it keep it until they end",
+                        cairn_core::size::plural(n as u64, "client", "clients")
+                    )
+                } else {
+                    String::new()
+                }
+            ))
+        }
+        _ => Err(AdminError::Usage(EXPORT_USAGE.into())),
     }
+}
+
+/// `export list`: a line per export.
+fn export_list(table: &cairn_nbd::ExportTable) -> String {
+    let mut out = String::from("ok\n");
+    for l in table.snapshot() {
+        let e = &l.export.info;
+        out += &format!(
+            "'{}': {} ({} bytes{})\n",
+            e.name,
+            e.description,
+            e.size,
+            if e.flags & cairn_nbd::proto::tflags::READ_ONLY != 0 {
+                ", read-only"
+            } else {
+                ""
+            }
+        );
+    }
+    out
 }
 
 /// Serves volume `volume` of pool `pool` as export `name`, read-only, with the bitmaps
@@ -145,24 +147,30 @@ fn add_volume(
     volume: &str,
     roots: &[Arc<dyn Device>],
     (table, max_payload): (&cairn_nbd::ExportTable, u32),
-) -> Result<String, String> {
-    cairn_config::check_export_name(name).map_err(|e| e.to_string())?;
+) -> Result<String, AdminError> {
+    cairn_config::check_export_name(name)?;
     // Named as the thin volumes the admin makes are (and usually after one): one word,
     // no '/'.
     if name.contains('/') {
-        return Err(format!(
+        return Err(AdminError::refused(format_args!(
             "export name '{name}' has a '/' (an export added here is named as a thin volume is: no '/', spaces or control characters)"
-        ));
+        )));
     }
     let pools = crate::admin::pools(roots);
     let Some((p, inner)) = pools.iter().find(|(_, p)| p.name() == pool) else {
-        return Err(format!("no thin pool '{pool}' is served"));
+        return Err(AdminError::NoPool {
+            pool: pool.to_string(),
+            served: None,
+        });
     };
     if !inner.has_volume(volume) {
-        return Err(format!("pool '{pool}' has no volume '{volume}'"));
+        return Err(AdminError::NoVolume {
+            pool: pool.to_string(),
+            volume: volume.to_string(),
+        });
     }
     let thin: Arc<dyn Device> = Arc::new(
-        ThinDevice::open(volume, p.clone(), volume, None, false).map_err(|e| e.to_string())?,
+        ThinDevice::open(volume, p.clone(), volume, None, false).map_err(AdminError::refused)?,
     );
     let store = tracked_volumes(roots)
         .into_iter()
@@ -182,7 +190,8 @@ fn add_volume(
         description,
         device,
         max_payload,
-    ))?;
+    ))
+    .map_err(AdminError::refused)?;
     Ok(format!(
         "export '{name}' serves volume '{volume}' of pool '{pool}' read-only{}",
         if bitmaps.is_empty() {

@@ -6,12 +6,13 @@ use cairn_core::Device;
 use cairn_services::dirty::bitmap::BitmapInfo;
 use cairn_services::dirty::store::Store;
 
+use crate::admin_error::{self, AdminError};
 use crate::view::all_devices;
 
 /// The default granularity of `bitmap add`: 64 KiB per bit.
 pub const GRANULARITY: u64 = 64 << 10;
 
-const USAGE: &str = "usage: bitmap list DEVICE [--json] | add DEVICE NAME [GRANULARITY] | remove DEVICE NAME | clear DEVICE NAME | merge DEVICE TARGET SOURCE...";
+const USAGE: &str = "bitmap list DEVICE [--json] | add DEVICE NAME [GRANULARITY] | remove DEVICE NAME | clear DEVICE NAME | merge DEVICE TARGET SOURCE...";
 
 /// The bitmap store of device `d`, if it has one.
 pub(crate) fn store_of(d: &Arc<dyn Device>) -> Option<Arc<Store>> {
@@ -19,49 +20,45 @@ pub(crate) fn store_of(d: &Arc<dyn Device>) -> Option<Arc<Store>> {
 }
 
 /// `bitmap ACTION DEVICE ...`.
-pub(crate) fn command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
+pub(crate) fn command(args: &[&str], roots: &[Arc<dyn Device>]) -> Result<String, AdminError> {
+    let usage = || AdminError::Usage(USAGE.into());
     let (Some(&action), Some(&device)) = (args.first(), args.get(1)) else {
-        return format!("error: {USAGE}\n");
+        return Err(usage());
     };
     let all = all_devices(roots);
     let Some((_, d)) = all.iter().find(|(_, d)| d.name() == device) else {
-        return format!("error: no device '{device}' is served (see the 'devices' command)\n");
+        return Err(AdminError::NoDevice(device.to_string()));
     };
     let Some(store) = store_of(d) else {
-        return format!(
-            "error: device '{device}' keeps no dirty bitmaps (give it a store: bitmaps = \"PATH\" in its [device.{device}] table)\n"
-        );
+        return Err(AdminError::NoBitmaps(device.to_string()));
     };
-    let done = match (action, &args[2..]) {
-        ("list", []) => return format!("ok\n{}", list_text(&store.list())),
-        ("list", ["--json"]) => return format!("ok\n{}\n", list_json(&store.list())),
-        ("add", [name]) => store
-            .add(name, GRANULARITY)
-            .map(|()| format!("bitmap '{name}' added")),
-        ("add", [name, g]) => match cairn_core::size::parse_size(g) {
-            Ok(g) => store
-                .add(name, g)
-                .map(|()| format!("bitmap '{name}' added")),
-            Err(e) => Err(format!("granularity '{g}': {e}")),
-        },
-        ("remove", [name]) => store
-            .remove(name)
-            .map(|()| format!("bitmap '{name}' removed")),
-        ("clear", [name]) => store
-            .clear(name)
-            .map(|()| format!("bitmap '{name}' cleared")),
-        ("merge", [target, sources @ ..]) if !sources.is_empty() => store
-            .merge(target, sources)
-            .map(|()| format!("merged {} into '{target}'", sources.join(", "))),
-        _ => return format!("error: {USAGE}\n"),
-    };
-    match done {
-        Ok(what) => {
-            log::info!("cairn: admin: device '{device}': {what}");
-            format!("ok: {what}\n")
+    let what = match (action, &args[2..]) {
+        ("list", []) => return Ok(format!("ok\n{}", list_text(&store.list()))),
+        ("list", ["--json"]) => return Ok(format!("ok\n{}\n", list_json(&store.list()))),
+        ("add", [name]) => {
+            store.add(name, GRANULARITY)?;
+            format!("bitmap '{name}' added")
         }
-        Err(why) => format!("error: {why}\n"),
-    }
+        ("add", [name, g]) => {
+            store.add(name, admin_error::size("granularity", g)?)?;
+            format!("bitmap '{name}' added")
+        }
+        ("remove", [name]) => {
+            store.remove(name)?;
+            format!("bitmap '{name}' removed")
+        }
+        ("clear", [name]) => {
+            store.clear(name)?;
+            format!("bitmap '{name}' cleared")
+        }
+        ("merge", [target, sources @ ..]) if !sources.is_empty() => {
+            store.merge(target, sources)?;
+            format!("merged {} into '{target}'", sources.join(", "))
+        }
+        _ => return Err(usage()),
+    };
+    log::info!("cairn: admin: device '{device}': {what}");
+    Ok(format!("ok: {what}\n"))
 }
 
 /// Every served device that keeps bitmaps, with its bitmaps.

@@ -15,10 +15,11 @@ use cairn_services::crypt::device::{read_secret, KeySlots};
 use cairn_services::crypt::kdf::check_cost;
 use cairn_services::crypt::{Kdf, SlotKey};
 
+use crate::admin_error::AdminError;
 use crate::admin_threads::Ticket;
 use crate::view::{all_devices, View};
 
-const USAGE: &str = "usage: crypt list [--json] | add DEVICE PASSPHRASE_FILE [KEY=VALUE...] (kdf, kdf_iterations, kdf_memory, kdf_parallel, kdf_hash) | remove DEVICE SLOT";
+const USAGE: &str = "crypt list [--json] | add DEVICE PASSPHRASE_FILE [KEY=VALUE...] (kdf, kdf_iterations, kdf_memory, kdf_parallel, kdf_hash) | remove DEVICE SLOT";
 
 /// A crypt device served, and its key slots.
 struct Crypt {
@@ -39,30 +40,25 @@ fn crypts(roots: &[Arc<dyn Device>]) -> Vec<Crypt> {
 
 /// The key slots of crypt device `name` of `view`: the device is held for as long as
 /// the caller keeps them.
-fn find(view: &View, name: &str) -> Result<Arc<dyn KeySlots>, String> {
+fn find(view: &View, name: &str) -> Result<Arc<dyn KeySlots>, AdminError> {
     crypts(&view.roots())
         .into_iter()
         .find(|c| c.device.name() == name)
         .map(|c| c.slots)
-        .ok_or_else(|| format!("no crypt device '{name}' is served"))
+        .ok_or_else(|| AdminError::NoCrypt(name.to_string()))
 }
 
 /// `crypt ACTION ...`. `ticket` lets go of the devices while a key slot's key is derived.
-pub(crate) fn command(args: &[&str], view: &View, ticket: &Ticket) -> String {
-    let done = match args {
-        ["list"] => return format!("ok\n{}", list_text(&crypts(&view.roots()))),
-        ["list", "--json"] => return format!("ok\n{}\n", list_json(&crypts(&view.roots()))),
-        ["add", device, file, words @ ..] => add(device, Path::new(file), words, view, ticket),
-        ["remove", device, slot] => remove(device, slot, view),
-        _ => return format!("error: {USAGE}\n"),
+pub(crate) fn command(args: &[&str], view: &View, ticket: &Ticket) -> Result<String, AdminError> {
+    let what = match args {
+        ["list"] => return Ok(format!("ok\n{}", list_text(&crypts(&view.roots())))),
+        ["list", "--json"] => return Ok(format!("ok\n{}\n", list_json(&crypts(&view.roots())))),
+        ["add", device, file, words @ ..] => add(device, Path::new(file), words, view, ticket)?,
+        ["remove", device, slot] => remove(device, slot, view)?,
+        _ => return Err(AdminError::Usage(USAGE.into())),
     };
-    match done {
-        Ok(what) => {
-            log::info!("cairn: admin: {what}");
-            format!("ok: {what}\n")
-        }
-        Err(why) => format!("error: {why}\n"),
-    }
+    log::info!("cairn: admin: {what}");
+    Ok(format!("ok: {what}\n"))
 }
 
 /// `crypt add DEVICE FILE [KEY=VALUE...]`: what the new slot derives its key with and
@@ -75,10 +71,10 @@ fn add(
     words: &[&str],
     view: &View,
     ticket: &Ticket,
-) -> Result<String, String> {
+) -> Result<String, AdminError> {
     let (kdf, len) = slot_kdf(device, words, view)?;
-    let passphrase = read_secret("passphrase file", file)?;
-    let seconds = check_cost(kdf, len).map_err(|e| format!("crypt {device}: {e}"))?;
+    let passphrase = read_secret("passphrase file", file).map_err(AdminError::refused)?;
+    let seconds = check_cost(kdf, len).map_err(|e| AdminError::crypt(device, e))?;
     log::info!(
         "cairn: admin: crypt {device}: deriving a new key slot's key ({kdf}, about {seconds:.0} s)"
     );
@@ -87,32 +83,31 @@ fn add(
     drop(passphrase);
     ticket
         .take_again()
-        .map_err(|e| format!("crypt {device}: {e}: no key slot was added"))?;
-    let slot_key = slot_key.map_err(|e| format!("crypt {device}: {e}"))?;
+        .map_err(|e| AdminError::crypt(device, format!("{e}: no key slot was added")))?;
+    let slot_key = slot_key.map_err(|e| AdminError::crypt(device, e))?;
     let slot = find(view, device)?
         .add_derived_slot(&slot_key)
-        .map_err(|e| format!("crypt {device}: {e}"))?;
+        .map_err(|e| AdminError::crypt(device, e))?;
     Ok(format!("crypt {device}: key slot {slot} added"))
 }
 
 /// The key derivation `words` ask of a new slot of crypt device `device` (its default
 /// without them), checked against its header, and the key's length. The device is held
 /// only here.
-fn slot_kdf(device: &str, words: &[&str], view: &View) -> Result<(Kdf, usize), String> {
+fn slot_kdf(device: &str, words: &[&str], view: &View) -> Result<(Kdf, usize), AdminError> {
     let c = find(view, device)?;
-    let kdf = cairn_config::crypt_kdf(device, c.format(), words).map_err(|e| e.to_string())?;
-    c.new_slot_kdf(kdf)
-        .map_err(|e| format!("crypt {device}: {e}"))
+    let kdf = cairn_config::crypt_kdf(device, c.format(), words)?;
+    c.new_slot_kdf(kdf).map_err(|e| AdminError::crypt(device, e))
 }
 
 /// `crypt remove DEVICE SLOT`.
-fn remove(device: &str, slot: &str, view: &View) -> Result<String, String> {
+fn remove(device: &str, slot: &str, view: &View) -> Result<String, AdminError> {
     let c = find(view, device)?;
     let Ok(slot) = slot.parse::<usize>() else {
-        return Err(format!("'{slot}' is not a key slot number"));
+        return Err(AdminError::BadSlot(slot.to_string()));
     };
     c.remove_slot(slot)
-        .map_err(|e| format!("crypt {device}: {e}"))?;
+        .map_err(|e| AdminError::crypt(device, e))?;
     Ok(format!("crypt {device}: key slot {slot} removed"))
 }
 

@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 mod admin;
+mod admin_error;
 mod admin_threads;
 mod backup;
 mod bench;

@@ -7,9 +7,10 @@ use std::time::Instant;
 use cairn_core::Device;
 use cairn_services::throttle::{ThrottleAdmin, ThrottleCounts};
 
+use crate::admin_error::AdminError;
 use crate::view::all_devices;
 
-const USAGE: &str = "usage: throttle list [--json] | set DEVICE KEY=VALUE... (iops, iops_read, iops_write, bps, bps_read, bps_write, each with _max and _max_length; 0 takes a limit away)";
+const USAGE: &str = "throttle list [--json] | set DEVICE KEY=VALUE... (iops, iops_read, iops_write, bps, bps_read, bps_write, each with _max and _max_length; 0 takes a limit away)";
 
 /// The throttle devices served, by name.
 pub(crate) fn throttles(roots: &[Arc<dyn Device>]) -> Vec<(String, Arc<dyn ThrottleAdmin>)> {
@@ -40,7 +41,7 @@ fn rates(name: &str, now: ThrottleCounts) -> Option<(f64, f64)> {
 }
 
 /// `throttle ACTION ...`.
-pub(crate) fn command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
+pub(crate) fn command(args: &[&str], roots: &[Arc<dyn Device>]) -> Result<String, AdminError> {
     let all = throttles(roots);
     match args {
         ["list"] | ["list", "--json"] => {
@@ -81,32 +82,28 @@ pub(crate) fn command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
                     })),
                 }));
             }
-            if json {
+            Ok(if json {
                 format!("ok\n{}\n", serde_json::Value::from(items))
             } else if text.is_empty() {
                 "ok\nno throttles\n".into()
             } else {
                 format!("ok\n{text}")
-            }
+            })
         }
         ["set", device, words @ ..] if !words.is_empty() => {
             let Some((_, p)) = all.iter().find(|(n, _)| n == device) else {
-                return format!("error: no throttle device '{device}' is served\n");
+                return Err(AdminError::NoThrottle(device.to_string()));
             };
-            match cairn_config::change_limits(device, p.limits(), words) {
-                Ok(limits) => {
-                    p.set_limits(limits);
-                    let shared = match p.group() {
-                        Some(g) => format!(" (group {g}: every device of it)"),
-                        None => String::new(),
-                    };
-                    log::info!("cairn: admin: throttle {device}{shared}: now {limits}");
-                    format!("ok: throttle {device}{shared}: now {limits}\n")
-                }
-                Err(e) => format!("error: {e}\n"),
-            }
+            let limits = cairn_config::change_limits(device, p.limits(), words)?;
+            p.set_limits(limits);
+            let shared = match p.group() {
+                Some(g) => format!(" (group {g}: every device of it)"),
+                None => String::new(),
+            };
+            log::info!("cairn: admin: throttle {device}{shared}: now {limits}");
+            Ok(format!("ok: throttle {device}{shared}: now {limits}\n"))
         }
-        _ => format!("error: {USAGE}\n"),
+        _ => Err(AdminError::Usage(USAGE.into())),
     }
 }
 
