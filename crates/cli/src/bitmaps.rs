@@ -42,7 +42,7 @@ pub(crate) fn command(args: &[&str], roots: &[Arc<dyn Device>]) -> String {
             Ok(g) => store
                 .add(name, g)
                 .map(|()| format!("bitmap '{name}' added")),
-            Err(e) => Err(format!("granularity '{g}': {e}")),
+            Err(e) => return format!("error: granularity '{g}': {e}\n"),
         },
         ("remove", [name]) => store
             .remove(name)

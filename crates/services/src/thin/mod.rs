@@ -1,10 +1,12 @@
 //! Thin pools: volumes that allocate on write, snapshots and clones.
 //! [`superblock`] says where everything is; [`format`] is the metadata log;
-//! [`capability`] is what the admin and the layers above ask of a pool and a volume.
+//! [`capability`] is what the admin and the layers above ask of a pool and a volume;
+//! [`error`] what can go wrong ([`ThinError`]).
 
 pub mod capability;
 pub mod checkpoint;
 mod commit;
+pub mod error;
 pub mod format;
 mod open;
 pub mod pool;
@@ -14,3 +16,4 @@ pub mod superblock;
 pub mod table;
 
 pub use capability::{ThinPoolAdmin, ThinVolume};
+pub use error::{Down, ThinError};
