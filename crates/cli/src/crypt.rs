@@ -77,7 +77,7 @@ fn add(
     ticket: &Ticket,
 ) -> Result<String, String> {
     let (kdf, len) = slot_kdf(device, words, view)?;
-    let passphrase = read_secret("passphrase file", file)?;
+    let passphrase = read_secret("passphrase file", file).map_err(|e| e.to_string())?;
     let seconds = check_cost(kdf, len).map_err(|e| format!("crypt {device}: {e}"))?;
     log::info!(
         "cairn: admin: crypt {device}: deriving a new key slot's key ({kdf}, about {seconds:.0} s)"
