@@ -5,6 +5,8 @@
 
 use std::fmt;
 
+use cairn_services::{CryptError, DirtyError, ThinError};
+
 /// Why an admin command did nothing (or, for a device's own error, what it says).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -94,26 +96,34 @@ pub enum AdminError {
     /// A value the stack file's rules refuse (limits, a key derivation, an export name).
     #[error(transparent)]
     Setting(#[from] cairn_core::Error),
-    /// What a device (or the export table, or the stack-file parser) refused, in its own
-    /// words.
+    /// What a device or the export table refused, in its own words.
     #[error("{0}")]
     Refused(String),
-    /// A crypt device's error, with the device it came from.
-    #[error("crypt {device}: {why}")]
+    /// A thin pool's refusal (no such volume, a name taken, out of space, ...).
+    #[error(transparent)]
+    Thin(#[from] ThinError),
+    /// A bitmap store's refusal (no such bitmap, a name taken, the store full, ...).
+    #[error(transparent)]
+    Bitmap(#[from] DirtyError),
+    /// A crypt device's refusal, with the device it came from.
+    #[error("crypt {device}: {source}")]
     Crypt {
         /// The crypt device.
         device: String,
         /// What it said.
-        why: String,
+        source: CryptError,
     },
+    /// A passphrase file that cannot be used (not a regular file, too large, unreadable).
+    #[error(transparent)]
+    Passphrase(CryptError),
 }
 
 impl AdminError {
     /// A crypt device's error, with its name.
-    pub fn crypt(device: &str, why: impl fmt::Display) -> Self {
+    pub fn crypt(device: &str, source: CryptError) -> Self {
         AdminError::Crypt {
             device: device.to_string(),
-            why: why.to_string(),
+            source,
         }
     }
 
@@ -197,7 +207,10 @@ mod tests {
             "error: device 'd' keeps no dirty bitmaps (give it a store: bitmaps = \"PATH\" in its [device.d] table)\n"
         );
         assert_eq!(
-            e(size("size", "12Q").unwrap_err()).split(':').take(2).collect::<Vec<_>>(),
+            e(size("size", "12Q").unwrap_err())
+                .split(':')
+                .take(2)
+                .collect::<Vec<_>>(),
             ["error", " size '12Q'"]
         );
         assert_eq!(reply(Ok("ok\n".into())), "ok\n");

@@ -73,7 +73,7 @@ fn add(
     ticket: &Ticket,
 ) -> Result<String, AdminError> {
     let (kdf, len) = slot_kdf(device, words, view)?;
-    let passphrase = read_secret("passphrase file", file).map_err(AdminError::refused)?;
+    let passphrase = read_secret("passphrase file", file).map_err(AdminError::Passphrase)?;
     let seconds = check_cost(kdf, len).map_err(|e| AdminError::crypt(device, e))?;
     log::info!(
         "cairn: admin: crypt {device}: deriving a new key slot's key ({kdf}, about {seconds:.0} s)"
@@ -83,7 +83,7 @@ fn add(
     drop(passphrase);
     ticket
         .take_again()
-        .map_err(|e| AdminError::crypt(device, format!("{e}: no key slot was added")))?;
+        .map_err(|e| AdminError::NotTaken(format!("crypt {device}: {e}: no key slot was added")))?;
     let slot_key = slot_key.map_err(|e| AdminError::crypt(device, e))?;
     let slot = find(view, device)?
         .add_derived_slot(&slot_key)
@@ -97,7 +97,8 @@ fn add(
 fn slot_kdf(device: &str, words: &[&str], view: &View) -> Result<(Kdf, usize), AdminError> {
     let c = find(view, device)?;
     let kdf = cairn_config::crypt_kdf(device, c.format(), words)?;
-    c.new_slot_kdf(kdf).map_err(|e| AdminError::crypt(device, e))
+    c.new_slot_kdf(kdf)
+        .map_err(|e| AdminError::crypt(device, e))
 }
 
 /// `crypt remove DEVICE SLOT`.

@@ -1172,15 +1172,13 @@ fn open_device(
                 how != Start::Write,
             )?)
         }
-        DeviceSpec::Thin { volume, size, .. } => {
-            Arc::new(cairn_services::thin::ThinDevice::open(
-                name,
-                base(),
-                volume,
-                *size,
-                how == Start::Write,
-            )?)
-        }
+        DeviceSpec::Thin { volume, size, .. } => Arc::new(cairn_services::thin::ThinDevice::open(
+            name,
+            base(),
+            volume,
+            *size,
+            how == Start::Write,
+        )?),
         DeviceSpec::Linear { .. }
         | DeviceSpec::Stripe { .. }
         | DeviceSpec::Mirror { .. }

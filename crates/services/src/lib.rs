@@ -10,12 +10,22 @@
 //!
 //! Each builds on `cairn_leaves` and `cairn_stacks`; `cairn_config` opens them from a
 //! stack file.
+//!
+//! Errors: each service fails in its own terms, with an error type of its own, re-exported
+//! here: [`ThinError`] ([`thin::error`]), [`DirtyError`] ([`dirty::error`]),
+//! [`CryptError`] ([`crypt::error`]) and [`ThrottleError`] ([`throttle`]). Opening a
+//! device answers with `cairn_core::Error`, as every device's open does.
 #![warn(missing_docs)]
 
 pub mod crypt;
 pub mod dirty;
 pub mod thin;
 pub mod throttle;
+
+pub use crypt::CryptError;
+pub use dirty::DirtyError;
+pub use thin::ThinError;
+pub use throttle::ThrottleError;
 
 #[doc(hidden)]
 pub mod fuzz;

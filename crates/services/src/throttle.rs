@@ -36,6 +36,50 @@ use std::sync::{Arc, Mutex, Weak};
 use cairn_core::{Io, Offer, Op, Want};
 use cairn_stacks::wrap::{Decision, Policy};
 
+/// Why a set of limits is refused (a stack file's `throttle` table, an export's limits,
+/// a live change): the key named is the one to fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ThrottleError {
+    /// A rate above [`LIMIT_MAX`].
+    #[error("{key}: at most {LIMIT_MAX} a second")]
+    TooHigh {
+        /// The limit's key (`iops`, `bps_read`...).
+        key: String,
+    },
+    /// A burst longer than [`LENGTH_MAX`] seconds.
+    #[error("{key}_max_length: at most {LENGTH_MAX} seconds")]
+    BurstTooLong {
+        /// The limit's key.
+        key: String,
+    },
+    /// `KEY_max` or `KEY_max_length` without the average `KEY`.
+    #[error("{key}_max and {key}_max_length need {key}")]
+    BurstWithoutAverage {
+        /// The limit's key.
+        key: String,
+    },
+    /// A burst rate below the average.
+    #[error("{key}_max ({max}) is below {key} ({avg})")]
+    BurstBelowAverage {
+        /// The limit's key.
+        key: String,
+        /// The burst rate.
+        max: u64,
+        /// The average rate.
+        avg: u64,
+    },
+    /// `KEY_max_length` without `KEY_max`.
+    #[error("{key}_max_length needs {key}_max")]
+    LengthWithoutBurst {
+        /// The limit's key.
+        key: String,
+    },
+    /// A total limit together with a read or write limit of the same kind.
+    #[error("a total limit (iops, bps) goes with no read or write limit of the same kind")]
+    TotalWithPart,
+}
+
 /// Time is kept in 1/1024 ns.
 const SCALE: u128 = 1024;
 /// Nanoseconds in a second.
@@ -61,24 +105,26 @@ pub struct Rate {
 impl Rate {
     /// Checks the limit named `key` (for messages): `avg` set whenever `max` is, `max`
     /// at least `avg`, every value in range.
-    pub fn check(&self, key: &str) -> Result<(), String> {
+    pub fn check(&self, key: &str) -> Result<(), ThrottleError> {
+        let key = key.to_string();
         if self.avg > LIMIT_MAX || self.max > LIMIT_MAX {
-            return Err(format!("{key}: at most {LIMIT_MAX} a second"));
+            return Err(ThrottleError::TooHigh { key });
         }
         if self.max_length > LENGTH_MAX {
-            return Err(format!("{key}_max_length: at most {LENGTH_MAX} seconds"));
+            return Err(ThrottleError::BurstTooLong { key });
         }
         if self.avg == 0 && (self.max != 0 || self.max_length != 0) {
-            return Err(format!("{key}_max and {key}_max_length need {key}"));
+            return Err(ThrottleError::BurstWithoutAverage { key });
         }
         if self.max != 0 && self.max < self.avg {
-            return Err(format!(
-                "{key}_max ({}) is below {key} ({})",
-                self.max, self.avg
-            ));
+            return Err(ThrottleError::BurstBelowAverage {
+                key,
+                max: self.max,
+                avg: self.avg,
+            });
         }
         if self.max_length != 0 && self.max == 0 {
-            return Err(format!("{key}_max_length needs {key}_max"));
+            return Err(ThrottleError::LengthWithoutBurst { key });
         }
         Ok(())
     }
@@ -206,7 +252,7 @@ impl Limits {
     /// Checks every limit, and refuses a total together with its read or write part (as
     /// qemu does: say one or the other). No limit at all is valid here: a live change
     /// may take the last one away; a stack file's throttle needs one (its parser says).
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), ThrottleError> {
         for (key, r) in self.rates() {
             r.check(key)?;
         }
@@ -215,10 +261,7 @@ impl Limits {
             (self.bps, self.bps_read, self.bps_write),
         ] {
             if total.avg != 0 && (read.avg != 0 || write.avg != 0) {
-                return Err(
-                    "a total limit (iops, bps) goes with no read or write limit of the same kind"
-                        .into(),
-                );
+                return Err(ThrottleError::TotalWithPart);
             }
         }
         Ok(())
@@ -743,9 +786,19 @@ mod tests {
             ),
         ];
         for (l, why) in bad {
-            let e = l.check().unwrap_err();
+            let e = l.check().unwrap_err().to_string();
             assert!(e.contains(why), "{l:?}: {e}");
         }
+        let e = limits(|l| l.bps = rate(100, 50, 0)).check().unwrap_err();
+        assert_eq!(
+            e,
+            ThrottleError::BurstBelowAverage {
+                key: "bps".into(),
+                max: 50,
+                avg: 100
+            }
+        );
+        assert_eq!(e.to_string(), "bps_max (50) is below bps (100)");
         let fine = limits(|l| {
             l.iops_read = rate(100, 200, 5);
             l.bps_write = rate(1 << 20, 0, 0);

@@ -9,19 +9,21 @@ use std::process::Command;
 use cairn_core::testing::skip;
 use cairn_services::crypt::luks1::Header;
 use cairn_services::crypt::xts::Xts;
+use cairn_services::crypt::CryptError;
 
 use cairn_testkit as common;
 use common::{run, tool};
 
 fn open(path: &Path, pass: &[u8]) -> Result<(usize, Vec<u8>, Header), String> {
     let image = std::fs::read(path).unwrap();
-    let h = Header::decode(&image)?;
+    let h = Header::decode(&image).map_err(|e| e.to_string())?;
     let mut read = |at: u64, buf: &mut [u8]| {
         let at = at as usize;
-        buf.copy_from_slice(image.get(at..at + buf.len()).ok_or("past the end")?);
+        let from = image.get(at..at + buf.len());
+        buf.copy_from_slice(from.ok_or_else(|| CryptError::Invalid("past the end".into()))?);
         Ok(())
     };
-    let (slot, mk) = h.unlock(pass, &mut read)?;
+    let (slot, mk) = h.unlock(pass, &mut read).map_err(|e| e.to_string())?;
     Ok((slot, mk.0.clone(), h))
 }
 

@@ -12,7 +12,7 @@ use std::process::Command;
 use cairn_core::testing::skip;
 use cairn_services::crypt::luks2::Header;
 use cairn_services::crypt::xts::Xts;
-use cairn_services::crypt::{Hash, Kdf, Secret, Segment, SlotInfo};
+use cairn_services::crypt::{CryptError, Hash, Kdf, Secret, Segment, SlotInfo};
 
 const PBKDF2: Kdf = Kdf::Pbkdf2 {
     hash: Hash::Sha256,
@@ -83,23 +83,31 @@ impl Scratch {
     }
 }
 
-fn read_at(path: &Path) -> impl FnMut(u64, &mut [u8]) -> Result<(), String> {
+fn read_at(path: &Path) -> impl FnMut(u64, &mut [u8]) -> Result<(), CryptError> {
     let f = File::open(path).unwrap();
-    move |at, buf| f.read_exact_at(buf, at).map_err(|e| e.to_string())
+    move |at, buf| {
+        f.read_exact_at(buf, at)
+            .map_err(|e| CryptError::Invalid(e.to_string()))
+    }
 }
 
-fn write_at(path: &Path) -> impl FnMut(u64, &[u8]) -> Result<(), String> {
+fn write_at(path: &Path) -> impl FnMut(u64, &[u8]) -> Result<(), CryptError> {
     let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
-    move |at, buf| f.write_all_at(buf, at).map_err(|e| e.to_string())
+    move |at, buf| {
+        f.write_all_at(buf, at)
+            .map_err(|e| CryptError::Invalid(e.to_string()))
+    }
 }
 
 fn header(path: &Path) -> Result<Header, String> {
-    Header::read(&mut read_at(path))
+    Header::read(&mut read_at(path)).map_err(|e| e.to_string())
 }
 
 /// The slot `pass` opens and the volume key.
 fn unlock(path: &Path, pass: &str) -> Result<(usize, Vec<u8>), String> {
-    let (slot, key) = header(path)?.unlock(pass.as_bytes(), &mut read_at(path))?;
+    let (slot, key) = header(path)?
+        .unlock(pass.as_bytes(), &mut read_at(path))
+        .map_err(|e| e.to_string())?;
     Ok((slot, key.0.clone()))
 }
 

@@ -8,7 +8,7 @@ use cairn_core::{Device, Extent, IoFlags, Op, Switches};
 use cairn_leaves::LeafSpec;
 use cairn_services::thin::pool::{Admin, LowWater, PoolOptions, ThinPool};
 use cairn_services::thin::ThinDevice;
-use cairn_services::thin::ThinPoolAdmin;
+use cairn_services::thin::{ThinError, ThinPoolAdmin};
 use cairn_testkit::pattern;
 
 fn mem(size: &str, volatile: bool) -> Arc<dyn Device> {
@@ -255,7 +255,10 @@ fn a_metadata_device_too_small_or_a_volume_too_large_is_refused_and_nothing_is_w
             size: 1 << 60,
         })
         .unwrap_err();
-    assert!(e.contains("larger than"), "{e}");
+    assert!(matches!(e, ThinError::Invalid(_)), "{e:?}");
+    assert!(e.to_string().contains("larger than"), "{e}");
+    // A snapshot of a volume that does not exist: the pool and the name, for a caller
+    // to act on, and the message the admin replies with.
     let e = p
         .pool()
         .admin(Admin::Snapshot {
@@ -264,7 +267,11 @@ fn a_metadata_device_too_small_or_a_volume_too_large_is_refused_and_nothing_is_w
             read_only: true,
         })
         .unwrap_err();
-    assert!(e.contains("no volume 'nope'"), "{e}");
+    assert!(
+        matches!(&e, ThinError::NoVolume { pool, name } if pool == "pool" && name == "nope"),
+        "{e:?}"
+    );
+    assert_eq!(e.to_string(), "thin pool 'pool' has no volume 'nope'");
     p.pool()
         .admin(Admin::Create {
             name: "a".into(),
@@ -278,7 +285,11 @@ fn a_metadata_device_too_small_or_a_volume_too_large_is_refused_and_nothing_is_w
             size: 1 << 20,
         })
         .unwrap_err();
-    assert!(e.contains("already"), "{e}");
+    assert!(
+        matches!(&e, ThinError::VolumeExists { name, .. } if name == "a"),
+        "{e:?}"
+    );
+    assert_eq!(e.to_string(), "thin pool 'pool' has a volume 'a' already");
     assert_eq!(p.pool().report().volumes.len(), 1);
 }
 
@@ -534,8 +545,16 @@ fn grow_takes_a_volume_up_to_four_times_its_size_and_never_shrinks_it() {
             size,
         })
     };
-    assert!(grow(512 << 10).unwrap_err().contains("cannot shrink"));
-    assert!(grow(5 << 20).unwrap_err().contains("larger than"));
+    let shrink = grow(512 << 10).unwrap_err();
+    assert!(
+        matches!(&shrink, ThinError::Shrink { name, size, asked } if name == "vm" && *size == 1 << 20 && *asked == 512 << 10),
+        "{shrink:?}"
+    );
+    assert!(shrink.to_string().contains("cannot shrink"), "{shrink}");
+    assert!(grow(5 << 20)
+        .unwrap_err()
+        .to_string()
+        .contains("larger than"));
     grow(4 << 20).unwrap();
     let (d, q) = volume(&p, "vm", None);
     assert_eq!(d.geometry().size_bytes, 4 << 20);

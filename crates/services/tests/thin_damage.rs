@@ -19,8 +19,8 @@ use cairn_core::{Device, IoFlags, Op, Switches};
 use cairn_leaves::LeafSpec;
 use cairn_services::thin::format;
 use cairn_services::thin::pool::{Admin, LowWater, PoolOptions, ThinPool};
-use cairn_services::thin::ThinDevice;
 use cairn_services::thin::superblock::{self as sbk, PoolSuperblock};
+use cairn_services::thin::ThinDevice;
 use cairn_services::thin::ThinPoolAdmin;
 
 const PAGE: usize = 4096;

@@ -499,7 +499,12 @@ fn run(steps: &[Step], separate: bool, cut_at: Option<u64>) -> Result<(), TestCa
                         w.vols.push(s);
                         w.dead = true;
                     }
-                    Err(e) => prop_assert!(!may || e.contains("metadata"), "{}: {}", name, e),
+                    Err(e) => prop_assert!(
+                        !may || e.to_string().contains("metadata"),
+                        "{}: {}",
+                        name,
+                        e
+                    ),
                 }
             }
             Step::Delete { v } => {

@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use cairn_core::blocking::BlockingQueue;
 use cairn_core::{Core, Device, Error, Geometry, IoFlags, Offer, Queue, Switches, Want};
 
+use super::error::CryptError;
 use super::queue::CryptQueue;
 use super::volume::{probe, Format, Luks, Probe, BLANK_BYTES};
 use super::xts::{Xts, KEY_BYTES};
@@ -74,11 +75,14 @@ impl CryptOptions {
 /// before a byte is read; opening does not block either (`O_NONBLOCK`, so a FIFO with no
 /// writer opens at once to be refused). At most [`PASSPHRASE_BYTES_MAX`] bytes are read,
 /// whatever the file's size says while it is read.
-pub fn read_secret(key: &str, path: &Path) -> Result<Secret, String> {
+pub fn read_secret(key: &str, path: &Path) -> Result<Secret, CryptError> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
-    let said = |what: String| format!("{key} '{}'{what}", path.display());
-    let io = |e: std::io::Error| said(format!(": {e}"));
+    let io = |source: std::io::Error| CryptError::SecretIo {
+        key: key.to_string(),
+        path: path.to_path_buf(),
+        source,
+    };
     let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
@@ -86,15 +90,15 @@ pub fn read_secret(key: &str, path: &Path) -> Result<Secret, String> {
         .map_err(io)?;
     let meta = file.metadata().map_err(io)?;
     if !meta.file_type().is_file() {
-        return Err(said(format!(
-            " is {}: a secret is read from a regular file only",
-            file_kind(meta.file_type())
-        )));
+        return Err(CryptError::SecretNotAFile {
+            key: key.to_string(),
+            path: path.to_path_buf(),
+            kind: file_kind(meta.file_type()),
+        });
     }
-    let too_big = || {
-        said(format!(
-            " is larger than {PASSPHRASE_BYTES_MAX} bytes (cryptsetup's limit for a key file)"
-        ))
+    let too_big = || CryptError::SecretTooLarge {
+        key: key.to_string(),
+        path: path.to_path_buf(),
     };
     if meta.len() > PASSPHRASE_BYTES_MAX {
         return Err(too_big());
@@ -108,7 +112,10 @@ pub fn read_secret(key: &str, path: &Path) -> Result<Secret, String> {
         return Err(too_big());
     }
     if s.0.is_empty() {
-        return Err(said(" is empty".into()));
+        return Err(CryptError::SecretEmpty {
+            key: key.to_string(),
+            path: path.to_path_buf(),
+        });
     }
     Ok(s)
 }
@@ -171,38 +178,40 @@ pub struct HeaderIo {
 
 impl HeaderIo {
     /// A blocking queue on `base`.
-    pub fn open(base: &Arc<dyn Device>) -> Result<HeaderIo, String> {
-        let q = BlockingQueue::open(base, Switches::default()).map_err(|e| e.to_string())?;
+    pub fn open(base: &Arc<dyn Device>) -> Result<HeaderIo, CryptError> {
+        let q = BlockingQueue::open(base, Switches::default())?;
         let block = u64::from(q.geometry().block_bytes);
         Ok(HeaderIo { q, block })
     }
 
-    fn span(&self, at: u64, len: usize) -> Result<(u64, usize), String> {
+    fn span(&self, at: u64, len: usize) -> Result<(u64, usize), CryptError> {
         let start = at - at % self.block;
         let end = (at + len as u64).next_multiple_of(self.block);
         if end > self.q.geometry().size_bytes {
-            return Err(format!(
-                "the header runs past the end of the base ({} bytes)",
-                self.q.geometry().size_bytes
-            ));
+            return Err(CryptError::HeaderPastEnd {
+                size: self.q.geometry().size_bytes,
+            });
         }
         Ok((start, (end - start) as usize))
     }
 
     /// Reads `buf.len()` bytes at `at`.
-    pub fn read(&self, at: u64, buf: &mut [u8]) -> Result<(), String> {
+    pub fn read(&self, at: u64, buf: &mut [u8]) -> Result<(), CryptError> {
         let (start, len) = self.span(at, buf.len())?;
         let mut b = vec![0u8; len];
         self.q
             .read(start, &mut b)
-            .map_err(|e| format!("reading the base: {e}"))?;
+            .map_err(|source| CryptError::Io {
+                doing: "reading the base",
+                source,
+            })?;
         let from = (at - start) as usize;
         buf.copy_from_slice(&b[from..from + buf.len()]);
         Ok(())
     }
 
     /// Writes `data` at `at` and flushes.
-    pub fn write(&self, at: u64, data: &[u8]) -> Result<(), String> {
+    pub fn write(&self, at: u64, data: &[u8]) -> Result<(), CryptError> {
         let (start, len) = self.span(at, data.len())?;
         let mut b = vec![0u8; len];
         if start != at || len != data.len() {
@@ -213,7 +222,10 @@ impl HeaderIo {
         self.q
             .write(start, &b, IoFlags::NONE)
             .and_then(|()| self.q.flush())
-            .map_err(|e| format!("writing the base: {e}"))
+            .map_err(|source| CryptError::Io {
+                doing: "writing the base",
+                source,
+            })
     }
 }
 
@@ -241,13 +253,13 @@ pub trait KeySlots: Send + Sync {
     /// What a new key slot asking for `kdf` (or the device's default) derives its key
     /// with, checked against the header, and the key's length: the slow part of adding a
     /// slot, [`SlotKey::derive`], needs nothing more, and no device.
-    fn new_slot_kdf(&self, kdf: Option<Kdf>) -> Result<(Kdf, usize), String>;
+    fn new_slot_kdf(&self, kdf: Option<Kdf>) -> Result<(Kdf, usize), CryptError>;
 
     /// Adds a key slot whose key was derived already: its material, then the header.
-    fn add_derived_slot(&self, slot_key: &SlotKey) -> Result<usize, String>;
+    fn add_derived_slot(&self, slot_key: &SlotKey) -> Result<usize, CryptError>;
 
     /// Removes key slot `slot` (never the last one).
-    fn remove_slot(&self, slot: usize) -> Result<(), String>;
+    fn remove_slot(&self, slot: usize) -> Result<(), CryptError>;
 }
 
 /// An open crypt device.
@@ -278,7 +290,10 @@ impl CryptDevice {
         opts: &CryptOptions,
         write: bool,
     ) -> Result<CryptDevice, Error> {
-        Self::open_inner(name, base, opts, write).map_err(Error::Invalid)
+        Self::open_inner(name, base, opts, write).map_err(|e| match e {
+            CryptError::Device(e) => e,
+            other => Error::Invalid(other.to_string()),
+        })
     }
 
     fn open_inner(
@@ -286,7 +301,7 @@ impl CryptDevice {
         base: Arc<dyn Device>,
         opts: &CryptOptions,
         write: bool,
-    ) -> Result<CryptDevice, String> {
+    ) -> Result<CryptDevice, CryptError> {
         let secrets = Secrets::read(opts)?;
         let io = HeaderIo::open(&base)?;
         let base_name = base.name().to_string();
@@ -300,21 +315,19 @@ impl CryptDevice {
                 stand_in = !write;
                 (luks, key, Some(0))
             }
-            Probe::Blank => {
-                return Err(format!(
-                    "base '{base_name}' holds no LUKS header (create = true formats a blank one)"
-                ))
+            Probe::Blank | Probe::Other => {
+                return Err(CryptError::NotLuks {
+                    base: base_name,
+                    blank: found == Probe::Blank,
+                    create: opts.create,
+                })
             }
-            Probe::NotBlank(at) => return Err(not_blank(&base_name, at)),
-            Probe::Other => {
-                return Err(format!(
-                    "base '{base_name}' holds something that is not a LUKS header{}",
-                    if opts.create {
-                        ": create formats only a blank base (zeros where the header goes)"
-                    } else {
-                        ""
-                    }
-                ))
+            Probe::NotBlank(at) => {
+                return Err(CryptError::NotBlank {
+                    base: base_name,
+                    at,
+                    blank_bytes: BLANK_BYTES,
+                })
             }
         };
         let segment = luks.segment();
@@ -336,7 +349,7 @@ impl CryptDevice {
     }
 
     /// Adds a key slot opened by `passphrase` (with `kdf`, or the device's default).
-    pub fn add_slot(&self, passphrase: &Secret, kdf: Option<Kdf>) -> Result<usize, String> {
+    pub fn add_slot(&self, passphrase: &Secret, kdf: Option<Kdf>) -> Result<usize, CryptError> {
         let (kdf, len) = self.new_slot_kdf(kdf)?;
         let slot_key = SlotKey::derive(kdf, &passphrase.0, len)?;
         self.add_derived_slot(&slot_key)
@@ -350,7 +363,7 @@ struct Secrets {
 }
 
 impl Secrets {
-    fn read(opts: &CryptOptions) -> Result<Secrets, String> {
+    fn read(opts: &CryptOptions) -> Result<Secrets, CryptError> {
         let passphrase = match &opts.passphrase_file {
             Some(p) => Some(read_secret("passphrase_file", p)?),
             None => None,
@@ -359,11 +372,11 @@ impl Secrets {
             Some(p) => {
                 let k = read_secret("key_file", p)?;
                 if !KEY_BYTES.contains(&k.0.len()) {
-                    return Err(format!(
+                    return Err(CryptError::Invalid(format!(
                         "key_file '{}' holds {} bytes: an aes-xts volume key is 32 or 64",
                         p.display(),
                         k.0.len()
-                    ));
+                    )));
                 }
                 Some(k)
             }
@@ -381,22 +394,22 @@ impl Secrets {
         io: &HeaderIo,
         base_name: &str,
         write: bool,
-    ) -> Result<(Luks, Secret, Option<usize>), String> {
+    ) -> Result<(Luks, Secret, Option<usize>), CryptError> {
         if let Some(want) = opts.format.filter(|&w| w != found) {
-            return Err(format!(
+            return Err(CryptError::Invalid(format!(
                 "base '{base_name}' holds a {} header, not {} as format says",
                 found.name(),
                 want.name()
-            ));
+            )));
         }
-        let luks = Luks::read(found, &mut |at, b| io.read(at, b))
-            .map_err(|m| format!("base '{base_name}': {m}"))?;
+        let luks =
+            Luks::read(found, &mut |at, b| io.read(at, b)).map_err(|e| e.of_base(base_name))?;
         match (&self.raw, &self.passphrase) {
             (Some(k), _) => {
                 if !luks.check(&k.0) {
-                    return Err(format!(
-                        "key_file is not the volume key of base '{base_name}'"
-                    ));
+                    return Err(CryptError::WrongKeyFile {
+                        base: base_name.to_string(),
+                    });
                 }
                 Ok((luks, Secret(k.0.clone()), None))
             }
@@ -405,14 +418,16 @@ impl Secrets {
                     Some(found) => found,
                     None => luks
                         .unlock(&p.0, &mut |at, b| io.read(at, b))
-                        .map_err(|m| format!("base '{base_name}': {m}"))?,
+                        .map_err(|e| e.of_base(base_name))?,
                 };
                 if !write {
                     remember_unlock(&luks, &p.0, slot, &key);
                 }
                 Ok((luks, key, Some(slot)))
             }
-            (None, None) => Err("passphrase_file or key_file is needed".into()),
+            (None, None) => Err(CryptError::Invalid(
+                "passphrase_file or key_file is needed".into(),
+            )),
         }
     }
 
@@ -425,11 +440,13 @@ impl Secrets {
         opts: &CryptOptions,
         io: &HeaderIo,
         write: bool,
-    ) -> Result<(Luks, Secret), String> {
+    ) -> Result<(Luks, Secret), CryptError> {
         let base_name = base.name();
         let format = opts.format.unwrap_or(Format::Luks2);
         let Some(p) = &self.passphrase else {
-            return Err("create needs passphrase_file (the passphrase of key slot 0)".into());
+            return Err(CryptError::Invalid(
+                "create needs passphrase_file (the passphrase of key slot 0)".into(),
+            ));
         };
         let key = match &self.raw {
             Some(k) => Secret(k.0.clone()),
@@ -450,14 +467,17 @@ impl Secrets {
             Format::Luks2 => 16 << 20,
         };
         if base.geometry().size_bytes < headers + u64::from(sector) {
-            return Err(format!(
+            return Err(CryptError::Invalid(format!(
                 "base '{base_name}' ({} bytes) is too small: a {} header takes {} and the data at least a sector",
                 base.geometry().size_bytes,
                 format.name(),
                 cairn_core::size::format_bytes(headers)
-            ));
+            )));
         }
-        let failed = |m: String| format!("formatting base '{base_name}': {m}");
+        let failed = |e: CryptError| CryptError::Formatting {
+            base: base_name.to_string(),
+            source: Box::new(e),
+        };
         if !write {
             // A stand-in in memory, quick to make: nothing reaches the base.
             let mut image = vec![0u8; headers as usize];
@@ -496,21 +516,8 @@ impl Secrets {
     }
 }
 
-/// Why `create` leaves a base alone whose first 4 KiB are zeros but that holds something
-/// at `at`: a LUKS volume whose header was wiped keeps its key slots and data there, and
-/// formatting would destroy them for good.
-fn not_blank(base_name: &str, at: u64) -> String {
-    format!(
-        "base '{base_name}' holds no LUKS header but is not blank: byte {at} is not zero \
-         (the key slots or data of a volume whose header was wiped, say); create formats \
-         only a base whose first {} are zeros, and writes nothing here: to destroy what \
-         it holds, zero them first",
-        cairn_core::size::format_bytes(BLANK_BYTES)
-    )
-}
-
 /// The bytes of data a device over `base` with `segment` holds, and its block size.
-fn data_size(base: &Arc<dyn Device>, segment: Segment) -> Result<(u64, u32), String> {
+fn data_size(base: &Arc<dyn Device>, segment: Segment) -> Result<(u64, u32), CryptError> {
     let geo = base.geometry();
     let base_name = base.name();
     let block = geo.block_bytes.max(segment.sector_bytes);
@@ -521,18 +528,18 @@ fn data_size(base: &Arc<dyn Device>, segment: Segment) -> Result<(u64, u32), Str
     let size = match end {
         Some(end) if end <= geo.size_bytes && end > segment.offset => end - segment.offset,
         _ => {
-            return Err(format!(
+            return Err(CryptError::Invalid(format!(
                 "base '{base_name}' ({} bytes) is too small for its data segment (from byte {})",
                 geo.size_bytes, segment.offset
-            ))
+            )))
         }
     };
     let size = size - size % u64::from(block);
     if size == 0 || !segment.offset.is_multiple_of(u64::from(geo.block_bytes)) {
-        return Err(format!(
+        return Err(CryptError::Invalid(format!(
             "base '{base_name}': the data segment (at {}, {} bytes) does not fit its {}-byte blocks",
             segment.offset, size, geo.block_bytes
-        ));
+        )));
     }
     Ok((size, block))
 }
@@ -611,20 +618,20 @@ impl KeySlots for CryptDevice {
         self.segment
     }
 
-    fn new_slot_kdf(&self, kdf: Option<Kdf>) -> Result<(Kdf, usize), String> {
+    fn new_slot_kdf(&self, kdf: Option<Kdf>) -> Result<(Kdf, usize), CryptError> {
         let keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
         let kdf = keys.luks.slot_kdf(kdf.unwrap_or(self.kdf_default))?;
         Ok((kdf, keys.luks.key_bytes()))
     }
 
-    fn add_derived_slot(&self, slot_key: &SlotKey) -> Result<usize, String> {
+    fn add_derived_slot(&self, slot_key: &SlotKey) -> Result<usize, CryptError> {
         let io = HeaderIo::open(&self.base)?;
         let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
         let Keys { luks, key } = &mut *keys;
         luks.add_derived_slot(&mut |at, b| io.write(at, b), key, slot_key)
     }
 
-    fn remove_slot(&self, slot: usize) -> Result<(), String> {
+    fn remove_slot(&self, slot: usize) -> Result<(), CryptError> {
         let io = HeaderIo::open(&self.base)?;
         let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
         keys.luks.remove_slot(&mut |at, b| io.write(at, b), slot)
@@ -652,9 +659,18 @@ mod tests {
             (&dir.path().to_path_buf(), "is a directory"),
             (&big, "is larger than 8388608 bytes"),
         ] {
-            let e = read_secret("passphrase_file", path).unwrap_err();
+            let e = read_secret("passphrase_file", path)
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(why), "{e}");
         }
+        let e = read_secret("passphrase_file", &fifo).unwrap_err();
+        assert!(
+            matches!(&e, CryptError::SecretNotAFile { key, path, kind: "a FIFO" } if key == "passphrase_file" && path == &fifo),
+            "{e:?}"
+        );
+        let e = read_secret("key_file", &big).unwrap_err();
+        assert!(matches!(e, CryptError::SecretTooLarge { .. }), "{e:?}");
         assert_eq!(read_secret("passphrase_file", &fine).unwrap().0, b"pass\n");
     }
 }

@@ -12,6 +12,7 @@
 
 use std::sync::Mutex;
 
+use super::error::CryptError;
 use super::{Hash, Kdf, Secret};
 
 /// Longest a new key slot's derivation may be estimated to take, in seconds. The
@@ -35,7 +36,7 @@ pub struct SlotKey {
 impl SlotKey {
     /// Derives a key of `len` bytes from `passphrase` with `kdf` and a new random salt:
     /// as long as `kdf` says.
-    pub fn derive(kdf: Kdf, passphrase: &[u8], len: usize) -> Result<SlotKey, String> {
+    pub fn derive(kdf: Kdf, passphrase: &[u8], len: usize) -> Result<SlotKey, CryptError> {
         let mut salt = [0u8; SALT_BYTES];
         super::random(&mut salt)?;
         let key = derive(kdf, passphrase, &salt, len)?;
@@ -50,7 +51,7 @@ impl std::fmt::Debug for SlotKey {
 }
 
 /// The key of `len` bytes `kdf` derives from `passphrase` with `salt`.
-pub fn derive(kdf: Kdf, passphrase: &[u8], salt: &[u8], len: usize) -> Result<Secret, String> {
+pub fn derive(kdf: Kdf, passphrase: &[u8], salt: &[u8], len: usize) -> Result<Secret, CryptError> {
     let mut key = Secret(vec![0u8; len]);
     let (algorithm, time, memory_kib, lanes) = match kdf {
         Kdf::Pbkdf2 { hash, iterations } => {
@@ -68,8 +69,12 @@ pub fn derive(kdf: Kdf, passphrase: &[u8], salt: &[u8], len: usize) -> Result<Se
             parallel,
         } => (argon2::Algorithm::Argon2i, time, memory_kib, parallel),
     };
-    let params = argon2::Params::new(memory_kib, time, lanes, Some(len))
-        .map_err(|e| format!("argon2 parameters: {e}"))?;
+    let params = argon2::Params::new(memory_kib, time, lanes, Some(len)).map_err(|error| {
+        CryptError::Argon2 {
+            doing: "argon2 parameters",
+            error,
+        }
+    })?;
     let argon = argon2::Argon2::new(algorithm, argon2::Version::V0x13, params);
     // The lanes run on rayon's threads, started at the first use: with this thread's
     // signals blocked they inherit the mask, so a SIGTERM meant for `cairn serve` never
@@ -77,20 +82,23 @@ pub fn derive(kdf: Kdf, passphrase: &[u8], salt: &[u8], len: usize) -> Result<Se
     cairn_core::reactor::with_signals_blocked(|| {
         argon.hash_password_into(passphrase, salt, &mut key.0)
     })
-    .map_err(|e| format!("argon2: {e}"))?;
+    .map_err(|error| CryptError::Argon2 {
+        doing: "argon2",
+        error,
+    })?;
     Ok(key)
 }
 
 /// Refuses a derivation of a `len`-byte key with `kdf` estimated to take longer than
 /// [`NEW_SLOT_SECONDS_MAX`] here; returns the estimate in seconds.
-pub fn check_cost(kdf: Kdf, len: usize) -> Result<f64, String> {
+pub fn check_cost(kdf: Kdf, len: usize) -> Result<f64, CryptError> {
     let seconds = estimate_seconds(kdf, len);
     if seconds > NEW_SLOT_SECONDS_MAX {
-        return Err(format!(
+        return Err(CryptError::Invalid(format!(
             "{kdf} would take about {} here, more than the {NEW_SLOT_SECONDS_MAX:.0} s a new \
              key slot may: choose fewer iterations or less memory",
             shown_seconds(seconds)
-        ));
+        )));
     }
     Ok(seconds)
 }
@@ -188,7 +196,7 @@ mod tests {
             hash: Hash::Sha256,
             iterations: u32::MAX,
         };
-        let e = check_cost(huge, 64).unwrap_err();
+        let e = check_cost(huge, 64).unwrap_err().to_string();
         assert!(
             e.contains("would take about") && e.contains("more than the 60 s"),
             "{e}"

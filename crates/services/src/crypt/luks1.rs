@@ -9,6 +9,7 @@
 //! `stripes` pieces (AF), ciphered with a key PBKDF2 derives from the passphrase, in
 //! 512-byte sectors whose IVs count from 0.
 
+use super::error::CryptError;
 use super::xts::{Secret, Xts};
 use super::{Kdf, Segment, SlotInfo, SlotKey, WriteAt};
 
@@ -140,12 +141,12 @@ fn be32(b: &[u8], at: usize) -> u32 {
 /// A NUL-terminated string field. Its last byte is always the terminator, as cryptsetup
 /// reads it (and as [`Header::encode`] writes it), so what is read is what is written
 /// back.
-fn text(field: &[u8]) -> Result<String, String> {
+fn text(field: &[u8]) -> Result<String, CryptError> {
     let b = &field[..field.len() - 1];
     let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
     std::str::from_utf8(&b[..end])
         .map(str::to_string)
-        .map_err(|_| "a header string is not text".to_string())
+        .map_err(|_| CryptError::Damaged("a header string is not text".to_string()))
 }
 
 /// Bytes a LUKS1 header takes.
@@ -154,29 +155,34 @@ pub const HEADER_BYTES: usize = 592;
 impl Header {
     /// The header at the start of `b` (at least [`HEADER_BYTES`]), or why it is not one
     /// cairn can open (in one line, whatever the header's strings hold).
-    pub fn decode(b: &[u8]) -> Result<Header, String> {
-        Header::decode_fields(b).map_err(super::one_line)
+    pub fn decode(b: &[u8]) -> Result<Header, CryptError> {
+        Header::decode_fields(b).map_err(CryptError::one_line)
     }
 
-    fn decode_fields(b: &[u8]) -> Result<Header, String> {
+    fn decode_fields(b: &[u8]) -> Result<Header, CryptError> {
         if b.len() < HEADER_BYTES || b[..6] != MAGIC {
-            return Err("no LUKS header (bad magic)".into());
+            return Err(CryptError::NoHeader);
         }
         let version = u16::from_be_bytes([b[6], b[7]]);
         if version != 1 {
-            return Err(format!("LUKS version {version}, not 1"));
+            return Err(CryptError::Unsupported(format!(
+                "LUKS version {version}, not 1"
+            )));
         }
         let spec = text(&b[72..104])?;
-        let hash = Hash::parse(&spec)
-            .ok_or_else(|| format!("hash '{spec}' is not supported (sha1, sha256, sha512 are)"))?;
+        let hash = Hash::parse(&spec).ok_or_else(|| {
+            CryptError::Unsupported(format!(
+                "hash '{spec}' is not supported (sha1, sha256, sha512 are)"
+            ))
+        })?;
         let mut slots = Vec::with_capacity(8);
         for i in 0..8 {
             let s = &b[208 + 48 * i..208 + 48 * (i + 1)];
             let state = be32(s, 0);
             if state != SLOT_ACTIVE && state != SLOT_DISABLED {
-                return Err(format!(
+                return Err(CryptError::Damaged(format!(
                     "key slot {i}: state {state:#x} is neither active nor disabled"
-                ));
+                )));
             }
             slots.push(Slot {
                 active: state == SLOT_ACTIVE,
@@ -199,16 +205,16 @@ impl Header {
             slots: slots.try_into().expect("8 slots"),
         };
         if h.cipher_name != "aes" || h.cipher_mode != "xts-plain64" {
-            return Err(format!(
+            return Err(CryptError::Unsupported(format!(
                 "cipher {}-{} is not supported (aes-xts-plain64 is)",
                 h.cipher_name, h.cipher_mode
-            ));
+            )));
         }
         if !super::xts::KEY_BYTES.contains(&(h.key_bytes as usize)) {
-            return Err(format!(
+            return Err(CryptError::Unsupported(format!(
                 "a master key of {} bytes (32 or 64 are)",
                 h.key_bytes
-            ));
+            )));
         }
         h.check_slots()?;
         Ok(h)
@@ -217,29 +223,31 @@ impl Header {
     /// Every slot's key material, in use or not (adding a key writes to a free slot's),
     /// between the header and the payload and apart from the others, as cryptsetup
     /// checks them; its stripes bounded, so that its size is.
-    fn check_slots(&self) -> Result<(), String> {
+    fn check_slots(&self) -> Result<(), CryptError> {
         let header_sectors = (HEADER_BYTES as u64).div_ceil(512);
         let mut areas = Vec::with_capacity(self.slots.len());
         for (i, s) in self.slots.iter().enumerate() {
             if s.stripes == 0 || s.stripes > STRIPES_MAX || (s.active && s.iterations == 0) {
-                return Err(format!("key slot {i}: stripes or iterations out of range"));
+                return Err(CryptError::Damaged(format!(
+                    "key slot {i}: stripes or iterations out of range"
+                )));
             }
             let start = u64::from(s.material_sector);
             let end = start + material_sectors(self.key_bytes, s.stripes);
             if start < header_sectors || end > u64::from(self.payload_sector) {
-                return Err(format!(
+                return Err(CryptError::Damaged(format!(
                     "key slot {i}: its key material (sectors {start} to {end}) is not between the header and the payload"
-                ));
+                )));
             }
             areas.push((start, end, i));
         }
         areas.sort_unstable();
         for w in areas.windows(2) {
             if w[0].1 > w[1].0 {
-                return Err(format!(
+                return Err(CryptError::Damaged(format!(
                     "the key material of slots {} and {} overlaps",
                     w[0].2, w[1].2
-                ));
+                )));
             }
         }
         Ok(())
@@ -251,7 +259,7 @@ impl Header {
         &self,
         passphrase: &[u8],
         read: &mut ReadAt<'_>,
-    ) -> Result<(usize, Secret), String> {
+    ) -> Result<(usize, Secret), CryptError> {
         for (i, s) in self.slots.iter().enumerate().filter(|(_, s)| s.active) {
             let mut key = Secret(vec![0u8; self.key_bytes as usize]);
             self.hash
@@ -266,7 +274,7 @@ impl Header {
                 return Ok((i, mk));
             }
         }
-        Err("no key slot opens with this passphrase".into())
+        Err(CryptError::WrongPassphrase)
     }
 
     /// Whether `mk` is the master key the digest describes.
@@ -328,13 +336,17 @@ impl Header {
         key: &Secret,
         passphrase: &[u8],
         kdf: Kdf,
-    ) -> Result<Header, String> {
+    ) -> Result<Header, CryptError> {
         let Kdf::Pbkdf2 { hash, .. } = kdf else {
-            return Err("LUKS1 key slots use pbkdf2 only (argon2id needs LUKS2)".into());
+            return Err(CryptError::Invalid(
+                "LUKS1 key slots use pbkdf2 only (argon2id needs LUKS2)".into(),
+            ));
         };
         let key_bytes = key.0.len() as u32;
         if !super::xts::KEY_BYTES.contains(&(key_bytes as usize)) {
-            return Err(format!("a master key of {key_bytes} bytes (32 or 64 are)"));
+            return Err(CryptError::Invalid(format!(
+                "a master key of {key_bytes} bytes (32 or 64 are)"
+            )));
         }
         let stride = (material_sectors(key_bytes, STRIPES) as u32).next_multiple_of(8);
         let mut slots = Vec::with_capacity(8);
@@ -377,13 +389,19 @@ impl Header {
         i: usize,
         key: &Secret,
         slot_key: &SlotKey,
-    ) -> Result<(), String> {
+    ) -> Result<(), CryptError> {
         let iterations = match slot_key.kdf {
             Kdf::Pbkdf2 { hash, iterations } if hash == self.hash && iterations > 0 => iterations,
-            other => return Err(format!("a LUKS1 slot of this header cannot use {other}")),
+            other => {
+                return Err(CryptError::Invalid(format!(
+                    "a LUKS1 slot of this header cannot use {other}"
+                )))
+            }
         };
         if slot_key.key.0.len() != self.key_bytes as usize {
-            return Err("the slot key is not as long as the master key".into());
+            return Err(CryptError::Invalid(
+                "the slot key is not as long as the master key".into(),
+            ));
         }
         let s = &mut self.slots[i];
         s.salt = slot_key.salt;
@@ -414,7 +432,7 @@ impl Header {
         key: &Secret,
         passphrase: &[u8],
         kdf: Kdf,
-    ) -> Result<usize, String> {
+    ) -> Result<usize, CryptError> {
         let kdf = self.slot_kdf(kdf)?;
         let slot_key = SlotKey::derive(kdf, passphrase, self.key_bytes as usize)?;
         self.add_derived_slot(write, key, &slot_key)
@@ -423,14 +441,18 @@ impl Header {
     /// The key derivation a new slot with `kdf` gets (a LUKS1 header has one hash, for
     /// its digest and every slot), checked, once a slot is free: what to derive its key
     /// with before [`Header::add_derived_slot`].
-    pub fn slot_kdf(&self, kdf: Kdf) -> Result<Kdf, String> {
+    pub fn slot_kdf(&self, kdf: Kdf) -> Result<Kdf, CryptError> {
         let iterations = match kdf {
             Kdf::Pbkdf2 { iterations: 0, .. } => {
-                return Err("pbkdf2 needs at least one iteration".into())
+                return Err(CryptError::Invalid(
+                    "pbkdf2 needs at least one iteration".into(),
+                ))
             }
             Kdf::Pbkdf2 { iterations, .. } => iterations,
             Kdf::Argon2id { .. } | Kdf::Argon2i { .. } => {
-                return Err("LUKS1 key slots use pbkdf2 only (argon2 needs LUKS2)".into())
+                return Err(CryptError::Invalid(
+                    "LUKS1 key slots use pbkdf2 only (argon2 needs LUKS2)".into(),
+                ))
             }
         };
         self.free_slot()?;
@@ -440,11 +462,10 @@ impl Header {
         })
     }
 
-    fn free_slot(&self) -> Result<usize, String> {
-        self.slots
-            .iter()
-            .position(|s| !s.active)
-            .ok_or_else(|| "all 8 key slots are in use: remove one first".into())
+    fn free_slot(&self) -> Result<usize, CryptError> {
+        self.slots.iter().position(|s| !s.active).ok_or_else(|| {
+            CryptError::NoFreeSlot("all 8 key slots are in use: remove one first".into())
+        })
     }
 
     /// [`Header::add_slot`] with the slot's key derived already.
@@ -453,9 +474,9 @@ impl Header {
         write: &mut WriteAt<'_>,
         key: &Secret,
         slot_key: &SlotKey,
-    ) -> Result<usize, String> {
+    ) -> Result<usize, CryptError> {
         if !self.check(&key.0) {
-            return Err("the key is not this header's master key".into());
+            return Err(CryptError::WrongKey { what: "master" });
         }
         let i = self.free_slot()?;
         let mut next = self.clone();
@@ -467,14 +488,12 @@ impl Header {
 
     /// Removes key slot `slot`: the header first, then its key material overwritten with
     /// random bytes.
-    pub fn remove_slot(&mut self, write: &mut WriteAt<'_>, slot: usize) -> Result<(), String> {
+    pub fn remove_slot(&mut self, write: &mut WriteAt<'_>, slot: usize) -> Result<(), CryptError> {
         if !self.slots.get(slot).is_some_and(|s| s.active) {
-            return Err(format!("key slot {slot} is not in use"));
+            return Err(CryptError::SlotNotInUse(slot));
         }
         if self.slots.iter().filter(|s| s.active).count() == 1 {
-            return Err(format!(
-                "key slot {slot} is the only key slot: add another first"
-            ));
+            return Err(CryptError::LastSlot(slot));
         }
         let mut next = self.clone();
         let s = &mut next.slots[slot];
@@ -617,7 +636,11 @@ mod tests {
         let wrong = Secret(vec![1u8; 64]);
         assert!(h.add_slot(&mut write, &wrong, b"x", kdf).is_err());
         h.remove_slot(&mut write, 0).unwrap();
-        assert!(h.remove_slot(&mut write, 1).unwrap_err().contains("only"));
+        assert!(h
+            .remove_slot(&mut write, 1)
+            .unwrap_err()
+            .to_string()
+            .contains("only"));
         let decoded = Header::decode(&image).unwrap();
         assert_eq!(decoded, h);
         let mut read = |at: u64, b: &mut [u8]| {
@@ -656,7 +679,7 @@ mod tests {
         b[168..208].fill(b'u');
         let h = Header::decode(&b).unwrap();
         assert_eq!(h.uuid, "u".repeat(39));
-        assert_eq!(Header::decode(&h.encode()), Ok(h.clone()));
+        assert_eq!(Header::decode(&h.encode()).ok(), Some(h.clone()));
     }
 
     /// Every slot's key material is checked, in use or not: adding a key writes a free
@@ -681,7 +704,7 @@ mod tests {
             let mut h = good.clone();
             damage(&mut h);
             let e = Header::decode(&h.encode()).unwrap_err();
-            assert!(e.contains(want), "{want}: {e}");
+            assert!(e.to_string().contains(want), "{want}: {e}");
         }
     }
 
@@ -690,16 +713,22 @@ mod tests {
     fn a_refusal_quoting_a_header_string_is_one_line() {
         let mut b = made();
         b[72..72 + 9].copy_from_slice(b"sha256\nx\0");
-        let e = Header::decode(&b).unwrap_err();
+        let e = Header::decode(&b).unwrap_err().to_string();
         assert!(e.contains("sha256\\nx") && !e.contains('\n'), "{e}");
     }
 
     #[test]
     fn bad_headers_are_refused() {
-        assert!(Header::decode(&[0u8; 600]).unwrap_err().contains("magic"));
+        assert!(Header::decode(&[0u8; 600])
+            .unwrap_err()
+            .to_string()
+            .contains("magic"));
         let mut b = vec![0u8; 600];
         b[..6].copy_from_slice(&MAGIC);
         b[7] = 2;
-        assert!(Header::decode(&b).unwrap_err().contains("version 2"));
+        assert!(Header::decode(&b)
+            .unwrap_err()
+            .to_string()
+            .contains("version 2"));
     }
 }

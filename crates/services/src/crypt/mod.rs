@@ -2,8 +2,10 @@
 //!
 //! [`xts`] ciphers sectors; [`luks1`] and [`luks2`] read, make and change the headers
 //! (key slots, the volume key's digest, where the data starts); what they share is here.
+//! [`error`] says what can go wrong ([`CryptError`]).
 
 pub mod device;
+pub mod error;
 pub mod evp;
 pub mod kdf;
 pub mod luks1;
@@ -12,15 +14,16 @@ mod queue;
 pub mod volume;
 pub mod xts;
 
+pub use error::CryptError;
 pub use kdf::SlotKey;
 pub use luks1::Hash;
 pub use xts::Secret;
 
 /// Reads bytes at an offset of the device holding the header.
-pub type ReadAt<'a> = dyn FnMut(u64, &mut [u8]) -> Result<(), String> + 'a;
+pub type ReadAt<'a> = dyn FnMut(u64, &mut [u8]) -> Result<(), CryptError> + 'a;
 
 /// Writes bytes at an offset of the device holding the header.
-pub type WriteAt<'a> = dyn FnMut(u64, &[u8]) -> Result<(), String> + 'a;
+pub type WriteAt<'a> = dyn FnMut(u64, &[u8]) -> Result<(), CryptError> + 'a;
 
 /// How a key slot turns a passphrase into the key that ciphers its key material.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -134,20 +137,20 @@ pub(crate) fn one_line(msg: String) -> String {
 }
 
 /// Fills `buf` with random bytes from the kernel.
-pub fn random(buf: &mut [u8]) -> Result<(), String> {
+pub fn random(buf: &mut [u8]) -> Result<(), CryptError> {
     let mut filled = 0;
     while filled < buf.len() {
         match rustix::rand::getrandom(&mut buf[filled..], rustix::rand::GetRandomFlags::empty()) {
             Ok(n) => filled += n,
             Err(rustix::io::Errno::INTR) => {}
-            Err(e) => return Err(format!("no random bytes from the kernel: {e}")),
+            Err(e) => return Err(CryptError::Random(e)),
         }
     }
     Ok(())
 }
 
 /// A new random (version 4) UUID as text.
-pub fn uuid() -> Result<String, String> {
+pub fn uuid() -> Result<String, CryptError> {
     let mut b = [0u8; 16];
     random(&mut b)?;
     b[6] = (b[6] & 0x0f) | 0x40;

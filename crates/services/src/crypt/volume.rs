@@ -1,6 +1,7 @@
 //! A LUKS header of either version, behind one interface: what the crypt device opens,
 //! makes and changes.
 
+use super::error::CryptError;
 use super::{luks1, luks2, Kdf, ReadAt, Secret, Segment, SlotInfo, SlotKey, WriteAt};
 
 /// Which LUKS version.
@@ -65,7 +66,7 @@ pub enum Probe {
 /// What a device of `size` bytes holds at its start: a LUKS header (the primary copy, or
 /// when the first 4 KiB are zeros a LUKS2 secondary copy at one of the standard
 /// offsets), or, with `whole`, whether everything up to [`BLANK_BYTES`] is zeros.
-pub fn probe(read: &mut ReadAt<'_>, size: u64, whole: bool) -> Result<Probe, String> {
+pub fn probe(read: &mut ReadAt<'_>, size: u64, whole: bool) -> Result<Probe, CryptError> {
     let mut first = vec![0u8; PROBE_BYTES];
     read(0, &mut first)?;
     if first[..6] == luks1::MAGIC {
@@ -111,7 +112,7 @@ pub fn probe(read: &mut ReadAt<'_>, size: u64, whole: bool) -> Result<Probe, Str
 
 impl Luks {
     /// Reads the header of `format`.
-    pub fn read(format: Format, read: &mut ReadAt<'_>) -> Result<Luks, String> {
+    pub fn read(format: Format, read: &mut ReadAt<'_>) -> Result<Luks, CryptError> {
         Ok(match format {
             Format::Luks1 => {
                 let mut b = vec![0u8; luks1::HEADER_BYTES];
@@ -130,13 +131,13 @@ impl Luks {
         passphrase: &[u8],
         kdf: Kdf,
         sector_bytes: u32,
-    ) -> Result<Luks, String> {
+    ) -> Result<Luks, CryptError> {
         Ok(match format {
             Format::Luks1 => {
                 if sector_bytes != 512 {
-                    return Err(format!(
+                    return Err(CryptError::Invalid(format!(
                         "LUKS1 has 512-byte sectors, not {sector_bytes} (LUKS2 has 4096)"
-                    ));
+                    )));
                 }
                 Luks::V1(Box::new(luks1::Header::create(
                     write, key, passphrase, kdf,
@@ -197,7 +198,7 @@ impl Luks {
         &self,
         passphrase: &[u8],
         read: &mut ReadAt<'_>,
-    ) -> Result<(usize, Secret), String> {
+    ) -> Result<(usize, Secret), CryptError> {
         match self {
             Luks::V1(h) => h.unlock(passphrase, read),
             Luks::V2(h) => h.unlock(passphrase, read),
@@ -219,7 +220,7 @@ impl Luks {
         key: &Secret,
         passphrase: &[u8],
         kdf: Kdf,
-    ) -> Result<usize, String> {
+    ) -> Result<usize, CryptError> {
         match self {
             Luks::V1(h) => h.add_slot(write, key, passphrase, kdf),
             Luks::V2(h) => h.add_slot(write, key, passphrase, kdf),
@@ -228,7 +229,7 @@ impl Luks {
 
     /// The key derivation a new slot asking for `kdf` gets (LUKS1: PBKDF2 with the
     /// header's hash), checked, once a slot is free.
-    pub fn slot_kdf(&self, kdf: Kdf) -> Result<Kdf, String> {
+    pub fn slot_kdf(&self, kdf: Kdf) -> Result<Kdf, CryptError> {
         match self {
             Luks::V1(h) => h.slot_kdf(kdf),
             Luks::V2(h) => h.slot_kdf(kdf),
@@ -242,7 +243,7 @@ impl Luks {
         write: &mut WriteAt<'_>,
         key: &Secret,
         slot_key: &SlotKey,
-    ) -> Result<usize, String> {
+    ) -> Result<usize, CryptError> {
         match self {
             Luks::V1(h) => h.add_derived_slot(write, key, slot_key),
             Luks::V2(h) => h.add_derived_slot(write, key, slot_key),
@@ -250,7 +251,7 @@ impl Luks {
     }
 
     /// Removes slot `slot` (never the last).
-    pub fn remove_slot(&mut self, write: &mut WriteAt<'_>, slot: usize) -> Result<(), String> {
+    pub fn remove_slot(&mut self, write: &mut WriteAt<'_>, slot: usize) -> Result<(), CryptError> {
         match self {
             Luks::V1(h) => h.remove_slot(write, slot),
             Luks::V2(h) => h.remove_slot(write, slot),

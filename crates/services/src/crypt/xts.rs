@@ -10,6 +10,8 @@
 use aes::cipher::{Array, BlockCipherDecrypt, BlockCipherEncrypt, KeyInit};
 use zeroize::Zeroize;
 
+use super::error::CryptError;
+
 /// One AES key size's pair of ciphers (boxed: their round keys are large; `aes` zeroes
 /// them when dropped).
 enum Pair {
@@ -27,18 +29,23 @@ pub const KEY_BYTES: [usize; 2] = [32, 64];
 
 impl Xts {
     /// The cipher for `key` (32 bytes: AES-128-XTS; 64: AES-256-XTS).
-    pub fn new(key: &[u8]) -> Result<Xts, String> {
+    pub fn new(key: &[u8]) -> Result<Xts, CryptError> {
+        let bad = |e: aes::cipher::InvalidLength| CryptError::Invalid(e.to_string());
         let half = key.len() / 2;
         let pair = match key.len() {
             32 => Pair::Aes128(Box::new((
-                aes::Aes128::new_from_slice(&key[..half]).map_err(|e| e.to_string())?,
-                aes::Aes128::new_from_slice(&key[half..]).map_err(|e| e.to_string())?,
+                aes::Aes128::new_from_slice(&key[..half]).map_err(bad)?,
+                aes::Aes128::new_from_slice(&key[half..]).map_err(bad)?,
             ))),
             64 => Pair::Aes256(Box::new((
-                aes::Aes256::new_from_slice(&key[..half]).map_err(|e| e.to_string())?,
-                aes::Aes256::new_from_slice(&key[half..]).map_err(|e| e.to_string())?,
+                aes::Aes256::new_from_slice(&key[..half]).map_err(bad)?,
+                aes::Aes256::new_from_slice(&key[half..]).map_err(bad)?,
             ))),
-            n => return Err(format!("an XTS key of {n} bytes (32 or 64 are)")),
+            n => {
+                return Err(CryptError::Invalid(format!(
+                    "an XTS key of {n} bytes (32 or 64 are)"
+                )))
+            }
         };
         Ok(Xts { pair })
     }

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use cairn_core::Error;
 
 use super::bitmap::Bitmap;
+use super::error::DirtyError;
 use super::format::{self, CHECKPOINT, DISABLED, PENDING};
 use super::store::{State, Store, GRANULARITY};
 
@@ -21,14 +22,15 @@ impl Store {
         &self,
         name: &str,
         granularity: Option<u64>,
-    ) -> Result<Option<String>, String> {
+    ) -> Result<Option<String>, DirtyError> {
         format::check_name(name)?;
         self.refuse_dry()?;
         let mut st = self.lock();
         if st.bitmaps.iter().any(|b| b.name == name) {
-            return Err(format!(
-                "a bitmap '{name}' exists: a checkpoint needs a new name"
-            ));
+            return Err(DirtyError::Exists {
+                name: name.to_string(),
+                checkpoint: true,
+            });
         }
         let prev = st
             .bitmaps
@@ -49,7 +51,7 @@ impl Store {
                 p.flags.fetch_and(!DISABLED, Ordering::Relaxed);
                 p.set_owner("");
             }
-            return Err(err.to_string());
+            return Err(err.into());
         }
         self.generation.fetch_add(1, Ordering::AcqRel);
         Ok(prev.map(|p| p.name.clone()))
@@ -125,7 +127,7 @@ impl Store {
     }
 
     /// Removes the bitmaps attached to snapshot `owner` (it was deleted).
-    pub fn drop_owner(&self, owner: &str) -> Result<(), String> {
+    pub fn drop_owner(&self, owner: &str) -> Result<(), DirtyError> {
         let mut st = self.lock();
         if !st.bitmaps.iter().any(|b| b.owner() == owner) {
             return Ok(());
@@ -134,6 +136,6 @@ impl Store {
             Self::refuse_read(b, "removed")?;
         }
         st.bitmaps.retain(|b| b.owner() != owner);
-        self.commit(&mut st).map_err(|e| e.to_string())
+        Ok(self.commit(&mut st)?)
     }
 }

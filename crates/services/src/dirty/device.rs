@@ -20,9 +20,10 @@ use cairn_core::{
     IoStatus, Offer, Queue, QueueStats, Want,
 };
 
+use super::error::DirtyError;
 use super::store::{Enabled, Store};
 use crate::thin::pool::{Admin, Hook, SnapshotHook};
-use crate::thin::ThinVolume;
+use crate::thin::{ThinError, ThinVolume};
 
 /// A device and its bitmap store. Named as its device, and shown as it is with its store.
 pub struct TrackedDevice {
@@ -222,7 +223,7 @@ pub fn checkpoint(
     volume: &dyn ThinVolume,
     name: &str,
     granularity: Option<u64>,
-) -> Result<String, String> {
+) -> Result<String, DirtyError> {
     super::format::check_name(name)?;
     let hook = Arc::new(CheckpointHook {
         store: store.clone(),
@@ -257,8 +258,11 @@ struct CheckpointHook {
 }
 
 impl SnapshotHook for CheckpointHook {
-    fn held(&self) -> Result<(), String> {
-        let previous = self.store.checkpoint_begin(&self.name, self.granularity)?;
+    fn held(&self) -> Result<(), ThinError> {
+        let previous = self
+            .store
+            .checkpoint_begin(&self.name, self.granularity)
+            .map_err(|e| ThinError::Hook(Box::new(e)))?;
         *self.previous.lock().unwrap_or_else(|p| p.into_inner()) = previous;
         Ok(())
     }

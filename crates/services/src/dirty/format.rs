@@ -24,6 +24,8 @@
 
 use cairn_core::ondisk::{get32, get64, put32, put64, Frame, Invalid};
 
+use super::error::{DirtyError, PageDamage};
+
 /// The directory's magic.
 pub const MAGIC: &[u8; 8] = b"CAIRNDBM";
 /// The format's version (written).
@@ -217,7 +219,7 @@ impl Directory {
         let device = std::str::from_utf8(&b[at::NAME + 1..at::NAME + 1 + name_len])
             .map_err(|_| Invalid::Other("device name is not UTF-8".into()))?
             .to_string();
-        let entries = decode_entries(b, first, count, version).map_err(Invalid::Other)?;
+        let entries = decode_entries(b, first, count, version)?;
         Ok(Directory {
             version,
             seq: get64(b, at::SEQ),
@@ -239,18 +241,18 @@ fn decode_entries(
     mut p: usize,
     count: usize,
     version: u32,
-) -> Result<Vec<Entry>, String> {
+) -> Result<Vec<Entry>, Invalid> {
     let len = b.len();
     let mut entries: Vec<Entry> = Vec::with_capacity(count);
-    let short = || "directory entries run past its length".to_string();
-    let text = |p: &mut usize| -> Result<String, String> {
+    let short = || Invalid::Other("directory entries run past its length".to_string());
+    let text = |p: &mut usize| -> Result<String, Invalid> {
         let n = *b.get(*p).ok_or_else(short)? as usize;
         let end = (*p + 1)
             .checked_add(n)
             .filter(|&e| e <= len)
             .ok_or_else(short)?;
         let t = std::str::from_utf8(&b[*p + 1..end])
-            .map_err(|_| "a bitmap or owner name is not UTF-8".to_string())?
+            .map_err(|_| Invalid::Other("a bitmap or owner name is not UTF-8".to_string()))?
             .to_string();
         *p = end;
         Ok(t)
@@ -272,10 +274,16 @@ fn decode_entries(
         p += 24;
         check_entry(&e)?;
         if entries.iter().any(|o| o.name == e.name) {
-            return Err(format!("bitmap '{}' is listed twice", e.name));
+            return Err(Invalid::Other(format!(
+                "bitmap '{}' is listed twice",
+                e.name
+            )));
         }
         if let Some(o) = entries.iter().find(|o| overlaps(version, o, &e)) {
-            return Err(format!("bitmaps '{}' and '{}' share bits", o.name, e.name));
+            return Err(Invalid::Other(format!(
+                "bitmaps '{}' and '{}' share bits",
+                o.name, e.name
+            )));
         }
         entries.push(e);
     }
@@ -305,20 +313,20 @@ pub fn seal_page(page: &mut [u8], identity: u64, area: u64, index: u64) {
 /// Whether `page` is a good page `index` of the area at `area` in store `identity` (its
 /// bits are then its first [`PAGE_WORDS`] words, little-endian), or why not. A pure
 /// function of its arguments.
-pub fn check_page(page: &[u8], identity: u64, area: u64, index: u64) -> Result<(), String> {
+pub fn check_page(page: &[u8], identity: u64, area: u64, index: u64) -> Result<(), PageDamage> {
     if page.len() as u64 != PAGE {
-        return Err(format!("{} bytes, not a page", page.len()));
+        return Err(PageDamage::Length(page.len()));
     }
     let t = (PAGE - TRAILER) as usize;
     if &page[t + 4..] != PAGE_MAGIC {
         return Err(if page.iter().all(|&b| b == 0) {
-            "zeroed".to_string()
+            PageDamage::Zeroed
         } else {
-            "no page trailer (bad magic)".to_string()
+            PageDamage::Magic
         });
     }
     if get32(page, t) != page_crc(page, identity, area, index) {
-        return Err("checksum mismatch".into());
+        return Err(PageDamage::Checksum);
     }
     Ok(())
 }
@@ -332,27 +340,37 @@ pub fn device_tag(name: &str) -> &str {
     &name[..end]
 }
 
-fn check_entry(e: &Entry) -> Result<(), String> {
-    check_name(&e.name)?;
+/// Checks directory entry `e` as decoded: what is wrong is the directory's damage.
+fn check_entry(e: &Entry) -> Result<(), Invalid> {
+    check_name(&e.name).map_err(|err| Invalid::Other(err.to_string()))?;
     if !e.owner.is_empty() {
-        check_name(&e.owner)?;
+        check_name(&e.owner).map_err(|err| Invalid::Other(err.to_string()))?;
     }
     let g = 1u64.checked_shl(e.shift).unwrap_or(0);
     if !(GRANULARITY_MIN..=GRANULARITY_MAX).contains(&g) {
-        return Err(format!(
+        return Err(Invalid::Other(format!(
             "bitmap '{}': granularity 2^{} out of range",
             e.name, e.shift
-        ));
+        )));
     }
     if e.flags & !KNOWN_FLAGS != 0 {
-        return Err(format!("bitmap '{}': unknown flags {:#x}", e.name, e.flags));
+        return Err(Invalid::Other(format!(
+            "bitmap '{}': unknown flags {:#x}",
+            e.name, e.flags
+        )));
     }
     if e.bits == 0 || e.bits > BITS_MAX || e.area < AREAS || !e.area.is_multiple_of(PAGE) {
-        return Err(format!("bitmap '{}': bits or area out of range", e.name));
+        return Err(Invalid::Other(format!(
+            "bitmap '{}': bits or area out of range",
+            e.name
+        )));
     }
     // With the bits bounded, an area's end cannot overflow unless its start is huge.
     if e.area.checked_add(area_bytes(VERSION, e.bits)).is_none() {
-        return Err(format!("bitmap '{}': area out of range", e.name));
+        return Err(Invalid::Other(format!(
+            "bitmap '{}': area out of range",
+            e.name
+        )));
     }
     Ok(())
 }
@@ -364,17 +382,16 @@ fn overlaps(version: u32, a: &Entry, b: &Entry) -> bool {
 /// Whether `name` can name a bitmap: 1 to [`NAME_MAX`] bytes of letters, digits and
 /// `.`, `_`, `-`, `+`, `@` (what backup tools use; no `:` or spaces, which NBD context
 /// names and the admin socket's words would trip on).
-pub fn check_name(name: &str) -> Result<(), String> {
+pub fn check_name(name: &str) -> Result<(), DirtyError> {
     if name.is_empty()
         || name.len() > NAME_MAX
         || !name
             .bytes()
             .all(|c| c.is_ascii_alphanumeric() || b"._-+@".contains(&c))
     {
-        return Err(format!(
-            "'{}' is not a bitmap name (1 to {NAME_MAX} letters, digits or . _ - + @)",
-            name.escape_default()
-        ));
+        return Err(DirtyError::BadName {
+            name: name.to_string(),
+        });
     }
     Ok(())
 }
@@ -506,7 +523,7 @@ mod tests {
         for (id, area, index) in [(0, 0, 0), (9, AREAS, 0), (u64::MAX, 1 << 40, 77)] {
             assert_eq!(
                 check_page(&vec![0u8; PAGE as usize], id, area, index),
-                Err("zeroed".into())
+                Err(PageDamage::Zeroed)
             );
         }
         // Every byte counts.

@@ -16,6 +16,7 @@ use cairn_core::ondisk::{pick, Invalid, Picked};
 use cairn_core::Error;
 
 use super::bitmap::Bitmap;
+use super::error::PageDamage;
 use super::format::{self, Directory, Entry, INCONSISTENT, PAGE, PAGE_WORDS, SLOT, VERSION};
 use super::store::{copy_name, os, State, Store};
 
@@ -34,7 +35,7 @@ struct Found {
 }
 
 /// Pages of one bitmap that failed their check: (page, why).
-type Damage = Vec<(u64, String)>;
+type Damage = Vec<(u64, PageDamage)>;
 
 impl Store {
     /// Opens the store at `path` for device `device` of `device_bytes`. An absent file
@@ -53,7 +54,7 @@ impl Store {
                 "the file is empty, which no store is (it was cut short, or made by hand); move it away to start with no bitmaps".into(),
             ));
         }
-        let found = read_directories(&file, len).map_err(invalid)?;
+        let found = read_directories(&file, len).map_err(|e| invalid(e.to_string()))?;
         if found.dir.device != format::device_tag(device) {
             return Err(invalid(format!(
                 "it holds the bitmaps of device '{}', not of '{device}'",
@@ -314,7 +315,7 @@ fn new_identity() -> u64 {
 
 /// Both directory copies read, and the current one picked: the valid one with the
 /// higher sequence number ([`cairn_core::ondisk::pick`]). `Err`: neither is valid.
-fn read_directories(f: &File, len: u64) -> Result<Found, String> {
+fn read_directories(f: &File, len: u64) -> Result<Found, NoDirectory> {
     let read = |c: usize| -> Result<Directory, Invalid> {
         let at = c as u64 * SLOT;
         if at >= len {
@@ -371,17 +372,16 @@ fn read_directories(f: &File, len: u64) -> Result<Found, String> {
             )),
             other_unreadable: true,
         }),
-        Picked::Blank => Err(no_directory(&Invalid::Blank, &Invalid::Blank)),
-        Picked::Foreign { first, second } => Err(no_directory(&first, &second)),
+        Picked::Blank => Err(NoDirectory(Invalid::Blank, Invalid::Blank)),
+        Picked::Foreign { first, second } => Err(NoDirectory(first, second)),
     }
 }
 
-/// The refusal of a store whose two copies are not valid, `a` and `b` saying why.
-fn no_directory(a: &Invalid, b: &Invalid) -> String {
-    format!(
-        "no readable directory (copy A: {a}; copy B: {b}); move it away to start with no bitmaps"
-    )
-}
+/// The refusal of a store whose two copies are not valid, each saying why (copy A, then
+/// copy B): damaged metadata, with nothing left to open.
+#[derive(Debug, thiserror::Error)]
+#[error("no readable directory (copy A: {0}; copy B: {1}); move it away to start with no bitmaps")]
+struct NoDirectory(Invalid, Invalid);
 
 /// Bitmap `e` as its area holds it, and the pages of it that failed their check (or lie
 /// past the end of the file): those read as dirty.
@@ -396,7 +396,7 @@ fn load(f: &File, len: u64, dir: &Directory, e: &Entry) -> std::io::Result<(Bitm
         f.read_exact_at(&mut bytes, e.area)?;
         b.load(0, &bytes);
         if have < need {
-            bad.push((have / PAGE, "past the end of the file".to_string()));
+            bad.push((have / PAGE, PageDamage::PastEnd));
             b.fill((have / 8) as usize, usize::MAX);
         }
         return Ok((b, bad));
@@ -415,7 +415,7 @@ fn load(f: &File, len: u64, dir: &Directory, e: &Entry) -> std::io::Result<(Bitm
                 let page = &buf[at..at + PAGE as usize];
                 format::check_page(page, dir.identity, e.area, p).map(|()| page)
             } else {
-                Err("past the end of the file".to_string())
+                Err(PageDamage::PastEnd)
             };
             match check {
                 Ok(page) => b.load(p as usize * PAGE_WORDS, &page[..PAGE_WORDS * 8]),

@@ -24,6 +24,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use cairn_core::Error;
 
 use super::bitmap::{Bitmap, BitmapInfo, Reader, Words};
+use super::error::DirtyError;
 use super::format::{self, Directory, Entry, INCONSISTENT, PAGE, PAGE_WORDS, SLOT, VERSION};
 
 /// The granularity of a checkpoint's first bitmap: 64 KiB per bit.
@@ -296,40 +297,39 @@ impl Store {
         Ok(())
     }
 
-    fn find<'a>(&self, st: &'a State, name: &str) -> Result<&'a Arc<Bitmap>, String> {
-        st.bitmaps.iter().find(|b| b.name == name).ok_or_else(|| {
-            let names: Vec<&str> = st.bitmaps.iter().map(|b| b.name.as_str()).collect();
-            format!(
-                "no bitmap '{name}' (bitmaps: {})",
-                if names.is_empty() {
-                    "none".to_string()
-                } else {
-                    names.join(", ")
-                }
-            )
-        })
+    fn find<'a>(&self, st: &'a State, name: &str) -> Result<&'a Arc<Bitmap>, DirtyError> {
+        st.bitmaps
+            .iter()
+            .find(|b| b.name == name)
+            .ok_or_else(|| DirtyError::NotFound {
+                name: name.to_string(),
+                known: st.bitmaps.iter().map(|b| b.name.clone()).collect(),
+            })
     }
 
-    pub(super) fn refuse_dry(&self) -> Result<(), String> {
+    pub(super) fn refuse_dry(&self) -> Result<(), DirtyError> {
         if self.dry {
-            return Err("the store was opened to examine only".into());
+            return Err(DirtyError::ReadOnly);
         }
         Ok(())
     }
 
     /// Adds an empty, enabled bitmap `name` of `granularity` bytes per bit.
-    pub fn add(&self, name: &str, granularity: u64) -> Result<(), String> {
+    pub fn add(&self, name: &str, granularity: u64) -> Result<(), DirtyError> {
         format::check_name(name)?;
         self.refuse_dry()?;
         let mut st = self.lock();
         if st.bitmaps.iter().any(|b| b.name == name) {
-            return Err(format!("a bitmap '{name}' exists"));
+            return Err(DirtyError::Exists {
+                name: name.to_string(),
+                checkpoint: false,
+            });
         }
         let e = self.new_entry(&st, name, granularity, 0)?;
         st.bitmaps.push(Arc::new(Bitmap::new(&e)));
         if let Err(err) = self.commit(&mut st) {
             st.bitmaps.pop();
-            return Err(err.to_string());
+            return Err(err.into());
         }
         self.generation.fetch_add(1, Ordering::AcqRel);
         Ok(())
@@ -343,30 +343,22 @@ impl Store {
         name: &str,
         granularity: u64,
         flags: u32,
-    ) -> Result<Entry, String> {
+    ) -> Result<Entry, DirtyError> {
         if !granularity.is_power_of_two()
             || !(format::GRANULARITY_MIN..=format::GRANULARITY_MAX).contains(&granularity)
         {
-            return Err(format!(
-                "granularity {granularity}: a power of two from {} to {}",
-                cairn_core::size::format_bytes(format::GRANULARITY_MIN),
-                cairn_core::size::format_bytes(format::GRANULARITY_MAX)
-            ));
+            return Err(DirtyError::BadGranularity { granularity });
         }
         let bits = self.device_bytes.div_ceil(granularity).max(1);
         if bits > format::BITS_MAX {
-            return Err(format!(
-                "granularity {} needs {} of bits for this device; at most {} (pick a coarser one)",
-                cairn_core::size::format_bytes(granularity),
-                cairn_core::size::format_bytes(bits.div_ceil(8)),
-                cairn_core::size::format_bytes(format::BITS_MAX / 8)
-            ));
+            return Err(DirtyError::TooManyBits {
+                granularity,
+                bits,
+                most_bits: format::BITS_MAX,
+            });
         }
         if st.bitmaps.len() >= format::BITMAPS_MAX {
-            return Err(format!(
-                "the store holds {} bitmaps already",
-                format::BITMAPS_MAX
-            ));
+            return Err(DirtyError::Full);
         }
         // Clear of every area the directory on disk names (and one whose write failed
         // may): should the next directory be torn, the one before it still finds its bits.
@@ -387,26 +379,24 @@ impl Store {
             flags,
             area: format::place(&used, format::area_bytes(VERSION, bits)),
         };
-        self.write_empty(&e)
-            .and_then(|()| self.file.sync_data())
-            .map_err(|err| err.to_string())?;
+        self.write_empty(&e).and_then(|()| self.file.sync_data())?;
         Ok(e)
     }
 
-    pub(super) fn refuse_read(b: &Bitmap, what: &str) -> Result<(), String> {
+    pub(super) fn refuse_read(b: &Bitmap, action: &'static str) -> Result<(), DirtyError> {
         let n = b.readers.load(Ordering::Relaxed);
         if n > 0 {
-            return Err(format!(
-                "bitmap '{}' is being read by {} (an NBD client's qemu:dirty-bitmap context): not {what} while it is",
-                b.name,
-                cairn_core::size::plural(n as u64, "connection", "connections")
-            ));
+            return Err(DirtyError::BeingRead {
+                name: b.name.clone(),
+                readers: n as u64,
+                action,
+            });
         }
         Ok(())
     }
 
     /// Removes bitmap `name` (refused while a client reads it).
-    pub fn remove(&self, name: &str) -> Result<(), String> {
+    pub fn remove(&self, name: &str) -> Result<(), DirtyError> {
         self.refuse_dry()?;
         let mut st = self.lock();
         let b = self.find(&st, name)?.clone();
@@ -419,22 +409,21 @@ impl Store {
         st.bitmaps.remove(i);
         if let Err(e) = self.commit(&mut st) {
             st.bitmaps.insert(i, b);
-            return Err(e.to_string());
+            return Err(e.into());
         }
         self.generation.fetch_add(1, Ordering::AcqRel);
         Ok(())
     }
 
     /// Clears every bit of bitmap `name` (and its inconsistency: it starts afresh).
-    pub fn clear(&self, name: &str) -> Result<(), String> {
+    pub fn clear(&self, name: &str) -> Result<(), DirtyError> {
         self.refuse_dry()?;
         let mut st = self.lock();
         let b = self.find(&st, name)?.clone();
         Self::refuse_read(&b, "cleared")?;
         // Empty pages on disk first: the bits in memory are never fewer than there.
         self.write_empty(&b.entry())
-            .and_then(|()| self.file.sync_data())
-            .map_err(|e| e.to_string())?;
+            .and_then(|()| self.file.sync_data())?;
         for w in b.words.iter() {
             w.store(0, Ordering::Release);
         }
@@ -442,13 +431,13 @@ impl Store {
         if b.bits << b.shift >= self.device_bytes {
             b.flags.fetch_and(!INCONSISTENT, Ordering::Relaxed);
         }
-        self.commit(&mut st).map_err(|e| e.to_string())
+        Ok(self.commit(&mut st)?)
     }
 
     /// Sets in `target` the bits covering every range set in `sources` (of any
     /// granularity: a coarser target takes every granule a source range touches). An
     /// inconsistent source makes the target inconsistent.
-    pub fn merge(&self, target: &str, sources: &[&str]) -> Result<(), String> {
+    pub fn merge(&self, target: &str, sources: &[&str]) -> Result<(), DirtyError> {
         self.refuse_dry()?;
         let mut st = self.lock();
         let t = self.find(&st, target)?.clone();
@@ -483,20 +472,18 @@ impl Store {
         let mut pages: Vec<usize> = need.iter().map(|(w, _)| w / PAGE_WORDS).collect();
         pages.dedup();
         for p in pages {
-            self.file
-                .write_all_at(
-                    &t.page_image(self.identity, p, &need),
-                    t.area + p as u64 * PAGE,
-                )
-                .map_err(|e| e.to_string())?;
+            self.file.write_all_at(
+                &t.page_image(self.identity, p, &need),
+                t.area + p as u64 * PAGE,
+            )?;
         }
-        self.file.sync_data().map_err(|e| e.to_string())?;
+        self.file.sync_data()?;
         for &(w, bits) in &need {
             t.words[w].fetch_or(bits, Ordering::Release);
         }
         if srcs.iter().any(|s| s.has(INCONSISTENT)) && !t.has(INCONSISTENT) {
             t.flags.fetch_or(INCONSISTENT, Ordering::Relaxed);
-            self.commit(&mut st).map_err(|e| e.to_string())?;
+            self.commit(&mut st)?;
         }
         Ok(())
     }
@@ -563,6 +550,41 @@ mod tests {
     fn listed(s: &Store, name: &str) -> (u64, bool) {
         let b = s.list().into_iter().find(|b| b.name == name).unwrap();
         (b.dirty_bytes, b.inconsistent)
+    }
+
+    /// What a user meets at the admin: a bitmap that is not there, a name taken, a name
+    /// no bitmap may have, a granularity out of range; each its own kind, and the store
+    /// unchanged.
+    #[test]
+    fn refusals_say_what_is_wrong_by_kind() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(&dir, 64 * MB);
+        s.add("b1", GRANULARITY).unwrap();
+        let e = s.remove("nope").unwrap_err();
+        assert!(
+            matches!(&e, DirtyError::NotFound { name, known } if name == "nope" && known == &["b1"]),
+            "{e:?}"
+        );
+        assert_eq!(e.to_string(), "no bitmap 'nope' (bitmaps: b1)");
+        let e = s.add("b1", GRANULARITY).unwrap_err();
+        assert!(
+            matches!(&e, DirtyError::Exists { name, checkpoint: false } if name == "b1"),
+            "{e:?}"
+        );
+        assert_eq!(e.to_string(), "a bitmap 'b1' exists");
+        let e = s.add("a b", GRANULARITY).unwrap_err();
+        assert!(matches!(e, DirtyError::BadName { .. }), "{e:?}");
+        let e = s.add("b2", 1000).unwrap_err();
+        assert!(
+            matches!(e, DirtyError::BadGranularity { granularity: 1000 }),
+            "{e:?}"
+        );
+        assert!(
+            e.to_string()
+                .starts_with("granularity 1000: a power of two"),
+            "{e}"
+        );
+        assert_eq!(s.names(""), vec!["b1".to_string()]);
     }
 
     #[test]

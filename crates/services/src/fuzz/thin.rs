@@ -145,7 +145,10 @@ pub fn log(data: &[u8]) -> bool {
     let mut state = PoolState::new(BLOCK_BYTES_POOL, LOG_POOL_BLOCKS);
     for r in &records {
         if let Err(e) = state.apply(r) {
-            assert!(!e.contains('\n'), "a refusal of more than one line: {e}");
+            assert!(
+                !e.to_string().contains('\n'),
+                "a refusal of more than one line: {e}"
+            );
             break;
         }
     }
@@ -177,7 +180,10 @@ pub fn checkpoint(data: &[u8]) -> bool {
             true
         }
         Err(e) => {
-            assert!(!e.contains('\n'), "a refusal of more than one line: {e}");
+            assert!(
+                !e.to_string().contains('\n'),
+                "a refusal of more than one line: {e}"
+            );
             false
         }
     }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use cairn_core::{ChangeLog, Error};
 
+use super::error::ThinError;
 use super::pool::{Admin, PoolReport};
 use super::volume::ThinDevice;
 
@@ -22,7 +23,7 @@ pub trait ThinPoolAdmin: Send + Sync {
 
     /// Runs an admin operation (create, snapshot, clone, delete, grow, a checkpoint's
     /// snapshot) and waits until it is durable: what was done, or why not.
-    fn admin(&self, op: Admin) -> Result<String, String>;
+    fn admin(&self, op: Admin) -> Result<String, ThinError>;
 
     /// Volume `volume` of the pool as device `name`, created when absent if `size` is
     /// given and `create` (else a stand-in for `cairn check`). The device keeps the pool

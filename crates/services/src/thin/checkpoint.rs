@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+use super::error::ThinError;
 use super::format::{self, LogBlock, Record};
 use super::pool::check_name;
 use super::state::{block_of, check_volume_size, volume_blocks, BlockState, PoolState, Volume};
@@ -80,7 +81,7 @@ pub fn state_from(
     records: &[Record],
     block_bytes: u64,
     data_blocks: usize,
-) -> Result<PoolState, String> {
+) -> Result<PoolState, ThinError> {
     let mut state = PoolState::new(block_bytes, data_blocks);
     let mut mappings = 0u64;
     for r in records {
@@ -92,10 +93,11 @@ pub fn state_from(
                 name,
             } => {
                 if state.volumes.contains_key(vol) {
-                    return Err(format!("volume {vol} twice"));
+                    return Err(bad(format!("volume {vol} twice")));
                 }
-                check_volume_size(*size, block_bytes).map_err(|e| format!("volume {vol}: {e}"))?;
-                check_name(name).map_err(|e| format!("volume {vol}: {e}"))?;
+                check_volume_size(*size, block_bytes)
+                    .map_err(|e| e.of_volume("checkpoint", *vol))?;
+                check_name(name).map_err(|e| e.of_volume("checkpoint", *vol))?;
                 state.volumes.insert(
                     *vol,
                     Volume {
@@ -124,23 +126,23 @@ pub fn state_from(
                     (1, 0) => BlockState::Reserved,
                     (2, n) if *n > 0 => BlockState::Used(*n),
                     (3, 0) => BlockState::FreeDirty,
-                    _ => return Err(format!("blocks {start}: state {st} count {count}")),
+                    _ => return Err(bad(format!("blocks {start}: state {st} count {count}"))),
                 };
                 let end = start.checked_add(*len).filter(|&e| e <= data_blocks as u64);
                 let Some(end) = end else {
-                    return Err(format!("blocks {start}+{len} are past the pool"));
+                    return Err(bad(format!("blocks {start}+{len} are past the pool")));
                 };
                 state.blocks[*start as usize..end as usize].fill(s);
             }
-            other => return Err(format!("{other:?} in a checkpoint")),
+            other => return Err(bad(format!("{other:?} in a checkpoint"))),
         }
     }
     let problems = state.check();
     if !problems.is_empty() {
-        return Err(format!(
+        return Err(bad(format!(
             "the checkpoint disagrees with itself: {}",
             problems.join("; ")
-        ));
+        )));
     }
     Ok(state)
 }
@@ -153,43 +155,48 @@ fn add_run(
     state: &mut PoolState,
     mappings: &mut u64,
     (vol, vblock, entry, len): (u32, u64, u32, u32),
-) -> Result<(), String> {
+) -> Result<(), ThinError> {
     let mappings_max = state.mappings_max();
     // Capped as the superblock caps it, so that an entry plus a count stays in 31 bits.
     let data_blocks = (state.blocks.len() as u64).min(DATA_BLOCKS_MAX);
     let v = state
         .volumes
         .get_mut(&vol)
-        .ok_or_else(|| format!("a run of volume {vol}, which is not there"))?;
+        .ok_or_else(|| bad(format!("a run of volume {vol}, which is not there")))?;
     let vblocks = volume_blocks(v.size, state.block_bytes);
     if len == 0
         || vblock
             .checked_add(u64::from(len))
             .is_none_or(|end| end > vblocks)
     {
-        return Err(format!(
+        return Err(bad(format!(
             "volume {vol}: a run of {len} blocks from {vblock} is outside its {vblocks} blocks"
-        ));
+        )));
     }
     let first = block_of(entry);
     if first.is_none_or(|b| b + u64::from(len) > data_blocks) {
-        return Err(format!(
+        return Err(bad(format!(
             "volume {vol} block {vblock}: a run of {len} entries from {entry:#x} is outside the pool's {data_blocks} blocks"
-        ));
+        )));
     }
     *mappings = mappings.saturating_add(u64::from(len));
     if *mappings > mappings_max {
-        return Err(format!(
+        return Err(bad(format!(
             "more mappings than the pool's metadata holds ({mappings_max})"
-        ));
+        )));
     }
     for i in 0..len {
         let vb = vblock + u64::from(i);
         if v.map.insert(vb, entry + i).is_some() {
-            return Err(format!("volume {vol} block {vb}: a repeated entry"));
+            return Err(bad(format!("volume {vol} block {vb}: a repeated entry")));
         }
     }
     Ok(())
+}
+
+/// Damage to a checkpoint: `why` it cannot be the pool's state.
+fn bad(why: String) -> ThinError {
+    ThinError::damaged("checkpoint", why)
 }
 
 /// The pages of checkpoint `generation` of `state`.
@@ -209,9 +216,9 @@ pub fn load(
     version: u32,
     block_bytes: u64,
     data_blocks: usize,
-) -> Result<PoolState, String> {
+) -> Result<PoolState, ThinError> {
     if pages.is_empty() {
-        return Err("a checkpoint of no pages".into());
+        return Err(bad("a checkpoint of no pages".into()));
     }
     let magic = if version == 1 {
         format::CHECKPOINT_MAGIC_V1
@@ -221,14 +228,14 @@ pub fn load(
     let mut records = Vec::new();
     for (i, p) in pages.iter().enumerate() {
         let page = LogBlock::decode_as(p, pool_uuid, &magic, version)
-            .map_err(|e| format!("checkpoint page {i}: {e:?}"))?;
+            .map_err(|e| bad(format!("checkpoint page {i}: {e:?}")))?;
         let ours = if version == 1 {
             page.commit == generation
         } else {
             page.epoch == generation && page.blocks as usize == pages.len()
         };
         if page.seq != i as u64 || !ours || page.last != (i + 1 == pages.len()) {
-            return Err(format!("checkpoint page {i} is out of place"));
+            return Err(bad(format!("checkpoint page {i} is out of place")));
         }
         records.extend(page.records);
     }
@@ -295,7 +302,7 @@ mod tests {
         let pages = pages(UUID, 4, &state);
         assert!(pages.len() > 1 && pages.len() < 20, "{} pages", pages.len());
         let refs: Vec<&[u8]> = pages.iter().map(Vec::as_slice).collect();
-        assert_eq!(load(&refs, &UUID, 4, 2, 64 << 10, 5000), Ok(state));
+        assert_eq!(load(&refs, &UUID, 4, 2, 64 << 10, 5000).ok(), Some(state));
     }
 
     #[test]
@@ -403,7 +410,7 @@ mod tests {
         ];
         for (records, want) in cases {
             let e = state_from(&records, 64 << 10, 100).unwrap_err();
-            assert!(e.contains(want), "{records:?}: {e}");
+            assert!(e.to_string().contains(want), "{records:?}: {e}");
         }
         assert!(load(&[], &UUID, 1, 2, 64 << 10, 100).is_err());
     }
@@ -427,7 +434,7 @@ mod tests {
         // (A match, not unwrap_err: the state would print as 26,000 volumes.)
         match state_from(&records, 64 << 10, 2) {
             Ok(_) => panic!("52,000 mappings taken"),
-            Err(e) => assert!(e.contains("more mappings than"), "{e}"),
+            Err(e) => assert!(e.to_string().contains("more mappings than"), "{e}"),
         }
         // Half as many volumes fit.
         records.retain(|r| !matches!(r, Record::Create { vol, .. } | Record::Run { vol, .. } if *vol > volumes / 2));
@@ -450,6 +457,7 @@ mod tests {
         }
         assert!(state_from(&recs, 64 << 10, 5000)
             .unwrap_err()
+            .to_string()
             .contains("disagrees"));
     }
 }

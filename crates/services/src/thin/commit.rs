@@ -12,6 +12,7 @@ use cairn_core::size::format_bytes;
 use cairn_core::{IoFlags, IoStatus, Op};
 
 use super::checkpoint;
+use super::error::{Down, ThinError};
 use super::format::{self, Record, BLOCK_BYTES as LOG_PAGE};
 use super::pool::{
     check_name, check_size, lock, now_secs, table_blocks, Admin, Inner, Volume, COMMIT_PERIOD,
@@ -95,9 +96,9 @@ impl Committer {
 
     /// One commit of `records` (and the pending ones, and whatever the tables changed):
     /// see the module's documentation for the order.
-    pub(super) fn commit(&mut self, mut records: Vec<Record>) -> Result<(), String> {
+    pub(super) fn commit(&mut self, mut records: Vec<Record>) -> Result<(), ThinError> {
         if self.inner.failed.load(Relaxed) || self.inner.crashed.load(SeqCst) {
-            return Err(format!("thin pool '{}' has failed", self.inner.name));
+            return Err(self.inner.down(Down::Failed));
         }
         // Pending records are in the state already; then the operation's own (a
         // snapshot's come before any change made to its source after it), then what the
@@ -111,14 +112,14 @@ impl Committer {
             }
             for r in &records {
                 if let Err(e) = self.state.apply(r) {
-                    return Err(self.fail(format!("a record the pool cannot take ({e}): {r:?}")));
+                    return Err(self.fail(refused(r, e)));
                 }
             }
             all.append(&mut records);
         }
         self.data
             .flush()
-            .map_err(|e| self.fail(format!("data flush failed: {e}")))?;
+            .map_err(|e| self.fail(ThinError::io("data flush failed", e)))?;
         if all.is_empty() {
             return Ok(());
         }
@@ -143,11 +144,11 @@ impl Committer {
             let at = self.sb.log_offset + (b.seq % pages) * LOG_PAGE as u64;
             self.meta()
                 .write(at, &b.encode(), IoFlags::NONE)
-                .map_err(|e| self.fail(format!("log write failed: {e}")))?;
+                .map_err(|e| self.fail(ThinError::io("log write failed", e)))?;
         }
         self.meta()
             .flush()
-            .map_err(|e| self.fail(format!("metadata flush failed: {e}")))?;
+            .map_err(|e| self.fail(ThinError::io("metadata flush failed", e)))?;
         self.next_seq += blocks.len() as u64;
         self.log_used += blocks.len() as u64;
         self.commits += 1;
@@ -156,7 +157,7 @@ impl Committer {
     }
 
     /// Marks the pool failed (logged once); returns `why`.
-    pub(super) fn fail(&self, why: String) -> String {
+    pub(super) fn fail(&self, why: ThinError) -> ThinError {
         if !self.inner.failed.swap(true, SeqCst) {
             log::error!(
                 "cairn: {}: thin pool failed, it takes no more changes: {why}",
@@ -168,19 +169,18 @@ impl Committer {
 
     /// Writes the whole state to the checkpoint area not in use, then a superblock that
     /// points at it (the log starts afresh after it). `clean`: the pool stops.
-    pub(super) fn checkpoint(&mut self, clean: bool) -> Result<(), String> {
+    pub(super) fn checkpoint(&mut self, clean: bool) -> Result<(), ThinError> {
         if self.inner.crashed.load(SeqCst) {
-            return Err("crashed".into());
+            return Err(ThinError::Crashed);
         }
         let generation = self.sb.checkpoint_generation + 1;
         let pages = checkpoint::pages(self.sb.pool_uuid, generation, &self.state);
         let bytes = pages.len() as u64 * sbk::PAGE;
         if bytes > self.sb.checkpoint_capacity {
-            return Err(self.fail(format!(
-                "the metadata is full: a checkpoint needs {} and has room for {}",
-                format_bytes(bytes),
-                format_bytes(self.sb.checkpoint_capacity)
-            )));
+            return Err(self.fail(ThinError::MetadataFull {
+                need: bytes,
+                capacity: self.sb.checkpoint_capacity,
+            }));
         }
         let slot = if self.sb.checkpoint_in_use == 1 { 1 } else { 0 };
         let mut area = Vec::with_capacity(bytes as usize);
@@ -192,7 +192,7 @@ impl Committer {
         self.meta()
             .write(self.sb.checkpoints[slot], &area, IoFlags::NONE)
             .and_then(|()| self.meta().flush())
-            .map_err(|e| self.fail(format!("checkpoint write failed: {e}")))?;
+            .map_err(|e| self.fail(ThinError::io("checkpoint write failed", e)))?;
         let mut sb = self.sb.clone();
         sb.generation += 1;
         sb.checkpoint_in_use = slot as u32 + 1;
@@ -216,7 +216,7 @@ impl Committer {
             self.meta()
                 .write((to * sbk::SLOT_BYTES) as u64, &bytes_sb, IoFlags::NONE)
                 .and_then(|()| self.meta().flush())
-                .map_err(|e| self.fail(format!("superblock write failed: {e}")))?;
+                .map_err(|e| self.fail(ThinError::io("superblock write failed", e)))?;
         }
         self.sb = sb;
         self.log_used = 0;
@@ -270,13 +270,18 @@ impl Committer {
         let mut all: Vec<u64> = freed.to_vec();
         all.extend(dirty.iter().chain(&leaked).map(|&b| u64::from(b)));
         if let Err(e) = self.zero(&all) {
-            self.fail(format!("zeroing freed blocks failed: {e}"));
+            self.fail(match e {
+                ThinError::Io { doing, source } => {
+                    ThinError::io(format!("zeroing freed blocks failed: {doing}"), source)
+                }
+                other => other,
+            });
             return;
         }
         for (start, len) in runs(&freed) {
             let r = Record::Zeroed { start, len };
             if let Err(e) = self.state.apply(&r) {
-                self.fail(format!("a record the pool cannot take ({e}): {r:?}"));
+                self.fail(refused(&r, e));
                 return;
             }
             self.pending.push(r);
@@ -309,9 +314,9 @@ impl Committer {
     }
 
     /// Makes `blocks` read as zeros (discard where the data device has it).
-    pub(super) fn zero(&self, blocks: &[u64]) -> Result<(), String> {
+    pub(super) fn zero(&self, blocks: &[u64]) -> Result<(), ThinError> {
         if self.inner.crashed.load(SeqCst) {
-            return Err("crashed".into());
+            return Err(ThinError::Crashed);
         }
         let mut sorted = blocks.to_vec();
         sorted.sort_unstable();
@@ -319,15 +324,16 @@ impl Committer {
     }
 
     /// Runs one admin operation: checks, then its record in a commit of its own.
-    pub(super) fn admin(&mut self, op: Admin) -> Result<String, String> {
+    pub(super) fn admin(&mut self, op: Admin) -> Result<String, ThinError> {
         if self.inner.failed.load(Relaxed) {
-            return Err(format!("thin pool '{}' has failed", self.inner.name));
+            return Err(self.inner.down(Down::Failed));
         }
         let pool = self.inner.name.clone();
         let find = |name: &str| {
-            self.inner
-                .volume(name)
-                .ok_or_else(|| format!("thin pool '{pool}' has no volume '{name}'"))
+            self.inner.volume(name).ok_or_else(|| ThinError::NoVolume {
+                pool: pool.clone(),
+                name: name.to_string(),
+            })
         };
         match op {
             Admin::Create { name, size } => {
@@ -352,9 +358,7 @@ impl Committer {
             } => {
                 let source = find(&src)?;
                 if !read_only && !source.read_only {
-                    return Err(format!(
-                        "'{src}' is writable: clone a snapshot (take one with 'thin snapshot' first)"
-                    ));
+                    return Err(ThinError::CloneOfWritable { src });
                 }
                 self.check_copy(&source, &name)?;
                 let held = self.snapshot(&source, &name, read_only, None)?;
@@ -367,9 +371,7 @@ impl Committer {
             Admin::Checkpoint { src, name, hook } => {
                 let source = find(&src)?;
                 if source.read_only {
-                    return Err(format!(
-                        "'{src}' is a snapshot: checkpoints are of writable volumes"
-                    ));
+                    return Err(ThinError::CheckpointOfSnapshot { src });
                 }
                 self.check_copy(&source, &name)?;
                 let held = self.snapshot(&source, &name, true, Some(&*hook.0))?;
@@ -382,10 +384,7 @@ impl Committer {
                 let v = find(&name)?;
                 let users = v.users.load(SeqCst);
                 if users > 0 {
-                    return Err(format!(
-                        "volume '{name}' is open ({users} device{} on it): stop serving it first",
-                        if users == 1 { "" } else { "s" }
-                    ));
+                    return Err(ThinError::Busy { name, users });
                 }
                 // Its last changes are captured before it leaves the tables.
                 let mut records = Vec::new();
@@ -401,11 +400,11 @@ impl Committer {
                 let v = find(&name)?;
                 let now = v.size.load(Relaxed);
                 if size < now {
-                    return Err(format!(
-                        "volume '{name}' is {} and cannot shrink to {}",
-                        format_bytes(now),
-                        format_bytes(size)
-                    ));
+                    return Err(ThinError::Shrink {
+                        name,
+                        size: now,
+                        asked: size,
+                    });
                 }
                 check_size(size, self.inner.block_bytes(), v.table.blocks())?;
                 self.commit(vec![Record::Grow { vol: v.id, size }])?;
@@ -421,13 +420,13 @@ impl Committer {
     /// Refuses a new volume named `name` of `size` bytes that would bring `entries`
     /// mappings with it, when the name is taken or bad, or the next checkpoint could not
     /// hold it.
-    pub(super) fn check_new(&self, name: &str, size: u64, entries: u64) -> Result<(), String> {
+    pub(super) fn check_new(&self, name: &str, size: u64, entries: u64) -> Result<(), ThinError> {
         check_name(name)?;
         if self.inner.volume(name).is_some() {
-            return Err(format!(
-                "thin pool '{}' has a volume '{name}' already",
-                self.inner.name
-            ));
+            return Err(ThinError::VolumeExists {
+                pool: self.inner.name.clone(),
+                name: name.to_string(),
+            });
         }
         check_size(size, self.inner.block_bytes(), VOLUME_BLOCKS_MAX)?;
         // The next checkpoint: every mapping a run, every block a state, and room for a
@@ -443,12 +442,11 @@ impl Committer {
             + self.inner.data_blocks * 22
             + volumes * 300;
         if need > self.sb.checkpoint_capacity {
-            return Err(format!(
-                "thin pool '{}': the metadata has room for {} and would need up to {} with this volume",
-                self.inner.name,
-                format_bytes(self.sb.checkpoint_capacity),
-                format_bytes(need)
-            ));
+            return Err(ThinError::NoMetadataRoom {
+                pool: self.inner.name.clone(),
+                capacity: self.sb.checkpoint_capacity,
+                need,
+            });
         }
         Ok(())
     }
@@ -484,7 +482,7 @@ impl Committer {
 
     /// Whether a copy of `source` named `name` fits (a new name, room in the next
     /// checkpoint for its entries).
-    fn check_copy(&self, source: &Volume, name: &str) -> Result<(), String> {
+    fn check_copy(&self, source: &Volume, name: &str) -> Result<(), ThinError> {
         let mapped = self
             .state
             .volumes
@@ -501,7 +499,7 @@ impl Committer {
         name: &str,
         read_only: bool,
         hook: Option<&dyn super::pool::SnapshotHook>,
-    ) -> Result<Duration, String> {
+    ) -> Result<Duration, ThinError> {
         // What changed so far is committed first, while writes go on: the commit made
         // while they wait then holds only the last few changes and the snapshot's record.
         self.commit(Vec::new())?;
@@ -625,8 +623,16 @@ impl Committer {
         }
         let left = std::mem::take(&mut lock(&self.inner.work).admin);
         for (_, reply) in left {
-            let _ = reply.send(Err(format!("thin pool '{}' stopped", self.inner.name)));
+            let _ = reply.send(Err(self.inner.down(Down::Stopped)));
         }
+    }
+}
+
+/// The failure of a commit whose record `r` the pool's state refused (`why`).
+fn refused(r: &Record, why: ThinError) -> ThinError {
+    ThinError::Refused {
+        record: format!("{r:?}"),
+        why: Box::new(why),
     }
 }
 
@@ -649,7 +655,7 @@ pub(super) fn zero_runs(
     q: &BlockingQueue,
     inner: &Inner,
     runs: &[(u64, u64)],
-) -> Result<(), String> {
+) -> Result<(), ThinError> {
     let caps = q.geometry().caps;
     let op = if caps.discard {
         Op::Discard
@@ -669,7 +675,7 @@ pub(super) fn zero_runs(
             } else {
                 q.zero(op, at, n, IoFlags::NONE).map(|()| n)
             };
-            at += r.map_err(|e| format!("zeroing at {at}: {e}"))?;
+            at += r.map_err(|e| ThinError::io(format!("zeroing at {at}"), e))?;
         }
     }
     Ok(())

@@ -1,11 +1,13 @@
 //! Thin pools: volumes that allocate on write, snapshots and clones.
 //! [`superblock`] says where everything is; [`format`] is the metadata log;
 //! [`capability`] is what the admin and the layers above ask of a pool and a volume;
-//! [`volume`] is a thin volume as a block device ([`ThinDevice`]) and its queues.
+//! [`volume`] is a thin volume as a block device ([`ThinDevice`]) and its queues;
+//! [`error`] is what can go wrong ([`ThinError`]).
 
 pub mod capability;
 pub mod checkpoint;
 mod commit;
+pub mod error;
 pub mod format;
 mod open;
 pub mod pool;
@@ -15,4 +17,5 @@ pub mod table;
 pub mod volume;
 
 pub use capability::{ThinPoolAdmin, ThinVolume};
+pub use error::{Down, ThinError};
 pub use volume::ThinDevice;

@@ -12,6 +12,7 @@ use cairn_core::{Device, Error, IoFlags, Switches};
 
 use super::checkpoint;
 use super::commit::{runs, zero_runs, Committer};
+use super::error::ThinError;
 use super::format::{self, BLOCK_BYTES as LOG_PAGE};
 use super::pool::{
     lock, now_secs, Free, Inner, LowWater, PoolOptions, PoolReport, Work, BLOCK_DEFAULT,
@@ -320,7 +321,7 @@ fn load(
 
 /// After opening: zeroes what may hold data no mapping names, writes a checkpoint of the
 /// recovered state (the log starts afresh), and fills the volumes and the free list.
-pub(super) fn recover(c: &mut Committer) -> Result<(), String> {
+pub(super) fn recover(c: &mut Committer) -> Result<(), ThinError> {
     let new = c.new;
     let clean = c.sb.flags & sbk::FLAG_CLEAN != 0 && !new;
     let mut dirty = Vec::new();

@@ -32,11 +32,12 @@ use cairn_core::size::format_bytes;
 use cairn_core::{ChangeLog, Device, Error, IoStatus, Offer, Switches, Want};
 
 use super::capability::ThinPoolAdmin;
+use super::error::{Down, ThinError};
 use super::format;
 use super::open::{prepare, recover};
-use super::volume::ThinDevice;
 use super::state::BlockState;
 use super::table::Table;
+use super::volume::ThinDevice;
 
 /// The allocation unit when the stack file names none (see README "Thin pools").
 pub const BLOCK_DEFAULT: u64 = 64 << 10;
@@ -135,7 +136,7 @@ pub enum Admin {
 pub trait SnapshotHook: Send + Sync {
     /// Writes to the source are held and none is in flight; an error cancels the
     /// snapshot (and nothing changes).
-    fn held(&self) -> Result<(), String>;
+    fn held(&self) -> Result<(), ThinError>;
     /// After [`SnapshotHook::held`] succeeded: whether the snapshot was taken. Writes are
     /// still held.
     fn done(&self, taken: bool);
@@ -154,7 +155,7 @@ impl std::fmt::Debug for Hook {
 #[derive(Default)]
 pub(super) struct Work {
     pub(super) waiters: Vec<Waiter>,
-    pub(super) admin: VecDeque<(Admin, Sender<Result<String, String>>)>,
+    pub(super) admin: VecDeque<(Admin, Sender<Result<String, ThinError>>)>,
     pub(super) kicked: bool,
     pub(super) stop: bool,
 }
@@ -419,21 +420,28 @@ impl Inner {
     }
 
     /// Runs an admin operation on the commit thread and waits for its answer.
-    pub(crate) fn admin(&self, op: Admin) -> Result<String, String> {
+    pub(crate) fn admin(&self, op: Admin) -> Result<String, ThinError> {
         if !self.running {
-            return Err(format!("thin pool '{}' is not running", self.name));
+            return Err(self.down(Down::NotRunning));
         }
         let (tx, rx) = mpsc::channel();
         {
             let mut w = lock(&self.work);
             if w.stop {
-                return Err(format!("thin pool '{}' is stopping", self.name));
+                return Err(self.down(Down::Stopping));
             }
             w.admin.push_back((op, tx));
         }
         self.work_cv.notify_one();
-        rx.recv()
-            .unwrap_or_else(|_| Err(format!("thin pool '{}' stopped", self.name)))
+        rx.recv().unwrap_or_else(|_| Err(self.down(Down::Stopped)))
+    }
+
+    /// The refusal of an operation while the pool is `why`.
+    pub(super) fn down(&self, why: Down) -> ThinError {
+        ThinError::Down {
+            pool: self.name.clone(),
+            why,
+        }
     }
 
     /// The pool's name (its device's in the stack file).
@@ -455,6 +463,7 @@ impl Inner {
         create: bool,
     ) -> Result<Arc<Volume>, Error> {
         let bad = |m: String| Error::Invalid(m);
+        let refused = |e: ThinError| Error::Invalid(e.to_string());
         if self.volume(name).is_none() {
             let Some(size) = size else {
                 return Err(bad(format!(
@@ -463,8 +472,8 @@ impl Inner {
                 )));
             };
             if !create {
-                check_name(name).map_err(bad)?;
-                check_size(size, self.block_bytes(), VOLUME_BLOCKS_MAX).map_err(bad)?;
+                check_name(name).map_err(refused)?;
+                check_size(size, self.block_bytes(), VOLUME_BLOCKS_MAX).map_err(refused)?;
                 // Examined only: a stand-in that `cairn check` prints.
                 let v = Arc::new(Volume {
                     id: 0,
@@ -483,7 +492,7 @@ impl Inner {
                 name: name.into(),
                 size,
             })
-            .map_err(bad)?;
+            .map_err(refused)?;
         }
         let v = self
             .volume(name)
@@ -502,7 +511,7 @@ impl Inner {
                     name: name.into(),
                     size,
                 })
-                .map_err(bad)?;
+                .map_err(refused)?;
             }
         }
         v.users.fetch_add(1, SeqCst);
@@ -546,35 +555,34 @@ pub(super) fn table_blocks(blocks: u64) -> u64 {
 
 /// A volume size: a positive multiple of 4 KiB, at most [`VOLUME_BLOCKS_MAX`] blocks and
 /// at most `table` blocks.
-pub(super) fn check_size(size: u64, block: u64, table: u64) -> Result<(), String> {
+pub(super) fn check_size(size: u64, block: u64, table: u64) -> Result<(), ThinError> {
     if size == 0 || !size.is_multiple_of(4096) {
-        return Err(format!(
+        return Err(ThinError::Invalid(format!(
             "a volume's size must be a positive multiple of 4KiB, not {size}"
-        ));
+        )));
     }
     let most = VOLUME_BLOCKS_MAX.min(table).saturating_mul(block);
     if size > most {
-        return Err(format!(
+        return Err(ThinError::Invalid(format!(
             "{} is larger than the most this volume can have, {}",
             format_bytes(size),
             format_bytes(most)
-        ));
+        )));
     }
     Ok(())
 }
 
 /// A volume name: 1 to [`NAME_MAX`] bytes, no control characters, no '/' or whitespace.
-pub fn check_name(name: &str) -> Result<(), String> {
+pub fn check_name(name: &str) -> Result<(), ThinError> {
     if name.is_empty()
         || name.len() > NAME_MAX
         || name
             .chars()
             .any(|c| c.is_control() || c.is_whitespace() || c == '/')
     {
-        return Err(format!(
-            "'{}' is not a volume name (1 to {NAME_MAX} bytes, no spaces, '/' or control characters)",
-            name.escape_default()
-        ));
+        return Err(ThinError::BadName {
+            name: name.to_string(),
+        });
     }
     Ok(())
 }
@@ -762,7 +770,7 @@ impl ThinPoolAdmin for ThinPool {
         self.inner.has_volume(name)
     }
 
-    fn admin(&self, op: Admin) -> Result<String, String> {
+    fn admin(&self, op: Admin) -> Result<String, ThinError> {
         self.inner.admin(op)
     }
 

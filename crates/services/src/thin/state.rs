@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 
+use super::error::ThinError;
 use super::format::Record;
 use super::pool::{check_name, check_size, VOLUME_BLOCKS_MAX};
 use super::superblock::checkpoint_capacity_max;
@@ -22,6 +23,11 @@ pub fn block_of(entry: u32) -> Option<u64> {
     }
 }
 
+/// A record the state cannot take, read from the log (or made by a commit).
+fn bad(why: String) -> ThinError {
+    ThinError::damaged("log record", why)
+}
+
 /// Bytes a mapping may take in a checkpoint: one run record. The commit admits a volume
 /// only while every mapping could take that much in the checkpoint area.
 const MAPPING_BYTES: u64 = 21;
@@ -32,7 +38,7 @@ pub fn volume_blocks(size: u64, block_bytes: u64) -> u64 {
 }
 
 /// A volume size read from the metadata, within what the pool lets a volume have.
-pub fn check_volume_size(size: u64, block_bytes: u64) -> Result<(), String> {
+pub fn check_volume_size(size: u64, block_bytes: u64) -> Result<(), ThinError> {
     check_size(size, block_bytes, VOLUME_BLOCKS_MAX)
 }
 
@@ -123,16 +129,16 @@ impl PoolState {
         };
     }
 
-    fn volume(&mut self, vol: u32) -> Result<&mut Volume, String> {
+    fn volume(&mut self, vol: u32) -> Result<&mut Volume, ThinError> {
         self.volumes
             .get_mut(&vol)
-            .ok_or_else(|| format!("volume {vol} does not exist"))
+            .ok_or_else(|| bad(format!("volume {vol} does not exist")))
     }
 
     /// Applies one record, or says which precondition it breaks (and changes nothing:
     /// every check comes before the first change). Every number a record carries is
     /// checked against what the pool and the volume hold before it is used.
-    pub fn apply(&mut self, r: &Record) -> Result<(), String> {
+    pub fn apply(&mut self, r: &Record) -> Result<(), ThinError> {
         match r {
             Record::Set { vol, vblock, entry } => self.set(*vol, *vblock, *entry),
             Record::Reserve { start, len } => {
@@ -149,7 +155,7 @@ impl PoolState {
             } => {
                 self.new_volume(*vol, name)?;
                 check_volume_size(*size, self.block_bytes)
-                    .map_err(|e| format!("volume {vol}: {e}"))?;
+                    .map_err(|e| e.of_volume("log record", *vol))?;
                 self.volumes.insert(
                     *vol,
                     Volume {
@@ -169,18 +175,19 @@ impl PoolState {
             } => self.snapshot(*src, *new, *flags, name),
             Record::Delete { vol } => self.delete(*vol),
             Record::Run { .. } | Record::Blocks { .. } => {
-                Err("a checkpoint's record in the log".into())
+                Err(bad("a checkpoint's record in the log".into()))
             }
             Record::Grow { vol, size } => {
                 let block_bytes = self.block_bytes;
                 let v = self.volume(*vol)?;
                 if *size < v.size {
-                    return Err(format!(
+                    return Err(bad(format!(
                         "volume {vol}: {size} bytes is smaller than its {}",
                         v.size
-                    ));
+                    )));
                 }
-                check_volume_size(*size, block_bytes).map_err(|e| format!("volume {vol}: {e}"))?;
+                check_volume_size(*size, block_bytes)
+                    .map_err(|e| e.of_volume("log record", *vol))?;
                 v.size = *size;
                 Ok(())
             }
@@ -188,18 +195,18 @@ impl PoolState {
     }
 
     /// [`Record::Set`]: volume `vol`'s block `vblock` maps to `entry` from now on.
-    fn set(&mut self, vol: u32, vblock: u64, entry: u32) -> Result<(), String> {
+    fn set(&mut self, vol: u32, vblock: u64, entry: u32) -> Result<(), ThinError> {
         let v = self
             .volumes
             .get(&vol)
-            .ok_or_else(|| format!("volume {vol} does not exist"))?;
+            .ok_or_else(|| bad(format!("volume {vol} does not exist")))?;
         if vblock >= volume_blocks(v.size, self.block_bytes) {
-            return Err(format!("volume {vol}: block {vblock} is past its end"));
+            return Err(bad(format!("volume {vol}: block {vblock} is past its end")));
         }
         if entry == OWNED {
-            return Err(format!(
+            return Err(bad(format!(
                 "volume {vol} block {vblock}: an empty entry marked owned"
-            ));
+            )));
         }
         let old = v.map.get(&vblock).copied().and_then(block_of);
         let new = block_of(entry);
@@ -210,19 +217,21 @@ impl PoolState {
                 match self.blocks.get(b as usize) {
                     Some(BlockState::Reserved) => {}
                     Some(s) => {
-                        return Err(format!("block {b} is mapped while {s:?}, not reserved"))
+                        return Err(bad(format!(
+                            "block {b} is mapped while {s:?}, not reserved"
+                        )))
                     }
                     None => {
-                        return Err(format!(
+                        return Err(bad(format!(
                             "block {b} is past the pool's {} blocks",
                             self.blocks.len()
-                        ))
+                        )))
                     }
                 }
             }
             if let Some(b) = old {
                 if !matches!(self.blocks.get(b as usize), Some(BlockState::Used(_))) {
-                    return Err(format!("block {b} is unmapped while not in use"));
+                    return Err(bad(format!("block {b} is unmapped while not in use")));
                 }
             }
         }
@@ -251,35 +260,40 @@ impl PoolState {
         len: u64,
         from: BlockState,
         to: BlockState,
-    ) -> Result<(), String> {
+    ) -> Result<(), ThinError> {
         let end = start
             .checked_add(len)
             .filter(|&e| e <= self.blocks.len() as u64)
             .ok_or_else(|| {
-                format!(
+                bad(format!(
                     "blocks {start}+{len} are past the pool's {} blocks",
                     self.blocks.len()
-                )
+                ))
             })?;
         let range = start as usize..end as usize;
         if let Some(b) = range.clone().find(|&b| self.blocks[b] != from) {
-            return Err(format!("block {b} is {:?}, not {from:?}", self.blocks[b]));
+            return Err(bad(format!(
+                "block {b} is {:?}, not {from:?}",
+                self.blocks[b]
+            )));
         }
         self.blocks[range].fill(to);
         Ok(())
     }
 
     /// [`Record::Snapshot`]: volume `new` named `name`, a copy of `src`'s mappings.
-    fn snapshot(&mut self, src: u32, new: u32, flags: u32, name: &str) -> Result<(), String> {
+    fn snapshot(&mut self, src: u32, new: u32, flags: u32, name: &str) -> Result<(), ThinError> {
         self.new_volume(new, name)?;
         let source = self
             .volumes
             .get(&src)
-            .ok_or_else(|| format!("volume {src} does not exist"))?;
+            .ok_or_else(|| bad(format!("volume {src} does not exist")))?;
         for b in source.map.values().filter_map(|&e| block_of(e)) {
             // Every block gains a reference: its count must be one that can grow.
             if !matches!(self.blocks.get(b as usize), Some(BlockState::Used(n)) if *n < u32::MAX) {
-                return Err(format!("volume {src} maps block {b}, which is not in use"));
+                return Err(bad(format!(
+                    "volume {src} maps block {b}, which is not in use"
+                )));
             }
         }
         // As the commit admits a copy: with room left for a mapping of every block, so
@@ -290,10 +304,10 @@ impl PoolState {
             .saturating_add(copied)
             .saturating_add(self.blocks.len() as u64);
         if after > self.mappings_max() {
-            return Err(format!(
+            return Err(bad(format!(
                 "a copy of volume {src}'s {copied} mappings is more than the pool's metadata holds ({})",
                 self.mappings_max()
-            ));
+            )));
         }
         let mut copy = source.clone();
         for e in copy.map.values_mut() {
@@ -321,18 +335,20 @@ impl PoolState {
     }
 
     /// [`Record::Delete`]: volume `vol` goes, and its blocks lose a reference each.
-    fn delete(&mut self, vol: u32) -> Result<(), String> {
+    fn delete(&mut self, vol: u32) -> Result<(), ThinError> {
         let v = self
             .volumes
             .get(&vol)
-            .ok_or_else(|| format!("volume {vol} does not exist"))?;
+            .ok_or_else(|| bad(format!("volume {vol} does not exist")))?;
         if let Some(b) = v
             .map
             .values()
             .filter_map(|&e| block_of(e))
             .find(|&b| !matches!(self.blocks.get(b as usize), Some(BlockState::Used(_))))
         {
-            return Err(format!("volume {vol} maps block {b}, which is not in use"));
+            return Err(bad(format!(
+                "volume {vol} maps block {b}, which is not in use"
+            )));
         }
         let v = self.volumes.remove(&vol).expect("checked");
         for b in v.map.values().filter_map(|&e| block_of(e)) {
@@ -343,13 +359,13 @@ impl PoolState {
 
     /// Whether volume `vol` named `name` may be added: a new id, and a name the pool
     /// gives volumes (no other, and none a refusal would print on two lines).
-    fn new_volume(&self, vol: u32, name: &str) -> Result<(), String> {
-        check_name(name).map_err(|e| format!("volume {vol}: {e}"))?;
+    fn new_volume(&self, vol: u32, name: &str) -> Result<(), ThinError> {
+        check_name(name).map_err(|e| e.of_volume("log record", vol))?;
         if self.volumes.contains_key(&vol) {
-            return Err(format!("volume {vol} exists already"));
+            return Err(bad(format!("volume {vol} exists already")));
         }
         if self.volumes.values().any(|v| v.name == name) {
-            return Err(format!("a volume is named '{name}' already"));
+            return Err(bad(format!("a volume is named '{name}' already")));
         }
         Ok(())
     }
@@ -534,7 +550,7 @@ mod tests {
         ] {
             let mut q = p.clone();
             let e = q.apply(&bad).expect_err("taken");
-            assert!(!e.contains('\n'), "{bad:?}: {e}");
+            assert!(!e.to_string().contains('\n'), "{bad:?}: {e}");
             assert_eq!(q, p, "{bad:?} changed the state");
         }
     }
@@ -578,7 +594,11 @@ mod tests {
             }
         });
         let e = refused.expect("a snapshot refused");
-        assert!(e.contains("more than the pool's metadata holds"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("more than the pool's metadata holds"),
+            "{e}"
+        );
         // Every snapshot taken left room for a mapping of every block.
         assert!(taken >= 1);
         assert!(p.mappings() + blocks <= p.mappings_max());

@@ -5,7 +5,7 @@ use serde_json::Value;
 
 use super::json::{Fault, Meta};
 use super::{Header, BINARY_BYTES, HEADER_BYTES, MAGIC, MAGIC_SECONDARY};
-use crate::crypt::{Hash, ReadAt};
+use crate::crypt::{CryptError, Hash, ReadAt};
 
 // Fields of the binary header: (offset, bytes).
 const VERSION_AT: usize = 6;
@@ -141,7 +141,7 @@ fn terminated(field: &[u8]) -> [u8; LABEL_BYTES] {
 pub(super) fn choose(
     primary: Result<Copy, CopyFault>,
     secondary: Result<Copy, CopyFault>,
-) -> Result<Header, String> {
+) -> Result<Header, CryptError> {
     let mut good = Vec::new();
     let mut faults = Vec::new();
     let mut missing = 0;
@@ -160,24 +160,24 @@ pub(super) fn choose(
         };
         match Meta::parse(&copy.json, copy.header_bytes) {
             Ok(meta) => good.push((copy, Ok(meta))),
-            Err(Fault::Refused(e)) => good.push((copy, Err(e))),
+            Err(Fault::Refused(e)) => good.push((copy, Err(CryptError::Unsupported(e)))),
             Err(Fault::Damaged(e)) => faults.push(format!("{which}: {e}")),
         }
     }
     if missing == 2 {
-        return Err("no LUKS header (bad magic)".into());
+        return Err(CryptError::NoHeader);
     }
-    let mut best: Option<(Copy, Result<Meta, String>)> = None;
+    let mut best: Option<(Copy, Result<Meta, CryptError>)> = None;
     for (copy, meta) in good {
         if best.as_ref().is_none_or(|(b, _)| copy.seqid > b.seqid) {
             best = Some((copy, meta));
         }
     }
     let Some((copy, meta)) = best else {
-        return Err(format!(
+        return Err(CryptError::Damaged(format!(
             "both LUKS2 header copies are damaged ({})",
             faults.join("; ")
-        ));
+        )));
     };
     Ok(Header {
         seqid: copy.seqid,
@@ -195,15 +195,16 @@ pub(super) fn choose(
 impl Header {
     /// The header copy at `at` (0: primary; else secondary): binary header, JSON text,
     /// zeros to the end of the JSON area, SHA-256 checksum.
-    pub(super) fn encode(&self, at: u64) -> Result<Vec<u8>, String> {
-        let text = serde_json::to_vec(&self.json).map_err(|e| e.to_string())?;
+    pub(super) fn encode(&self, at: u64) -> Result<Vec<u8>, CryptError> {
+        let text =
+            serde_json::to_vec(&self.json).map_err(|e| CryptError::Invalid(e.to_string()))?;
         let size = self.header_bytes as usize;
         let json_bytes = size - BINARY_BYTES as usize;
         if text.len() >= json_bytes {
-            return Err(format!(
+            return Err(CryptError::Invalid(format!(
                 "the JSON metadata ({} bytes) does not fit its {json_bytes}-byte area",
                 text.len()
-            ));
+            )));
         }
         let mut b = vec![0u8; size];
         b[..6].copy_from_slice(if at == 0 { &MAGIC } else { &MAGIC_SECONDARY });

@@ -9,7 +9,7 @@ use serde_json::json;
 
 use super::fields::base64_encode;
 use super::Header;
-use crate::crypt::{Hash, Kdf, Secret};
+use crate::crypt::{CryptError, Hash, Kdf, Secret};
 use crate::fuzz::luks::{PASSPHRASE, UNLOCK};
 use cairn_core::fuzzing::{read_image, write_image, Input, RESEAL};
 
@@ -28,26 +28,37 @@ pub fn header(data: &[u8]) -> bool {
     if flags & RESEAL != 0 {
         reseal(&mut image);
     }
-    let h = match Header::read(&mut |at, buf| read_image(&image, at, buf)) {
-        Ok(h) => h,
-        Err(e) => {
-            assert!(!e.contains('\n'), "a refusal of more than one line: {e}");
-            return false;
-        }
-    };
+    let h =
+        match Header::read(&mut |at, buf| read_image(&image, at, buf).map_err(CryptError::Invalid))
+        {
+            Ok(h) => h,
+            Err(e) => {
+                assert!(
+                    !e.to_string().contains('\n'),
+                    "a refusal of more than one line: {e}"
+                );
+                return false;
+            }
+        };
     // Written again (as adding a key slot does), the copies read back the same header.
     let mut again = image.clone();
-    match h.write_copies(&mut |at, b| write_image(&mut again, IMAGE_MAX, at, b)) {
-        Ok(()) => match Header::read(&mut |at, buf| read_image(&again, at, buf)) {
+    match h.write_copies(&mut |at, b| {
+        write_image(&mut again, IMAGE_MAX, at, b).map_err(CryptError::Invalid)
+    }) {
+        Ok(()) => match Header::read(&mut |at, buf| {
+            read_image(&again, at, buf).map_err(CryptError::Invalid)
+        }) {
             Ok(back) => assert!(back == h, "a rewritten header reads back another"),
             Err(e) => panic!("a header cairn wrote does not read back: {e}"),
         },
         // Its JSON written again may be longer than the text read (`1E2` is `100.0`).
-        Err(e) => assert!(e.contains("does not fit"), "{e}"),
+        Err(e) => assert!(e.to_string().contains("does not fit"), "{e}"),
     }
     let _ = (h.segment(), h.slots(), h.key_bytes(), h.uuid());
     if flags & UNLOCK != 0 && cheap(&h) {
-        if let Ok((n, key)) = h.unlock(PASSPHRASE, &mut |at, buf| read_image(&image, at, buf)) {
+        if let Ok((n, key)) = h.unlock(PASSPHRASE, &mut |at, buf| {
+            read_image(&image, at, buf).map_err(CryptError::Invalid)
+        }) {
             assert!(h.meta.keyslots[&n].bound && h.check(&key.0));
         }
     }
@@ -96,7 +107,8 @@ fn reseal(image: &mut [u8]) {
 fn made(kdf: Kdf, sector_bytes: u32) -> (Header, Vec<u8>) {
     let mut image = vec![0u8; 17 << 20];
     let limit = image.len();
-    let mut write = |at: u64, b: &[u8]| write_image(&mut image, limit, at, b);
+    let mut write =
+        |at: u64, b: &[u8]| write_image(&mut image, limit, at, b).map_err(CryptError::Invalid);
     let key = Secret((0..32u8).map(|i| i.wrapping_mul(41) ^ 0x5c).collect());
     let mut h = Header::create(&mut write, &key, PASSPHRASE, kdf, sector_bytes).expect("a header");
     let mut json = h.json.clone();
@@ -144,7 +156,7 @@ pub fn seeds() -> Vec<(String, Vec<u8>)> {
     let key = Secret((0..32u8).map(|i| i.wrapping_mul(41) ^ 0x5c).collect());
     let limit = image3.len();
     two.add_slot(
-        &mut |at, b| write_image(&mut image3, limit, at, b),
+        &mut |at, b| write_image(&mut image3, limit, at, b).map_err(CryptError::Invalid),
         &key,
         b"second",
         pbkdf2,

@@ -11,6 +11,7 @@ use super::fields::{
 use super::{area_bytes, material_bytes, BINARY_BYTES, CIPHER, STRIPES};
 use crate::crypt::luks1::af_split;
 use crate::crypt::xts::{Xts, KEY_BYTES};
+use crate::crypt::CryptError;
 use crate::crypt::{Hash, Kdf, Secret, Segment, SlotKey, WriteAt};
 
 /// The largest key slot area cryptsetup accepts.
@@ -33,9 +34,11 @@ pub(super) enum Fault {
 }
 
 impl Fault {
-    pub(super) fn message(self) -> String {
+    /// As the crate's error: damage, or a header cairn does not support.
+    pub(super) fn into_error(self) -> CryptError {
         match self {
-            Fault::Damaged(e) | Fault::Refused(e) => e,
+            Fault::Damaged(e) => CryptError::Damaged(e),
+            Fault::Refused(e) => CryptError::Unsupported(e),
         }
     }
 }
@@ -439,7 +442,7 @@ fn check_overlaps(keyslots: &BTreeMap<usize, Keyslot>) -> Parsed<()> {
 
 impl SlotKdf {
     /// The key of `len` bytes it derives from `passphrase`.
-    pub(super) fn derive(&self, passphrase: &[u8], len: usize) -> Result<Secret, String> {
+    pub(super) fn derive(&self, passphrase: &[u8], len: usize) -> Result<Secret, CryptError> {
         let salt = match self {
             SlotKdf::Pbkdf2 { salt, .. } | SlotKdf::Argon2 { salt, .. } => salt,
         };
@@ -510,9 +513,11 @@ impl SlotKdf {
 }
 
 /// Refuses KDF settings a new key slot cannot use.
-pub(super) fn check_kdf(kdf: Kdf) -> Result<(), String> {
+pub(super) fn check_kdf(kdf: Kdf) -> Result<(), CryptError> {
     match kdf {
-        Kdf::Pbkdf2 { iterations: 0, .. } => Err("pbkdf2 needs at least one iteration".into()),
+        Kdf::Pbkdf2 { iterations: 0, .. } => Err(CryptError::Invalid(
+            "pbkdf2 needs at least one iteration".into(),
+        )),
         Kdf::Pbkdf2 { .. } => Ok(()),
         Kdf::Argon2id {
             time,
@@ -525,13 +530,16 @@ pub(super) fn check_kdf(kdf: Kdf) -> Result<(), String> {
             parallel,
         } => {
             if u64::from(memory_kib) > MAX_ARGON2_KIB || u64::from(parallel) > MAX_ARGON2_LANES {
-                return Err(format!(
+                return Err(CryptError::Invalid(format!(
                     "argon2id over {memory_kib} KiB and {parallel} lanes (at most 4 GiB and {MAX_ARGON2_LANES})"
-                ));
+                )));
             }
             argon2::Params::new(memory_kib, time, parallel, Some(64))
                 .map(|_| ())
-                .map_err(|e| format!("argon2id parameters: {e}"))
+                .map_err(|error| CryptError::Argon2 {
+                    doing: "argon2id parameters",
+                    error,
+                })
         }
     }
 }
@@ -543,13 +551,13 @@ pub(super) fn new_keyslot(
     key: &Secret,
     slot_key: &SlotKey,
     area_offset: u64,
-) -> Result<Value, String> {
+) -> Result<Value, CryptError> {
     let key_bytes = key.0.len();
     if slot_key.key.0.len() != key_bytes {
-        return Err(format!(
+        return Err(CryptError::Invalid(format!(
             "a slot key of {} bytes for a {key_bytes}-byte volume key",
             slot_key.key.0.len()
-        ));
+        )));
     }
     let salt = slot_key.salt.to_vec();
     let (slot_kdf, af_hash) = match slot_key.kdf {

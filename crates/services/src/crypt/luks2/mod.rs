@@ -22,6 +22,7 @@ mod json;
 
 use serde_json::{json, Map, Value};
 
+use super::error::CryptError;
 use super::luks1::af_merge;
 use super::xts::{Xts, KEY_BYTES};
 use super::{Hash, Kdf, ReadAt, Secret, Segment, SlotInfo, SlotKey, WriteAt};
@@ -80,13 +81,15 @@ impl Header {
     /// Reads both header copies (the primary at 0, the secondary where the primary's
     /// size says, or, when the primary is unreadable, at the first of the standard
     /// offsets that holds one) and keeps the valid one with the higher sequence number.
-    pub fn read(read: &mut ReadAt<'_>) -> Result<Header, String> {
+    pub fn read(read: &mut ReadAt<'_>) -> Result<Header, CryptError> {
         let mut first = [0u8; 8];
         read(0, &mut first)?;
         if first[..6] == MAGIC {
             let version = u16::from_be_bytes([first[6], first[7]]);
             if version != 2 {
-                return Err(format!("LUKS version {version}, not 2"));
+                return Err(CryptError::Unsupported(format!(
+                    "LUKS version {version}, not 2"
+                )));
             }
         }
         let primary = read_copy(read, 0);
@@ -94,7 +97,7 @@ impl Header {
             Ok(p) => read_copy(read, p.header_bytes),
             Err(_) => scan_secondary(read),
         };
-        choose(primary, secondary).map_err(super::one_line)
+        choose(primary, secondary).map_err(CryptError::one_line)
     }
 
     /// The data segment.
@@ -132,7 +135,7 @@ impl Header {
         &self,
         passphrase: &[u8],
         read: &mut ReadAt<'_>,
-    ) -> Result<(usize, Secret), String> {
+    ) -> Result<(usize, Secret), CryptError> {
         let mut order: Vec<(&usize, &Keyslot)> =
             self.meta.keyslots.iter().filter(|(_, k)| k.bound).collect();
         order.sort_by_key(|(&n, k)| (std::cmp::Reverse(k.priority), n));
@@ -141,7 +144,7 @@ impl Header {
                 return Ok((n, key));
             }
         }
-        Err("no key slot opens with this passphrase".into())
+        Err(CryptError::WrongPassphrase)
     }
 
     /// Whether `key` is the volume key (the digest bound to the data segment).
@@ -168,13 +171,17 @@ impl Header {
         passphrase: &[u8],
         kdf: Kdf,
         sector_bytes: u32,
-    ) -> Result<Header, String> {
+    ) -> Result<Header, CryptError> {
         let key_bytes = key.0.len();
         if !KEY_BYTES.contains(&key_bytes) {
-            return Err(format!("a volume key of {key_bytes} bytes (32 or 64 are)"));
+            return Err(CryptError::Invalid(format!(
+                "a volume key of {key_bytes} bytes (32 or 64 are)"
+            )));
         }
         if sector_bytes != 512 && sector_bytes != 4096 {
-            return Err(format!("a sector size of {sector_bytes} (512 or 4096 are)"));
+            return Err(CryptError::Invalid(format!(
+                "a sector size of {sector_bytes} (512 or 4096 are)"
+            )));
         }
         check_kdf(kdf)?;
         let slot_key = SlotKey::derive(kdf, passphrase, key_bytes)?;
@@ -211,7 +218,7 @@ impl Header {
                 "keyslots_size": (DATA_OFFSET - keyslots_start).to_string(),
             },
         });
-        let meta = Meta::parse(&json, DEFAULT_HEADER_BYTES).map_err(Fault::message)?;
+        let meta = Meta::parse(&json, DEFAULT_HEADER_BYTES).map_err(Fault::into_error)?;
         let h = Header {
             seqid: 1,
             header_bytes: DEFAULT_HEADER_BYTES,
@@ -234,7 +241,7 @@ impl Header {
         key: &Secret,
         passphrase: &[u8],
         kdf: Kdf,
-    ) -> Result<usize, String> {
+    ) -> Result<usize, CryptError> {
         let kdf = self.slot_kdf(kdf)?;
         let slot_key = SlotKey::derive(kdf, passphrase, self.meta.key_bytes)?;
         self.add_derived_slot(write, key, &slot_key)
@@ -243,22 +250,28 @@ impl Header {
     /// The key derivation a new slot with `kdf` gets, checked, once a slot number and
     /// room for its area are free: what to derive its key with before
     /// [`Header::add_derived_slot`].
-    pub fn slot_kdf(&self, kdf: Kdf) -> Result<Kdf, String> {
+    pub fn slot_kdf(&self, kdf: Kdf) -> Result<Kdf, CryptError> {
         check_kdf(kdf)?;
         self.free_slot()?;
         Ok(kdf)
     }
 
     /// The lowest free slot number, and where its area goes.
-    fn free_slot(&self) -> Result<(usize, u64), String> {
+    fn free_slot(&self) -> Result<(usize, u64), CryptError> {
         let n = (0..MAX_SLOTS)
             .find(|n| !self.meta.keyslots.contains_key(n))
-            .ok_or(format!(
-                "all {MAX_SLOTS} key slots are in use: remove one first"
-            ))?;
+            .ok_or_else(|| {
+                CryptError::NoFreeSlot(format!(
+                    "all {MAX_SLOTS} key slots are in use: remove one first"
+                ))
+            })?;
         let offset = self
             .free_area(area_bytes(self.meta.key_bytes))
-            .ok_or("no room left in the key slot area: remove a key slot first")?;
+            .ok_or_else(|| {
+                CryptError::NoFreeSlot(
+                    "no room left in the key slot area: remove a key slot first".into(),
+                )
+            })?;
         Ok((n, offset))
     }
 
@@ -268,9 +281,9 @@ impl Header {
         write: &mut WriteAt<'_>,
         key: &Secret,
         slot_key: &SlotKey,
-    ) -> Result<usize, String> {
+    ) -> Result<usize, CryptError> {
         if key.0.len() != self.meta.key_bytes || !self.check(&key.0) {
-            return Err("the key is not this header's volume key".into());
+            return Err(CryptError::WrongKey { what: "volume" });
         }
         check_kdf(slot_key.kdf)?;
         let (n, offset) = self.free_slot()?;
@@ -282,7 +295,7 @@ impl Header {
             .get_mut(&self.meta.digest_id)
             .and_then(|d| d.get_mut("keyslots"))
             .and_then(Value::as_array_mut)
-            .ok_or("the digest has no keyslots list")?;
+            .ok_or_else(|| CryptError::Damaged("the digest has no keyslots list".into()))?;
         digest.push(Value::String(name));
         self.commit(write, json)?;
         Ok(n)
@@ -291,17 +304,15 @@ impl Header {
     /// Removes key slot `slot`: both header copies first (the slot gone from the key
     /// slots and from every digest's and token's list), then its area overwritten with
     /// random bytes. Refuses the last slot that opens the data.
-    pub fn remove_slot(&mut self, write: &mut WriteAt<'_>, slot: usize) -> Result<(), String> {
+    pub fn remove_slot(&mut self, write: &mut WriteAt<'_>, slot: usize) -> Result<(), CryptError> {
         let k = self
             .meta
             .keyslots
             .get(&slot)
-            .ok_or(format!("key slot {slot} is not in use"))?;
+            .ok_or(CryptError::SlotNotInUse(slot))?;
         let bound = self.meta.keyslots.values().filter(|k| k.bound).count();
         if k.bound && bound == 1 {
-            return Err(format!(
-                "key slot {slot} is the only key slot: add another first"
-            ));
+            return Err(CryptError::LastSlot(slot));
         }
         let (offset, bytes) = (k.area_offset, k.area_bytes);
         let name = slot.to_string();
@@ -320,8 +331,8 @@ impl Header {
 
     /// Makes `json` the header's metadata: checks it, then writes both copies with the
     /// next sequence number, the primary first.
-    fn commit(&mut self, write: &mut WriteAt<'_>, json: Value) -> Result<(), String> {
-        let meta = Meta::parse(&json, self.header_bytes).map_err(Fault::message)?;
+    fn commit(&mut self, write: &mut WriteAt<'_>, json: Value) -> Result<(), CryptError> {
+        let meta = Meta::parse(&json, self.header_bytes).map_err(Fault::into_error)?;
         let next = Header {
             seqid: self.seqid + 1,
             json,
@@ -334,12 +345,14 @@ impl Header {
     }
 
     /// Writes the primary copy, then the secondary, each checked by decoding it first.
-    fn write_copies(&self, write: &mut WriteAt<'_>) -> Result<(), String> {
+    fn write_copies(&self, write: &mut WriteAt<'_>) -> Result<(), CryptError> {
         let primary = self.encode(0)?;
         let secondary = self.encode(self.header_bytes)?;
         for (at, b) in [(0, &primary), (self.header_bytes, &secondary)] {
             if let Err(CopyFault::Damaged(e) | CopyFault::Missing(e)) = decode_copy(b, at) {
-                return Err(format!("the header copy cairn made does not decode: {e}"));
+                return Err(CryptError::Invalid(format!(
+                    "the header copy cairn made does not decode: {e}"
+                )));
             }
         }
         write(0, &primary)?;
@@ -353,7 +366,7 @@ impl Header {
         k: &Keyslot,
         passphrase: &[u8],
         read: &mut ReadAt<'_>,
-    ) -> Result<Option<Secret>, String> {
+    ) -> Result<Option<Secret>, CryptError> {
         let area_key = k.kdf.derive(passphrase, k.area_key_bytes)?;
         let mut material = Secret(vec![0u8; material_bytes(k.key_bytes, k.stripes)]);
         read(k.area_offset, &mut material.0)?;
@@ -396,7 +409,7 @@ fn area_bytes(key_bytes: usize) -> u64 {
 }
 
 /// Writes zeros (or random bytes) over `from..to`, a MiB at a time.
-fn fill(write: &mut WriteAt<'_>, from: u64, to: u64, random: bool) -> Result<(), String> {
+fn fill(write: &mut WriteAt<'_>, from: u64, to: u64, random: bool) -> Result<(), CryptError> {
     const CHUNK: u64 = 1 << 20;
     let mut buf = vec![0u8; CHUNK.min(to - from) as usize];
     let mut at = from;
@@ -412,10 +425,10 @@ fn fill(write: &mut WriteAt<'_>, from: u64, to: u64, random: bool) -> Result<(),
 }
 
 /// The object `key` of `json`'s top level, to change.
-fn section<'a>(json: &'a mut Value, key: &str) -> Result<&'a mut Map<String, Value>, String> {
+fn section<'a>(json: &'a mut Value, key: &str) -> Result<&'a mut Map<String, Value>, CryptError> {
     json.get_mut(key)
         .and_then(Value::as_object_mut)
-        .ok_or(format!("the metadata has no {key} object"))
+        .ok_or_else(|| CryptError::Damaged(format!("the metadata has no {key} object")))
 }
 
 #[cfg(test)]

@@ -25,30 +25,31 @@ impl Image {
         Image(vec![0u8; 17 << 20])
     }
 
-    fn write(&mut self) -> impl FnMut(u64, &[u8]) -> Result<(), String> + '_ {
+    fn write(&mut self) -> impl FnMut(u64, &[u8]) -> Result<(), CryptError> + '_ {
         |at, b| {
             let at = at as usize;
             self.0
                 .get_mut(at..at + b.len())
-                .ok_or("past the end")?
+                .ok_or_else(|| CryptError::Invalid("past the end".into()))?
                 .copy_from_slice(b);
             Ok(())
         }
     }
 
-    fn read(&self) -> impl FnMut(u64, &mut [u8]) -> Result<(), String> + '_ {
+    fn read(&self) -> impl FnMut(u64, &mut [u8]) -> Result<(), CryptError> + '_ {
         |at, b| {
             let at = at as usize;
-            b.copy_from_slice(self.0.get(at..at + b.len()).ok_or("past the end")?);
+            let from = self.0.get(at..at + b.len());
+            b.copy_from_slice(from.ok_or_else(|| CryptError::Invalid("past the end".into()))?);
             Ok(())
         }
     }
 
-    fn header(&self) -> Result<Header, String> {
+    fn header(&self) -> Result<Header, CryptError> {
         Header::read(&mut self.read())
     }
 
-    fn unlock(&self, pass: &[u8]) -> Result<(usize, Vec<u8>), String> {
+    fn unlock(&self, pass: &[u8]) -> Result<(usize, Vec<u8>), CryptError> {
         let h = self.header()?;
         let (slot, key) = h.unlock(pass, &mut self.read())?;
         Ok((slot, key.0.clone()))
@@ -81,8 +82,10 @@ fn a_made_header_reads_back_and_opens() {
         assert_eq!(img.unlock(b"one").unwrap(), (0, key().0.clone()));
         assert!(h.check(&key().0));
         assert!(!h.check(&[0u8; 64]));
+        // A wrong passphrase: its own kind, and the words the admin replies with.
         let e = img.unlock(b"two").unwrap_err();
-        assert!(e.contains("no key slot opens"), "{e}");
+        assert!(matches!(e, CryptError::WrongPassphrase), "{e:?}");
+        assert_eq!(e.to_string(), "no key slot opens with this passphrase");
         // The data area is left alone.
         assert!(img.0[16 << 20..].iter().all(|&b| b == 0));
     }
@@ -98,6 +101,8 @@ fn a_damaged_copy_leaves_the_other_and_two_refuse() {
     // And the secondary's binary header.
     img.0[(16 << 10) + 20] ^= 1;
     let e = img.header().unwrap_err();
+    assert!(matches!(e, CryptError::Damaged(_)), "{e:?}");
+    let e = e.to_string();
     assert!(
         e.contains("both") && e.contains("primary") && e.contains("secondary"),
         "{e}"
@@ -144,7 +149,14 @@ fn slots_are_added_and_removed() {
     let e = h
         .add_slot(&mut img.write(), &wrong, b"x", PBKDF2)
         .unwrap_err();
-    assert!(e.contains("not this header's volume key"), "{e}");
+    assert!(
+        matches!(e, CryptError::WrongKey { what: "volume" }),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string().contains("not this header's volume key"),
+        "{e}"
+    );
     assert_eq!(
         h.add_slot(&mut img.write(), &key(), b"two", ARGON2ID)
             .unwrap(),
@@ -158,10 +170,15 @@ fn slots_are_added_and_removed() {
     assert!(img.unlock(b"one").is_err());
     assert_eq!(img.unlock(b"two").unwrap().0, 1);
     let e = h.remove_slot(&mut img.write(), 1).unwrap_err();
-    assert!(e.contains("only key slot"), "{e}");
+    assert!(matches!(e, CryptError::LastSlot(1)), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        "key slot 1 is the only key slot: add another first"
+    );
     assert!(h
         .remove_slot(&mut img.write(), 0)
         .unwrap_err()
+        .to_string()
         .contains("not in use"));
     // The freed number and area are used again.
     assert_eq!(
@@ -228,7 +245,10 @@ fn unsupported_and_out_of_bounds_metadata_is_refused() {
     for (want, change) in cases {
         let mut json = h.json.clone();
         change(&mut json);
-        let e = Meta::parse(&json, h.header_bytes).unwrap_err().message();
+        let e = Meta::parse(&json, h.header_bytes)
+            .unwrap_err()
+            .into_error()
+            .to_string();
         assert!(e.contains(want), "{want}: {e}");
     }
     // A refusal is not taken for damage: the error names it, not both copies.
@@ -238,6 +258,8 @@ fn unsupported_and_out_of_bounds_metadata_is_refused() {
     h.json = json;
     h.write_copies(&mut img.write()).unwrap();
     let e = img.header().unwrap_err();
+    assert!(matches!(e, CryptError::Unsupported(_)), "{e:?}");
+    let e = e.to_string();
     assert!(e.contains("integrity") && !e.contains("both"), "{e}");
 }
 
@@ -287,24 +309,24 @@ fn a_refusal_quoting_a_header_string_is_one_line() {
     let good = img.0.clone();
     img.0[72..72 + 8].copy_from_slice(b"sha256\n\0");
     img.0[(16 << 10) + 72..(16 << 10) + 72 + 8].copy_from_slice(b"sha256\n\0");
-    let e = img.header().unwrap_err();
+    let e = img.header().unwrap_err().to_string();
     assert!(e.contains("sha256\\n") && !e.contains('\n'), "{e}");
     img.0 = good;
     let mut h = h;
     h.json["segments"]["0"]["encryption"] = json!("serpent\nxts");
     h.write_copies(&mut img.write()).unwrap();
-    let e = img.header().unwrap_err();
+    let e = img.header().unwrap_err().to_string();
     assert!(e.contains("serpent\\nxts") && !e.contains('\n'), "{e}");
 }
 
 #[test]
 fn not_luks2_is_refused() {
     let img = Image::new();
-    assert!(img.header().unwrap_err().contains("no LUKS header"));
+    assert!(matches!(img.header().unwrap_err(), CryptError::NoHeader));
     let mut img = Image::new();
     img.0[..6].copy_from_slice(&MAGIC);
     img.0[7] = 1;
-    assert!(img.header().unwrap_err().contains("version 1"));
+    assert!(img.header().unwrap_err().to_string().contains("version 1"));
 }
 
 #[test]
