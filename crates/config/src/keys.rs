@@ -164,7 +164,8 @@ impl Keys<'_> {
             cairn_leaves::spec::RBD_TIMEOUT_MIN..=cairn_leaves::spec::RBD_TIMEOUT_MAX,
             true,
         )? {
-            Some(d) => cairn_leaves::spec::rbd_timeout(d).map_err(|e| self.bad("timeout", &e))?,
+            Some(d) => cairn_leaves::spec::rbd_timeout(d)
+                .map_err(|e| self.bad("timeout", &e.to_string()))?,
             None => cairn_leaves::rbd::DEFAULT_TIMEOUT,
         };
         Ok(cairn_leaves::rbd::RbdTarget {
@@ -1014,8 +1015,9 @@ impl Keys<'_> {
         Ok(DeviceSpec::Leaf(LeafSpec::File {
             path: PathBuf::from(path),
             engine: match self.string("engine")? {
-                Some(e) => Engine::parse(e)
-                    .map_err(|e| self.bad("engine", &format!("is wrong: {}", shown(&e))))?,
+                Some(e) => Engine::parse(e).map_err(|e| {
+                    self.bad("engine", &format!("is wrong: {}", shown(&e.to_string())))
+                })?,
                 None => Engine::default(),
             },
             direct: self.bool("direct")?.unwrap_or(false),
