@@ -16,8 +16,9 @@ use std::time::Duration;
 
 use cairn_core::capability::writeback_totals;
 use cairn_core::socket::SocketFile;
-use cairn_core::{Array, ArrayAction, Device, WriteBackCache};
+use cairn_core::{Array, Device, WriteBackCache};
 use cairn_services::thin::ThinPoolAdmin;
+use cairn_stacks::array::{ArrayAction, ArrayAdmin};
 
 use crate::admin_threads::{self, Ticket, Workers, CLIENT_TIMEOUT};
 use crate::view::{self, all_devices, View};
@@ -725,7 +726,7 @@ fn array_command(action: &str, args: &[&str], view: &View, roots: &[Arc<dyn Devi
     let Some((_, d)) = all.iter().find(|(_, d)| d.name() == array) else {
         return format!("error: no device '{array}' is served (see the 'devices' command)\n");
     };
-    let Some(a) = d.capability::<dyn Array>() else {
+    let Some(a) = d.capability::<dyn ArrayAdmin>() else {
         return format!("error: '{array}' is not an array with metadata: it has no '{action}'\n");
     };
     match a.act(&act) {
