@@ -177,12 +177,14 @@ fn add_volume(
         None => (thin, Vec::new()),
     };
     let description = format!("volume {volume} of thin pool {pool}");
-    table.add(crate::serve::added_export(
-        name,
-        description,
-        device,
-        max_payload,
-    ))?;
+    table
+        .add(crate::serve::added_export(
+            name,
+            description,
+            device,
+            max_payload,
+        ))
+        .map_err(|e| e.to_string())?;
     Ok(format!(
         "export '{name}' serves volume '{volume}' of pool '{pool}' read-only{}",
         if bitmaps.is_empty() {

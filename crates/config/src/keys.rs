@@ -1032,7 +1032,7 @@ impl Keys<'_> {
             .string("uri")?
             .ok_or_else(|| self.bad("uri", "is missing"))?;
         cairn_nbd::uri::NbdUri::parse(uri)
-            .map_err(|e| self.bad("uri", &format!("is wrong: {}", shown(&e))))?;
+            .map_err(|e| self.bad("uri", &format!("is wrong: {}", shown(&e.to_string()))))?;
         let connections = match self.integer("connections")? {
             None => 1,
             Some(n) if (1..=u64::from(CONNECTIONS_MAX)).contains(&n) => n as u32,

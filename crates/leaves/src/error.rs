@@ -113,7 +113,7 @@ pub enum SpecError {
     },
     /// The NBD URI does not parse.
     #[error("{0}")]
-    Uri(String),
+    Uri(cairn_nbd::Error),
     /// A value of an rbd or file option is refused ([`Error::UnknownEngine`],
     /// [`Error::RbdName`], ...).
     #[error("{0}")]
