@@ -16,8 +16,9 @@ use std::time::Duration;
 
 use cairn_core::capability::writeback_totals;
 use cairn_core::socket::SocketFile;
-use cairn_core::{Array, ArrayAction, Device, WriteBackCache};
+use cairn_core::{Array, Device, WriteBackCache};
 use cairn_services::thin::ThinPoolAdmin;
+use cairn_stacks::array::{ArrayAction, ArrayAdmin};
 
 use crate::admin_error::{self, AdminError};
 use crate::admin_threads::{self, Ticket, Workers, CLIENT_TIMEOUT};
@@ -420,7 +421,7 @@ fn thin_command(args: &[&str], roots: &[Arc<dyn Device>]) -> Result<String, Admi
         Admin::Delete { name } => Some(name.clone()),
         _ => None,
     };
-    let done = inner.admin(op).map_err(AdminError::from)?;
+    let done = inner.admin(op)?;
     if let Some(name) = deleted {
         crate::backup::volume_deleted(pool, &name, roots);
     }
@@ -718,13 +719,13 @@ fn array_command(
     let Some((_, d)) = all.iter().find(|(_, d)| d.name() == array) else {
         return Err(AdminError::NoDevice(array.to_string()));
     };
-    let Some(a) = d.capability::<dyn Array>() else {
+    let Some(a) = d.capability::<dyn ArrayAdmin>() else {
         return Err(AdminError::NotAnArray {
             device: array.to_string(),
             action: action.to_string(),
         });
     };
-    let done = a.act(&act).map_err(AdminError::from)?;
+    let done = a.act(&act)?;
     let mut out = format!("ok: {done}\n");
     for line in view.sync_stack_file() {
         out += &line;

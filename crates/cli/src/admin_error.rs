@@ -93,12 +93,23 @@ pub enum AdminError {
     /// commands running, or the server stopping.
     #[error("{0}")]
     NotTaken(String),
-    /// A value the stack file's rules refuse (limits, a key derivation, an export name).
+    /// A value the stack file's rules refuse (limits, a key derivation, an export name),
+    /// or a device that would not open.
     #[error(transparent)]
     Setting(#[from] cairn_core::Error),
-    /// What a device or the export table refused, in its own words.
-    #[error("{0}")]
-    Refused(String),
+    /// An export name that an export added online may not have.
+    #[error(
+        "export name '{0}' has a '/' (an export added here is named as a thin volume is: no \
+         '/', spaces or control characters)"
+    )]
+    ExportName(String),
+    /// The export table's refusal (a name taken, no such export).
+    #[error(transparent)]
+    Export(#[from] cairn_nbd::Error),
+    /// An array's refusal (no such member, the last copy of some data, a new member that
+    /// does not fit, ...).
+    #[error(transparent)]
+    Array(#[from] cairn_stacks::Error),
     /// A thin pool's refusal (no such volume, a name taken, out of space, ...).
     #[error(transparent)]
     Thin(#[from] ThinError),
@@ -125,17 +136,6 @@ impl AdminError {
             device: device.to_string(),
             source,
         }
-    }
-
-    /// What a device refused, in its words.
-    pub fn refused(why: impl fmt::Display) -> Self {
-        AdminError::Refused(why.to_string())
-    }
-}
-
-impl From<String> for AdminError {
-    fn from(why: String) -> Self {
-        AdminError::Refused(why)
     }
 }
 

@@ -101,7 +101,7 @@ pub(crate) fn export_command(args: &[&str], view: &View) -> Result<String, Admin
             Ok(format!("ok: {what}\n"))
         }
         ["remove", name] => {
-            let n = table.remove(name).map_err(AdminError::refused)?;
+            let n = table.remove(name)?;
             log::info!("cairn: admin: export '{name}' removed");
             Ok(format!(
                 "ok: export '{name}' removed{}\n",
@@ -152,9 +152,7 @@ fn add_volume(
     // Named as the thin volumes the admin makes are (and usually after one): one word,
     // no '/'.
     if name.contains('/') {
-        return Err(AdminError::refused(format_args!(
-            "export name '{name}' has a '/' (an export added here is named as a thin volume is: no '/', spaces or control characters)"
-        )));
+        return Err(AdminError::ExportName(name.to_string()));
     }
     let pools = crate::admin::pools(roots);
     let Some((p, inner)) = pools.iter().find(|(_, p)| p.name() == pool) else {
@@ -169,9 +167,7 @@ fn add_volume(
             volume: volume.to_string(),
         });
     }
-    let thin: Arc<dyn Device> = Arc::new(
-        ThinDevice::open(volume, p.clone(), volume, None, false).map_err(AdminError::refused)?,
-    );
+    let thin: Arc<dyn Device> = Arc::new(ThinDevice::open(volume, p.clone(), volume, None, false)?);
     let store = tracked_volumes(roots)
         .into_iter()
         .find(|t| t.volume.pool().name() == pool && t.store.owns(volume))
@@ -185,14 +181,12 @@ fn add_volume(
         None => (thin, Vec::new()),
     };
     let description = format!("volume {volume} of thin pool {pool}");
-    table
-        .add(crate::serve::added_export(
-            name,
-            description,
-            device,
-            max_payload,
-        ))
-        .map_err(AdminError::refused)?;
+    table.add(crate::serve::added_export(
+        name,
+        description,
+        device,
+        max_payload,
+    ))?;
     Ok(format!(
         "export '{name}' serves volume '{volume}' of pool '{pool}' read-only{}",
         if bitmaps.is_empty() {

@@ -426,7 +426,7 @@ fn listen_addresses(
     let mut listen = args
         .listen
         .iter()
-        .map(|l| cairn_nbd::Listen::parse(l))
+        .map(|l| cairn_nbd::Listen::parse(l).map_err(|e| e.to_string()))
         .collect::<Result<Vec<_>, _>>()?;
     if args.stdio {
         if !listen.is_empty() {
@@ -437,7 +437,7 @@ fn listen_addresses(
         return Ok(listen);
     }
     if listen.is_empty() && std::env::var_os("LISTEN_FDS").is_none() && fuse.is_empty() {
-        listen.push(cairn_nbd::Listen::parse(settings::DEFAULT_LISTEN)?);
+        listen.push(cairn_nbd::Listen::parse(settings::DEFAULT_LISTEN).map_err(|e| e.to_string())?);
     }
     Ok(listen)
 }

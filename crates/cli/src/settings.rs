@@ -744,9 +744,10 @@ impl BenchArgs {
                 path: path.clone(),
                 name: self.device.clone(),
             },
-            None => DeviceChoice::Leaf(LeafSpec::parse(
-                self.device.as_deref().unwrap_or(DEFAULT_DEVICE),
-            )?),
+            None => DeviceChoice::Leaf(
+                LeafSpec::parse(self.device.as_deref().unwrap_or(DEFAULT_DEVICE))
+                    .map_err(|e| e.to_string())?,
+            ),
         };
         let mut spec = JobSpec {
             rw: Pattern::parse(&self.rw)?,

@@ -200,8 +200,9 @@ fn a_server_that_is_not_nbd_is_refused() {
 use std::sync::Arc;
 
 use cairn_core::blocking::{BlockingQueue, Request};
-use cairn_core::{Array, ArrayAction, Device, IoFlags, Op, Switches};
+use cairn_core::{Array, Device, IoFlags, Op, Switches};
 use cairn_leaves::LeafSpec;
+use cairn_stacks::array::{ArrayAction, ArrayAdmin};
 
 /// xorshift64*: a reproducible sequence without a dependency.
 struct Rng(u64);
@@ -1187,7 +1188,9 @@ fn a_remote_mirror_member_that_comes_back_is_re_added_by_the_bitmap() {
         status()
     );
     read_all("both members");
-    let out = array
+    let out = m
+        .capability::<dyn ArrayAdmin>()
+        .expect("an array the admin changes")
         .act(&ArrayAction::Fail { member: "a".into() })
         .unwrap();
     assert!(out.contains("failed"), "{out}");

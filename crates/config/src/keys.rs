@@ -164,7 +164,8 @@ impl Keys<'_> {
             cairn_leaves::spec::RBD_TIMEOUT_MIN..=cairn_leaves::spec::RBD_TIMEOUT_MAX,
             true,
         )? {
-            Some(d) => cairn_leaves::spec::rbd_timeout(d).map_err(|e| self.bad("timeout", &e))?,
+            Some(d) => cairn_leaves::spec::rbd_timeout(d)
+                .map_err(|e| self.bad("timeout", &e.to_string()))?,
             None => cairn_leaves::rbd::DEFAULT_TIMEOUT,
         };
         Ok(cairn_leaves::rbd::RbdTarget {
@@ -1014,8 +1015,9 @@ impl Keys<'_> {
         Ok(DeviceSpec::Leaf(LeafSpec::File {
             path: PathBuf::from(path),
             engine: match self.string("engine")? {
-                Some(e) => Engine::parse(e)
-                    .map_err(|e| self.bad("engine", &format!("is wrong: {}", shown(&e))))?,
+                Some(e) => Engine::parse(e).map_err(|e| {
+                    self.bad("engine", &format!("is wrong: {}", shown(&e.to_string())))
+                })?,
                 None => Engine::default(),
             },
             direct: self.bool("direct")?.unwrap_or(false),
@@ -1030,7 +1032,7 @@ impl Keys<'_> {
             .string("uri")?
             .ok_or_else(|| self.bad("uri", "is missing"))?;
         cairn_nbd::uri::NbdUri::parse(uri)
-            .map_err(|e| self.bad("uri", &format!("is wrong: {}", shown(&e))))?;
+            .map_err(|e| self.bad("uri", &format!("is wrong: {}", shown(&e.to_string()))))?;
         let connections = match self.integer("connections")? {
             None => 1,
             Some(n) if (1..=u64::from(CONNECTIONS_MAX)).contains(&n) => n as u32,

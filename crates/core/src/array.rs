@@ -1,15 +1,15 @@
 //! The array capability: what an array of member devices (linear, stripe, mirror,
-//! raid10) reports of itself, and what the admin does to it. Its state as fields
-//! ([`ArrayReport`]) is what `status --json` shows, as `mdadm --detail` shows an md
-//! array's.
+//! raid10) reports of itself. Its state as fields ([`ArrayReport`]) is what
+//! `status --json` shows, as `mdadm --detail` shows an md array's. What the admin does
+//! to an array (`fail`, `add`...) is `cairn_stacks::array::ArrayAdmin`, whose errors are
+//! that crate's.
 
 use std::sync::Arc;
 
 use crate::device::Device;
 
 /// An array of member devices. Arrays that keep state on their members (superblocks,
-/// the default) report it and take the admin's actions; the others report their failed
-/// members only.
+/// the default) report it; the others report their failed members only.
 pub trait Array: Send + Sync {
     /// Whether it keeps more than one copy of its data (a mirror or raid10).
     fn redundant(&self) -> bool;
@@ -43,56 +43,6 @@ pub trait Array: Send + Sync {
     /// Its spares now, by name, with the spec of each added while it runs (as
     /// [`Array::members_now`]). `None` for an array that keeps no state on its members.
     fn spares_now(&self) -> Option<Vec<(String, Option<String>)>>;
-
-    /// An admin action: what was done, or why not (then nothing was).
-    fn act(&self, action: &ArrayAction) -> Result<String, String>;
-}
-
-/// What the admin does to an array that keeps state on its members.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ArrayAction {
-    /// Mark `member` failed (never the last current copy of any data).
-    Fail {
-        /// The member's name.
-        member: String,
-    },
-    /// Record failed `member` as missing, and close it.
-    Remove {
-        /// The member's name.
-        member: String,
-    },
-    /// Take failed `member` back once its device answers again.
-    ReAdd {
-        /// The member's name.
-        member: String,
-    },
-    /// A new device, opened from `spec`, in place of a missing or failed member (a spare
-    /// when none is).
-    Add {
-        /// The device's spec (`file:PATH[,size=N]`).
-        spec: String,
-    },
-    /// Build a new device, opened from `spec`, from the array while `old` keeps working,
-    /// then swap it in for `old`.
-    Replace {
-        /// The member replaced.
-        old: String,
-        /// The new device's spec.
-        spec: String,
-    },
-}
-
-impl ArrayAction {
-    /// Its name, as the admin types it.
-    pub fn name(&self) -> &'static str {
-        match self {
-            ArrayAction::Fail { .. } => "fail",
-            ArrayAction::Remove { .. } => "remove",
-            ArrayAction::ReAdd { .. } => "re-add",
-            ArrayAction::Add { .. } => "add",
-            ArrayAction::Replace { .. } => "replace",
-        }
-    }
 }
 
 /// The failed members of `device` if it is an array; none otherwise.

@@ -1,10 +1,10 @@
 //! Capabilities: what only some devices do, asked for by the trait that says it.
 //!
 //! [`Device`] holds what every device has. What only some devices do is a small trait
-//! of its own: an array's state and the admin's actions ([`crate::array::Array`]), a
+//! of its own: an array's state ([`crate::array::Array`]), a
 //! write-back cache's counters ([`WriteBackCache`]), dirty bitmaps
-//! ([`crate::bitmap::DirtyBitmaps`]), and in higher crates a thin pool's volumes, a
-//! throttle's limits, a crypt device's key slots. A device offers the traits it
+//! ([`crate::bitmap::DirtyBitmaps`]), and in higher crates the admin's actions on an
+//! array, a thin pool's volumes, a throttle's limits, a crypt device's key slots. A device offers the traits it
 //! implements from [`Device::offer`]; a caller asks with
 //! `device.capability::<dyn Trait>()` and gets the device as that trait, or `None`.
 //!

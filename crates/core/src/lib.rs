@@ -44,7 +44,7 @@ pub mod stats;
 #[doc(hidden)]
 pub mod testing;
 
-pub use array::{Array, ArrayAction, ArrayMember, ArrayReport, ArraySync};
+pub use array::{Array, ArrayMember, ArrayReport, ArraySync};
 pub use bitmap::{ChangeLog, ChangeMarker, DirtyBitmaps, DirtyMap};
 pub use buf::AlignedBuf;
 pub use capability::{Offer, Want, WriteBackCache, Writeback};

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use cairn_core::size::{parse_duration, parse_size};
 
+use crate::error::{Error, SpecError};
 use crate::DEFAULT_BLOCK_BYTES;
 
 /// How a file device talks to the kernel.
@@ -30,15 +31,13 @@ pub enum Engine {
 
 impl Engine {
     /// Parses `auto`, `io_uring`, `aio` or `sync`.
-    pub fn parse(text: &str) -> Result<Engine, String> {
+    pub fn parse(text: &str) -> Result<Engine, Error> {
         match text {
             "auto" => Ok(Engine::Auto),
             "io_uring" | "uring" => Ok(Engine::IoUring),
             "aio" | "libaio" => Ok(Engine::Aio),
             "sync" | "psync" => Ok(Engine::Sync),
-            _ => Err(format!(
-                "unknown engine '{text}' (use auto, io_uring, aio or sync)"
-            )),
+            _ => Err(Error::UnknownEngine(text.to_string())),
         }
     }
 
@@ -112,27 +111,25 @@ pub const RBD_TIMEOUT_MIN: Duration = Duration::from_secs(1);
 pub const RBD_TIMEOUT_MAX: Duration = Duration::from_secs(24 * 3600);
 
 /// Checks an rbd device's timeout: whole seconds from 1 s to 24 h.
-pub fn rbd_timeout(d: Duration) -> Result<Duration, String> {
+pub fn rbd_timeout(d: Duration) -> Result<Duration, Error> {
     if (RBD_TIMEOUT_MIN..=RBD_TIMEOUT_MAX).contains(&d) && d.subsec_nanos() == 0 {
         Ok(d)
     } else {
-        Err("timeout must be whole seconds from 1s to 24h, such as 30s".into())
+        Err(Error::RbdTimeout)
     }
 }
 
 /// Checks one name of an rbd image's path (pool, namespace, image, snapshot).
-pub fn rbd_name(what: &str, name: &str) -> Result<(), String> {
-    if name.is_empty() {
-        return Err(format!("the {what} name is empty"));
-    }
-    if let Some(c) = name
+pub fn rbd_name(what: &str, name: &str) -> Result<(), Error> {
+    let bad = name
         .chars()
-        .find(|c| c.is_control() || (*c == '@' && what != "snapshot") || *c == '/')
-    {
-        return Err(format!(
-            "the {what} name '{}' holds {c:?}",
-            name.escape_default()
-        ));
+        .find(|c| c.is_control() || (*c == '@' && what != "snapshot") || *c == '/');
+    if name.is_empty() || bad.is_some() {
+        return Err(Error::RbdName {
+            what: what.to_string(),
+            name: name.to_string(),
+            bad,
+        });
     }
     Ok(())
 }
@@ -224,33 +221,32 @@ impl LeafSpec {
     }
 
     /// Parses the command-line form.
-    pub fn parse(text: &str) -> Result<LeafSpec, String> {
-        let (kind, rest) = text.split_once(':').ok_or_else(|| {
-            format!("invalid device '{text}': expected null:SIZE, mem:SIZE, file:PATH, nbd:URI or rbd:POOL/IMAGE")
-        })?;
+    pub fn parse(text: &str) -> Result<LeafSpec, Error> {
+        let (kind, rest) = text
+            .split_once(':')
+            .ok_or_else(|| invalid(text, SpecError::NoType))?;
         let mut parts = rest.split(',');
         let first = parts.next().unwrap_or("");
         let mut options = Vec::new();
         for part in parts {
-            let (k, v) = part.split_once('=').ok_or_else(|| {
-                format!("invalid device '{text}': option '{part}' is not key=value")
-            })?;
+            let (k, v) = part
+                .split_once('=')
+                .ok_or_else(|| invalid(text, SpecError::NotKeyValue(part.to_string())))?;
             if options.iter().any(|(seen, _)| *seen == k) {
-                return Err(format!("invalid device '{text}': option '{k}' given twice"));
+                return Err(invalid(text, SpecError::Twice(k.to_string())));
             }
             options.push((k, v));
         }
         match kind {
-            "null" | "mem" => parse_memory(text, kind, first, &options),
+            "null" => parse_memory(text, "null", first, &options),
+            "mem" => parse_memory(text, "mem", first, &options),
             "file" => parse_file(text, first, &options),
             "nbd" => parse_nbd(text, first, &options),
             "rbd" => parse_rbd(text, first, &options).map(LeafSpec::Rbd),
-            "nbds" | "nbd+unix" | "nbds+unix" | "nbd+vsock" | "nbds+vsock" => Err(format!(
-                "invalid device '{text}': an NBD URI is given after the type: nbd:{text}"
-            )),
-            _ => Err(format!(
-                "invalid device '{text}': unknown type '{kind}' (use null, mem, file, nbd or rbd)"
-            )),
+            "nbds" | "nbd+unix" | "nbds+unix" | "nbd+vsock" | "nbds+vsock" => {
+                Err(invalid(text, SpecError::UriWithoutType(text.to_string())))
+            }
+            _ => Err(invalid(text, SpecError::UnknownType(kind.to_string()))),
         }
     }
 
@@ -290,36 +286,60 @@ impl LeafSpec {
     }
 }
 
-/// A size in device `text`, in its error.
-fn size_in(text: &str, v: &str) -> Result<u64, String> {
-    parse_size(v).map_err(|e| format!("invalid device '{text}': {e}"))
+/// The refusal of device spec `text`, for `why`.
+fn invalid(text: &str, why: SpecError) -> Error {
+    Error::Spec {
+        spec: text.to_string(),
+        why,
+    }
+}
+
+/// The refusal of device spec `text`, for the value of option `key`.
+fn bad_value(text: &str, key: &'static str, why: impl Into<String>) -> Error {
+    invalid(
+        text,
+        SpecError::Value {
+            key,
+            why: why.into(),
+        },
+    )
+}
+
+/// The size in option `key` of device `text`, in its error.
+fn size_in(text: &str, key: &'static str, v: &str) -> Result<u64, Error> {
+    parse_size(v).map_err(|e| bad_value(text, key, e))
 }
 
 /// `null:SIZE` or `mem:SIZE` (`kind`), with their options.
 fn parse_memory(
     text: &str,
-    kind: &str,
+    kind: &'static str,
     first: &str,
     options: &[(&str, &str)],
-) -> Result<LeafSpec, String> {
-    let size_bytes = size_in(text, first)?;
+) -> Result<LeafSpec, Error> {
+    let size_bytes = size_in(text, "size", first)?;
     let mut block_bytes = DEFAULT_BLOCK_BYTES;
     let mut volatile = false;
     for &(k, v) in options {
         match k {
             "block" => {
-                block_bytes = u32::try_from(size_in(text, v)?)
-                    .map_err(|_| format!("invalid device '{text}': block size too large"))?
+                block_bytes = u32::try_from(size_in(text, "block", v)?)
+                    .map_err(|_| bad_value(text, "block", "block size too large"))?
             }
-            "volatile" if kind == "mem" => volatile = switch(text, k, v)?,
+            "volatile" if kind == "mem" => volatile = switch(text, "volatile", v)?,
             _ => {
                 let known = if kind == "mem" {
                     "block, volatile"
                 } else {
                     "block"
                 };
-                return Err(format!(
-                    "invalid device '{text}': unknown option '{k}' for {kind} (known: {known})"
+                return Err(invalid(
+                    text,
+                    SpecError::UnknownOption {
+                        key: k.to_string(),
+                        kind,
+                        known,
+                    },
                 ));
             }
         }
@@ -339,9 +359,9 @@ fn parse_memory(
 }
 
 /// `file:PATH`, with its options.
-fn parse_file(text: &str, first: &str, options: &[(&str, &str)]) -> Result<LeafSpec, String> {
+fn parse_file(text: &str, first: &str, options: &[(&str, &str)]) -> Result<LeafSpec, Error> {
     if first.is_empty() {
-        return Err(format!("invalid device '{text}': file needs a path"));
+        return Err(invalid(text, SpecError::Needs("file needs a path")));
     }
     let mut engine = Engine::default();
     let mut direct = false;
@@ -350,14 +370,20 @@ fn parse_file(text: &str, first: &str, options: &[(&str, &str)]) -> Result<LeafS
     for &(k, v) in options {
         match k {
             "engine" => {
-                engine = Engine::parse(v).map_err(|e| format!("invalid device '{text}': {e}"))?
+                engine =
+                    Engine::parse(v).map_err(|e| invalid(text, SpecError::Leaf(Box::new(e))))?
             }
-            "direct" => direct = switch(text, k, v)?,
-            "size" => size_bytes = Some(size_in(text, v)?),
-            "sparse" => sparse = switch(text, k, v)?,
+            "direct" => direct = switch(text, "direct", v)?,
+            "size" => size_bytes = Some(size_in(text, "size", v)?),
+            "sparse" => sparse = switch(text, "sparse", v)?,
             _ => {
-                return Err(format!(
-                    "invalid device '{text}': unknown option '{k}' for file (known: engine, direct, size, sparse)"
+                return Err(invalid(
+                    text,
+                    SpecError::UnknownOption {
+                        key: k.to_string(),
+                        kind: "file",
+                        known: "engine, direct, size, sparse",
+                    },
                 ))
             }
         }
@@ -372,20 +398,21 @@ fn parse_file(text: &str, first: &str, options: &[(&str, &str)]) -> Result<LeafS
 }
 
 /// `nbd:URI`, with its options.
-fn parse_nbd(text: &str, first: &str, options: &[(&str, &str)]) -> Result<LeafSpec, String> {
+fn parse_nbd(text: &str, first: &str, options: &[(&str, &str)]) -> Result<LeafSpec, Error> {
     use cairn_nbd::client::{CONNECTIONS_MAX, DEFAULT_TIMEOUT};
     if first.is_empty() {
-        return Err(format!(
-            "invalid device '{text}': nbd needs a URI, such as nbd://HOST/EXPORT or nbd+unix:///?socket=PATH"
+        return Err(invalid(
+            text,
+            SpecError::Needs(
+                "nbd needs a URI, such as nbd://HOST/EXPORT or nbd+unix:///?socket=PATH",
+            ),
         ));
     }
     if first.starts_with("//") {
         // `nbd://HOST/...` given without the type: `nbd:` was taken as it.
-        return Err(format!(
-            "invalid device '{text}': an NBD URI is given after the type: nbd:{text}"
-        ));
+        return Err(invalid(text, SpecError::UriWithoutType(text.to_string())));
     }
-    cairn_nbd::uri::NbdUri::parse(first).map_err(|e| format!("invalid device '{text}': {e}"))?;
+    cairn_nbd::uri::NbdUri::parse(first).map_err(|e| invalid(text, SpecError::Uri(e)))?;
     let mut connections = 1;
     let mut timeout = DEFAULT_TIMEOUT;
     for &(k, v) in options {
@@ -396,8 +423,10 @@ fn parse_nbd(text: &str, first: &str, options: &[(&str, &str)]) -> Result<LeafSp
                     .ok()
                     .filter(|n| (1..=CONNECTIONS_MAX).contains(n))
                     .ok_or_else(|| {
-                        format!(
-                            "invalid device '{text}': connections must be from 1 to {CONNECTIONS_MAX}"
+                        bad_value(
+                            text,
+                            "connections",
+                            format!("connections must be from 1 to {CONNECTIONS_MAX}"),
                         )
                     })?
             }
@@ -406,14 +435,21 @@ fn parse_nbd(text: &str, first: &str, options: &[(&str, &str)]) -> Result<LeafSp
                     .ok()
                     .filter(|d| (NBD_TIMEOUT_MIN..=NBD_TIMEOUT_MAX).contains(d))
                     .ok_or_else(|| {
-                        format!(
-                            "invalid device '{text}': timeout must be a duration from 100ms to 24h, such as 30s"
+                        bad_value(
+                            text,
+                            "timeout",
+                            "timeout must be a duration from 100ms to 24h, such as 30s",
                         )
                     })?
             }
             _ => {
-                return Err(format!(
-                    "invalid device '{text}': unknown option '{k}' for nbd (known: connections, timeout)"
+                return Err(invalid(
+                    text,
+                    SpecError::UnknownOption {
+                        key: k.to_string(),
+                        kind: "nbd",
+                        known: "connections, timeout",
+                    },
                 ))
             }
         }
@@ -430,21 +466,25 @@ fn parse_rbd(
     text: &str,
     first: &str,
     options: &[(&str, &str)],
-) -> Result<crate::rbd::RbdTarget, String> {
-    let bad = |e: String| format!("invalid device '{text}': {e}");
+) -> Result<crate::rbd::RbdTarget, Error> {
+    let bad = |e: Error| invalid(text, SpecError::Leaf(Box::new(e)));
     let parts: Vec<&str> = first.split('/').collect();
     let (pool, namespace, image) = match parts[..] {
         [pool, image] => (pool, None, image),
         [pool, ns, image] => (pool, Some(ns), image),
         _ => {
-            return Err(bad(
-                "rbd needs POOL/IMAGE or POOL/NAMESPACE/IMAGE, such as rbd:rbd/disk0".into(),
+            return Err(invalid(
+                text,
+                SpecError::Needs(
+                    "rbd needs POOL/IMAGE or POOL/NAMESPACE/IMAGE, such as rbd:rbd/disk0",
+                ),
             ))
         }
     };
     if image.contains('@') {
-        return Err(bad(
-            "a snapshot is named with snapshot=SNAP, not IMAGE@SNAP".into(),
+        return Err(invalid(
+            text,
+            SpecError::Needs("a snapshot is named with snapshot=SNAP, not IMAGE@SNAP"),
         ));
     }
     rbd_name("pool", pool).map_err(bad)?;
@@ -466,7 +506,7 @@ fn parse_rbd(
         match k {
             "conf" => {
                 if v.is_empty() {
-                    return Err(bad("conf needs a path".into()));
+                    return Err(invalid(text, SpecError::Needs("conf needs a path")));
                 }
                 t.conf = Some(PathBuf::from(v));
             }
@@ -480,15 +520,20 @@ fn parse_rbd(
             }
             "timeout" => {
                 t.timeout = parse_duration(v)
-                    .map_err(|_| "timeout must be whole seconds from 1s to 24h, such as 30s".into())
+                    .map_err(|_| Error::RbdTimeout)
                     .and_then(rbd_timeout)
                     .map_err(bad)?
             }
             "connection" => t.connection = crate::rbd::Connection::parse(v).map_err(bad)?,
             _ => {
-                return Err(bad(format!(
-                    "unknown option '{k}' for rbd (known: conf, id, snapshot, timeout, connection)"
-                )))
+                return Err(invalid(
+                    text,
+                    SpecError::UnknownOption {
+                        key: k.to_string(),
+                        kind: "rbd",
+                        known: "conf, id, snapshot, timeout, connection",
+                    },
+                ))
             }
         }
     }
@@ -496,11 +541,11 @@ fn parse_rbd(
 }
 
 /// An on/off option of a device spec (`direct=1`, `sparse=0`; `true` and `false` too).
-fn switch(text: &str, key: &str, value: &str) -> Result<bool, String> {
+fn switch(text: &str, key: &'static str, value: &str) -> Result<bool, Error> {
     match value {
         "0" | "false" => Ok(false),
         "1" | "true" => Ok(true),
-        _ => Err(format!("invalid device '{text}': {key} must be 0 or 1")),
+        _ => Err(bad_value(text, key, format!("{key} must be 0 or 1"))),
     }
 }
 
@@ -679,10 +724,59 @@ mod tests {
             ),
         ] {
             assert_eq!(
-                LeafSpec::parse(bad),
+                LeafSpec::parse(bad).map_err(|e| e.to_string()),
                 Err(format!("invalid device '{bad}': {why}")),
                 "{bad}"
             );
         }
+    }
+
+    /// A caller tells refusals apart by kind: an option the type does not take, a value
+    /// out of range (which option), a bad name in an rbd path (which name, which
+    /// character).
+    #[test]
+    fn refusals_say_which_option_and_why_as_values() {
+        let why = |text: &str| match LeafSpec::parse(text) {
+            Err(Error::Spec { spec, why }) => {
+                assert_eq!(spec, text);
+                why
+            }
+            other => panic!("{text}: {other:?}"),
+        };
+        assert_eq!(
+            why("file:/a,foo=1"),
+            SpecError::UnknownOption {
+                key: "foo".into(),
+                kind: "file",
+                known: "engine, direct, size, sparse",
+            }
+        );
+        assert!(matches!(
+            why("mem:1G,volatile=2"),
+            SpecError::Value {
+                key: "volatile",
+                ..
+            }
+        ));
+        assert!(matches!(
+            why("null:1G,block=8G"),
+            SpecError::Value { key: "block", .. }
+        ));
+        let SpecError::Leaf(e) = why("rbd:rbd/disk,snapshot=a/b") else {
+            panic!("not an rbd name");
+        };
+        assert_eq!(
+            *e,
+            Error::RbdName {
+                what: "snapshot".into(),
+                name: "a/b".into(),
+                bad: Some('/'),
+            }
+        );
+        assert_eq!(e.to_string(), "the snapshot name 'a/b' holds '/'");
+        assert_eq!(
+            Engine::parse("fast"),
+            Err(Error::UnknownEngine("fast".into()))
+        );
     }
 }

@@ -21,7 +21,7 @@ fn open(spec: &str) -> Result<Arc<dyn Device>, String> {
 }
 
 fn open_named(spec: &str, name: &str) -> Result<Arc<dyn Device>, String> {
-    let spec = LeafSpec::parse(spec)?;
+    let spec = LeafSpec::parse(spec).map_err(|e| e.to_string())?;
     cairn_leaves::open(&spec, name).map_err(|e| e.to_string())
 }
 
@@ -203,7 +203,7 @@ fn an_unreachable_cluster_fails_the_connect_naming_its_monitors() {
     if let Err(e) = ffi::api() {
         skip(
             "an_unreachable_cluster_fails_the_connect_naming_its_monitors",
-            &e,
+            &e.to_string(),
         );
         return;
     }

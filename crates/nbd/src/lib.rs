@@ -5,11 +5,14 @@
 //!   `tls_send` (output queues sent over TLS), [`uri`] (NBD URIs) and [`tls`] (rustls
 //!   set-up): shared by both sides;
 //! - [`server`]: listeners, the handshake and the transmission phase on cairn's reactors;
-//! - [`client`]: the client handshake and the `nbd` device.
+//! - [`client`]: the client handshake and the `nbd` device;
+//! - [`error`]: [`Error`], why an export change, a `--listen` address or an NBD URI is
+//!   refused.
 
 #![warn(missing_docs)]
 
 pub mod client;
+pub mod error;
 mod gather;
 pub mod proto;
 pub mod server;
@@ -17,6 +20,7 @@ pub mod tls;
 mod tls_send;
 pub mod uri;
 
+pub use error::Error;
 pub use server::conn::{Export, Limits};
 pub use server::handshake::{Catalog, ExportInfo, TlsMode};
 pub use server::observe::Observer;

@@ -46,8 +46,11 @@ pub const DEFAULT_PORT: u16 = 10809;
 
 impl NbdUri {
     /// Parses `text`; the error says what is wrong with it.
-    pub fn parse(text: &str) -> Result<NbdUri, String> {
-        let bad = |why: &str| format!("'{text}': {why}");
+    pub fn parse(text: &str) -> Result<NbdUri, crate::Error> {
+        let bad = |why: &str| crate::Error::Uri {
+            uri: text.to_string(),
+            why: why.to_string(),
+        };
         let u = url::Url::parse(text).map_err(|e| bad(&e.to_string()))?;
         let (tls, unix) = match u.scheme() {
             "nbd" => (false, false),
@@ -193,7 +196,10 @@ mod tests {
             ("nbd://h/x?tls-verify-peer=maybe", "true or false"),
         ] {
             let e = NbdUri::parse(text).unwrap_err();
-            assert!(e.contains(why), "{text}: {e}");
+            assert!(
+                matches!(&e, crate::Error::Uri { uri, why: w } if uri == text && w.contains(why)),
+                "{text}: {e:?}"
+            );
         }
     }
 

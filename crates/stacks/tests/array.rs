@@ -10,7 +10,8 @@ use std::sync::Arc;
 
 use cairn_config::StackFile;
 use cairn_core::blocking::BlockingQueue;
-use cairn_core::{Array, ArrayAction, Device, IoFlags, Switches};
+use cairn_core::{Array, Device, IoFlags, Switches};
+use cairn_stacks::array::{ArrayAction, ArrayAdmin};
 use cairn_testkit::pattern;
 
 const MIB: u64 = 1 << 20;
@@ -25,6 +26,11 @@ fn open(text: &str, name: &str) -> Result<Arc<dyn Device>, String> {
 /// The array capability of `d` (it must be an array).
 fn array(d: &Arc<dyn Device>) -> Arc<dyn Array> {
     d.capability::<dyn Array>().expect("an array")
+}
+
+fn admin(d: &Arc<dyn Device>) -> Arc<dyn ArrayAdmin> {
+    d.capability::<dyn ArrayAdmin>()
+        .expect("an array the admin changes")
 }
 
 fn queue(d: &Arc<dyn Device>) -> BlockingQueue {
@@ -271,7 +277,7 @@ fn members_replaced_online_are_never_assembled_again() {
         .expect("first pass");
     for (old, new) in [("a", "c"), ("b", "d")] {
         let spec = format!("file:{},size=8M", p(new).display());
-        array(&m)
+        admin(&m)
             .act(&ArrayAction::Replace {
                 old: old.into(),
                 spec: spec.clone(),
@@ -590,7 +596,7 @@ fn spares_in_the_stack_file_are_kept_in_their_superblocks_and_used() {
     // Started again, s is a spare again; a member failing takes it.
     let m = open(&text("\"a\", \"b\"", "\"s\""), "m").expect("assemble with the spare");
     assert!(array(&m).status().expect("status").contains("spares: s"));
-    array(&m)
+    admin(&m)
         .act(&ArrayAction::Fail { member: "a".into() })
         .expect("fail a");
     let status = wait_status(&m, "[UU] s active, b active");
@@ -1427,9 +1433,14 @@ fn a_member_that_ran_on_without_the_others_is_refused_when_added() {
     let m = open(&mirror("\"a\", \"missing\""), "m").expect("a alone");
     let spec = format!("file:{}", b.display());
     let before = std::fs::read(&b).unwrap();
-    let e = array(&m)
+    let e = admin(&m)
         .act(&ArrayAction::Add { spec: spec.clone() })
         .expect_err("b is newer");
+    assert!(
+        matches!(e.cause(), cairn_stacks::Error::RanOn { .. }),
+        "{e:?}"
+    );
+    let e = e.to_string();
     assert!(e.contains("ran on without") && e.contains("events"), "{e}");
     assert!(std::fs::read(&b).unwrap() == before, "b was changed");
     assert!(
@@ -1461,4 +1472,134 @@ fn superblocks_whose_sizes_overflow_together_are_refused() {
     assert!(!e.contains('\n'), "one line: {e}");
     let after = (std::fs::read(&a).expect("a"), std::fs::read(&b).expect("b"));
     assert!(after == before, "a member was written");
+}
+
+/// The admin's refusals are values a caller can match on, with the words the admin reads:
+/// an action on an array without redundancy, a member the array does not have, a member
+/// in use removed, a working member re-added, the last current copy failed, a device
+/// too small or a spec that does not parse added. A refusal changes nothing.
+#[test]
+fn admin_refusals_say_what_is_wrong_as_values() {
+    use cairn_stacks::{Error, MemberIs};
+    let dir = tempfile::tempdir().expect("a directory");
+    let p = |n: &str| dir.path().join(format!("{n}.img"));
+    let stripe = format!(
+        "{}{}[device.s]\ntype = \"stripe\"\nmembers = [\"a\", \"b\"]\n",
+        file("a", &p("a")),
+        file("b", &p("b"))
+    );
+    let s = open(&stripe, "s").expect("a stripe");
+    let e = admin(&s)
+        .act(&ArrayAction::Fail { member: "a".into() })
+        .expect_err("a stripe has no redundancy");
+    assert!(
+        matches!(
+            e,
+            Error::NotRedundant {
+                level: "stripe",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(
+        e.to_string(),
+        "'s' is a stripe: it has no redundancy to run without a member"
+    );
+    drop(s);
+    let mirror = format!(
+        "{}{}[device.m]\ntype = \"mirror\"\nmembers = [\"c\", \"d\"]\n",
+        file("c", &p("c")),
+        file("d", &p("d"))
+    );
+    let m = open(&mirror, "m").expect("a mirror");
+    let act = |a: ArrayAction| admin(&m).act(&a).expect_err("refused");
+    let e = act(ArrayAction::Fail {
+        member: "zz".into(),
+    });
+    assert!(
+        matches!(&e, Error::NoSuchMember { member, members, .. }
+            if member == "zz" && members == &["c".to_string(), "d".to_string()]),
+        "{e:?}"
+    );
+    assert_eq!(e.to_string(), "'m' has no member 'zz' (its members: c, d)");
+    let e = act(ArrayAction::Remove { member: "c".into() });
+    assert!(
+        matches!(
+            e,
+            Error::MemberState {
+                state: MemberIs::InUse,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(e.to_string(), "member 'c' of 'm' is in use: fail it first");
+    let e = act(ArrayAction::ReAdd { member: "d".into() });
+    assert!(
+        matches!(
+            e,
+            Error::MemberState {
+                state: MemberIs::NotFailed,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    admin(&m)
+        .act(&ArrayAction::Fail { member: "c".into() })
+        .expect("fail c");
+    let e = act(ArrayAction::Fail { member: "d".into() });
+    assert!(
+        matches!(&e, Error::LastCopy { holders, .. } if holders == &["c".to_string(), "d".to_string()]),
+        "{e:?}"
+    );
+    assert_eq!(
+        e.to_string(),
+        "failing 'd' would leave data of 'm' with no current copy (it lives on 'c', 'd'); let a rebuild finish first"
+    );
+    let e = act(ArrayAction::Replace {
+        old: "c".into(),
+        spec: "mem:8M".into(),
+    });
+    assert!(
+        matches!(
+            e,
+            Error::MemberState {
+                state: MemberIs::FailedOrMissing,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(
+        e.to_string(),
+        "member 'c' of 'm' has failed or is missing: add a new device in its place instead (add m SPEC)"
+    );
+    let e = act(ArrayAction::Add {
+        spec: "mem:1M".into(),
+    });
+    assert!(
+        matches!(
+            e,
+            Error::TooSmall {
+                size_bytes: MIB,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let e = act(ArrayAction::Add {
+        spec: "mem:1M,bogus=1".into(),
+    });
+    assert!(matches!(e, Error::Spec { .. }), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        "'mem:1M,bogus=1': invalid device 'mem:1M,bogus=1': unknown option 'bogus' for mem (known: block, volatile)"
+    );
+    assert!(
+        array(&m).status().expect("status").contains("[_U]"),
+        "{}",
+        array(&m).status().unwrap_or_default()
+    );
 }

@@ -36,7 +36,7 @@ fn can_run(test: &str) -> bool {
         return false;
     }
     if let Err(e) = cairn_leaves::rbd::ffi::api() {
-        skip(test, &e);
+        skip(test, &e.to_string());
         return false;
     }
     let have = Command::new("sh")

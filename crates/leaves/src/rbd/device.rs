@@ -46,11 +46,11 @@ pub enum Connection {
 
 impl Connection {
     /// Parses `shared` or `image`.
-    pub fn parse(s: &str) -> Result<Connection, String> {
+    pub fn parse(s: &str) -> Result<Connection, crate::Error> {
         match s {
             "shared" => Ok(Connection::Shared),
             "image" => Ok(Connection::Image),
-            _ => Err(format!("connection must be shared or image, not '{s}'")),
+            _ => Err(crate::Error::UnknownConnection(s.to_string())),
         }
     }
 

@@ -13,6 +13,8 @@ use std::sync::OnceLock;
 
 use libloading::Library;
 
+use crate::Error;
+
 /// A cluster connection (`rados_t`).
 pub type RadosT = *mut c_void;
 /// An I/O context on one pool (`rados_ioctx_t`).
@@ -69,7 +71,8 @@ macro_rules! api {
         }
 
         impl Api {
-            fn resolve(rados: &Library, rbd: &Library) -> Result<Api, String> {
+            /// The entry points, or the first one missing and what the loader said.
+            fn resolve(rados: &Library, rbd: &Library) -> Result<Api, (&'static str, String)> {
                 Ok(Api {
                     $($name: {
                         let lib = api!(@pick $lib, rados, rbd);
@@ -80,7 +83,7 @@ macro_rules! api {
                             *lib.get::<unsafe extern "C" fn($($arg),*) $(-> $ret)?>(
                                 concat!(stringify!($name), "\0").as_bytes(),
                             )
-                            .map_err(|e| format!("{}: {e}", stringify!($name)))?
+                            .map_err(|e| (stringify!($name), e.to_string()))?
                         }
                     },)*
                 })
@@ -134,10 +137,10 @@ struct Loaded {
     _rbd: Library,
 }
 
-static LOADED: OnceLock<Result<Loaded, String>> = OnceLock::new();
+static LOADED: OnceLock<Result<Loaded, Error>> = OnceLock::new();
 
 /// The loaded API, or why it could not be loaded (which package to install).
-pub fn api() -> Result<&'static Api, String> {
+pub fn api() -> Result<&'static Api, Error> {
     LOADED
         .get_or_init(|| load(LIBRADOS, LIBRBD))
         .as_ref()
@@ -145,18 +148,22 @@ pub fn api() -> Result<&'static Api, String> {
         .map_err(Clone::clone)
 }
 
-fn load(rados: &str, rbd: &str) -> Result<Loaded, String> {
-    let open = |name: &str, package: &str| {
+fn load(rados: &str, rbd: &str) -> Result<Loaded, Error> {
+    let open = |name: &str, package: &'static str| {
         // SAFETY: loading runs the libraries' initialisers; librados and librbd have no
         // initialiser that assumes anything of the process beyond a C++ runtime.
-        unsafe { Library::new(name) }.map_err(|e| {
-            format!("rbd: cannot load {name} ({e}): install Ceph's client library (Debian: apt-get install {package})")
+        unsafe { Library::new(name) }.map_err(|e| Error::LibraryMissing {
+            library: name.to_string(),
+            package,
+            why: e.to_string(),
         })
     };
     let rados_lib = open(rados, "librados2")?;
     let rbd_lib = open(rbd, "librbd1")?;
-    let api = Api::resolve(&rados_lib, &rbd_lib).map_err(|e| {
-        format!("rbd: {rbd} lacks an entry point cairn needs ({e}): Ceph 16.2 (Pacific) or later is needed")
+    let api = Api::resolve(&rados_lib, &rbd_lib).map_err(|(symbol, why)| Error::LibraryTooOld {
+        library: rbd.to_string(),
+        symbol,
+        why,
     })?;
     Ok(Loaded {
         api,
@@ -182,6 +189,12 @@ mod tests {
         let Err(e) = load("libcairn-no-such-rados.so.2", LIBRBD) else {
             panic!("a library that does not exist was loaded");
         };
+        assert!(
+            matches!(&e, Error::LibraryMissing { library, package: "librados2", .. }
+                if library == "libcairn-no-such-rados.so.2"),
+            "{e:?}"
+        );
+        let e = e.to_string();
         assert!(e.contains("libcairn-no-such-rados.so.2"), "{e}");
         assert!(e.contains("apt-get install librados2"), "{e}");
     }

@@ -45,7 +45,7 @@ impl Cluster {
         id: Option<&str>,
         timeout: Duration,
     ) -> Result<Arc<Cluster>, Error> {
-        let api = ffi::api().map_err(Error::Invalid)?;
+        let api = ffi::api()?;
         let id_c = id.map(|i| cstr("id", i)).transpose()?;
         let mut handle: RadosT = std::ptr::null_mut();
         // SAFETY: `handle` is a live out-pointer; the id string outlives the call. Signals

@@ -168,7 +168,7 @@ impl NbdDevice {
     /// Connects to the server `uri_text` names (libnbd's URI forms), negotiates, and
     /// keeps that connection for the first queue.
     pub fn open(name: &str, uri_text: &str, options: Options) -> Result<NbdDevice, Error> {
-        let uri = NbdUri::parse(uri_text).map_err(Error::Invalid)?;
+        let uri = NbdUri::parse(uri_text)?;
         options.check()?;
         let timeout = options.timeout.clamp(Duration::from_secs(1), HANDSHAKE_MAX);
         let first = client::connect_any(&uri, Shared::want(), timeout)

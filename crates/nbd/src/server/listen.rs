@@ -23,26 +23,26 @@ pub enum Listen {
 
 impl Listen {
     /// Parses `tcp:HOST:PORT` or `unix:PATH`.
-    pub fn parse(text: &str) -> Result<Listen, String> {
+    pub fn parse(text: &str) -> Result<Listen, crate::Error> {
+        let bad = |expected| crate::Error::Listen {
+            text: text.to_string(),
+            expected,
+        };
         if let Some(rest) = text.strip_prefix("tcp:") {
             if rest
                 .rsplit_once(':')
                 .is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err())
             {
-                return Err(format!(
-                    "--listen {text}: expected tcp:HOST:PORT, e.g. tcp:127.0.0.1:10809"
-                ));
+                return Err(bad("tcp:HOST:PORT, e.g. tcp:127.0.0.1:10809"));
             }
             Ok(Listen::Tcp(rest.to_string()))
         } else if let Some(rest) = text.strip_prefix("unix:") {
             if rest.is_empty() {
-                return Err(format!("--listen {text}: expected unix:PATH"));
+                return Err(bad("unix:PATH"));
             }
             Ok(Listen::Unix(PathBuf::from(rest)))
         } else {
-            Err(format!(
-                "--listen {text}: expected tcp:HOST:PORT or unix:PATH"
-            ))
+            Err(bad("tcp:HOST:PORT or unix:PATH"))
         }
     }
 }

@@ -90,14 +90,14 @@ impl ExportTable {
 
     /// Adds `export`, read-only whatever its flags say. Refused when its name is empty
     /// or taken.
-    pub fn add(&self, mut export: Export) -> Result<(), String> {
+    pub fn add(&self, mut export: Export) -> Result<(), crate::Error> {
         let name = export.info.name.clone();
         if name.is_empty() {
-            return Err("an added export needs a name".into());
+            return Err(crate::Error::ExportUnnamed);
         }
         let mut list = self.list_mut();
         if list.iter().any(|l| l.export.info.name == name) {
-            return Err(format!("an export named '{name}' is served already"));
+            return Err(crate::Error::ExportExists(name));
         }
         export.info.flags = (export.info.flags | tflags::READ_ONLY | tflags::CAN_MULTI_CONN)
             & !(tflags::SEND_FUA
@@ -117,16 +117,85 @@ impl ExportTable {
 
     /// Removes export `name` (one added while serving): no new connection reaches it;
     /// those connected keep it until they end. Returns how many are connected.
-    pub fn remove(&self, name: &str) -> Result<usize, String> {
+    pub fn remove(&self, name: &str) -> Result<usize, crate::Error> {
         let mut list = self.list_mut();
         let Some(i) = list.iter().position(|l| l.export.info.name == name) else {
-            return Err(format!("no export named '{name}'"));
+            return Err(crate::Error::NoExport(name.to_string()));
         };
         if !list[i].added {
-            return Err(format!(
-                "export '{name}' is from the start (the stack file or the command line): only exports added with 'export add' are removed"
-            ));
+            return Err(crate::Error::ExportFromStart(name.to_string()));
         }
         Ok(list.remove(i).conns.load(Ordering::Relaxed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::rc::Rc;
+
+    use cairn_core::{Caps, Core, Device, Geometry, Queue};
+
+    use super::*;
+    use crate::ExportInfo;
+
+    /// A device that is only ever listed, never opened.
+    struct Listed0;
+
+    impl Device for Listed0 {
+        fn name(&self) -> &str {
+            "d"
+        }
+        fn describe(&self) -> String {
+            String::new()
+        }
+        fn geometry(&self) -> Geometry {
+            Geometry {
+                size_bytes: 1 << 20,
+                block_bytes: 512,
+                caps: Caps::ALL,
+            }
+        }
+        fn open_queue(&self, _core: &Rc<Core>) -> Result<Rc<dyn Queue>, cairn_core::Error> {
+            Err(cairn_core::Error::Invalid("never opened".into()))
+        }
+    }
+
+    fn export(name: &str) -> Export {
+        Export {
+            info: ExportInfo {
+                name: name.into(),
+                description: String::new(),
+                size: 1 << 20,
+                flags: 0,
+                min_block: 512,
+                preferred_block: 4096,
+                max_payload: 1 << 20,
+                default: false,
+            },
+            device: Arc::new(Listed0),
+            strict_alignment: false,
+        }
+    }
+
+    /// The admin's export changes are refused as values it can reply from: a name taken,
+    /// no name, a name not served, an export from the start.
+    #[test]
+    fn export_changes_are_refused_as_values() {
+        let table = ExportTable::new();
+        table.start(vec![(export("first"), None)]);
+        table.add(export("snap")).expect("added");
+        let e = table.add(export("snap")).unwrap_err();
+        assert_eq!(e, crate::Error::ExportExists("snap".into()));
+        assert_eq!(e.to_string(), "an export named 'snap' is served already");
+        assert_eq!(table.add(export("")), Err(crate::Error::ExportUnnamed));
+        assert_eq!(
+            table.remove("nosuch"),
+            Err(crate::Error::NoExport("nosuch".into()))
+        );
+        assert_eq!(
+            table.remove("first"),
+            Err(crate::Error::ExportFromStart("first".into()))
+        );
+        assert_eq!(table.remove("snap"), Ok(0));
     }
 }

@@ -1,7 +1,7 @@
 //! Deciding what an array is from what its members hold: create it, assemble it, or refuse.
 //!
 //! Pure: the caller reads each member's superblock slots and passes what it found
-//! ([`Seen`]); [`plan`] returns the array to run ([`Plan`]) or one line saying why not.
+//! ([`Seen`]); [`plan`] returns the array to run ([`Plan`]) or why not ([`Error`]).
 //! The rules, after md's:
 //!
 //! - Every member blank (or named `missing`): a new array is created.
@@ -19,7 +19,8 @@
 //!   write-intent bitmap was last cleared or later, and was current then, is recovered
 //!   from the bitmap: only the regions written while it was away are copied to it.
 
-use super::superblock::{Level, MemberState, Superblock};
+use super::superblock::{uuid_text, Level, MemberState, Superblock};
+use crate::error::Error;
 
 /// What the stack file says the array is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,7 +96,7 @@ pub fn plan(
     seen: &[Seen],
     now_secs: u64,
     mut uuid: impl FnMut() -> [u8; 16],
-) -> Result<Plan, String> {
+) -> Result<Plan, Error> {
     assert_eq!(seen.len(), expect.members.len(), "one entry per member");
     refuse_foreign(expect, seen)?;
     refuse_retired(expect, seen)?;
@@ -143,17 +144,15 @@ pub fn plan(
 }
 
 /// Refuses a member that holds data but no superblock.
-fn refuse_foreign(expect: &Expect, seen: &[Seen]) -> Result<(), String> {
+fn refuse_foreign(expect: &Expect, seen: &[Seen]) -> Result<(), Error> {
     let name = &expect.name;
     for (i, s) in seen.iter().enumerate() {
         if let Seen::Foreign(why) = s {
-            return Err(format!(
-                "device '{name}': member '{}' holds data but no cairn superblock ({why}); nothing was written. \
-                 If it is raw data meant to be used as it is (an array made before superblocks were the default, \
-                 or by another program), add metadata = \"none\" to [device.{name}]; to make a new array of it instead, \
-                 zero it first (a new file, or blkdiscard -z for a disk)",
-                expect.members[i]
-            ));
+            return Err(Error::Foreign {
+                array: name.clone(),
+                member: expect.members[i].clone(),
+                why: why.clone(),
+            });
         }
     }
     Ok(())
@@ -161,26 +160,17 @@ fn refuse_foreign(expect: &Expect, seen: &[Seen]) -> Result<(), String> {
 
 /// Refuses a member taken out of the array (replace, remove): it is out of date from
 /// then on, and the stack file names the members from before the change.
-fn refuse_retired(expect: &Expect, seen: &[Seen]) -> Result<(), String> {
+fn refuse_retired(expect: &Expect, seen: &[Seen]) -> Result<(), Error> {
     let name = &expect.name;
     for (i, s) in seen.iter().enumerate() {
         if let Seen::Valid(sb) = s {
             if sb.retired() {
-                return Err(format!(
-                    "device '{name}': member '{}' was taken out of the array at event {} ({}): its data is out of date. \
-                     List the array's current members in the stack file (cairn serve updates it on a change when it can write it), \
-                     or name this position 'missing' to run without it",
-                    expect.members[i],
-                    sb.events,
-                    if sb.retired_by == [0; 16] {
-                        "removed".to_string()
-                    } else {
-                        format!(
-                            "replaced by member {}",
-                            super::superblock::uuid_text(&sb.retired_by)
-                        )
-                    }
-                ));
+                return Err(Error::Retired {
+                    array: name.clone(),
+                    member: expect.members[i].clone(),
+                    events: sb.events,
+                    by: (sb.retired_by != [0; 16]).then(|| uuid_text(&sb.retired_by)),
+                });
             }
         }
     }
@@ -195,7 +185,7 @@ fn check_member(
     record: &Superblock,
     i: usize,
     sb: &Superblock,
-) -> Result<(), String> {
+) -> Result<(), Error> {
     let (name, member) = (&expect.name, &expect.members[i]);
     if sb.array_uuid != record.array_uuid {
         let (j, _) = valid
@@ -203,12 +193,13 @@ fn check_member(
             .find(|(_, r)| r.array_uuid == record.array_uuid)
             .copied()
             .unwrap_or((i, sb));
-        return Err(format!(
-            "device '{name}': members '{member}' and '{}' belong to different arrays ({} and {})",
-            expect.members[j],
-            super::superblock::uuid_text(&sb.array_uuid),
-            super::superblock::uuid_text(&record.array_uuid)
-        ));
+        return Err(Error::DifferentArrays {
+            array: name.clone(),
+            member: member.clone(),
+            other: expect.members[j].clone(),
+            uuid: uuid_text(&sb.array_uuid),
+            other_uuid: uuid_text(&record.array_uuid),
+        });
     }
     let layout = |s: &Superblock| {
         format!(
@@ -227,43 +218,45 @@ fn check_member(
         expect.copies
     );
     if layout(sb) != want {
-        return Err(format!(
-            "device '{name}': member '{member}' belongs to a {}, but the stack file makes a {want}",
-            layout(sb)
-        ));
+        return Err(Error::LayoutDiffers {
+            array: name.clone(),
+            member: member.clone(),
+            found: layout(sb),
+            want,
+        });
     }
     if sb.role as usize != i {
-        return Err(format!(
-            "device '{name}': member '{member}' is member {} of the array, but listed as member {}; \
-             list the members in their order",
-            sb.role + 1,
-            i + 1
-        ));
+        return Err(Error::OutOfOrder {
+            array: name.clone(),
+            member: member.clone(),
+            recorded: u64::from(sb.role) + 1,
+            listed: i + 1,
+        });
     }
     if let Some(&(j, _)) = valid
         .iter()
         .find(|(j, other)| *j < i && other.member_uuid == sb.member_uuid)
     {
-        return Err(format!(
-            "device '{name}': members '{}' and '{member}' are the same member (a copy of one image?)",
-            expect.members[j]
-        ));
+        return Err(Error::SameMember {
+            array: name.clone(),
+            first: expect.members[j].clone(),
+            second: member.clone(),
+        });
     }
     Ok(())
 }
 
 /// Refuses a spare of another array than `record`'s.
-fn refuse_other_spares(expect: &Expect, seen: &[Seen], record: &Superblock) -> Result<(), String> {
+fn refuse_other_spares(expect: &Expect, seen: &[Seen], record: &Superblock) -> Result<(), Error> {
     let name = &expect.name;
     for (i, s) in seen.iter().enumerate() {
         if let Seen::Spare(of) = s {
             if *of != record.array_uuid {
-                return Err(format!(
-                    "device '{name}': member '{}' is a spare of another array ({}): zero it first to use it \
-                     (a new file, or blkdiscard -z for a disk)",
-                    expect.members[i],
-                    super::superblock::uuid_text(of)
-                ));
+                return Err(Error::OtherSpare {
+                    array: name.clone(),
+                    member: expect.members[i].clone(),
+                    uuid: uuid_text(of),
+                });
             }
         }
     }
@@ -382,7 +375,7 @@ fn create(
     seen: &[Seen],
     now_secs: u64,
     mut uuid: impl FnMut() -> [u8; 16],
-) -> Result<Plan, String> {
+) -> Result<Plan, Error> {
     let parts = seen
         .iter()
         .map(|s| match s {
@@ -415,27 +408,22 @@ fn create(
 }
 
 /// Every piece of data has an active copy.
-fn check_readable(expect: &Expect, plan: &Plan) -> Result<(), String> {
+fn check_readable(expect: &Expect, plan: &Plan) -> Result<(), Error> {
     let active: Vec<bool> = plan
         .parts
         .iter()
         .map(|p| p.state == MemberState::Active)
         .collect();
     if let Some(set) = uncovered(expect.level, expect.copies as usize, &active) {
-        let names: Vec<String> = set
+        let holders = set
             .iter()
-            .map(|&m| format!("'{}' ({})", expect.members[m], plan.parts[m].state.name()))
+            .map(|&m| (expect.members[m].clone(), plan.parts[m].state.name()))
             .collect();
-        return Err(format!(
-            "device '{}': cannot start: no current copy of some data (it lives on {}){}",
-            expect.name,
-            names.join(", "),
-            if plan.created {
-                ""
-            } else {
-                "; the members that hold it are stale, missing or failed"
-            }
-        ));
+        return Err(Error::NoCurrentCopy {
+            array: expect.name.clone(),
+            holders,
+            created: plan.created,
+        });
     }
     Ok(())
 }
@@ -543,7 +531,12 @@ mod tests {
         let e = expect(Level::Stripe, &["a", "missing"]);
         let err = plan(&e, &[Seen::Blank, Seen::Missing], 5, counter()).unwrap_err();
         assert!(
-            err.contains("cannot start") && err.contains("'missing'"),
+            matches!(&err, Error::NoCurrentCopy { holders, created: true, .. }
+                if holders == &[("missing".to_string(), "missing")]),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string().contains("cannot start") && err.to_string().contains("'missing'"),
             "{err}"
         );
         // raid10 of 4, copies 2: members 0 and 1 hold the same data.
@@ -552,7 +545,10 @@ mod tests {
         assert!(plan(&e, &seen, 5, counter()).is_ok());
         let seen = [Seen::Missing, Seen::Missing, Seen::Blank, Seen::Blank];
         let err = plan(&e, &seen, 5, counter()).unwrap_err();
-        assert!(err.contains("'a'") && err.contains("'b'"), "{err}");
+        assert!(
+            err.to_string().contains("'a'") && err.to_string().contains("'b'"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -600,7 +596,14 @@ mod tests {
         );
         let seen = [Seen::Valid(sb(&e, &p, 0, 3)), Seen::Spare([0xaa; 16])];
         let err = plan(&e, &seen, 6, counter()).unwrap_err();
-        assert!(err.contains("'s' is a spare of another array"), "{err}");
+        assert!(
+            matches!(&err, Error::OtherSpare { member, .. } if member == "s"),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string().contains("'s' is a spare of another array"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -618,7 +621,10 @@ mod tests {
         let p1 = plan(&e1, &[Seen::Blank, Seen::Blank], 5, counter()).unwrap();
         let seen = [Seen::Valid(sb(&e1, &p1, 0, 3)), Seen::Blank];
         let err = plan(&e1, &seen, 6, counter()).unwrap_err();
-        assert!(err.contains("cannot start") && err.contains("'b'"), "{err}");
+        assert!(
+            err.to_string().contains("cannot start") && err.to_string().contains("'b'"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -633,25 +639,38 @@ mod tests {
         )
         .unwrap_err();
         assert!(
-            err.contains("'b'") && err.contains("holds data but no cairn superblock"),
+            err.to_string().contains("'b'")
+                && err
+                    .to_string()
+                    .contains("holds data but no cairn superblock"),
             "{err}"
         );
         // Swapped.
         let seen = [Seen::Valid(sb(&e, &p, 1, 3)), Seen::Valid(sb(&e, &p, 0, 3))];
         let err = plan(&e, &seen, 6, counter()).unwrap_err();
-        assert!(err.contains("'a'") && err.contains("member 2"), "{err}");
+        assert!(
+            matches!(&err, Error::OutOfOrder { member, recorded: 2, listed: 1, .. } if member == "a"),
+            "{err:?}"
+        );
+        assert_eq!(
+            err.to_string(),
+            "device 'r': member 'a' is member 2 of the array, but listed as member 1; \
+             list the members in their order"
+        );
         // One image twice.
         let mut twin = sb(&e, &p, 0, 3);
         twin.role = 1;
         let seen = [Seen::Valid(sb(&e, &p, 0, 3)), Seen::Valid(twin)];
         let err = plan(&e, &seen, 6, counter()).unwrap_err();
-        assert!(err.contains("same member"), "{err}");
+        assert!(matches!(err, Error::SameMember { .. }), "{err:?}");
+        assert!(err.to_string().contains("same member"), "{err}");
         // Another array's member.
         let mut other = sb(&e, &p, 1, 3);
         other.array_uuid = [0xee; 16];
         let seen = [Seen::Valid(sb(&e, &p, 0, 3)), Seen::Valid(other)];
         let err = plan(&e, &seen, 6, counter()).unwrap_err();
-        assert!(err.contains("different arrays"), "{err}");
+        assert!(matches!(err, Error::DifferentArrays { .. }), "{err:?}");
+        assert!(err.to_string().contains("different arrays"), "{err}");
         // Another layout.
         let e3 = expect(Level::Mirror, &["a", "b", "c"]);
         let seen = [
@@ -661,7 +680,8 @@ mod tests {
         ];
         let err = plan(&e3, &seen, 6, counter()).unwrap_err();
         assert!(
-            err.contains("mirror of 2 members") && err.contains("mirror of 3"),
+            err.to_string().contains("mirror of 2 members")
+                && err.to_string().contains("mirror of 3"),
             "{err}"
         );
     }

@@ -18,7 +18,11 @@
 //!
 //! Every superblock write holds one lock ([`Metadata`]'s `writing`), so the bits one
 //! write carries are never undone on disk by an older image another write carries.
+//!
+//! - [`admin`]: the admin's actions on a running array ([`ArrayAdmin`]), which fail with
+//!   [`crate::Error`].
 
+pub mod admin;
 pub mod assemble;
 pub mod bitmap;
 pub mod superblock;
@@ -29,6 +33,9 @@ use cairn_core::blocking::BlockingQueue;
 use cairn_core::ondisk::{new_uuid, Invalid, Picked};
 use cairn_core::{Device, Error, IoFlags, Switches};
 
+use crate::error::MemberIs;
+use crate::Error as StackError;
+pub use admin::{ArrayAction, ArrayAdmin};
 use assemble::{Expect, Part, Plan, Seen};
 use bitmap::Bitmap;
 use superblock::{MemberState, Role, Superblock, DATA_OFFSET_MIN, SLOTS, SLOT_BYTES};
@@ -64,25 +71,32 @@ impl Examined {
         device: &Arc<dyn Device>,
         name: &str,
         block: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), StackError> {
         let g = device.geometry();
         let need = self.data_offset + self.member_data.iter().copied().max().unwrap_or(0);
         if g.size_bytes < need {
-            return Err(format!(
-                "'{name}' has {} bytes; a member of '{}' needs at least {need} (add size= to create or grow a file)",
-                g.size_bytes, self.name
-            ));
+            return Err(StackError::TooSmall {
+                device: name.to_string(),
+                array: self.name.clone(),
+                size_bytes: g.size_bytes,
+                need_bytes: need,
+            });
         }
         if u64::from(g.block_bytes) > block {
-            return Err(format!(
-                "'{name}' has {}-byte blocks; '{}' uses {block}-byte blocks",
-                g.block_bytes, self.name
-            ));
+            return Err(StackError::BlocksTooLarge {
+                device: name.to_string(),
+                array: self.name.clone(),
+                block_bytes: u64::from(g.block_bytes),
+                array_block_bytes: block,
+            });
         }
-        let q = queue(device, &self.name, name).map_err(|e| e.to_string())?;
+        let q = queue(device, &self.name, name)?;
         let mut area = vec![0u8; SLOTS * SLOT_BYTES];
-        q.read(0, &mut area)
-            .map_err(|e| format!("'{name}': reading its superblocks failed: {e}"))?;
+        q.read(0, &mut area).map_err(|source| StackError::Io {
+            device: Some(name.to_string()),
+            doing: "reading its superblocks",
+            source,
+        })?;
         joinable(&q, device, &area, name, &self.plan.array_uuid)
     }
 }
@@ -157,7 +171,7 @@ pub fn examine(expect: &Expect, members: &[Option<Arc<dyn Device>>]) -> Result<E
         }
     }
     let now = now_secs();
-    let plan = assemble::plan(expect, &seen, now, new_uuid).map_err(Error::Invalid)?;
+    let plan = assemble::plan(expect, &seen, now, new_uuid)?;
     let record = seen
         .iter()
         .filter_map(|s| match s {
@@ -693,9 +707,9 @@ impl Metadata {
     }
 
     /// Records that failed member `m` is removed: the array runs without it (`missing`).
-    pub fn remove_member(&self, m: usize) -> Result<(), String> {
+    pub fn remove_member(&self, m: usize) -> Result<(), StackError> {
         if self.dry {
-            return Err("examined only".into());
+            return Err(StackError::ExaminedOnly);
         }
         let _writing = self.writing();
         let retiring = {
@@ -711,12 +725,14 @@ impl Metadata {
                     st.parts[m].state = MemberState::Missing;
                     old
                 }
-                Some(MemberState::Missing) => return Err("it is missing already".into()),
-                Some(_) => return Err("it is in use: fail it first".into()),
-                None => return Err("no such member".into()),
+                Some(MemberState::Missing) => {
+                    return Err(StackError::Member(MemberIs::MissingAlready))
+                }
+                Some(_) => return Err(StackError::Member(MemberIs::InUse)),
+                None => return Err(StackError::NoPosition(m)),
             }
         };
-        self.write(false).map_err(|e| e.to_string())?;
+        self.write(false)?;
         if let (Some(old), part, generation, name) = retiring {
             self.retire(m, &old, (part, generation, &name), [0; 16]);
         }
@@ -728,13 +744,13 @@ impl Metadata {
     /// current when it left and no bit was cleared since; else it is rebuilt whole).
     /// Then every member in use, `m` too, gets a superblock that marks it rebuilding
     /// (events bumped). Nothing is written if it is refused.
-    pub fn readd_member(&self, m: usize) -> Result<bool, String> {
+    pub fn readd_member(&self, m: usize) -> Result<bool, StackError> {
         let sb = self.probe(m)?;
         let _writing = self.writing();
         let partial = {
             let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
             if st.parts.get(m).map(|p| p.state) != Some(MemberState::Failed) {
-                return Err("it has not failed".into());
+                return Err(StackError::Member(MemberIs::NotFailed));
             }
             let partial = self.bitmap_covers(&st, m, &sb);
             st.parts[m].state = MemberState::Rebuilding;
@@ -744,7 +760,7 @@ impl Metadata {
             partial
         };
         self.write_rebuilding(m)
-            .map_err(|e| format!("{e}: it stays failed"))?;
+            .map_err(|e| StackError::StaysFailed(Box::new(e)))?;
         Ok(partial)
     }
 
@@ -754,21 +770,24 @@ impl Metadata {
         &self,
         device: &Arc<dyn Device>,
         name: &str,
-    ) -> Result<(BlockingQueue, Vec<u8>), String> {
+    ) -> Result<(BlockingQueue, Vec<u8>), StackError> {
         let mut area = vec![0u8; SLOTS * SLOT_BYTES];
-        let q = queue(device, &self.expect.name, name).map_err(|e| e.to_string())?;
-        q.read(0, &mut area)
-            .map_err(|e| format!("reading its superblocks failed: {e}"))?;
+        let q = queue(device, &self.expect.name, name)?;
+        q.read(0, &mut area).map_err(|source| StackError::Io {
+            device: None,
+            doing: "reading its superblocks",
+            source,
+        })?;
         Ok((q, area))
     }
 
     /// Writes the superblocks after member `m` was made rebuilding; fails if it did not
     /// take its own (then it is failed again).
-    fn write_rebuilding(&self, m: usize) -> Result<(), String> {
-        self.write(false).map_err(|e| e.to_string())?;
+    fn write_rebuilding(&self, m: usize) -> Result<(), StackError> {
+        self.write(false)?;
         let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if st.parts[m].state != MemberState::Rebuilding {
-            return Err("its superblock could not be written".into());
+            return Err(StackError::SuperblockNotTaken);
         }
         Ok(())
     }
@@ -786,14 +805,14 @@ impl Metadata {
 
     /// Whether failed member `m` answers with its superblock (see
     /// [`Metadata::readd_member`]). Writes nothing.
-    pub fn probe_member(&self, m: usize) -> Result<(), String> {
+    pub fn probe_member(&self, m: usize) -> Result<(), StackError> {
         self.probe(m).map(|_| ())
     }
 
     /// Reads failed member `m`'s superblock: it must be this member's.
-    fn probe(&self, m: usize) -> Result<Superblock, String> {
+    fn probe(&self, m: usize) -> Result<Superblock, StackError> {
         if self.dry {
-            return Err("examined only".into());
+            return Err(StackError::ExaminedOnly);
         }
         let (device, name, member_uuid) = {
             let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
@@ -802,31 +821,28 @@ impl Metadata {
                     (d.clone(), st.names[m].clone(), p.member_uuid)
                 }
                 (Some(p), _) if p.state == MemberState::Missing => {
-                    return Err("it is missing (removed): add a device in its place".into())
+                    return Err(StackError::Member(MemberIs::Removed))
                 }
-                (Some(_), _) => return Err("it has not failed".into()),
-                (None, _) => return Err("no such member".into()),
+                (Some(_), _) => return Err(StackError::Member(MemberIs::NotFailed)),
+                (None, _) => return Err(StackError::NoPosition(m)),
             }
         };
         let (_, area) = self
             .read_area(&device, &name)
-            .map_err(|e| format!("{e}: it stays failed"))?;
+            .map_err(|e| StackError::StaysFailed(Box::new(e)))?;
         match superblock::pick(&area) {
             Picked::Valid { record: sb, .. }
                 if sb.array_uuid == self.array_uuid && sb.member_uuid == member_uuid =>
             {
                 Ok(sb)
             }
-            _ => Err(
-                "it no longer holds its superblock of this array: it stays failed (add a new device in its place to rebuild it whole)"
-                    .into(),
-            ),
+            _ => Err(StackError::Member(MemberIs::NotItsSuperblock)),
         }
     }
 
     /// Whether `device` may become a member: blank, or carrying a superblock of this
     /// array (a member that left, added back). Anything else could be someone's data.
-    pub fn may_join(&self, device: &Arc<dyn Device>, name: &str) -> Result<(), String> {
+    pub fn may_join(&self, device: &Arc<dyn Device>, name: &str) -> Result<(), StackError> {
         let (q, area) = self.read_area(device, name)?;
         joinable(&q, device, &area, name, &self.array_uuid)?;
         // It must keep what is written (a null device does not): a pattern over its
@@ -836,11 +852,15 @@ impl Metadata {
         q.write(0, &pattern, IoFlags::FUA)
             .and_then(|()| q.read(0, &mut back))
             .and_then(|()| q.write(0, &area, IoFlags::FUA))
-            .map_err(|e| format!("'{name}': writing its metadata area failed: {e}"))?;
+            .map_err(|source| StackError::Io {
+                device: Some(name.to_string()),
+                doing: "writing its metadata area",
+                source,
+            })?;
         if back != pattern {
-            return Err(format!(
-                "'{name}' does not keep what is written to it (a null device?)"
-            ));
+            return Err(StackError::KeepsNoWrites {
+                device: name.to_string(),
+            });
         }
         Ok(())
     }
@@ -849,7 +869,7 @@ impl Metadata {
     /// ([`Metadata::may_join`]) and not a member in use; then it gets a spare's
     /// superblock in both slots ([`superblock::FLAG_SPARE`]), so that a restart knows it
     /// for one. Examined only ([`Metadata::dry`]): checked, nothing written.
-    pub fn make_spare(&self, device: &Arc<dyn Device>, name: &str) -> Result<(), String> {
+    pub fn make_spare(&self, device: &Arc<dyn Device>, name: &str) -> Result<(), StackError> {
         let (q, area) = self.read_area(device, name)?;
         joinable(&q, device, &area, name, &self.array_uuid)?;
         let generation = match superblock::pick(&area) {
@@ -862,10 +882,10 @@ impl Metadata {
                     .position(|(p, d)| d.is_some() && p.member_uuid == sb.member_uuid)
                     .filter(|_| !sb.spare());
                 if let Some(m) = in_use {
-                    return Err(format!(
-                        "'{name}' is member '{}' of this array, in use: a spare is another device",
-                        st.names[m]
-                    ));
+                    return Err(StackError::SpareInUse {
+                        device: name.to_string(),
+                        member: st.names[m].clone(),
+                    });
                 }
                 sb.generation
             }
@@ -887,7 +907,11 @@ impl Metadata {
             let at = (sb.slot() * SLOT_BYTES) as u64;
             q.write(at, &sb.encode(), IoFlags::FUA)
                 .and_then(|()| q.flush())
-                .map_err(|e| format!("'{name}': writing its spare's superblock failed: {e}"))?;
+                .map_err(|source| StackError::Io {
+                    device: Some(name.to_string()),
+                    doing: "writing its spare's superblock",
+                    source,
+                })?;
         }
         Ok(())
     }
@@ -898,9 +922,9 @@ impl Metadata {
     /// back. Any other device is made a new member ([`Metadata::set_member`]) and
     /// rebuilt whole. One that ran on without this array's other members (events ahead
     /// of the array's) is refused: what it holds is newer than what the array served.
-    pub fn join(&self, m: usize, device: Arc<dyn Device>, name: &str) -> Result<bool, String> {
+    pub fn join(&self, m: usize, device: Arc<dyn Device>, name: &str) -> Result<bool, StackError> {
         if self.dry {
-            return Err("examined only".into());
+            return Err(StackError::ExaminedOnly);
         }
         let (_, area) = self.read_area(&device, name)?;
         let sb = match superblock::pick(&area) {
@@ -918,10 +942,10 @@ impl Metadata {
         let partial = {
             let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
             if sb.events > st.events {
-                return Err(format!(
-                    "it ran on without the array's other members (events {} ahead of the array's {}): it holds writes this array never saw; clear its first 16 KiB to rebuild it from this array, or stop and assemble from it",
-                    sb.events, st.events
-                ));
+                return Err(StackError::RanOn {
+                    member_events: sb.events,
+                    array_events: st.events,
+                });
             }
             let taken =
                 st.parts.iter().enumerate().any(|(i, p)| {
@@ -958,19 +982,23 @@ impl Metadata {
         device: Arc<dyn Device>,
         name: &str,
         state: MemberState,
-    ) -> Result<(), String> {
+    ) -> Result<(), StackError> {
         if self.dry {
-            return Err("examined only".into());
+            return Err(StackError::ExaminedOnly);
         }
-        let q = queue(&device, &self.expect.name, name).map_err(|e| e.to_string())?;
+        let q = queue(&device, &self.expect.name, name)?;
         q.write(0, &vec![0u8; SLOTS * SLOT_BYTES], IoFlags::FUA)
             .and_then(|()| q.flush())
-            .map_err(|e| format!("clearing its superblocks failed: {e}"))?;
+            .map_err(|source| StackError::Io {
+                device: None,
+                doing: "clearing its superblocks",
+                source,
+            })?;
         let _writing = self.writing();
         let (retiring, by) = {
             let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
             if m >= st.parts.len() {
-                return Err("no such member".into());
+                return Err(StackError::NoPosition(m));
             }
             let by = new_uuid();
             let old = (
@@ -990,7 +1018,7 @@ impl Metadata {
             st.names[m] = name.to_string();
             (old, by)
         };
-        self.write(false).map_err(|e| e.to_string())?;
+        self.write(false)?;
         if let (Some(old), part, generation, old_name) = retiring {
             if !Arc::ptr_eq(&old, &device) && part.state != MemberState::Missing {
                 self.retire(m, &old, (part, generation, &old_name), by);
@@ -1235,26 +1263,28 @@ fn joinable(
     area: &[u8],
     name: &str,
     array_uuid: &[u8; 16],
-) -> Result<(), String> {
-    let wipe = "zero it first to use it (a new file, or blkdiscard -z for a disk)";
+) -> Result<(), StackError> {
+    let device_name = name.to_string();
     match superblock::pick(area) {
-        Picked::Blank => match data_found(q, device, area).map_err(|e| e.to_string())? {
+        Picked::Blank => match data_found(q, device, area)? {
             None => Ok(()),
-            Some(why) => Err(format!(
-                "'{name}' holds data but no superblock of this array ({why}; it may be someone's data): {wipe}"
-            )),
+            Some(why) => Err(StackError::HoldsData {
+                device: device_name,
+                found: Some(why),
+            }),
         },
         Picked::Valid { record: sb, .. } if sb.array_uuid == *array_uuid => Ok(()),
         // Refused before anything is written to it.
-        Picked::Valid { record: sb, .. } => Err(format!(
-            "'{name}' is a {} of another array ('{}', {}): {wipe}",
-            if sb.spare() { "spare" } else { "member" },
-            sb.name,
-            superblock::uuid_text(&sb.array_uuid)
-        )),
-        Picked::Foreign { .. } => Err(format!(
-            "'{name}' holds data but no superblock of this array (it may be someone's data): {wipe}"
-        )),
+        Picked::Valid { record: sb, .. } => Err(StackError::OtherArray {
+            device: device_name,
+            spare: sb.spare(),
+            other: sb.name,
+            uuid: superblock::uuid_text(&sb.array_uuid),
+        }),
+        Picked::Foreign { .. } => Err(StackError::HoldsData {
+            device: device_name,
+            found: None,
+        }),
     }
 }
 

@@ -1,6 +1,7 @@
 //! [`StackDevice`], the stacked device, and [`Shared`], its state shared with its
 //! control threads: building it from members and a layout, its `Device` impl (queues,
-//! extents) and its `Array` impl (what it reports, the admin's actions), and its clean stop when dropped.
+//! extents), its `Array` impl (what it reports) and `ArrayAdmin` impl (the admin's
+//! actions), and its clean stop when dropped.
 //!
 //! The superblocks and the control threads they start are in `metadata`, changes of
 //! members in `members` and `watch`, the status text in `status`, the I/O path in
@@ -13,14 +14,15 @@ use std::sync::Arc;
 
 use cairn_core::slab::Slab;
 use cairn_core::{
-    Array, ArrayAction, Caps, Core, Device, Error, FlushBatcher, Geometry, Offer, Queue,
-    QueueStats, SinkId, Want,
+    Array, Caps, Core, Device, Error, FlushBatcher, Geometry, Offer, Queue, QueueStats, SinkId,
+    Want,
 };
 
 use super::health::{Gate, Health};
 use super::metadata::{Thread, Threads};
 use super::queue::{State, PARENTS};
 use super::{AnyLayout, ArrayOptions, Layout, StackQueue, MISSING};
+use crate::array::{ArrayAction, ArrayAdmin};
 
 /// A device made of other devices.
 pub struct StackDevice {
@@ -310,7 +312,8 @@ impl Device for StackDevice {
     }
 
     fn offer(self: Arc<Self>, want: Want) -> Option<Offer> {
-        want.offer::<dyn Array>(|| self)
+        want.offer::<dyn Array>(|| self.clone())
+            .or_else(|| want.offer::<dyn ArrayAdmin>(|| self))
     }
 }
 
@@ -388,32 +391,6 @@ impl Array for StackDevice {
         })
     }
 
-    fn act(&self, action: &ArrayAction) -> Result<String, String> {
-        let name = &self.name;
-        let Some(meta) = self.metadata.as_ref().filter(|m| !m.dry()) else {
-            return Err(format!(
-                "'{name}' keeps no metadata (metadata = \"none\" in its stack file): it has no '{}'",
-                action.name()
-            ));
-        };
-        if self.layout.copies() < 2 {
-            return Err(format!(
-                "'{name}' is a {}: it has no redundancy to run without a member",
-                self.layout.kind()
-            ));
-        }
-        // One change of members at a time.
-        let _changing = self.changing.lock().unwrap_or_else(|p| p.into_inner());
-        let _seq = self.health.changing();
-        match action {
-            ArrayAction::Fail { member } => self.fail(meta, member),
-            ArrayAction::Remove { member } => self.shared.remove(meta, member),
-            ArrayAction::Add { spec } => self.shared.add(meta, spec),
-            ArrayAction::ReAdd { member } => self.shared.readd(meta, member),
-            ArrayAction::Replace { old, spec } => self.shared.replace(meta, old, spec),
-        }
-    }
-
     fn change_seq(&self) -> u64 {
         self.health.changes.load(SeqCst)
     }
@@ -463,5 +440,33 @@ impl Array for StackDevice {
             .filter(|&m| !self.health.ok(m))
             .map(|m| self.health.name(m))
             .collect()
+    }
+}
+
+impl ArrayAdmin for StackDevice {
+    fn act(&self, action: &ArrayAction) -> Result<String, crate::Error> {
+        let name = &self.name;
+        let Some(meta) = self.metadata.as_ref().filter(|m| !m.dry()) else {
+            return Err(crate::Error::NoMetadata {
+                array: name.clone(),
+                action: action.name(),
+            });
+        };
+        if self.layout.copies() < 2 {
+            return Err(crate::Error::NotRedundant {
+                array: name.clone(),
+                level: self.layout.kind(),
+            });
+        }
+        // One change of members at a time.
+        let _changing = self.changing.lock().unwrap_or_else(|p| p.into_inner());
+        let _seq = self.health.changing();
+        match action {
+            ArrayAction::Fail { member } => self.fail(meta, member),
+            ArrayAction::Remove { member } => self.shared.remove(meta, member),
+            ArrayAction::Add { spec } => self.shared.add(meta, spec),
+            ArrayAction::ReAdd { member } => self.shared.readd(meta, member),
+            ArrayAction::Replace { old, spec } => self.shared.replace(meta, old, spec),
+        }
     }
 }

@@ -1,5 +1,5 @@
 //! Changes of members of a running array: the admin's `fail`, `remove`, `add`,
-//! `re-add` and `replace` (dispatched by `Array::act`), and the steps they share
+//! `re-add` and `replace` (dispatched by `ArrayAdmin::act`), and the steps they share
 //! with the members' thread (`watch`): opening and checking a new device, putting it in a
 //! member's place, taking a failed member back.
 
@@ -9,18 +9,39 @@ use std::sync::Arc;
 use cairn_core::Device;
 
 use super::{Layout, Shared, MISSING};
+use crate::error::{Error, MemberIs};
 
 impl Shared {
     /// Member `member`'s index, or an error naming the members.
-    fn member_index(&self, member: &str) -> Result<usize, String> {
+    fn member_index(&self, member: &str) -> Result<usize, Error> {
         let names: Vec<String> = (0..self.health.n).map(|m| self.health.name(m)).collect();
-        names.iter().position(|n| n == member).ok_or_else(|| {
-            format!(
-                "'{}' has no member '{member}' (its members: {})",
-                self.name,
-                names.join(", ")
-            )
-        })
+        match names.iter().position(|n| n == member) {
+            Some(m) => Ok(m),
+            None => Err(Error::NoSuchMember {
+                array: self.name.clone(),
+                member: member.to_string(),
+                members: names,
+            }),
+        }
+    }
+
+    /// The refusal of an action on `member` because of what it is.
+    fn member_is(&self, member: &str, state: MemberIs) -> Error {
+        Error::MemberState {
+            array: self.name.clone(),
+            member: member.to_string(),
+            state,
+        }
+    }
+
+    /// `source`, as the reason `action` on `member` was refused.
+    fn refused(&self, action: &'static str, member: &str, source: Error) -> Error {
+        Error::Refused {
+            action,
+            member: member.to_string(),
+            array: self.name.clone(),
+            source: Box::new(source),
+        }
     }
 
     /// The level, for the coverage rules.
@@ -37,13 +58,11 @@ impl Shared {
         &self,
         meta: &crate::array::Metadata,
         member: &str,
-    ) -> Result<String, String> {
+    ) -> Result<String, Error> {
         let name = &self.name;
         let m = self.member_index(member)?;
         if !self.health.ok(m) {
-            return Err(format!(
-                "member '{member}' of '{name}' has failed already or is missing"
-            ));
+            return Err(self.member_is(member, MemberIs::FailedAlready));
         }
         // Every piece keeps a current copy.
         let current: Vec<bool> = (0..self.health.n)
@@ -52,14 +71,11 @@ impl Shared {
         if let Some(set) =
             crate::array::assemble::uncovered(self.level(), self.layout.copies(), &current)
         {
-            let names: Vec<String> = set
-                .iter()
-                .map(|&i| format!("'{}'", self.health.name(i)))
-                .collect();
-            return Err(format!(
-                "failing '{member}' would leave data of '{name}' with no current copy (it lives on {}); let a rebuild finish first",
-                names.join(", ")
-            ));
+            return Err(Error::LastCopy {
+                array: name.clone(),
+                member: member.to_string(),
+                holders: set.iter().map(|&i| self.health.name(i)).collect(),
+            });
         }
         self.by_admin[m].store(true, Relaxed);
         self.health.readable[m].store(false, Relaxed);
@@ -77,22 +93,18 @@ impl Shared {
         self: &Arc<Self>,
         meta: &crate::array::Metadata,
         member: &str,
-    ) -> Result<String, String> {
+    ) -> Result<String, Error> {
         use crate::array::superblock::MemberState;
         let name = &self.name;
         let m = self.member_index(member)?;
         if meta.states()[m] == MemberState::Active && self.health.ok(m) {
-            return Err(format!(
-                "member '{member}' of '{name}' is in use: fail it first"
-            ));
+            return Err(self.member_is(member, MemberIs::InUse));
         }
         if self.health.being_replaced(m) {
-            return Err(format!(
-                "member '{member}' of '{name}' is being replaced: wait for the replace to end"
-            ));
+            return Err(self.member_is(member, MemberIs::BeingReplaced));
         }
         meta.remove_member(m)
-            .map_err(|e| format!("cannot remove member '{member}' of '{name}': {e}"))?;
+            .map_err(|e| self.refused("remove", member, e))?;
         // A stand-in that is never used takes its place, so its file closes.
         let stand_in = self.stand_in()?;
         let n = self.health.n;
@@ -110,7 +122,7 @@ impl Shared {
     }
 
     /// A device that stands in for a missing member (never written nor read).
-    fn stand_in(&self) -> Result<Arc<dyn Device>, String> {
+    fn stand_in(&self) -> Result<Arc<dyn Device>, Error> {
         let size = self.data_offset + self.metadata.as_ref().map_or(0, |m| m.member_data(0));
         cairn_leaves::null::NullDevice::new(
             MISSING,
@@ -118,7 +130,7 @@ impl Shared {
             self.geometry.block_bytes,
         )
         .map(|d| Arc::new(d) as Arc<dyn Device>)
-        .map_err(|e| e.to_string())
+        .map_err(Error::from)
     }
 
     /// Opens the device `spec` names as a new member of this array, checking it fits.
@@ -127,18 +139,21 @@ impl Shared {
         meta: &crate::array::Metadata,
         spec: &str,
         slot: usize,
-    ) -> Result<(Arc<dyn Device>, String), String> {
-        let leaf = cairn_leaves::LeafSpec::parse(spec).map_err(|e| format!("'{spec}': {e}"))?;
+    ) -> Result<(Arc<dyn Device>, String), Error> {
+        let leaf = cairn_leaves::LeafSpec::parse(spec).map_err(|source| Error::Spec {
+            spec: spec.to_string(),
+            source,
+        })?;
         let new_name = leaf.default_name();
         let taken = (0..2 * self.health.n)
             .any(|i| self.health.name(i) == new_name && self.health.devices()[i].is_some());
         if taken || new_name == MISSING {
-            return Err(format!(
-                "'{name}' already has a member named '{new_name}': give the new one another file name",
-                name = self.name
-            ));
+            return Err(Error::NameTaken {
+                array: self.name.clone(),
+                name: new_name,
+            });
         }
-        let device = cairn_leaves::open(&leaf, &new_name).map_err(|e| e.to_string())?;
+        let device = cairn_leaves::open(&leaf, &new_name)?;
         self.fits(&device, &new_name, meta.member_data(slot))?;
         meta.may_join(&device, &new_name)?;
         let mut added = self.added.lock().unwrap_or_else(|p| p.into_inner());
@@ -154,20 +169,24 @@ impl Shared {
         device: &Arc<dyn Device>,
         new_name: &str,
         member_data: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), Error> {
         let g = device.geometry();
         let need = self.data_offset + member_data;
         if g.size_bytes < need {
-            return Err(format!(
-                "'{new_name}' has {} bytes; a member of '{}' needs at least {need} (add size= to create or grow a file)",
-                g.size_bytes, self.name
-            ));
+            return Err(Error::TooSmall {
+                device: new_name.to_string(),
+                array: self.name.clone(),
+                size_bytes: g.size_bytes,
+                need_bytes: need,
+            });
         }
         if g.block_bytes > self.geometry.block_bytes {
-            return Err(format!(
-                "'{new_name}' has {}-byte blocks; '{}' uses {}-byte blocks",
-                g.block_bytes, self.name, self.geometry.block_bytes
-            ));
+            return Err(Error::BlocksTooLarge {
+                device: new_name.to_string(),
+                array: self.name.clone(),
+                block_bytes: u64::from(g.block_bytes),
+                array_block_bytes: u64::from(self.geometry.block_bytes),
+            });
         }
         let caps = self.geometry.caps;
         let lacks: Vec<&str> = [
@@ -181,11 +200,11 @@ impl Shared {
         .map(|(n, _)| *n)
         .collect();
         if !lacks.is_empty() {
-            return Err(format!(
-                "'{new_name}' cannot {}, which '{}' offers its clients",
-                lacks.join(" or "),
-                self.name
-            ));
+            return Err(Error::LacksCaps {
+                device: new_name.to_string(),
+                array: self.name.clone(),
+                lacks,
+            });
         }
         Ok(())
     }
@@ -196,7 +215,7 @@ impl Shared {
         self: &Arc<Self>,
         meta: &crate::array::Metadata,
         spec: &str,
-    ) -> Result<String, String> {
+    ) -> Result<String, Error> {
         let name = &self.name;
         let Some(m) = self.free_slot(meta) else {
             // A spare: it takes the place of the next member that fails.
@@ -245,13 +264,13 @@ impl Shared {
         m: usize,
         device: Arc<dyn Device>,
         new_name: &str,
-    ) -> Result<String, String> {
+    ) -> Result<String, Error> {
         let name = &self.name;
         let old = self.health.name(m);
         // Recorded first: the new member is known as rebuilding before it gets a write.
         let partial = meta
             .join(m, device.clone(), new_name)
-            .map_err(|e| format!("cannot add '{new_name}' to '{name}': {e}"))?;
+            .map_err(|e| self.refused("add", new_name, e))?;
         self.with_threads_stopped(|| {
             // Nothing sent to the old device is in flight once the switch returns; from
             // then on writes go to the new one, which is read only below its rebuild's
@@ -289,20 +308,18 @@ impl Shared {
         self: &Arc<Self>,
         meta: &crate::array::Metadata,
         member: &str,
-    ) -> Result<String, String> {
+    ) -> Result<String, Error> {
         let name = &self.name;
         let m = self.member_index(member)?;
         if self.health.ok(m) {
-            return Err(format!("member '{member}' of '{name}' has not failed"));
+            return Err(self.member_is(member, MemberIs::NotFailed));
         }
         if self.health.being_replaced(m) {
-            return Err(format!(
-                "member '{member}' of '{name}' is being replaced: wait for the replace to end"
-            ));
+            return Err(self.member_is(member, MemberIs::BeingReplaced));
         }
         let how = self
             .take_back(meta, m)
-            .map_err(|e| format!("cannot re-add '{member}' to '{name}': {e}"))?;
+            .map_err(|e| self.refused("re-add", member, e))?;
         log::info!("cairn: {name}: member {member} re-added by the admin; {how}");
         Ok(format!("{name}: '{member}' re-added: {how} (see status)"))
     }
@@ -313,7 +330,7 @@ impl Shared {
         self: &Arc<Self>,
         meta: &crate::array::Metadata,
         m: usize,
-    ) -> Result<String, String> {
+    ) -> Result<String, Error> {
         // Whatever its device acknowledged and may have lost until now (a remote server
         // that restarted), found now or later, is copied to it again by this re-add (it
         // gets no write while failed, and no bit is cleared meanwhile): its flushes no
@@ -372,19 +389,15 @@ impl Shared {
         meta: &crate::array::Metadata,
         old: &str,
         spec: &str,
-    ) -> Result<String, String> {
+    ) -> Result<String, Error> {
         let name = &self.name;
         let m = self.member_index(old)?;
         // A replacement that failed is given up: a new one may take its place.
         if self.health.being_replaced(m) {
-            return Err(format!(
-                "member '{old}' of '{name}' is being replaced already"
-            ));
+            return Err(self.member_is(old, MemberIs::ReplacedAlready));
         }
         if !self.health.ok(m) {
-            return Err(format!(
-                "member '{old}' of '{name}' has failed or is missing: add a new device in its place instead (add {name} SPEC)"
-            ));
+            return Err(self.member_is(old, MemberIs::FailedOrMissing));
         }
         let (device, new_name) = self.open_new(meta, spec, m)?;
         let r = self.health.n + m;

@@ -50,7 +50,7 @@ impl StackDevice {
                 .fits(device, name, meta.member_data(0))
                 .and_then(|()| meta.make_spare(device, name))
                 .map_err(|e| {
-                    let what = if e.starts_with('\'') {
+                    let what = if e.names_device() {
                         format!("spare {e}")
                     } else {
                         format!("spare '{name}': {e}")
@@ -246,7 +246,7 @@ impl Shared {
         match meta.probe_member(m).and_then(|()| {
             let _changing = self.changing.lock().unwrap_or_else(|p| p.into_inner());
             if self.health.ok(m) {
-                return Err("taken back meanwhile".into());
+                return Err(crate::Error::TakenBack);
             }
             let _seq = self.health.changing();
             self.take_back(meta, m)
