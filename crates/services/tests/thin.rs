@@ -107,6 +107,73 @@ fn writes_read_back_holes_read_zero_and_a_reopen_keeps_everything() {
     assert_eq!(read(&q, (300 << 20) + 1536, b.len()), b);
 }
 
+/// The extents of `d` over `[offset, offset + len)`, checked to cover it exactly, as
+/// (hole, length) runs.
+fn runs(d: &Arc<dyn Device>, offset: u64, len: u64) -> Vec<(bool, u64)> {
+    let mut out = Vec::new();
+    let mut at = offset;
+    while at < offset + len {
+        let mut ext = Vec::new();
+        d.extents(at, offset + len - at, &mut ext).unwrap();
+        assert!(!ext.is_empty(), "no extents at {at}");
+        for e in ext {
+            match out.last_mut() {
+                Some((hole, n)) if *hole == e.hole => *n += e.len,
+                _ => out.push((e.hole, e.len)),
+            }
+            at += e.len;
+        }
+    }
+    assert_eq!(at, offset + len, "extents past the range asked");
+    out
+}
+
+#[test]
+fn extents_answer_holes_whole_leaves_at_a_time_and_match_the_mappings() {
+    let data = mem("64M", false);
+    let p = pool(&data);
+    // 4 GiB of 64 KiB blocks: 64 leaves of 1024 entries, most never made.
+    let (d, q) = volume(&p, "vm", Some(4 << 30));
+    let bs: u64 = 64 << 10;
+    // Blocks at the edges of leaves, in one leaf twice, and the volume's last block.
+    let written = [0u64, 1023, 1024, 1025, 5000, 40_000, 65_535];
+    for &vb in &written {
+        q.write(vb * bs + 4096, &pattern(vb, 4096), IoFlags::NONE)
+            .unwrap();
+    }
+    // The model: block by block.
+    let model = |offset: u64, len: u64| {
+        let mut out: Vec<(bool, u64)> = Vec::new();
+        let mut at = offset;
+        while at < offset + len {
+            let vb = at / bs;
+            let n = ((vb + 1) * bs).min(offset + len) - at;
+            let hole = !written.contains(&vb);
+            match out.last_mut() {
+                Some((h, m)) if *h == hole => *m += n,
+                _ => out.push((hole, n)),
+            }
+            at += n;
+        }
+        out
+    };
+    let size = 4u64 << 30;
+    for (offset, len) in [
+        (0, size),
+        (bs / 2, size - bs),
+        (1023 * bs + 512, 3 * bs),
+        (2000 * bs, 30_000 * bs + 4096),
+        (65_000 * bs + 4096, size - 65_000 * bs - 4096),
+        (6000 * bs, 1000 * bs),
+    ] {
+        assert_eq!(
+            runs(&d, offset, len),
+            model(offset, len),
+            "extents at {offset} for {len}"
+        );
+    }
+}
+
 #[test]
 fn snapshots_keep_what_was_and_clones_write_apart() {
     let data = mem("64M", false);
