@@ -413,10 +413,10 @@ fn replace(dir: &Path, old: &str, new: &str, child: &mut Child) -> String {
     out
 }
 
-/// The repro: both members of a mirror replaced online, writes, a clean stop,
-/// and `cairn serve` again with the stack file it was started from. The file was updated
-/// in place, so the array starts on the new members and serves the writes made after
-/// the replaces; the old members, listed again, are refused.
+/// A restart after replacing every member: both members of a mirror replaced online,
+/// writes, a clean stop, and `cairn serve` again with the stack file it was started from.
+/// The file was updated in place, so the array starts on the new members and serves the
+/// writes made after the replaces; the old members, listed again, are refused.
 #[test]
 fn a_restart_after_replaces_starts_on_the_members_now() {
     const NAME: &str = "a_restart_after_replaces_starts_on_the_members_now";
