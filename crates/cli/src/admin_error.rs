@@ -42,17 +42,6 @@ pub enum AdminError {
         /// The volume asked for.
         volume: String,
     },
-    /// The volume is served, but without a bitmap store.
-    #[error(
-        "volume '{volume}' of pool '{pool}' is not served with bitmaps (a [device] table with \
-         type = \"thin\", pool = \"{pool}\", volume = \"{volume}\" and bitmaps = \"PATH\")"
-    )]
-    NotTracked {
-        /// The pool.
-        pool: String,
-        /// The volume.
-        volume: String,
-    },
     /// An array action on a device that is not an array with metadata.
     #[error("'{device}' is not an array with metadata: it has no '{action}'")]
     NotAnArray {

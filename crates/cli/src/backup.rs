@@ -1,15 +1,16 @@
 //! `cairn admin SOCKET checkpoint ...` and `export ...`: the server side of an
-//! incremental backup. A checkpoint snapshots a thin volume and turns its bitmaps over;
-//! `export add` serves a snapshot, read-only, with the bitmaps attached to it, for a
-//! backup client to read what changed.
+//! incremental backup. A checkpoint snapshots a thin volume and marks it in the pool's
+//! metadata; `export add` serves a snapshot, read-only, with the changes since the
+//! checkpoints before it, for a backup client to read what changed.
 
 use std::sync::Arc;
 
+use cairn_core::size::format_bytes;
 use cairn_core::{Device, DirtyBitmaps};
-use cairn_services::dirty::device::{checkpoint, TrackedDevice};
+use cairn_services::dirty::device::TrackedDevice;
 use cairn_services::dirty::store::Store;
-use cairn_services::thin::ThinDevice;
-use cairn_services::thin::ThinVolume;
+use cairn_services::thin::pool::Admin;
+use cairn_services::thin::{ThinDevice, ThinPoolAdmin, ThinVolume};
 
 use crate::admin_error::{self, AdminError};
 use crate::view::{all_devices, View};
@@ -33,43 +34,107 @@ fn tracked_volumes(roots: &[Arc<dyn Device>]) -> Vec<Tracked> {
         .collect()
 }
 
-/// `checkpoint POOL VOLUME NAME [GRANULARITY]`.
+const CHECKPOINT_USAGE: &str = "checkpoint POOL VOLUME NAME [GRANULARITY] | checkpoint list POOL [--json] | checkpoint remove POOL VOLUME NAME";
+
+/// `checkpoint POOL VOLUME NAME [GRANULARITY]`, `checkpoint list POOL [--json]`,
+/// `checkpoint remove POOL VOLUME NAME`. The words `list` and `remove` are commands
+/// unless a pool has that name.
 pub(crate) fn checkpoint_command(
     args: &[&str],
     roots: &[Arc<dyn Device>],
 ) -> Result<String, AdminError> {
-    let (pool, volume, name, granularity) = match args {
-        [p, v, n] => (p, v, n, None),
-        [p, v, n, g] => (p, v, n, Some(admin_error::size("granularity", g)?)),
-        _ => {
-            return Err(AdminError::Usage(
-                "checkpoint POOL VOLUME NAME [GRANULARITY]".into(),
-            ))
-        }
-    };
-    let all = tracked_volumes(roots);
-    let found = all
-        .iter()
-        .find(|t| t.volume.pool().name() == *pool && t.volume.volume() == *volume);
-    let Some(tracked) = found else {
-        let served = crate::admin::pools(roots)
+    let usage = || AdminError::Usage(CHECKPOINT_USAGE.into());
+    let pools = crate::admin::pools(roots);
+    let pool_named = |name: &str| {
+        pools
             .iter()
-            .any(|(_, p)| p.name() == *pool);
-        return Err(if served {
-            AdminError::NotTracked {
-                pool: pool.to_string(),
-                volume: volume.to_string(),
-            }
-        } else {
-            AdminError::NoPool {
-                pool: pool.to_string(),
-                served: None,
-            }
-        });
+            .find(|(_, p)| p.name() == name)
+            .map(|(_, p)| p.clone())
+            .ok_or_else(|| AdminError::NoPool {
+                pool: name.to_string(),
+                served: Some(pools.iter().map(|(_, p)| p.name().to_string()).collect()),
+            })
     };
-    let done = checkpoint(&tracked.store, &*tracked.volume, name, granularity)?;
+    let is_pool = |name: &str| pools.iter().any(|(_, p)| p.name() == name);
+    let op = match args {
+        ["list", pool] if !is_pool("list") => {
+            return Ok(checkpoint_list(&*pool_named(pool)?, false))
+        }
+        ["list", pool, "--json"] if !is_pool("list") => {
+            return Ok(checkpoint_list(&*pool_named(pool)?, true))
+        }
+        ["remove", pool, volume, name] if !is_pool("remove") => (
+            pool,
+            Admin::Uncheckpoint {
+                volume: volume.to_string(),
+                name: name.to_string(),
+            },
+        ),
+        [pool, volume, name] | [pool, volume, name, _] => (
+            pool,
+            Admin::Checkpoint {
+                src: volume.to_string(),
+                name: name.to_string(),
+                granularity: match args.get(3) {
+                    Some(g) => Some(admin_error::size("granularity", g)?),
+                    None => None,
+                },
+            },
+        ),
+        _ => return Err(usage()),
+    };
+    let (pool, op) = op;
+    let removed = match &op {
+        Admin::Uncheckpoint { name, .. } => Some(name.clone()),
+        _ => None,
+    };
+    let done = pool_named(pool)?.admin(op)?;
+    if let Some(name) = removed {
+        volume_deleted(pool, &name, roots);
+    }
     log::info!("cairn: admin: {done}");
     Ok(format!("ok: {done}\n"))
+}
+
+/// `checkpoint list POOL`: a line per checkpoint (or JSON).
+fn checkpoint_list(pool: &dyn ThinPoolAdmin, json: bool) -> String {
+    let all = pool.checkpoints();
+    if json {
+        let items: Vec<serde_json::Value> = all
+            .iter()
+            .map(|c| {
+                serde_json::json!({
+                    "volume": c.volume,
+                    "name": c.name,
+                    "snapshot": c.snapshot,
+                    "granularity": c.granularity,
+                    "kept_until": c.kept.as_ref().map(|k| k.0.clone()),
+                    "kept_bytes": c.kept.as_ref().map(|k| k.1),
+                })
+            })
+            .collect();
+        return format!("ok\n{}\n", serde_json::Value::Array(items));
+    }
+    let mut out = String::from("ok\n");
+    for c in &all {
+        out += &format!(
+            "{} {}: {}, changes in units of {}\n",
+            c.volume,
+            c.name,
+            match &c.kept {
+                None => format!("snapshot '{}'", c.name),
+                Some((to, bytes)) => format!(
+                    "snapshot deleted, the {} changed from it to '{to}' kept",
+                    format_bytes(*bytes)
+                ),
+            },
+            format_bytes(c.granularity)
+        );
+    }
+    if all.is_empty() {
+        out += &format!("(thin pool '{}' has no checkpoint)\n", pool.name());
+    }
+    out
 }
 
 /// After volume `name` of pool `pool` was deleted: the bitmaps attached to it go.
@@ -172,14 +237,14 @@ fn add_volume(
         .into_iter()
         .find(|t| t.volume.pool().name() == pool && t.store.owns(volume))
         .map(|t| t.store);
-    let (device, bitmaps): (Arc<dyn Device>, Vec<String>) = match store {
-        Some(store) => {
-            let view = TrackedDevice::view(thin, store, volume);
-            let names = DirtyBitmaps::names(&view);
-            (Arc::new(view), names)
-        }
-        None => (thin, Vec::new()),
+    let device: Arc<dyn Device> = match store {
+        Some(store) => Arc::new(TrackedDevice::view(thin, store, volume)),
+        None => thin,
     };
+    let bitmaps = device
+        .capability::<dyn DirtyBitmaps>()
+        .map(|b| b.names())
+        .unwrap_or_default();
     let description = format!("volume {volume} of thin pool {pool}");
     table.add(crate::serve::added_export(
         name,

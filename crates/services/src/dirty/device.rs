@@ -8,8 +8,10 @@
 //!
 //! Over a thin volume the layer marks nothing itself: the store is the volume's
 //! [`ChangeLog`], which the volume's own queues mark inside the pool's gate (so that a
-//! checkpoint's snapshot and the bitmaps agree on which writes came before it), and
-//! checkpoints go through the volume's [`ThinVolume`] capability.
+//! snapshot and the bitmaps agree on which writes came before it). A thin volume's
+//! backup checkpoints are kept by its pool, not here (see `thin::backup`): the layer
+//! offers them beside the store's own bitmaps (those added by hand, and those of
+//! checkpoints taken by cairn before the pool kept them).
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -20,10 +22,8 @@ use cairn_core::{
     IoStatus, Offer, Queue, QueueStats, Want,
 };
 
-use super::error::DirtyError;
 use super::store::{Enabled, Store};
-use crate::thin::pool::{Admin, Hook, SnapshotHook};
-use crate::thin::{ThinError, ThinVolume};
+use crate::thin::ThinVolume;
 
 /// A device and its bitmap store. Named as its device, and shown as it is with its store.
 pub struct TrackedDevice {
@@ -120,14 +120,25 @@ impl Device for TrackedDevice {
     }
 }
 
+/// The store's bitmaps, then those of its base (a thin volume's checkpoints) that the
+/// store has no bitmap of the same name for.
 impl DirtyBitmaps for TrackedDevice {
     fn names(&self) -> Vec<String> {
-        self.store.names(&self.owner)
+        let mut names = self.store.names(&self.owner);
+        if let Some(below) = self.base.capability::<dyn DirtyBitmaps>() {
+            for n in below.names() {
+                if !names.contains(&n) {
+                    names.push(n);
+                }
+            }
+        }
+        names
     }
     fn reader(&self, name: &str) -> Option<Arc<dyn DirtyMap>> {
-        self.store
-            .reader(&self.owner, name)
-            .map(|r| Arc::new(r) as Arc<dyn DirtyMap>)
+        match self.store.reader(&self.owner, name) {
+            Some(r) => Some(Arc::new(r) as Arc<dyn DirtyMap>),
+            None => self.base.capability::<dyn DirtyBitmaps>()?.reader(name),
+        }
     }
 }
 
@@ -211,63 +222,5 @@ impl ChangeMarker for Marker {
             return Ok(());
         }
         self.store.mark(offset, len)
-    }
-}
-
-/// Checkpoint `name` of thin volume `volume`, whose bitmaps `store` keeps: its snapshot
-/// `name`, taken while writes to it are held, with the bitmaps turned over at that
-/// instant (see [`Store::checkpoint_begin`]; `granularity` for its new bitmap). Returns
-/// what was done.
-pub fn checkpoint(
-    store: &Arc<Store>,
-    volume: &dyn ThinVolume,
-    name: &str,
-    granularity: Option<u64>,
-) -> Result<String, DirtyError> {
-    super::format::check_name(name)?;
-    let hook = Arc::new(CheckpointHook {
-        store: store.clone(),
-        name: name.to_string(),
-        granularity,
-        previous: std::sync::Mutex::new(None),
-    });
-    let done = volume.pool().admin(Admin::Checkpoint {
-        src: volume.volume().to_string(),
-        name: name.to_string(),
-        hook: Hook(hook.clone()),
-    })?;
-    let previous = hook
-        .previous
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .clone();
-    Ok(match previous {
-        Some(p) => format!(
-            "{done}; bitmap '{p}' (changes since checkpoint '{p}') is attached to snapshot '{name}', and bitmap '{name}' counts from now"
-        ),
-        None => format!("{done}; bitmap '{name}' counts from now"),
-    })
-}
-
-/// Turns a volume's bitmaps over while its checkpoint's snapshot holds its writes.
-struct CheckpointHook {
-    store: Arc<Store>,
-    name: String,
-    granularity: Option<u64>,
-    previous: std::sync::Mutex<Option<String>>,
-}
-
-impl SnapshotHook for CheckpointHook {
-    fn held(&self) -> Result<(), ThinError> {
-        let previous = self
-            .store
-            .checkpoint_begin(&self.name, self.granularity)
-            .map_err(|e| ThinError::Hook(Box::new(e)))?;
-        *self.previous.lock().unwrap_or_else(|p| p.into_inner()) = previous;
-        Ok(())
-    }
-
-    fn done(&self, taken: bool) {
-        self.store.checkpoint_end(&self.name, taken);
     }
 }

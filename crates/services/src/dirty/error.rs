@@ -105,16 +105,8 @@ pub enum PageDamage {
 }
 
 impl From<ThinError> for DirtyError {
-    /// A checkpoint's error: the store's own refusal, passed back through the pool's
-    /// snapshot hook, comes out as it went in.
     fn from(e: ThinError) -> DirtyError {
-        match e {
-            ThinError::Hook(hook) => match hook.downcast::<DirtyError>() {
-                Ok(own) => *own,
-                Err(other) => DirtyError::Thin(ThinError::Hook(other)),
-            },
-            other => DirtyError::Thin(other),
-        }
+        DirtyError::Thin(e)
     }
 }
 

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use cairn_core::{ChangeLog, Error};
 
+use super::backup::CheckpointInfo;
 use super::error::ThinError;
 use super::pool::{Admin, PoolReport};
 use super::volume::ThinDevice;
@@ -20,6 +21,9 @@ pub trait ThinPoolAdmin: Send + Sync {
 
     /// Whether the pool has a volume `name` (a snapshot, say).
     fn has_volume(&self, name: &str) -> bool;
+
+    /// Its volumes' backup checkpoints, by volume, oldest first.
+    fn checkpoints(&self) -> Vec<CheckpointInfo>;
 
     /// Runs an admin operation (create, snapshot, clone, delete, grow, a checkpoint's
     /// snapshot) and waits until it is durable: what was done, or why not.

@@ -71,6 +71,7 @@ pub fn records_of(state: &PoolState) -> Vec<Record> {
         }
         b += n;
     }
+    state.mark_records(&mut out);
     out
 }
 
@@ -133,6 +134,9 @@ pub fn state_from(
                     return Err(bad(format!("blocks {start}+{len} are past the pool")));
                 };
                 state.blocks[*start as usize..end as usize].fill(s);
+            }
+            Record::Mark { .. } | Record::Unsnap { .. } | Record::Changed { .. } => {
+                state.apply_mark(r, true)?
             }
             other => return Err(bad(format!("{other:?} in a checkpoint"))),
         }

@@ -233,6 +233,11 @@ impl Committer {
         r.log_used = self.log_used * LOG_PAGE as u64;
         r.commits = self.commits;
         drop(r);
+        let mut marks = lock(&self.inner.marks);
+        if marks.0 != self.state.marks_changed {
+            *marks = (self.state.marks_changed, Arc::new(self.state.marks.clone()));
+        }
+        drop(marks);
         for v in lock(&self.inner.volumes).values() {
             if let Some(st) = self.state.volumes.get(&v.id) {
                 v.mapped.store(st.map.len() as u64, Relaxed);
@@ -368,26 +373,21 @@ impl Committer {
                     held.as_micros()
                 ))
             }
-            Admin::Checkpoint { src, name, hook } => {
-                let source = find(&src)?;
-                if source.read_only {
-                    return Err(ThinError::CheckpointOfSnapshot { src });
-                }
-                self.check_copy(&source, &name)?;
-                let held = self.snapshot(&source, &name, true, Some(&*hook.0))?;
-                Ok(format!(
-                    "checkpoint '{name}' of '{src}' taken (writes to '{src}' held for {} us)",
-                    held.as_micros()
-                ))
-            }
+            Admin::Checkpoint {
+                src,
+                name,
+                granularity,
+            } => self.take_checkpoint(&src, &name, granularity),
+            Admin::Uncheckpoint { volume, name } => self.remove_checkpoint(&volume, &name),
             Admin::Delete { name } => {
                 let v = find(&name)?;
                 let users = v.users.load(SeqCst);
                 if users > 0 {
                     return Err(ThinError::Busy { name, users });
                 }
-                // Its last changes are captured before it leaves the tables.
-                let mut records = Vec::new();
+                // A checkpoint's snapshot leaves the changes from it behind first; then
+                // its last changes are captured before it leaves the tables.
+                let mut records = self.before_delete(&v)?;
                 self.capture(&mut records);
                 lock(&self.inner.volumes).remove(&v.id);
                 records.push(Record::Delete { vol: v.id });
@@ -482,7 +482,7 @@ impl Committer {
 
     /// Whether a copy of `source` named `name` fits (a new name, room in the next
     /// checkpoint for its entries).
-    fn check_copy(&self, source: &Volume, name: &str) -> Result<(), ThinError> {
+    pub(super) fn check_copy(&self, source: &Volume, name: &str) -> Result<(), ThinError> {
         let mapped = self
             .state
             .volumes
@@ -498,7 +498,7 @@ impl Committer {
         source: &Arc<Volume>,
         name: &str,
         read_only: bool,
-        hook: Option<&dyn super::pool::SnapshotHook>,
+        mark: Option<(u32, u8)>,
     ) -> Result<Duration, ThinError> {
         // What changed so far is committed first, while writes go on: the commit made
         // while they wait then holds only the last few changes and the snapshot's record.
@@ -508,12 +508,6 @@ impl Committer {
         let began = Instant::now();
         source.frozen.store(true, SeqCst);
         self.inner.grace();
-        if let Some(h) = hook {
-            if let Err(e) = h.held() {
-                source.frozen.store(false, SeqCst);
-                return Err(e);
-            }
-        }
         // Every write to the source acknowledged so far is in its table, and none is in
         // flight: capture it, copy it, and let writes go on (they copy on write now).
         let mut records = Vec::new();
@@ -531,13 +525,20 @@ impl Committer {
             flags: u32::from(read_only),
             name: name.to_string(),
         });
+        if let Some((mark, shift)) = mark {
+            // A backup checkpoint: marked in the same commit as its snapshot.
+            records.push(Record::Mark {
+                id: mark,
+                vol: source.id,
+                snap: id,
+                shift,
+                name: name.to_string(),
+            });
+        }
         // Writes wait until the reply is on its way (see `run`): none acknowledged
         // before it is missing from the snapshot.
         self.thaw = Some(source.clone());
         let committed = self.commit(records);
-        if let Some(h) = hook {
-            h.done(committed.is_ok());
-        }
         if let Err(e) = committed {
             lock(&self.inner.volumes).remove(&id);
             return Err(e);
@@ -549,7 +550,7 @@ impl Committer {
     /// so that writes to them go in place instead of copying (a full pool could not
     /// copy). Returns the records; the tables are changed already (an entry a queue
     /// changed meanwhile is left to the next capture).
-    fn reown(&mut self) -> Vec<Record> {
+    pub(super) fn reown(&mut self) -> Vec<Record> {
         let live = lock(&self.inner.volumes).clone();
         let mut out = Vec::new();
         for (id, v) in &self.state.volumes {

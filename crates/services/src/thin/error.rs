@@ -119,10 +119,37 @@ pub enum ThinError {
         /// Why the state refused it.
         why: Box<ThinError>,
     },
-    /// A checkpoint's hook (the dirty bitmaps' turn) refused the snapshot; nothing
-    /// changed.
-    #[error("{0}")]
-    Hook(Box<dyn std::error::Error + Send + Sync>),
+    /// Volume `volume` has no checkpoint `name`.
+    #[error("volume '{volume}' of thin pool '{pool}' has no checkpoint '{name}'{}", if known.is_empty() { " (it has none)".to_string() } else { format!(" (it has {})", known.join(", ")) })]
+    NoCheckpoint {
+        /// The pool.
+        pool: String,
+        /// The volume.
+        volume: String,
+        /// The checkpoint asked for.
+        name: String,
+        /// The volume's checkpoints.
+        known: Vec<String>,
+    },
+    /// The snapshot of a volume's newest checkpoint: the changes since it are counted
+    /// against it.
+    #[error("'{name}' is the snapshot of volume '{volume}''s newest checkpoint: the changes since it are counted against it. Take the next checkpoint first, or end incremental backups from it with 'checkpoint remove {pool} {volume} {name}'")]
+    NewestCheckpoint {
+        /// The pool.
+        pool: String,
+        /// The volume checkpointed.
+        volume: String,
+        /// The snapshot (and checkpoint).
+        name: String,
+    },
+    /// A checkpoint's granularity the pool cannot report in.
+    #[error("a checkpoint's granularity is a power of two from the pool's block ({}) to 1 GiB, not {}", format_bytes(*block), format_bytes(*asked))]
+    Granularity {
+        /// The pool's block.
+        block: u64,
+        /// The granularity asked for.
+        asked: u64,
+    },
     /// Tests: the pool stops as if the process died.
     #[error("crashed")]
     Crashed,

@@ -24,7 +24,10 @@
 //! looks like that commit torn by the crash, and is dropped as one (with a warning).
 //!
 //! Version 1 blocks (no epoch, no commit length) are still read, with version 1's rules,
-//! so that a pool made by an older cairn opens; the open then writes version 2.
+//! so that a pool made by an older cairn opens; the open then writes the current version.
+//! Version 3 keeps version 2's blocks and adds the records of backup checkpoints
+//! ([`Record::Mark`], [`Record::Unsnap`], [`Record::Changed`], [`Record::Unmark`]),
+//! refused in a block of an older version.
 //!
 //! All integers are little-endian.
 
@@ -150,6 +153,45 @@ pub enum Record {
         /// With state 2: how many volumes map each.
         count: u32,
     },
+    /// Version 3: snapshot `snap` of volume `vol` is checkpoint `id`, named `name` (as the
+    /// snapshot is), whose changes are counted at `1 << shift` bytes. In a checkpoint
+    /// page, `snap` 0: its snapshot is gone (a [`Record::Unsnap`] follows).
+    Mark {
+        /// The checkpoint's id: higher than every checkpoint's before it.
+        id: u32,
+        /// The volume checkpointed.
+        vol: u32,
+        /// Its snapshot at the checkpoint.
+        snap: u32,
+        /// Log2 of the granularity its changes are reported in.
+        shift: u8,
+        /// The checkpoint's name.
+        name: String,
+    },
+    /// Version 3: checkpoint `id`'s snapshot is gone; the virtual blocks that changed
+    /// from it to checkpoint `target` of the same volume are the [`Record::Changed`]
+    /// runs that follow (any it had before are dropped).
+    Unsnap {
+        /// The checkpoint.
+        id: u32,
+        /// A later checkpoint of the same volume.
+        target: u32,
+    },
+    /// Version 3: virtual blocks `[vblock, vblock + len)` changed between checkpoint `id`
+    /// (whose snapshot is gone) and its target.
+    Changed {
+        /// The checkpoint.
+        id: u32,
+        /// The first virtual block.
+        vblock: u64,
+        /// How many.
+        len: u64,
+    },
+    /// Version 3: checkpoint `id` is no more.
+    Unmark {
+        /// The checkpoint.
+        id: u32,
+    },
 }
 
 mod tag {
@@ -162,6 +204,10 @@ mod tag {
     pub const GROW: u8 = 7;
     pub const RUN: u8 = 8;
     pub const BLOCKS: u8 = 9;
+    pub const MARK: u8 = 10;
+    pub const UNSNAP: u8 = 11;
+    pub const CHANGED: u8 = 12;
+    pub const UNMARK: u8 = 13;
 }
 
 /// Why bytes are not a valid log block (or record).
@@ -180,6 +226,17 @@ pub enum Invalid {
 }
 
 impl Record {
+    /// Whether only version 3 has it (a checkpoint's record).
+    fn is_version_3(&self) -> bool {
+        matches!(
+            self,
+            Record::Mark { .. }
+                | Record::Unsnap { .. }
+                | Record::Changed { .. }
+                | Record::Unmark { .. }
+        )
+    }
+
     /// Bytes this record takes in a block.
     pub fn encoded_len(&self) -> usize {
         1 + match self {
@@ -191,6 +248,10 @@ impl Record {
             Record::Grow { .. } => 4 + 8,
             Record::Run { .. } => 4 + 8 + 4 + 4,
             Record::Blocks { .. } => 8 + 8 + 1 + 4,
+            Record::Mark { name, .. } => 4 + 4 + 4 + 1 + 1 + name.len(),
+            Record::Unsnap { .. } => 4 + 4,
+            Record::Changed { .. } => 4 + 8 + 8,
+            Record::Unmark { .. } => 4,
         }
     }
 
@@ -273,6 +334,35 @@ impl Record {
                 out.push(*state);
                 out.extend_from_slice(&count.to_le_bytes());
             }
+            Record::Mark {
+                id,
+                vol,
+                snap,
+                shift,
+                name,
+            } => {
+                out.push(tag::MARK);
+                out.extend_from_slice(&id.to_le_bytes());
+                out.extend_from_slice(&vol.to_le_bytes());
+                out.extend_from_slice(&snap.to_le_bytes());
+                out.push(*shift);
+                name_of(out, name);
+            }
+            Record::Unsnap { id, target } => {
+                out.push(tag::UNSNAP);
+                out.extend_from_slice(&id.to_le_bytes());
+                out.extend_from_slice(&target.to_le_bytes());
+            }
+            Record::Changed { id, vblock, len } => {
+                out.push(tag::CHANGED);
+                out.extend_from_slice(&id.to_le_bytes());
+                out.extend_from_slice(&vblock.to_le_bytes());
+                out.extend_from_slice(&len.to_le_bytes());
+            }
+            Record::Unmark { id } => {
+                out.push(tag::UNMARK);
+                out.extend_from_slice(&id.to_le_bytes());
+            }
         }
     }
 
@@ -323,6 +413,23 @@ impl Record {
                 state: r.take(1)?[0],
                 count: r.u32()?,
             },
+            tag::MARK => Record::Mark {
+                id: r.u32()?,
+                vol: r.u32()?,
+                snap: r.u32()?,
+                shift: r.take(1)?[0],
+                name: r.name()?,
+            },
+            tag::UNSNAP => Record::Unsnap {
+                id: r.u32()?,
+                target: r.u32()?,
+            },
+            tag::CHANGED => Record::Changed {
+                id: r.u32()?,
+                vblock: r.u64()?,
+                len: r.u64()?,
+            },
+            tag::UNMARK => Record::Unmark { id: r.u32()? },
             _ => return Err(Invalid::Field("record type")),
         };
         Ok((rec, r.at))
@@ -453,10 +560,10 @@ impl LogBlock {
         }
         let (first, epoch, blocks) = match version {
             1 => (at::RECORDS_V1, 0, 0),
-            2 => (at::RECORDS, get64(at::EPOCH), get32(at::BLOCKS)),
+            2 | 3 => (at::RECORDS, get64(at::EPOCH), get32(at::BLOCKS)),
             _ => return Err(Invalid::Field("version")),
         };
-        if version == 2 {
+        if version >= 2 {
             if blocks == 0 {
                 return Err(Invalid::Field("blocks"));
             }
@@ -472,6 +579,9 @@ impl LogBlock {
         let mut records = Vec::new();
         while !recs.is_empty() {
             let (r, n) = Record::decode(recs)?;
+            if version < 3 && r.is_version_3() {
+                return Err(Invalid::Field("record type"));
+            }
             records.push(r);
             recs = &recs[n..];
         }
@@ -484,7 +594,7 @@ impl LogBlock {
             last: flags & FLAG_LAST != 0,
             records,
         };
-        if version == 2 && !block.in_its_commit() {
+        if version >= 2 && !block.in_its_commit() {
             return Err(Invalid::Field("commit"));
         }
         Ok(block)
@@ -499,8 +609,9 @@ impl LogBlock {
     }
 }
 
-/// The format version this code writes.
-pub const VERSION: u32 = 2;
+/// The format version this code writes: version 3 blocks are laid out as version 2's and
+/// may hold the checkpoint records ([`Record::Mark`] and those after it).
+pub const VERSION: u32 = 3;
 
 /// The blocks of the commit holding `records` in order, numbered from `first_seq`, in
 /// the log of the superblock of generation `epoch`. A commit of no records is one block

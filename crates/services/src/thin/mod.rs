@@ -2,8 +2,10 @@
 //! [`superblock`] says where everything is; [`format`] is the metadata log;
 //! [`capability`] is what the admin and the layers above ask of a pool and a volume;
 //! [`volume`] is a thin volume as a block device ([`ThinDevice`]) and its queues;
+//! [`backup`] keeps the volumes' backup checkpoints in the pool's metadata;
 //! [`error`] is what can go wrong ([`ThinError`]).
 
+pub mod backup;
 pub mod capability;
 pub mod checkpoint;
 mod commit;

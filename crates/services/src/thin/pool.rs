@@ -122,34 +122,19 @@ pub enum Admin {
     /// Volume `name` grows to `size` bytes.
     #[allow(missing_docs)]
     Grow { name: String, size: u64 },
-    /// A snapshot `name` of `src` with `hook` run while writes to `src` are held (a
-    /// checkpoint: its bitmaps turn over at the snapshot's instant).
+    /// A backup checkpoint `name` of `src`: a snapshot `name` taken while writes to `src`
+    /// are held, marked as its checkpoint, whose changes are reported in units of
+    /// `granularity` bytes (default: the previous checkpoint's, else the pool's block).
     #[allow(missing_docs)]
     Checkpoint {
         src: String,
         name: String,
-        hook: Hook,
+        granularity: Option<u64>,
     },
-}
-
-/// What a checkpoint does at its snapshot.
-pub trait SnapshotHook: Send + Sync {
-    /// Writes to the source are held and none is in flight; an error cancels the
-    /// snapshot (and nothing changes).
-    fn held(&self) -> Result<(), ThinError>;
-    /// After [`SnapshotHook::held`] succeeded: whether the snapshot was taken. Writes are
-    /// still held.
-    fn done(&self, taken: bool);
-}
-
-/// A [`SnapshotHook`] in an [`Admin`].
-#[derive(Clone)]
-pub struct Hook(pub Arc<dyn SnapshotHook>);
-
-impl std::fmt::Debug for Hook {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Hook")
-    }
+    /// Away with checkpoint `name` of `volume`, and its snapshot: the checkpoints before it
+    /// keep their changes (see [`super::backup`]).
+    #[allow(missing_docs)]
+    Uncheckpoint { volume: String, name: String },
 }
 
 #[derive(Default)]
@@ -268,7 +253,13 @@ pub(crate) struct Inner {
     pub(super) running: bool,
     /// Tests: stop as a crash would, with no last commit or checkpoint.
     pub(super) crashed: AtomicBool,
+    /// The backup checkpoints as of the last commit, and the state's change count they
+    /// were copied at (see [`PoolState::marks_changed`](super::state::PoolState)).
+    pub(super) marks: Mutex<(u64, Arc<Marks>)>,
 }
+
+/// The backup checkpoints by id.
+pub(crate) type Marks = BTreeMap<u32, super::backup::Mark>;
 
 /// A thin pool: a [`Device`] only so that the stack can hold and print it (it serves no
 /// I/O itself; its volumes do, through `thin` devices).
@@ -409,6 +400,16 @@ impl Inner {
     pub(super) fn kick(&self) {
         lock(&self.work).kicked = true;
         self.work_cv.notify_one();
+    }
+
+    /// The backup checkpoints as of the last commit.
+    pub(super) fn marks(&self) -> Arc<Marks> {
+        lock(&self.marks).1.clone()
+    }
+
+    /// A volume by id.
+    pub(super) fn volume_by_id(&self, id: u32) -> Option<Arc<Volume>> {
+        lock(&self.volumes).get(&id).cloned()
     }
 
     /// A volume by name.
@@ -768,6 +769,10 @@ impl ThinPoolAdmin for ThinPool {
 
     fn has_volume(&self, name: &str) -> bool {
         self.inner.has_volume(name)
+    }
+
+    fn checkpoints(&self) -> Vec<super::backup::CheckpointInfo> {
+        super::backup::list(&self.inner)
     }
 
     fn admin(&self, op: Admin) -> Result<String, ThinError> {

@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 
+use super::backup::Mark;
 use super::error::ThinError;
 use super::format::Record;
 use super::pool::{check_name, check_size, VOLUME_BLOCKS_MAX};
@@ -80,6 +81,11 @@ pub struct PoolState {
     /// Blocks that became [`BlockState::FreeDirty`] since the owner last took them (the
     /// commit thread zeroes them once the commit is durable). Not part of the state.
     pub freed: Vec<u64>,
+    /// Backup checkpoints by id (see [`super::backup`]).
+    pub marks: BTreeMap<u32, Mark>,
+    /// Counts changes to `marks` (so that the run-time copy is made again only after
+    /// one). Not part of the state.
+    pub marks_changed: u64,
 }
 
 impl PartialEq for PoolState {
@@ -87,6 +93,7 @@ impl PartialEq for PoolState {
         self.block_bytes == other.block_bytes
             && self.volumes == other.volumes
             && self.blocks == other.blocks
+            && self.marks == other.marks
     }
 }
 
@@ -100,6 +107,8 @@ impl PoolState {
             volumes: BTreeMap::new(),
             blocks: vec![BlockState::Free; data_blocks],
             freed: Vec::new(),
+            marks: BTreeMap::new(),
+            marks_changed: 0,
         }
     }
 
@@ -177,6 +186,10 @@ impl PoolState {
             Record::Run { .. } | Record::Blocks { .. } => {
                 Err(bad("a checkpoint's record in the log".into()))
             }
+            Record::Mark { .. }
+            | Record::Unsnap { .. }
+            | Record::Changed { .. }
+            | Record::Unmark { .. } => self.apply_mark(r, false),
             Record::Grow { vol, size } => {
                 let block_bytes = self.block_bytes;
                 let v = self.volume(*vol)?;
@@ -350,6 +363,7 @@ impl PoolState {
                 "volume {vol} maps block {b}, which is not in use"
             )));
         }
+        self.marks_before_delete(vol)?;
         let v = self.volumes.remove(&vol).expect("checked");
         for b in v.map.values().filter_map(|&e| block_of(e)) {
             self.drop_ref(b);
@@ -397,6 +411,7 @@ impl PoolState {
                 problems.push(format!("block {b} is {s:?} but {n} mappings name it"));
             }
         }
+        self.check_marks(&mut problems);
         problems
     }
 }

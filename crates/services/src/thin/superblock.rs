@@ -23,10 +23,11 @@ pub const SLOTS: usize = 2;
 /// The magic: the first 8 bytes of a slot.
 pub const MAGIC: [u8; 8] = *b"CAIRNTP\0";
 /// The format version this code writes. Version 2 changed the log blocks (an epoch and
-/// the commit's length in every block, new magics); version 1 pools are still read, and
-/// written as version 2 by the first open.
-pub const VERSION: u32 = 2;
-/// The record framing ([`cairn_core::ondisk::record`]): the magic, the version (1 or 2),
+/// the commit's length in every block, new magics); version 3 added the records of backup
+/// checkpoints. Pools of versions 1 and 2 are still read, and written as version 3 by the
+/// first open.
+pub const VERSION: u32 = 3;
+/// The record framing ([`cairn_core::ondisk::record`]): the magic, the version (1 to 3),
 /// and the CRC-32C in the slot's last 4 bytes over all before them.
 pub const FRAME: Frame = Frame::new("superblock", MAGIC, 1, VERSION, SLOT_BYTES);
 /// The smallest and largest allocation unit.
@@ -565,10 +566,10 @@ mod tests {
         FRAME.seal(&mut b, VERSION);
         assert_eq!(PoolSuperblock::decode(&b), Err(FRAME.field("incompat")));
         let mut b = sample().encode();
-        put32(&mut b, 8, 3);
+        put32(&mut b, 8, 4);
         assert_eq!(
             PoolSuperblock::decode(&b).map_err(|e| e.to_string()),
-            Err("superblock version 3, this cairn reads versions 1 to 2".into())
+            Err("superblock version 4, this cairn reads versions 1 to 3".into())
         );
         // Version 1 is read (its checksum sealed again after the change).
         let mut b = sample().encode();

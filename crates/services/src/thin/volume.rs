@@ -28,8 +28,8 @@ use cairn_core::reactor::{Core, Poller, Sink};
 use cairn_core::slab::Slab;
 use cairn_core::stats::QueueStats;
 use cairn_core::{
-    Caps, ChangeLog, ChangeMarker, Device, Error, Extent, Geometry, Io, IoFlags, IoStatus, Offer,
-    Op, Queue, SinkId, Want,
+    Caps, ChangeLog, ChangeMarker, Device, DirtyBitmaps, DirtyMap, Error, Extent, Geometry, Io,
+    IoFlags, IoStatus, Offer, Op, Queue, SinkId, Want,
 };
 
 use super::capability::{ThinPoolAdmin, ThinVolume};
@@ -142,7 +142,8 @@ impl Device for ThinDevice {
     }
 
     fn offer(self: Arc<Self>, want: Want) -> Option<Offer> {
-        want.offer::<dyn ThinVolume>(|| self)
+        want.offer::<dyn ThinVolume>(|| self.clone())
+            .or_else(|| want.offer::<dyn DirtyBitmaps>(|| self))
     }
 
     fn extents(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<(), Error> {
@@ -223,6 +224,32 @@ impl Device for ThinDevice {
         q.sink.set(core.register_sink(q.clone()));
         core.register_poller(q.clone());
         Ok(q)
+    }
+}
+
+/// The changes since the volume's backup checkpoints, from the pool's mappings (see
+/// [`super::backup`]): on a volume its own checkpoints, on a checkpoint's snapshot those
+/// before it.
+impl DirtyBitmaps for ThinDevice {
+    fn names(&self) -> Vec<String> {
+        let marks = self.inner.marks();
+        super::backup::offered(&marks, self.vol.id)
+            .into_iter()
+            .map(|(_, m)| m.name.clone())
+            .collect()
+    }
+
+    fn reader(&self, name: &str) -> Option<Arc<dyn DirtyMap>> {
+        let marks = self.inner.marks();
+        let (id, m) = super::backup::offered(&marks, self.vol.id)
+            .into_iter()
+            .find(|(_, m)| m.name == name)?;
+        Some(Arc::new(super::backup::Changes::new(
+            self.inner.clone(),
+            self.vol.clone(),
+            id,
+            m.shift,
+        )))
     }
 }
 
