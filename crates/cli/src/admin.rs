@@ -102,17 +102,19 @@ pub const COMMANDS: &[(&str, &str, &str)] = &[
     (
         "checkpoint",
         "checkpoint POOL VOLUME NAME [GRANULARITY]",
-        "a snapshot NAME of a thin volume served with bitmaps, taken while its writes are \
-         held: the bitmap of the changes since the previous checkpoint goes with the \
-         snapshot (for an incremental backup), and a new bitmap NAME (the previous one's \
-         granularity, else 64K) counts from now",
+        "a snapshot NAME of a thin volume, taken while its writes are held and marked in \
+         the pool's metadata as its next checkpoint: exports of the volume, and of later \
+         checkpoints' snapshots, offer the changes since it (qemu:dirty-bitmap:NAME, in \
+         units of GRANULARITY: the pool's block by default); checkpoint list POOL [--json]; \
+         checkpoint remove POOL VOLUME NAME (with its snapshot; the checkpoints before it \
+         keep their changes)",
     ),
     (
         "export",
         "export ACTION ...",
         "exports while serving: list, add NAME POOL VOLUME (a thin volume, a checkpoint's \
-         snapshot say, read-only with the bitmaps attached to it), remove NAME (clients \
-         connected keep it until they end)",
+         snapshot say, read-only with the changes since the checkpoints before it), remove \
+         NAME (clients connected keep it until they end)",
     ),
     (
         "throttle",

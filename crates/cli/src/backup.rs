@@ -151,7 +151,7 @@ pub(crate) fn volume_deleted(pool: &str, name: &str, roots: &[Arc<dyn Device>]) 
 }
 
 const EXPORT_USAGE: &str =
-    "export list | add NAME POOL VOLUME (read-only, with the bitmaps attached to it) | remove NAME";
+    "export list | add NAME POOL VOLUME [--writable] (read-only unless --writable, with the changes since the checkpoints before it; kept across restarts) | remove NAME";
 
 /// `export ACTION ...`.
 pub(crate) fn export_command(args: &[&str], view: &View) -> Result<String, AdminError> {
@@ -160,16 +160,34 @@ pub(crate) fn export_command(args: &[&str], view: &View) -> Result<String, Admin
     };
     match args {
         ["list"] => Ok(export_list(table)),
-        ["add", name, pool, volume] => {
-            let what = add_volume(name, pool, volume, &view.roots(), (table, *max_payload))?;
+        ["add", name, pool, volume] | ["add", name, pool, volume, "--writable"] => {
+            let adding = Adding {
+                name,
+                pool,
+                volume,
+                writable: args.len() == 5,
+                keep: true,
+            };
+            let what = add_volume(&adding, &view.roots(), (table, *max_payload))?;
             log::info!("cairn: admin: {what}");
             Ok(format!("ok: {what}\n"))
         }
         ["remove", name] => {
             let n = table.remove(name)?;
-            log::info!("cairn: admin: export '{name}' removed");
+            let mut kept = String::new();
+            for (_, p) in crate::admin::pools(&view.roots()) {
+                if p.exports().iter().any(|(n, _, _)| n == name) {
+                    kept = format!(
+                        " ({})",
+                        p.admin(Admin::Unexport {
+                            name: name.to_string()
+                        })?
+                    );
+                }
+            }
+            log::info!("cairn: admin: export '{name}' removed{kept}");
             Ok(format!(
-                "ok: export '{name}' removed{}\n",
+                "ok: export '{name}' removed{kept}{}\n",
                 if n > 0 {
                     format!(
                         "; {} connected to it keep it until they end",
@@ -204,15 +222,53 @@ fn export_list(table: &cairn_nbd::ExportTable) -> String {
     out
 }
 
-/// Serves volume `volume` of pool `pool` as export `name`, read-only, with the bitmaps
-/// some served volume's store holds for it.
+/// An export to add: its name, the volume, and how.
+struct Adding<'a> {
+    name: &'a str,
+    pool: &'a str,
+    volume: &'a str,
+    /// Served writable (a volume, not a snapshot, that no other export writes).
+    writable: bool,
+    /// Kept in the pool's metadata for the next start (not when the start restores it).
+    keep: bool,
+}
+
+/// The exports the pools keep, added again as the server starts (`export add` made them
+/// while an earlier run served). One that cannot be is logged and left out.
+pub(crate) fn restore_exports(view: &View) {
+    let Some((table, max_payload)) = view.table() else {
+        return;
+    };
+    let roots = view.roots();
+    for (_, p) in crate::admin::pools(&roots) {
+        for (name, volume, writable) in p.exports() {
+            let adding = Adding {
+                name: &name,
+                pool: p.name(),
+                volume: &volume,
+                writable,
+                keep: false,
+            };
+            match add_volume(&adding, &roots, (table, *max_payload)) {
+                Ok(what) => log::info!("cairn: serve: {what} (added by 'export add' before)"),
+                Err(e) => log::warn!(
+                    "cairn: serve: export '{name}' kept by thin pool '{}' is not served: {e} ('export remove {name}' forgets it)",
+                    p.name()
+                ),
+            }
+        }
+    }
+}
+
+/// Serves volume `a.volume` of pool `a.pool` as export `a.name`, read-only unless
+/// `a.writable`, with the changes since its checkpoints (and the bitmaps a served
+/// volume's store keeps for it); kept in the pool for the next start if `a.keep`.
 fn add_volume(
-    name: &str,
-    pool: &str,
-    volume: &str,
+    a: &Adding<'_>,
     roots: &[Arc<dyn Device>],
     (table, max_payload): (&cairn_nbd::ExportTable, u32),
 ) -> Result<String, AdminError> {
+    let (name, pool, volume) = (a.name, a.pool, a.volume);
     cairn_config::check_export_name(name)?;
     // Named as the thin volumes the admin makes are (and usually after one): one word,
     // no '/'.
@@ -233,6 +289,9 @@ fn add_volume(
         });
     }
     let thin: Arc<dyn Device> = Arc::new(ThinDevice::open(volume, p.clone(), volume, None, false)?);
+    if a.writable {
+        refuse_second_writer(&*thin, pool, volume, table)?;
+    }
     let store = tracked_volumes(roots)
         .into_iter()
         .find(|t| t.volume.pool().name() == pool && t.store.owns(volume))
@@ -246,22 +305,65 @@ fn add_volume(
         .map(|b| b.names())
         .unwrap_or_default();
     let description = format!("volume {volume} of thin pool {pool}");
-    table.add(crate::serve::added_export(
-        name,
-        description,
-        device,
-        max_payload,
-    ))?;
+    table.add(
+        crate::serve::added_export(name, description, (device, !a.writable), max_payload),
+        a.writable,
+    )?;
+    let kept = if a.keep {
+        let op = Admin::Export {
+            name: name.to_string(),
+            volume: volume.to_string(),
+            writable: a.writable,
+        };
+        match inner.admin(op) {
+            Ok(kept) => format!("; {kept}"),
+            Err(e) => {
+                let _ = table.remove(name);
+                return Err(e.into());
+            }
+        }
+    } else {
+        String::new()
+    };
     Ok(format!(
-        "export '{name}' serves volume '{volume}' of pool '{pool}' read-only{}",
+        "export '{name}' serves volume '{volume}' of pool '{pool}' {}{}{kept}",
+        if a.writable { "writable" } else { "read-only" },
         if bitmaps.is_empty() {
             String::new()
         } else {
             format!(
-                ", with bitmap{} {} (contexts qemu:dirty-bitmap:NAME)",
-                if bitmaps.len() == 1 { "" } else { "s" },
+                ", with the changes since {} (contexts qemu:dirty-bitmap:NAME)",
                 bitmaps.join(", ")
             )
         }
     ))
+}
+
+/// Refuses a writable export of a snapshot, or of a volume another export writes.
+fn refuse_second_writer(
+    thin: &dyn Device,
+    pool: &str,
+    volume: &str,
+    table: &cairn_nbd::ExportTable,
+) -> Result<(), AdminError> {
+    if thin.read_only() {
+        return Err(AdminError::Usage(format!(
+            "'{volume}' is a snapshot: it is served read-only (leave out --writable, or serve a clone: thin clone {pool} {volume} NAME)"
+        )));
+    }
+    for l in table.snapshot() {
+        let e = &l.export;
+        let writes = e.info.flags & cairn_nbd::proto::tflags::READ_ONLY == 0;
+        let same = e
+            .device
+            .capability::<dyn ThinVolume>()
+            .is_some_and(|v| v.pool().name() == pool && v.volume() == volume);
+        if writes && same {
+            return Err(AdminError::Usage(format!(
+                "export '{}' writes volume '{volume}' of pool '{pool}' already: one export writes a volume",
+                e.info.name
+            )));
+        }
+    }
+    Ok(())
 }

@@ -349,7 +349,10 @@ pub(crate) fn serve(
         .transpose()?;
     raise_descriptor_limit();
     let summary = summary(&exports);
+    let restore = view.clone();
     cairn_nbd::serve(config, listeners, exports, |addrs| {
+        // Exports added while an earlier run served, kept by their pools.
+        crate::backup::restore_exports(&restore);
         log::info!(
             "cairn: serving {summary} on {}",
             if addrs.is_empty() {
@@ -590,17 +593,17 @@ fn server_view(
     view::View::new(&devices, views, Some(observer.clone())).with_stack_file(args.stack.as_deref())
 }
 
-/// An export added while serving (`cairn admin export add`): device `device`, read-only.
+/// An export added while serving (`cairn admin export add`): device `device`.
 pub(crate) fn added_export(
     name: &str,
     description: String,
-    device: Arc<dyn cairn_core::Device>,
+    (device, read_only): (Arc<dyn cairn_core::Device>, bool),
     max_payload: u32,
 ) -> cairn_nbd::Export {
     let c = Chosen {
         name: name.to_string(),
         device: 0,
-        read_only: true,
+        read_only,
         description,
         default: false,
         fuse: None,

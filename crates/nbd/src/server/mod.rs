@@ -297,6 +297,7 @@ pub fn serve(
             .into_iter()
             .zip(gates.of_export.iter().cloned())
             .collect(),
+        (gates.wake.clone(), config.threads.max(1)),
     );
     let admission = Arc::new(Admission::new(
         config.max_connections,

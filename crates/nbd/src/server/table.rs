@@ -1,6 +1,6 @@
-//! The exports a server offers: those it starts with, and read-only ones an operator
-//! adds and removes while it runs (`cairn admin SOCKET export add|remove`: a thin pool's
-//! snapshot served to a backup client, say).
+//! The exports a server offers: those it starts with, and those an operator adds and
+//! removes while it runs (`cairn admin SOCKET export add|remove`: a thin pool's snapshot
+//! served read-only to a backup client, say, or a volume made online served writable).
 //!
 //! A handshake works on a copy of the list taken when it starts; the connection keeps
 //! its export (and so its device) for as long as it lives. A removed export takes no new
@@ -11,7 +11,7 @@ use std::sync::{Arc, RwLock};
 
 use crate::proto::tflags;
 use crate::server::conn::Export;
-use crate::server::gate::Gate;
+use crate::server::gate::{Gate, Wake};
 use crate::server::handshake::Catalog;
 
 /// One export in the table.
@@ -20,7 +20,7 @@ pub struct Listed {
     pub(crate) id: u64,
     /// What it is.
     pub export: Export,
-    /// The gate its writes pass (exports of the start only; added ones are read-only).
+    /// The gate its writes pass (a writable export that may see unaligned requests).
     pub(crate) gate: Option<Arc<Gate>>,
     /// Added while the server runs (its reactors' queues close with its last
     /// connection).
@@ -41,6 +41,9 @@ impl Listed {
 pub struct ExportTable {
     live: RwLock<Vec<Arc<Listed>>>,
     next: AtomicU64,
+    /// How a gate of an export added while serving wakes the reactors, and how many
+    /// they are (set when serving starts).
+    gates: std::sync::OnceLock<(Arc<Wake>, usize)>,
 }
 
 impl ExportTable {
@@ -57,7 +60,12 @@ impl ExportTable {
         self.live.write().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub(crate) fn start(&self, exports: Vec<(Export, Option<Arc<Gate>>)>) {
+    pub(crate) fn start(
+        &self,
+        exports: Vec<(Export, Option<Arc<Gate>>)>,
+        (wake, reactors): (Arc<Wake>, usize),
+    ) {
+        let _ = self.gates.set((wake, reactors));
         let mut list = self.list_mut();
         for (export, gate) in exports {
             list.push(Arc::new(Listed {
@@ -81,16 +89,24 @@ impl ExportTable {
         self.list().clone()
     }
 
-    /// The catalog clients see of `exports`.
+    /// The catalog clients see of `exports`, with each device's size now (a thin volume
+    /// grown while serving is seen by the next connection at its new size).
     pub(crate) fn catalog(exports: &[Arc<Listed>]) -> Catalog {
         Catalog {
-            exports: exports.iter().map(|l| l.export.info.clone()).collect(),
+            exports: exports
+                .iter()
+                .map(|l| {
+                    let mut info = l.export.info.clone();
+                    info.size = l.export.device.geometry().size_bytes;
+                    info
+                })
+                .collect(),
         }
     }
 
-    /// Adds `export`, read-only whatever its flags say. Refused when its name is empty
-    /// or taken.
-    pub fn add(&self, mut export: Export) -> Result<(), crate::Error> {
+    /// Adds `export`: read-only whatever its flags say unless `writable`. Refused when its
+    /// name is empty or taken.
+    pub fn add(&self, mut export: Export, writable: bool) -> Result<(), crate::Error> {
         let name = export.info.name.clone();
         if name.is_empty() {
             return Err(crate::Error::ExportUnnamed);
@@ -99,16 +115,26 @@ impl ExportTable {
         if list.iter().any(|l| l.export.info.name == name) {
             return Err(crate::Error::ExportExists(name));
         }
-        export.info.flags = (export.info.flags | tflags::READ_ONLY | tflags::CAN_MULTI_CONN)
-            & !(tflags::SEND_FUA
-                | tflags::SEND_TRIM
-                | tflags::SEND_WRITE_ZEROES
-                | tflags::SEND_FAST_ZERO);
+        if !writable {
+            export.info.flags = (export.info.flags | tflags::READ_ONLY | tflags::CAN_MULTI_CONN)
+                & !(tflags::SEND_FUA
+                    | tflags::SEND_TRIM
+                    | tflags::SEND_WRITE_ZEROES
+                    | tflags::SEND_FAST_ZERO);
+        }
         export.info.default = false;
+        // A writable export that may see unaligned requests orders their
+        // read-modify-writes against its other writes, as one of the start does.
+        let gate = match self.gates.get() {
+            Some((wake, reactors)) if writable && !export.strict_alignment => {
+                Some(Arc::new(Gate::new(*reactors, wake.clone())))
+            }
+            _ => None,
+        };
         list.push(Arc::new(Listed {
             id: self.next.fetch_add(1, Ordering::Relaxed),
             export,
-            gate: None,
+            gate,
             added: true,
             conns: AtomicUsize::new(0),
         }));
@@ -182,12 +208,18 @@ mod tests {
     #[test]
     fn export_changes_are_refused_as_values() {
         let table = ExportTable::new();
-        table.start(vec![(export("first"), None)]);
-        table.add(export("snap")).expect("added");
-        let e = table.add(export("snap")).unwrap_err();
+        table.start(
+            vec![(export("first"), None)],
+            (Arc::new(Wake::new(Vec::new())), 1),
+        );
+        table.add(export("snap"), false).expect("added");
+        let e = table.add(export("snap"), false).unwrap_err();
         assert_eq!(e, crate::Error::ExportExists("snap".into()));
         assert_eq!(e.to_string(), "an export named 'snap' is served already");
-        assert_eq!(table.add(export("")), Err(crate::Error::ExportUnnamed));
+        assert_eq!(
+            table.add(export(""), false),
+            Err(crate::Error::ExportUnnamed)
+        );
         assert_eq!(
             table.remove("nosuch"),
             Err(crate::Error::NoExport("nosuch".into()))

@@ -162,6 +162,31 @@ impl PoolState {
                 Ok(())
             }
             Record::Changed { id, vblock, len } => self.add_changed(*id, *vblock, *len),
+            Record::Export { vol, flags, name } => {
+                check_name(name).map_err(|e| e.of_volume("log record", *vol))?;
+                let writable = flags & 1 != 0;
+                match self.volumes.get(vol) {
+                    Some(v) if !writable || v.flags & 1 == 0 => {}
+                    _ => {
+                        return Err(bad(format!(
+                            "export '{name}': volume {vol} is not there, or not writable"
+                        )))
+                    }
+                }
+                if *flags & !1 != 0 || self.exports.contains_key(name) {
+                    return Err(bad(format!("export '{name}' twice, or flags {flags:#x}")));
+                }
+                self.exports.insert(name.clone(), (*vol, *flags));
+                self.marks_changed += 1;
+                Ok(())
+            }
+            Record::Unexport { name } => {
+                if self.exports.remove(name).is_none() {
+                    return Err(bad(format!("export '{name}' does not exist")));
+                }
+                self.marks_changed += 1;
+                Ok(())
+            }
             Record::Unmark { id } => {
                 self.mark(*id)?;
                 if let Some((o, _)) = self
@@ -287,16 +312,17 @@ impl PoolState {
     }
 
     /// Before volume `vol` is deleted: refused while it is a checkpoint's snapshot (its
-    /// delta is recorded first); its own checkpoints go with it.
+    /// delta is recorded first); its own checkpoints and its exports go with it.
     pub(super) fn marks_before_delete(&mut self, vol: u32) -> Result<(), ThinError> {
         if let Some((id, _)) = self.marks.iter().find(|(_, m)| m.snap == Some(vol)) {
             return Err(bad(format!(
                 "volume {vol} is checkpoint {id}'s snapshot, deleted before its changes were recorded"
             )));
         }
-        let before = self.marks.len();
+        let before = self.marks.len() + self.exports.len();
         self.marks.retain(|_, m| m.vol != vol);
-        if self.marks.len() != before {
+        self.exports.retain(|_, (v, _)| *v != vol);
+        if self.marks.len() + self.exports.len() != before {
             self.marks_changed += 1;
         }
         Ok(())
@@ -343,6 +369,13 @@ impl PoolState {
             if let Some(d) = &m.delta {
                 out.extend(unsnap_records(id, d.target, &d.runs));
             }
+        }
+        for (name, &(vol, flags)) in &self.exports {
+            out.push(Record::Export {
+                vol,
+                flags,
+                name: name.clone(),
+            });
         }
     }
 
@@ -525,6 +558,50 @@ impl Committer {
                 None => format!("'{volume}' has no checkpoint now: its next backup is a full one"),
             }
         ))
+    }
+
+    /// `export add`: export `name` of `volume` kept in the metadata for the next start.
+    pub(super) fn keep_export(
+        &mut self,
+        name: &str,
+        volume: &str,
+        writable: bool,
+    ) -> Result<String, ThinError> {
+        let v = self.find(volume)?;
+        if writable && v.read_only {
+            return Err(ThinError::Invalid(format!(
+                "'{volume}' is a snapshot: it is served read-only"
+            )));
+        }
+        if self.state.exports.contains_key(name) {
+            return Err(ThinError::Invalid(format!(
+                "thin pool '{}' keeps an export '{name}' already",
+                self.inner.name
+            )));
+        }
+        self.commit(vec![Record::Export {
+            vol: v.id,
+            flags: u32::from(writable),
+            name: name.to_string(),
+        }])?;
+        Ok(format!(
+            "kept in thin pool '{}' for the next start",
+            self.inner.name
+        ))
+    }
+
+    /// `export remove`: export `name` is no longer kept.
+    pub(super) fn drop_export(&mut self, name: &str) -> Result<String, ThinError> {
+        if !self.state.exports.contains_key(name) {
+            return Err(ThinError::Invalid(format!(
+                "thin pool '{}' keeps no export '{name}'",
+                self.inner.name
+            )));
+        }
+        self.commit(vec![Record::Unexport {
+            name: name.to_string(),
+        }])?;
+        Ok(format!("no longer kept in thin pool '{}'", self.inner.name))
     }
 
     /// Volume `name`, or the error naming it.

@@ -25,6 +25,10 @@ pub trait ThinPoolAdmin: Send + Sync {
     /// Its volumes' backup checkpoints, by volume, oldest first.
     fn checkpoints(&self) -> Vec<CheckpointInfo>;
 
+    /// The exports added while serving that it keeps for the next start: (export name,
+    /// volume, writable).
+    fn exports(&self) -> Vec<(String, String, bool)>;
+
     /// Runs an admin operation (create, snapshot, clone, delete, grow, a checkpoint's
     /// snapshot) and waits until it is durable: what was done, or why not.
     fn admin(&self, op: Admin) -> Result<String, ThinError>;

@@ -135,9 +135,10 @@ pub fn state_from(
                 };
                 state.blocks[*start as usize..end as usize].fill(s);
             }
-            Record::Mark { .. } | Record::Unsnap { .. } | Record::Changed { .. } => {
-                state.apply_mark(r, true)?
-            }
+            Record::Mark { .. }
+            | Record::Unsnap { .. }
+            | Record::Changed { .. }
+            | Record::Export { .. } => state.apply_mark(r, true)?,
             other => return Err(bad(format!("{other:?} in a checkpoint"))),
         }
     }

@@ -235,7 +235,11 @@ impl Committer {
         drop(r);
         let mut marks = lock(&self.inner.marks);
         if marks.0 != self.state.marks_changed {
-            *marks = (self.state.marks_changed, Arc::new(self.state.marks.clone()));
+            *marks = (
+                self.state.marks_changed,
+                Arc::new(self.state.marks.clone()),
+                Arc::new(self.state.exports.clone()),
+            );
         }
         drop(marks);
         for v in lock(&self.inner.volumes).values() {
@@ -379,6 +383,12 @@ impl Committer {
                 granularity,
             } => self.take_checkpoint(&src, &name, granularity),
             Admin::Uncheckpoint { volume, name } => self.remove_checkpoint(&volume, &name),
+            Admin::Export {
+                name,
+                volume,
+                writable,
+            } => self.keep_export(&name, &volume, writable),
+            Admin::Unexport { name } => self.drop_export(&name),
             Admin::Delete { name } => {
                 let v = find(&name)?;
                 let users = v.users.load(SeqCst);

@@ -192,6 +192,21 @@ pub enum Record {
         /// The checkpoint.
         id: u32,
     },
+    /// Version 3: volume `vol` is served as export `name` (one added while serving, kept
+    /// for the next start); flags bit 0: writable.
+    Export {
+        /// The volume.
+        vol: u32,
+        /// Bit 0: writable.
+        flags: u32,
+        /// The export's name.
+        name: String,
+    },
+    /// Version 3: export `name` is no more.
+    Unexport {
+        /// The export's name.
+        name: String,
+    },
 }
 
 mod tag {
@@ -208,6 +223,8 @@ mod tag {
     pub const UNSNAP: u8 = 11;
     pub const CHANGED: u8 = 12;
     pub const UNMARK: u8 = 13;
+    pub const EXPORT: u8 = 14;
+    pub const UNEXPORT: u8 = 15;
 }
 
 /// Why bytes are not a valid log block (or record).
@@ -234,6 +251,8 @@ impl Record {
                 | Record::Unsnap { .. }
                 | Record::Changed { .. }
                 | Record::Unmark { .. }
+                | Record::Export { .. }
+                | Record::Unexport { .. }
         )
     }
 
@@ -252,6 +271,8 @@ impl Record {
             Record::Unsnap { .. } => 4 + 4,
             Record::Changed { .. } => 4 + 8 + 8,
             Record::Unmark { .. } => 4,
+            Record::Export { name, .. } => 4 + 4 + 1 + name.len(),
+            Record::Unexport { name } => 1 + name.len(),
         }
     }
 
@@ -363,6 +384,16 @@ impl Record {
                 out.push(tag::UNMARK);
                 out.extend_from_slice(&id.to_le_bytes());
             }
+            Record::Export { vol, flags, name } => {
+                out.push(tag::EXPORT);
+                out.extend_from_slice(&vol.to_le_bytes());
+                out.extend_from_slice(&flags.to_le_bytes());
+                name_of(out, name);
+            }
+            Record::Unexport { name } => {
+                out.push(tag::UNEXPORT);
+                name_of(out, name);
+            }
         }
     }
 
@@ -430,6 +461,12 @@ impl Record {
                 len: r.u64()?,
             },
             tag::UNMARK => Record::Unmark { id: r.u32()? },
+            tag::EXPORT => Record::Export {
+                vol: r.u32()?,
+                flags: r.u32()?,
+                name: r.name()?,
+            },
+            tag::UNEXPORT => Record::Unexport { name: r.name()? },
             _ => return Err(Invalid::Field("record type")),
         };
         Ok((rec, r.at))

@@ -526,7 +526,7 @@ fn new_inner(name: &str, data: &Arc<dyn Device>, sb: &PoolSuperblock, running: b
         report: Mutex::new(report),
         running,
         crashed: AtomicBool::new(false),
-        marks: Mutex::new((0, Arc::new(BTreeMap::new()))),
+        marks: Mutex::new((0, Arc::new(BTreeMap::new()), Arc::new(BTreeMap::new()))),
     })
 }
 

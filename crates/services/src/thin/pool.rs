@@ -135,6 +135,16 @@ pub enum Admin {
     /// keep their changes (see [`super::backup`]).
     #[allow(missing_docs)]
     Uncheckpoint { volume: String, name: String },
+    /// Export `name` of `volume` (added while serving) is kept for the next start.
+    #[allow(missing_docs)]
+    Export {
+        name: String,
+        volume: String,
+        writable: bool,
+    },
+    /// Export `name` is no longer kept.
+    #[allow(missing_docs)]
+    Unexport { name: String },
 }
 
 #[derive(Default)]
@@ -255,8 +265,11 @@ pub(crate) struct Inner {
     pub(super) crashed: AtomicBool,
     /// The backup checkpoints as of the last commit, and the state's change count they
     /// were copied at (see [`PoolState::marks_changed`](super::state::PoolState)).
-    pub(super) marks: Mutex<(u64, Arc<Marks>)>,
+    pub(super) marks: Mutex<(u64, Arc<Marks>, Arc<Exports>)>,
 }
+
+/// Exports added while serving, kept for the next start: name -> (volume id, flags).
+pub(crate) type Exports = BTreeMap<String, (u32, u32)>;
 
 /// The backup checkpoints by id.
 pub(crate) type Marks = BTreeMap<u32, super::backup::Mark>;
@@ -773,6 +786,21 @@ impl ThinPoolAdmin for ThinPool {
 
     fn checkpoints(&self) -> Vec<super::backup::CheckpointInfo> {
         super::backup::list(&self.inner)
+    }
+
+    fn exports(&self) -> Vec<(String, String, bool)> {
+        let exports = lock(&self.inner.marks).2.clone();
+        let volumes = lock(&self.inner.volumes);
+        exports
+            .iter()
+            .filter_map(|(name, &(vol, flags))| {
+                Some((
+                    name.clone(),
+                    volumes.get(&vol)?.name.clone(),
+                    flags & 1 != 0,
+                ))
+            })
+            .collect()
     }
 
     fn admin(&self, op: Admin) -> Result<String, ThinError> {

@@ -83,9 +83,11 @@ pub struct PoolState {
     pub freed: Vec<u64>,
     /// Backup checkpoints by id (see [`super::backup`]).
     pub marks: BTreeMap<u32, Mark>,
-    /// Counts changes to `marks` (so that the run-time copy is made again only after
-    /// one). Not part of the state.
+    /// Counts changes to `marks` and `exports` (so that the run-time copy is made again
+    /// only after one). Not part of the state.
     pub marks_changed: u64,
+    /// Exports added while serving, kept for the next start: name -> (volume, flags).
+    pub exports: BTreeMap<String, (u32, u32)>,
 }
 
 impl PartialEq for PoolState {
@@ -94,6 +96,7 @@ impl PartialEq for PoolState {
             && self.volumes == other.volumes
             && self.blocks == other.blocks
             && self.marks == other.marks
+            && self.exports == other.exports
     }
 }
 
@@ -109,6 +112,7 @@ impl PoolState {
             freed: Vec::new(),
             marks: BTreeMap::new(),
             marks_changed: 0,
+            exports: BTreeMap::new(),
         }
     }
 
@@ -189,7 +193,9 @@ impl PoolState {
             Record::Mark { .. }
             | Record::Unsnap { .. }
             | Record::Changed { .. }
-            | Record::Unmark { .. } => self.apply_mark(r, false),
+            | Record::Unmark { .. }
+            | Record::Export { .. }
+            | Record::Unexport { .. } => self.apply_mark(r, false),
             Record::Grow { vol, size } => {
                 let block_bytes = self.block_bytes;
                 let v = self.volume(*vol)?;

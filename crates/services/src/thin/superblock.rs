@@ -1,5 +1,5 @@
-//! A thin pool's superblock, format version 2 (version 1 still read): pure encode and
-//! decode, no I/O. The README's "On-disk format: thin pool, version 2" documents it.
+//! A thin pool's superblock, format version 3 (versions 1 and 2 still read): pure encode and
+//! decode, no I/O. The README's "On-disk format: thin pool, version 3" documents it.
 //!
 //! It is kept in two 8 KiB slots at the start of the metadata area. Every checkpoint
 //! writes both, with a generation one higher: first the slot not holding the newest valid
