@@ -383,7 +383,11 @@ pub(crate) fn pools(roots: &[Arc<dyn Device>]) -> Vec<(Arc<dyn Device>, Arc<dyn 
 }
 
 /// `thin ACTION POOL ...`.
-fn thin_command(args: &[&str], roots: &[Arc<dyn Device>]) -> Result<String, AdminError> {
+fn thin_command(
+    args: &[&str],
+    view: &View,
+    roots: &[Arc<dyn Device>],
+) -> Result<String, AdminError> {
     use cairn_services::thin::pool::Admin;
     const USAGE: &str = "thin list POOL [--json] | create POOL NAME SIZE | delete POOL NAME | grow POOL NAME SIZE | snapshot POOL VOLUME NAME | clone POOL SNAPSHOT NAME";
     let usage = || AdminError::Usage(USAGE.into());
@@ -423,11 +427,23 @@ fn thin_command(args: &[&str], roots: &[Arc<dyn Device>]) -> Result<String, Admi
         Admin::Delete { name } => Some(name.clone()),
         _ => None,
     };
+    let grown = match &op {
+        Admin::Grow { name, size } => Some((name.clone(), *size)),
+        _ => None,
+    };
     let done = inner.admin(op)?;
     if let Some(name) = deleted {
         crate::backup::volume_deleted(pool, &name, roots);
     }
-    Ok(format!("ok: {done}\n"))
+    // The stack file follows: a smaller 'size' would stop the next start.
+    let mut out = format!("ok: {done}\n");
+    if let (Some((name, size)), Some(keeper)) = (grown, view.stack_file()) {
+        for line in keeper.grow_thin(pool, &name, size) {
+            out += &line;
+            out.push('\n');
+        }
+    }
+    Ok(out)
 }
 
 /// A pool's volumes, a line each, under a line for the pool.
@@ -687,7 +703,7 @@ fn run(name: &str, args: &[&str], view: &View) -> Result<String, AdminError> {
             _ => usage("stats [--json]"),
         },
         "fail" | "remove" | "re-add" | "add" | "replace" => array_command(name, args, view, roots),
-        "thin" => thin_command(args, roots),
+        "thin" => thin_command(args, view, roots),
         "bitmap" => crate::bitmaps::command(args, roots),
         "throttle" => crate::throttle::command(args, roots),
         "checkpoint" => crate::backup::checkpoint_command(args, roots),

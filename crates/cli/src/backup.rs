@@ -211,7 +211,8 @@ fn export_list(table: &cairn_nbd::ExportTable) -> String {
             "'{}': {} ({} bytes{})\n",
             e.name,
             e.description,
-            e.size,
+            // Now: a thin volume grown while served is listed at its new size.
+            l.export.device.geometry().size_bytes,
             if e.flags & cairn_nbd::proto::tflags::READ_ONLY != 0 {
                 ", read-only"
             } else {

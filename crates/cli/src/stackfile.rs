@@ -142,6 +142,39 @@ impl Keeper {
         }
     }
 
+    /// After `thin grow POOL VOLUME SIZE`: every thin device table of that volume whose
+    /// `size` is smaller gets `size = SIZE` (the next start would refuse the smaller size:
+    /// a volume never shrinks). Lines saying what was changed, or what no longer matches.
+    pub fn grow_thin(&self, pool: &str, volume: &str, size: u64) -> Vec<String> {
+        let file = self.path.display().to_string();
+        let text = match std::fs::read_to_string(&self.path) {
+            Ok(t) => t,
+            Err(e) => return vec![format!("stack file {file}: cannot read it: {e}")],
+        };
+        let Ok(mut doc) = text.parse::<DocumentMut>() else {
+            return vec![format!("stack file {file}: cannot parse it any more")];
+        };
+        let changes = set_thin_size(&mut doc, pool, volume, size);
+        if changes.is_empty() {
+            return Vec::new();
+        }
+        match write_in_place(&self.path, &doc.to_string()) {
+            Ok(()) => changes
+                .iter()
+                .map(|c| {
+                    log::info!("cairn: stack file {file} updated: {c}");
+                    format!("stack file {file} updated: {c}")
+                })
+                .collect(),
+            Err(e) => changes
+                .iter()
+                .map(|c| {
+                    format!("stack file {file} no longer matches (cannot update it: {e}): set {c}")
+                })
+                .collect(),
+        }
+    }
+
     /// What `status` says of the file: lines that no longer match (empty: in step).
     pub fn stale(&self) -> Vec<String> {
         self.stale.lock().unwrap_or_else(|p| p.into_inner()).clone()
@@ -334,6 +367,37 @@ fn note_before(doc: &mut DocumentMut, array: &str, note: &str) {
 
 /// The list `key` (`members`, `spares`) of `[device.NAME]`, if the file has that table
 /// with such a list.
+/// `size = SIZE` in every `[device.NAME]` of type "thin" on volume `volume` of pool
+/// `pool` whose size is smaller; a line per table changed.
+fn set_thin_size(doc: &mut DocumentMut, pool: &str, volume: &str, size: u64) -> Vec<String> {
+    let Some(devices) = doc.get_mut("device").and_then(Item::as_table_mut) else {
+        return Vec::new();
+    };
+    let text = cairn_core::size::exact_size(size);
+    let mut out = Vec::new();
+    for (name, item) in devices.iter_mut() {
+        let Some(t) = item.as_table_mut() else {
+            continue;
+        };
+        let s = |k: &str| t.get(k).and_then(Item::as_str).map(str::to_string);
+        let on_it = s("type").as_deref() == Some("thin")
+            && s("pool").as_deref() == Some(pool)
+            && s("volume").as_deref().unwrap_or(name.get()) == volume;
+        let smaller = match t.get("size") {
+            Some(i) => match i.as_str() {
+                Some(v) => cairn_core::size::parse_size(v).is_ok_and(|v| v < size),
+                None => i.as_integer().is_some_and(|v| (v as u64) < size),
+            },
+            None => false,
+        };
+        if on_it && smaller {
+            t["size"] = toml_edit::value(text.clone());
+            out.push(format!("{} size = \"{text}\" (grown)", header(name.get())));
+        }
+    }
+    out
+}
+
 fn list_of(doc: &DocumentMut, name: &str, key: &str) -> Option<Vec<String>> {
     let list = device_table(doc, name)?.get(key)?.as_array()?;
     Some(

@@ -94,6 +94,17 @@ pub fn format_bytes(bytes: u64) -> String {
     }
 }
 
+/// `size` as a stack file can give it back exactly, in the largest unit that divides it:
+/// "20G", "1536M", "4097".
+pub fn exact_size(size: u64) -> String {
+    for (unit, shift) in [("T", 40), ("G", 30), ("M", 20), ("K", 10)] {
+        if size > 0 && size.is_multiple_of(1 << shift) {
+            return format!("{}{unit}", size >> shift);
+        }
+    }
+    size.to_string()
+}
+
 /// Formats a rate in bytes a second the way sizes are written, e.g. `138.6MiB/s`: logs and
 /// status use this one style (bench's reports keep fio's decimal MB/s).
 pub fn format_rate(bytes_per_s: f64) -> String {

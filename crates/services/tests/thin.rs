@@ -599,13 +599,15 @@ fn many_copies_on_write_at_once_all_complete() {
     assert!(read(&sq, 0, 8 * block as usize) == pattern(1, block as usize).repeat(8));
 }
 
+/// A volume grows to any size (past the room its table was made with, four times the
+/// size it was opened with) while a device on it is open and written, never shrinks, and
+/// keeps every write; a device open on it sees the new size.
 #[test]
-fn grow_takes_a_volume_up_to_four_times_its_size_and_never_shrinks_it() {
+fn grow_takes_a_volume_past_its_tables_room_while_it_is_written_and_never_shrinks_it() {
     let data = mem("64M", false);
     let p = pool(&data);
     let (d, q) = volume(&p, "vm", Some(1 << 20));
     q.write(0, &pattern(1, 4096), IoFlags::NONE).unwrap();
-    drop((q, d));
     let grow = |size: u64| {
         p.pool().admin(Admin::Grow {
             name: "vm".into(),
@@ -618,24 +620,52 @@ fn grow_takes_a_volume_up_to_four_times_its_size_and_never_shrinks_it() {
         "{shrink:?}"
     );
     assert!(shrink.to_string().contains("cannot shrink"), "{shrink}");
-    assert!(grow(5 << 20)
-        .unwrap_err()
-        .to_string()
-        .contains("larger than"));
-    grow(4 << 20).unwrap();
-    let (d, q) = volume(&p, "vm", None);
-    assert_eq!(d.geometry().size_bytes, 4 << 20);
-    q.write((4 << 20) - 4096, &pattern(2, 4096), IoFlags::NONE)
-        .unwrap();
+    // A writer goes on through every grow: each of its pages is written once, with its
+    // number, inside the first megabyte.
+    let writer = {
+        let d = d.clone();
+        std::thread::spawn(move || {
+            let q = BlockingQueue::open(&d, Switches::default()).unwrap();
+            for page in 1..256u64 {
+                q.write(page * 4096, &pattern(page, 4096), IoFlags::NONE)
+                    .unwrap();
+            }
+            q.flush().unwrap();
+        })
+    };
+    for size in [3 << 20, 5 << 20, 24 << 20, 200 << 20] {
+        grow(size).unwrap();
+        assert_eq!(d.geometry().size_bytes, size, "seen by the open device");
+        // A queue opened now takes the new size (one open before keeps its own).
+        let q = BlockingQueue::open(&d, Switches::default()).unwrap();
+        q.write(size - 4096, &pattern(size, 4096), IoFlags::NONE)
+            .unwrap();
+        q.flush().unwrap();
+    }
+    writer.join().unwrap();
     q.flush().unwrap();
+    let q = BlockingQueue::open(&d, Switches::default()).unwrap();
+    let check = |q: &BlockingQueue| {
+        assert_eq!(read(q, 0, 4096), pattern(1, 4096));
+        for page in 1..256u64 {
+            assert_eq!(
+                read(q, page * 4096, 4096),
+                pattern(page, 4096),
+                "page {page}"
+            );
+        }
+        for size in [3u64 << 20, 5 << 20, 24 << 20, 200 << 20] {
+            assert_eq!(read(q, size - 4096, 4096), pattern(size, 4096), "at {size}");
+        }
+    };
+    check(&q);
     drop((q, d));
     drop(p);
-    // The size is durable, and from the new size the volume may grow four times again.
+    // The size and every write are durable.
     let p = pool(&data);
-    let (d, q) = volume(&p, "vm", Some(16 << 20));
-    assert_eq!(d.geometry().size_bytes, 16 << 20);
-    assert_eq!(read(&q, 0, 4096), pattern(1, 4096));
-    assert_eq!(read(&q, (4 << 20) - 4096, 4096), pattern(2, 4096));
+    let (d, q) = volume(&p, "vm", None);
+    assert_eq!(d.geometry().size_bytes, 200 << 20);
+    check(&q);
 }
 
 #[test]

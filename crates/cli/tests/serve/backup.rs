@@ -860,3 +860,63 @@ fn exports_added_while_serving_are_kept_across_a_restart_and_may_write() {
     admin(&["thin", "delete", "pool", "s1"]);
     drop(srv);
 }
+
+/// `thin grow` of a volume the stack file sizes: the next connection and `export list`
+/// see the new size, the stack file's `size` follows (so the next start takes it), and a
+/// stack file left smaller is refused at the start with the line to write.
+#[test]
+fn a_grown_volume_is_seen_by_the_next_connection_and_the_stack_file_follows() {
+    const NAME: &str =
+        "backup::a_grown_volume_is_seen_by_the_next_connection_and_the_stack_file_follows";
+    let Some((_python, _dir, ctl, stack)) = set_up(NAME) else {
+        return;
+    };
+    let Some([nbdinfo]) = tools(NAME, ["nbdinfo"]) else {
+        return;
+    };
+    let before = std::fs::read_to_string(&stack).unwrap();
+    let start = || Server::start_in(tmpdir(), &[path_str(&stack), "--admin", path_str(&ctl)]);
+    let admin = |words: &[&str]| success(&words.join(" "), &super::admin::admin(&ctl, words));
+    let size_of = |srv: &Server| {
+        let out = success(
+            "nbdinfo --size",
+            &run(Command::new(&nbdinfo).args(["--size", &srv.uri_for("vm")])),
+        );
+        out.trim().parse::<u64>().unwrap()
+    };
+    let mut srv = start();
+    assert_eq!(size_of(&srv), 64 << 20);
+    // Past four times the size it was opened with, too.
+    let grown = admin(&["thin", "grow", "pool", "vm", "320M"]);
+    assert!(
+        grown.contains("updated: [device.vm] size = \"320M\" (grown)"),
+        "{grown}"
+    );
+    assert_eq!(size_of(&srv), 320 << 20);
+    let list = admin(&["export", "list"]);
+    assert!(
+        list.contains(&format!("({} bytes)", 320u64 << 20)),
+        "{list}"
+    );
+    srv.stop();
+    let after = std::fs::read_to_string(&stack).unwrap();
+    assert_eq!(
+        after,
+        before
+            .replace("size = \"64M\"\n\n[export", "size = \"320M\"\n\n[export")
+            .replace("size = \"64M\"\n[export", "size = \"320M\"\n[export"),
+        "{after}"
+    );
+    let srv = start();
+    assert_eq!(size_of(&srv), 320 << 20);
+    drop(srv);
+    // The stack file put back as it was: refused, saying what to write.
+    std::fs::write(&stack, &before).unwrap();
+    let out = run(Command::new(env!("CARGO_BIN_EXE_cairn")).args(["check", path_str(&stack)]));
+    let text =
+        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("set size = \"320M\" in its table, or leave the key out"),
+        "{text}"
+    );
+}

@@ -416,7 +416,17 @@ impl Committer {
                         asked: size,
                     });
                 }
-                check_size(size, self.inner.block_bytes(), v.table.blocks())?;
+                let block = self.inner.block_bytes();
+                check_size(size, block, VOLUME_BLOCKS_MAX)?;
+                let blocks = size.div_ceil(block);
+                if blocks > v.table.blocks() {
+                    // Past the table's room: a larger directory, made while the
+                    // volume's writes are held (no leaf is made, no entry marked).
+                    v.frozen.store(true, SeqCst);
+                    self.inner.grace();
+                    v.table.grow(table_blocks(blocks));
+                    v.frozen.store(false, SeqCst);
+                }
                 self.commit(vec![Record::Grow { vol: v.id, size }])?;
                 v.size.store(size, SeqCst);
                 Ok(format!(

@@ -515,9 +515,11 @@ impl Inner {
             let now = v.size.load(SeqCst);
             if size < now {
                 return Err(bad(format!(
-                    "volume '{name}' is {}; 'size' says {} (a volume never shrinks)",
+                    "volume '{name}' is {}; 'size' says {} (a volume never shrinks: it was grown \
+                     while served, say; set size = \"{}\" in its table, or leave the key out)",
                     format_bytes(now),
-                    format_bytes(size)
+                    format_bytes(size),
+                    cairn_core::size::exact_size(now)
                 )));
             }
             if size > now && create {

@@ -1,10 +1,15 @@
 //! A volume's mapping table as the reactors use it: virtual block -> entry, read and
-//! changed without a lock. A directory of leaves of 1024 entries each; a lookup is two
-//! dependent loads, a change one compare-and-swap. Leaves are made by the control plane
-//! ([`Table::ensure_leaf`], never on a reactor) and live as long as the table.
+//! changed without a lock. A directory of leaves of 1024 entries each; a lookup is three
+//! dependent loads (the directory, the leaf, the entry), a change one compare-and-swap.
+//! Leaves are made on first write ([`Table::ensure_leaf`]) and live as long as the table.
 //!
+//! The directory is made for a few times the volume's size; a volume grown past it gets a
+//! larger directory ([`Table::grow`]) while its writes are held: the leaves are the same,
+//! the old directory stays allocated until the table drops (a reader may still be looking
+//! through it; it holds the same leaves).
 
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, Ordering};
+use std::sync::Mutex;
 
 use super::state::OWNED;
 
@@ -13,35 +18,87 @@ pub const LEAF_ENTRIES: usize = 1024;
 
 type Leaf = [AtomicU32; LEAF_ENTRIES];
 
-/// One volume's table.
-pub struct Table {
-    dir: Box<[AtomicPtr<Leaf>]>,
+/// The leaves of a table of `blocks` virtual blocks.
+struct Dir {
+    leaves: Box<[AtomicPtr<Leaf>]>,
     /// Per leaf: an entry changed since the commit thread last looked ([`Table::take_dirty`]).
     dirty: Box<[AtomicBool]>,
     blocks: u64,
 }
 
-impl Table {
-    /// A table of `blocks` virtual blocks, all holes, with no leaf yet.
-    pub fn new(blocks: u64) -> Table {
+impl Dir {
+    fn new(blocks: u64) -> Dir {
         let leaves = (blocks as usize).div_ceil(LEAF_ENTRIES);
-        Table {
-            dir: (0..leaves)
+        Dir {
+            leaves: (0..leaves)
                 .map(|_| AtomicPtr::new(std::ptr::null_mut()))
                 .collect(),
             dirty: (0..leaves).map(|_| AtomicBool::new(false)).collect(),
             blocks,
         }
     }
+}
+
+/// One volume's table.
+pub struct Table {
+    /// The directory in use (made from a Box, replaced only by [`Table::grow`]).
+    dir: AtomicPtr<Dir>,
+    /// Directories replaced by larger ones, freed when the table drops. Boxed: a reader
+    /// may still hold a pointer to one, which must not move.
+    #[allow(clippy::vec_box)]
+    retired: Mutex<Vec<Box<Dir>>>,
+}
+
+impl Table {
+    /// A table of `blocks` virtual blocks, all holes, with no leaf yet.
+    pub fn new(blocks: u64) -> Table {
+        Table {
+            dir: AtomicPtr::new(Box::into_raw(Box::new(Dir::new(blocks)))),
+            retired: Mutex::new(Vec::new()),
+        }
+    }
+
+    #[inline]
+    fn dir(&self) -> &Dir {
+        // SAFETY: the pointer comes from Box::into_raw; a directory replaced by `grow` is
+        // kept in `retired`, and all are freed only when the table drops.
+        unsafe { &*self.dir.load(Ordering::Acquire) }
+    }
 
     /// Virtual blocks it maps.
     pub fn blocks(&self) -> u64 {
-        self.blocks
+        self.dir().blocks
     }
 
+    /// Makes room for `blocks` virtual blocks (no less than now). The caller holds every
+    /// write to the volume (none in flight, none starting: no leaf is made and no entry
+    /// marked meanwhile); readers may go on, through either directory.
+    pub fn grow(&self, blocks: u64) {
+        let old = self.dir();
+        if blocks <= old.blocks {
+            return;
+        }
+        let new = Dir::new(blocks);
+        for (i, (l, d)) in old.leaves.iter().zip(old.dirty.iter()).enumerate() {
+            new.leaves[i].store(l.load(Ordering::Acquire), Ordering::Relaxed);
+            new.dirty[i].store(d.load(Ordering::Acquire), Ordering::Relaxed);
+        }
+        let was = self
+            .dir
+            .swap(Box::into_raw(Box::new(new)), Ordering::AcqRel);
+        // SAFETY: `was` came from Box::into_raw and is no longer the table's directory.
+        let was = unsafe { Box::from_raw(was) };
+        self.retired
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(was);
+    }
+
+    #[inline]
     fn leaf(&self, vblock: u64) -> Option<&Leaf> {
         let p = self
-            .dir
+            .dir()
+            .leaves
             .get(vblock as usize / LEAF_ENTRIES)?
             .load(Ordering::Acquire);
         // SAFETY: a non-null pointer in the directory is a leaf made by `ensure_leaf`
@@ -62,9 +119,10 @@ impl Table {
         self.leaf(vblock).is_some()
     }
 
-    /// Makes the leaf holding `vblock` if it is missing. Control plane only: it allocates.
+    /// Makes the leaf holding `vblock` if it is missing (it allocates: once per 1024
+    /// blocks of virtual space, on the first write there).
     pub fn ensure_leaf(&self, vblock: u64) {
-        let Some(slot) = self.dir.get(vblock as usize / LEAF_ENTRIES) else {
+        let Some(slot) = self.dir().leaves.get(vblock as usize / LEAF_ENTRIES) else {
             return;
         };
         if !slot.load(Ordering::Acquire).is_null() {
@@ -98,7 +156,7 @@ impl Table {
     /// the commit thread, which clears the flag before it reads the entries, sees it).
     #[inline]
     pub fn mark(&self, vblock: u64) {
-        if let Some(d) = self.dirty.get(vblock as usize / LEAF_ENTRIES) {
+        if let Some(d) = self.dir().dirty.get(vblock as usize / LEAF_ENTRIES) {
             if !d.load(Ordering::Relaxed) {
                 d.store(true, Ordering::Release);
             }
@@ -107,12 +165,15 @@ impl Table {
 
     /// Leaves in the directory.
     pub fn leaves(&self) -> usize {
-        self.dir.len()
+        self.dir().leaves.len()
     }
 
     /// Whether leaf `i` changed since the last call, clearing the flag (commit thread).
     pub fn take_dirty(&self, i: usize) -> bool {
-        self.dirty[i].load(Ordering::Relaxed) && self.dirty[i].swap(false, Ordering::AcqRel)
+        let dirty = &self.dir().dirty;
+        dirty
+            .get(i)
+            .is_some_and(|d| d.load(Ordering::Relaxed) && d.swap(false, Ordering::AcqRel))
     }
 
     /// Leaf `i`'s entries as they are now (all holes if it has no leaf).
@@ -132,7 +193,11 @@ impl Table {
     pub fn set(&self, vblock: u64, entry: u32) {
         debug_assert_ne!(entry, OWNED, "vblock {vblock}: an empty entry marked owned");
         // Past the end the entry would be dropped: a mapping lost without a word.
-        debug_assert!(vblock < self.blocks, "vblock {vblock} of {}", self.blocks);
+        debug_assert!(
+            vblock < self.blocks(),
+            "vblock {vblock} of {}",
+            self.blocks()
+        );
         self.ensure_leaf(vblock);
         if let Some(l) = self.leaf(vblock) {
             l[vblock as usize % LEAF_ENTRIES].store(entry, Ordering::Release);
@@ -142,7 +207,7 @@ impl Table {
     /// Every mapped (vblock, entry), in order (control plane: a snapshot's copy, a
     /// checkpoint).
     pub fn mapped(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
-        (0..self.dir.len()).flat_map(move |i| {
+        (0..self.leaves()).flat_map(move |i| {
             let leaf = self.leaf((i * LEAF_ENTRIES) as u64);
             leaf.into_iter().flat_map(move |l| {
                 l.iter().enumerate().filter_map(move |(j, e)| {
@@ -156,7 +221,10 @@ impl Table {
 
 impl Drop for Table {
     fn drop(&mut self) {
-        for slot in self.dir.iter() {
+        // SAFETY: from Box::into_raw; nothing else holds the table.
+        let dir = unsafe { Box::from_raw(self.dir.load(Ordering::Acquire)) };
+        // The directory in use holds every leaf (a retired one holds some of the same).
+        for slot in dir.leaves.iter() {
             let p = slot.load(Ordering::Acquire);
             if !p.is_null() {
                 // SAFETY: made by `ensure_leaf` from a Box; nothing else holds the table.
@@ -186,6 +254,18 @@ mod tests {
         assert_eq!(t.get(3000), 0);
         t.ensure_leaf(5000); // past the end: nothing
         assert_eq!(t.mapped().collect::<Vec<_>>(), vec![(5, 7), (2999, 1)]);
+        // Grown: the same leaves and marks, room past the old end.
+        t.mark(2999);
+        t.grow(10_000);
+        assert_eq!(t.blocks(), 10_000);
+        assert!(t.take_dirty(2) && !t.take_dirty(2));
+        t.set(9_999, 3);
+        assert_eq!(
+            t.mapped().collect::<Vec<_>>(),
+            vec![(5, 7), (2999, 1), (9_999, 3)]
+        );
+        assert_eq!(t.swap_if(5, 7, 8), Ok(()));
+        assert_eq!(t.get(5), 8);
     }
 
     /// The invariants debug builds check: a mapping set past the table's end would be

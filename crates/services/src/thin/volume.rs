@@ -129,8 +129,14 @@ impl Device for ThinDevice {
         )
     }
 
+    /// The volume's size now: a volume grown while served is seen at its new size by
+    /// whoever asks next (the next NBD connection).
     fn geometry(&self) -> Geometry {
-        self.geometry
+        let block = u64::from(self.geometry.block_bytes);
+        Geometry {
+            size_bytes: self.vol.size.load(SeqCst) / block * block,
+            ..self.geometry
+        }
     }
 
     fn read_only(&self) -> bool {
