@@ -275,3 +275,47 @@ fn run_case(seed: u64) {
         assert!(e.to_string().contains("checkpoint remove pool vm"), "{e}");
     }
 }
+
+/// A volume grown after a checkpoint: the blocks written in its new space are changes
+/// since it, the new space never written is not (it reads as zeros), and the volume's
+/// old blocks are as before.
+#[test]
+fn a_grown_volume_reports_its_new_blocks_written_as_changed() {
+    let data = cairn_leaves::open(&LeafSpec::parse("mem:64M").unwrap(), "data").unwrap();
+    let pool = open_pool(&data);
+    let vm = device(&pool, "vm");
+    let q = BlockingQueue::open(&vm, Switches::default()).unwrap();
+    q.write(0, &cairn_testkit::pattern(1, 4096), IoFlags::NONE)
+        .unwrap();
+    admin(&pool)
+        .admin(Admin::Checkpoint {
+            src: "vm".into(),
+            name: "c1".into(),
+            granularity: None,
+        })
+        .unwrap();
+    admin(&pool)
+        .admin(Admin::Grow {
+            name: "vm".into(),
+            size: 2 * SIZE,
+        })
+        .unwrap();
+    let q = BlockingQueue::open(&vm, Switches::default()).unwrap();
+    q.write(SIZE + 3 * BLOCK, &cairn_testkit::pattern(2, 4096), IoFlags::NONE)
+        .unwrap();
+    let map = vm
+        .capability::<dyn DirtyBitmaps>()
+        .unwrap()
+        .reader("c1")
+        .unwrap();
+    let mut runs = Vec::new();
+    map.runs(0, 2 * SIZE, usize::MAX, &mut runs);
+    assert_eq!(
+        runs,
+        vec![(SIZE + 3 * BLOCK, false), (BLOCK, true), (SIZE - 4 * BLOCK, false)]
+    );
+    // Past the volume's end, nothing says a range did not change.
+    let mut past = Vec::new();
+    map.runs(2 * SIZE, BLOCK, usize::MAX, &mut past);
+    assert_eq!(past, vec![(BLOCK, true)]);
+}

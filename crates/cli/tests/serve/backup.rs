@@ -920,3 +920,67 @@ fn a_grown_volume_is_seen_by_the_next_connection_and_the_stack_file_follows() {
         "{text}"
     );
 }
+
+/// Writes to vm between checkpoints c1 and c2, both taken while serving; the server
+/// stops, and the stack file gains a table and an export for snapshot c2: started
+/// again, that export offers the changes since c1 (with no bitmap store anywhere), and
+/// they are the blocks written.
+const BETWEEN: &str = r#"
+h = connect("vm")
+h.pwrite(b"a" * 4096, 0)
+h.flush()
+admin("checkpoint", "pool", "vm", "c1")
+h.pwrite(b"b" * 4096, 5 * G + 100)
+h.pwrite(b"c" * 8192, 9 * G - 4096)
+h.flush()
+admin("checkpoint", "pool", "vm", "c2")
+h.pwrite(b"d" * 4096, 20 * G)
+h.flush()
+print("written")
+"#;
+
+#[test]
+fn a_checkpoints_snapshot_exported_from_the_stack_file_offers_the_changes_before_it() {
+    const NAME: &str = "backup::a_checkpoints_snapshot_exported_from_the_stack_file_offers_the_changes_before_it";
+    let Some((python, dir, ctl, stack)) = set_up(NAME) else {
+        return;
+    };
+    let Some([nbdinfo]) = tools(NAME, ["nbdinfo"]) else {
+        return;
+    };
+    let mut srv = Server::start_in(tmpdir(), &[path_str(&stack), "--admin", path_str(&ctl)]);
+    let env = env_for(dir.path(), &ctl);
+    libnbd_script(&python, &format!("{PRELUDE}{BETWEEN}"), &srv.sock, &env, "written");
+    srv.stop();
+    let mut text = std::fs::read_to_string(&stack).unwrap();
+    text += "[device.c2]\ntype = \"thin\"\npool = \"pool\"\n[export.c2]\ndevice = \"c2\"\n";
+    std::fs::write(&stack, text).unwrap();
+    let srv = Server::start_in(tmpdir(), &[path_str(&stack), "--admin", path_str(&ctl)]);
+    let map = |export: &str, ctx: &str| -> Vec<(u64, u64)> {
+        let out = success(
+            "nbdinfo --map",
+            &run(Command::new(&nbdinfo).args([
+                &format!("--map=qemu:dirty-bitmap:{ctx}"),
+                "--json",
+                &srv.uri_for(export),
+            ])),
+        );
+        let json: Value = serde_json::from_str(&out).unwrap();
+        json.as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["type"].as_u64() == Some(1))
+            .map(|r| (r["offset"].as_u64().unwrap(), r["length"].as_u64().unwrap()))
+            .collect()
+    };
+    const G: u64 = 65536;
+    // On c2: blocks 5, 8 and 9 changed from c1 (the write after c2 is not in it).
+    assert_eq!(map("c2", "c1"), vec![(5 * G, G), (8 * G, 2 * G)]);
+    // On the volume: the same and block 20 since c1; block 20 alone since c2.
+    assert_eq!(
+        map("vm", "c1"),
+        vec![(5 * G, G), (8 * G, 2 * G), (20 * G, G)]
+    );
+    assert_eq!(map("vm", "c2"), vec![(20 * G, G)]);
+    drop(srv);
+}
