@@ -301,8 +301,12 @@ fn a_grown_volume_reports_its_new_blocks_written_as_changed() {
         })
         .unwrap();
     let q = BlockingQueue::open(&vm, Switches::default()).unwrap();
-    q.write(SIZE + 3 * BLOCK, &cairn_testkit::pattern(2, 4096), IoFlags::NONE)
-        .unwrap();
+    q.write(
+        SIZE + 3 * BLOCK,
+        &cairn_testkit::pattern(2, 4096),
+        IoFlags::NONE,
+    )
+    .unwrap();
     let map = vm
         .capability::<dyn DirtyBitmaps>()
         .unwrap()
@@ -312,7 +316,11 @@ fn a_grown_volume_reports_its_new_blocks_written_as_changed() {
     map.runs(0, 2 * SIZE, usize::MAX, &mut runs);
     assert_eq!(
         runs,
-        vec![(SIZE + 3 * BLOCK, false), (BLOCK, true), (SIZE - 4 * BLOCK, false)]
+        vec![
+            (SIZE + 3 * BLOCK, false),
+            (BLOCK, true),
+            (SIZE - 4 * BLOCK, false)
+        ]
     );
     // Past the volume's end, nothing says a range did not change.
     let mut past = Vec::new();

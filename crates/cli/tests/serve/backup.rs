@@ -941,7 +941,8 @@ print("written")
 
 #[test]
 fn a_checkpoints_snapshot_exported_from_the_stack_file_offers_the_changes_before_it() {
-    const NAME: &str = "backup::a_checkpoints_snapshot_exported_from_the_stack_file_offers_the_changes_before_it";
+    const NAME: &str =
+        "backup::a_checkpoints_snapshot_exported_from_the_stack_file_offers_the_changes_before_it";
     let Some((python, dir, ctl, stack)) = set_up(NAME) else {
         return;
     };
@@ -950,7 +951,13 @@ fn a_checkpoints_snapshot_exported_from_the_stack_file_offers_the_changes_before
     };
     let mut srv = Server::start_in(tmpdir(), &[path_str(&stack), "--admin", path_str(&ctl)]);
     let env = env_for(dir.path(), &ctl);
-    libnbd_script(&python, &format!("{PRELUDE}{BETWEEN}"), &srv.sock, &env, "written");
+    libnbd_script(
+        &python,
+        &format!("{PRELUDE}{BETWEEN}"),
+        &srv.sock,
+        &env,
+        "written",
+    );
     srv.stop();
     let mut text = std::fs::read_to_string(&stack).unwrap();
     text += "[device.c2]\ntype = \"thin\"\npool = \"pool\"\n[export.c2]\ndevice = \"c2\"\n";
