@@ -158,6 +158,20 @@ print(json.dumps({"seconds": time.monotonic() - t0, "map_s": t_map, "bytes_read"
 '''
 
 
+def cpu_ns(pid):
+    """CPU time of every thread of process `pid` so far (ns; /proc/PID/task/*/schedstat),
+    fine enough for runs of a few milliseconds (the tick counts of /proc/PID/stat are
+    10 ms)."""
+    total = 0
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:
+            pass
+    return total
+
+
 def c_incremental(sock, export, bitmap, aio):
     """The incremental backup's reads by clients written in C: nbdinfo lists the dirty
     extents (qemu:dirty-bitmap:BITMAP), then one qemu-io process reads them all through
@@ -312,9 +326,11 @@ def flow_run(a, kind):
         restored = os.path.join(d, "restored.img")
         shutil.copyfile(full, restored)
         os.remove(full)
+        cpu0 = cpu_ns(srv.proc.pid)
         inc = py("incremental.py", INCREMENTAL,
                  {"uri": uri("c2"), "bitmap": "c1", "target": restored, "depth": 1}, 600,
                  f"{kind}: incremental backup")
+        rec["inc_server_cpu_s"] = (cpu_ns(srv.proc.pid) - cpu0) / 1e9
         rec.update({f"inc_{k}": v for k, v in inc.items()})
         # Again with 16 reads in flight (into another copy of the full backup).
         pipelined = os.path.join(d, "pipelined.img")
@@ -326,7 +342,9 @@ def flow_run(a, kind):
         os.remove(pipelined)
         # The same reads by clients in C, one at a time and all at once.
         for key, aio in (("incc", False), ("inccaio", True)):
+            cpu0 = cpu_ns(srv.proc.pid)
             inc = c_incremental(srv.sock, "c2", "c1", aio)
+            rec[f"{key}_server_cpu_s"] = (cpu_ns(srv.proc.pid) - cpu0) / 1e9
             rec.update({f"{key}_{k}": v for k, v in inc.items()})
         c2 = os.path.join(d, "c2.img")
         rec["full2_s"] = nbdcopy(uri("c2"), c2, f"{kind}: full copy of c2")
@@ -380,7 +398,17 @@ def flow_part(a):
         "(target <= 0.5x)", "")
     both = [(c, q) for c, q in zip(res["cairn"], res["qsd"])
             if "error" not in c and "error" not in q]
+    cpu = [c["inc_server_cpu_s"] / q["inc_server_cpu_s"] for c, q in both]
+    out(f"The servers' CPU time for the incremental (Python client, one read at a time): "
+        f"cairn {statistics.median(c['inc_server_cpu_s'] for c, _ in both) * 1000:.1f} ms, "
+        f"qsd {statistics.median(q['inc_server_cpu_s'] for _, q in both) * 1000:.1f} ms: "
+        f"{spread(cpu)}")
     for key, what in (("incc", "one at a time"), ("inccaio", "all at once")):
+        cpu = [c[f"{key}_server_cpu_s"] / q[f"{key}_server_cpu_s"] for c, q in both]
+        out(f"The servers' CPU time for the C clients' map and reads ({what}): cairn "
+            f"{statistics.median(c[f'{key}_server_cpu_s'] for c, _ in both) * 1000:.1f} ms, "
+            f"qsd {statistics.median(q[f'{key}_server_cpu_s'] for _, q in both) * 1000:.1f} "
+            f"ms: {spread(cpu)}")
         ratio = [c[f"{key}_seconds"] / q[f"{key}_seconds"] for c, q in both]
         out(f"C clients (qemu-io's reads of the dirty extents, {what}; the map by nbdinfo "
             f"{statistics.median(c[f'{key}_map_s'] for c, _ in both) * 1000:.0f} / "
