@@ -534,29 +534,12 @@ impl Committer {
             .marks_of(v.id)
             .last()
             .map(|(_, x)| x.name.clone());
-        Ok(format!(
-            "checkpoint '{name}' of '{volume}' removed{}{}; {}",
-            if snap.is_some() {
-                " with its snapshot"
-            } else {
-                ""
-            },
-            if dropped.is_empty() {
-                String::new()
-            } else {
-                format!(
-                    ", and {} (whose changes were counted through it)",
-                    dropped
-                        .iter()
-                        .map(|d| format!("'{d}'"))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )
-            },
-            match newest {
-                Some(n) => format!("'{n}' is its newest checkpoint now"),
-                None => format!("'{volume}' has no checkpoint now: its next backup is a full one"),
-            }
+        Ok(removed_reply(
+            volume,
+            name,
+            snap.is_some(),
+            &dropped,
+            newest,
         ))
     }
 
@@ -700,6 +683,40 @@ pub(crate) fn list(inner: &Inner) -> Vec<CheckpointInfo> {
         .collect();
     out.sort_by(|a, b| a.volume.cmp(&b.volume));
     out
+}
+
+/// What `checkpoint remove` replies: what went, and the volume's newest checkpoint now.
+fn removed_reply(
+    volume: &str,
+    name: &str,
+    with_snapshot: bool,
+    dropped: &[String],
+    newest: Option<String>,
+) -> String {
+    format!(
+        "checkpoint '{name}' of '{volume}' removed{}{}; {}",
+        if with_snapshot {
+            " with its snapshot"
+        } else {
+            ""
+        },
+        if dropped.is_empty() {
+            String::new()
+        } else {
+            format!(
+                ", and {} (whose changes were counted through it)",
+                dropped
+                    .iter()
+                    .map(|d| format!("'{d}'"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        },
+        match newest {
+            Some(n) => format!("'{n}' is its newest checkpoint now"),
+            None => format!("'{volume}' has no checkpoint now: its next backup is a full one"),
+        }
+    )
 }
 
 /// The checkpoints an export of volume `vol` offers the changes since: of a writable

@@ -355,6 +355,18 @@ impl Record {
                 out.push(*state);
                 out.extend_from_slice(&count.to_le_bytes());
             }
+            _ => self.encode_v3(out),
+        }
+    }
+
+    /// [`Record::encode`] for the records version 3 added.
+    fn encode_v3(&self, out: &mut Vec<u8>) {
+        let name_of = |out: &mut Vec<u8>, name: &str| {
+            assert!(name.len() <= NAME_MAX, "a name of at most {NAME_MAX} bytes");
+            out.push(name.len() as u8);
+            out.extend_from_slice(name.as_bytes());
+        };
+        match self {
             Record::Mark {
                 id,
                 vol,
@@ -394,6 +406,7 @@ impl Record {
                 out.push(tag::UNEXPORT);
                 name_of(out, name);
             }
+            _ => unreachable!("a record of versions 1 and 2: {self:?}"),
         }
     }
 
