@@ -208,6 +208,7 @@ impl Device for ThinDevice {
             sink: Cell::new(SinkId(u32::MAX)),
             parents: RefCell::new(Slab::with_capacity(256)),
             children: RefCell::new(Slab::with_capacity(256)),
+            lone: RefCell::new(Slab::with_capacity(256)),
             stash: RefCell::new(Vec::with_capacity(4 * super::pool::STASH)),
             reserved: Cell::new(0),
             bufs: RefCell::new(Vec::with_capacity(COW_BUFFERS)),
@@ -246,8 +247,11 @@ impl ThinVolume for ThinDevice {
     }
 }
 
-/// A request in progress.
+/// A request in progress. One cache line each: the line written at submit is usually
+/// evicted by the time the request completes, so a parent straddling two lines would cost
+/// two misses instead of one.
 #[derive(Clone, Copy)]
+#[repr(align(64))]
 struct Parent {
     io: Io,
     start: u64,
@@ -259,6 +263,21 @@ struct Parent {
     /// Blocks of the stash promised to its pieces and not taken yet.
     blocks: u32,
 }
+
+/// A request sent down whole, as it is, to where its one block is (see
+/// [`ThinQueue::start_lone`]): only what its completion needs.
+#[derive(Clone, Copy)]
+#[repr(align(64))]
+struct Lone {
+    io: Io,
+    start: u64,
+    /// The parity it is counted under in the gate.
+    parity: u8,
+}
+
+/// Token bit of a lone request's completion: the rest is its index in `lone` (a child's
+/// token is its index, below 2^32; the retry timer's is all ones).
+const LONE: u64 = 1 << 62;
 
 /// One piece of a parent: `len` bytes at `off` in virtual block `vb`, at `at` in the
 /// parent's buffer.
@@ -317,6 +336,7 @@ struct ThinQueue {
     sink: Cell<SinkId>,
     parents: RefCell<Slab<Parent>>,
     children: RefCell<Slab<Child>>,
+    lone: RefCell<Slab<Lone>>,
     /// Free zeroed blocks taken from the pool.
     stash: RefCell<Vec<u32>>,
     /// Blocks of the stash promised to requests in progress.
@@ -424,6 +444,9 @@ impl ThinQueue {
             return;
         }
         let parity = self.inner.enter(&self.gate);
+        if self.start_lone(&io, start, parity) {
+            return;
+        }
         let mut need = 0;
         if io.op.is_write() {
             if self.vol.frozen.load(SeqCst) {
@@ -431,17 +454,8 @@ impl ThinQueue {
                 self.park(io, start);
                 return;
             }
-            // Inside the gate: a checkpoint's snapshot waits for this write, so the
-            // bitmaps it set are the ones the snapshot's bitmap came from.
-            if let Some(changes) = &self.changes {
-                if let Err(e) = changes.mark(io.offset, io.len) {
-                    self.inner.leave(&self.gate, parity);
-                    log::error!("cairn: {}: {e}: the write fails", self.vol.name);
-                    self.finish(&io, start, IoStatus::errno(libc::EIO));
-                    self.core
-                        .complete(io.sink, io.token, IoStatus::errno(libc::EIO));
-                    return;
-                }
+            if !self.mark_changes(&io, start, parity) {
+                return;
             }
             // Blocks for every piece that may need one, before anything is changed: a
             // request that cannot have them all changes nothing.
@@ -477,6 +491,80 @@ impl ThinQueue {
         });
         self.pieces(p, &io);
         self.piece_done(p, IoStatus::OK, false);
+    }
+
+    /// The common case, kept short: a read or a write inside one block that is mapped
+    /// (a read) or owned by this volume alone (a write: no copy, no new mapping) goes
+    /// down as it is, with no parent and no pieces; its completion only leaves the gate
+    /// (which it stays in until then, as every request does: a freed block is not reused
+    /// while a request that looked it up is in flight). Whether it was taken; `parity`
+    /// is what `io` entered the gate under, left here if it failed.
+    #[inline]
+    fn start_lone(&self, io: &Io, start: u64, parity: usize) -> bool {
+        let shift = self.shift();
+        let vb = io.offset >> shift;
+        if io.len == 0 || (io.end() - 1) >> shift != vb {
+            return false;
+        }
+        let e = self.vol.table.get(vb);
+        let write = match io.op {
+            Op::Read if e != 0 => false,
+            Op::Write if e & OWNED != 0 && !io.flags.contains(IoFlags::FUA) => true,
+            _ => return false,
+        };
+        if write {
+            if self.vol.frozen.load(SeqCst) {
+                // A snapshot is being taken: the slow path parks it.
+                return false;
+            }
+            if !self.mark_changes(io, start, parity) {
+                // Failed, and answered.
+                return true;
+            }
+        }
+        let index = self.lone.borrow_mut().insert(Lone {
+            io: *io,
+            start,
+            parity: parity as u8,
+        });
+        let off = io.offset & ((1u64 << shift) - 1);
+        self.data.submit(Io {
+            flags: IoFlags::NONE,
+            offset: self.phys(e) + off,
+            sink: self.sink.get(),
+            token: LONE | u64::from(index),
+            ..*io
+        });
+        true
+    }
+
+    /// A lone request (see [`ThinQueue::start_lone`]) completed with `status`.
+    #[inline]
+    fn lone_done(&self, index: u32, status: IoStatus) {
+        let l = self.lone.borrow_mut().remove(index);
+        self.inner.leave(&self.gate, usize::from(l.parity));
+        self.finish(&l.io, l.start, status);
+        self.core.deliver(l.io.sink, l.io.token, status);
+    }
+
+    /// Marks write `io` in the volume's change log, if it keeps one; on failure the
+    /// write fails (it leaves the gate, entered under `parity`) and this says false.
+    #[inline]
+    fn mark_changes(&self, io: &Io, start: u64, parity: usize) -> bool {
+        // Inside the gate: a checkpoint's snapshot waits for this write, so the bitmaps
+        // it set are the ones the snapshot's bitmap came from.
+        let Some(changes) = &self.changes else {
+            return true;
+        };
+        let Err(e) = changes.mark(io.offset, io.len) else {
+            return true;
+        };
+        self.inner.leave(&self.gate, parity);
+        log::error!("cairn: {}: {e}: the write fails", self.vol.name);
+        self.finish(io, start, IoStatus::errno(libc::EIO));
+        self.core
+            .complete(io.sink, io.token, IoStatus::errno(libc::EIO));
+        false
     }
 
     /// How many pieces of write `io` may take a new block.
@@ -913,6 +1001,10 @@ impl Sink for ThinQueue {
     fn io_done(&self, token: u64, status: IoStatus) {
         if token == RETRY {
             self.retry();
+            return;
+        }
+        if token & LONE != 0 {
+            self.lone_done(token as u32, status);
             return;
         }
         let child = self.children.borrow_mut().remove(token as u32);
