@@ -599,6 +599,41 @@ fn many_copies_on_write_at_once_all_complete() {
     assert!(read(&sq, 0, 8 * block as usize) == pattern(1, block as usize).repeat(8));
 }
 
+/// A FUA write in place into blocks whose mappings are durable goes down with FUA and
+/// waits for no commit; one that maps a block waits for the commit that makes the mapping
+/// durable (counted in the pool's `commit_waits`).
+#[test]
+fn a_fua_write_to_committed_owned_blocks_starts_no_commit() {
+    let data = mem("64M", true);
+    let p = pool(&data);
+    let (_d, q) = volume(&p, "vm", Some(16 << 20));
+    let waits = || p.pool().report().commit_waits;
+    q.write(0, &pattern(0, 64 << 10), IoFlags::NONE).unwrap();
+    q.flush().unwrap();
+    assert_eq!(waits(), 1, "the flush");
+    // One block, then two at once (the request cut into pieces), both in place.
+    q.write(4096, &pattern(1, 4096), IoFlags::FUA).unwrap();
+    assert_eq!(
+        waits(),
+        1,
+        "a FUA write into a committed owned block waited for a commit"
+    );
+    q.write(64 << 10, &pattern(2, 4096), IoFlags::FUA).unwrap();
+    assert_eq!(
+        waits(),
+        2,
+        "a FUA write that maps a block waits for its commit"
+    );
+    q.write(60 << 10, &pattern(3, 8192), IoFlags::FUA).unwrap();
+    assert_eq!(
+        waits(),
+        2,
+        "a FUA write over two committed owned blocks waited"
+    );
+    assert_eq!(read(&q, 60 << 10, 8192), pattern(3, 8192));
+    assert_eq!(read(&q, 4096, 4096), pattern(1, 4096));
+}
+
 #[test]
 fn grow_takes_a_volume_up_to_four_times_its_size_and_never_shrinks_it() {
     let data = mem("64M", false);

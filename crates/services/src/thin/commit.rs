@@ -59,11 +59,21 @@ impl Committer {
     /// differs (with the reservation of a block mapped for the first time).
     pub(super) fn capture(&mut self, out: &mut Vec<Record>) {
         let volumes: Vec<Arc<Volume>> = lock(&self.inner.volumes).values().cloned().collect();
+        // Counted as a capture only if it takes a leaf's flag (before the first): one
+        // that finds nothing changed leaves every FUA write free to go down as it is.
+        let mut counted = false;
         for v in volumes {
             let Some(st) = self.state.volumes.get(&v.id) else {
                 continue;
             };
             for i in 0..v.table.leaves() {
+                if !v.table.is_dirty(i) {
+                    continue;
+                }
+                if !counted {
+                    self.inner.commit_seq.capturing();
+                    counted = true;
+                }
                 if !v.table.take_dirty(i) {
                     continue;
                 }
@@ -117,10 +127,14 @@ impl Committer {
             }
             all.append(&mut records);
         }
+        // Every capture so far is in `all` or in an earlier commit (this thread runs
+        // them one at a time): durable with this one.
+        let captured = self.inner.commit_seq.last();
         self.data
             .flush()
             .map_err(|e| self.fail(ThinError::io("data flush failed", e)))?;
         if all.is_empty() {
+            self.inner.commit_seq.made_durable(captured);
             return Ok(());
         }
         // The blocks carry the superblock's generation: replay takes no block written
@@ -129,7 +143,9 @@ impl Committer {
         let room = self.log_pages() / 2;
         if self.log_used + blocks.len() as u64 > room {
             // Too much for the log: the whole state goes into a checkpoint instead.
-            return self.checkpoint(false);
+            self.checkpoint(false)?;
+            self.inner.commit_seq.made_durable(captured);
+            return Ok(());
         }
         let pages = self.log_pages();
         for b in &blocks {
@@ -152,6 +168,7 @@ impl Committer {
         self.next_seq += blocks.len() as u64;
         self.log_used += blocks.len() as u64;
         self.commits += 1;
+        self.inner.commit_seq.made_durable(captured);
         self.publish();
         Ok(())
     }
@@ -597,6 +614,7 @@ impl Committer {
                 Ok(()) => IoStatus::OK,
                 Err(_) => IoStatus::errno(libc::EIO),
             };
+            lock(&self.inner.report).commit_waits += waiters.len() as u64;
             for w in waiters {
                 let _ = w.reply.send((w.token, status));
                 cairn_core::event::wake(&*w.wake);

@@ -526,6 +526,7 @@ fn new_inner(name: &str, data: &Arc<dyn Device>, sb: &PoolSuperblock, running: b
         report: Mutex::new(report),
         running,
         crashed: AtomicBool::new(false),
+        commit_seq: Default::default(),
     })
 }
 

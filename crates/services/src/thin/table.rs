@@ -18,6 +18,9 @@ pub struct Table {
     dir: Box<[AtomicPtr<Leaf>]>,
     /// Per leaf: an entry changed since the commit thread last looked ([`Table::take_dirty`]).
     dirty: Box<[AtomicBool]>,
+    /// Per leaf: reactors in the middle of a [`Table::change`] (its entry swapped, its
+    /// leaf not yet marked).
+    changing: Box<[AtomicU32]>,
     blocks: u64,
 }
 
@@ -30,6 +33,7 @@ impl Table {
                 .map(|_| AtomicPtr::new(std::ptr::null_mut()))
                 .collect(),
             dirty: (0..leaves).map(|_| AtomicBool::new(false)).collect(),
+            changing: (0..leaves).map(|_| AtomicU32::new(0)).collect(),
             blocks,
         }
     }
@@ -105,9 +109,45 @@ impl Table {
         }
     }
 
+    /// A reactor's change of `vblock`'s entry from `old` to `new` ([`Table::swap_if`]),
+    /// marked for the next commit ([`Table::mark`]). Counted in the leaf's `changing`
+    /// from before the swap until after the mark, so that whoever sees the new entry also
+    /// sees that its leaf holds a change no capture took yet (see [`Table::captured`]).
+    #[inline]
+    pub fn change(&self, vblock: u64, old: u32, new: u32) -> Result<(), u32> {
+        let Some(changing) = self.changing.get(vblock as usize / LEAF_ENTRIES) else {
+            return Err(0);
+        };
+        changing.fetch_add(1, Ordering::SeqCst);
+        let swapped = self.swap_if(vblock, old, new);
+        if swapped.is_ok() {
+            self.mark(vblock);
+        }
+        changing.fetch_sub(1, Ordering::SeqCst);
+        swapped
+    }
+
+    /// Whether every change made so far to `vblock`'s leaf through [`Table::change`] was
+    /// taken by a capture of the commit thread ([`Table::take_dirty`]): none is under
+    /// way, none came since. Called after the entry was read: the entry read is then one
+    /// a capture took (durable once that capture's commit is).
+    #[inline]
+    pub fn captured(&self, vblock: u64) -> bool {
+        let i = vblock as usize / LEAF_ENTRIES;
+        match (self.changing.get(i), self.dirty.get(i)) {
+            (Some(c), Some(d)) => c.load(Ordering::SeqCst) == 0 && !d.load(Ordering::SeqCst),
+            _ => false,
+        }
+    }
+
     /// Leaves in the directory.
     pub fn leaves(&self) -> usize {
         self.dir.len()
+    }
+
+    /// Whether leaf `i` changed since the last [`Table::take_dirty`] (commit thread).
+    pub fn is_dirty(&self, i: usize) -> bool {
+        self.dirty[i].load(Ordering::SeqCst)
     }
 
     /// Whether leaf `i` changed since the last call, clearing the flag (commit thread).

@@ -11,9 +11,12 @@
 //! - **discard, write-zeroes** of a whole block: unmapped (its space comes back at the
 //!   next commit). Of part of one: passed down if owned, copied with zeros if shared.
 //!
-//! Consecutive pieces that land on consecutive data blocks go down as one request.
-//! Flushes and FUA writes wait for the pool's next commit. Every request except a flush
-//! is counted in the pool's gate while it runs (see [`Inner::grace`]).
+//! Consecutive pieces that land on consecutive data blocks go down as one request; a read
+//! or write inside one mapped (owned, for a write) block goes down whole with no pieces
+//! at all ([`ThinQueue::start_lone`]). Flushes wait for the pool's next commit, and so do
+//! FUA writes unless every block they write is owned and its mapping durable: those go
+//! down with FUA. Every request except a flush is counted in the pool's gate while it
+//! runs (see [`Inner::grace`]).
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
@@ -262,6 +265,10 @@ struct Parent {
     gate: u8,
     /// Blocks of the stash promised to its pieces and not taken yet.
     blocks: u32,
+    /// A FUA write that waits for the next commit before it completes: one of its
+    /// pieces made a mapping (or found one not yet durable), or the data device has no
+    /// FUA. Else each piece carries FUA down.
+    commit: bool,
 }
 
 /// A request sent down whole, as it is, to where its one block is (see
@@ -488,6 +495,7 @@ impl ThinQueue {
             status: IoStatus::OK,
             gate: 1 + parity as u8,
             blocks: need as u32,
+            commit: io.flags.contains(IoFlags::FUA) && !self.data_caps.fua,
         });
         self.pieces(p, &io);
         self.piece_done(p, IoStatus::OK, false);
@@ -507,9 +515,10 @@ impl ThinQueue {
             return false;
         }
         let e = self.vol.table.get(vb);
+        let fua = io.flags.contains(IoFlags::FUA);
         let write = match io.op {
             Op::Read if e != 0 => false,
-            Op::Write if e & OWNED != 0 && !io.flags.contains(IoFlags::FUA) => true,
+            Op::Write if e & OWNED != 0 && (!fua || self.fua_down(vb)) => true,
             _ => return false,
         };
         if write {
@@ -529,7 +538,11 @@ impl ThinQueue {
         });
         let off = io.offset & ((1u64 << shift) - 1);
         self.data.submit(Io {
-            flags: IoFlags::NONE,
+            flags: if write && fua {
+                IoFlags::FUA
+            } else {
+                IoFlags::NONE
+            },
             offset: self.phys(e) + off,
             sink: self.sink.get(),
             token: LONE | u64::from(index),
@@ -645,15 +658,20 @@ impl ThinQueue {
         } else {
             std::ptr::null_mut()
         };
+        let mut flags = if io.flags.contains(IoFlags::NO_HOLE) {
+            IoFlags::NO_HOLE
+        } else {
+            IoFlags::NONE
+        };
+        if io.flags.contains(IoFlags::FUA) && !self.parents.borrow().get(p).commit {
+            // Durable in place, its mapping durable already: no commit to wait for.
+            flags = flags.with(IoFlags::FUA);
+        }
         self.child(
             Child::Plain { parent: p },
             Io {
                 op,
-                flags: if io.flags.contains(IoFlags::NO_HOLE) {
-                    IoFlags::NO_HOLE
-                } else {
-                    IoFlags::NONE
-                },
+                flags,
                 offset: phys,
                 len,
                 buf,
@@ -692,12 +710,36 @@ impl ThinQueue {
                 Op::Write => self.place_write(piece, io, e, whole),
                 _ => self.place_zeroes(piece, io, e, whole),
             };
+            let fua = io.flags.contains(IoFlags::FUA);
             match placed {
-                Placed::At(phys) => return Some(phys),
-                Placed::Done => return None,
+                Placed::At(phys) => {
+                    if fua && !(e & OWNED != 0 && self.fua_down(piece.vb)) {
+                        self.needs_commit(piece.parent);
+                    }
+                    return Some(phys);
+                }
+                Placed::Done => {
+                    if fua {
+                        self.needs_commit(piece.parent);
+                    }
+                    return None;
+                }
                 Placed::Again => continue,
             }
         }
+    }
+
+    /// Whether a FUA write in place into owned block `vb`, whose entry was just read,
+    /// is durable with FUA passed down: the data device has FUA, and the entry read is
+    /// durable (no change to its leaf since a capture that a durable commit holds).
+    #[inline]
+    fn fua_down(&self, vb: u64) -> bool {
+        self.data_caps.fua && self.vol.table.captured(vb) && self.inner.commit_seq.durable()
+    }
+
+    /// FUA write parent `p` completes only after the next commit.
+    fn needs_commit(&self, p: u32) {
+        self.parents.borrow_mut().get_mut(p).commit = true;
     }
 
     /// A read piece of entry `e`: a hole is zeros, filled here; a mapped block is read
@@ -729,11 +771,8 @@ impl ThinQueue {
                 t.ensure_leaf(piece.vb);
             }
             let entry = (new + 1) | OWNED;
-            return match t.swap_if(piece.vb, 0, entry) {
-                Ok(()) => {
-                    t.mark(piece.vb);
-                    Placed::At(self.phys(entry) + piece.off)
-                }
+            return match t.change(piece.vb, 0, entry) {
+                Ok(()) => Placed::At(self.phys(entry) + piece.off),
                 Err(_) => {
                     // Mapped by another request meanwhile: look again.
                     self.push_block(piece.parent, new);
@@ -783,10 +822,9 @@ impl ThinQueue {
     /// it) is freed at the next commit.
     fn unmap(&self, piece: Piece, e: u32) -> Placed {
         let t = &self.vol.table;
-        if t.swap_if(piece.vb, e, 0).is_err() {
+        if t.change(piece.vb, e, 0).is_err() {
             return Placed::Again;
         }
-        t.mark(piece.vb);
         if e & OWNED != 0 {
             self.inner.unmapped((e & !OWNED) - 1);
         }
@@ -797,11 +835,10 @@ impl ThinQueue {
     /// request changed the entry meanwhile, `new` goes back and the piece runs again.
     fn swap_in(&self, piece: Piece, old: u32, new: u32) -> Placed {
         let t = &self.vol.table;
-        if t.swap_if(piece.vb, old, (new + 1) | OWNED).is_err() {
+        if t.change(piece.vb, old, (new + 1) | OWNED).is_err() {
             self.push_block(piece.parent, new);
             return Placed::Again;
         }
-        t.mark(piece.vb);
         Placed::Done
     }
 
@@ -928,7 +965,7 @@ impl ThinQueue {
         if par.gate != 0 {
             self.inner.leave(&self.gate, usize::from(par.gate - 1));
         }
-        if par.status.is_ok() && par.io.flags.contains(IoFlags::FUA) && par.io.op.is_write() {
+        if par.status.is_ok() && par.commit {
             // Durable with its mapping at the next commit.
             self.wait_commit(par.io, par.start);
             return;
@@ -950,6 +987,7 @@ impl ThinQueue {
             status: IoStatus::OK,
             gate: 0,
             blocks: 0,
+            commit: false,
         });
         self.waits.set(self.waits.get() + 1);
         self.inner.wait_commit(Waiter {
@@ -971,8 +1009,7 @@ impl ThinQueue {
     /// A copy on write's swap of `old` for `new` (written) in the piece's entry.
     fn cow_swap(&self, piece: Piece, old: u32, new: u32) {
         let t = &self.vol.table;
-        if t.swap_if(piece.vb, old, (new + 1) | OWNED).is_ok() {
-            t.mark(piece.vb);
+        if t.change(piece.vb, old, (new + 1) | OWNED).is_ok() {
             return;
         }
         // Changed meanwhile (another copy won, or an unmap): the written block is not
