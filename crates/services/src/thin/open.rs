@@ -447,6 +447,7 @@ pub(super) fn prepare(
         commits: 0,
         new: false,
         thaw: None,
+        zeroing: super::zeroing::Zeroing::new(switches),
     };
     c.next_seq = fresh.unwrap_or(1);
     c.checkpoint_bytes = c.sb.checkpoint_pages * sbk::PAGE;

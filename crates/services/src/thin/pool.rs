@@ -10,8 +10,8 @@
 //!   writes, one commit (technique 1). Order of a commit: capture the tables, flush the
 //!   data device (so every block a captured mapping names holds its data), write the log
 //!   blocks and flush the metadata, answer the waiters. Blocks the commit freed are zeroed
-//!   only after a grace period (no request that looked up the old mapping is in flight)
-//!   and go back to the free list: a free block always reads as zeros, so a first write of
+//!   only after a grace period (no request that looked up the old mapping is in flight),
+//!   on a thread of their own ([`super::zeroing`]), and then go back to the free list: a free block always reads as zeros, so a first write of
 //!   4 KiB into a 64 KiB block writes 4 KiB.
 //! - **Opening** picks the superblock, loads the checkpoint, replays the log, zeroes
 //!   every block that may hold data no mapping names (after an unclean stop: every free
