@@ -1,7 +1,7 @@
 //! The commit thread of a thin pool (see [`super::pool`] for the whole picture): it
 //! captures what the reactors changed in the tables, makes it durable in the log (data
-//! flushed first), writes checkpoints, frees and zeroes blocks after a grace period, and
-//! runs the admin operations.
+//! flushed first), writes checkpoints, frees blocks after a grace period (zeroed by
+//! [`super::zeroing`]'s thread meanwhile), and runs the admin operations.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::Arc;
@@ -21,6 +21,7 @@ use super::pool::{
 use super::state::{block_of, BlockState, PoolState, OWNED};
 use super::superblock::{self as sbk, PoolSuperblock};
 use super::table::{Table, LEAF_ENTRIES};
+use super::zeroing::{Batch, Zeroed, Zeroing};
 
 /// The commit thread's own state: the committed pool state and where the metadata is.
 pub(super) struct Committer {
@@ -44,6 +45,8 @@ pub(super) struct Committer {
     pub(super) new: bool,
     /// A snapshot's source, whose writes wait until the snapshot's reply is sent.
     pub(super) thaw: Option<Arc<Volume>>,
+    /// Where freed blocks are zeroed.
+    pub(super) zeroing: Zeroing,
 }
 
 impl Committer {
@@ -59,11 +62,21 @@ impl Committer {
     /// differs (with the reservation of a block mapped for the first time).
     pub(super) fn capture(&mut self, out: &mut Vec<Record>) {
         let volumes: Vec<Arc<Volume>> = lock(&self.inner.volumes).values().cloned().collect();
+        // Counted as a capture only if it takes a leaf's flag (before the first): one
+        // that finds nothing changed leaves every FUA write free to go down as it is.
+        let mut counted = false;
         for v in volumes {
             let Some(st) = self.state.volumes.get(&v.id) else {
                 continue;
             };
             for i in 0..v.table.leaves() {
+                if !v.table.is_dirty(i) {
+                    continue;
+                }
+                if !counted {
+                    self.inner.commit_seq.capturing();
+                    counted = true;
+                }
                 if !v.table.take_dirty(i) {
                     continue;
                 }
@@ -117,10 +130,14 @@ impl Committer {
             }
             all.append(&mut records);
         }
+        // Every capture so far is in `all` or in an earlier commit (this thread runs
+        // them one at a time): durable with this one.
+        let captured = self.inner.commit_seq.last();
         self.data
             .flush()
             .map_err(|e| self.fail(ThinError::io("data flush failed", e)))?;
         if all.is_empty() {
+            self.inner.commit_seq.made_durable(captured);
             return Ok(());
         }
         // The blocks carry the superblock's generation: replay takes no block written
@@ -129,7 +146,9 @@ impl Committer {
         let room = self.log_pages() / 2;
         if self.log_used + blocks.len() as u64 > room {
             // Too much for the log: the whole state goes into a checkpoint instead.
-            return self.checkpoint(false);
+            self.checkpoint(false)?;
+            self.inner.commit_seq.made_durable(captured);
+            return Ok(());
         }
         let pages = self.log_pages();
         for b in &blocks {
@@ -152,6 +171,7 @@ impl Committer {
         self.next_seq += blocks.len() as u64;
         self.log_used += blocks.len() as u64;
         self.commits += 1;
+        self.inner.commit_seq.made_durable(captured);
         self.publish();
         Ok(())
     }
@@ -249,9 +269,11 @@ impl Committer {
         }
     }
 
-    /// Zeroes the blocks the last commits freed (after a grace period) and those queues
-    /// wrote and could not map, and frees them.
+    /// Frees the blocks the zeroing thread finished with; hands it the blocks the last
+    /// commits freed (after a grace period) and those queues wrote and could not map.
     pub(super) fn release(&mut self) {
+        let done = self.zeroing.take();
+        self.zeroed(done);
         let freed = std::mem::take(&mut self.state.freed);
         let some_unmapped = !lock(&self.inner.free).unmapped.is_empty();
         if !freed.is_empty() || some_unmapped {
@@ -278,36 +300,50 @@ impl Committer {
         }
         let mut all: Vec<u64> = freed.to_vec();
         all.extend(dirty.iter().chain(&leaked).map(|&b| u64::from(b)));
-        if let Err(e) = self.zero(&all) {
-            self.fail(match e {
-                ThinError::Io { doing, source } => {
-                    ThinError::io(format!("zeroing freed blocks failed: {doing}"), source)
-                }
-                other => other,
-            });
-            return;
+        // Space that is coming (the freed blocks are counted already).
+        lock(&self.inner.free).coming += (dirty.len() + leaked.len()) as u64;
+        let batch = Batch { freed, all };
+        if let Err(e) = self.zeroing.send(&self.inner, batch) {
+            self.fail(e);
         }
-        for (start, len) in runs(&freed) {
-            let r = Record::Zeroed { start, len };
-            if let Err(e) = self.state.apply(&r) {
-                self.fail(refused(&r, e));
+    }
+
+    /// Records and frees the blocks of each batch the zeroing thread finished (see
+    /// [`super::zeroing`]).
+    pub(super) fn zeroed(&mut self, batches: Vec<Zeroed>) {
+        for Zeroed { batch, result } in batches {
+            if let Err(e) = result {
+                self.fail(match e {
+                    ThinError::Io { doing, source } => {
+                        ThinError::io(format!("zeroing freed blocks failed: {doing}"), source)
+                    }
+                    other => other,
+                });
                 return;
             }
-            self.pending.push(r);
-        }
-        let mut free = lock(&self.inner.free);
-        free.coming -= freed.len() as u64;
-        debug_assert!(
-            self.no_block_twice(&all, &free.zeroed),
-            "a block freed twice, or freed while free: {all:?}"
-        );
-        free.zeroed.extend(all.iter().map(|&b| b as u32));
-        free.zeroed.sort_unstable_by(|a, b| b.cmp(a));
-        let left = free.zeroed.len() as u64;
-        drop(free);
-        self.inner.used_blocks.fetch_sub(all.len() as u64, Relaxed);
-        if left >= self.inner.low_water_blocks {
-            self.inner.low_said.store(false, Relaxed);
+            let Batch { freed, all } = batch;
+            for (start, len) in runs(&freed) {
+                let r = Record::Zeroed { start, len };
+                if let Err(e) = self.state.apply(&r) {
+                    self.fail(refused(&r, e));
+                    return;
+                }
+                self.pending.push(r);
+            }
+            let mut free = lock(&self.inner.free);
+            free.coming -= all.len() as u64;
+            debug_assert!(
+                self.no_block_twice(&all, &free.zeroed),
+                "a block freed twice, or freed while free: {all:?}"
+            );
+            free.zeroed.extend(all.iter().map(|&b| b as u32));
+            free.zeroed.sort_unstable_by(|a, b| b.cmp(a));
+            let left = free.zeroed.len() as u64;
+            drop(free);
+            self.inner.used_blocks.fetch_sub(all.len() as u64, Relaxed);
+            if left >= self.inner.low_water_blocks {
+                self.inner.low_said.store(false, Relaxed);
+            }
         }
     }
 
@@ -320,16 +356,6 @@ impl Committer {
             .iter()
             .all(|&b| b < self.inner.data_blocks && seen.insert(b))
             && free.iter().all(|&b| !seen.contains(&u64::from(b)))
-    }
-
-    /// Makes `blocks` read as zeros (discard where the data device has it).
-    pub(super) fn zero(&self, blocks: &[u64]) -> Result<(), ThinError> {
-        if self.inner.crashed.load(SeqCst) {
-            return Err(ThinError::Crashed);
-        }
-        let mut sorted = blocks.to_vec();
-        sorted.sort_unstable();
-        zero_runs(&self.data, &self.inner, &runs(&sorted))
     }
 
     /// Runs one admin operation: checks, then its record in a commit of its own.
@@ -618,6 +644,7 @@ impl Committer {
                 Ok(()) => IoStatus::OK,
                 Err(_) => IoStatus::errno(libc::EIO),
             };
+            lock(&self.inner.report).commit_waits += waiters.len() as u64;
             for w in waiters {
                 let _ = w.reply.send((w.token, status));
                 cairn_core::event::wake(&*w.wake);
@@ -639,6 +666,8 @@ impl Committer {
         // Stopping: the last changes, then a checkpoint marked clean.
         if self.commit(Vec::new()).is_ok() {
             self.release();
+            let done = self.zeroing.finish();
+            self.zeroed(done);
             let _ = self.commit(Vec::new());
             let _ = self.checkpoint(true);
         }

@@ -17,6 +17,7 @@ pub mod state;
 pub mod superblock;
 pub mod table;
 pub mod volume;
+mod zeroing;
 
 pub use capability::{ThinPoolAdmin, ThinVolume};
 pub use error::{Down, ThinError};

@@ -447,6 +447,7 @@ pub(super) fn prepare(
         commits: 0,
         new: false,
         thaw: None,
+        zeroing: super::zeroing::Zeroing::new(switches),
     };
     c.next_seq = fresh.unwrap_or(1);
     c.checkpoint_bytes = c.sb.checkpoint_pages * sbk::PAGE;
@@ -527,6 +528,7 @@ fn new_inner(name: &str, data: &Arc<dyn Device>, sb: &PoolSuperblock, running: b
         running,
         crashed: AtomicBool::new(false),
         marks: Mutex::new((0, Arc::new(BTreeMap::new()), Arc::new(BTreeMap::new()))),
+        commit_seq: Default::default(),
     })
 }
 

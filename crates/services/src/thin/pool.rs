@@ -10,8 +10,8 @@
 //!   writes, one commit (technique 1). Order of a commit: capture the tables, flush the
 //!   data device (so every block a captured mapping names holds its data), write the log
 //!   blocks and flush the metadata, answer the waiters. Blocks the commit freed are zeroed
-//!   only after a grace period (no request that looked up the old mapping is in flight)
-//!   and go back to the free list: a free block always reads as zeros, so a first write of
+//!   only after a grace period (no request that looked up the old mapping is in flight),
+//!   on a thread of their own ([`super::zeroing`]), and then go back to the free list: a free block always reads as zeros, so a first write of
 //!   4 KiB into a 64 KiB block writes 4 KiB.
 //! - **Opening** picks the superblock, loads the checkpoint, replays the log, zeroes
 //!   every block that may hold data no mapping names (after an unclean stop: every free
@@ -91,6 +91,44 @@ pub(crate) struct Volume {
 #[derive(Default)]
 pub(crate) struct Gate {
     pub(super) n: [AtomicU64; 2],
+}
+
+/// How far the commit thread got: captures of the tables begun, and how many of them a
+/// durable commit holds. A reactor tells from these whether a mapping it read is durable
+/// (a FUA write to it then needs no commit): see [`CommitSeq::durable`].
+#[derive(Default)]
+pub(crate) struct CommitSeq {
+    /// Captures begun (counted before each clears any leaf's flag).
+    captures: AtomicU64,
+    /// Captures a durable commit holds.
+    durable: AtomicU64,
+}
+
+impl CommitSeq {
+    /// A capture begins (commit thread, before it takes any leaf's flag).
+    pub(super) fn capturing(&self) -> u64 {
+        self.captures.fetch_add(1, SeqCst) + 1
+    }
+
+    /// Every capture up to `n` is durable (commit thread).
+    pub(super) fn made_durable(&self, n: u64) {
+        debug_assert!(n <= self.captures.load(SeqCst), "capture {n} never began");
+        self.durable.fetch_max(n, SeqCst);
+    }
+
+    /// The last capture begun (commit thread: it is the only one that begins them).
+    pub(super) fn last(&self) -> u64 {
+        self.captures.load(SeqCst)
+    }
+
+    /// Whether every capture begun so far is durable: read after a leaf was found
+    /// captured ([`super::table::Table::captured`]), whatever capture took its changes
+    /// is one of these.
+    #[inline]
+    pub(super) fn durable(&self) -> bool {
+        let begun = self.captures.load(SeqCst);
+        self.durable.load(SeqCst) >= begun
+    }
 }
 
 /// A flush (or FUA write) waiting for the next commit.
@@ -206,6 +244,9 @@ pub struct PoolReport {
     pub low_water_blocks: u64,
     /// Commits written so far (since open).
     pub commits: u64,
+    /// Flushes and FUA writes answered by a commit so far (since open): a FUA write in
+    /// place into a block whose mapping is durable needs none.
+    pub commit_waits: u64,
     /// Each volume: name, size, mapped bytes, read-only, devices open on it.
     pub volumes: Vec<(String, u64, u64, bool, u32)>,
     /// A metadata write failed: the pool takes no more changes.
@@ -266,6 +307,8 @@ pub(crate) struct Inner {
     /// The backup checkpoints as of the last commit, and the state's change count they
     /// were copied at (see [`PoolState::marks_changed`](super::state::PoolState)).
     pub(super) marks: Mutex<(u64, Arc<Marks>, Arc<Exports>)>,
+    /// Which captures of the tables are durable.
+    pub(super) commit_seq: CommitSeq,
 }
 
 /// Exports added while serving, kept for the next start: name -> (volume id, flags).

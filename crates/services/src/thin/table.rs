@@ -23,6 +23,9 @@ struct Dir {
     leaves: Box<[AtomicPtr<Leaf>]>,
     /// Per leaf: an entry changed since the commit thread last looked ([`Table::take_dirty`]).
     dirty: Box<[AtomicBool]>,
+    /// Per leaf: reactors in the middle of a [`Table::change`] (its entry swapped, its
+    /// leaf not yet marked).
+    changing: Box<[AtomicU32]>,
     blocks: u64,
 }
 
@@ -34,6 +37,7 @@ impl Dir {
                 .map(|_| AtomicPtr::new(std::ptr::null_mut()))
                 .collect(),
             dirty: (0..leaves).map(|_| AtomicBool::new(false)).collect(),
+            changing: (0..leaves).map(|_| AtomicU32::new(0)).collect(),
             blocks,
         }
     }
@@ -82,6 +86,8 @@ impl Table {
         for (i, (l, d)) in old.leaves.iter().zip(old.dirty.iter()).enumerate() {
             new.leaves[i].store(l.load(Ordering::Acquire), Ordering::Relaxed);
             new.dirty[i].store(d.load(Ordering::Acquire), Ordering::Relaxed);
+            // No change is under way: writes are held.
+            debug_assert_eq!(old.changing[i].load(Ordering::Acquire), 0, "leaf {i}");
         }
         let was = self
             .dir
@@ -163,9 +169,46 @@ impl Table {
         }
     }
 
+    /// A reactor's change of `vblock`'s entry from `old` to `new` ([`Table::swap_if`]),
+    /// marked for the next commit ([`Table::mark`]). Counted in the leaf's `changing`
+    /// from before the swap until after the mark, so that whoever sees the new entry also
+    /// sees that its leaf holds a change no capture took yet (see [`Table::captured`]).
+    #[inline]
+    pub fn change(&self, vblock: u64, old: u32, new: u32) -> Result<(), u32> {
+        let Some(changing) = self.dir().changing.get(vblock as usize / LEAF_ENTRIES) else {
+            return Err(0);
+        };
+        changing.fetch_add(1, Ordering::SeqCst);
+        let swapped = self.swap_if(vblock, old, new);
+        if swapped.is_ok() {
+            self.mark(vblock);
+        }
+        changing.fetch_sub(1, Ordering::SeqCst);
+        swapped
+    }
+
+    /// Whether every change made so far to `vblock`'s leaf through [`Table::change`] was
+    /// taken by a capture of the commit thread ([`Table::take_dirty`]): none is under
+    /// way, none came since. Called after the entry was read: the entry read is then one
+    /// a capture took (durable once that capture's commit is).
+    #[inline]
+    pub fn captured(&self, vblock: u64) -> bool {
+        let i = vblock as usize / LEAF_ENTRIES;
+        let dir = self.dir();
+        match (dir.changing.get(i), dir.dirty.get(i)) {
+            (Some(c), Some(d)) => c.load(Ordering::SeqCst) == 0 && !d.load(Ordering::SeqCst),
+            _ => false,
+        }
+    }
+
     /// Leaves in the directory.
     pub fn leaves(&self) -> usize {
         self.dir().leaves.len()
+    }
+
+    /// Whether leaf `i` changed since the last [`Table::take_dirty`] (commit thread).
+    pub fn is_dirty(&self, i: usize) -> bool {
+        self.dir().dirty.get(i).is_some_and(|d| d.load(Ordering::SeqCst))
     }
 
     /// Whether leaf `i` changed since the last call, clearing the flag (commit thread).

@@ -11,9 +11,12 @@
 //! - **discard, write-zeroes** of a whole block: unmapped (its space comes back at the
 //!   next commit). Of part of one: passed down if owned, copied with zeros if shared.
 //!
-//! Consecutive pieces that land on consecutive data blocks go down as one request.
-//! Flushes and FUA writes wait for the pool's next commit. Every request except a flush
-//! is counted in the pool's gate while it runs (see [`Inner::grace`]).
+//! Consecutive pieces that land on consecutive data blocks go down as one request; a read
+//! or write inside one mapped (owned, for a write) block goes down whole with no pieces
+//! at all ([`ThinQueue::start_lone`]). Flushes wait for the pool's next commit, and so do
+//! FUA writes unless every block they write is owned and its mapping durable: those go
+//! down with FUA. Every request except a flush is counted in the pool's gate while it
+//! runs (see [`Inner::grace`]).
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
@@ -215,6 +218,7 @@ impl Device for ThinDevice {
             sink: Cell::new(SinkId(u32::MAX)),
             parents: RefCell::new(Slab::with_capacity(256)),
             children: RefCell::new(Slab::with_capacity(256)),
+            lone: RefCell::new(Slab::with_capacity(256)),
             stash: RefCell::new(Vec::with_capacity(4 * super::pool::STASH)),
             reserved: Cell::new(0),
             bufs: RefCell::new(Vec::with_capacity(COW_BUFFERS)),
@@ -279,8 +283,11 @@ impl ThinVolume for ThinDevice {
     }
 }
 
-/// A request in progress.
+/// A request in progress. One cache line each: the line written at submit is usually
+/// evicted by the time the request completes, so a parent straddling two lines would cost
+/// two misses instead of one.
 #[derive(Clone, Copy)]
+#[repr(align(64))]
 struct Parent {
     io: Io,
     start: u64,
@@ -291,7 +298,26 @@ struct Parent {
     gate: u8,
     /// Blocks of the stash promised to its pieces and not taken yet.
     blocks: u32,
+    /// A FUA write that waits for the next commit before it completes: one of its
+    /// pieces made a mapping (or found one not yet durable), or the data device has no
+    /// FUA. Else each piece carries FUA down.
+    commit: bool,
 }
+
+/// A request sent down whole, as it is, to where its one block is (see
+/// [`ThinQueue::start_lone`]): only what its completion needs.
+#[derive(Clone, Copy)]
+#[repr(align(64))]
+struct Lone {
+    io: Io,
+    start: u64,
+    /// The parity it is counted under in the gate.
+    parity: u8,
+}
+
+/// Token bit of a lone request's completion: the rest is its index in `lone` (a child's
+/// token is its index, below 2^32; the retry timer's is all ones).
+const LONE: u64 = 1 << 62;
 
 /// One piece of a parent: `len` bytes at `off` in virtual block `vb`, at `at` in the
 /// parent's buffer.
@@ -350,6 +376,7 @@ struct ThinQueue {
     sink: Cell<SinkId>,
     parents: RefCell<Slab<Parent>>,
     children: RefCell<Slab<Child>>,
+    lone: RefCell<Slab<Lone>>,
     /// Free zeroed blocks taken from the pool.
     stash: RefCell<Vec<u32>>,
     /// Blocks of the stash promised to requests in progress.
@@ -457,6 +484,9 @@ impl ThinQueue {
             return;
         }
         let parity = self.inner.enter(&self.gate);
+        if self.start_lone(&io, start, parity) {
+            return;
+        }
         let mut need = 0;
         if io.op.is_write() {
             if self.vol.frozen.load(SeqCst) {
@@ -464,17 +494,8 @@ impl ThinQueue {
                 self.park(io, start);
                 return;
             }
-            // Inside the gate: a checkpoint's snapshot waits for this write, so the
-            // bitmaps it set are the ones the snapshot's bitmap came from.
-            if let Some(changes) = &self.changes {
-                if let Err(e) = changes.mark(io.offset, io.len) {
-                    self.inner.leave(&self.gate, parity);
-                    log::error!("cairn: {}: {e}: the write fails", self.vol.name);
-                    self.finish(&io, start, IoStatus::errno(libc::EIO));
-                    self.core
-                        .complete(io.sink, io.token, IoStatus::errno(libc::EIO));
-                    return;
-                }
+            if !self.mark_changes(&io, start, parity) {
+                return;
             }
             // Blocks for every piece that may need one, before anything is changed: a
             // request that cannot have them all changes nothing.
@@ -507,9 +528,89 @@ impl ThinQueue {
             status: IoStatus::OK,
             gate: 1 + parity as u8,
             blocks: need as u32,
+            commit: io.flags.contains(IoFlags::FUA) && !self.data_caps.fua,
         });
         self.pieces(p, &io);
         self.piece_done(p, IoStatus::OK, false);
+    }
+
+    /// The common case, kept short: a read or a write inside one block that is mapped
+    /// (a read) or owned by this volume alone (a write: no copy, no new mapping) goes
+    /// down as it is, with no parent and no pieces; its completion only leaves the gate
+    /// (which it stays in until then, as every request does: a freed block is not reused
+    /// while a request that looked it up is in flight). Whether it was taken; `parity`
+    /// is what `io` entered the gate under, left here if it failed.
+    #[inline]
+    fn start_lone(&self, io: &Io, start: u64, parity: usize) -> bool {
+        let shift = self.shift();
+        let vb = io.offset >> shift;
+        if io.len == 0 || (io.end() - 1) >> shift != vb {
+            return false;
+        }
+        let e = self.vol.table.get(vb);
+        let fua = io.flags.contains(IoFlags::FUA);
+        let write = match io.op {
+            Op::Read if e != 0 => false,
+            Op::Write if e & OWNED != 0 && (!fua || self.fua_down(vb)) => true,
+            _ => return false,
+        };
+        if write {
+            if self.vol.frozen.load(SeqCst) {
+                // A snapshot is being taken: the slow path parks it.
+                return false;
+            }
+            if !self.mark_changes(io, start, parity) {
+                // Failed, and answered.
+                return true;
+            }
+        }
+        let index = self.lone.borrow_mut().insert(Lone {
+            io: *io,
+            start,
+            parity: parity as u8,
+        });
+        let off = io.offset & ((1u64 << shift) - 1);
+        self.data.submit(Io {
+            flags: if write && fua {
+                IoFlags::FUA
+            } else {
+                IoFlags::NONE
+            },
+            offset: self.phys(e) + off,
+            sink: self.sink.get(),
+            token: LONE | u64::from(index),
+            ..*io
+        });
+        true
+    }
+
+    /// A lone request (see [`ThinQueue::start_lone`]) completed with `status`.
+    #[inline]
+    fn lone_done(&self, index: u32, status: IoStatus) {
+        let l = self.lone.borrow_mut().remove(index);
+        self.inner.leave(&self.gate, usize::from(l.parity));
+        self.finish(&l.io, l.start, status);
+        self.core.deliver(l.io.sink, l.io.token, status);
+    }
+
+    /// Marks write `io` in the volume's change log, if it keeps one; on failure the
+    /// write fails (it leaves the gate, entered under `parity`) and this says false.
+    #[inline]
+    fn mark_changes(&self, io: &Io, start: u64, parity: usize) -> bool {
+        // Inside the gate: a checkpoint's snapshot waits for this write, so the bitmaps
+        // it set are the ones the snapshot's bitmap came from.
+        let Some(changes) = &self.changes else {
+            return true;
+        };
+        let Err(e) = changes.mark(io.offset, io.len) else {
+            return true;
+        };
+        self.inner.leave(&self.gate, parity);
+        log::error!("cairn: {}: {e}: the write fails", self.vol.name);
+        self.finish(io, start, IoStatus::errno(libc::EIO));
+        self.core
+            .complete(io.sink, io.token, IoStatus::errno(libc::EIO));
+        false
     }
 
     /// How many pieces of write `io` may take a new block.
@@ -590,15 +691,20 @@ impl ThinQueue {
         } else {
             std::ptr::null_mut()
         };
+        let mut flags = if io.flags.contains(IoFlags::NO_HOLE) {
+            IoFlags::NO_HOLE
+        } else {
+            IoFlags::NONE
+        };
+        if io.flags.contains(IoFlags::FUA) && !self.parents.borrow().get(p).commit {
+            // Durable in place, its mapping durable already: no commit to wait for.
+            flags = flags.with(IoFlags::FUA);
+        }
         self.child(
             Child::Plain { parent: p },
             Io {
                 op,
-                flags: if io.flags.contains(IoFlags::NO_HOLE) {
-                    IoFlags::NO_HOLE
-                } else {
-                    IoFlags::NONE
-                },
+                flags,
                 offset: phys,
                 len,
                 buf,
@@ -637,12 +743,36 @@ impl ThinQueue {
                 Op::Write => self.place_write(piece, io, e, whole),
                 _ => self.place_zeroes(piece, io, e, whole),
             };
+            let fua = io.flags.contains(IoFlags::FUA);
             match placed {
-                Placed::At(phys) => return Some(phys),
-                Placed::Done => return None,
+                Placed::At(phys) => {
+                    if fua && !(e & OWNED != 0 && self.fua_down(piece.vb)) {
+                        self.needs_commit(piece.parent);
+                    }
+                    return Some(phys);
+                }
+                Placed::Done => {
+                    if fua {
+                        self.needs_commit(piece.parent);
+                    }
+                    return None;
+                }
                 Placed::Again => continue,
             }
         }
+    }
+
+    /// Whether a FUA write in place into owned block `vb`, whose entry was just read,
+    /// is durable with FUA passed down: the data device has FUA, and the entry read is
+    /// durable (no change to its leaf since a capture that a durable commit holds).
+    #[inline]
+    fn fua_down(&self, vb: u64) -> bool {
+        self.data_caps.fua && self.vol.table.captured(vb) && self.inner.commit_seq.durable()
+    }
+
+    /// FUA write parent `p` completes only after the next commit.
+    fn needs_commit(&self, p: u32) {
+        self.parents.borrow_mut().get_mut(p).commit = true;
     }
 
     /// A read piece of entry `e`: a hole is zeros, filled here; a mapped block is read
@@ -674,11 +804,8 @@ impl ThinQueue {
                 t.ensure_leaf(piece.vb);
             }
             let entry = (new + 1) | OWNED;
-            return match t.swap_if(piece.vb, 0, entry) {
-                Ok(()) => {
-                    t.mark(piece.vb);
-                    Placed::At(self.phys(entry) + piece.off)
-                }
+            return match t.change(piece.vb, 0, entry) {
+                Ok(()) => Placed::At(self.phys(entry) + piece.off),
                 Err(_) => {
                     // Mapped by another request meanwhile: look again.
                     self.push_block(piece.parent, new);
@@ -728,10 +855,9 @@ impl ThinQueue {
     /// it) is freed at the next commit.
     fn unmap(&self, piece: Piece, e: u32) -> Placed {
         let t = &self.vol.table;
-        if t.swap_if(piece.vb, e, 0).is_err() {
+        if t.change(piece.vb, e, 0).is_err() {
             return Placed::Again;
         }
-        t.mark(piece.vb);
         if e & OWNED != 0 {
             self.inner.unmapped((e & !OWNED) - 1);
         }
@@ -742,11 +868,10 @@ impl ThinQueue {
     /// request changed the entry meanwhile, `new` goes back and the piece runs again.
     fn swap_in(&self, piece: Piece, old: u32, new: u32) -> Placed {
         let t = &self.vol.table;
-        if t.swap_if(piece.vb, old, (new + 1) | OWNED).is_err() {
+        if t.change(piece.vb, old, (new + 1) | OWNED).is_err() {
             self.push_block(piece.parent, new);
             return Placed::Again;
         }
-        t.mark(piece.vb);
         Placed::Done
     }
 
@@ -873,7 +998,7 @@ impl ThinQueue {
         if par.gate != 0 {
             self.inner.leave(&self.gate, usize::from(par.gate - 1));
         }
-        if par.status.is_ok() && par.io.flags.contains(IoFlags::FUA) && par.io.op.is_write() {
+        if par.status.is_ok() && par.commit {
             // Durable with its mapping at the next commit.
             self.wait_commit(par.io, par.start);
             return;
@@ -895,6 +1020,7 @@ impl ThinQueue {
             status: IoStatus::OK,
             gate: 0,
             blocks: 0,
+            commit: false,
         });
         self.waits.set(self.waits.get() + 1);
         self.inner.wait_commit(Waiter {
@@ -916,8 +1042,7 @@ impl ThinQueue {
     /// A copy on write's swap of `old` for `new` (written) in the piece's entry.
     fn cow_swap(&self, piece: Piece, old: u32, new: u32) {
         let t = &self.vol.table;
-        if t.swap_if(piece.vb, old, (new + 1) | OWNED).is_ok() {
-            t.mark(piece.vb);
+        if t.change(piece.vb, old, (new + 1) | OWNED).is_ok() {
             return;
         }
         // Changed meanwhile (another copy won, or an unmap): the written block is not
@@ -946,6 +1071,10 @@ impl Sink for ThinQueue {
     fn io_done(&self, token: u64, status: IoStatus) {
         if token == RETRY {
             self.retry();
+            return;
+        }
+        if token & LONE != 0 {
+            self.lone_done(token as u32, status);
             return;
         }
         let child = self.children.borrow_mut().remove(token as u32);
