@@ -421,3 +421,77 @@ fn create_never_formats_over_a_volume_whose_header_was_wiped() {
     let dev = open(&blank, &options(dir.path(), Format::Luks2, b"blank")).unwrap();
     assert!(dev.describe().contains("luks2"), "{}", dev.describe());
 }
+
+/// A crypt device counts what it ciphered: each write, read, write-zeroes and discard
+/// once, their bytes (write-zeroes and discard: the zeros encrypted in their place),
+/// some time in the cipher, and its key slots opened, added and removed; a closed
+/// queue's counts stay, and a device opened again counts from zero.
+#[test]
+fn the_counters_show_what_was_ciphered_and_the_key_slots_events() {
+    use cairn_services::crypt::counters::CryptStats;
+    use cairn_services::crypt::device::KeySlots;
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let format = Format::Luks1;
+    let base = mem(data_offset(format) + (4 << 20));
+    let opts = options(dir.path(), format, b"pass");
+    let dev = open(&base, &opts).unwrap();
+    let stats = dev.capability::<dyn CryptStats>().expect("crypt counters");
+    let before = stats.counts();
+    assert_eq!(before.key_slot_opens, 1, "{before:?}");
+    assert_eq!(before.encrypted_requests + before.decrypted_requests, 0);
+    let q = BlockingQueue::open(&dev, Switches::default()).unwrap();
+    for i in 0..3u64 {
+        q.write(i * 4096, &pattern(i, 4096), IoFlags::NONE).unwrap();
+    }
+    let mut back = vec![0u8; 8192];
+    q.read(0, &mut back).unwrap();
+    q.read(8192, &mut back).unwrap();
+    // Four chunks of zeros, one request.
+    q.zero(Op::WriteZeroes, 512, (3 << 20) + 512, IoFlags::NONE)
+        .unwrap();
+    q.zero(Op::Discard, 0, 4096, IoFlags::NONE).unwrap();
+    q.flush().unwrap();
+    let c = stats.counts();
+    assert_eq!(c.encrypted_requests, 3 + 1 + 1, "{c:?}");
+    assert_eq!(
+        c.encrypted_bytes,
+        3 * 4096 + (3 << 20) + 512 + 4096,
+        "{c:?}"
+    );
+    assert_eq!(
+        (c.decrypted_requests, c.decrypted_bytes),
+        (2, 2 * 8192),
+        "{c:?}"
+    );
+    assert!(c.cipher_ns > 0, "{c:?}");
+    let slots = dev.capability::<dyn KeySlots>().unwrap();
+    let pass2 = dir.path().join("pass2");
+    std::fs::write(&pass2, b"second").unwrap();
+    let kdf = Some(QUICK);
+    let (kdf, len) = slots.new_slot_kdf(kdf).unwrap();
+    let key = cairn_services::crypt::SlotKey::derive(kdf, b"second", len).unwrap();
+    let added = slots.add_derived_slot(&key).unwrap();
+    slots.remove_slot(added).unwrap();
+    let c = stats.counts();
+    assert_eq!(
+        (c.key_slot_opens, c.key_slots_added, c.key_slots_removed),
+        (1, 1, 1),
+        "{c:?}"
+    );
+    // The counts of a queue closed stay.
+    drop(q);
+    let q = BlockingQueue::open(&dev, Switches::default()).unwrap();
+    q.read(0, &mut back).unwrap();
+    let after = stats.counts();
+    assert_eq!(after.decrypted_requests, 3, "{after:?}");
+    assert_eq!(after.encrypted_bytes, c.encrypted_bytes);
+    drop((q, dev));
+    // Opened again by a passphrase: one slot opened; the counters start again.
+    let opts = CryptOptions {
+        create: false,
+        ..opts
+    };
+    let dev = open(&base, &opts).unwrap();
+    let c = dev.capability::<dyn CryptStats>().unwrap().counts();
+    assert_eq!((c.key_slot_opens, c.encrypted_requests), (1, 0), "{c:?}");
+}
