@@ -495,3 +495,62 @@ fn the_counters_show_what_was_ciphered_and_the_key_slots_events() {
     let c = dev.capability::<dyn CryptStats>().unwrap().counts();
     assert_eq!((c.key_slot_opens, c.encrypted_requests), (1, 0), "{c:?}");
 }
+
+/// Adding a key slot checks the volume key against the header's digest, a PBKDF2 of its
+/// own, before it locks the device's keys: meanwhile the key slots can be listed (they
+/// used to wait for the whole add). The digest here asks for about two seconds.
+#[test]
+fn the_key_slots_can_be_listed_while_an_add_checks_the_volume_key() {
+    use cairn_services::crypt::device::KeySlots;
+    use cairn_services::crypt::luks1;
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let format = Format::Luks1;
+    let base = mem(data_offset(format) + (1 << 20));
+    let key: Vec<u8> = (0..64u8).collect();
+    let key_file = dir.path().join("key");
+    std::fs::write(&key_file, &key).unwrap();
+    let opts = CryptOptions {
+        key_file: Some(key_file),
+        ..options(dir.path(), format, b"pass")
+    };
+    drop(open(&base, &opts).unwrap());
+    // The digest made again with as many iterations as take about two seconds here.
+    let bq = BlockingQueue::open(&base, Switches::default()).unwrap();
+    let mut b = vec![0u8; 4096];
+    bq.read(0, &mut b).unwrap();
+    let mut h = luks1::Header::decode(&b).unwrap();
+    let start = std::time::Instant::now();
+    let mut d = [0u8; luks1::DIGEST_BYTES];
+    h.hash.pbkdf2(&key, &h.digest_salt, 100_000, &mut d);
+    let per_s = 100_000.0 / start.elapsed().as_secs_f64();
+    h.digest_iterations = (per_s * 2.0).min(f64::from(u32::MAX)) as u32;
+    h.hash
+        .pbkdf2(&key, &h.digest_salt, h.digest_iterations, &mut h.digest);
+    let e = h.encode();
+    b[..e.len()].copy_from_slice(&e);
+    bq.write(0, &b, IoFlags::NONE).unwrap();
+    drop(bq);
+    let opts = CryptOptions {
+        create: false,
+        passphrase_file: None,
+        ..opts
+    };
+    let dev = open(&base, &opts).unwrap();
+    let slots = dev.capability::<dyn KeySlots>().unwrap();
+    let (kdf, len) = slots.new_slot_kdf(Some(QUICK)).unwrap();
+    let slot_key = cairn_services::crypt::SlotKey::derive(kdf, b"second", len).unwrap();
+    std::thread::scope(|s| {
+        let adder = s.spawn(|| slots.add_derived_slot(&slot_key));
+        // Well into the check (the slot's key is derived already).
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let listed = slots.slots();
+        let running = !adder.is_finished();
+        assert!(
+            running && listed.len() == 1,
+            "listed {} slots, the add running: {running}",
+            listed.len()
+        );
+        assert_eq!(adder.join().unwrap().unwrap(), 1);
+    });
+    assert_eq!(slots.slots().len(), 2);
+}

@@ -698,11 +698,14 @@ fn estimate_seconds(said: &str) -> f64 {
 /// (kdf_iterations=4294967295) is refused up front with its estimate; a passphrase file
 /// that is a FIFO nobody writes, a directory or a file over cryptsetup's 8 MiB is
 /// refused at once; while an accepted derivation of several seconds runs (its iterations
-/// taken from that estimate), `status` answers; SIGTERM then stops the server cleanly
+/// taken from that estimate), `status`, `crypt list` and `thin list` answer and a client
+/// writes and reads the device (with python3's libnbd); SIGTERM then stops the server cleanly
 /// (exit status 0, the mirror's superblocks clean at the next start) and the add that
 /// was cut short added nothing.
 #[test]
 fn a_slow_key_slot_derivation_holds_up_neither_other_commands_nor_the_shutdown() {
+    const NAME: &str =
+        "crypt::a_slow_key_slot_derivation_holds_up_neither_other_commands_nor_the_shutdown";
     let dir = tmpdir();
     let d = dir.path();
     let (pass, pass2) = (d.join("pass"), d.join("pass2"));
@@ -759,6 +762,19 @@ fn a_slow_key_slot_derivation_holds_up_neither_other_commands_nor_the_shutdown()
     );
     let status = success("status", &super::admin::admin(&ctl, &["status"]));
     assert!(status.contains("crypt over m"), "{status}");
+    // The key slots, another family's command and the device's own I/O answer too.
+    let list = success("crypt list", &super::admin::admin(&ctl, &["crypt", "list"]));
+    assert!(list.contains("key slots: 0 pbkdf2"), "{list}");
+    let thin = super::admin::admin(&ctl, &["thin", "list", "pool"]);
+    let said = text(&thin.stderr);
+    assert!(said.contains("pool"), "{said}");
+    if let Some(python) = python_with_libnbd(NAME) {
+        libnbd_script(&python, CIPHERED, &srv.sock, &[], "done");
+    }
+    assert!(
+        !slow.is_finished(),
+        "the derivation ended before the checks"
+    );
     let (code, log) = srv.stop();
     assert!(code.success(), "{log}");
     assert!(!log.contains("did not end"), "{log}");

@@ -636,9 +636,23 @@ impl KeySlots for CryptDevice {
 
     fn add_derived_slot(&self, slot_key: &SlotKey) -> Result<usize, CryptError> {
         let io = HeaderIo::open(&self.base)?;
+        // The volume key is checked against the header's digest before the keys are
+        // locked: the check is a PBKDF2 of its own (an eighth of a second in a header
+        // cryptsetup made, and a header may ask for much more), and while the keys are
+        // locked `crypt list`, other key slot changes and the queues that new clients
+        // open wait. Neither the key nor the digest changes while the device is open.
+        let (header, checked) = {
+            let keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+            (keys.luks.clone(), Secret(keys.key.0.clone()))
+        };
+        if !header.check(&checked.0) {
+            return Err(CryptError::WrongKey { what: "volume" });
+        }
+        drop(header);
         let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
         let Keys { luks, key } = &mut *keys;
-        let slot = luks.add_derived_slot(&mut |at, b| io.write(at, b), key, slot_key)?;
+        debug_assert!(key.0 == checked.0, "the volume key changed");
+        let slot = luks.add_checked_slot(&mut |at, b| io.write(at, b), key, slot_key)?;
         self.ledger.slot_event(SlotEvent::Added);
         Ok(slot)
     }
