@@ -528,6 +528,7 @@ fn status_text_once(view: &View) -> String {
         out += &thin_list(&*pool);
     }
     out += &crate::bitmaps::status_text(&view.roots());
+    out += &crate::crypt::status_text(&view.roots());
     if let Some(k) = view.stack_file() {
         // As of now, not of the last look.
         view.sync_stack_file();
@@ -590,6 +591,7 @@ fn status_json_once(view: &View) -> String {
         .collect::<Vec<_>>()
         .into();
     doc["bitmaps"] = crate::bitmaps::status_json(&view.roots());
+    doc["crypt"] = crate::crypt::status_json(&view.roots());
     if let Some(k) = view.stack_file() {
         view.sync_stack_file();
         let stale = k.stale();

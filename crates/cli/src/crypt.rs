@@ -10,7 +10,9 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use cairn_core::size::format_bytes;
 use cairn_core::Device;
+use cairn_services::crypt::counters::{CryptCounts, CryptStats};
 use cairn_services::crypt::device::{read_secret, KeySlots};
 use cairn_services::crypt::kdf::check_cost;
 use cairn_services::crypt::{Kdf, SlotKey};
@@ -110,6 +112,63 @@ fn remove(device: &str, slot: &str, view: &View) -> Result<String, AdminError> {
     c.remove_slot(slot)
         .map_err(|e| AdminError::crypt(device, e))?;
     Ok(format!("crypt {device}: key slot {slot} removed"))
+}
+
+/// Each crypt device served: its name, what it counted, and its key slots in use.
+pub(crate) fn counted(roots: &[Arc<dyn Device>]) -> Vec<(String, CryptCounts, usize)> {
+    all_devices(roots)
+        .into_iter()
+        .filter_map(|(_, d)| {
+            let counts = d.capability::<dyn CryptStats>()?.counts();
+            let slots = d
+                .capability::<dyn KeySlots>()
+                .map_or(0, |k| k.slots().len());
+            Some((d.name().to_string(), counts, slots))
+        })
+        .collect()
+}
+
+/// `status`'s lines of the crypt devices: a line each.
+pub(crate) fn status_text(roots: &[Arc<dyn Device>]) -> String {
+    let mut out = String::new();
+    for (name, c, slots) in counted(roots) {
+        out += &format!(
+            "crypt {name}: encrypted {} requests ({}), decrypted {} requests ({}), {:.3} s in \
+             the cipher (estimated); {slots} key slots in use, {} opened, {} added, {} \
+             removed since the start\n",
+            c.encrypted_requests,
+            format_bytes(c.encrypted_bytes),
+            c.decrypted_requests,
+            format_bytes(c.decrypted_bytes),
+            c.cipher_ns as f64 / 1e9,
+            c.key_slot_opens,
+            c.key_slots_added,
+            c.key_slots_removed,
+        );
+    }
+    out
+}
+
+/// `status --json`'s `crypt`: an object per crypt device.
+pub(crate) fn status_json(roots: &[Arc<dyn Device>]) -> serde_json::Value {
+    counted(roots)
+        .into_iter()
+        .map(|(name, c, slots)| {
+            serde_json::json!({
+                "device": name,
+                "encrypted_requests": c.encrypted_requests,
+                "encrypted_bytes": c.encrypted_bytes,
+                "decrypted_requests": c.decrypted_requests,
+                "decrypted_bytes": c.decrypted_bytes,
+                "cipher_seconds": c.cipher_ns as f64 / 1e9,
+                "key_slots": slots,
+                "key_slot_opens": c.key_slot_opens,
+                "key_slots_added": c.key_slots_added,
+                "key_slots_removed": c.key_slots_removed,
+            })
+        })
+        .collect::<Vec<_>>()
+        .into()
 }
 
 /// `crypt list`: a line per device.

@@ -202,6 +202,7 @@ fn families(view: &View) -> Vec<MetricFamily> {
     out.extend(thin_families(&view.roots()));
     out.extend(bitmap_families(&view.roots()));
     out.extend(throttle_families(&view.roots()));
+    out.extend(crypt_families(&view.roots()));
     if let Some(o) = view.observer() {
         out.extend(nbd_families(view, o));
     }
@@ -564,6 +565,60 @@ fn throttle_families(roots: &[Arc<dyn cairn_core::Device>]) -> Vec<MetricFamily>
         waiting.mut_metric().push(gauge(&l, c.waiting as f64));
     }
     vec![requests, bytes, delayed, waiting]
+}
+
+/// Crypt devices: what they enciphered and deciphered, the cipher's time, key slots.
+fn crypt_families(roots: &[Arc<dyn cairn_core::Device>]) -> Vec<MetricFamily> {
+    let mut requests = family(
+        "cairn_crypt_requests_total",
+        "Requests whose data a crypt device encrypted (writes, write-zeroes, discards) or decrypted (reads).",
+        MetricType::COUNTER,
+    );
+    let mut bytes = family(
+        "cairn_crypt_bytes_total",
+        "Bytes a crypt device encrypted or decrypted.",
+        MetricType::COUNTER,
+    );
+    let mut cipher = family(
+        "cairn_crypt_cipher_seconds_total",
+        "Time a crypt device's reactors spent in the cipher, estimated (one cipher call in 64 timed).",
+        MetricType::COUNTER,
+    );
+    let mut slots = family(
+        "cairn_crypt_key_slots",
+        "Key slots in use in a crypt device's header.",
+        MetricType::GAUGE,
+    );
+    let mut events = family(
+        "cairn_crypt_key_slot_events_total",
+        "Key slots opened (with a passphrase, at the start), added and removed.",
+        MetricType::COUNTER,
+    );
+    for (name, c, in_use) in crate::crypt::counted(roots) {
+        let name = name.as_str();
+        for (dir, r, b) in [
+            ("encrypt", c.encrypted_requests, c.encrypted_bytes),
+            ("decrypt", c.decrypted_requests, c.decrypted_bytes),
+        ] {
+            let l = [("device", name), ("direction", dir)];
+            requests.mut_metric().push(counter(&l, r as f64));
+            bytes.mut_metric().push(counter(&l, b as f64));
+        }
+        let l = [("device", name)];
+        cipher
+            .mut_metric()
+            .push(counter(&l, c.cipher_ns as f64 / 1e9));
+        slots.mut_metric().push(gauge(&l, in_use as f64));
+        for (event, n) in [
+            ("opened", c.key_slot_opens),
+            ("added", c.key_slots_added),
+            ("removed", c.key_slots_removed),
+        ] {
+            let l = [("device", name), ("event", event)];
+            events.mut_metric().push(counter(&l, n as f64));
+        }
+    }
+    vec![requests, bytes, cipher, slots, events]
 }
 
 /// One scrape's text.

@@ -421,3 +421,136 @@ fn create_never_formats_over_a_volume_whose_header_was_wiped() {
     let dev = open(&blank, &options(dir.path(), Format::Luks2, b"blank")).unwrap();
     assert!(dev.describe().contains("luks2"), "{}", dev.describe());
 }
+
+/// A crypt device counts what it ciphered: each write, read, write-zeroes and discard
+/// once, their bytes (write-zeroes and discard: the zeros encrypted in their place),
+/// some time in the cipher, and its key slots opened, added and removed; a closed
+/// queue's counts stay, and a device opened again counts from zero.
+#[test]
+fn the_counters_show_what_was_ciphered_and_the_key_slots_events() {
+    use cairn_services::crypt::counters::CryptStats;
+    use cairn_services::crypt::device::KeySlots;
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let format = Format::Luks1;
+    let base = mem(data_offset(format) + (4 << 20));
+    let opts = options(dir.path(), format, b"pass");
+    let dev = open(&base, &opts).unwrap();
+    let stats = dev.capability::<dyn CryptStats>().expect("crypt counters");
+    let before = stats.counts();
+    assert_eq!(before.key_slot_opens, 1, "{before:?}");
+    assert_eq!(before.encrypted_requests + before.decrypted_requests, 0);
+    let q = BlockingQueue::open(&dev, Switches::default()).unwrap();
+    for i in 0..3u64 {
+        q.write(i * 4096, &pattern(i, 4096), IoFlags::NONE).unwrap();
+    }
+    let mut back = vec![0u8; 8192];
+    q.read(0, &mut back).unwrap();
+    q.read(8192, &mut back).unwrap();
+    // Four chunks of zeros, one request.
+    q.zero(Op::WriteZeroes, 512, (3 << 20) + 512, IoFlags::NONE)
+        .unwrap();
+    q.zero(Op::Discard, 0, 4096, IoFlags::NONE).unwrap();
+    q.flush().unwrap();
+    let c = stats.counts();
+    assert_eq!(c.encrypted_requests, 3 + 1 + 1, "{c:?}");
+    assert_eq!(
+        c.encrypted_bytes,
+        3 * 4096 + (3 << 20) + 512 + 4096,
+        "{c:?}"
+    );
+    assert_eq!(
+        (c.decrypted_requests, c.decrypted_bytes),
+        (2, 2 * 8192),
+        "{c:?}"
+    );
+    assert!(c.cipher_ns > 0, "{c:?}");
+    let slots = dev.capability::<dyn KeySlots>().unwrap();
+    let pass2 = dir.path().join("pass2");
+    std::fs::write(&pass2, b"second").unwrap();
+    let kdf = Some(QUICK);
+    let (kdf, len) = slots.new_slot_kdf(kdf).unwrap();
+    let key = cairn_services::crypt::SlotKey::derive(kdf, b"second", len).unwrap();
+    let added = slots.add_derived_slot(&key).unwrap();
+    slots.remove_slot(added).unwrap();
+    let c = stats.counts();
+    assert_eq!(
+        (c.key_slot_opens, c.key_slots_added, c.key_slots_removed),
+        (1, 1, 1),
+        "{c:?}"
+    );
+    // The counts of a queue closed stay.
+    drop(q);
+    let q = BlockingQueue::open(&dev, Switches::default()).unwrap();
+    q.read(0, &mut back).unwrap();
+    let after = stats.counts();
+    assert_eq!(after.decrypted_requests, 3, "{after:?}");
+    assert_eq!(after.encrypted_bytes, c.encrypted_bytes);
+    drop((q, dev));
+    // Opened again by a passphrase: one slot opened; the counters start again.
+    let opts = CryptOptions {
+        create: false,
+        ..opts
+    };
+    let dev = open(&base, &opts).unwrap();
+    let c = dev.capability::<dyn CryptStats>().unwrap().counts();
+    assert_eq!((c.key_slot_opens, c.encrypted_requests), (1, 0), "{c:?}");
+}
+
+/// Adding a key slot checks the volume key against the header's digest, a PBKDF2 of its
+/// own, before it locks the device's keys: meanwhile the key slots can be listed (they
+/// used to wait for the whole add). The digest here asks for about two seconds.
+#[test]
+fn the_key_slots_can_be_listed_while_an_add_checks_the_volume_key() {
+    use cairn_services::crypt::device::KeySlots;
+    use cairn_services::crypt::luks1;
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let format = Format::Luks1;
+    let base = mem(data_offset(format) + (1 << 20));
+    let key: Vec<u8> = (0..64u8).collect();
+    let key_file = dir.path().join("key");
+    std::fs::write(&key_file, &key).unwrap();
+    let opts = CryptOptions {
+        key_file: Some(key_file),
+        ..options(dir.path(), format, b"pass")
+    };
+    drop(open(&base, &opts).unwrap());
+    // The digest made again with as many iterations as take about two seconds here.
+    let bq = BlockingQueue::open(&base, Switches::default()).unwrap();
+    let mut b = vec![0u8; 4096];
+    bq.read(0, &mut b).unwrap();
+    let mut h = luks1::Header::decode(&b).unwrap();
+    let start = std::time::Instant::now();
+    let mut d = [0u8; luks1::DIGEST_BYTES];
+    h.hash.pbkdf2(&key, &h.digest_salt, 100_000, &mut d);
+    let per_s = 100_000.0 / start.elapsed().as_secs_f64();
+    h.digest_iterations = (per_s * 2.0).min(f64::from(u32::MAX)) as u32;
+    h.hash
+        .pbkdf2(&key, &h.digest_salt, h.digest_iterations, &mut h.digest);
+    let e = h.encode();
+    b[..e.len()].copy_from_slice(&e);
+    bq.write(0, &b, IoFlags::NONE).unwrap();
+    drop(bq);
+    let opts = CryptOptions {
+        create: false,
+        passphrase_file: None,
+        ..opts
+    };
+    let dev = open(&base, &opts).unwrap();
+    let slots = dev.capability::<dyn KeySlots>().unwrap();
+    let (kdf, len) = slots.new_slot_kdf(Some(QUICK)).unwrap();
+    let slot_key = cairn_services::crypt::SlotKey::derive(kdf, b"second", len).unwrap();
+    std::thread::scope(|s| {
+        let adder = s.spawn(|| slots.add_derived_slot(&slot_key));
+        // Well into the check (the slot's key is derived already).
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let listed = slots.slots();
+        let running = !adder.is_finished();
+        assert!(
+            running && listed.len() == 1,
+            "listed {} slots, the add running: {running}",
+            listed.len()
+        );
+        assert_eq!(adder.join().unwrap().unwrap(), 1);
+    });
+    assert_eq!(slots.slots().len(), 2);
+}

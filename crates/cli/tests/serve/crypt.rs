@@ -698,11 +698,14 @@ fn estimate_seconds(said: &str) -> f64 {
 /// (kdf_iterations=4294967295) is refused up front with its estimate; a passphrase file
 /// that is a FIFO nobody writes, a directory or a file over cryptsetup's 8 MiB is
 /// refused at once; while an accepted derivation of several seconds runs (its iterations
-/// taken from that estimate), `status` answers; SIGTERM then stops the server cleanly
+/// taken from that estimate), `status`, `crypt list` and `thin list` answer and a client
+/// writes and reads the device (with python3's libnbd); SIGTERM then stops the server cleanly
 /// (exit status 0, the mirror's superblocks clean at the next start) and the add that
 /// was cut short added nothing.
 #[test]
 fn a_slow_key_slot_derivation_holds_up_neither_other_commands_nor_the_shutdown() {
+    const NAME: &str =
+        "crypt::a_slow_key_slot_derivation_holds_up_neither_other_commands_nor_the_shutdown";
     let dir = tmpdir();
     let d = dir.path();
     let (pass, pass2) = (d.join("pass"), d.join("pass2"));
@@ -759,6 +762,19 @@ fn a_slow_key_slot_derivation_holds_up_neither_other_commands_nor_the_shutdown()
     );
     let status = success("status", &super::admin::admin(&ctl, &["status"]));
     assert!(status.contains("crypt over m"), "{status}");
+    // The key slots, another family's command and the device's own I/O answer too.
+    let list = success("crypt list", &super::admin::admin(&ctl, &["crypt", "list"]));
+    assert!(list.contains("key slots: 0 pbkdf2"), "{list}");
+    let thin = super::admin::admin(&ctl, &["thin", "list", "pool"]);
+    let said = text(&thin.stderr);
+    assert!(said.contains("pool"), "{said}");
+    if let Some(python) = python_with_libnbd(NAME) {
+        libnbd_script(&python, CIPHERED, &srv.sock, &[], "done");
+    }
+    assert!(
+        !slow.is_finished(),
+        "the derivation ended before the checks"
+    );
     let (code, log) = srv.stop();
     assert!(code.success(), "{log}");
     assert!(!log.contains("did not end"), "{log}");
@@ -773,5 +789,105 @@ fn a_slow_key_slot_derivation_holds_up_neither_other_commands_nor_the_shutdown()
         !srv.stderr().contains("not stopped cleanly"),
         "{}",
         srv.stderr()
+    );
+}
+
+/// Three 4 KiB writes and two 8 KiB reads through a client.
+const CIPHERED: &str = r#"
+import os
+import nbd
+h = nbd.NBD()
+h.connect_unix(os.environ["CAIRN_SOCK"])
+for i in range(3):
+    h.pwrite(bytes([i + 1]) * 4096, i * 4096)
+assert h.pread(8192, 0) == bytes([1]) * 4096 + bytes([2]) * 4096
+assert h.pread(8192, 4096)[4096:] == bytes([3]) * 4096
+h.flush()
+print("done")
+"#;
+
+/// A crypt device's own counters after known I/O: `status` (text and --json) and the
+/// metrics show the requests and bytes it encrypted and decrypted, some time in the
+/// cipher, and its key slot opened at the start and one added since.
+#[test]
+fn status_and_the_metrics_count_what_a_crypt_device_ciphered() {
+    const NAME: &str = "crypt::status_and_the_metrics_count_what_a_crypt_device_ciphered";
+    let Some(python) = python_with_libnbd(NAME) else {
+        return;
+    };
+    let dir = tmpdir();
+    let d = dir.path();
+    let (pass, pass2) = (d.join("pass"), d.join("pass2"));
+    std::fs::write(&pass, b"first").unwrap();
+    std::fs::write(&pass2, b"second").unwrap();
+    let stack = write_stack(
+        &dir,
+        &format!(
+            "[device.m]\ntype = \"mem\"\nsize = \"8M\"\n\
+             [device.c]\ntype = \"crypt\"\nbase = \"m\"\npassphrase_file = \"{}\"\n\
+             create = true\nformat = \"luks1\"\nkdf_iterations = 1000\n\
+             [export.c]\ndevice = \"c\"\n",
+            pass.display()
+        ),
+    );
+    let ctl = d.join("admin.sock");
+    let srv = Server::start_in(
+        tmpdir(),
+        &[
+            path_str(&stack),
+            "--admin",
+            path_str(&ctl),
+            "--metrics",
+            "tcp:127.0.0.1:0",
+        ],
+    );
+    libnbd_script(&python, CIPHERED, &srv.sock, &[], "done");
+    let add = super::admin::admin(
+        &ctl,
+        &["crypt", "add", "c", path_str(&pass2), "kdf_iterations=1000"],
+    );
+    success("crypt add", &add);
+    let status = success("status", &super::admin::admin(&ctl, &["status"]));
+    assert!(
+        status.contains("crypt c: encrypted 3 requests") && status.contains("decrypted 2 requests"),
+        "{status}"
+    );
+    assert!(
+        status.contains("2 key slots in use, 1 opened, 1 added, 0 removed"),
+        "{status}"
+    );
+    let json = super::observe::json(
+        "status --json",
+        &super::admin::admin(&ctl, &["status", "--json"]),
+    );
+    let c = &json["crypt"][0];
+    assert_eq!(c["device"], "c", "{json:#}");
+    assert_eq!(
+        (&c["encrypted_requests"], &c["encrypted_bytes"]),
+        (&3.into(), &12288.into()),
+        "{json:#}"
+    );
+    assert_eq!(
+        (&c["decrypted_requests"], &c["decrypted_bytes"]),
+        (&2.into(), &16384.into()),
+        "{json:#}"
+    );
+    assert!(c["cipher_seconds"].as_f64().unwrap() > 0.0, "{json:#}");
+    assert_eq!(c["key_slots"], 2, "{json:#}");
+    let metrics = super::observe::scrape(&python, &super::observe::metrics_url(&srv));
+    for line in [
+        "cairn_crypt_requests_total{device=\"c\",direction=\"encrypt\"} 3",
+        "cairn_crypt_bytes_total{device=\"c\",direction=\"encrypt\"} 12288",
+        "cairn_crypt_requests_total{device=\"c\",direction=\"decrypt\"} 2",
+        "cairn_crypt_bytes_total{device=\"c\",direction=\"decrypt\"} 16384",
+        "cairn_crypt_key_slots{device=\"c\"} 2",
+        "cairn_crypt_key_slot_events_total{device=\"c\",event=\"opened\"} 1",
+        "cairn_crypt_key_slot_events_total{device=\"c\",event=\"added\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} not in:\n{metrics}");
+    }
+    assert!(
+        metrics.contains("cairn_crypt_cipher_seconds_total{device=\"c\"}"),
+        "{metrics}"
     );
 }

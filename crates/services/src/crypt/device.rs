@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use cairn_core::blocking::BlockingQueue;
 use cairn_core::{Core, Device, Error, Geometry, IoFlags, Offer, Queue, Switches, Want};
 
+use super::counters::{CryptCounts, CryptStats, Ledger, SlotEvent, Tally};
 use super::error::CryptError;
 use super::queue::CryptQueue;
 use super::volume::{probe, Format, Luks, Probe, BLANK_BYTES};
@@ -276,6 +277,8 @@ pub struct CryptDevice {
     opened_by: Option<usize>,
     keys: Mutex<Keys>,
     kdf_default: Kdf,
+    /// What its queues ciphered, and its key slots' events.
+    ledger: Ledger,
     /// A stand-in for `cairn check`: the header `create` would write, in memory only.
     stand_in: bool,
 }
@@ -332,6 +335,10 @@ impl CryptDevice {
         };
         let segment = luks.segment();
         let (size, block) = data_size(&base, segment)?;
+        let ledger = Ledger::default();
+        if slot.is_some() && !stand_in {
+            ledger.slot_event(SlotEvent::Opened);
+        }
         Ok(CryptDevice {
             name: name.into(),
             base,
@@ -344,6 +351,7 @@ impl CryptDevice {
             opened_by: slot,
             kdf_default: opts.kdf_for(luks.format()),
             keys: Mutex::new(Keys { luks, key }),
+            ledger,
             stand_in,
         })
     }
@@ -586,6 +594,7 @@ impl Device for CryptDevice {
             self.name(),
             base,
             cipher,
+            Tally::new(self.ledger.open_queue()),
             self.segment,
         ))
     }
@@ -593,7 +602,8 @@ impl Device for CryptDevice {
         Some(&self.base)
     }
     fn offer(self: Arc<Self>, want: Want) -> Option<Offer> {
-        want.offer::<dyn KeySlots>(|| self)
+        want.offer::<dyn KeySlots>(|| self.clone())
+            .or_else(|| want.offer::<dyn CryptStats>(|| self))
     }
 }
 
@@ -626,15 +636,39 @@ impl KeySlots for CryptDevice {
 
     fn add_derived_slot(&self, slot_key: &SlotKey) -> Result<usize, CryptError> {
         let io = HeaderIo::open(&self.base)?;
+        // The volume key is checked against the header's digest before the keys are
+        // locked: the check is a PBKDF2 of its own (an eighth of a second in a header
+        // cryptsetup made, and a header may ask for much more), and while the keys are
+        // locked `crypt list`, other key slot changes and the queues that new clients
+        // open wait. Neither the key nor the digest changes while the device is open.
+        let (header, checked) = {
+            let keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+            (keys.luks.clone(), Secret(keys.key.0.clone()))
+        };
+        if !header.check(&checked.0) {
+            return Err(CryptError::WrongKey { what: "volume" });
+        }
+        drop(header);
         let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
         let Keys { luks, key } = &mut *keys;
-        luks.add_derived_slot(&mut |at, b| io.write(at, b), key, slot_key)
+        debug_assert!(key.0 == checked.0, "the volume key changed");
+        let slot = luks.add_checked_slot(&mut |at, b| io.write(at, b), key, slot_key)?;
+        self.ledger.slot_event(SlotEvent::Added);
+        Ok(slot)
     }
 
     fn remove_slot(&self, slot: usize) -> Result<(), CryptError> {
         let io = HeaderIo::open(&self.base)?;
         let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
-        keys.luks.remove_slot(&mut |at, b| io.write(at, b), slot)
+        keys.luks.remove_slot(&mut |at, b| io.write(at, b), slot)?;
+        self.ledger.slot_event(SlotEvent::Removed);
+        Ok(())
+    }
+}
+
+impl CryptStats for CryptDevice {
+    fn counts(&self) -> CryptCounts {
+        self.ledger.counts()
     }
 }
 

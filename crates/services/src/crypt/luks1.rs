@@ -478,6 +478,16 @@ impl Header {
         if !self.check(&key.0) {
             return Err(CryptError::WrongKey { what: "master" });
         }
+        self.add_checked_slot(write, key, slot_key)
+    }
+
+    /// [`Header::add_derived_slot`] for a key [`Header::check`] passed already.
+    pub fn add_checked_slot(
+        &mut self,
+        write: &mut WriteAt<'_>,
+        key: &Secret,
+        slot_key: &SlotKey,
+    ) -> Result<usize, CryptError> {
         let i = self.free_slot()?;
         let mut next = self.clone();
         next.fill_slot(write, i, key, slot_key)?;

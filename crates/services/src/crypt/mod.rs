@@ -2,8 +2,9 @@
 //!
 //! [`xts`] ciphers sectors; [`luks1`] and [`luks2`] read, make and change the headers
 //! (key slots, the volume key's digest, where the data starts); what they share is here.
-//! [`error`] says what can go wrong ([`CryptError`]).
+//! [`error`] says what can go wrong ([`CryptError`]); [`counters`] what a device counts.
 
+pub mod counters;
 pub mod device;
 pub mod error;
 pub mod evp;

@@ -9,6 +9,7 @@ use cairn_core::buf::AlignedBuf;
 use cairn_core::slab::Slab;
 use cairn_core::{Core, Io, IoStatus, Op, Queue, QueueStats, Sink, SinkId};
 
+use super::counters::Tally;
 use super::evp::Cipher;
 use super::Segment;
 
@@ -69,6 +70,8 @@ pub(super) struct CryptQueue {
     stats: QueueStats,
     base: Rc<dyn Queue>,
     cipher: Cipher,
+    /// What it enciphered and deciphered, for the device's counters.
+    tally: Tally,
     segment: Segment,
     sink: Cell<SinkId>,
     requests: RefCell<Slab<Req>>,
@@ -84,6 +87,7 @@ impl CryptQueue {
         name: &str,
         base: Rc<dyn Queue>,
         cipher: Cipher,
+        tally: Tally,
         segment: Segment,
     ) -> Rc<CryptQueue> {
         let queue = Rc::new(CryptQueue {
@@ -91,6 +95,7 @@ impl CryptQueue {
             stats: QueueStats::named(core.switches().stats, name),
             base,
             cipher,
+            tally,
             segment,
             sink: Cell::new(SinkId(u32::MAX)),
             requests: RefCell::new(Slab::with_capacity(256)),
@@ -132,12 +137,15 @@ impl CryptQueue {
             .expect("a zero request has its bounce buffer");
         let data = &mut b.as_mut_slice()[..len as usize];
         data.fill(0);
-        self.cipher.run(
-            data,
-            self.segment.sector_bytes as usize,
-            self.iv(offset),
-            true,
-        );
+        let first = u64::from(r.done == 0);
+        self.tally.cipher(true, first, len, || {
+            self.cipher.run(
+                data,
+                self.segment.sector_bytes as usize,
+                self.iv(offset),
+                true,
+            )
+        });
         let io = Io {
             op: Op::Write,
             flags: r.io.flags,
@@ -165,8 +173,10 @@ impl Queue for CryptQueue {
                 // SAFETY: the submitter keeps `io.buf` valid for `io.len` bytes until the
                 // request completes; it is only read here.
                 let plain = unsafe { std::slice::from_raw_parts(io.buf, data.len()) };
-                self.cipher
-                    .encrypt_from(plain, data, sector, self.iv(io.offset));
+                self.tally.cipher(true, 1, io.len, || {
+                    self.cipher
+                        .encrypt_from(plain, data, sector, self.iv(io.offset))
+                });
                 let p = data.as_mut_ptr();
                 (Some(b), p)
             }
@@ -239,12 +249,14 @@ impl Sink for CryptQueue {
             // SAFETY: the submitter's buffer, valid for `len` bytes until this completion,
             // now holds what the base read.
             let data = unsafe { std::slice::from_raw_parts_mut(r.io.buf, r.io.len as usize) };
-            self.cipher.run(
-                data,
-                self.segment.sector_bytes as usize,
-                self.iv(r.io.offset),
-                false,
-            );
+            self.tally.cipher(false, 1, r.io.len, || {
+                self.cipher.run(
+                    data,
+                    self.segment.sector_bytes as usize,
+                    self.iv(r.io.offset),
+                    false,
+                )
+            });
         }
         self.stats
             .finish(&r.io, r.start, || self.core.now_ns(), status.is_ok());

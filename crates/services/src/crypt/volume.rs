@@ -33,6 +33,7 @@ impl Format {
 }
 
 /// An open header.
+#[derive(Clone)]
 pub enum Luks {
     /// LUKS1.
     V1(Box<luks1::Header>),
@@ -247,6 +248,22 @@ impl Luks {
         match self {
             Luks::V1(h) => h.add_derived_slot(write, key, slot_key),
             Luks::V2(h) => h.add_derived_slot(write, key, slot_key),
+        }
+    }
+
+    /// [`Luks::add_derived_slot`] for a `key` the caller checked against this header's
+    /// digest already ([`Luks::check`]: a PBKDF2 of its own, which the caller may run
+    /// without holding what the header is kept in). A slot for a key that is not the
+    /// volume key would open to noise: only a checked key may come here.
+    pub fn add_checked_slot(
+        &mut self,
+        write: &mut WriteAt<'_>,
+        key: &Secret,
+        slot_key: &SlotKey,
+    ) -> Result<usize, CryptError> {
+        match self {
+            Luks::V1(h) => h.add_checked_slot(write, key, slot_key),
+            Luks::V2(h) => h.add_checked_slot(write, key, slot_key),
         }
     }
 

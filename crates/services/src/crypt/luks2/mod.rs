@@ -285,6 +285,19 @@ impl Header {
         if key.0.len() != self.meta.key_bytes || !self.check(&key.0) {
             return Err(CryptError::WrongKey { what: "volume" });
         }
+        self.add_checked_slot(write, key, slot_key)
+    }
+
+    /// [`Header::add_derived_slot`] for a key [`Header::check`] passed already.
+    pub fn add_checked_slot(
+        &mut self,
+        write: &mut WriteAt<'_>,
+        key: &Secret,
+        slot_key: &SlotKey,
+    ) -> Result<usize, CryptError> {
+        if key.0.len() != self.meta.key_bytes {
+            return Err(CryptError::WrongKey { what: "volume" });
+        }
         check_kdf(slot_key.kdf)?;
         let (n, offset) = self.free_slot()?;
         let slot = new_keyslot(write, key, slot_key, offset)?;
