@@ -80,7 +80,14 @@ impl StackQueue {
                 return;
             }
         }
-        // Counted as a request of its own instead, as the general path counts.
+        self.submit_read_rest(io, start_ns, gate);
+    }
+
+    /// A read `submit_read` could not send as it is (counted as `gate`): counted as a
+    /// request of its own instead, as the general path counts, and sent by it.
+    #[cold]
+    #[inline(never)]
+    fn submit_read_rest(&self, io: Io, start_ns: u64, gate: u8) {
         self.submit_counted(io, start_ns, self.regate(gate));
     }
 
@@ -88,6 +95,7 @@ impl StackQueue {
     /// request instead (as `leave_gate` expects): 1 more in the gate, under the same
     /// epoch (the read's count keeps it above 0 meanwhile, so no switch has ended).
     #[cold]
+    #[inline(never)]
     pub(super) fn regate(&self, gate: u8) -> u8 {
         if gate != 0 {
             self.gate.writes[usize::from(gate - 1)].fetch_add(1, SeqCst);
@@ -124,8 +132,10 @@ impl StackQueue {
 
     /// A request (not a flush) counted in the gate as `gate` says, sent to its members:
     /// a read of a redundant layout that lands whole on one member goes to one copy
-    /// that may be read there; the rest is split into pieces.
-    #[inline(never)]
+    /// that may be read there; the rest is split into pieces. (Inlined into both
+    /// callers: a change of data pays no call more than before there was a common case
+    /// of reads.)
+    #[inline(always)]
     fn submit_counted(&self, io: Io, start_ns: u64, gate: u8) {
         let copies = self.copies;
         if copies > 1 && io.op == Op::Read && self.layout.piece_len(io.offset, io.len) == io.len {
