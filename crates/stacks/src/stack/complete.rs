@@ -5,7 +5,7 @@
 
 use cairn_core::{Io, IoFlags, IoStatus, Op, Sink};
 
-use super::queue::{Parent, COPY_SHIFT, DIRECT, FLUSH_BATCH, LONE, PARKED};
+use super::queue::{Parent, COPY_SHIFT, DIRECT, FLUSH_BATCH, LONE, PARKED, READ};
 use super::{repair, Layout, StackQueue, COPIES_MAX};
 
 impl Sink for StackQueue {
@@ -26,6 +26,11 @@ impl Sink for StackQueue {
             self.core.deliver(l.sink, l.token, status);
             return;
         }
+        // A read of a redundant layout sent whole to one copy by `submit_read`.
+        if token & (LONE | READ) == READ {
+            self.read_done((token & !READ) as u32, status);
+            return;
+        }
         // A request sent whole to one copy succeeded (or failed where there is no other
         // copy to try).
         if token & DIRECT != 0 && token != FLUSH_BATCH && (status.is_ok() || self.copies == 1) {
@@ -34,7 +39,7 @@ impl Sink for StackQueue {
                 .borrow_mut()
                 .parents
                 .remove((token & !DIRECT) as u32);
-            self.leave_gate(&p);
+            self.leave_gate(p.gate);
             self.answer(&p, status);
             if p.tried & p.tried.wrapping_sub(1) != 0 {
                 // Answered by a copy tried after others failed (only reads are retried):
@@ -50,6 +55,45 @@ impl Sink for StackQueue {
 }
 
 impl StackQueue {
+    /// The reply to a read sent by `submit_read` (`index` in `reads`).
+    #[inline(always)]
+    fn read_done(&self, index: u32, status: IoStatus) {
+        if !status.is_ok() {
+            self.read_failed(index, status);
+            return;
+        }
+        let r = self.state.borrow_mut().reads.remove(index);
+        self.leave_gate_read(r.gate);
+        self.stats
+            .finish(&r.io, r.start_ns, || self.core.now_ns(), true);
+        self.core.deliver(r.io.sink, r.io.token, status);
+    }
+
+    /// A read sent by `submit_read` failed: it goes on as a parent request sent whole to
+    /// that copy, so that another copy is tried and the one that failed is rewritten
+    /// once one answers, exactly as for a read sent by the general path.
+    #[cold]
+    #[inline(never)]
+    fn read_failed(&self, index: u32, status: IoStatus) {
+        let r = self.state.borrow_mut().reads.remove(index);
+        let gate = self.regate(r.gate);
+        let parent = {
+            let mut st = self.state.borrow_mut();
+            st.parents.insert(Parent {
+                io: r.io,
+                pending: 1,
+                status: IoStatus::OK,
+                start_ns: r.start_ns,
+                degraded: false,
+                tried: 1 << r.copy,
+                counted: false,
+                marked: false,
+                gate,
+            })
+        };
+        self.direct_done(parent, status);
+    }
+
     /// Everything but the common case of `io_done`: flushes, retries, failures, pieces.
     #[inline(never)]
     fn io_done_other(&self, token: u64, status: IoStatus) {
@@ -149,13 +193,13 @@ impl StackQueue {
             }
         }
         let p = self.state.borrow_mut().parents.remove(index);
-        self.leave_gate(&p);
+        self.leave_gate(p.gate);
         self.answer(&p, status);
     }
 
     fn finish_parent(&self, parent: u32) {
         let p = self.state.borrow_mut().parents.remove(parent);
-        self.leave_gate(&p);
+        self.leave_gate(p.gate);
         let mut status = p.status;
         if p.io.token == FLUSH_BATCH && p.io.sink == self.sink.get() {
             // A flush is good if at least one member of every copy set took it.

@@ -68,7 +68,9 @@ impl Drop for Changing<'_> {
 /// A queue's requests in flight, counted by the parity of the epoch they were sent under:
 /// once a switch sees the old parity's count at zero, every request any queue sends goes
 /// to the new set of members, and no reply from an old one can come any more. An array
-/// whose members can change counts every request; any other redundant one counts its
+/// whose members can change counts every request (a queue's reads sent whole to one copy
+/// under one count while any is in flight, see `StackQueue::enter_gate_read`); any other
+/// redundant one counts its
 /// changes of data, so that read repair can wait for those sent before it started
 /// counting them per region (see [`repair`]).
 #[derive(Default)]
@@ -119,6 +121,15 @@ impl Health {
     #[inline]
     pub(super) fn readable(&self, member: usize) -> bool {
         self.readable[member].load(Relaxed)
+    }
+
+    /// May be read anywhere, as reads go now: current, and the array not resyncing after
+    /// an unclean stop (reads then all go to the first readable copy, see
+    /// [`Health::one_copy_at`]). Where this holds, the first copy `healthy_copy` would
+    /// try is the one on `member`.
+    #[inline(always)]
+    pub(super) fn may_read(&self, member: usize) -> bool {
+        !self.one_copy.load(Relaxed) && self.readable(member)
     }
 
     /// May be read for `len` bytes at member offset `at` (data area), which hold array

@@ -1,14 +1,15 @@
 //! [`StackQueue`], a stacked device's queue on one reactor: its per-request state
-//! (parents, their pieces on members, lone requests), the token bits that tell
-//! completions apart, the `Queue` impl with the common case of `submit` (a request only
-//! remapped to one member), and how the queue follows a change of members (its members'
+//! (parents, their pieces on members, lone requests, reads sent whole to one copy), the
+//! token bits that tell completions apart, the `Queue` impl with the common cases of
+//! `submit` (a request only remapped to one member; a read of a redundant layout sent
+//! whole to one copy), and how the queue follows a change of members (its members'
 //! queues, and the gate a switch waits on).
 //!
 //! The rest of the submit side is in `submit`, the completion side in `complete`.
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
-use std::sync::atomic::Ordering::SeqCst;
+use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::sync::Arc;
 
 use cairn_core::slab::Slab;
@@ -63,6 +64,23 @@ pub(super) struct State {
     /// Requests of a layout without copies sent whole to one member: only what their
     /// completion needs (a third of a `Parent`).
     pub(super) lone: Slab<Lone>,
+    /// Reads of a redundant layout sent whole to a copy that could be read as it is.
+    pub(super) reads: Slab<Read>,
+}
+
+/// A read of a redundant layout sent whole to one copy by the common case of `submit`:
+/// the request (to try another copy with, should this one fail) and what its completion
+/// needs. One that fails becomes a [`Parent`] (see `complete`), so retries and read
+/// repair take the same path as for any read.
+#[derive(Clone, Copy)]
+pub(super) struct Read {
+    pub(super) io: Io,
+    pub(super) start_ns: u64,
+    /// The copy it was sent to.
+    pub(super) copy: u8,
+    /// Covered by the queue's count of reads in the gate (see
+    /// [`StackQueue::enter_gate_read`]): 0 not, else 1 + the epoch's parity.
+    pub(super) gate: u8,
 }
 
 /// A request of a layout without copies, sent whole to one member.
@@ -108,11 +126,22 @@ pub struct StackQueue {
     pub(super) gate_writes: bool,
     /// The health's epoch `opened` follows.
     pub(super) epoch: Cell<u64>,
+    /// Of a gated array: the count in the gate that covers the reads sent by
+    /// `submit_read` under the epoch now (0 none, else 1 + the epoch's parity), see
+    /// [`StackQueue::enter_gate_read`].
+    pub(super) read_gate: Cell<u8>,
+    /// The epoch `read_gate` was entered under.
+    pub(super) read_epoch: Cell<u64>,
+    /// Reads sent by `submit_read` in flight, by the parity of the epoch whose count in
+    /// the gate covers them.
+    pub(super) reads_held: [Cell<u32>; 2],
     /// Changes of data in flight, for a change of members to wait for.
     pub(super) gate: Arc<Gate>,
     pub(super) health: Arc<Health>,
     pub(super) sink: Cell<SinkId>,
     pub(super) state: RefCell<State>,
+    /// The copy the next read starts from (below `copies`), see
+    /// [`StackQueue::next_copy`].
     pub(super) next_copy: Cell<usize>,
     pub(super) flushes: FlushBatcher,
     /// The layout's copies, kept here to spare the hot path a pointer chase.
@@ -136,6 +165,9 @@ pub(super) const DIRECT: u64 = 1 << 62;
 /// Token bit of a request of a layout without copies sent whole to one member: the rest
 /// is its index in `lone` (`FLUSH_BATCH` has both bits).
 pub(super) const LONE: u64 = 1 << 61;
+/// Token bit of a read sent whole to one copy by the common case of `submit`: the rest
+/// is its index in `reads` (`FLUSH_BATCH` has `LONE` too, which no such read has).
+pub(super) const READ: u64 = 1 << 59;
 /// Token bit of the timer of a write waiting for a read repair's range (see
 /// [`StackQueue::park`]): the rest is the parent's index.
 pub(super) const PARKED: u64 = 1 << 60;
@@ -279,6 +311,15 @@ impl StackQueue {
     /// moved): 1 + the epoch's parity.
     #[inline]
     pub(super) fn enter_gate(&self) -> u8 {
+        self.enter_gate_at().0
+    }
+
+    /// [`StackQueue::enter_gate`], and the epoch counted under.
+    #[inline]
+    fn enter_gate_at(&self) -> (u8, u64) {
+        if !self.retired.borrow().is_empty() {
+            self.drop_retired();
+        }
         loop {
             let epoch = self.health.epoch.load(SeqCst);
             if epoch != self.epoch.get() {
@@ -287,19 +328,112 @@ impl StackQueue {
             let parity = (epoch & 1) as usize;
             self.gate.writes[parity].fetch_add(1, SeqCst);
             if self.health.epoch.load(SeqCst) == epoch {
-                return 1 + parity as u8;
+                return (1 + parity as u8, epoch);
             }
             // Changed meanwhile: count under the new one.
             self.gate.writes[parity].fetch_sub(1, SeqCst);
         }
     }
 
-    /// Counts the end of a request in the gate, if it was counted there.
-    #[inline]
-    pub(super) fn leave_gate(&self, p: &Parent) {
-        if p.gate != 0 {
-            self.gate.writes[usize::from(p.gate - 1)].fetch_sub(1, SeqCst);
+    /// Counts a read sent by `submit_read` in the gate (of a gated array): 1 + the
+    /// parity of the epoch it is counted under.
+    ///
+    /// One count in the gate covers every such read this queue has in flight under one
+    /// epoch: it is entered as [`StackQueue::enter_gate`] does for the first, and left
+    /// when the last ends (see [`StackQueue::leave_gate_read`]). A read joins it only
+    /// while the epoch is still the one it was entered under; the epoch looked at
+    /// without ordering may be out of date, but then a switch that moved it on waits
+    /// for this count (entered before, in the one total order), so the read is covered
+    /// either way. A switch returns once every count of the old epoch's parity is
+    /// left: no read sent to the old members is in flight then, as with one count per
+    /// request, but the common case costs no atomic read-modify-write.
+    #[inline(always)]
+    pub(super) fn enter_gate_read(&self) -> u8 {
+        let gate = self.read_gate.get();
+        if gate != 0 && self.health.epoch.load(Relaxed) == self.read_epoch.get() {
+            let held = &self.reads_held[usize::from(gate - 1)];
+            held.set(held.get() + 1);
+            return gate;
         }
+        self.enter_gate_read_new()
+    }
+
+    /// A read under an epoch no count of `read_gate` covers: counted under the epoch
+    /// now (following it first if it moved).
+    #[cold]
+    #[inline(never)]
+    fn enter_gate_read_new(&self) -> u8 {
+        let (gate, epoch) = self.enter_gate_at();
+        let i = usize::from(gate - 1);
+        let held = self.reads_held[i].get();
+        if held != 0 {
+            // Not expected: reads under this parity still in flight are of an epoch two
+            // switches back, and a switch waits for them. Should it happen, they are
+            // covered already and one count is enough.
+            debug_assert!(false, "reads held under epoch parity {i} at epoch {epoch}");
+            self.gate.writes[i].fetch_sub(1, SeqCst);
+        }
+        self.reads_held[i].set(held + 1);
+        self.read_gate.set(gate);
+        self.read_epoch.set(epoch);
+        gate
+    }
+
+    /// Counts the end of a read [`StackQueue::enter_gate_read`] counted as `gate`: the
+    /// last one of its epoch leaves the gate.
+    #[inline(always)]
+    pub(super) fn leave_gate_read(&self, gate: u8) {
+        if gate == 0 {
+            return;
+        }
+        let i = usize::from(gate - 1);
+        let held = self.reads_held[i].get();
+        debug_assert!(held > 0, "a read left a gate it was not counted in");
+        self.reads_held[i].set(held - 1);
+        if held == 1 {
+            self.gate.writes[i].fetch_sub(1, SeqCst);
+            if self.read_gate.get() == gate {
+                self.read_gate.set(0);
+            }
+        }
+    }
+
+    /// Lets go of the queues of members no longer used once nothing is in flight on
+    /// them (no request of this queue is: the one about to be counted is not sent yet).
+    #[cold]
+    fn drop_retired(&self) {
+        let idle = {
+            let st = self.state.borrow();
+            st.parents.is_empty() && st.reads.is_empty()
+        };
+        if idle {
+            self.retired.borrow_mut().clear();
+        }
+    }
+
+    /// Counts the end of a request in the gate, if it was counted there (`gate`, as
+    /// [`StackQueue::enter_gate`] returned it).
+    #[inline]
+    pub(super) fn leave_gate(&self, gate: u8) {
+        if gate != 0 {
+            self.gate.writes[usize::from(gate - 1)].fetch_sub(1, SeqCst);
+        }
+    }
+
+    /// The copy the next read starts from: the copies in turn.
+    #[inline(always)]
+    pub(super) fn next_copy(&self) -> usize {
+        let copy = self.next_copy.get();
+        self.advance_copy(copy);
+        copy
+    }
+
+    /// The next read starts from the copy after `copy`.
+    #[inline(always)]
+    pub(super) fn advance_copy(&self, copy: usize) {
+        debug_assert!(copy < self.copies);
+        self.next_copy
+            .set(if copy + 1 == self.copies { 0 } else { copy + 1 });
     }
 }
 
@@ -322,6 +456,12 @@ impl Queue for StackQueue {
                     return;
                 }
             }
+        }
+        // The other common case: a read of a redundant layout goes to one copy, with a
+        // small record of its own while that copy may be read as it is.
+        if self.copies > 1 && io.op == Op::Read {
+            self.submit_read(io);
+            return;
         }
         self.submit_rest(io);
     }

@@ -1,12 +1,17 @@
-//! The submit side of [`StackQueue`] past its common case: a request is split into
-//! pieces at chunk and member boundaries; a read goes to one healthy copy, a change of
-//! data to every copy (and to a replacement being built); flushes are batched and fanned
-//! out to every member. A change of data waits for its bitmap bits to be on disk, and for
-//! a read repair that holds its range.
+//! The submit side of [`StackQueue`] past its common case of a remap: a read of a
+//! redundant layout goes whole to the next copy in turn while that copy may be read as
+//! it is; otherwise a request is split into pieces at chunk and member boundaries, a
+//! read goes to one healthy copy, a change of data to every copy (and to a replacement
+//! being built); flushes are batched and fanned out to every member. A change of data
+//! waits for its bitmap bits to be on disk, and for a read repair that holds its range.
+
+use std::sync::atomic::Ordering::SeqCst;
 
 use cairn_core::{Io, IoFlags, IoStatus, Op};
 
-use super::queue::{Child, Lone, Parent, COPY_SHIFT, DIRECT, FLUSH_BATCH, LONE, PARKED, PARK_NS};
+use super::queue::{
+    Child, Lone, Parent, Read, COPY_SHIFT, DIRECT, FLUSH_BATCH, LONE, PARKED, PARK_NS, READ,
+};
 use super::{Layout, StackQueue};
 
 impl StackQueue {
@@ -38,18 +43,71 @@ impl StackQueue {
         self.submit_other(io, start_ns);
     }
 
-    /// Everything but the common case of `submit`: flushes, reads of redundant layouts,
-    /// and requests split into pieces.
+    /// A read of a redundant layout (the common case of `submit` for one): sent whole to
+    /// the next copy in turn with a small record of its own, if it lands on one member
+    /// and that copy may be read as it is (the array not resyncing after an unclean
+    /// stop, the member current: neither failed, nor being rebuilt or re-added). Else
+    /// it takes the general path, which picks a copy that may be read there.
+    #[inline(always)]
+    pub(super) fn submit_read(&self, io: Io) {
+        debug_assert!(self.copies > 1 && io.op == Op::Read);
+        let start_ns = self.start();
+        // While a rebuild runs it yields to clients: it counts their requests.
+        self.health.sync.client(&io);
+        // Counted first, so that the member looked at below is the one of the epoch
+        // the read is counted under (see `submit_other`).
+        let gate = if self.gated {
+            self.enter_gate_read()
+        } else {
+            0
+        };
+        let copy = self.next_copy.get();
+        if let Some((member, member_offset)) = self.layout.place(io.offset, io.len, copy) {
+            if self.health.may_read(member) {
+                self.advance_copy(copy);
+                let index = self.state.borrow_mut().reads.insert(Read {
+                    io,
+                    start_ns,
+                    copy: copy as u8,
+                    gate,
+                });
+                self.member(member).submit(Io {
+                    offset: member_offset + self.data_offset,
+                    sink: self.sink.get(),
+                    token: READ | u64::from(index),
+                    ..io
+                });
+                return;
+            }
+        }
+        self.submit_read_rest(io, start_ns, gate);
+    }
+
+    /// A read `submit_read` could not send as it is (counted as `gate`): counted as a
+    /// request of its own instead, as the general path counts, and sent by it.
+    #[cold]
+    #[inline(never)]
+    fn submit_read_rest(&self, io: Io, start_ns: u64, gate: u8) {
+        self.submit_counted(io, start_ns, self.regate(gate));
+    }
+
+    /// A read counted by [`StackQueue::enter_gate_read`] as `gate`, counted as one
+    /// request instead (as `leave_gate` expects): 1 more in the gate, under the same
+    /// epoch (the read's count keeps it above 0 meanwhile, so no switch has ended).
+    #[cold]
+    #[inline(never)]
+    pub(super) fn regate(&self, gate: u8) -> u8 {
+        if gate != 0 {
+            self.gate.writes[usize::from(gate - 1)].fetch_add(1, SeqCst);
+            self.leave_gate_read(gate);
+        }
+        gate
+    }
+
+    /// Everything but the common cases of `submit`: flushes, changes of data, requests
+    /// split into pieces.
     #[inline(never)]
     fn submit_other(&self, io: Io, start_ns: u64) {
-        // Only an array whose members can change (gated) follows a change of members: in
-        // `enter_gate`, below. Queues of members it no longer uses go once nothing is in
-        // flight.
-        if self.gated && !self.retired.borrow().is_empty() && self.state.borrow().parents.is_empty()
-        {
-            // Nothing is in flight on the old members' queues any more.
-            self.retired.borrow_mut().clear();
-        }
         // While a rebuild runs it yields to clients: it counts their requests.
         self.health.sync.client(&io);
         if io.op == Op::Flush {
@@ -58,21 +116,31 @@ impl StackQueue {
             }
             return;
         }
-        let copies = self.copies;
         // A request to an array whose members can change is counted in the gate, under
         // the epoch whose members it is sent to: a change of members waits until none
         // sent under the old epoch is in flight. Other redundant arrays count changes of
-        // data there (for read repair).
+        // data there (for read repair). Only a gated array follows a change of members
+        // (in `enter_gate`, which also lets go of the queues of members it no longer
+        // uses once nothing is in flight).
         let gate = if self.gated || (self.gate_writes && io.op != Op::Read) {
             self.enter_gate()
         } else {
             0
         };
-        // A read of a redundant layout that lands whole on one member goes to one copy.
+        self.submit_counted(io, start_ns, gate);
+    }
+
+    /// A request (not a flush) counted in the gate as `gate` says, sent to its members:
+    /// a read of a redundant layout that lands whole on one member goes to one copy
+    /// that may be read there; the rest is split into pieces. (Inlined into both
+    /// callers: a change of data pays no call more than before there was a common case
+    /// of reads.)
+    #[inline(always)]
+    fn submit_counted(&self, io: Io, start_ns: u64, gate: u8) {
+        let copies = self.copies;
         if copies > 1 && io.op == Op::Read && self.layout.piece_len(io.offset, io.len) == io.len {
-            let n = self.next_copy.get();
-            self.next_copy.set(n.wrapping_add(1));
-            if let Some(copy) = self.healthy_copy(io.offset, io.len, n % copies, 0) {
+            let start = self.next_copy();
+            if let Some(copy) = self.healthy_copy(io.offset, io.len, start, 0) {
                 self.direct(
                     io,
                     start_ns,
@@ -182,13 +250,7 @@ impl StackQueue {
                         std::ptr::null_mut()
                     };
                     if op == Op::Read {
-                        let start = if copies > 1 {
-                            let n = self.next_copy.get();
-                            self.next_copy.set(n.wrapping_add(1));
-                            n % copies
-                        } else {
-                            0
-                        };
+                        let start = if copies > 1 { self.next_copy() } else { 0 };
                         match self.healthy_copy(at, len, start, 0) {
                             Some(k) => self.child(parent, op, &io, (at, len, buf), k),
                             None => missing = true,
@@ -219,7 +281,7 @@ impl StackQueue {
                     bm.end_write(&p.io);
                 }
             }
-            self.leave_gate(&p);
+            self.leave_gate(p.gate);
             self.stats
                 .finish(&p.io, p.start_ns, || self.core.now_ns(), false);
             let status = if p.status.is_ok() {
@@ -400,7 +462,7 @@ impl StackQueue {
             // No healthy member left: the batch fails through the FIFO.
             let p = st.parents.remove(parent);
             drop(st);
-            self.leave_gate(&p);
+            self.leave_gate(p.gate);
             self.core
                 .complete(self.sink.get(), FLUSH_BATCH, IoStatus::errno(libc::EIO));
         }
