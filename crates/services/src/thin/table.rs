@@ -208,7 +208,10 @@ impl Table {
 
     /// Whether leaf `i` changed since the last [`Table::take_dirty`] (commit thread).
     pub fn is_dirty(&self, i: usize) -> bool {
-        self.dir().dirty.get(i).is_some_and(|d| d.load(Ordering::SeqCst))
+        self.dir()
+            .dirty
+            .get(i)
+            .is_some_and(|d| d.load(Ordering::SeqCst))
     }
 
     /// Whether leaf `i` changed since the last call, clearing the flag (commit thread).
