@@ -450,10 +450,16 @@ fn thin_command(
 fn thin_list(inner: &dyn ThinPoolAdmin) -> String {
     use cairn_core::size::format_bytes;
     let r = inner.report();
+    let checkpoints = inner.checkpoints();
     let mut out = thin_pool_line(&r);
     for (name, size, mapped, ro, users) in &r.volumes {
+        let of = checkpoints
+            .iter()
+            .find(|c| c.snapshot && c.name == *name)
+            .map(|c| format!(", checkpoint of {}", c.volume))
+            .unwrap_or_default();
         out += &format!(
-            "  {name}: {} virtual, {} mapped{}{}\n",
+            "  {name}: {} virtual, {} mapped{}{of}{}\n",
             format_bytes(*size),
             format_bytes(*mapped),
             if *ro { ", snapshot (read-only)" } else { "" },
@@ -508,6 +514,7 @@ fn thin_json(inner: &dyn ThinPoolAdmin) -> serde_json::Value {
             "read_only": ro,
             "open": *users > 0,
         })).collect::<Vec<_>>(),
+        "checkpoints": inner.checkpoints().iter().map(crate::backup::checkpoint_json).collect::<Vec<_>>(),
     })
 }
 

@@ -96,23 +96,25 @@ pub(crate) fn checkpoint_command(
     Ok(format!("ok: {done}\n"))
 }
 
+/// A checkpoint as `checkpoint list --json`, `thin list --json` and `status --json` give it.
+pub(crate) fn checkpoint_json(
+    c: &cairn_services::thin::backup::CheckpointInfo,
+) -> serde_json::Value {
+    serde_json::json!({
+        "volume": c.volume,
+        "name": c.name,
+        "snapshot": c.snapshot,
+        "granularity": c.granularity,
+        "kept_until": c.kept.as_ref().map(|k| k.0.clone()),
+        "kept_bytes": c.kept.as_ref().map(|k| k.1),
+    })
+}
+
 /// `checkpoint list POOL`: a line per checkpoint (or JSON).
 fn checkpoint_list(pool: &dyn ThinPoolAdmin, json: bool) -> String {
     let all = pool.checkpoints();
     if json {
-        let items: Vec<serde_json::Value> = all
-            .iter()
-            .map(|c| {
-                serde_json::json!({
-                    "volume": c.volume,
-                    "name": c.name,
-                    "snapshot": c.snapshot,
-                    "granularity": c.granularity,
-                    "kept_until": c.kept.as_ref().map(|k| k.0.clone()),
-                    "kept_bytes": c.kept.as_ref().map(|k| k.1),
-                })
-            })
-            .collect();
+        let items: Vec<serde_json::Value> = all.iter().map(checkpoint_json).collect();
         return format!("ok\n{}\n", serde_json::Value::Array(items));
     }
     let mut out = String::from("ok\n");

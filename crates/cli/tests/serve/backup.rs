@@ -264,6 +264,18 @@ fn checkpoints_give_an_incremental_backup_that_restores_the_snapshot() {
         "status --json",
         &super::admin::admin(&ctl, &["status", "--json"]),
     );
+    let checkpoints = &status["thin_pools"][0]["checkpoints"];
+    assert_eq!(checkpoints[0]["name"], "c1", "{status:#}");
+    assert_eq!(checkpoints[1]["volume"], "vm", "{status:#}");
+    assert_eq!(checkpoints[1]["snapshot"], true, "{status:#}");
+    let text = success(
+        "thin list",
+        &super::admin::admin(&ctl, &["thin", "list", "pool"]),
+    );
+    assert!(
+        text.contains("  c2: 64MiB virtual, ") && text.contains("checkpoint of vm"),
+        "{text}"
+    );
     // Exports added while serving are listed with the others.
     let exports = status["exports"].as_array().unwrap();
     let c2 = exports
