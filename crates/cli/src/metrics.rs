@@ -200,6 +200,7 @@ fn families(view: &View) -> Vec<MetricFamily> {
     out.extend(cache_families(&all));
     out.extend(array_families(&all));
     out.extend(thin_families(&view.roots()));
+    out.extend(checkpoint_families(&view.roots()));
     out.extend(bitmap_families(&view.roots()));
     out.extend(throttle_families(&view.roots()));
     out.extend(crypt_families(&view.roots()));
@@ -509,6 +510,38 @@ fn thin_families(roots: &[Arc<dyn cairn_core::Device>]) -> Vec<MetricFamily> {
         }
     }
     vec![data, meta, mapped, vsize]
+}
+
+/// Thin volumes' backup checkpoints: each that exists, and what a deleted snapshot's
+/// changes keep.
+fn checkpoint_families(roots: &[Arc<dyn cairn_core::Device>]) -> Vec<MetricFamily> {
+    let mut info = family(
+        "cairn_thin_checkpoint_info",
+        "A backup checkpoint of a thin volume: 1 while it exists (snapshot=\"false\" once its snapshot is deleted and its changes kept).",
+        MetricType::GAUGE,
+    );
+    let mut kept = family(
+        "cairn_thin_checkpoint_kept_bytes",
+        "Bytes a checkpoint whose snapshot is deleted keeps as changed up to the next checkpoint.",
+        MetricType::GAUGE,
+    );
+    for (_, pool) in crate::admin::pools(roots) {
+        let name = pool.report().name;
+        for c in pool.checkpoints() {
+            let l = [
+                ("pool", name.as_str()),
+                ("volume", c.volume.as_str()),
+                ("checkpoint", c.name.as_str()),
+            ];
+            let snapshot = if c.snapshot { "true" } else { "false" };
+            let labelled = [l[0], l[1], l[2], ("snapshot", snapshot)];
+            info.mut_metric().push(gauge(&labelled, 1.0));
+            if let Some((_, bytes)) = &c.kept {
+                kept.mut_metric().push(gauge(&l, *bytes as f64));
+            }
+        }
+    }
+    vec![info, kept]
 }
 
 /// Dirty bitmaps: what each covers, and whether it may miss changes.

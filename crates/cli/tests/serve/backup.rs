@@ -289,6 +289,10 @@ fn checkpoints_give_an_incremental_backup_that_restores_the_snapshot() {
         metrics.contains("cairn_nbd_connections{export=\"c2\"} 0"),
         "{metrics}"
     );
+    for c in ["c1", "c2"] {
+        let line = format!("cairn_thin_checkpoint_info{{pool=\"pool\",volume=\"vm\",checkpoint=\"{c}\",snapshot=\"true\"}} 1");
+        assert!(metrics.contains(&line), "{line} in {metrics}");
+    }
     // The newest checkpoint's snapshot stays (the changes since it are counted against
     // it); an older one goes, its changes kept: the volume still offers the changes since
     // c1, and they are those since c2 and before it.
@@ -317,6 +321,18 @@ fn checkpoints_give_an_incremental_backup_that_restores_the_snapshot() {
         text.contains("vm c1: snapshot deleted, the ")
             && text.contains(" changed from it to 'c2' kept"),
         "{text}"
+    );
+    // The metrics say so too: c1 is kept without its snapshot, with the bytes of its
+    // changes to c2 (the blocks written between them).
+    let metrics = super::observe::scrape(&python, &super::observe::metrics_url(&srv));
+    let kept = format!(
+        "cairn_thin_checkpoint_kept_bytes{{pool=\"pool\",volume=\"vm\",checkpoint=\"c1\"}} {}",
+        dirty_runs(&want, 65536).iter().map(|r| r.1).sum::<u64>()
+    );
+    assert!(
+        metrics.contains("cairn_thin_checkpoint_info{pool=\"pool\",volume=\"vm\",checkpoint=\"c1\",snapshot=\"false\"} 1")
+            && metrics.contains(&kept),
+        "{kept} in {metrics}"
     );
     let out = success(
         "nbdinfo --map=qemu:dirty-bitmap:c1 of vm",
