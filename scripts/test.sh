@@ -77,7 +77,8 @@ fi
 # A test that cannot run here (a tool missing, not root) appends "SKIP <test>: <reason>" to
 # $CAIRN_SKIP_LOG and returns, which cargo counts as passed.
 status=0
-CAIRN_SKIP_LOG="$skips" cargo test --workspace 2>&1 | tee "$log" || status=$?
+# --no-fail-fast: every test binary runs, so one that fails does not hide the others.
+CAIRN_SKIP_LOG="$skips" cargo test --workspace --no-fail-fast 2>&1 | tee "$log" || status=$?
 if [ -s "$skips" ]; then
     echo "== skipped"
     cat "$skips"
