@@ -137,25 +137,35 @@ pub const COMMANDS: &[(&str, &str, &str)] = &[
 
 /// The command list, usage and description, wrapped under a 26-column usage.
 pub fn help_text() -> String {
+    // Lines of at most 72 columns (a man page indents them by 7): a usage too long for its column stands on a line of
+    // its own, and the description follows below it.
+    const WIDTH: usize = 72;
+    const INDENT: usize = 26;
     let mut out = String::new();
     for (_, usage, what) in COMMANDS {
-        let mut line = format!("  {usage:<24}");
-        let mut width = line.len();
+        let head = format!("  {usage}");
+        let mut line = if head.len() >= INDENT {
+            out += &head;
+            out.push('\n');
+            " ".repeat(INDENT)
+        } else {
+            format!("{head:<INDENT$}")
+        };
+        let mut first = true;
         for word in what.split_whitespace() {
-            if width + 1 + word.len() > 90 && width > 26 {
-                out += line.trim_end();
+            if !first && line.len() + 1 + word.len() > WIDTH {
+                out += &line;
                 out.push('\n');
-                line = format!("{:26}", "");
-                width = 26;
+                line = " ".repeat(INDENT);
+                first = true;
             }
-            if width > 26 {
+            if !first {
                 line.push(' ');
-                width += 1;
             }
             line += word;
-            width += word.len();
+            first = false;
         }
-        out += line.trim_end();
+        out += &line;
         out.push('\n');
     }
     out
@@ -302,7 +312,7 @@ fn serve_one(conn: UnixStream, view: &View, ticket: &Ticket) {
 }
 
 /// One device's line of the tree: size, what it is, and its health.
-fn device_line(depth: usize, d: &Arc<dyn Device>) -> String {
+fn device_line(depth: usize, d: &Arc<dyn Device>, seen: &mut Vec<(String, String)>) -> String {
     use cairn_core::size::format_bytes;
     let failed = cairn_core::array::failed_members(d);
     let cache = match d.capability::<dyn WriteBackCache>() {
@@ -318,7 +328,7 @@ fn device_line(depth: usize, d: &Arc<dyn Device>) -> String {
         "  ".repeat(depth),
         d.name(),
         format_bytes(d.geometry().size_bytes),
-        d.describe(),
+        cairn_config::described_once(&**d, seen),
         if failed.is_empty() {
             String::new()
         } else {
@@ -521,8 +531,9 @@ fn thin_json(inner: &dyn ThinPoolAdmin) -> serde_json::Value {
 fn status_text_once(view: &View) -> String {
     let all = all_devices(&view.roots());
     let mut out = String::from("ok\n");
+    let mut seen = Vec::new();
     for (depth, d) in &all {
-        out += &device_line(*depth, d);
+        out += &device_line(*depth, d, &mut seen);
     }
     out += &view::exports_text(view);
     // Arrays with metadata (the default) have a status block; nothing is said of the rest.
@@ -824,6 +835,16 @@ fn power_cut(names: &[&str], roots: &[Arc<dyn Device>]) -> Result<String, AdminE
 /// `cairn admin PATH COMMAND...`: sends the command and prints the reply; an error reply
 /// is an `Err`.
 pub fn client(path: &Path, words: &[String]) -> Result<(), String> {
+    // The server reads a command as words split at white space: a word holding some
+    // would be read as two (a name "bad name!" as a name and a granularity, say).
+    if let Some(w) = words
+        .iter()
+        .find(|w| w.is_empty() || w.contains(char::is_whitespace))
+    {
+        return Err(format!(
+            "admin: {w:?} is not one word: names, sizes and paths are given to the server as words without spaces"
+        ));
+    }
     crate::out(&request(path, &words.join(" "))?);
     Ok(())
 }

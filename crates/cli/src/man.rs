@@ -57,6 +57,7 @@ fn render(
         .source(format!("cairn {version}"));
     let mut text = Vec::new();
     man.render(&mut text)?;
+    let mut text = kept_as_written(&text);
     let others: Vec<String> = all
         .iter()
         .filter(|n| n.as_str() != name)
@@ -69,4 +70,44 @@ fn render(
         others.join(", ")
     )?;
     Ok(text)
+}
+
+/// The page with its EXTRA section (the text after the options) as it was laid out: its
+/// indented lines (lists in columns, examples, stack file tables) in no-fill mode, so
+/// that roff keeps them as they are instead of running them together into fragments,
+/// and its prose filled to the page's width.
+fn kept_as_written(page: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(page.len() + 256);
+    let (mut extra, mut kept) = (false, false);
+    for line in page.split_inclusive(|&b| b == b'\n') {
+        if line.starts_with(b".SH") {
+            if kept {
+                out.extend_from_slice(b".fi\n");
+            }
+            extra = line.starts_with(b".SH EXTRA");
+            kept = false;
+            out.extend_from_slice(line);
+            continue;
+        }
+        // Fill requests of the section's own, if clap_mangen wrote any: decided per
+        // line here.
+        if extra && (line == b".nf\n" || line == b".fi\n") {
+            continue;
+        }
+        if extra {
+            let indented = line.starts_with(b" ");
+            if indented && !kept {
+                out.extend_from_slice(b".nf\n");
+                kept = true;
+            } else if !indented && kept {
+                out.extend_from_slice(b".fi\n");
+                kept = false;
+            }
+        }
+        out.extend_from_slice(line);
+    }
+    if kept {
+        out.extend_from_slice(b".fi\n");
+    }
+    out
 }

@@ -329,6 +329,7 @@ pub(crate) fn serve(
     let config = cairn_nbd::Config {
         observer,
         on_abandon: remove_sockets(admin.as_ref(), metrics.as_ref()),
+        on_stop: Some(lift_limits(view.clone())),
         single,
         table,
         ..nbd_config(args, &limits, (tls, tls_config), switches, frontends)
@@ -562,6 +563,7 @@ fn nbd_config(
         idle_poll_ns: limits.idle_poll_ns,
         shutdown_timeout: limits.shutdown_timeout,
         on_abandon: None,
+        on_stop: None,
         single: None,
         table: cairn_nbd::ExportTable::new(),
     }
@@ -631,4 +633,18 @@ fn summary(exports: &[cairn_nbd::Export]) -> String {
         })
         .collect();
     each.join(", ")
+}
+
+/// At the stop, every throttle's limits are taken away: the requests waiting at them go
+/// on at once, so the stop finishes them instead of waiting for its timeout (a limit of a
+/// few bytes a second could hold one for hours).
+fn lift_limits(view: Arc<view::View>) -> Arc<dyn Fn() + Send + Sync> {
+    Arc::new(move || {
+        for (name, t) in crate::throttle::throttles(&view.roots()) {
+            if !t.limits().is_none() {
+                log::info!("cairn: serve: stopping: throttle {name}'s limits lifted, so that the requests waiting at it finish");
+                t.set_limits(cairn_services::throttle::Limits::default());
+            }
+        }
+    })
 }

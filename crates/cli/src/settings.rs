@@ -21,10 +21,12 @@ pub const DEFAULT_RUNTIME_S: u64 = 10;
 
 const ABOUT: &str = "cairn: userspace block storage, served over NBD.
 
-Builds disks from files, block devices, memory and other NBD servers, stacks them
-(linear, stripe, mirror, raid10, write-back caches) as a TOML stack file describes,
-serves them over NBD to qemu, libnbd's tools, fio and the kernel (or to the kernel as a
-file through FUSE), and measures them with a fio-style load generator.";
+Builds disks from files, block devices, memory, Ceph RBD images and other NBD servers,
+stacks them (linear, stripe, mirror, raid10, write-back caches) as a TOML stack file
+describes, adds data services (thin pools with snapshots and clones, checkpoints for
+incremental backup, LUKS encryption, rate limits), serves them over NBD to qemu,
+libnbd's tools, fio and the kernel (or to the kernel as a file through FUSE), and
+measures them with a fio-style load generator.";
 
 const GLOBAL_HELP: &str = "Examples:
   cairn serve                                   a 1 GiB memory disk on nbd://127.0.0.1

@@ -157,6 +157,33 @@ fn every_example_named_exists() {
     assert!(named > 5);
 }
 
+/// Every package scripts/test.sh installs is named where the README says what the test
+/// suite installs.
+#[test]
+fn the_readme_names_every_package_the_test_command_installs() {
+    let script = std::fs::read_to_string(repo().join("scripts/test.sh")).expect("read test.sh");
+    let packages: Vec<&str> = script
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("install_missing "))
+        .flat_map(str::split_whitespace)
+        .collect();
+    assert!(packages.len() >= 10, "{packages:?}");
+    let readme = readme();
+    let at = readme
+        .find("**For the test suite**")
+        .expect("the README's requirements for the test suite");
+    let paragraph = &readme[at..at + readme[at..].find("\n- **").unwrap_or(readme.len() - at)];
+    let words: BTreeSet<&str> = paragraph
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+        .collect();
+    for p in packages {
+        assert!(
+            words.contains(p),
+            "scripts/test.sh installs {p}; the README's list does not name it"
+        );
+    }
+}
+
 /// GitHub's anchor for a heading: lower case, punctuation dropped, spaces as dashes.
 fn anchor(heading: &str) -> String {
     heading
@@ -302,12 +329,20 @@ fn man_pages_cover_every_command_and_render_cleanly() {
                     "man warns about {page}: {}",
                     text(&out.stderr)
                 );
-                // Piped, man emboldens by overstriking: "N\x08N".
-                let plain = text(&out.stdout).replace('\x08', "");
-                assert!(
-                    plain.contains("NNAAMMEE") || plain.contains("NAME"),
-                    "{plain}"
-                );
+                // Piped, man emboldens and underlines by overstriking ("N\x08N",
+                // "_\x08x"): each backspace takes back the character before it.
+                let mut plain = String::new();
+                for c in text(&out.stdout).chars() {
+                    if c == '\x08' {
+                        plain.pop();
+                    } else {
+                        plain.push(c);
+                    }
+                }
+                assert!(plain.contains("NAME"), "{plain}");
+                if page == "cairn-admin.1" {
+                    admin_list_whole(&plain);
+                }
             }
         }
         None => skip(
@@ -326,6 +361,25 @@ fn man_pages_cover_every_command_and_render_cleanly() {
         "{}",
         text(&out.stderr)
     );
+}
+
+/// The admin page shows the list of commands line for line as `cairn admin help` prints
+/// it (laid out in columns; roff must not run its lines together into fragments).
+fn admin_list_whole(page: &str) {
+    let words = |l: &str| l.split_whitespace().collect::<Vec<_>>().join(" ");
+    let shown: BTreeSet<String> = page.lines().map(words).collect();
+    let help = text(&cairn(&["admin", "help"]).stdout);
+    for line in help.lines().skip(1).filter(|l| !l.trim().is_empty()) {
+        // Within 80 columns once the page indents it by 7.
+        assert!(
+            line.len() <= 72,
+            "`cairn admin help` runs past 72 columns: {line:?}"
+        );
+        assert!(
+            shown.contains(&words(line)),
+            "cairn-admin.1 does not show this line of `cairn admin help` whole: {line:?}"
+        );
+    }
 }
 
 /// The units in examples/ pass `systemd-analyze verify`: the documentation they name

@@ -1038,3 +1038,99 @@ fn log_level_chooses_the_events_logged() {
     assert_eq!(run("warn"), "");
     assert_eq!(run("off"), "");
 }
+
+/// A bitmap store that could not be made (its directory is missing) or that is the very
+/// file a device serves is refused by `cairn check` and by `serve` before anything is
+/// created, each with one line that says which key and why.
+#[test]
+fn a_bitmap_store_that_cannot_be_is_refused_before_anything_is_made() {
+    let dir = tempfile::tempdir_in("/dev/shm")
+        .or_else(|_| tempfile::tempdir())
+        .expect("a directory");
+    let data = dir.path().join("d.img");
+    let stack = |bitmaps: &str| {
+        StackFile::new(&format!(
+            "[device.d]\ntype = \"file\"\npath = \"{}\"\nsize = \"64M\"\nbitmaps = \"{bitmaps}\"\n",
+            data.display()
+        ))
+    };
+    let missing = stack("/nonexistent/dir/x.bitmaps");
+    let sock = dir.path().join("nbd.sock");
+    let listen = format!("unix:{}", sock.display());
+    for args in [
+        vec!["check", missing.arg()],
+        vec!["serve", missing.arg(), "--listen", &listen],
+    ] {
+        let line = bad_input(&args);
+        assert!(
+            line.contains("bitmap store /nonexistent/dir/x.bitmaps")
+                && line.contains("/nonexistent/dir"),
+            "{args:?}: {line}"
+        );
+        assert!(!data.exists(), "{args:?} created {}", data.display());
+    }
+    // The data file itself, named again as its store (by another spelling).
+    let same = stack(&format!("{}/./d.img", dir.path().display()));
+    std::fs::write(&data, vec![0u8; 1 << 20]).unwrap();
+    for args in [
+        vec!["check", same.arg()],
+        vec!["serve", same.arg(), "--listen", &listen],
+    ] {
+        let line = bad_input(&args);
+        assert!(
+            line.contains("key 'bitmaps'") && line.contains("is the file device 'd' serves"),
+            "{args:?}: {line}"
+        );
+        assert_eq!(std::fs::metadata(&data).unwrap().len(), 1 << 20, "{args:?}");
+    }
+}
+
+/// Two files on one file system get their engine for one reason: `check` explains it once
+/// and refers the second file to the first.
+#[test]
+fn check_explains_an_engine_once() {
+    let stack = StackFile::new(
+        "[device.a]\ntype = \"file\"\npath = \"a.img\"\n\
+         [device.b]\ntype = \"file\"\npath = \"b.img\"\n\
+         [device.s]\ntype = \"stripe\"\nmembers = [\"a\", \"b\"]\nchunk = \"64K\"\n",
+    );
+    for f in ["a.img", "b.img"] {
+        std::fs::write(stack.dir().join(f), vec![0u8; 4 << 20]).unwrap();
+    }
+    let out = cairn(&["check", stack.arg()]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    let line = |name: &str| {
+        stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{name} (")))
+            .unwrap_or_else(|| panic!("no line for {name}: {stdout}"))
+            .to_string()
+    };
+    let (a, b) = (line("a"), line("b"));
+    let why = a.split("; engine: ").nth(1).expect("a's engine explained");
+    assert!(why.len() > 20, "{a}");
+    assert!(b.ends_with("; engine: as for a"), "{b}");
+}
+
+/// An unknown key's refusal lists `bitmaps` among the keys of a device that takes it (every
+/// device but a thin pool).
+#[test]
+fn an_unknown_key_lists_bitmaps_where_a_device_takes_it() {
+    let mem = StackFile::new("[device.m]\ntype = \"mem\"\nsize = \"1M\"\nbogus = 1\n");
+    let line = bad_input(&["check", mem.arg()]);
+    assert!(
+        line.contains("unknown key 'bogus' for type mem")
+            && line.trim_end().ends_with(", bitmaps)"),
+        "{line}"
+    );
+    let pool = StackFile::new(
+        "[device.m]\ntype = \"mem\"\nsize = \"64M\"\n\
+         [device.p]\ntype = \"thin-pool\"\ndata = \"m\"\nbogus = 1\n",
+    );
+    let line = bad_input(&["check", pool.arg()]);
+    assert!(
+        line.contains("unknown key 'bogus' for type thin-pool") && !line.contains("bitmaps"),
+        "{line}"
+    );
+}

@@ -169,8 +169,12 @@ fn too_deep(device: &str, used_by: &HashMap<&str, &str>) -> Error {
 
 /// Two file devices backed by the same file (the same path after symlinks and relative
 /// parts are resolved, or the same inode or block device under another name) are refused
-/// with an error naming both.
-pub(super) fn check_paths(devices: &BTreeMap<String, DeviceSpec>) -> Result<(), Error> {
+/// with an error naming both; so is a bitmap store (`bitmaps`, by device) in a file a
+/// device serves.
+pub(super) fn check_paths(
+    devices: &BTreeMap<String, DeviceSpec>,
+    bitmaps: &BTreeMap<String, PathBuf>,
+) -> Result<(), Error> {
     let mut by_path: HashMap<PathBuf, (&str, &Path)> = HashMap::new();
     let mut by_identity: HashMap<Identity, (&str, &Path)> = HashMap::new();
     for (name, spec) in devices {
@@ -193,6 +197,20 @@ pub(super) fn check_paths(devices: &BTreeMap<String, DeviceSpec>) -> Result<(), 
             if let Some(other) = by_identity.insert(id, (name, path)) {
                 return Err(twice(other));
             }
+        }
+    }
+    for (name, store) in bitmaps {
+        let resolved = resolve(store);
+        let served = by_path
+            .get(&resolved)
+            .or_else(|| identity(&resolved).and_then(|id| by_identity.get(&id)));
+        if let Some((other, path)) = served {
+            return Err(err(format!(
+                "device '{name}': key 'bitmaps' = \"{}\" is the file device '{other}' serves (key 'path' = \"{}\"); a bitmap store is a file of its own, e.g. \"{}.bitmaps\"",
+                store.display(),
+                path.display(),
+                path.display()
+            )));
         }
     }
     Ok(())

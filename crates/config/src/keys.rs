@@ -124,13 +124,17 @@ impl Keys<'_> {
     fn check_unknown(&self) -> Result<(), Error> {
         for key in self.table.keys() {
             if key != "type" && !self.known.contains(&key.as_str()) {
+                // `bitmaps` is taken out of a device's table before its keys are read
+                // (split_bitmaps): every device but a pool and an export's limits has it.
+                let bitmaps = self.noun == "device" && self.kind != "thin-pool";
                 return Err(err(format!(
-                    "{} '{}': unknown key '{}' for type {} (known: {})",
+                    "{} '{}': unknown key '{}' for type {} (known: {}{})",
                     self.noun,
                     self.device,
                     shown(key),
                     self.kind,
-                    self.known.join(", ")
+                    self.known.join(", "),
+                    if bitmaps { ", bitmaps" } else { "" }
                 )));
             }
         }

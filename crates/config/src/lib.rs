@@ -798,8 +798,9 @@ impl StackFile {
         // extends no file.
         let devices = self.open_many(&names, switches, Start::Dry)?;
         let mut out = String::new();
+        let mut seen = Vec::new();
         for device in devices {
-            out += &tree(&*device);
+            out += &tree_seen(&*device, &mut seen);
         }
         if let Some(w) = self.writeback_summary() {
             out += &w;
@@ -903,7 +904,7 @@ impl StackFile {
         switches: Switches,
         how: Start,
     ) -> Result<Vec<Arc<dyn Device>>, Error> {
-        graph::check_paths(&self.devices)?;
+        graph::check_paths(&self.devices, &self.bitmaps)?;
         let mut opened = HashMap::new();
         // Every cache of the file shares one dirty budget, sized on their memory together.
         let cache_bytes = self.cache_bytes();
@@ -1234,6 +1235,10 @@ fn open_dry(leaf: &cairn_leaves::LeafSpec, name: &str) -> Result<Arc<dyn Device>
         Err(e) => return Err(Error::os(format!("file {shown}: open"), e)),
     };
     let Some(now) = now else {
+        if cairn_leaves::file::under_dev(path) {
+            // Refused by the open itself (no file is made under /dev), before anything.
+            return cairn_leaves::open(leaf, name);
+        }
         creatable(path)?;
         cairn_leaves::file::room_for(path, *want, 0, *sparse)?;
         return Ok(Arc::new(Planned {
@@ -1503,18 +1508,43 @@ fn stacked(
     Ok(Arc::new(StackDevice::new(name, layout, members)?))
 }
 
+/// What `d` describes itself as, with the explanation of a file's engine (a few hundred
+/// characters) given once per tree: a later file whose engine was chosen for the same
+/// reason refers to the first device that gave it. `seen` holds (explanation, device).
+pub fn described_once(d: &dyn Device, seen: &mut Vec<(String, String)>) -> String {
+    const MARK: &str = "; engine: ";
+    let text = d.describe();
+    let Some(at) = text.find(MARK) else {
+        return text;
+    };
+    let why = &text[at + MARK.len()..];
+    match seen.iter().find(|(w, _)| w == why) {
+        Some((_, first)) => format!("{}{MARK}as for {first}", &text[..at]),
+        None => {
+            seen.push((why.to_string(), d.name().to_string()));
+            text
+        }
+    }
+}
+
 /// The device tree below `device`, one line each, indented, with sizes.
 pub fn tree(device: &dyn Device) -> String {
-    fn line(d: &dyn Device, depth: usize, out: &mut String) {
+    tree_seen(device, &mut Vec::new())
+}
+
+/// [`tree`], giving each engine's explanation once over several trees (`seen`, as
+/// [`described_once`] keeps it).
+fn tree_seen(device: &dyn Device, seen: &mut Vec<(String, String)>) -> String {
+    let mut line = |d: &dyn Device, depth: usize, out: &mut String| {
         out.push_str(&format!(
             "{:indent$}{} ({}) {}\n",
             "",
             d.name(),
             cairn_core::size::format_bytes(d.geometry().size_bytes),
-            d.describe(),
+            described_once(d, seen),
             indent = depth * 2
         ));
-    }
+    };
     // Depth first, members in order, without recursion.
     let mut out = String::new();
     line(device, 0, &mut out);

@@ -1293,4 +1293,20 @@ fn a_missing_file_a_directory_or_an_empty_file_is_refused_in_one_line() {
         assert_eq!(e, Some(format!("file {}: {why}", path.display())));
     }
     assert!(!missing.exists(), "nothing made");
+    // A missing name under /dev is a disk that is not there: no hint to create it, and
+    // nothing made there with a size either.
+    let disk = std::path::Path::new("/dev/cairn-no-such-disk");
+    for size in [None, Some((1 << 20, true))] {
+        let e = FileDevice::open("f", disk, Engine::Auto, false, size)
+            .err()
+            .map(|e| e.to_string());
+        assert_eq!(
+            e,
+            Some(format!(
+                "file {}: no such device (a block device under /dev is served as it is, and no file is made there; check its name with lsblk)",
+                disk.display()
+            ))
+        );
+        assert!(!disk.exists(), "{} made", disk.display());
+    }
 }

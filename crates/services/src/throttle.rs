@@ -47,6 +47,13 @@ pub enum ThrottleError {
         /// The limit's key (`iops`, `bps_read`...).
         key: String,
     },
+    /// A byte rate below [`BPS_MIN`]: the largest request a client may send would wait
+    /// for minutes.
+    #[error("{key}: at least 1M a second (1048576 bytes; 0 for none): a 32 MiB request, the largest an NBD client may send, then waits 32 s at most; below it one could hold its client for minutes")]
+    TooLow {
+        /// The limit's key (`bps`, `bps_read`, `bps_write`).
+        key: String,
+    },
     /// A burst longer than [`LENGTH_MAX`] seconds.
     #[error("{key}_max_length: at most {LENGTH_MAX} seconds")]
     BurstTooLong {
@@ -87,6 +94,10 @@ const SECOND: u128 = 1_000_000_000;
 
 /// Largest limit a key may have (per second): IOPS or bytes.
 pub const LIMIT_MAX: u64 = 1 << 50;
+/// Lowest byte rate a limit may set (bytes a second, 1 MiB): a request of the largest
+/// size an NBD client may send (32 MiB) waits half a minute at most.
+pub const BPS_MIN: u64 = 1 << 20;
+
 /// Longest burst, in seconds.
 pub const LENGTH_MAX: u64 = 86_400;
 
@@ -125,6 +136,9 @@ impl Rate {
         }
         if self.max_length != 0 && self.max == 0 {
             return Err(ThrottleError::LengthWithoutBurst { key });
+        }
+        if key.starts_with("bps") && self.avg != 0 && self.avg < BPS_MIN {
+            return Err(ThrottleError::TooLow { key });
         }
         Ok(())
     }
@@ -799,6 +813,19 @@ mod tests {
             }
         );
         assert_eq!(e.to_string(), "bps_max (50) is below bps (100)");
+        // A byte rate that would hold a large request for minutes.
+        for key in ["bps", "bps_read", "bps_write"] {
+            let e = limits(|l| match key {
+                "bps" => l.bps = rate(BPS_MIN - 1, 0, 0),
+                "bps_read" => l.bps_read = rate(1, 0, 0),
+                _ => l.bps_write = rate(4096, 0, 0),
+            })
+            .check()
+            .unwrap_err();
+            assert_eq!(e, ThrottleError::TooLow { key: key.into() });
+        }
+        limits(|l| l.bps = rate(BPS_MIN, 0, 0)).check().unwrap();
+        limits(|l| l.iops = rate(1, 0, 0)).check().unwrap();
         let fine = limits(|l| {
             l.iops_read = rate(100, 200, 5);
             l.bps_write = rate(1 << 20, 0, 0);

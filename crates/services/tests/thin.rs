@@ -200,7 +200,9 @@ fn snapshots_keep_what_was_and_clones_write_apart() {
     now[64 << 10..].copy_from_slice(&c);
     assert_eq!(read(&q, 0, a.len()), now);
     // A clone of the snapshot, written apart from both.
-    snapshot(&p, "s1", "c1", false);
+    // A clone is made of a snapshot, which no one writes: its reply holds nothing.
+    let made = snapshot(&p, "s1", "c1", false);
+    assert_eq!(made, "clone 'c1' of snapshot 's1' made (writable)");
     let (_cd, cq) = volume(&p, "c1", None);
     let e = pattern(40, 8192);
     cq.write(16384, &e, IoFlags::NONE).unwrap();

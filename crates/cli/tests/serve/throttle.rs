@@ -102,11 +102,10 @@ fn a_throttle_delays_what_is_over_its_limit_and_changes_live() {
     assert!(said.contains("now no limits"), "{said}");
 }
 
-/// 64 reads queued behind a throttle of 1 byte a second (each 4 KiB read waits over an
-/// hour for the one before it), 63 of them waiting as `throttle list` shows; then a
-/// live change releases them: raising the limit, or taking the only one away. Every
-/// read completes with its data, which the old limit would have taken three days to
-/// allow (the script has two minutes).
+/// 200 reads queued behind a throttle of 1 request a second, 190 or more of them waiting
+/// as `throttle list` shows; then a live change releases them: raising the limit, or
+/// taking the only one away. Every read completes with its data, which the old limit
+/// would have taken over three minutes to allow (the script has two).
 const HELD: &str = r#"
 import json
 import os
@@ -115,14 +114,14 @@ import time
 import nbd
 h = nbd.NBD()
 h.connect_unix(os.environ["CAIRN_SOCK"])
-cmds = [h.aio_pread(nbd.Buffer(4096), i * 4096) for i in range(64)]
+cmds = [h.aio_pread(nbd.Buffer(4096), i * 4096) for i in range(200)]
 def admin(*words):
     out = subprocess.run([os.environ["CAIRN_BIN"], "admin", os.environ["CAIRN_ADMIN"], *words],
                          check=True, capture_output=True, text=True).stdout
     return out
 while True:
     h.poll(0)
-    if json.loads(admin("throttle", "list", "--json"))[0]["waiting"] == 63:
+    if json.loads(admin("throttle", "list", "--json"))[0]["waiting"] >= 190:
         break
     time.sleep(0.01)
 print(admin("throttle", "set", "t", os.environ["CAIRN_CHANGE"]).strip())
@@ -139,13 +138,13 @@ fn a_changed_limit_releases_the_requests_already_waiting() {
     let Some(python) = python_with_libnbd(NAME) else {
         return;
     };
-    for change in ["bps=100G", "bps=0"] {
+    for change in ["iops=1000000", "iops=0"] {
         let dir = tmpdir();
         let ctl = dir.path().join("admin.sock");
         let stack = write_stack(
             &dir,
             "[device.m]\ntype = \"mem\"\nsize = \"1M\"\n\
-             [device.t]\ntype = \"throttle\"\nbase = \"m\"\nbps = 1\n\
+             [device.t]\ntype = \"throttle\"\nbase = \"m\"\niops = 1\n\
              [export.t]\ndevice = \"t\"\n",
         );
         let srv = Server::start_in(tmpdir(), &[path_str(&stack), "--admin", path_str(&ctl)]);
@@ -160,17 +159,102 @@ fn a_changed_limit_releases_the_requests_already_waiting() {
             ],
             "released",
         );
-        let want = if change == "bps=0" {
+        let want = if change == "iops=0" {
             "now no limits"
         } else {
-            "now bps 100GiB/s"
+            "now iops 1000000/s"
         };
         assert!(out.contains(want), "{change}: {out}");
         let list = super::observe::json(
             "throttle list --json",
             &super::admin::admin(&ctl, &["throttle", "list", "--json"]),
         );
-        assert_eq!(list[0]["requests"], 64, "{list:#}");
+        assert_eq!(list[0]["requests"], 200, "{list:#}");
         assert_eq!(list[0]["waiting"], 0, "{list:#}");
     }
+}
+
+/// 200 reads wait at a throttle of 1 request a second when the server is told to stop:
+/// the stop lifts the limits, the reads finish, and cairn exits 0 (it used to wait them
+/// out until its shutdown timeout and exit 1).
+const QUEUED: &str = r#"
+import json
+import os
+import subprocess
+import time
+import nbd
+h = nbd.NBD()
+h.connect_unix(os.environ["CAIRN_SOCK"])
+cmds = [h.aio_pread(nbd.Buffer(4096), i * 4096) for i in range(200)]
+def waiting():
+    out = subprocess.run([os.environ["CAIRN_BIN"], "admin", os.environ["CAIRN_ADMIN"],
+                          "throttle", "list", "--json"], check=True, capture_output=True, text=True).stdout
+    return json.loads(out)[0]["waiting"]
+while waiting() < 190:
+    h.poll(0)
+    time.sleep(0.01)
+print("queued")
+"#;
+
+/// After QUEUED: the client reads its replies as they come (a server stopping must be
+/// able to send them), then stays until it is killed.
+const DRAIN: &str = r#"
+import sys
+sys.stdout.flush()
+try:
+    while h.aio_in_flight() > 0:
+        h.poll(-1)
+except Exception:
+    pass
+time.sleep(600)
+"#;
+
+#[test]
+fn a_stop_lifts_the_limits_for_the_requests_waiting() {
+    const NAME: &str = "throttle::a_stop_lifts_the_limits_for_the_requests_waiting";
+    let Some(python) = python_with_libnbd(NAME) else {
+        return;
+    };
+    let dir = tmpdir();
+    let ctl = dir.path().join("admin.sock");
+    let stack = write_stack(
+        &dir,
+        "[device.m]\ntype = \"mem\"\nsize = \"1M\"\n\
+         [device.t]\ntype = \"throttle\"\nbase = \"m\"\niops = 1\n\
+         [export.t]\ndevice = \"t\"\n",
+    );
+    let mut srv = Server::start_in(
+        tmpdir(),
+        &[
+            path_str(&stack),
+            "--admin",
+            path_str(&ctl),
+            "--shutdown-timeout",
+            "60s",
+        ],
+    );
+    // The client stays connected (its reads queued) while the server stops.
+    let mut client = Command::new(&python)
+        .args(["-c", &format!("{QUEUED}{DRAIN}")])
+        .env("CAIRN_SOCK", &srv.sock)
+        .env("CAIRN_BIN", env!("CARGO_BIN_EXE_cairn"))
+        .env("CAIRN_ADMIN", &ctl)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the client");
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(client.stdout.take().expect("stdout")),
+        &mut line,
+    )
+    .expect("read the client");
+    assert_eq!(line.trim(), "queued");
+    let (status, log) = srv.stop();
+    let _ = client.kill();
+    let _ = client.wait();
+    assert!(
+        status.success(),
+        "cairn serve exited {status:?} with reads waiting at its throttle:\n{log}"
+    );
+    assert!(log.contains("limits lifted"), "{log}");
 }

@@ -357,6 +357,15 @@ impl Sink for FlushBatchQueue {
     }
 }
 
+/// Whether `path` names a device node's place: under /dev, but not in its RAM file
+/// systems (/dev/shm and the like), where image files are fine.
+pub fn under_dev(path: &Path) -> bool {
+    path.starts_with("/dev")
+        && !["/dev/shm", "/dev/hugepages", "/dev/mqueue"]
+            .iter()
+            .any(|d| path.starts_with(d))
+}
+
 /// Whether `path` is a block device; refuses it if it is missing and not to be created
 /// (`sized`), or neither a regular file nor a block device.
 fn check_path(path: &Path, sized: bool) -> Result<bool, Error> {
@@ -365,6 +374,13 @@ fn check_path(path: &Path, sized: bool) -> Result<bool, Error> {
     let block_device = existing
         .as_ref()
         .is_some_and(|m| m.file_type().is_block_device());
+    // Under /dev a missing name is a disk that is not there, not an image to make (with
+    // size= or without).
+    if existing.is_none() && under_dev(path) {
+        return Err(Error::Invalid(format!(
+            "file {shown}: no such device (a block device under /dev is served as it is, and no file is made there; check its name with lsblk)"
+        )));
+    }
     if existing.is_none() && !sized {
         return Err(Error::Invalid(format!(
             "file {shown}: no such file (add size=SIZE to create it)"

@@ -91,6 +91,10 @@ pub struct Config {
     pub shutdown_timeout: Duration,
     /// Run just before such an exit (e.g. to remove other socket files).
     pub on_abandon: Option<Arc<dyn Fn() + Send + Sync>>,
+    /// Run when the shutdown begins, before requests in flight are waited for (e.g. to
+    /// lift rate limits, so that requests waiting at them finish instead of holding the
+    /// stop until its timeout).
+    pub on_stop: Option<Arc<dyn Fn() + Send + Sync>>,
     /// Where connections and error replies are recorded for operators.
     pub observer: Arc<crate::Observer>,
     /// Other frontends served on the same reactors (FUSE mounts); with one, listening
@@ -147,6 +151,9 @@ fn signal_fd() -> Result<SignalFd, Error> {
 /// reference it held would be closed here, or not at all when the process exits first:
 /// an array would miss its clean superblock).
 fn watchdog(config: &Config, exports: &[Arc<Listed>]) -> Closing {
+    if let Some(f) = &config.on_stop {
+        f();
+    }
     let devices: Vec<std::sync::Weak<dyn cairn_core::Device>> = exports
         .iter()
         .map(|e| Arc::downgrade(&e.export.device))

@@ -229,9 +229,23 @@ fn open_file(
     dry: bool,
 ) -> Result<Option<File>, Error> {
     if dry {
+        // What the real open would meet is refused here already: a store it could not
+        // make (no such directory, or one it may not write), a file it could not write,
+        // or one another device or cairn holds.
         return match File::open(path) {
-            Ok(f) => Ok(Some(f)),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Ok(f) => {
+                writable(path, path)?;
+                cairn_core::ondisk::lock_exclusive(&f, path)?;
+                Ok(Some(f))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let dir = match path.parent() {
+                    Some(d) if !d.as_os_str().is_empty() => d,
+                    _ => Path::new("."),
+                };
+                writable(path, dir)?;
+                Ok(None)
+            }
             Err(e) => Err(os(path, "open", e)),
         };
     }
@@ -251,6 +265,27 @@ fn open_file(
     };
     cairn_core::ondisk::lock_exclusive(&f, path)?;
     Ok(Some(f))
+}
+
+/// The store at `path` could be written at `what` (the file, or the directory it would
+/// be made in).
+fn writable(path: &Path, what: &Path) -> Result<(), Error> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(what.as_os_str().as_bytes())
+        .map_err(|_| Error::Invalid(format!("bitmap store {}: a NUL byte", path.display())))?;
+    let access = if what == path {
+        rustix::fs::Access::WRITE_OK
+    } else {
+        rustix::fs::Access::WRITE_OK | rustix::fs::Access::EXEC_OK
+    };
+    rustix::fs::access(c.as_c_str(), access).map_err(|e| {
+        let how = if what == path {
+            "open for writing".to_string()
+        } else {
+            format!("cannot be made in {}", what.display())
+        };
+        os(path, &how, e.into())
+    })
 }
 
 /// Makes a new, empty store at `path`: written whole and synced under a temporary name

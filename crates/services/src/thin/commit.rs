@@ -397,11 +397,15 @@ impl Committer {
                 }
                 self.check_copy(&source, &name)?;
                 let held = self.snapshot(&source, &name, read_only, None)?;
-                let kind = if read_only { "snapshot" } else { "clone" };
-                Ok(format!(
-                    "{kind} '{name}' of '{src}' taken (writes to '{src}' held for {} us)",
-                    held.as_micros()
-                ))
+                // A clone is made of a snapshot, which no one writes: nothing was held.
+                Ok(if read_only {
+                    format!(
+                        "snapshot '{name}' of '{src}' taken (writes to '{src}' held for {} us)",
+                        held.as_micros()
+                    )
+                } else {
+                    format!("clone '{name}' of snapshot '{src}' made (writable)")
+                })
             }
             Admin::Checkpoint {
                 src,
