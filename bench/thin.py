@@ -31,7 +31,9 @@ Parts (--parts, default all):
             (starting `cairn admin` included; the median of 5 `thin list` commands
             before the load shows what that start costs) and the time writes were held
             that its reply gives ("writes to 'vm' held for N us"; builds that print
-            "writes held for N us, M us in all" fill the "in all" column too). The
+            "writes held for N us, M us in all" fill the "in all" column too, and
+            those that say what the hold went on, the writes in flight, the table copy
+            and the commit, a note with each). The
             first write to a block after a snapshot copies it (copy on write): reported
             as the IOPS in the second after each snapshot (from the admin command's
             return) against the run's median second, the lowest 100 ms after a
@@ -873,9 +875,15 @@ def snapshot_run(a, block):
                 break
             # "(writes held for N us, M us in all)", or "(writes to 'vm' held for N us)".
             m = re.search(r"held for (\d+) us(?:, (\d+) us in all)?", text)
+            # Builds that say what the hold went on: "held for N us: D us for the writes
+            # in flight, C us to copy the table, M us to commit".
+            parts = re.search(r"held for \d+ us: (\d+) us for the writes in flight, "
+                              r"(\d+) us to copy the table, (\d+) us to commit", text)
             snaps.append({"name": f"s{i}", "at": at, "end": at + wall, "wall_s": wall,
                           "held_us": int(m[1]) if m else None,
-                          "all_us": int(m[2]) if m and m[2] else None, "out": text.strip()})
+                          "all_us": int(m[2]) if m and m[2] else None,
+                          "parts_us": [int(x) for x in parts.groups()] if parts else None,
+                          "out": text.strip()})
             alive.append(f"s{i}")
             if rec["keep"] and len(alive) > rec["keep"]:
                 old = alive.pop(0)
@@ -929,6 +937,9 @@ def snap_summary(rec):
          "wall_ms": [x["wall_s"] * 1e3 for x in snaps],
          "held_ms": [x["held_us"] / 1e3 for x in snaps if x["held_us"] is not None],
          "all_ms": [x["all_us"] / 1e3 for x in snaps if x["all_us"] is not None],
+         "drain_ms": [x["parts_us"][0] / 1e3 for x in snaps if x.get("parts_us")],
+         "copy_ms": [x["parts_us"][1] / 1e3 for x in snaps if x.get("parts_us")],
+         "commit_ms": [x["parts_us"][2] / 1e3 for x in snaps if x.get("parts_us")],
          "delete_ms": [x["wall_s"] * 1e3 for x in rec["deletes"] if "wall_s" in x],
          "admin_floor_ms": rec.get("admin_floor_ms"),
          "keep": rec.get("keep"), "iops": rec.get("iops"), "median_second": ms,
@@ -977,6 +988,11 @@ def snap_tables(a, res, blocks, timeline_table=True):
                      f"{mm(pooled(rs, 'all_ms'))} | < 10 ms | {met} | "
                      + (f"{len(dels)}, {mm(dels)} ms (at most {min(keep)} kept)" if keep else "none")
                      + " |")
+        drain = pooled(rs, "drain_ms")
+        if drain:
+            notes.append(f"- {b}: writes held (median / max ms) for the writes in flight {mm(drain)}, "
+                         f"to copy the table {mm(pooled(rs, 'copy_ms'))}, to commit "
+                         f"{mm(pooled(rs, 'commit_ms'))}")
         per = [r["after_ratio"] for r in ok if r["after_ratio"] is not None]
         rss_f, rss_a = med(rs, "rss_filled_kib"), med(rs, "rss_after_kib")
         used = med(rs, "used_after")

@@ -417,8 +417,7 @@ impl Committer {
         let held = self.snapshot(&source, name, true, Some((id, shift)))?;
         let before = self.state.marks_of(source.id).count() - 1;
         Ok(format!(
-            "checkpoint '{name}' of '{src}' taken (writes to '{src}' held for {} us); the changes since it are counted from the pool's mappings{}",
-            held.as_micros(),
+            "checkpoint '{name}' of '{src}' taken (writes to '{src}' held for {held}); the changes since it are counted from the pool's mappings{}",
             if before > 0 {
                 format!(
                     ", and an export of snapshot '{name}' offers the changes up to it since {}",

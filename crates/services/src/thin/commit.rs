@@ -23,6 +23,29 @@ use super::superblock::{self as sbk, PoolSuperblock};
 use super::table::{Table, LEAF_ENTRIES};
 use super::zeroing::{Batch, Zeroed, Zeroing};
 
+/// How long a snapshot held its source's writes, and what for (its reply says).
+pub(super) struct HeldFor {
+    all: Duration,
+    /// Waiting for the writes in flight that change the table (see [`Inner::hold_writes`]).
+    drain: Duration,
+    /// Capturing and copying the table.
+    copy: Duration,
+}
+
+impl std::fmt::Display for HeldFor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let commit = self.all.saturating_sub(self.drain + self.copy);
+        write!(
+            f,
+            "{} us: {} us for the writes in flight, {} us to copy the table, {} us to commit",
+            self.all.as_micros(),
+            self.drain.as_micros(),
+            self.copy.as_micros(),
+            commit.as_micros()
+        )
+    }
+}
+
 /// The commit thread's own state: the committed pool state and where the metadata is.
 pub(super) struct Committer {
     pub(super) inner: Arc<Inner>,
@@ -400,8 +423,7 @@ impl Committer {
                 // A clone is made of a snapshot, which no one writes: nothing was held.
                 Ok(if read_only {
                     format!(
-                        "snapshot '{name}' of '{src}' taken (writes to '{src}' held for {} us)",
-                        held.as_micros()
+                        "snapshot '{name}' of '{src}' taken (writes to '{src}' held for {held})"
                     )
                 } else {
                     format!("clone '{name}' of snapshot '{src}' made (writable)")
@@ -452,8 +474,7 @@ impl Committer {
                 if blocks > v.table.blocks() {
                     // Past the table's room: a larger directory, made while the
                     // volume's writes are held (no leaf is made, no entry marked).
-                    v.frozen.store(true, SeqCst);
-                    self.inner.grace();
+                    self.inner.hold_writes(&v);
                     v.table.grow(table_blocks(blocks));
                     v.frozen.store(false, SeqCst);
                 }
@@ -542,24 +563,27 @@ impl Committer {
     }
 
     /// A snapshot or clone of `source` named `name`: writes to the source wait while
-    /// its table is copied (see [`Inner::grace`]); returns how long they waited.
+    /// its table is copied (see [`Inner::hold_writes`]); returns how long they waited.
     pub(super) fn snapshot(
         &mut self,
         source: &Arc<Volume>,
         name: &str,
         read_only: bool,
         mark: Option<(u32, u8)>,
-    ) -> Result<Duration, ThinError> {
+    ) -> Result<HeldFor, ThinError> {
         // What changed so far is committed first, while writes go on: the commit made
         // while they wait then holds only the last few changes and the snapshot's record.
         self.commit(Vec::new())?;
         let id = self.next_volume();
         let size = source.size.load(SeqCst);
         let began = Instant::now();
-        source.frozen.store(true, SeqCst);
-        self.inner.grace();
-        // Every write to the source acknowledged so far is in its table, and none is in
-        // flight: capture it, copy it, and let writes go on (they copy on write now).
+        self.inner.hold_writes(source);
+        let drained = began.elapsed();
+        // Every write to the source acknowledged so far is in its table, and none that
+        // changes it (or writes into a block it maps) is in flight; copies on write may
+        // be, but their entries keep the block they copy until writes go on again, and
+        // then they swap (after the snapshot, as a write that started after it would):
+        // capture the table, copy it, and let writes go on (they copy on write now).
         let mut records = Vec::new();
         self.capture(&mut records);
         let copy = self.add_volume(id, name, size, read_only);
@@ -588,12 +612,17 @@ impl Committer {
         // Writes wait until the reply is on its way (see `run`): none acknowledged
         // before it is missing from the snapshot.
         self.thaw = Some(source.clone());
+        let copied = began.elapsed();
         let committed = self.commit(records);
         if let Err(e) = committed {
             lock(&self.inner.volumes).remove(&id);
             return Err(e);
         }
-        Ok(began.elapsed())
+        Ok(HeldFor {
+            all: began.elapsed(),
+            drain: drained,
+            copy: copied - drained,
+        })
     }
 
     /// After a delete: entries whose block no other volume maps any more are owned again,

@@ -75,22 +75,46 @@ pub(crate) struct Volume {
     pub size: AtomicU64,
     /// Virtual block -> entry.
     pub table: Table,
-    /// A snapshot of it is being taken: writes wait (see [`ThinPool::grace`]).
+    /// A snapshot of it is being taken: writes wait (see [`Inner::hold_writes`]).
     pub frozen: AtomicBool,
     /// Thin devices open on it (a delete is refused while any is).
     pub users: AtomicU32,
     /// Blocks it maps, as of the last commit.
     pub mapped: AtomicU64,
     /// The log of its changes (dirty bitmaps), marked by every queue of every device on
-    /// it inside the pool's gate (so a checkpoint's snapshot and the marks agree on
-    /// which writes came before it).
+    /// it inside the pool's gate, before any of a write's data can land.
     pub changes: std::sync::OnceLock<Arc<dyn ChangeLog>>,
 }
 
-/// A queue's requests in flight, by the parity of the pool's epoch they started under.
-#[derive(Default)]
+/// A queue's requests in flight, in four slots: by the parity of the pool's epoch they
+/// started under, and by whether they may change what a snapshot of the volume copies
+/// ([`Gate::slot`]). A freed block waits for every slot of its parity ([`Inner::grace`]);
+/// a snapshot waits only for the changing slots of its volume's queues
+/// ([`Inner::hold_writes`]).
 pub(crate) struct Gate {
-    pub(super) n: [AtomicU64; 2],
+    /// The volume its queue serves.
+    pub(super) vol: u32,
+    pub(super) n: [AtomicU64; 4],
+}
+
+impl Gate {
+    /// The gate of a queue on volume `vol`, counting nothing yet.
+    pub(super) fn new(vol: u32) -> Gate {
+        Gate {
+            vol,
+            n: Default::default(),
+        }
+    }
+
+    /// The slot of a request under epoch `parity`: a changing one (a write in place, an
+    /// entry changed, data written into a block the entry maps) or not (a read, or a
+    /// copy on write between its decision and its swap: it reads a block that stays
+    /// shared and writes one no one else maps).
+    #[inline]
+    pub(super) fn slot(changing: bool, parity: usize) -> usize {
+        debug_assert!(parity < 2, "parity {parity}");
+        (usize::from(changing) << 1) | parity
+    }
 }
 
 /// How far the commit thread got: captures of the tables begun, and how many of them a
@@ -394,17 +418,18 @@ impl Inner {
         lock(&self.free).unmapped.push(block);
     }
 
-    /// Counts a request of a queue in flight: returns the parity to leave with.
+    /// Counts a request of a queue in flight, in a changing slot or not (see
+    /// [`Gate::slot`]): returns the slot to leave.
     #[inline]
-    pub(super) fn enter(&self, gate: &Gate) -> usize {
+    pub(super) fn enter(&self, gate: &Gate, changing: bool) -> usize {
         loop {
             let e = self.epoch.load(SeqCst);
-            let p = (e & 1) as usize;
-            gate.n[p].fetch_add(1, SeqCst);
+            let slot = Gate::slot(changing, (e & 1) as usize);
+            gate.n[slot].fetch_add(1, SeqCst);
             if self.epoch.load(SeqCst) == e {
-                return p;
+                return slot;
             }
-            gate.n[p].fetch_sub(1, SeqCst);
+            gate.n[slot].fetch_sub(1, SeqCst);
         }
     }
 
@@ -420,19 +445,41 @@ impl Inner {
         gates.push(Arc::downgrade(g));
     }
 
-    /// Waits until no request that started before this call is in flight (control
-    /// threads only): after it, no request can still use a mapping changed before it.
+    /// Waits until no request that started before this call is in flight (the commit
+    /// thread only, never while a volume's writes are held: a copy on write waits for
+    /// them to swap its entry): after it, no request can still use a mapping changed
+    /// before it.
     pub(super) fn grace(&self) {
         let old = self.epoch.fetch_add(1, SeqCst);
         let parity = (old & 1) as usize;
+        let (changing, reading) = (Gate::slot(true, parity), Gate::slot(false, parity));
+        // The changing slot first: a copy on write moves from it to the other slot of
+        // the same parity (counted there before it leaves), never back alone.
+        self.wait_for(|g| g.n[changing].load(SeqCst) != 0 || g.n[reading].load(SeqCst) != 0);
+    }
+
+    /// Holds new writes to `v` and waits until none that changes what a snapshot of it
+    /// copies is in flight (the commit thread only): its table is then still until
+    /// `v.frozen` is cleared. Copies on write in flight go on, and only their swaps
+    /// wait for that (see [`Gate::slot`]).
+    pub(super) fn hold_writes(&self, v: &Volume) {
+        v.frozen.store(true, SeqCst);
+        // No flip of the epoch: frozen keeps new writes out of the changing slots (a
+        // write enters its slot, then looks at it), so they only drain. Reads go on.
+        let changing = [Gate::slot(true, 0), Gate::slot(true, 1)];
+        self.wait_for(|g| g.vol == v.id && changing.iter().any(|&s| g.n[s].load(SeqCst) != 0));
+    }
+
+    /// Waits until no queue's gate is `busy`.
+    fn wait_for(&self, busy: impl Fn(&Gate) -> bool) {
         let began = Instant::now();
         let mut told = false;
         loop {
-            let busy = lock(&self.gates)
+            let any = lock(&self.gates)
                 .iter()
                 .filter_map(Weak::upgrade)
-                .any(|g| g.n[parity].load(SeqCst) != 0);
-            if !busy {
+                .any(|g| busy(&g));
+            if !any {
                 return;
             }
             if !told && began.elapsed() > Duration::from_secs(5) {

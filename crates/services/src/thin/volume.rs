@@ -16,7 +16,9 @@
 //! at all ([`ThinQueue::start_lone`]). Flushes wait for the pool's next commit, and so do
 //! FUA writes unless every block they write is owned and its mapping durable: those go
 //! down with FUA. Every request except a flush is counted in the pool's gate while it
-//! runs (see [`Inner::grace`]).
+//! runs (see [`Inner::grace`]): a write as changing what a snapshot copies, except while
+//! only its copies on write are left (see [`Gate::slot`]). While a snapshot holds the
+//! volume's writes, a copy on write goes on, and waits only to swap its entry.
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
@@ -203,7 +205,7 @@ impl Device for ThinDevice {
         let data = cairn_core::handoff::open_member(core, &inner.data)?;
         let wake = cairn_core::event::eventfd("thin")?;
         let (tx, rx) = mpsc::channel();
-        let gate = Arc::new(Gate::default());
+        let gate = Arc::new(Gate::new(self.vol.id));
         inner.add_gate(&gate);
         let data_caps = inner.data.geometry().caps;
         let q = Rc::new(ThinQueue {
@@ -225,6 +227,7 @@ impl Device for ThinDevice {
             free_bufs: RefCell::new(Vec::with_capacity(COW_BUFFERS)),
             waiting_buf: RefCell::new(VecDeque::new()),
             parked: RefCell::new(VecDeque::new()),
+            held: RefCell::new(Vec::new()),
             timer: Cell::new(false),
             waits: Cell::new(0),
             reply_tx: tx,
@@ -293,8 +296,13 @@ struct Parent {
     start: u64,
     /// Pieces in flight.
     pending: u32,
+    /// Of those, copies on write (each from its decision to its swap, waiting for a
+    /// buffer or for held writes included); at `u16::MAX` no longer counted (then the
+    /// parent stays in its changing slot to the end: a snapshot waits for it).
+    copies: u16,
     status: IoStatus,
-    /// Counted in the gate: 0 no, else 1 + parity.
+    /// How it is counted in the gate: [`PARITY`], [`CHANGING`], [`READING`] (neither:
+    /// not counted).
     gate: u8,
     /// Blocks of the stash promised to its pieces and not taken yet.
     blocks: u32,
@@ -304,6 +312,21 @@ struct Parent {
     commit: bool,
 }
 
+/// [`Parent::gate`]: the parity of the epoch it entered the gate under.
+const PARITY: u8 = 1;
+/// [`Parent::gate`]: counted in the changing slot of its parity (see [`Gate::slot`]):
+/// from its start while it writes, or while something it does in place is in flight.
+const CHANGING: u8 = 2;
+/// [`Parent::gate`]: counted in the other slot of its parity: a read, or a write with
+/// only copies on write left.
+const READING: u8 = 4;
+
+/// [`Parent::gate`] of a request that entered the gate in `slot`.
+fn counted(slot: usize) -> u8 {
+    let changing = slot & 2 != 0;
+    (slot & 1) as u8 | if changing { CHANGING } else { READING }
+}
+
 /// A request sent down whole, as it is, to where its one block is (see
 /// [`ThinQueue::start_lone`]): only what its completion needs.
 #[derive(Clone, Copy)]
@@ -311,7 +334,7 @@ struct Parent {
 struct Lone {
     io: Io,
     start: u64,
-    /// The parity it is counted under in the gate.
+    /// The slot it is counted in in the gate (see [`Gate::slot`]).
     parity: u8,
 }
 
@@ -338,6 +361,16 @@ enum Placed {
     Done,
     /// Its entry changed under it (another request won the swap): decide it again.
     Again,
+}
+
+/// Something a parent counted for copies only does once writes to the volume go on (a
+/// snapshot of it is being taken): see [`ThinQueue::changing`].
+#[derive(Clone, Copy)]
+enum Held {
+    /// A copy on write's swap of `old` for `new` (written) in the piece's entry.
+    Swap { piece: Piece, old: u32, new: u32 },
+    /// A piece that waited for a copy-on-write buffer runs again.
+    Rerun(Piece),
 }
 
 /// What a request sent to the data device is for.
@@ -389,6 +422,9 @@ struct ThinQueue {
     waiting_buf: RefCell<VecDeque<Piece>>,
     /// Requests waiting (a snapshot holds writes, or freed space is on its way).
     parked: RefCell<VecDeque<(Io, u64)>>,
+    /// What copies on write wait to do while a snapshot holds writes (at most one per
+    /// piece in flight).
+    held: RefCell<Vec<Held>>,
     timer: Cell<bool>,
     /// Flushes and FUA writes waiting for a commit.
     waits: Cell<u64>,
@@ -421,6 +457,11 @@ impl ThinQueue {
 
     fn park(&self, io: Io, start: u64) {
         self.parked.borrow_mut().push_back((io, start));
+        self.arm_timer();
+    }
+
+    /// The retry timer fires in [`RETRY_NS`] (if it is not armed already).
+    fn arm_timer(&self) {
         if !self.timer.replace(true) {
             self.core
                 .add_timer(self.core.now_ns() + RETRY_NS, self.sink.get(), RETRY);
@@ -483,18 +524,18 @@ impl ThinQueue {
                 .complete(io.sink, io.token, IoStatus::errno(libc::EROFS));
             return;
         }
-        let parity = self.inner.enter(&self.gate);
-        if self.start_lone(&io, start, parity) {
+        let slot = self.inner.enter(&self.gate, io.op.is_write());
+        if self.start_lone(&io, start, slot) {
             return;
         }
         let mut need = 0;
         if io.op.is_write() {
             if self.vol.frozen.load(SeqCst) {
-                self.inner.leave(&self.gate, parity);
+                self.inner.leave(&self.gate, slot);
                 self.park(io, start);
                 return;
             }
-            if !self.mark_changes(&io, start, parity) {
+            if !self.mark_changes(&io, start, slot) {
                 return;
             }
             // Blocks for every piece that may need one, before anything is changed: a
@@ -506,12 +547,12 @@ impl ThinQueue {
                 match take {
                     Take::Got => {}
                     Take::Wait => {
-                        self.inner.leave(&self.gate, parity);
+                        self.inner.leave(&self.gate, slot);
                         self.park(io, start);
                         return;
                     }
                     Take::Full => {
-                        self.inner.leave(&self.gate, parity);
+                        self.inner.leave(&self.gate, slot);
                         let errno = if failed { libc::EIO } else { libc::ENOSPC };
                         self.finish(&io, start, IoStatus::errno(errno));
                         self.core
@@ -526,7 +567,8 @@ impl ThinQueue {
             start,
             pending: 1, // held until every piece is started
             status: IoStatus::OK,
-            gate: 1 + parity as u8,
+            gate: counted(slot),
+            copies: 0,
             blocks: need as u32,
             commit: io.flags.contains(IoFlags::FUA) && !self.data_caps.fua,
         });
@@ -538,10 +580,10 @@ impl ThinQueue {
     /// (a read) or owned by this volume alone (a write: no copy, no new mapping) goes
     /// down as it is, with no parent and no pieces; its completion only leaves the gate
     /// (which it stays in until then, as every request does: a freed block is not reused
-    /// while a request that looked it up is in flight). Whether it was taken; `parity`
+    /// while a request that looked it up is in flight). Whether it was taken; `slot`
     /// is what `io` entered the gate under, left here if it failed.
     #[inline]
-    fn start_lone(&self, io: &Io, start: u64, parity: usize) -> bool {
+    fn start_lone(&self, io: &Io, start: u64, slot: usize) -> bool {
         let shift = self.shift();
         let vb = io.offset >> shift;
         if io.len == 0 || (io.end() - 1) >> shift != vb {
@@ -559,7 +601,7 @@ impl ThinQueue {
                 // A snapshot is being taken: the slow path parks it.
                 return false;
             }
-            if !self.mark_changes(io, start, parity) {
+            if !self.mark_changes(io, start, slot) {
                 // Failed, and answered.
                 return true;
             }
@@ -567,7 +609,7 @@ impl ThinQueue {
         let index = self.lone.borrow_mut().insert(Lone {
             io: *io,
             start,
-            parity: parity as u8,
+            parity: slot as u8,
         });
         let off = io.offset & ((1u64 << shift) - 1);
         self.data.submit(Io {
@@ -594,18 +636,18 @@ impl ThinQueue {
     }
 
     /// Marks write `io` in the volume's change log, if it keeps one; on failure the
-    /// write fails (it leaves the gate, entered under `parity`) and this says false.
+    /// write fails (it leaves the gate, entered under `slot`) and this says false.
     #[inline]
-    fn mark_changes(&self, io: &Io, start: u64, parity: usize) -> bool {
-        // Inside the gate: a checkpoint's snapshot waits for this write, so the bitmaps
-        // it set are the ones the snapshot's bitmap came from.
+    fn mark_changes(&self, io: &Io, start: u64, slot: usize) -> bool {
+        // Inside the gate, before anything is written: the log holds a write before any
+        // of its data can land.
         let Some(changes) = &self.changes else {
             return true;
         };
         let Err(e) = changes.mark(io.offset, io.len) else {
             return true;
         };
-        self.inner.leave(&self.gate, parity);
+        self.inner.leave(&self.gate, slot);
         log::error!("cairn: {}: {e}: the write fails", self.vol.name);
         self.finish(io, start, IoStatus::errno(libc::EIO));
         self.core
@@ -897,6 +939,7 @@ impl ThinQueue {
     /// it, then swaps the entry.
     fn cow(&self, piece: Piece, io: &Io, old: u32, new: u32, whole: bool) {
         let to = self.phys((new + 1) | OWNED);
+        self.copy_begins(piece.parent);
         if whole {
             // SAFETY: the piece lies inside the parent's buffer.
             let buf = unsafe { io.buf.add(piece.at as usize) };
@@ -915,7 +958,7 @@ impl ThinQueue {
             return;
         }
         let Some((index, ptr)) = self.take_buf() else {
-            // Held by the parent until a buffer comes back.
+            // Held by the parent until a buffer comes back (the copy counted above).
             self.parents.borrow_mut().get_mut(piece.parent).pending += 1;
             self.push_block(piece.parent, new);
             self.waiting_buf.borrow_mut().push_back(piece);
@@ -964,10 +1007,82 @@ impl ThinQueue {
             let Some(piece) = self.waiting_buf.borrow_mut().pop_front() else {
                 break;
             };
-            self.rerun(piece);
-            // The hold taken when it began to wait.
-            self.piece_done(piece.parent, IoStatus::OK, true);
+            self.rerun_waiting(piece);
         }
+    }
+
+    /// A piece that waited for a buffer runs again (it may write in place now), unless
+    /// a snapshot holds writes: then it runs once they go on.
+    fn rerun_waiting(&self, piece: Piece) {
+        if !self.changing(piece.parent) {
+            self.hold(Held::Rerun(piece));
+            return;
+        }
+        self.rerun(piece);
+        // The hold (and copy) counted when it began to wait.
+        self.copy_done(piece.parent, IoStatus::OK);
+    }
+
+    /// A copy on write's block `new` is written: its entry swaps from `old` to it,
+    /// unless a snapshot holds writes: then it swaps once they go on.
+    fn swap_when_free(&self, piece: Piece, old: u32, new: u32) {
+        if !self.changing(piece.parent) {
+            self.hold(Held::Swap { piece, old, new });
+            return;
+        }
+        self.cow_swap(piece, old, new);
+        self.copy_done(piece.parent, IoStatus::OK);
+    }
+
+    /// Whether parent `p` may change the volume's table or write in place now: it is
+    /// counted in its changing slot already (a snapshot waits for it), or enters it and
+    /// finds no snapshot holding writes (then it stays until only copies are left: see
+    /// [`ThinQueue::piece_done`]). Else it may not until writes go on.
+    fn changing(&self, p: u32) -> bool {
+        let mut parents = self.parents.borrow_mut();
+        let par = parents.get_mut(p);
+        if par.gate & CHANGING != 0 {
+            return true;
+        }
+        debug_assert!(par.gate & READING != 0, "a parent outside the gate changes");
+        // Its own parity: the parent is counted in the other slot of it, so no grace
+        // period can end and begin the next epoch while it is in flight.
+        let slot = Gate::slot(true, usize::from(par.gate & PARITY));
+        self.gate.n[slot].fetch_add(1, SeqCst);
+        // Entered, then looked: a snapshot that set frozen after this saw the count.
+        if self.vol.frozen.load(SeqCst) {
+            self.inner.leave(&self.gate, slot);
+            return false;
+        }
+        par.gate |= CHANGING;
+        true
+    }
+
+    /// Waits with `h` until writes go on (the retry timer looks again).
+    fn hold(&self, h: Held) {
+        self.held.borrow_mut().push(h);
+        self.arm_timer();
+    }
+
+    /// A copy on write of parent `p` begins (it ends with [`ThinQueue::copy_done`]).
+    fn copy_begins(&self, p: u32) {
+        let mut parents = self.parents.borrow_mut();
+        let par = parents.get_mut(p);
+        // Saturated: no longer counted, and never taken for copies only.
+        par.copies = par.copies.saturating_add(1);
+    }
+
+    /// A copy on write of parent `p` ended with `status` (its piece is done).
+    fn copy_done(&self, p: u32, status: IoStatus) {
+        {
+            let mut parents = self.parents.borrow_mut();
+            let par = parents.get_mut(p);
+            debug_assert!(par.copies > 0, "a copy ended that never began");
+            if par.copies != u16::MAX {
+                par.copies -= 1;
+            }
+        }
+        self.piece_done(p, status, true);
     }
 
     /// Runs a piece again (its entry changed under it, or it waited for a buffer).
@@ -989,15 +1104,16 @@ impl ThinQueue {
         }
         par.pending -= 1;
         if par.pending > 0 {
+            if par.copies != 0 && par.pending == u32::from(par.copies) && par.gate & CHANGING != 0 {
+                self.copies_only(par);
+            }
             return;
         }
         let par = parents.remove(p);
         drop(parents);
         // Promises its pieces did not need (they found the block owned when they ran).
         self.reserved.set(self.reserved.get() - par.blocks as usize);
-        if par.gate != 0 {
-            self.inner.leave(&self.gate, usize::from(par.gate - 1));
-        }
+        self.leave_gate(par.gate);
         if par.status.is_ok() && par.commit {
             // Durable with its mapping at the next commit.
             self.wait_commit(par.io, par.start);
@@ -1011,6 +1127,35 @@ impl ThinQueue {
         }
     }
 
+    /// Parent `par` has only copies on write in flight: it leaves its changing slot (a
+    /// snapshot need not wait for it), counted in the other slot of its parity before.
+    fn copies_only(&self, par: &mut Parent) {
+        if par.copies == u16::MAX {
+            // Too many to count: it stays until its end.
+            return;
+        }
+        let parity = usize::from(par.gate & PARITY);
+        if par.gate & READING == 0 {
+            // Same parity, counted before it leaves the other: a grace period looks at
+            // the changing slot first (see `Inner::grace`).
+            self.gate.n[Gate::slot(false, parity)].fetch_add(1, SeqCst);
+            par.gate |= READING;
+        }
+        self.inner.leave(&self.gate, Gate::slot(true, parity));
+        par.gate &= !CHANGING;
+    }
+
+    /// A parent counted as `gate` ended: it leaves every slot it is counted in.
+    fn leave_gate(&self, gate: u8) {
+        let parity = usize::from(gate & PARITY);
+        if gate & CHANGING != 0 {
+            self.inner.leave(&self.gate, Gate::slot(true, parity));
+        }
+        if gate & READING != 0 {
+            self.inner.leave(&self.gate, Gate::slot(false, parity));
+        }
+    }
+
     /// `io` completes once the pool's next commit is durable.
     fn wait_commit(&self, io: Io, start: u64) {
         let index = self.parents.borrow_mut().insert(Parent {
@@ -1019,6 +1164,7 @@ impl ThinQueue {
             pending: 0,
             status: IoStatus::OK,
             gate: 0,
+            copies: 0,
             blocks: 0,
             commit: false,
         });
@@ -1030,11 +1176,25 @@ impl ThinQueue {
         });
     }
 
-    /// The retry timer: parked requests start again (and may park again).
+    /// The retry timer: what copies on write held runs, parked requests start again
+    /// (both may wait again).
     fn retry(&self) {
         self.timer.set(false);
+        let held = std::mem::take(&mut *self.held.borrow_mut());
+        for h in held {
+            match h {
+                Held::Swap { piece, old, new } => self.swap_when_free(piece, old, new),
+                Held::Rerun(piece) => self.rerun_waiting(piece),
+            }
+        }
         let parked = std::mem::take(&mut *self.parked.borrow_mut());
         for (io, start) in parked {
+            if io.op.is_write() && self.vol.frozen.load(SeqCst) {
+                // Still held: not even counted in the gate for a moment, which a
+                // snapshot waiting for the gate would have to see go.
+                self.park(io, start);
+                continue;
+            }
             self.start(io, start);
         }
     }
@@ -1082,11 +1242,11 @@ impl Sink for ThinQueue {
             Child::Plain { parent } => self.piece_done(parent, status, true),
             Child::CowWhole { piece, old, new } => {
                 if status.is_ok() {
-                    self.cow_swap(piece, old, new);
+                    self.swap_when_free(piece, old, new);
                 } else {
                     self.inner.give_back_dirty(new);
+                    self.copy_done(piece.parent, status);
                 }
-                self.piece_done(piece.parent, status, true);
             }
             Child::CowRead {
                 piece,
@@ -1097,7 +1257,7 @@ impl Sink for ThinQueue {
                 if !status.is_ok() {
                     self.stash.borrow_mut().push(new);
                     self.put_buf(buf);
-                    self.piece_done(piece.parent, status, true);
+                    self.copy_done(piece.parent, status);
                     return;
                 }
                 let io = self.parents.borrow().get(piece.parent).io;
@@ -1116,6 +1276,7 @@ impl Sink for ThinQueue {
                         std::ptr::write_bytes(to, 0, piece.len as usize);
                     }
                 }
+                // The same copy goes on: counted once, from the read to the swap.
                 self.child(
                     Child::CowWrite {
                         piece,
@@ -1141,13 +1302,16 @@ impl Sink for ThinQueue {
                 new,
                 buf,
             } => {
+                // Swapped before the buffer goes to a piece waiting for one: a piece of
+                // the same block then finds it owned and writes in place.
                 if status.is_ok() {
-                    self.cow_swap(piece, old, new);
+                    self.swap_when_free(piece, old, new);
+                    self.put_buf(buf);
                 } else {
                     self.inner.give_back_dirty(new);
+                    self.put_buf(buf);
+                    self.copy_done(piece.parent, status);
                 }
-                self.put_buf(buf);
-                self.piece_done(piece.parent, status, true);
             }
         }
     }
