@@ -447,6 +447,12 @@ def flow_part(a):
             f"{statistics.median(c[key] for c, _ in both) * 1000:.1f} ms, qsd "
             f"{statistics.median(q[key] for _, q in both) * 1000:.1f} ms: {spread(ratio)} "
             "(target <= 0.5x)")
+    for key, what in (("incb_connect_seconds", "connect and negotiate"),
+                      ("incb_pull_seconds", "block status and reads, DEST written")):
+        out(f"  of which {what}: cairn "
+            f"{statistics.median(c[key] for c, _ in both) * 1000:.1f} ms, qsd "
+            f"{statistics.median(q[key] for _, q in both) * 1000:.1f} ms: "
+            f"{spread([c[key] / q[key] for c, q in both])}")
     cpu = [c["incb_server_cpu_s"] / q["incb_server_cpu_s"] for c, q in both]
     out(f"The servers' CPU time for cairn backup --since: cairn "
         f"{statistics.median(c['incb_server_cpu_s'] for c, _ in both) * 1000:.1f} ms, qsd "

@@ -31,6 +31,7 @@ pub(crate) fn run(s: &BackupSettings) -> Result<ExitCode, String> {
     };
     let mut source = Source::open(&s.source, select, s.pull.timeout)
         .map_err(|e| format!("backup: {}: {e}", s.source_text))?;
+    let connected = started.elapsed();
     let size = source.negotiated().size;
     if s.since.is_none() && !source.has_status() {
         log::warn!(
@@ -59,12 +60,17 @@ pub(crate) fn run(s: &BackupSettings) -> Result<ExitCode, String> {
             return Ok(ExitCode::from(1));
         }
     };
+    let pulled_at = started.elapsed();
     if let Err(e) = file.sync_all() {
         eprintln!("cairn: backup: cannot sync {}: {e}", s.dest.display());
         return Ok(ExitCode::from(1));
     }
-    let seconds = started.elapsed().as_secs_f64();
-    crate::out(&summary(s, size, &pulled, seconds));
+    let times = Times {
+        connect: connected.as_secs_f64(),
+        pull: (pulled_at - connected).as_secs_f64(),
+        seconds: started.elapsed().as_secs_f64(),
+    };
+    crate::out(&summary(s, size, &pulled, &times));
     Ok(ExitCode::SUCCESS)
 }
 
@@ -107,8 +113,19 @@ fn open_dest(dest: &Path, size: u64, incremental: bool) -> Result<File, String> 
     Ok(file)
 }
 
+/// Where a backup's time went, in seconds from its start.
+struct Times {
+    /// Connected and negotiated.
+    connect: f64,
+    /// The reads, from then on (DEST opened first).
+    pull: f64,
+    /// Everything, DEST synced.
+    seconds: f64,
+}
+
 /// The summary: one line, or one JSON object.
-fn summary(s: &BackupSettings, size: u64, p: &Pulled, seconds: f64) -> String {
+fn summary(s: &BackupSettings, size: u64, p: &Pulled, t: &Times) -> String {
+    let seconds = t.seconds;
     if s.json {
         let j = serde_json::json!({
             "source": s.source_text,
@@ -120,6 +137,8 @@ fn summary(s: &BackupSettings, size: u64, p: &Pulled, seconds: f64) -> String {
             "reads": p.reads,
             "status_requests": p.status_requests,
             "seconds": seconds,
+            "connect_seconds": t.connect,
+            "pull_seconds": t.pull,
         });
         return format!("{j}\n");
     }
