@@ -64,8 +64,8 @@ fn admin_ok(ctl: &Path, words: &[&str]) {
 
 /// The README's flow with `cairn backup`: checkpoint c1 exported, a full backup of it
 /// (sparse: the volume's holes are not read); writes, a discard and a write after c2;
-/// checkpoint c2 exported, `backup --since c1` into the full backup: it equals c2, and
-/// read only part of the volume.
+/// checkpoint c2 exported, `backup --since c1` into the full backup (block status asked
+/// a megabyte at a time): it equals c2, and read only part of the volume.
 #[test]
 fn full_then_since_restores_each_snapshot() {
     let dir = tmpdir();
@@ -107,6 +107,8 @@ fn full_then_since_restores_each_snapshot() {
         "4",
         "--request-size",
         "128K",
+        "--status-size",
+        "1M",
     ]);
     let j: Value = serde_json::from_str(&success("backup --since c1", &out)).unwrap();
     let c2 = export_bytes(&srv.sock, "c2");
@@ -115,6 +117,8 @@ fn full_then_since_restores_each_snapshot() {
     let read = j["bytes_read"].as_u64().unwrap();
     assert!(read > 0 && read < 8 << 20, "{j}");
     assert_eq!(j["since"], "c1", "{j}");
+    // Block status a megabyte at a time: one request per megabyte of the volume.
+    assert_eq!(j["status_requests"], 16, "{j}");
     assert_eq!(j["export_bytes"], 16 << 20, "{j}");
 }
 
