@@ -3,7 +3,7 @@
 against qemu-storage-daemon; what a bitmap costs the writes it counts.
 
   bench/backup.py [--rounds N] [--parts flow,cost] [--size SIZE] [--changed PERCENT]
-                  [--runtime SECS] [--quick]
+                  [--runtime SECS] [--depth N] [--quick]
 
 Everything lives in a fresh directory under /dev/shm, removed at the end (also on Ctrl-C
 or SIGTERM) with every process the script started. The script runs target/release/cairn
@@ -33,7 +33,11 @@ Parts (--parts, default both):
          (aio_pread, into another copy). Then the same reads by clients in C, so that the
          client is not what is measured: nbdinfo --map=qemu:dirty-bitmap:c1 lists the
          dirty extents, then one qemu-io reads them (read, one at a time; aio_read, all
-         at once), nothing written. The rewrite: the volume
+         at once), nothing written. Then `cairn backup URI --since c1` (the client of
+         this repository, one connection, --depth reads in flight, default 16) into a
+         copy of the full backup, before the others: its own seconds (connect to the
+         fsync of the copy, from its --json) and the process's wall clock; the copy is
+         compared with the Python client's restore. The rewrite: the volume
          in 64 KiB granules (the bitmaps' granularity), a random --changed of them, each
          rewritten whole with one 64 KiB write (libnbd, 32 in flight), then a flush.
          (Random 4 KiB writes over 1% of the bytes would dirty about 16% of 64 KiB
@@ -61,6 +65,7 @@ import json
 import os
 import random
 import re
+import resource
 import shutil
 import signal
 import statistics
@@ -211,6 +216,21 @@ def c_incremental(sock, export, bitmap, aio):
             "bytes_read": sum(n for _, n in extents), "extents": len(extents)}
 
 
+def cairn_backup(uri, bitmap, target, depth):
+    """`cairn backup URI TARGET --since BITMAP --json` into `target` (a copy of the full
+    backup): its summary, with the process's wall clock as wall_s and its CPU time
+    (user and system, from the rusage of children reaped meanwhile) as cpu_s."""
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.monotonic()
+    o, _ = run([CAIRN, "backup", uri, target, "--since", bitmap, "--json",
+                "--depth", str(depth)], 600, "cairn backup --since", load=True)
+    j = json.loads(o)
+    j["wall_s"] = time.monotonic() - t0
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    j["cpu_s"] = (ru.ru_utime - ru0.ru_utime) + (ru.ru_stime - ru0.ru_stime)
+    return j
+
+
 def script(name, text):
     path = os.path.join(thin.WORK["dir"], name)
     if not os.path.exists(path):
@@ -325,13 +345,22 @@ def flow_run(a, kind):
             rec["checkpoint2_s"] = srv.checkpoint("c2", "c1")
         restored = os.path.join(d, "restored.img")
         shutil.copyfile(full, restored)
-        os.remove(full)
+        # cairn backup first, into the full backup itself (compared with the Python
+        # client's restore below, then removed: /dev/shm holds a few copies at most).
+        mine = os.path.join(d, "mine.img")
+        os.rename(full, mine)
+        cpu0 = cpu_ns(srv.proc.pid)
+        inc = cairn_backup(uri("c2"), "c1", mine, a.depth)
+        rec["incb_server_cpu_s"] = (cpu_ns(srv.proc.pid) - cpu0) / 1e9
+        rec.update({f"incb_{k}": v for k, v in inc.items()})
         cpu0 = cpu_ns(srv.proc.pid)
         inc = py("incremental.py", INCREMENTAL,
                  {"uri": uri("c2"), "bitmap": "c1", "target": restored, "depth": 1}, 600,
                  f"{kind}: incremental backup")
         rec["inc_server_cpu_s"] = (cpu_ns(srv.proc.pid) - cpu0) / 1e9
         rec.update({f"inc_{k}": v for k, v in inc.items()})
+        rec["incb_matches"] = same_files(mine, restored)
+        os.remove(mine)
         # Again with 16 reads in flight (into another copy of the full backup).
         pipelined = os.path.join(d, "pipelined.img")
         shutil.copyfile(restored, pipelined)
@@ -416,6 +445,29 @@ def flow_part(a):
             f"{statistics.median(c[f'{key}_seconds'] for c, _ in both) * 1000:.0f} ms, qsd "
             f"{statistics.median(q[f'{key}_seconds'] for _, q in both) * 1000:.0f} ms: "
             f"{spread(ratio)} (target <= 0.5x)")
+    for key, what in (("incb_seconds", "its own time, connect to fsync"),
+                      ("incb_wall_s", "the process's wall clock")):
+        ratio = [c[key] / q[key] for c, q in both]
+        out(f"cairn backup --since c1 (--depth {a.depth}; {what}): cairn "
+            f"{statistics.median(c[key] for c, _ in both) * 1000:.1f} ms, qsd "
+            f"{statistics.median(q[key] for _, q in both) * 1000:.1f} ms: {spread(ratio)} "
+            "(target <= 0.5x)")
+    for key, what in (("incb_connect_seconds", "connect and negotiate"),
+                      ("incb_pull_seconds", "block status and reads, DEST written")):
+        out(f"  of which {what}: cairn "
+            f"{statistics.median(c[key] for c, _ in both) * 1000:.1f} ms, qsd "
+            f"{statistics.median(q[key] for _, q in both) * 1000:.1f} ms: "
+            f"{spread([c[key] / q[key] for c, q in both])}")
+    out(f"  cairn backup's own CPU time (user + system): against cairn "
+        f"{statistics.median(c['incb_cpu_s'] for c, _ in both) * 1000:.1f} ms, against qsd "
+        f"{statistics.median(q['incb_cpu_s'] for _, q in both) * 1000:.1f} ms")
+    cpu = [c["incb_server_cpu_s"] / q["incb_server_cpu_s"] for c, q in both]
+    out(f"The servers' CPU time for cairn backup --since: cairn "
+        f"{statistics.median(c['incb_server_cpu_s'] for c, _ in both) * 1000:.1f} ms, qsd "
+        f"{statistics.median(q['incb_server_cpu_s'] for _, q in both) * 1000:.1f} ms: "
+        f"{spread(cpu)}; its restores matching the Python client's: "
+        f"{sum(r['incb_matches'] for r, _ in both)}/{len(both)} (cairn), "
+        f"{sum(r['incb_matches'] for _, r in both)}/{len(both)} (qsd)")
     out("")
     for line in thin.failures(res):
         out(line)
@@ -502,6 +554,8 @@ def main():
     ap.add_argument("--size", type=thin.parse_size, default=None, help="the volume (4G)")
     ap.add_argument("--changed", type=float, default=1.0, help="percent rewritten (1)")
     ap.add_argument("--runtime", type=int, default=None, help="seconds per cost run (5)")
+    ap.add_argument("--depth", type=int, default=16,
+                    help="cairn backup's reads in flight (16)")
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
     a.size = a.size or (512 * MiB if a.quick else 4 * GiB)

@@ -11,6 +11,7 @@ mod admin;
 mod admin_error;
 mod admin_threads;
 mod backup;
+mod backup_client;
 mod bench;
 mod bitmaps;
 mod crypt;
@@ -108,6 +109,7 @@ fn out(text: &str) {
 fn run(cli: Cli) -> Result<ExitCode, String> {
     match cli.command {
         Command::Bench(args) => bench::run(&cli.global, &args),
+        Command::Backup(args) => backup_client::run(&args.settings()?),
         Command::Serve(args) => serve::serve(&cli.global, &args),
         Command::Admin(args) => {
             if args.command.is_empty() {

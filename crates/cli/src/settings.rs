@@ -264,6 +264,142 @@ pub enum Command {
     /// Write the manual pages (cairn.1, cairn-serve.1, ...) into a directory.
     #[command(after_help = MAN_HELP)]
     Man(ManArgs),
+    /// Copy an NBD export into a file: all of it, or only what changed since a checkpoint.
+    #[command(after_help = BACKUP_HELP)]
+    Backup(BackupArgs),
+}
+
+const BACKUP_HELP: &str =
+    "A full backup (no --since) makes DEST, or truncates it, to the export's size and
+reads only what base:allocation does not report as zeroes (the rest stays a hole). An
+incremental backup (--since NAME) asks the export for the context qemu:dirty-bitmap:NAME
+and reads only the extents it reports dirty into DEST, which must be an earlier backup of
+the same export (same size): it then equals the export. DEST is synced before the
+summary line. An incremental backup that fails part way leaves DEST partly updated:
+run it again (it reads the same extents) before the next one.
+
+Exit status: 0 done, 1 the copy failed part way (the line says at which offset),
+2 refused before anything was written (a flag, the server, the bitmap, DEST).
+
+Examples (the flow of README \"Incremental backup\"; A is cairn admin SOCKET):
+  $A checkpoint pool vm1 c1 && $A export add c1 pool c1
+  cairn backup 'nbd+unix:///c1?socket=/run/cairn.sock' vm1.img
+  $A checkpoint pool vm1 c2 && $A export add c2 pool c2
+  cairn backup 'nbd+unix:///c2?socket=/run/cairn.sock' vm1.img --since c1
+  cairn backup nbds://backup.example/vm1?tls-certificates=/etc/cairn/pki vm1.img --json";
+
+/// `cairn backup SOURCE DEST`.
+#[derive(Debug, Args)]
+pub struct BackupArgs {
+    /// The export to copy: nbd://HOST[:PORT]/EXPORT, nbds://... (TLS),
+    /// nbd+unix:///EXPORT?socket=PATH.
+    #[arg(value_name = "SOURCE")]
+    pub source: String,
+    /// The file to write.
+    #[arg(value_name = "DEST")]
+    pub dest: PathBuf,
+    /// Copy only what changed since the checkpoint (dirty bitmap) NAME, into an earlier
+    /// backup.
+    #[arg(long, value_name = "NAME")]
+    pub since: Option<String>,
+    /// Reads in flight (as nbdcopy's --requests) [default: 16, at most 256].
+    #[arg(long, value_name = "N")]
+    pub depth: Option<usize>,
+    /// The longest read; adjacent extents are read together up to it [default: 2M, at
+    /// most 32M].
+    #[arg(long, value_name = "SIZE")]
+    pub request_size: Option<String>,
+    /// Block status asked for at once [default: 1G].
+    #[arg(long, value_name = "SIZE")]
+    pub status_size: Option<String>,
+    /// How long the server may stay silent with requests in flight [default: 30s].
+    #[arg(long, value_name = "T")]
+    pub timeout: Option<String>,
+    /// The summary as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `cairn backup`, validated.
+#[derive(Debug)]
+pub struct BackupSettings {
+    /// SOURCE as given (for messages).
+    pub source_text: String,
+    /// SOURCE parsed.
+    pub source: cairn_nbd::uri::NbdUri,
+    pub dest: PathBuf,
+    pub since: Option<String>,
+    pub pull: cairn_nbd::client::pull::Options,
+    pub json: bool,
+}
+
+impl BackupArgs {
+    /// The settings, or one line saying which flag is wrong.
+    pub fn settings(&self) -> Result<BackupSettings, String> {
+        use cairn_nbd::client::pull;
+        let source = cairn_nbd::uri::NbdUri::parse(&self.source)
+            .map_err(|e| format!("backup: SOURCE {e}"))?;
+        let depth = self.depth.unwrap_or(16);
+        if !(1..=pull::DEPTH_MAX).contains(&depth) {
+            return Err(format!(
+                "backup: --depth {depth} is out of range (1 to {})",
+                pull::DEPTH_MAX
+            ));
+        }
+        let size = |flag: &str, v: &Option<String>, default: u64, min: u64, max: u64| {
+            let n = match v {
+                Some(t) => parse_size(t).map_err(|e| format!("backup: --{flag} {t}: {e}"))?,
+                None => default,
+            };
+            if !(min..=max).contains(&n) {
+                return Err(format!(
+                    "backup: --{flag} {n} is out of range ({min} to {max} bytes)"
+                ));
+            }
+            Ok(n)
+        };
+        let request_bytes = size(
+            "request-size",
+            &self.request_size,
+            2 << 20,
+            512,
+            pull::REQUEST_MAX,
+        )?;
+        let status_bytes = size(
+            "status-size",
+            &self.status_size,
+            pull::STATUS_DEFAULT,
+            64 << 10,
+            u64::MAX,
+        )?;
+        let timeout = match &self.timeout {
+            Some(t) => parse_duration(t).map_err(|e| format!("backup: --timeout {t}: {e}"))?,
+            None => Duration::from_secs(30),
+        };
+        if timeout < Duration::from_millis(100) {
+            return Err(format!(
+                "backup: --timeout {timeout:?} is too short (at least 100ms)"
+            ));
+        }
+        if let Some(name) = &self.since {
+            if name.is_empty() || name.len() > 4000 || name.chars().any(char::is_control) {
+                return Err(format!("backup: --since {name:?} is not a bitmap name"));
+            }
+        }
+        Ok(BackupSettings {
+            source_text: self.source.clone(),
+            source,
+            dest: self.dest.clone(),
+            since: self.since.clone(),
+            pull: pull::Options {
+                depth,
+                request_bytes,
+                status_bytes,
+                timeout,
+            },
+            json: self.json,
+        })
+    }
 }
 
 const MAN_HELP: &str = "Examples:

@@ -834,6 +834,9 @@ mod nbdinfo;
 
 mod backup;
 
+/// `cairn backup`, the client: full and incremental copies from cairn and qemu-nbd.
+mod backup_client;
+
 // ---------------------------------------------------------------------------------------
 // Rate limits
 

@@ -548,3 +548,37 @@ fn bad_tls_settings_are_refused_at_start() {
         assert!(err.contains(needle), "{args:?}: {err}");
     }
 }
+
+/// `cairn backup` over TLS (`nbds+unix://`): a full copy of a file served by a server
+/// that requires TLS equals the file.
+#[test]
+fn cairn_backup_copies_over_tls() {
+    let test = "tls::cairn_backup_copies_over_tls";
+    let certs = tmpdir();
+    if !make_certs(test, certs.path()) {
+        return;
+    }
+    let data = tmpdir();
+    let image = data.path().join("disk.img");
+    let bytes = random_bytes(8 << 20, 77);
+    std::fs::write(&image, &bytes).unwrap();
+    let server = Server::start(&[
+        "--device",
+        &format!("file:{}", image.display()),
+        "--tls",
+        "require",
+        "--tls-certificates",
+        path_str(certs.path()),
+    ]);
+    let dest = data.path().join("copy.img");
+    let out = run(Command::new(env!("CARGO_BIN_EXE_cairn")).args([
+        "backup",
+        &tls_uri(&server, certs.path()),
+        path_str(&dest),
+        "--request-size",
+        "256K",
+    ]));
+    let line = success("cairn backup over nbds://", &out);
+    assert!(line.contains("8MiB read"), "{line}");
+    assert_same("backup over TLS", &std::fs::read(&dest).unwrap(), &bytes);
+}

@@ -53,7 +53,7 @@ pub(super) trait Stream: std::io::Read + std::io::Write + Send {}
 impl<T: std::io::Read + std::io::Write + Send> Stream for T {}
 
 /// Read and write timeouts on a blocking socket.
-fn set_socket_timeout(file: &File, d: Duration) -> std::io::Result<()> {
+pub(super) fn set_socket_timeout(file: &File, d: Duration) -> std::io::Result<()> {
     use rustix::net::sockopt::{set_socket_timeout, Timeout};
     // Zero is no timeout, as for setsockopt itself.
     let d = (!d.is_zero()).then_some(d);
@@ -209,7 +209,10 @@ fn read_chunk(
 
 /// A reply header: a simple reply's length read first (an extended header's with
 /// extended headers), then the rest of a chunk header if that is what it is.
-fn read_reply_header(s: &mut impl Read, extended: bool) -> std::io::Result<proto::ReplyHeader> {
+pub(super) fn read_reply_header(
+    s: &mut impl Read,
+    extended: bool,
+) -> std::io::Result<proto::ReplyHeader> {
     let mut head = [0u8; proto::EXTENDED_HEADER];
     let first = if extended {
         proto::EXTENDED_HEADER

@@ -59,6 +59,19 @@ pub struct Negotiated {
     pub extended: bool,
     /// The id of `base:allocation`, if the server has it.
     pub allocation_id: Option<u32>,
+    /// Every metadata context the server agreed to, with its id (`base:allocation`
+    /// included).
+    pub contexts: Vec<(u32, String)>,
+}
+
+impl Negotiated {
+    /// The id of the metadata context `name`, if the server agreed to it.
+    pub fn context_id(&self, name: &str) -> Option<u32> {
+        self.contexts
+            .iter()
+            .find(|(_, n)| n == name)
+            .map(|(id, _)| *id)
+    }
 }
 
 /// Why a handshake failed.
@@ -180,6 +193,61 @@ pub fn connect_any(
     want: Want,
     timeout: Duration,
 ) -> Result<Connected, HandshakeError> {
+    connect_with_contexts(uri, want, &[], timeout)
+}
+
+/// [`connect_any`], asking for the metadata contexts `contexts` too (with structured
+/// replies); [`Negotiated::contexts`] says which the server agreed to. A context the
+/// server does not have is not an error here: the caller decides.
+pub fn connect_with_contexts(
+    uri: &NbdUri,
+    want: Want,
+    contexts: &[&str],
+    timeout: Duration,
+) -> Result<Connected, HandshakeError> {
+    let (opened, no_zeroes) = open(uri, timeout)?;
+    match opened {
+        Opened::Plain(mut stream) => {
+            let neg = options(&mut stream, &uri.export, want, contexts, no_zeroes)?;
+            Ok(Connected {
+                fd: stream.into_fd()?,
+                neg,
+                tls: None,
+            })
+        }
+        Opened::Tls(mut tls) => {
+            let neg = options(&mut *tls, &uri.export, want, contexts, no_zeroes)?;
+            let rustls::StreamOwned { conn, sock } = *tls;
+            Ok(Connected {
+                fd: sock.into_fd()?,
+                neg,
+                tls: Some(Box::new(conn)),
+            })
+        }
+    }
+}
+
+/// The metadata contexts the server offers on `uri`'s export (`NBD_OPT_LIST_META_CONTEXT`
+/// with no query: all of them), on a connection of its own that ends with
+/// `NBD_OPT_ABORT`. For error messages that name what a server has.
+pub fn list_contexts(uri: &NbdUri, timeout: Duration) -> Result<Vec<String>, HandshakeError> {
+    let (opened, _) = open(uri, timeout)?;
+    match opened {
+        Opened::Plain(mut stream) => list_on(&mut stream, &uri.export),
+        Opened::Tls(mut tls) => list_on(&mut *tls, &uri.export),
+    }
+}
+
+/// A connection past the greeting (and past STARTTLS with `nbds://`), ready for options.
+enum Opened {
+    Plain(Stream),
+    Tls(Box<rustls::StreamOwned<rustls::ClientConnection, Stream>>),
+}
+
+/// Dials `uri`'s server and reads its greeting, with TLS started for `nbds://`, all
+/// within `timeout` (which stays the socket's timeout until the handshake ends); whether
+/// the server leaves out the zeroes after EXPORT_NAME.
+fn open(uri: &NbdUri, timeout: Duration) -> Result<(Opened, bool), HandshakeError> {
     let config = if uri.tls {
         Some(crate::tls::client_config(uri).map_err(HandshakeError::Refused)?)
     } else {
@@ -189,22 +257,61 @@ pub fn connect_any(
     let mut stream = dial(&uri.address, deadline)?;
     stream.set_timeouts(deadline.saturating_duration_since(Instant::now()))?;
     let no_zeroes = greet(&mut stream)?;
-    let Some(config) = config else {
-        let neg = options(&mut stream, &uri.export, want, no_zeroes)?;
-        return Ok(Connected {
-            fd: stream.into_fd()?,
-            neg,
-            tls: None,
-        });
+    let opened = match config {
+        None => Opened::Plain(stream),
+        Some(config) => Opened::Tls(Box::new(start_tls(stream, uri, config)?)),
     };
-    let mut tls = start_tls(stream, uri, config)?;
-    let neg = options(&mut tls, &uri.export, want, no_zeroes)?;
-    let rustls::StreamOwned { conn, sock } = tls;
-    Ok(Connected {
-        fd: sock.into_fd()?,
-        neg,
-        tls: Some(Box::new(conn)),
-    })
+    Ok((opened, no_zeroes))
+}
+
+/// Structured replies, then the list of every context of `export`, then ABORT.
+fn list_on<S: Read + Write>(s: &mut S, export: &str) -> Result<Vec<String>, HandshakeError> {
+    let want = Want {
+        extended: false,
+        structured: true,
+        allocation: false,
+    };
+    let (structured, _) = ask_headers(s, want)?;
+    if !structured {
+        return Err(refused(
+            "the server has no structured replies, so no metadata contexts",
+        ));
+    }
+    let mut data = export_name_field(export)?;
+    data.extend_from_slice(&0u32.to_be_bytes());
+    send_option(s, opt::LIST_META_CONTEXT, &data)?;
+    let mut names = Vec::new();
+    loop {
+        let (kind, data) = read_reply(s, opt::LIST_META_CONTEXT)?;
+        match kind {
+            rep::META_CONTEXT if data.len() >= 4 => {
+                names.push(String::from_utf8_lossy(&data[4..]).into_owned());
+            }
+            rep::ACK => break,
+            k if k & (1 << 31) != 0 => {
+                return Err(refused(error_text(opt::LIST_META_CONTEXT, k, &data)))
+            }
+            k => {
+                return Err(refused(format!(
+                    "unexpected reply {k} to LIST_META_CONTEXT"
+                )))
+            }
+        }
+    }
+    // The server may answer ABORT or just close: either way the list is complete.
+    let _ = send_option(s, opt::ABORT, &[]);
+    Ok(names)
+}
+
+/// An export's name as options carry it: its length (32 bits), then its bytes.
+fn export_name_field(export: &str) -> Result<Vec<u8>, HandshakeError> {
+    if export.len() > 4096 {
+        return Err(refused("the export name is longer than 4096 bytes"));
+    }
+    let mut name = Vec::with_capacity(4 + export.len());
+    name.extend_from_slice(&(export.len() as u32).to_be_bytes());
+    name.extend_from_slice(export.as_bytes());
+    Ok(name)
 }
 
 /// A socket connected to `address`: the first of a host's addresses that answers
@@ -336,7 +443,7 @@ pub fn negotiate<S: Read + Write>(
     want: Want,
 ) -> Result<Negotiated, HandshakeError> {
     let no_zeroes = greet(s)?;
-    options(s, export, want, no_zeroes)
+    options(s, export, want, &[], no_zeroes)
 }
 
 /// The server's greeting and the client's flags; whether the server leaves out the
@@ -367,25 +474,31 @@ fn greet<S: Read + Write>(s: &mut S) -> Result<bool, HandshakeError> {
     Ok(no_zeroes)
 }
 
-/// The options, from after the greeting (and TLS) to the end of GO.
+/// The options, from after the greeting (and TLS) to the end of GO; `contexts`: the
+/// metadata contexts asked for besides `base:allocation` (which `want` asks for).
 fn options<S: Read + Write>(
     s: &mut S,
     export: &str,
     want: Want,
+    contexts: &[&str],
     no_zeroes: bool,
 ) -> Result<Negotiated, HandshakeError> {
-    if export.len() > 4096 {
-        return Err(refused("the export name is longer than 4096 bytes"));
-    }
+    let name = export_name_field(export)?;
     let (structured, extended) = ask_headers(s, want)?;
-    let mut name = Vec::with_capacity(4 + export.len());
-    name.extend_from_slice(&(export.len() as u32).to_be_bytes());
-    name.extend_from_slice(export.as_bytes());
-    let allocation_id = if structured && want.allocation {
-        ask_allocation(s, &name)?
+    let mut queries: Vec<&str> = Vec::with_capacity(1 + contexts.len());
+    if want.allocation {
+        queries.push(proto::BASE_ALLOCATION);
+    }
+    queries.extend(contexts.iter().filter(|c| **c != proto::BASE_ALLOCATION));
+    let contexts = if structured && !queries.is_empty() {
+        ask_contexts(s, &name, &queries)?
     } else {
-        None
+        Vec::new()
     };
+    let allocation_id = contexts
+        .iter()
+        .find(|(_, n)| n == proto::BASE_ALLOCATION)
+        .map(|(id, _)| *id);
     // What a server that sends no block sizes is taken to mean.
     let agreed = Negotiated {
         size: 0,
@@ -396,6 +509,7 @@ fn options<S: Read + Write>(
         structured,
         extended,
         allocation_id,
+        contexts,
     };
     go(s, &name, no_zeroes, agreed)
 }
@@ -435,31 +549,44 @@ fn ask_headers<S: Read + Write>(s: &mut S, want: Want) -> Result<(bool, bool), H
     Ok((structured, extended))
 }
 
-/// `SET_META_CONTEXT` for `base:allocation` on the export `name` (its length first):
-/// the context's id, if the server has it.
-fn ask_allocation<S: Read + Write>(s: &mut S, name: &[u8]) -> Result<Option<u32>, HandshakeError> {
+/// `SET_META_CONTEXT` for `queries` on the export `name` (its length first): the
+/// contexts the server agreed to, with their ids (only those asked for: a server that
+/// names another is ignored).
+fn ask_contexts<S: Read + Write>(
+    s: &mut S,
+    name: &[u8],
+    queries: &[&str],
+) -> Result<Vec<(u32, String)>, HandshakeError> {
     let mut data = name.to_vec();
-    data.extend_from_slice(&1u32.to_be_bytes());
-    data.extend_from_slice(&(proto::BASE_ALLOCATION.len() as u32).to_be_bytes());
-    data.extend_from_slice(proto::BASE_ALLOCATION.as_bytes());
+    data.extend_from_slice(&(queries.len() as u32).to_be_bytes());
+    for q in queries {
+        if q.len() > 4096 {
+            return Err(refused("a metadata context name is longer than 4096 bytes"));
+        }
+        data.extend_from_slice(&(q.len() as u32).to_be_bytes());
+        data.extend_from_slice(q.as_bytes());
+    }
     send_option(s, opt::SET_META_CONTEXT, &data)?;
-    let mut allocation_id = None;
+    let mut agreed: Vec<(u32, String)> = Vec::with_capacity(queries.len());
     loop {
         let (kind, data) = read_reply(s, opt::SET_META_CONTEXT)?;
         match kind {
             rep::META_CONTEXT if data.len() >= 4 => {
                 let id = u32::from_be_bytes(data[..4].try_into().expect("4 bytes"));
-                if &data[4..] == proto::BASE_ALLOCATION.as_bytes() {
-                    allocation_id = Some(id);
+                let got = &data[4..];
+                if let Some(q) = queries.iter().find(|q| q.as_bytes() == got) {
+                    if !agreed.iter().any(|(_, n)| n == q) {
+                        agreed.push((id, q.to_string()));
+                    }
                 }
             }
-            rep::ACK => return Ok(allocation_id),
+            rep::ACK => return Ok(agreed),
             k if k & (1 << 31) != 0 => {
                 log::debug!(
                     "cairn: nbd client: {}",
                     error_text(opt::SET_META_CONTEXT, k, &data)
                 );
-                return Ok(allocation_id);
+                return Ok(Vec::new());
             }
             k => return Err(refused(format!("unexpected reply {k} to SET_META_CONTEXT"))),
         }
@@ -502,8 +629,7 @@ fn go<S: Read + Write>(
             rep::ACK => break,
             rep::ERR_UNSUP if !agreed.extended => {
                 // A server without GO: the old way (no error replies, no block sizes).
-                let (structured, allocation_id) = (agreed.structured, agreed.allocation_id);
-                return export_name(s, &name[4..], no_zeroes, structured, allocation_id);
+                return export_name(s, &name[4..], no_zeroes, agreed);
             }
             k if k & (1 << 31) != 0 => return Err(refused(error_text(opt::GO, k, &data))),
             _ => {}
@@ -538,8 +664,7 @@ fn export_name<S: Read + Write>(
     s: &mut S,
     export: &[u8],
     no_zeroes: bool,
-    structured: bool,
-    allocation_id: Option<u32>,
+    agreed: Negotiated,
 ) -> Result<Negotiated, HandshakeError> {
     send_option(s, opt::EXPORT_NAME, export)?;
     let size = read_u64(s)?;
@@ -554,8 +679,7 @@ fn export_name<S: Read + Write>(
         min_block: 1,
         preferred_block: 4096,
         max_payload: 32 << 20,
-        structured,
         extended: false,
-        allocation_id,
+        ..agreed
     })
 }

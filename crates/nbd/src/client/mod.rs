@@ -54,7 +54,10 @@
 //!   (a connection installed, given up, reset with its requests retried; flushes that
 //!   verify connections holding unflushed writes);
 //! - `ledger`: the device's account of writes acknowledged and perhaps lost;
-//! - `block_status`: `Device::extents` over a control connection of its own.
+//! - `block_status`: `Device::extents` over a control connection of its own;
+//! - [`pull`]: not the device: chosen extents of an export (by `base:allocation` or a
+//!   dirty bitmap) read with many requests in flight on one blocking connection, for
+//!   `cairn backup`.
 
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -71,6 +74,7 @@ mod block_status;
 mod connect;
 pub mod handshake;
 mod ledger;
+pub mod pull;
 mod queue;
 
 use block_status::{map_extents, Stream};
