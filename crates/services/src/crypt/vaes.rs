@@ -414,25 +414,33 @@ fn expand256(key: &[u8; 32], out: &mut RoundKeys) {
     let mut odd = load16(hi.try_into().expect("16 of 32 bytes"));
     store16(&mut out[0], even);
     store16(&mut out[1], odd);
-    macro_rules! pair {
+    macro_rules! even {
         ($i:expr, $rcon:literal) => {
             let a = _mm_shuffle_epi32::<0xff>(_mm_aeskeygenassist_si128::<$rcon>(odd));
             even = schedule_step(even, a);
             store16(&mut out[$i], even);
-            if $i < 14 {
-                let b = _mm_shuffle_epi32::<0xaa>(_mm_aeskeygenassist_si128::<0>(even));
-                odd = schedule_step(odd, b);
-                store16(&mut out[$i + 1], odd);
-            }
         };
     }
-    pair!(2, 0x01);
-    pair!(4, 0x02);
-    pair!(6, 0x04);
-    pair!(8, 0x08);
-    pair!(10, 0x10);
-    pair!(12, 0x20);
-    pair!(14, 0x40);
+    macro_rules! odd {
+        ($i:expr) => {
+            let b = _mm_shuffle_epi32::<0xaa>(_mm_aeskeygenassist_si128::<0>(even));
+            odd = schedule_step(odd, b);
+            store16(&mut out[$i], odd);
+        };
+    }
+    even!(2, 0x01);
+    odd!(3);
+    even!(4, 0x02);
+    odd!(5);
+    even!(6, 0x04);
+    odd!(7);
+    even!(8, 0x08);
+    odd!(9);
+    even!(10, 0x10);
+    odd!(11);
+    even!(12, 0x20);
+    odd!(13);
+    even!(14, 0x40);
 }
 
 /// The schedule of the equivalent inverse cipher (FIPS 197 5.3.5) from the encryption

@@ -226,9 +226,12 @@ mod tests {
         (0..512).map(|i| i as u8).collect()
     }
 
-    /// IEEE 1619-2007 (Annex B) XTS-AES test vectors, the values copied from its
-    /// tables: (key 1 then key 2, data unit sequence number, plaintext, ciphertext).
-    fn the_standards_table() -> Vec<(Vec<u8>, u64, Vec<u8>, Vec<u8>)> {
+    /// One of IEEE 1619's vectors: key 1 then key 2, the data unit sequence number, the
+    /// plaintext, the ciphertext.
+    type Vector = (Vec<u8>, u64, Vec<u8>, Vec<u8>);
+
+    /// IEEE 1619-2007 (Annex B) XTS-AES test vectors, the values copied from its tables.
+    fn the_standards_table() -> Vec<Vector> {
         vec![
             // Vector 1: XTS-AES-128, zero keys, unit 0, 32 zero bytes.
             (
