@@ -1,6 +1,6 @@
 //! Encryption at rest: the `crypt` device over LUKS1 and LUKS2 headers, AES-XTS.
 //!
-//! [`xts`] ciphers sectors; [`luks1`] and [`luks2`] read, make and change the headers
+//! [`xts`] ciphers sectors (with VAES where the CPU has it, in `vaes`); [`luks1`] and [`luks2`] read, make and change the headers
 //! (key slots, the volume key's digest, where the data starts); what they share is here.
 //! [`error`] says what can go wrong ([`CryptError`]); [`counters`] what a device counts.
 
@@ -12,6 +12,11 @@ pub mod kdf;
 pub mod luks1;
 pub mod luks2;
 mod queue;
+#[cfg(target_arch = "x86_64")]
+mod vaes;
+#[cfg(not(target_arch = "x86_64"))]
+#[path = "vaes_other.rs"]
+mod vaes;
 pub mod volume;
 pub mod xts;
 
