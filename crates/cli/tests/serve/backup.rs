@@ -1019,3 +1019,81 @@ fn a_checkpoints_snapshot_exported_from_the_stack_file_offers_the_changes_before
     assert_eq!(map("vm", "c2"), vec![(20 * G, G)]);
     drop(srv);
 }
+
+/// The README's backup steps, up to the Python fragment: writes, checkpoint c1 and its
+/// full backup by `cairn backup` into vm1.img, more writes, checkpoint c2 exported; then
+/// (the fragment, run next) c2.img; and the reference: c2 whole.
+const README_STEPS: &str = r#"
+rng = random.Random(53)
+h = connect("vm")
+size = h.get_size()
+for i in range(64):
+    h.pwrite(rng.randbytes(4096), rng.randrange(size // 4096) * 4096)
+h.flush()
+admin("checkpoint", "pool", "vm", "c1")
+admin("export", "add", "c1", "pool", "c1")
+def backup(*args):
+    out = subprocess.run([os.environ["CAIRN_BIN"], "backup", *args], cwd=DIR,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out
+backup("nbd+unix:///c1?socket=" + SOCK, "vm1.img")
+for i in range(32):
+    h.pwrite(rng.randbytes(4096), rng.randrange(size // 4096) * 4096)
+h.flush()
+admin("checkpoint", "pool", "vm", "c2")
+admin("export", "add", "c2", "pool", "c2")
+backup("nbd+unix:///c2?socket=" + SOCK, "c2-whole.img")
+print("ready")
+"#;
+
+/// The Python fragment the README prints for reading the changes since c1 runs as
+/// printed (its socket path aside): the copy it makes equals snapshot c2, and stays
+/// sparse (the README once copied the full backup byte for byte, holes included).
+#[test]
+fn the_readmes_backup_fragment_restores_c2_sparsely() {
+    const NAME: &str = "backup::the_readmes_backup_fragment_restores_c2_sparsely";
+    let Some((python, dir, ctl, stack)) = set_up(NAME) else {
+        return;
+    };
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md"))
+        .expect("read the README");
+    let at = readme
+        .find("this Python libnbd fragment")
+        .expect("the README's backup fragment");
+    let start = at + readme[at..].find("```python\n").expect("its code") + "```python\n".len();
+    let end = start + readme[start..].find("```").expect("its end");
+    let fragment: String = readme[start..end]
+        .lines()
+        .map(|l| l.strip_prefix("   ").unwrap_or(l))
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(fragment.contains("/run/cairn.sock"), "{fragment}");
+    let srv = Server::start_in(tmpdir(), &[path_str(&stack), "--admin", path_str(&ctl)]);
+    let env = env_for(dir.path(), &ctl);
+    libnbd_script(
+        &python,
+        &format!("{PRELUDE}{README_STEPS}"),
+        &srv.sock,
+        &env,
+        "ready",
+    );
+    let fragment = fragment.replace("/run/cairn.sock", path_str(&srv.sock));
+    let out = run(Command::new(&python)
+        .args(["-c", &fragment])
+        .current_dir(dir.path()));
+    success("the README's Python fragment", &out);
+    let c2 = std::fs::read(dir.path().join("c2.img")).expect("the fragment's c2.img");
+    let whole = std::fs::read(dir.path().join("c2-whole.img")).expect("c2 whole");
+    assert!(
+        c2 == whole,
+        "the fragment's c2.img differs from snapshot c2"
+    );
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(dir.path().join("c2.img")).unwrap();
+    assert!(
+        meta.blocks() * 512 < meta.len() / 4,
+        "c2.img is not sparse: {} of {} bytes allocated",
+        meta.blocks() * 512,
+        meta.len()
+    );
+}
